@@ -1,0 +1,39 @@
+# ntp-manager: every set-up step lives here, so a fresh machine needs only `make demo` or `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench proto lint typecheck venv clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# Reinstall when the dependency list changes. torch is pinned to 2.13.0 first so that nothing
+# later can resolve a newer (CUDA, multi-GB) build.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[worker,dev]"
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m ntp_manager.demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check ntp_manager agent tests bench examples
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python bench/run_all.py
+
+proto: $(STAMP)
+	$(BIN)/python -m ntp_manager.protogen
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

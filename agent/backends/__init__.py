@@ -1,0 +1,1 @@
+"""GPU backends: `nvml` (nvidia-ml-py) and `fake` (a seeded scenario file)."""

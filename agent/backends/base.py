@@ -1,0 +1,79 @@
+"""The GpuBackend protocol: what the agent needs from a GPU driver, and nothing more."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class BackendError(Exception):
+    """A backend call failed for a reason the agent reports (not a crash)."""
+
+
+class GpuLost(BackendError):
+    """The GPU fell off the bus (NVML: GPU is lost)."""
+
+
+class NotSupported(BackendError):
+    """The GPU does not support this query or setting; the agent ignores it."""
+
+
+class NoPermission(BackendError):
+    """The agent lacks the privilege (e.g. setting power limits needs root): a deployment error."""
+
+
+@dataclass(frozen=True)
+class GpuStatic:
+    uuid: str
+    index: int
+    model: str
+    memory_bytes: int
+    min_mw: int
+    max_mw: int
+    default_mw: int
+    pci_bus_id: str = ""
+    domain: str | None = None  # from NVML fabric info (clusterUuid/cliqueId) when present
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    uuid: str
+    sbe_total: int | None = None  # corrected (single-bit) ECC errors, volatile
+    dbe_total: int = 0  # uncorrected ECC errors, volatile
+    remap_pending: bool = False
+    remap_failure: bool = False
+    throttled: bool | None = None  # thermal or power-brake clock events active
+    temperature_c: int | None = None
+    nvlink_down: int = 0
+    limit_mw: int | None = None  # enforced power limit
+    usage_mw: int | None = None
+    slow_factor: float = 1.0  # fake backend only: a fail-slow GPU
+
+
+@dataclass(frozen=True)
+class XidEvent:
+    uuid: str
+    xid: int
+    detail: str = ""
+
+
+class GpuBackend(Protocol):
+    name: str
+
+    def gpus(self) -> list[GpuStatic]: ...
+
+    def sample(self, uuid: str) -> GpuSample:
+        """Current counters of one GPU. Raises GpuLost, NotSupported or BackendError."""
+        ...
+
+    def wait_xids(self, timeout_s: float) -> list[XidEvent]:
+        """Block up to timeout_s for XID events (run in a thread); [] when nothing happened."""
+        ...
+
+    def get_limit_mw(self, uuid: str) -> int: ...
+
+    def set_limit_mw(self, uuid: str, mw: int) -> None:
+        """Raises NoPermission, NotSupported or GpuLost."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,360 @@
+"""The node agent: GPU evidence -> health verdicts -> sequenced reports to the manager; power caps back.
+
+- XID events are read on a dedicated thread (`backend.wait_xids` with a short timeout) and handed to
+  the event loop; counters are sampled every `sample_interval_s`.
+- A report is made whenever a GPU's verdict changes (an XID that fails a GPU is reported at once,
+  not at the next heartbeat). Reports carry consecutive sequence numbers. Unacknowledged reports
+  stay in a bounded buffer: after a reconnect, the manager's `Welcome.last_applied_seq` drops what it
+  already applied and the rest is renumbered from there (none of it was applied, so renumbering is
+  safe) and resent. When the buffer is full, unsent reports are merged (latest state per GPU wins),
+  so nothing is lost in effect and nothing is applied twice.
+- Reconnects back off exponentially with full jitter (tenacity's wait strategy).
+- Commands from the manager: set/release power caps (applied, read back, result sent), drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+from tenacity import wait_exponential_jitter
+
+from agent.backends.base import BackendError, GpuBackend, GpuLost, NotSupported, XidEvent
+from agent.policy import GpuEvidence, HealthPolicy, Verdict, XidAction
+from agent.power import PowerController
+from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+
+log = structlog.get_logger("ntp.agent")
+
+STATE_PB = {
+    "healthy": common_pb2.GPU_STATE_HEALTHY,
+    "degraded": common_pb2.GPU_STATE_DEGRADED,
+    "failed": common_pb2.GPU_STATE_FAILED,
+}
+
+
+@dataclass
+class AgentConfig:
+    manager: str
+    token: str
+    node: str
+    domain: str
+    heartbeat_interval_s: float = 2.0
+    sample_interval_s: float = 1.0
+    power_reconcile_s: float = 30.0
+    xid_wait_s: float = 0.2
+    max_buffer: int = 256
+    backoff_initial_s: float = 0.2
+    backoff_max_s: float = 10.0
+    version: str = "0.1.0"
+
+
+@dataclass
+class PendingReport:
+    seq: int
+    gpus: dict[str, Verdict]
+    xids: dict[str, list[int]] = field(default_factory=dict)
+
+
+class Agent:
+    def __init__(self, backend: GpuBackend, config: AgentConfig, policy: HealthPolicy | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.backend = backend
+        self.cfg = config
+        self.policy = policy or HealthPolicy()
+        self.clock = clock
+        self.power = PowerController(backend)
+        self.statics = backend.gpus()
+        self.evidence = {g.uuid: GpuEvidence(g.uuid) for g in self.statics}
+        self.verdicts: dict[str, Verdict] = {g.uuid: Verdict("healthy", ()) for g in self.statics}
+        self.pending: list[PendingReport] = []
+        self.next_seq = 1
+        self.last_acked = 0
+        self.sent_upto = 0  # highest seq ever put on the wire (may have been applied)
+        self.connected = asyncio.Event()
+        self.registered = asyncio.Event()  # first welcome received (systemd READY)
+        self.stopping = asyncio.Event()
+        self.outbox: asyncio.Queue[agent_pb2.AgentMessage | None] | None = None
+        self.drain_deadline: Any = None
+        self.metrics: dict[str, float] = {"xids": 0, "nvml_errors": 0, "reports": 0, "last_report": 0.0}
+        self.xid_counts: dict[int, int] = {}
+        self._xid_thread: threading.Thread | None = None
+        self._xid_q: asyncio.Queue[list[XidEvent]] = asyncio.Queue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.reconnects = 0
+
+    # ---- evidence ---------------------------------------------------------------------------
+    def _start_xid_thread(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+
+        def run() -> None:
+            while not self.stopping.is_set():
+                try:
+                    events = self.backend.wait_xids(self.cfg.xid_wait_s)
+                except BackendError as e:
+                    self.metrics["nvml_errors"] += 1
+                    log.warning("xid wait failed", error=str(e))
+                    time.sleep(self.cfg.xid_wait_s)
+                    continue
+                if events:
+                    loop.call_soon_threadsafe(self._xid_q.put_nowait, events)
+
+        self._xid_thread = threading.Thread(target=run, name="xid-events", daemon=True)
+        self._xid_thread.start()
+
+    def handle_xids(self, events: list[XidEvent]) -> None:
+        now = self.clock()
+        xids: dict[str, list[int]] = {}
+        for ev in events:
+            if ev.uuid not in self.evidence:
+                continue
+            if ev.xid == 0:  # the fake backend's "repaired" marker
+                self.policy.clear(self.evidence[ev.uuid])
+                for other in self.evidence.values():  # node-wide verdicts this GPU caused end too
+                    other.sticky = [r for r in other.sticky if f"on {ev.uuid}:" not in r]
+                continue
+            self.metrics["xids"] += 1
+            self.xid_counts[ev.xid] = self.xid_counts.get(ev.xid, 0) + 1
+            action = self.policy.on_xid(self.evidence[ev.uuid], ev.xid, now)
+            xids.setdefault(ev.uuid, []).append(ev.xid)
+            if action is XidAction.FAIL_NODE:
+                for other, evd in self.evidence.items():
+                    if other != ev.uuid:
+                        evd.sticky.append(f"XID {ev.xid} on {ev.uuid}: the node's GPUs are unreliable")
+            log.info("xid", gpu=ev.uuid, xid=ev.xid, action=action.value)
+        self.reevaluate(xids)
+
+    def sample_all(self) -> None:
+        now = self.clock()
+        for g in self.statics:
+            ev = self.evidence[g.uuid]
+            try:
+                s = self.backend.sample(g.uuid)
+            except GpuLost:
+                ev.lost = True
+                continue
+            except NotSupported:
+                continue
+            except BackendError as e:
+                self.metrics["nvml_errors"] += 1
+                log.warning("sample failed", gpu=g.uuid, error=str(e))
+                continue
+            self.policy.on_sample(ev, now, sbe_total=s.sbe_total, dbe_total=s.dbe_total, throttled=s.throttled,
+                                  temp_c=s.temperature_c, nvlink_down=s.nvlink_down, remap_failure=s.remap_failure)
+            ev.slow_reason = f"running at {100 * s.slow_factor:.0f}% speed" if s.slow_factor < 0.9 else None
+        self.reevaluate({})
+
+    def reevaluate(self, xids: dict[str, list[int]]) -> None:
+        now = self.clock()
+        changed: dict[str, Verdict] = {}
+        for u, ev in self.evidence.items():
+            v = self.policy.verdict(ev, now)
+            if v != self.verdicts[u] or u in xids:
+                changed[u] = v
+                self.verdicts[u] = v
+        if changed:
+            self._enqueue(changed, xids)
+
+    def _enqueue(self, gpus: dict[str, Verdict], xids: dict[str, list[int]]) -> None:
+        rep = PendingReport(self.next_seq, dict(gpus), {k: list(v) for k, v in xids.items()})
+        self.next_seq += 1
+        self.pending.append(rep)
+        if len(self.pending) > self.cfg.max_buffer and not self.connected.is_set():
+            self._coalesce()
+        if self.outbox is not None and self.connected.is_set():
+            self.outbox.put_nowait(self._report_msg(rep))
+
+    def _coalesce(self) -> None:
+        """Merge the reports never put on the wire into one (latest verdict per GPU wins).
+
+        Reports already sent may have been applied by the manager, so they keep their numbers and
+        contents; only unsent ones are merged, numbered right after the last sent one."""
+        sent = [r for r in self.pending if r.seq <= self.sent_upto]
+        unsent = [r for r in self.pending if r.seq > self.sent_upto]
+        if len(unsent) < 2:
+            return
+        merged = PendingReport(unsent[0].seq, {}, {})
+        for r in unsent:
+            merged.gpus.update(r.gpus)
+            for u, xs in r.xids.items():
+                merged.xids.setdefault(u, []).extend(xs)
+        self.pending = [*sent, merged]
+        self.next_seq = merged.seq + 1
+
+    def _report_msg(self, rep: PendingReport) -> agent_pb2.AgentMessage:
+        gpus = []
+        for u, v in rep.gpus.items():
+            st = self.power.caps.get(u)
+            gpus.append(agent_pb2.GpuHealth(
+                uuid=u, state=STATE_PB[v.state], reasons=list(v.reasons),
+                xids=[agent_pb2.XidEvent(xid=x) for x in rep.xids.get(u, [])],
+                power=agent_pb2.PowerReading(
+                    desired_mw=(st.desired_mw or 0) if st else 0, enforced_mw=(st.enforced_mw or 0) if st else 0),
+            ))
+        self.metrics["reports"] += 1
+        self.metrics["last_report"] = time.time()
+        self.sent_upto = max(self.sent_upto, rep.seq)
+        return agent_pb2.AgentMessage(report=agent_pb2.HealthReport(seq=rep.seq, gpus=gpus))
+
+    # ---- connection ---------------------------------------------------------------------------
+    def hello(self) -> agent_pb2.AgentMessage:
+        return agent_pb2.AgentMessage(hello=agent_pb2.Hello(
+            node=self.cfg.node, domain=self.cfg.domain, agent_version=self.cfg.version, boot_id=_boot_id(),
+            next_seq=self.next_seq,
+            gpus=[common_pb2.GpuInfo(uuid=g.uuid, index=g.index, model=g.model, memory_bytes=g.memory_bytes,
+                                     pci_bus_id=g.pci_bus_id,
+                                     power=common_pb2.PowerConstraints(min_mw=g.min_mw, max_mw=g.max_mw,
+                                                                       default_mw=g.default_mw))
+                  for g in self.statics]))
+
+    def on_welcome(self, last_applied: int) -> list[agent_pb2.AgentMessage]:
+        """Drop what the manager applied, renumber the rest from last_applied + 1, return it to send."""
+        self.last_acked = max(self.last_acked, last_applied)
+        self.pending = [r for r in self.pending if r.seq > last_applied]
+        for i, r in enumerate(self.pending):
+            r.seq = last_applied + 1 + i
+        self.next_seq = last_applied + 1 + len(self.pending)
+        self.sent_upto = last_applied  # nothing after it was applied; all of it is resent now
+        return [self._report_msg(r) for r in self.pending]
+
+    def on_ack(self, seq: int) -> None:
+        self.last_acked = max(self.last_acked, seq)
+        self.pending = [r for r in self.pending if r.seq > seq]
+
+    async def session(self) -> None:
+        """One connection: hello, welcome, then reports/heartbeats out and commands in."""
+        outbox: asyncio.Queue[agent_pb2.AgentMessage | None] = asyncio.Queue()
+        self.outbox = outbox
+        outbox.put_nowait(self.hello())
+
+        async def requests() -> AsyncIterator[agent_pb2.AgentMessage]:
+            while True:
+                m = await outbox.get()
+                if m is None:
+                    return
+                yield m
+
+        async with grpc.aio.insecure_channel(self.cfg.manager) as channel:
+            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            call = stub.Connect(requests(), metadata=(("authorization", f"Bearer {self.cfg.token}"),))
+            beat = asyncio.create_task(self._heartbeats(outbox))
+            try:
+                async for msg in call:
+                    kind = msg.WhichOneof("body")
+                    if kind == "welcome":
+                        for m in self.on_welcome(msg.welcome.last_applied_seq):
+                            outbox.put_nowait(m)
+                        self.connected.set()
+                        self.registered.set()
+                        log.info("connected", manager=self.cfg.manager, last_applied=msg.welcome.last_applied_seq)
+                    elif kind == "ack":
+                        self.on_ack(msg.ack.seq)
+                    else:
+                        result = self.on_command(msg)
+                        if result is not None:
+                            outbox.put_nowait(result)
+            finally:
+                self.connected.clear()
+                self.outbox = None
+                beat.cancel()
+                outbox.put_nowait(None)
+
+    async def _heartbeats(self, outbox: asyncio.Queue[agent_pb2.AgentMessage | None]) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_interval_s)
+            if self.connected.is_set():
+                outbox.put_nowait(agent_pb2.AgentMessage(heartbeat=agent_pb2.Heartbeat(last_seq=self.next_seq - 1)))
+
+    def on_command(self, msg: agent_pb2.ManagerMessage) -> agent_pb2.AgentMessage | None:
+        kind = msg.WhichOneof("body")
+        if kind == "set_power":
+            st = self.power.set(msg.set_power.gpu_uuid, msg.set_power.limit_mw)
+            u = msg.set_power.gpu_uuid
+        elif kind == "release_power":
+            u = msg.release_power.gpu_uuid
+            st = self.power.release(u)
+        elif kind == "drain":
+            self.drain_deadline = msg.drain.deadline.ToDatetime()
+            log.info("drain requested", deadline=str(self.drain_deadline), reason=msg.drain.reason)
+            return agent_pb2.AgentMessage(result=agent_pb2.CommandResult(command_id=msg.command_id, ok=True))
+        else:
+            return None
+        if st.error:
+            log.warning("power command failed", gpu=u, error=st.error)
+        return agent_pb2.AgentMessage(result=agent_pb2.CommandResult(
+            command_id=msg.command_id, ok=st.error is None, detail=st.error or "", gpu_uuids=[u],
+            power=[agent_pb2.PowerReading(desired_mw=st.desired_mw or 0, enforced_mw=st.enforced_mw or 0)]))
+
+    async def connect_forever(self) -> None:
+        wait = wait_exponential_jitter(
+            multiplier=self.cfg.backoff_initial_s, max=self.cfg.backoff_max_s, jitter=self.cfg.backoff_initial_s
+        )
+        attempt = 0
+        while not self.stopping.is_set():
+            try:
+                await self.session()
+                attempt = 0
+            except grpc.aio.AioRpcError as e:
+                if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                                grpc.StatusCode.INVALID_ARGUMENT):
+                    log.error("manager rejected the agent", code=e.code().name, detail=e.details())
+                log.info("disconnected", code=e.code().name)
+            if self.stopping.is_set():
+                break
+            attempt += 1
+            self.reconnects += 1
+            delay = wait(_RetryState(attempt))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), delay)
+
+    # ---- main loop ------------------------------------------------------------------------------
+    async def run(self, watchdog: Callable[[], None] | None = None) -> None:
+        self._start_xid_thread()
+        conn = asyncio.create_task(self.connect_forever())
+        last_sample = last_reconcile = 0.0
+        try:
+            while not self.stopping.is_set():
+                try:
+                    events = await asyncio.wait_for(self._xid_q.get(), timeout=0.1)
+                    self.handle_xids(events)
+                except TimeoutError:
+                    pass
+                now = self.clock()
+                if now - last_sample >= self.cfg.sample_interval_s:
+                    last_sample = now
+                    self.sample_all()
+                if now - last_reconcile >= self.cfg.power_reconcile_s:
+                    last_reconcile = now
+                    self.power.reconcile()
+                if watchdog is not None:
+                    watchdog()
+        finally:
+            self.stopping.set()
+            self.power.restore_all()
+            conn.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await conn
+            self.backend.close()
+
+
+class _RetryState:
+    """The bit of tenacity's RetryCallState its wait strategies read."""
+
+    def __init__(self, attempt: int) -> None:
+        self.attempt_number = attempt
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""

@@ -1,0 +1,184 @@
+"""`ntp-agent`: the node daemon.
+
+    ntp-agent --manager HOST:PORT --token-file F --backend nvml|fake [--scenario FILE]
+              [--node NAME] [--domain ID] [--metrics-port N]
+
+Settings may also come from the environment (prefix NTP_AGENT_). Under systemd (Type=notify) it
+sends READY=1 after the backend initialised and the manager accepted its registration, and feeds
+the watchdog from the main loop. A malformed scenario or configuration prints one `error:` line and
+exits with status 2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from rich.console import Console
+
+from agent.backends.base import BackendError
+from agent.core import Agent, AgentConfig
+from agent.policy import HealthPolicy, PolicyError, XidPolicy
+
+err = Console(stderr=True)
+
+
+class AgentSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="NTP_AGENT_", extra="forbid")
+
+    manager: str = "127.0.0.1:50051"
+    token_file: Path | None = None
+    backend: str = Field("nvml", pattern="^(nvml|fake)$")
+    scenario: Path | None = None
+    node: str = Field(default_factory=socket.gethostname)
+    domain: str | None = None
+    metrics_port: int = Field(0, ge=0, le=65535)  # 0: no metrics endpoint
+    heartbeat_interval_s: float = Field(2.0, gt=0)
+    sample_interval_s: float = Field(1.0, gt=0)
+    xid_policy: dict[str, str] = Field(default_factory=dict)  # overrides, e.g. {"94": "fail"}
+    log_format: str = Field("console", pattern="^(console|json)$")
+
+
+def fail(msg: str) -> NoReturn:
+    err.print(f"[bold red]error:[/] {msg}", highlight=False)
+    raise typer.Exit(2)
+
+
+def build(settings: AgentSettings) -> Agent:
+    if settings.token_file is None:
+        fail("a token file is needed (--token-file or NTP_AGENT_TOKEN_FILE)")
+    try:
+        token = settings.token_file.read_text().strip()
+    except OSError as e:
+        fail(f"{settings.token_file}: cannot read the token ({e.strerror})")
+    if not token:
+        fail(f"{settings.token_file}: the token file is empty")
+    try:
+        policy = HealthPolicy(XidPolicy.default().with_overrides(settings.xid_policy))
+    except PolicyError as e:
+        fail(str(e))
+    if settings.backend == "fake":
+        from agent.backends.fake import FakeBackend, ScenarioError, load_scenario
+
+        if settings.scenario is None:
+            fail("the fake backend needs --scenario FILE")
+        try:
+            sc = load_scenario(settings.scenario)
+        except ScenarioError as e:
+            fail(str(e))
+        node = settings.node if settings.node != socket.gethostname() or not sc.node else sc.node
+        backend = FakeBackend(sc, node=node)
+        domain = settings.domain or sc.domain
+    else:
+        from agent.backends.nvml import NvmlBackend
+
+        try:
+            backend = NvmlBackend()
+        except BackendError as e:
+            fail(f"NVML: {e}")
+        node = settings.node
+        domain = settings.domain or backend.domain_of_node()
+    if not domain:
+        fail("no NVLink domain: NVML reports no fabric clique, so give --domain")
+    cfg = AgentConfig(manager=settings.manager, token=token, node=node, domain=domain,
+                      heartbeat_interval_s=settings.heartbeat_interval_s,
+                      sample_interval_s=settings.sample_interval_s)
+    return Agent(backend, cfg, policy)
+
+
+def serve_metrics(agent: Agent, port: int) -> None:
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    class Collector:
+        def collect(self):  # type: ignore[no-untyped-def]
+            x = CounterMetricFamily("ntp_agent_xids", "XID events seen", labels=["xid"])
+            for xid, n in sorted(agent.xid_counts.items()):
+                x.add_metric([str(xid)], n)
+            yield x
+            d = GaugeMetricFamily("ntp_agent_power_limit_watts", "desired and enforced limits", labels=["gpu", "kind"])
+            for u, st in agent.power.caps.items():
+                if st.desired_mw is not None:
+                    d.add_metric([u, "desired"], st.desired_mw / 1000)
+                if st.enforced_mw is not None:
+                    d.add_metric([u, "enforced"], st.enforced_mw / 1000)
+            yield d
+            yield CounterMetricFamily("ntp_agent_nvml_errors", "backend errors", value=agent.metrics["nvml_errors"])
+            yield GaugeMetricFamily("ntp_agent_last_report_timestamp_seconds", "last report sent",
+                                    value=agent.metrics["last_report"])
+            yield GaugeMetricFamily("ntp_agent_connected", "1 while connected", value=float(agent.connected.is_set()))
+
+    reg = CollectorRegistry()
+    reg.register(Collector())  # type: ignore[arg-type]
+    start_http_server(port, addr="127.0.0.1", registry=reg)
+
+
+async def run(agent: Agent) -> None:
+    import sdnotify
+
+    notifier = sdnotify.SystemdNotifier()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, agent.stopping.set)
+
+    async def ready() -> None:
+        await agent.registered.wait()
+        notifier.notify("READY=1")
+        print("NTP-AGENT READY", flush=True)
+
+    task = asyncio.create_task(ready())
+    try:
+        await agent.run(watchdog=lambda: notifier.notify("WATCHDOG=1"))
+    finally:
+        task.cancel()
+        notifier.notify("STOPPING=1")
+
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+
+@app.command()
+def main_cmd(
+    manager: Annotated[str | None, typer.Option(help="manager gRPC address HOST:PORT")] = None,
+    token_file: Annotated[Path | None, typer.Option(help="file holding an agent-scope token")] = None,
+    backend: Annotated[str | None, typer.Option(help="nvml | fake")] = None,
+    scenario: Annotated[Path | None, typer.Option(help="scenario YAML for the fake backend")] = None,
+    node: Annotated[str | None, typer.Option(help="node name (default: host name)")] = None,
+    domain: Annotated[str | None, typer.Option(help="NVLink domain (default: from NVML fabric info)")] = None,
+    metrics_port: Annotated[int | None, typer.Option(help="Prometheus port on 127.0.0.1 (0: off)")] = None,
+) -> None:
+    """Report this node's GPU health to the manager and apply its power caps."""
+    overrides = {"manager": manager, "token_file": token_file, "backend": backend, "scenario": scenario,
+                 "node": node, "domain": domain, "metrics_port": metrics_port}
+    try:
+        settings = AgentSettings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as e:
+        first = e.errors()[0]
+        fail(f"settings: {'.'.join(str(x) for x in first['loc'])}: {first['msg']}")
+    from ntp_manager.logs import configure_logging
+
+    configure_logging(settings.log_format)
+    agent = build(settings)
+    if settings.metrics_port:
+        serve_metrics(agent, settings.metrics_port)
+    asyncio.run(run(agent))
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

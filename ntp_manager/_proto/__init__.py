@@ -1,0 +1,1 @@
+"""Generated gRPC stubs (do not edit; `make proto` regenerates them from proto/)."""

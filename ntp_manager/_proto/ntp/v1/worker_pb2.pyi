@@ -1,0 +1,89 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from ntp_manager._proto.ntp.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AckStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ACK_STATUS_UNSPECIFIED: _ClassVar[AckStatus]
+    ACK_STATUS_APPLIED: _ClassVar[AckStatus]
+    ACK_STATUS_FAILED: _ClassVar[AckStatus]
+ACK_STATUS_UNSPECIFIED: AckStatus
+ACK_STATUS_APPLIED: AckStatus
+ACK_STATUS_FAILED: AckStatus
+
+class WatchLayoutRequest(_message.Message):
+    __slots__ = ("job", "worker_id", "gpu_uuid", "known")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    worker_id: str
+    gpu_uuid: str
+    known: _common_pb2.LayoutStamp
+    def __init__(self, job: _Optional[str] = ..., worker_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., known: _Optional[_Union[_common_pb2.LayoutStamp, _Mapping]] = ...) -> None: ...
+
+class AckLayoutRequest(_message.Message):
+    __slots__ = ("job", "worker_id", "stamp", "status", "detail")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STAMP_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    worker_id: str
+    stamp: _common_pb2.LayoutStamp
+    status: AckStatus
+    detail: str
+    def __init__(self, job: _Optional[str] = ..., worker_id: _Optional[str] = ..., stamp: _Optional[_Union[_common_pb2.LayoutStamp, _Mapping]] = ..., status: _Optional[_Union[AckStatus, str]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class AckLayoutResponse(_message.Message):
+    __slots__ = ("current",)
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    current: _common_pb2.LayoutStamp
+    def __init__(self, current: _Optional[_Union[_common_pb2.LayoutStamp, _Mapping]] = ...) -> None: ...
+
+class RankStep(_message.Message):
+    __slots__ = ("rank", "gpu_uuid", "step_time_s", "tokens", "sequence_lengths")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    gpu_uuid: str
+    step_time_s: float
+    tokens: int
+    sequence_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rank: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., step_time_s: _Optional[float] = ..., tokens: _Optional[int] = ..., sequence_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StepReport(_message.Message):
+    __slots__ = ("job", "worker_id", "stamp", "step", "at", "ranks")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STAMP_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    worker_id: str
+    stamp: _common_pb2.LayoutStamp
+    step: int
+    at: _timestamp_pb2.Timestamp
+    ranks: _containers.RepeatedCompositeFieldContainer[RankStep]
+    def __init__(self, job: _Optional[str] = ..., worker_id: _Optional[str] = ..., stamp: _Optional[_Union[_common_pb2.LayoutStamp, _Mapping]] = ..., step: _Optional[int] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankStep, _Mapping]]] = ...) -> None: ...
+
+class StepReportResponse(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    def __init__(self, accepted: _Optional[bool] = ...) -> None: ...

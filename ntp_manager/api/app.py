@@ -1,0 +1,442 @@
+"""Operator REST API (FastAPI) under /v1, plus /healthz, /readyz and /metrics.
+
+Every mutation accepts `Idempotency-Key`: a replay with the same key and the same request returns
+the first response; the same key with a different request is a 409. The mutation, its audit
+record and the idempotency record commit in one transaction.
+"""
+
+
+import hashlib
+import uuid as uuidlib
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+from fastapi import Depends, FastAPI, Header, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ntp_manager import __version__
+from ntp_manager.auth import Principal, parse_bearer
+from ntp_manager.service.errors import FailedPrecondition, InvalidArgument, NotFound, ServiceError
+from ntp_manager.service.manager import Manager, Mut
+from ntp_manager.specfile import JobFile
+from ntp_manager.store.models import AuditRow, HealthEventRow, IdempotencyRow, LayoutRow, MaintenanceRow
+from ntp_manager.topology import GpuState
+
+Limit = Annotated[int, Query(ge=1, le=1000, description="page size")]
+Offset = Annotated[int, Query(ge=0, le=10_000_000, description="items to skip")]
+
+
+class Error(BaseModel):
+    detail: str
+
+
+class ReasonBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reason: str = Field(min_length=1, max_length=2000)
+
+
+class DrainBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    deadline: AwareDatetime
+    reason: str = Field(min_length=1, max_length=2000)
+
+
+class MaintenanceBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    target_kind: Literal["gpu", "node", "domain"]
+    target: str = Field(min_length=1, max_length=256)
+    starts_at: AwareDatetime
+    ends_at: AwareDatetime
+    reason: str = Field("", max_length=2000)
+
+
+class PlanBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    job: str | None = Field(None, description="plan an existing job by name ...", max_length=128)
+    spec: JobFile | None = Field(None, description="... or this job spec")
+    dry_run: bool = True
+    fail: list[str] = Field(default_factory=list, max_length=100_000, description="GPUs to treat as failed")
+
+
+def page(items: list[Any], total: int, limit: int, offset: int) -> dict[str, Any]:
+    return {"items": items, "total": total, "limit": limit, "offset": offset}
+
+
+def create_app(manager: Manager) -> FastAPI:
+    app = FastAPI(
+        title="ntp-manager",
+        version=__version__,
+        description="Operator API of ntp-manager. Authenticate with `Authorization: Bearer <token>`.",
+        responses={401: {"model": Error}, 403: {"model": Error}},
+    )
+
+    # ---- errors: always 4xx with a message for bad input ------------------------------------------
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        return JSONResponse({"detail": exc.message}, status_code=exc.http_status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = exc.errors()
+        first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        return JSONResponse(
+            {"detail": f"{where}: {first.get('msg')}", "errors": [_plain(e) for e in errs[:20]]}, status_code=422
+        )
+
+    @app.middleware("http")
+    async def _request_id(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        rid = request.headers.get("x-request-id") or uuidlib.uuid4().hex
+        request.state.request_id = rid[:64]
+        response = await call_next(request)
+        response.headers["x-request-id"] = request.state.request_id
+        return response
+
+    # ---- auth ---------------------------------------------------------------------------------
+    def require(permission: str) -> Callable[..., Awaitable[Principal]]:
+        async def dep(authorization: Annotated[str | None, Header()] = None) -> Principal:
+            token = parse_bearer(authorization)
+            if token is None:
+                raise StarletteHTTPException(401, "missing bearer token", headers={"WWW-Authenticate": "Bearer"})
+            principal = manager.tokens.verify(token)
+            if principal is None:
+                raise StarletteHTTPException(401, "unknown or revoked token", headers={"WWW-Authenticate": "Bearer"})
+            if not principal.can(permission):
+                raise StarletteHTTPException(
+                    403, f"a {principal.scope!r} token may not {'change' if permission == 'write' else 'read'} this"
+                )
+            return principal
+
+        return dep
+
+    Viewer = Annotated[Principal, Depends(require("read"))]
+    Operator = Annotated[Principal, Depends(require("write"))]
+    IdemKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=256)]
+
+    async def mutate(
+        request: Request, principal: Principal, key: str | None, fn: Callable[[Mut], Awaitable[Any]], status: int = 200
+    ) -> JSONResponse:
+        body = await request.body()
+        fp = hashlib.sha256(
+            f"{request.method} {request.url.path}?{request.url.query}\n".encode() + body
+        ).hexdigest()
+        try:
+            async with manager.mutation(principal.name, request.state.request_id) as m:
+                if key:
+                    row = await m.session.get(IdempotencyRow, key)
+                    if row is not None:
+                        if row.fingerprint != fp or row.actor != principal.name:
+                            return JSONResponse(
+                                {"detail": "Idempotency-Key was already used for a different request"}, 409
+                            )
+                        return JSONResponse(row.response, row.status, headers={"Idempotent-Replay": "true"})
+                payload = await fn(m)
+                if key:
+                    m.session.add(IdempotencyRow(key=key, actor=principal.name, fingerprint=fp, status=status,
+                                                 response=payload, created_at=manager.clock.now()))
+        except IntegrityError:
+            return JSONResponse({"detail": "a concurrent request used the same Idempotency-Key"}, 409)
+        return JSONResponse(payload, status)
+
+    # ---- probes and metrics ---------------------------------------------------------------------
+    @app.get("/healthz", tags=["probes"])
+    async def healthz() -> dict[str, Any]:
+        return {"ok": True}
+
+    @app.get("/readyz", tags=["probes"], responses={503: {"model": Error}})
+    async def readyz() -> JSONResponse:
+        if manager.ready:
+            return JSONResponse({"ready": True, "epoch": manager.epoch})
+        return JSONResponse({"ready": False, "detail": "starting or shutting down"}, 503)
+
+    @app.get("/metrics", tags=["probes"], response_class=PlainTextResponse)
+    async def metrics() -> Response:
+        manager.refresh_gauges()
+        return Response(generate_latest(manager.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- read side ------------------------------------------------------------------------------
+    @app.get("/v1/status", tags=["cluster"])
+    async def status(_: Viewer) -> dict[str, Any]:
+        w = manager.world
+        counts: dict[str, int] = {}
+        for g in w.gpus.values():
+            counts[g.state] = counts.get(g.state, 0) + 1
+        return {
+            "version": __version__, "leader_epoch": manager.epoch, "gpus": len(w.gpus), "gpus_by_state": counts,
+            "nodes": len(w.nodes), "nodes_connected": sum(1 for n in w.nodes.values() if n.connected),
+            "domains": len(w.domains), "jobs": len(w.jobs),
+            "breaker": {"open": manager.breaker_open, "reason": manager.breaker_reason},
+        }
+
+    @app.get("/v1/domains", tags=["cluster"])
+    async def domains(_: Viewer, limit: Limit = 100, offset: Offset = 0) -> dict[str, Any]:
+        w = manager.world
+        ids = sorted(w.domains)
+        items = []
+        for did in ids[offset : offset + limit]:
+            gpus = [g for g in w.gpus.values() if g.domain == did]
+            items.append({
+                "id": did, "power_budget_w": w.domains[did], "gpus": len(gpus),
+                "nodes": sorted({g.node for g in gpus}),
+                "unusable": sum(1 for g in gpus if not GpuState(g.state).placeable),
+            })
+        return page(items, len(ids), limit, offset)
+
+    @app.get("/v1/nodes", tags=["cluster"])
+    async def nodes(
+        _: Viewer, domain: Annotated[str | None, Query(max_length=128)] = None, limit: Limit = 100,
+        offset: Offset = 0,
+    ) -> dict[str, Any]:
+        w = manager.world
+        names = sorted(n for n, rec in w.nodes.items() if domain is None or rec.domain == domain)
+        items = []
+        for n in names[offset : offset + limit]:
+            rec = w.nodes[n]
+            items.append({
+                "name": n, "domain": rec.domain, "gpus": list(rec.gpus), "connected": rec.connected,
+                "last_seq": rec.last_seq,
+                "drain_deadline": rec.drain_deadline.isoformat() if rec.drain_deadline else None,
+                "drain_reason": rec.drain_reason,
+            })
+        return page(items, len(names), limit, offset)
+
+    @app.get("/v1/gpus", tags=["cluster"])
+    async def gpus(
+        _: Viewer,
+        state: Annotated[str | None, Query(max_length=32)] = None,
+        node: Annotated[str | None, Query(max_length=256)] = None,
+        domain: Annotated[str | None, Query(max_length=128)] = None,
+        limit: Limit = 100,
+        offset: Offset = 0,
+    ) -> dict[str, Any]:
+        w = manager.world
+        sel = sorted(
+            u for u, g in w.gpus.items()
+            if (state is None or g.state == state) and (node is None or g.node == node)
+            and (domain is None or g.domain == domain)
+        )
+        return page([manager.gpu_view(u) for u in sel[offset : offset + limit]], len(sel), limit, offset)
+
+    @app.get("/v1/gpus/{uuid}", tags=["cluster"], responses={404: {"model": Error}})
+    async def gpu(uuid: str, _: Viewer) -> dict[str, Any]:
+        return manager.gpu_view(uuid)
+
+    @app.get("/v1/jobs", tags=["jobs"])
+    async def jobs(_: Viewer, limit: Limit = 100, offset: Offset = 0) -> dict[str, Any]:
+        names = sorted(manager.world.jobs)
+        return page([_job_view(manager, n) for n in names[offset : offset + limit]], len(names), limit, offset)
+
+    @app.get("/v1/jobs/{name}", tags=["jobs"], responses={404: {"model": Error}})
+    async def job(name: str, _: Viewer) -> dict[str, Any]:
+        return _job_view(manager, name)
+
+    @app.get("/v1/jobs/{name}/layout", tags=["jobs"], responses={404: {"model": Error}, 409: {"model": Error}})
+    async def layout(name: str, _: Viewer) -> dict[str, Any]:
+        rec = manager.world.jobs.get(name)
+        if rec is None:
+            raise NotFound(f"unknown job {name!r}")
+        if rec.layout is None:
+            raise FailedPrecondition(f"job {name!r} has no layout yet: {rec.pending_reason or 'planning'}")
+        lay = rec.layout
+        return {"job": name, "version": lay.version, "leader_epoch": lay.leader_epoch,
+                "created_at": lay.created_at.isoformat(), "reason": lay.reason, "plan": lay.plan}
+
+    @app.get("/v1/jobs/{name}/layouts", tags=["jobs"], responses={404: {"model": Error}})
+    async def layouts(name: str, _: Viewer, limit: Limit = 100, offset: Offset = 0) -> dict[str, Any]:
+        if name not in manager.world.jobs:
+            raise NotFound(f"unknown job {name!r}")
+        async with manager.sm() as s:
+            total = await s.scalar(select(func.count()).select_from(LayoutRow).where(LayoutRow.job == name))
+            rows = (await s.scalars(select(LayoutRow).where(LayoutRow.job == name)
+                                    .order_by(LayoutRow.version.desc()).limit(limit).offset(offset))).all()
+        items = [
+            {"version": r.version, "leader_epoch": r.leader_epoch, "created_at": _iso(r.created_at),
+             "reason": r.reason, "relative_throughput": r.plan["relative_throughput"],
+             "replicas": [{"id": x["id"], "tp": x["tp"], "local_batch": x["local_batch"]} for x in r.plan["replicas"]]}
+            for r in rows
+        ]
+        return page(items, total or 0, limit, offset)
+
+    @app.get("/v1/events", tags=["audit"])
+    async def events(
+        _: Viewer, gpu: Annotated[str | None, Query(max_length=128)] = None,
+        node: Annotated[str | None, Query(max_length=256)] = None, limit: Limit = 100, offset: Offset = 0,
+    ) -> dict[str, Any]:
+        q = select(HealthEventRow)
+        cq = select(func.count()).select_from(HealthEventRow)
+        if gpu:
+            q, cq = q.where(HealthEventRow.gpu_uuid == gpu), cq.where(HealthEventRow.gpu_uuid == gpu)
+        if node:
+            q, cq = q.where(HealthEventRow.node == node), cq.where(HealthEventRow.node == node)
+        async with manager.sm() as s:
+            total = await s.scalar(cq)
+            rows = (await s.scalars(q.order_by(HealthEventRow.id.desc()).limit(limit).offset(offset))).all()
+        items = [
+            {"id": r.id, "at": _iso(r.at), "gpu": r.gpu_uuid, "node": r.node, "seq": r.seq, "source": r.source,
+             "old_state": r.old_state, "new_state": r.new_state, "reasons": r.reasons, "xids": r.xids}
+            for r in rows
+        ]
+        return page(items, total or 0, limit, offset)
+
+    @app.get("/v1/audit", tags=["audit"])
+    async def audit(
+        _: Viewer, action: Annotated[str | None, Query(max_length=64)] = None,
+        target: Annotated[str | None, Query(max_length=256)] = None, limit: Limit = 100, offset: Offset = 0,
+    ) -> dict[str, Any]:
+        q = select(AuditRow)
+        cq = select(func.count()).select_from(AuditRow)
+        if action:
+            q, cq = q.where(AuditRow.action == action), cq.where(AuditRow.action == action)
+        if target:
+            q, cq = q.where(AuditRow.target == target), cq.where(AuditRow.target == target)
+        async with manager.sm() as s:
+            total = await s.scalar(cq)
+            rows = (await s.scalars(q.order_by(AuditRow.id.desc()).limit(limit).offset(offset))).all()
+        items = [
+            {"id": r.id, "at": _iso(r.at), "actor": r.actor, "action": r.action, "target": r.target,
+             "before": r.before, "after": r.after, "reason": r.reason, "request_id": r.request_id}
+            for r in rows
+        ]
+        return page(items, total or 0, limit, offset)
+
+    @app.get("/v1/maintenance", tags=["operations"])
+    async def maintenance_list(_: Viewer, limit: Limit = 100, offset: Offset = 0) -> dict[str, Any]:
+        from ntp_manager.service.manager import _maint_view
+
+        async with manager.sm() as s:
+            total = await s.scalar(select(func.count()).select_from(MaintenanceRow))
+            rows = (await s.scalars(select(MaintenanceRow).order_by(MaintenanceRow.id.desc())
+                                    .limit(limit).offset(offset))).all()
+        return page([_maint_view(r) for r in rows], total or 0, limit, offset)
+
+    @app.get("/v1/breaker", tags=["operations"])
+    async def breaker(_: Viewer) -> dict[str, Any]:
+        return {"open": manager.breaker_open, "reason": manager.breaker_reason}
+
+    # ---- mutations ------------------------------------------------------------------------------
+    E4 = {404: {"model": Error}, 409: {"model": Error}, 422: {"model": Error}}
+
+    @app.post("/v1/jobs", tags=["jobs"], status_code=201, responses=E4)
+    async def create_job(request: Request, body: JobFile, who: Operator, key: IdemKey = None) -> JSONResponse:
+        spec = body.model_dump(mode="json")
+        return await mutate(request, who, key, lambda m: manager.create_job(m, spec), 201)
+
+    @app.delete("/v1/jobs/{name}", tags=["jobs"], responses=E4)
+    async def delete_job(request: Request, name: str, who: Operator, key: IdemKey = None) -> JSONResponse:
+        return await mutate(request, who, key, lambda m: manager.delete_job(m, name))
+
+    @app.post("/v1/plans", tags=["jobs"], responses=E4)
+    async def plan(request: Request, body: PlanBody, who: Operator, key: IdemKey = None) -> JSONResponse:
+        if (body.job is None) == (body.spec is None):
+            raise InvalidArgument("give exactly one of 'job' (a name) or 'spec'")
+        if body.job is not None:
+            rec = manager.world.jobs.get(body.job)
+            if rec is None:
+                raise NotFound(f"unknown job {body.job!r}")
+            spec = rec.spec
+        else:
+            assert body.spec is not None
+            spec = manager.parse_job(body.spec.model_dump(mode="json"))
+
+        async def run(m: Mut) -> dict[str, Any]:
+            if body.dry_run:
+                doc = manager.dry_run(spec, body.fail)
+                m.audit(manager.clock.now(), "plan.dry_run", spec.name,
+                        after={"relative_throughput": doc["relative_throughput"], "fail": body.fail[:100]})
+                return {"dry_run": True, "plan": doc}
+            if body.job is None or body.fail:
+                raise InvalidArgument("a real replan needs an existing job and no simulated failures")
+            if manager.breaker_open:
+                raise FailedPrecondition(f"circuit breaker is open ({manager.breaker_reason}); reset it first")
+            lay = await manager.replan(body.job, who.name, reason=f"operator replan by {who.name}", m=m)
+            if lay is None:
+                why = manager.world.jobs[body.job].pending_reason
+                raise InvalidArgument(f"job {body.job!r} cannot be planned: {why}")
+            return {"dry_run": False, "version": lay.version, "plan": lay.plan}
+
+        return await mutate(request, who, key, run)
+
+    @app.post("/v1/gpus/{uuid}/cordon", tags=["operations"], responses=E4)
+    async def cordon(request: Request, uuid: str, body: ReasonBody, who: Operator, key: IdemKey = None) -> JSONResponse:
+        return await mutate(request, who, key, lambda m: manager.cordon(m, uuid, body.reason))
+
+    @app.post("/v1/gpus/{uuid}/uncordon", tags=["operations"], responses=E4)
+    async def uncordon(
+        request: Request, uuid: str, body: ReasonBody, who: Operator, key: IdemKey = None
+    ) -> JSONResponse:
+        return await mutate(request, who, key, lambda m: manager.uncordon(m, uuid, body.reason))
+
+    @app.post("/v1/gpus/{uuid}/mark-healthy", tags=["operations"], responses=E4)
+    async def mark_healthy(
+        request: Request, uuid: str, body: ReasonBody, who: Operator, key: IdemKey = None
+    ) -> JSONResponse:
+        return await mutate(request, who, key, lambda m: manager.mark_healthy(m, uuid, body.reason))
+
+    @app.post("/v1/nodes/{name}/drain", tags=["operations"], responses=E4)
+    async def drain(request: Request, name: str, body: DrainBody, who: Operator, key: IdemKey = None) -> JSONResponse:
+        return await mutate(request, who, key, lambda m: manager.drain_node(m, name, body.deadline, body.reason))
+
+    @app.post("/v1/nodes/{name}/undrain", tags=["operations"], responses=E4)
+    async def undrain(
+        request: Request, name: str, body: ReasonBody, who: Operator, key: IdemKey = None
+    ) -> JSONResponse:
+        return await mutate(request, who, key, lambda m: manager.undrain_node(m, name, body.reason))
+
+    @app.post("/v1/maintenance", tags=["operations"], status_code=201, responses=E4)
+    async def maintenance(
+        request: Request, body: MaintenanceBody, who: Operator, key: IdemKey = None
+    ) -> JSONResponse:
+        return await mutate(
+            request, who, key,
+            lambda m: manager.add_maintenance(m, body.target_kind, body.target, body.starts_at, body.ends_at,
+                                              body.reason),
+            201,
+        )
+
+    @app.delete("/v1/maintenance/{window_id}", tags=["operations"], responses=E4)
+    async def cancel_maintenance(
+        request: Request, window_id: Annotated[int, Path(ge=1, le=2**31 - 1)], who: Operator,
+        key: IdemKey = None,
+    ) -> JSONResponse:
+        return await mutate(request, who, key, lambda m: manager.cancel_maintenance(m, window_id))
+
+    @app.post("/v1/breaker/reset", tags=["operations"], responses=E4)
+    async def breaker_reset(
+        request: Request, body: ReasonBody, who: Operator, key: IdemKey = None
+    ) -> JSONResponse:
+        return await mutate(request, who, key, lambda m: manager.reset_breaker(m, body.reason))
+
+    @app.get("/", include_in_schema=False)
+    async def root() -> dict[str, Any]:
+        return {"service": "ntp-manager", "version": __version__, "api": "/docs"}
+
+    return app
+
+
+def _plain(e: dict[str, Any]) -> dict[str, Any]:
+    return {"loc": [str(x) for x in e.get("loc", ())], "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+
+
+def _iso(t: datetime) -> str:
+    return (t if t.tzinfo else t.replace(tzinfo=UTC)).isoformat()
+
+
+def _job_view(manager: Manager, name: str) -> dict[str, Any]:
+    rec = manager.world.jobs.get(name)
+    if rec is None:
+        raise NotFound(f"unknown job {name!r}")
+    lay = rec.layout
+    return {
+        "name": name, "spec": rec.raw, "pending_reason": rec.pending_reason,
+        "layout_version": lay.version if lay else None,
+        "replicas": [{"id": r["id"], "tp": r["tp"], "local_batch": r["local_batch"]} for r in lay.plan["replicas"]]
+        if lay else [],
+        "relative_throughput": lay.plan["relative_throughput"] if lay else None,
+    }

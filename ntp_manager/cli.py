@@ -1,0 +1,303 @@
+"""`ntp-manager` command line: plan, cluster generation, simulation (and later the service).
+
+Every failure the user can cause prints one `error: ...` line on stderr and exits with status 2;
+no traceback reaches the terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from ntp_manager.planner import Plan, PlanError, make_plan
+from ntp_manager.planner.export import plan_to_dict
+from ntp_manager.settings import Settings
+from ntp_manager.specfile import SpecError, load_cluster, load_job
+from ntp_manager.topology import Cluster, GpuState, TopologyError
+
+app = typer.Typer(
+    name="ntp-manager",
+    help="Cluster resource manager for nonuniform tensor parallelism.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+cluster_app = typer.Typer(help="Cluster spec files.", no_args_is_help=True)
+app.add_typer(cluster_app, name="cluster")
+
+err_console = Console(stderr=True)
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+def apply_failures(cluster: Cluster, fail_uuids: list[str], fail_random: int, seed: int) -> Cluster:
+    changes: dict[str, GpuState] = {}
+    for u in fail_uuids:
+        if u not in cluster:
+            raise TopologyError(f"unknown GPU {u!r} in --fail")
+        changes[u] = GpuState.FAILED
+    if fail_random:
+        healthy = [g.uuid for g in cluster.gpus() if g.state.placeable and g.uuid not in changes]
+        if fail_random > len(healthy):
+            raise TopologyError(f"--fail-random {fail_random} exceeds the {len(healthy)} placeable GPUs")
+        for u in random.Random(seed).sample(healthy, fail_random):
+            changes[u] = GpuState.FAILED
+    return cluster.with_states(changes)
+
+
+def render_plan(plan: Plan, console: Console) -> None:
+    table = Table(title=f"plan for job {plan.job} ({plan.scheme.value}, healthy TP{plan.tp})")
+    table.add_column("replica", justify="right")
+    table.add_column("TP", justify="right")
+    table.add_column("local batch", justify="right")
+    table.add_column("groups")
+    table.add_column("boosted GPUs", justify="right")
+    table.add_column("rel. throughput", justify="right")
+    for r in plan.replicas:
+        degraded = r.tp < plan.tp or r.relative_throughput < 1.0 or r.boosted
+        style = "yellow" if degraded else None
+        groups = ", ".join(f"{g.group_id}@{g.tp}" if g.tp < plan.tp else g.group_id for g in r.groups)
+        table.add_row(
+            str(r.replica_id), str(r.tp), str(r.local_batch), groups, str(len(r.boosted)),
+            f"{r.relative_throughput:.3f}", style=style,
+        )
+    console.print(table)
+    for s in plan.dropped:
+        console.print(f"[red]dropped[/] {s.group_id}: {s.reason}", highlight=False)
+    idle_spares = sum(1 for s in plan.idle if s.spare)
+    console.print(
+        f"[bold]{len(plan.replicas)} replicas[/], global batch {plan.global_batch}/{plan.target_batch} "
+        f"→ relative throughput [bold]{plan.relative_throughput:.4f}[/]; "
+        f"{len(plan.dropped)} dropped, {len(plan.idle)} idle ({idle_spares} spare) groups, "
+        f"{len(plan.spares_used)} spares used, {len(plan.power_caps_w)} GPUs boosted",
+        highlight=False,
+    )
+
+
+@app.command()
+def plan(
+    cluster: Annotated[Path, typer.Option("--cluster", "-c", help="cluster spec YAML")],
+    job: Annotated[Path, typer.Option("--job", "-j", help="job spec YAML")],
+    fail_gpu: Annotated[list[str] | None, typer.Option("--fail", help="mark this GPU UUID failed")] = None,
+    fail_random: Annotated[int, typer.Option("--fail-random", min=0, help="fail N random GPUs")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="seed for --fail-random")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
+) -> None:
+    """Plan a job on a cluster (optionally with injected failures) and print the plan."""
+    try:
+        c = apply_failures(load_cluster(cluster), fail_gpu or [], fail_random, seed)
+        p = make_plan(c, load_job(job))
+    except (SpecError, PlanError, TopologyError) as e:
+        fail(str(e))
+    if as_json:
+        sys.stdout.write(json.dumps(plan_to_dict(p), indent=2) + "\n")
+    else:
+        render_plan(p, Console())
+
+
+@cluster_app.command("generate")
+def cluster_generate(
+    domains: Annotated[int, typer.Option(min=1, help="number of scale-up domains")],
+    domain_size: Annotated[int, typer.Option(min=1, help="GPUs per domain")],
+    gpus_per_node: Annotated[int, typer.Option(min=1, help="GPUs per node")] = 4,
+    name: Annotated[str, typer.Option(help="cluster name (seeds the GPU UUIDs)")] = "generated",
+    tdp_w: Annotated[float, typer.Option(min=1.0, help="per-GPU TDP in watts")] = 1000.0,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="write here, not stdout")] = None,
+) -> None:
+    """Write a cluster spec: DOMAINS domains of DOMAIN_SIZE GPUs, GPUS_PER_NODE per node."""
+    if domain_size % gpus_per_node:
+        fail(f"domain size {domain_size} is not a multiple of GPUs per node {gpus_per_node}")
+    doc = {
+        "cluster": {
+            "name": name,
+            "defaults": {"tdp_w": tdp_w},
+            "generate": {"domains": domains, "domain_size": domain_size, "gpus_per_node": gpus_per_node},
+        }
+    }
+    text = yaml.safe_dump(doc, sort_keys=False)
+    if output is None:
+        sys.stdout.write(text)
+    else:
+        try:
+            output.write_text(text)
+        except OSError as e:
+            fail(f"{output}: cannot write ({e.strerror})")
+
+
+db_app = typer.Typer(help="Database migrations.", no_args_is_help=True)
+token_app = typer.Typer(help="API tokens (run against the manager's database).", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+app.add_typer(token_app, name="token")
+
+
+def _settings(**overrides: object) -> Settings:
+    from pydantic import ValidationError
+
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as e:
+        first = e.errors()[0]
+        fail(f"settings: {'.'.join(str(x) for x in first['loc'])}: {first['msg']}")
+
+
+def _run_db(coro_fn: Callable[[Any], Awaitable[Any]], settings: Settings) -> Any:
+    import asyncio
+
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from ntp_manager.store.db import make_engine
+
+    async def go() -> Any:
+        if settings.effective_database_url.startswith("sqlite"):
+            settings.data_dir.mkdir(parents=True, exist_ok=True)
+        engine = make_engine(settings.effective_database_url)
+        try:
+            return await coro_fn(engine)
+        finally:
+            await engine.dispose()
+
+    try:
+        return asyncio.run(go())
+    except (SQLAlchemyError, OSError) as e:
+        fail(f"database {settings.effective_database_url!r}: {str(e).splitlines()[0]}")
+
+
+DataDir = Annotated[Path | None, typer.Option("--data-dir", help="data directory (SQLite file lives here)")]
+DbUrl = Annotated[str | None, typer.Option("--database-url", help="SQLAlchemy URL (default: SQLite in data dir)")]
+
+
+@app.command()
+def serve(
+    data_dir: DataDir = None,
+    database_url: DbUrl = None,
+    http_host: Annotated[str | None, typer.Option(help="REST bind address")] = None,
+    http_port: Annotated[int | None, typer.Option(help="REST port (0: any free)")] = None,
+    grpc_host: Annotated[str | None, typer.Option(help="gRPC bind address")] = None,
+    grpc_port: Annotated[int | None, typer.Option(help="gRPC port (0: any free)")] = None,
+) -> None:
+    """Run the manager: REST API, gRPC for agents and workers, and the control loop."""
+    import asyncio
+
+    from ntp_manager.service.app import run_service
+
+    settings = _settings(data_dir=data_dir, database_url=database_url, http_host=http_host, http_port=http_port,
+                         grpc_host=grpc_host, grpc_port=grpc_port)
+    try:
+        asyncio.run(run_service(settings))
+    except OSError as e:
+        fail(f"cannot start: {e}")
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: str = "head", data_dir: DataDir = None, database_url: DbUrl = None) -> None:
+    """Apply migrations up to REVISION (default head)."""
+    from ntp_manager.store import db
+
+    settings = _settings(data_dir=data_dir, database_url=database_url)
+
+    async def go(engine: Any) -> str | None:
+        await db.upgrade(engine, revision)
+        return await db.current_revision(engine)
+
+    print(f"database at revision {_run_db(go, settings)}")
+
+
+@db_app.command("downgrade")
+def db_downgrade(revision: str = "base", data_dir: DataDir = None, database_url: DbUrl = None) -> None:
+    """Revert migrations down to REVISION (default base: an empty schema)."""
+    from ntp_manager.store import db
+
+    settings = _settings(data_dir=data_dir, database_url=database_url)
+
+    async def go(engine: Any) -> str | None:
+        await db.downgrade(engine, revision)
+        return await db.current_revision(engine)
+
+    print(f"database at revision {_run_db(go, settings)}")
+
+
+def _with_manager(settings: Settings, fn: Callable[[Any], Awaitable[Any]]) -> Any:
+    from ntp_manager.service.errors import ServiceError
+    from ntp_manager.service.manager import Manager
+    from ntp_manager.store import db
+
+    async def go(engine: Any) -> Any:
+        await db.upgrade(engine)
+        m = Manager(settings)
+        async with m.sm() as s:
+            await m._reload_tokens(s)
+        try:
+            return await fn(m)
+        finally:
+            await m.engine.dispose()
+
+    try:
+        return _run_db(go, settings)
+    except ServiceError as e:
+        fail(e.message)
+
+
+@token_app.command("create")
+def token_create(
+    scope: Annotated[str, typer.Option(help="viewer | operator | agent | worker")],
+    name: Annotated[str, typer.Option(help="who or what holds it")] = "cli",
+    data_dir: DataDir = None,
+    database_url: DbUrl = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Create a token and print it once (only its hash is stored)."""
+    settings = _settings(data_dir=data_dir, database_url=database_url)
+    token = _with_manager(settings, lambda m: m.create_token(name, scope))
+    if as_json:
+        print(json.dumps({"token": token, "scope": scope, "name": name}))
+    else:
+        print(token)
+
+
+@token_app.command("list")
+def token_list(data_dir: DataDir = None, database_url: DbUrl = None) -> None:
+    """List tokens (ids, names, scopes; never the secrets)."""
+    settings = _settings(data_dir=data_dir, database_url=database_url)
+    rows = _with_manager(settings, lambda m: m.list_tokens())
+    print(json.dumps(rows, indent=2))
+
+
+@token_app.command("revoke")
+def token_revoke(token_id: str, data_dir: DataDir = None, database_url: DbUrl = None) -> None:
+    """Revoke the token with this id (the 8 characters after `ntp_`)."""
+    settings = _settings(data_dir=data_dir, database_url=database_url)
+    _with_manager(settings, lambda m: m.revoke_token(token_id))
+    print(f"revoked {token_id}")
+
+
+def _register_simulate() -> None:
+    from ntp_manager.cli_sim import simulate
+
+    app.command("simulate")(simulate)
+
+
+_register_simulate()
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

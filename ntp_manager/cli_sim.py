@@ -1,0 +1,283 @@
+"""`ntp-manager simulate`: what would failures cost this cluster under each scheme?
+
+Static mode (default): sweep failed fractions with random placements.
+Trace mode (`--days`): event-driven failures and repairs at the model's rates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ntp_manager.planner import PlanError, Scheme
+from ntp_manager.sim import (
+    SimError,
+    SimSetup,
+    make_trace,
+    min_spares_never_pause,
+    preset,
+    preset_cluster,
+    replay,
+    static_sweep,
+)
+from ntp_manager.specfile import SpecError, load_cluster, load_job
+from ntp_manager.topology import TopologyError
+
+DEFAULT_SWEEP = "0:0.004:9"
+
+
+def parse_fractions(text: str) -> list[float]:
+    """'a,b,c' or 'start:stop:count' (inclusive)."""
+    try:
+        if ":" in text:
+            a, b, n = text.split(":")
+            count = int(n)
+            if count < 1:
+                raise ValueError
+            values = [float(x) for x in np.linspace(float(a), float(b), count)]
+        else:
+            values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SimError(f"--failed-fraction {text!r}: use 'a,b,c' or 'start:stop:count'") from None
+    if not values:
+        raise SimError("--failed-fraction: no values")
+    for v in values:
+        if not 0 <= v < 1:
+            raise SimError(f"failed fraction must be in [0, 1), got {v}")
+    return values
+
+
+def parse_ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SimError(f"{what} {text!r}: use a comma-separated list of integers") from None
+    if not values or any(v < 0 for v in values):
+        raise SimError(f"{what} must be non-negative integers")
+    return values
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=True, disable=not console.is_terminal,
+    )
+
+
+def simulate(
+    preset_name: Annotated[str, typer.Option("--preset", help="paper-32k | uniform-tp64 | small")] = "paper-32k",
+    cluster: Annotated[Path | None, typer.Option("--cluster", help="cluster YAML instead of a preset")] = None,
+    job: Annotated[Path | None, typer.Option("--job", help="job YAML instead of the preset's")] = None,
+    scheme: Annotated[list[str] | None, typer.Option("--scheme", help="dp-drop | ntp | ntp-pw | all")] = None,
+    failed_fraction: Annotated[str, typer.Option(help="static sweep: 'a,b,c' or 'start:stop:count'")] = DEFAULT_SWEEP,
+    placements: Annotated[int, typer.Option(help="random placements per static point")] = 100,
+    days: Annotated[float | None, typer.Option(help="trace mode: simulate this many days")] = None,
+    spares: Annotated[str, typer.Option(help="spare TP groups (comma list in trace mode)")] = "0",
+    fixed_minibatch: Annotated[bool, typer.Option(help="pause while the global batch is below target")] = False,
+    find_spares: Annotated[bool, typer.Option(help="trace mode: fewest spares that never pause")] = False,
+    max_spares: Annotated[int, typer.Option(help="largest spare pool to consider")] = 160,
+    seeds: Annotated[int, typer.Option(help="trace mode: number of traces (seed, seed+1, ...)")] = 1,
+    warmup_days: Annotated[
+        float | None, typer.Option(help="trace mode: run this long first (default 2x hardware repair)")
+    ] = None,
+    repair_days: Annotated[float | None, typer.Option(help="hardware repair time in days")] = None,
+    software_repair_hours: Annotated[float | None, typer.Option(help="software repair time in hours")] = None,
+    rate_multiplier: Annotated[float, typer.Option(help="multiply the per-GPU failure rate")] = 1.0,
+    failure_rate: Annotated[float | None, typer.Option(help="failures per GPU-hour (default Llama 3)")] = None,
+    blast_node: Annotated[float, typer.Option(help="probability a failure takes its node")] = 0.0,
+    blast_domain: Annotated[float, typer.Option(help="probability a failure takes its domain")] = 0.0,
+    seed: Annotated[int, typer.Option(help="random seed")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="print results as JSON")] = False,
+    plot: Annotated[Path | None, typer.Option(help="write a PNG plot here")] = None,
+) -> None:
+    """Simulate failures against the real planner: static sweeps or event-driven traces."""
+    from ntp_manager.cli import fail
+
+    console = Console(stderr=as_json)
+    try:
+        p = preset(preset_name)
+        model = dataclasses.replace(
+            p.model,
+            rate_multiplier=rate_multiplier,
+            blast_node=blast_node,
+            blast_domain=blast_domain,
+            **({"rate_per_gpu_hour": failure_rate} if failure_rate is not None else {}),
+            **({"hardware_repair_h": repair_days * 24} if repair_days is not None else {}),
+            **({"software_repair_h": software_repair_hours} if software_repair_hours is not None else {}),
+        )
+        model.validate()
+        schemes = _schemes(scheme)
+        spare_list = parse_ints(spares, "--spares")
+        if placements < 1:
+            raise SimError("--placements must be >= 1")
+        if seeds < 1:
+            raise SimError("--seeds must be >= 1")
+        pool = max(max(spare_list), max_spares if find_spares else 0)
+        job_spec = load_job(job) if job else p.job
+        if cluster:
+            c = load_cluster(cluster)
+        else:
+            per_domain = p.domain_size // job_spec.tp if job_spec.tp <= p.domain_size else 1
+            c = preset_cluster(p, -(-pool // max(per_domain, 1)))
+        setup = SimSetup.create(c, job_spec, model, pool)
+        if days is None:
+            fractions = parse_fractions(failed_fraction)
+            result = _run_static(console, setup, schemes, fractions, placements, seed, spare_list[0], plot, p.name)
+        else:
+            if days <= 0:
+                raise SimError(f"--days must be positive, got {days}")
+            warm = 2 * model.hardware_repair_h / 24 if warmup_days is None else warmup_days
+            result = _run_trace(
+                console, setup, schemes, days, warm, seed, seeds, spare_list, fixed_minibatch, find_spares, plot,
+                p.name,
+            )
+    except (SimError, PlanError, SpecError, TopologyError) as e:
+        fail(str(e))
+    result["model"] = dataclasses.asdict(model)
+    result["preset"] = p.name if not (cluster or job) else None
+    if as_json:
+        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+
+
+def _schemes(names: list[str] | None) -> list[Scheme]:
+    if not names or "all" in names:
+        return list(Scheme)
+    out = []
+    for n in names:
+        try:
+            out.append(Scheme(n))
+        except ValueError:
+            raise SimError(f"unknown scheme {n!r}; choose dp-drop, ntp, ntp-pw or all") from None
+    return out
+
+
+def _run_static(
+    console: Console, setup: SimSetup, schemes: list[Scheme], fractions: list[float], placements: int,
+    seed: int, spares: int, plot: Path | None, name: str,
+) -> dict[str, Any]:
+    with _progress(console) as prog:
+        task = prog.add_task("placements", total=len(fractions) * placements)
+        points = static_sweep(
+            setup, schemes, fractions, placements, seed, spares, progress=lambda n: prog.advance(task, n)
+        )
+    table = Table(title=f"throughput loss vs failed fraction ({name}, {placements} placements, spares {spares})")
+    table.add_column("failed %", justify="right")
+    table.add_column("failed GPUs", justify="right")
+    T = setup.job.tp
+    table.add_column(f"hit groups 1-(1-f)^{T}", justify="right")
+    for s in schemes:
+        table.add_column(f"{s.value} mean (max)", justify="right")
+    by = {(pt.fraction, pt.scheme): pt for pt in points}
+    for f in fractions:
+        row = [f"{100 * f:.3f}", str(by[(f, schemes[0])].failed_gpus), f"{100 * (1 - (1 - f) ** T):.2f}%"]
+        row += [f"{100 * by[(f, s)].mean_loss:.2f}% ({100 * by[(f, s)].max_loss:.2f}%)" for s in schemes]
+        table.add_row(*row)
+    console.print(table)
+    if plot:
+        from ntp_manager.sim.plots import plot_static
+
+        plot_static(points, plot, f"{name}: throughput loss vs failed GPUs")
+        console.print(f"plot written to {plot}")
+    return {
+        "mode": "static",
+        "placements": placements,
+        "seed": seed,
+        "spares": spares,
+        "points": [
+            {"fraction": pt.fraction, "failed_gpus": pt.failed_gpus, "scheme": pt.scheme.value,
+             "mean_loss": pt.mean_loss, "max_loss": pt.max_loss, "min_loss": min(pt.losses)}
+            for pt in points
+        ],
+    }
+
+
+def _run_trace(
+    console: Console, setup: SimSetup, schemes: list[Scheme], days: float, warmup: float, seed: int, seeds: int,
+    spare_list: list[int], fixed: bool, find: bool, plot: Path | None, name: str,
+) -> dict[str, Any]:
+    traces = [make_trace(setup, days, seed + k, warmup) for k in range(seeds)]
+    configs = [(s, sp) for s in schemes for sp in spare_list]
+    runs: list[dict[str, Any]] = []
+    with _progress(console) as prog:
+        total = sum(len(t.events) for t in traces) * (1 + (len(schemes) if find else 0))
+        task = prog.add_task(f"{seeds} trace(s) of {days:g} days", total=total)
+        for k, tr in enumerate(traces):
+            stats = replay(setup, tr, configs, fixed, progress=lambda n: prog.advance(task, n))
+            needed = {}
+            if find:
+                for s in schemes:
+                    needed[s.value] = min_spares_never_pause(setup, tr, s, progress=lambda n: prog.advance(task, n))
+            runs.append({"seed": seed + k, "trace": tr, "stats": stats, "spares_needed": needed})
+
+    mtbf = 1 / (setup.model.effective_rate * setup.n_gpus)
+    console.print(
+        f"{name}: {setup.n_gpus:,} simulated GPUs, a failure every {mtbf:.2f} h on average, hardware repair "
+        f"{setup.model.hardware_repair_h / 24:g} d, software repair {setup.model.software_repair_h:g} h, "
+        f"steady-state failed fraction ~{100 * setup.model.steady_state_failed_fraction():.3f}%; "
+        f"warm-up {warmup:g} d before the window"
+    )
+    t1 = Table(title=f"traces ({days:g} days)")
+    for col in ("seed", "failures", "peak failed GPUs", "time with > 0.1% failed"):
+        t1.add_column(col, justify="right")
+    for r in runs:
+        tr = r["trace"]
+        t1.add_row(str(r["seed"]), str(tr.failures), str(tr.peak_failed()), f"{100 * tr.time_share_above(0.001):.1f}%")
+    console.print(t1)
+    t2 = Table(title="throughput over the trace" + (" (fixed minibatch)" if fixed else ""))
+    for col in ("seed", "scheme", "spares", "mean throughput", "min", "paused", "per-GPU throughput"):
+        t2.add_column(col, justify="right")
+    for r in runs:
+        for s in r["stats"]:
+            t2.add_row(
+                str(r["seed"]), s.scheme.value, str(s.spares), f"{100 * s.mean_throughput:.2f}%",
+                f"{100 * s.min_throughput:.2f}%", f"{100 * s.paused_share:.2f}%", f"{100 * s.per_gpu_throughput:.2f}%",
+            )
+    console.print(t2)
+    if find:
+        t3 = Table(title="spare groups needed never to pause (fixed minibatch)")
+        t3.add_column("scheme")
+        for r in runs:
+            t3.add_column(f"seed {r['seed']}", justify="right")
+        t3.add_column("max", justify="right")
+        for s in schemes:
+            vals = [r["spares_needed"][s.value] for r in runs]
+            shown = ["> max" if v is None else str(v) for v in vals]
+            worst = "> max" if any(v is None for v in vals) else str(max(vals))
+            t3.add_row(s.value, *shown, worst)
+        console.print(t3)
+    if plot:
+        from ntp_manager.sim.plots import plot_trace
+
+        plot_trace(runs[0]["trace"], runs[0]["stats"], plot, f"{name}: {days:g}-day trace, seed {runs[0]['seed']}")
+        console.print(f"plot written to {plot}")
+    return {
+        "mode": "trace",
+        "days": days,
+        "warmup_days": warmup,
+        "fixed_minibatch": fixed,
+        "runs": [
+            {
+                "seed": r["seed"],
+                "failures": r["trace"].failures,
+                "peak_failed_gpus": r["trace"].peak_failed(),
+                "time_share_above_0.1pct": r["trace"].time_share_above(0.001),
+                "stats": [
+                    {"scheme": s.scheme.value, "spares": s.spares, "mean_throughput": s.mean_throughput,
+                     "min_throughput": s.min_throughput, "paused_share": s.paused_share,
+                     "per_gpu_throughput": s.per_gpu_throughput, "replans": s.replans}
+                    for s in r["stats"]
+                ],
+                "spares_needed": r["spares_needed"],
+            }
+            for r in runs
+        ],
+    }

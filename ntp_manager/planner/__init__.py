@@ -1,0 +1,25 @@
+"""The pure planner: GPU health in, DP replicas with TP degrees, local batches and power caps out.
+
+No I/O, no clock, no framework imports: the simulator and the live manager call the same code.
+"""
+
+from ntp_manager.planner.ntp_map import NtpMap, Transfer, even_chunks, ntp_map, sync_groups
+from ntp_manager.planner.plan import GroupPlan, Plan, ReplicaPlan, SetAside, make_plan
+from ntp_manager.planner.spec import JobSpec, PlanError, PowerModel, Scheme
+
+__all__ = [
+    "GroupPlan",
+    "JobSpec",
+    "NtpMap",
+    "Plan",
+    "PlanError",
+    "PowerModel",
+    "ReplicaPlan",
+    "Scheme",
+    "SetAside",
+    "Transfer",
+    "even_chunks",
+    "make_plan",
+    "ntp_map",
+    "sync_groups",
+]

@@ -1,0 +1,180 @@
+"""What a job asks of the planner: the job spec, the scheme, and the power model.
+
+Pure data with validation. `JobSpec.validate()` raises `PlanError` with one clear sentence for the
+first problem found; the planner calls it, so library users get the same checks as the CLI.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from ntp_manager.planner.ntp_map import max_units_per_rank
+
+
+class PlanError(ValueError):
+    """The planner's input is invalid; the message says what and how to fix it."""
+
+
+class Scheme(StrEnum):
+    DP_DROP = "dp-drop"  # uniform TP: a TP group with any unusable GPU is dropped
+    NTP = "ntp"  # packed replicas run at their lowest TP degree with a smaller local batch
+    NTP_PW = "ntp-pw"  # only the reduced group runs at lower TP; its GPUs get more power
+
+
+@dataclass(frozen=True)
+class PowerModel:
+    """Per-GPU speed as a function of its power limit, and the rack budget.
+
+    - speed(p) = p ** exponent for p = limit / TDP, unless `curve` gives measured
+      (power ratio, speed ratio) points, which are interpolated linearly (and extrapolated flat).
+    - A GPU may be raised to at most `max_boost` x TDP (and never above its own max limit).
+    - A domain's budget is its configured `power_budget_w`, else `rack_headroom` x the sum of its
+      GPUs' TDPs. The default headroom of 1.15 models the paper's co-designed rack, whose power
+      delivery can move the budget of failed GPUs to survivors and carry a boost on a few racks.
+    - Unusable GPUs are assumed to draw `unusable_draw_ratio` x TDP (0: powered down); idle usable
+      GPUs are counted at TDP, so the budget holds even if they start working.
+    """
+
+    max_boost: float = 1.3
+    exponent: float = 0.7
+    rack_headroom: float = 1.15
+    unusable_draw_ratio: float = 0.0
+    curve: tuple[tuple[float, float], ...] = ()
+
+    def validate(self) -> None:
+        if self.max_boost < 1.0:
+            raise PlanError(f"power.max_boost must be >= 1.0, got {self.max_boost}")
+        if not 0 < self.exponent <= 2:
+            raise PlanError(f"power.exponent must be in (0, 2], got {self.exponent}")
+        if self.rack_headroom <= 0:
+            raise PlanError(f"power.rack_headroom must be positive, got {self.rack_headroom}")
+        if not 0 <= self.unusable_draw_ratio <= self.max_boost:
+            raise PlanError("power.unusable_draw_ratio must be between 0 and max_boost")
+        if self.curve:
+            ps = [p for p, _ in self.curve]
+            ss = [s for _, s in self.curve]
+            if len(self.curve) < 2 or ps != sorted(set(ps)) or ss != sorted(ss) or min(ss) <= 0:
+                raise PlanError(
+                    "power.curve needs >= 2 points with strictly increasing power and "
+                    "non-decreasing positive speed"
+                )
+
+    def speed(self, power_ratio: float) -> float:
+        if not self.curve:
+            return float(power_ratio**self.exponent)
+        return _interp(self.curve, power_ratio, 0)
+
+    def power_for_speed(self, speed_ratio: float) -> float:
+        """Smallest power ratio that reaches `speed_ratio` (may exceed max_boost)."""
+        if not self.curve:
+            return float(speed_ratio ** (1.0 / self.exponent))
+        if speed_ratio > self.curve[-1][1] + 1e-12:
+            return float("inf")
+        return _interp(self.curve, speed_ratio, 1)
+
+
+def _interp(points: Sequence[tuple[float, float]], x: float, axis: int) -> float:
+    xs = [p[axis] for p in points]
+    ys = [p[1 - axis] for p in points]
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    j = bisect.bisect_left(xs, x)
+    if xs[j] == x:
+        return ys[j]
+    x0, x1, y0, y1 = xs[j - 1], xs[j], ys[j - 1], ys[j]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A training job as the planner sees it.
+
+    tp                 healthy TP degree (<= domain size; a domain may hold several TP groups)
+    groups_per_replica TP groups per DP replica (the pipeline depth)
+    replicas           DP replicas when everything is healthy; target global batch is
+                       replicas x local_batch samples
+    min_tp             lowest TP degree the job tolerates (groups below it are dropped)
+    heads, mlp_columns unit counts (attention heads or KV groups; MLP intermediate columns)
+    attention_share    share of a rank's step time spent on attention units (rest: MLP units)
+    local_batch        samples per replica per step when healthy
+    spares             TP groups beyond replicas x groups_per_replica the job may draw on
+    domains            domain ids the job may use, in order (empty: every domain of the cluster)
+    """
+
+    name: str
+    tp: int
+    groups_per_replica: int
+    replicas: int
+    local_batch: int
+    min_tp: int = 1
+    heads: int = 0
+    mlp_columns: int = 0
+    attention_share: float = 0.4
+    scheme: Scheme = Scheme.NTP
+    spares: int = 0
+    domains: tuple[str, ...] = ()
+    power: PowerModel = field(default_factory=PowerModel)
+
+    @property
+    def target_batch(self) -> int:
+        return self.replicas * self.local_batch
+
+    @property
+    def primary_groups(self) -> int:
+        return self.replicas * self.groups_per_replica
+
+    def validate(self) -> None:
+        if not self.name:
+            raise PlanError("job name must not be empty")
+        for attr in ("tp", "groups_per_replica", "replicas", "local_batch", "min_tp"):
+            v = getattr(self, attr)
+            if not isinstance(v, int) or v < 1:
+                raise PlanError(f"{attr} must be a positive integer, got {v!r}")
+        if self.min_tp > self.tp:
+            raise PlanError(f"min_tp {self.min_tp} is above the healthy TP degree {self.tp}")
+        if self.spares < 0:
+            raise PlanError(f"spares must be >= 0, got {self.spares}")
+        if self.heads < 0 or self.mlp_columns < 0:
+            raise PlanError("unit counts (heads, mlp_columns) must be >= 0")
+        if self.heads == 0 and self.mlp_columns == 0:
+            raise PlanError("a job needs unit counts: heads and/or mlp_columns")
+        for label, units in (("heads", self.heads), ("mlp_columns", self.mlp_columns)):
+            if units and units < self.tp:
+                raise PlanError(f"{label}={units} is smaller than tp={self.tp}: some rank would hold no unit")
+        if not 0.0 <= self.attention_share <= 1.0:
+            raise PlanError(f"attention_share must be in [0, 1], got {self.attention_share}")
+        if len(set(self.domains)) != len(self.domains):
+            raise PlanError("job domains contain duplicates")
+        self.power.validate()
+
+    # ---- the work model -----------------------------------------------------------------------
+    def work(self, tp: int) -> float:
+        """Per-sample step time of a rank at TP degree `tp`, relative to the healthy degree.
+
+        A rank's time is set by the most units it holds of each kind (ceil(U / tp)); attention and
+        MLP are weighted by `attention_share`. work(self.tp) == 1.0.
+        Example: 128 heads, 81,920 columns, tp 32 -> 31, share 0.4:
+        0.4 * 5/4 + 0.6 * 2643/2560 = 1.1195."""
+        parts = []
+        if self.heads:
+            parts.append((self.attention_share if self.mlp_columns else 1.0, self.heads))
+        if self.mlp_columns:
+            parts.append((1.0 - self.attention_share if self.heads else 1.0, self.mlp_columns))
+        return sum(
+            w * max_units_per_rank(u, tp) / max_units_per_rank(u, self.tp) for w, u in parts
+        )
+
+    def reduced_batch(self, tp: int, speed: float = 1.0) -> int:
+        """Largest local batch at degree `tp` (GPUs at relative `speed`) whose step time does not
+        exceed a healthy replica's: floor(local_batch * speed / work(tp))."""
+        ratio = speed / self.work(tp)
+        # Power ratios are rounded down to 1e-6 so caps stay within budget; a shortfall that small
+        # is not worth a sample.
+        if ratio >= 1.0 - 1e-6:
+            return self.local_batch
+        return int(self.local_batch * ratio + 1e-9)

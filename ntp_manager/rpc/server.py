@@ -1,0 +1,321 @@
+"""gRPC: the agent and worker services, auth, health and reflection on one grpc.aio server.
+
+Auth: `authorization: Bearer <token>` metadata; AgentService needs an `agent` token, WorkerService
+a `worker` token; health and reflection are open. Missing/unknown token -> UNAUTHENTICATED, wrong
+scope -> PERMISSION_DENIED. Malformed requests -> INVALID_ARGUMENT (nothing written).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
+from google.protobuf.timestamp_pb2 import Timestamp
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
+from ntp_manager.auth import parse_bearer
+from ntp_manager.service.errors import ServiceError
+from ntp_manager.service.manager import GpuInventory, GpuReport, Manager
+from ntp_manager.service.views import LayoutViews, build_views
+
+log = structlog.get_logger("ntp.rpc")
+
+STATE_NAMES = {
+    common_pb2.GPU_STATE_HEALTHY: "healthy",
+    common_pb2.GPU_STATE_SUSPECT: "suspect",
+    common_pb2.GPU_STATE_DEGRADED: "degraded",
+    common_pb2.GPU_STATE_FAILED: "failed",
+    common_pb2.GPU_STATE_CORDONED: "cordoned",
+    common_pb2.GPU_STATE_DRAINING: "draining",
+    common_pb2.GPU_STATE_MAINTENANCE: "maintenance",
+}
+SERVICE_PERMISSION = {"ntp.v1.AgentService": "agent", "ntp.v1.WorkerService": "worker"}
+
+
+def _code(err: ServiceError) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, err.grpc_code)
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    def __init__(self, manager: Manager) -> None:
+        self.manager = manager
+
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], details: grpc.HandlerCallDetails
+    ) -> Any:
+        handler = await continuation(details)
+        service = details.method.lstrip("/").split("/")[0]
+        perm = SERVICE_PERMISSION.get(service)
+        if handler is None or perm is None:
+            return handler
+        header = dict(details.invocation_metadata or ()).get("authorization")
+        token = parse_bearer(header)
+        principal = self.manager.tokens.verify(token) if token else None
+        if principal is None:
+            code, msg = grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token"
+        elif not principal.can(perm):
+            code, msg = grpc.StatusCode.PERMISSION_DENIED, f"a {principal.scope!r} token may not call {service}"
+        else:
+            return handler
+        return _deny(handler, code, msg)
+
+
+def _deny(handler: Any, code: grpc.StatusCode, msg: str) -> Any:
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(code, msg)
+
+    async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await context.abort(code, msg)
+        yield None  # pragma: no cover
+
+    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(streaming, **kw)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(streaming, **kw)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(unary, **kw)
+    return grpc.unary_unary_rpc_method_handler(unary, **kw)
+
+
+class AgentService(agent_pb2_grpc.AgentServiceServicer):  # type: ignore[misc]
+    def __init__(self, manager: Manager) -> None:
+        self.m = manager
+        self._ids = itertools.count(1)
+
+    async def Connect(
+        self, request_iterator: AsyncIterator[agent_pb2.AgentMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[agent_pb2.ManagerMessage]:
+        try:
+            first = await anext(aiter(request_iterator))
+        except StopAsyncIteration:
+            return
+        if first.WhichOneof("body") != "hello":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message on the stream must be a hello")
+        h = first.hello
+        inv = [
+            GpuInventory(g.uuid, g.index, g.model, g.memory_bytes, g.power.default_mw or 1_000_000,
+                         g.power.min_mw or 200_000, g.power.max_mw or 1_300_000)
+            for g in h.gpus
+        ]
+        try:
+            session, last_seq = await self.m.register_agent(h.node, h.domain, inv, h.boot_id, h.agent_version)
+        except ServiceError as e:
+            await context.abort(_code(e), e.message)
+        node = h.node
+        log.info("agent connected", node=node, last_seq=last_seq, gpus=len(inv))
+        yield agent_pb2.ManagerMessage(
+            welcome=agent_pb2.Welcome(
+                leader_epoch=self.m.epoch, last_applied_seq=last_seq,
+                heartbeat_interval_ms=int(self.m.settings.heartbeat_interval_s * 1000),
+            )
+        )
+
+        async def read() -> None:
+            try:
+                async for msg in request_iterator:
+                    kind = msg.WhichOneof("body")
+                    if kind == "heartbeat":
+                        self.m.heartbeat(node)
+                    elif kind == "report":
+                        r = msg.report
+                        reports = [
+                            GpuReport(g.uuid, STATE_NAMES.get(g.state, f"unknown({g.state})"), list(g.reasons),
+                                      [x.xid for x in g.xids], g.power.enforced_mw or None)
+                            for g in r.gpus
+                        ]
+                        seq = await self.m.apply_report(node, r.seq, reports)
+                        session.outbox.put_nowait(("ack", seq))
+                    elif kind == "result":
+                        res = msg.result
+                        readings = [(u, p.enforced_mw) for u, p in zip(res.gpu_uuids, res.power, strict=False)]
+                        await self.m.record_power_result(node, readings)
+                    elif kind == "hello":
+                        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "hello may only be sent once per stream")
+                    else:
+                        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "empty agent message")
+            except ServiceError as e:
+                session.outbox.put_nowait(("abort", _code(e), e.message))
+            except _Abort as e:
+                session.outbox.put_nowait(("abort", e.code, e.msg))
+            except (asyncio.CancelledError, grpc.aio.AioRpcError):
+                pass
+            finally:
+                session.outbox.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                item = await session.outbox.get()
+                if item is None or session.closed:
+                    break
+                if item[0] == "abort":
+                    await context.abort(item[1], item[2])
+                yield self._command(item)
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            self.m.disconnect_agent(session)
+            log.info("agent disconnected", node=node)
+
+    def _command(self, item: tuple[Any, ...]) -> agent_pb2.ManagerMessage:
+        kind = item[0]
+        cid = next(self._ids)
+        if kind == "ack":
+            return agent_pb2.ManagerMessage(ack=agent_pb2.ReportAck(seq=item[1]), command_id=cid)
+        if kind == "set_power":
+            return agent_pb2.ManagerMessage(
+                set_power=agent_pb2.SetPowerLimit(gpu_uuid=item[1], limit_mw=item[2], reason=item[3]), command_id=cid
+            )
+        if kind == "release_power":
+            return agent_pb2.ManagerMessage(release_power=agent_pb2.ReleasePowerLimit(gpu_uuid=item[1]),
+                                            command_id=cid)
+        if kind == "drain":
+            ts = Timestamp()
+            ts.FromDatetime(item[1])
+            return agent_pb2.ManagerMessage(drain=agent_pb2.Drain(deadline=ts, reason=item[2]), command_id=cid)
+        raise ValueError(kind)
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, msg: str) -> None:
+        self.code, self.msg = code, msg
+
+
+class WorkerService(worker_pb2_grpc.WorkerServiceServicer):  # type: ignore[misc]
+    def __init__(self, manager: Manager) -> None:
+        self.m = manager
+        self._views: dict[str, tuple[tuple[int, int], LayoutViews]] = {}
+
+    def views(self, job: str, rec: Any) -> LayoutViews:
+        key = (rec.leader_epoch, rec.version)
+        cached = self._views.get(job)
+        if cached is None or cached[0] != key:
+            cached = (key, build_views(rec))
+            self._views[job] = cached
+        return cached[1]
+
+    async def WatchLayout(
+        self, request: worker_pb2.WatchLayoutRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.Layout]:
+        if not request.job:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "watch needs a job name")
+        if request.job not in self.m.world.jobs:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown job {request.job!r}")
+        if request.gpu_uuid and request.gpu_uuid not in self.m.world.gpus:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown GPU {request.gpu_uuid!r}")
+        seen = (-1, -1)
+        self.m.metrics.watchers.inc()
+        try:
+            while True:
+                try:
+                    rec = await self.m.wait_layout(request.job, seen)
+                except ServiceError as e:  # the job was deleted
+                    await context.abort(_code(e), e.message)
+                if rec is None:
+                    return
+                seen = (rec.leader_epoch, rec.version)
+                # pre-serialized bytes; the handler's serializer passes bytes through
+                data = self.views(request.job, rec).bytes_for_gpu(request.gpu_uuid)
+                self.m.metrics.pushes.inc()
+                yield data
+        finally:
+            self.m.metrics.watchers.dec()
+
+    async def AckLayout(
+        self, request: worker_pb2.AckLayoutRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.AckLayoutResponse:
+        try:
+            rec = self.m.ack_layout(
+                request.job, request.worker_id, request.stamp.leader_epoch, request.stamp.version,
+                request.status != worker_pb2.ACK_STATUS_FAILED,
+            )
+        except ServiceError as e:
+            await context.abort(_code(e), e.message)
+        return worker_pb2.AckLayoutResponse(
+            current=common_pb2.LayoutStamp(leader_epoch=rec.leader_epoch, version=rec.version)
+        )
+
+    async def ReportSteps(
+        self, request: worker_pb2.StepReport, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.StepReportResponse:
+        if request.job not in self.m.world.jobs:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown job {request.job!r}")
+        for r in request.ranks:
+            if r.step_time_s < 0 or r.step_time_s != r.step_time_s:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "step_time_s must be a non-negative number")
+        self.m.step_reports[(request.job, request.worker_id)] = request
+        return worker_pb2.StepReportResponse(accepted=True)
+
+
+def _pass_bytes(msg: Any) -> bytes:
+    return msg if isinstance(msg, bytes) else msg.SerializeToString()
+
+
+def _worker_handler(svc: WorkerService) -> grpc.GenericRpcHandler:
+    """Like the generated registration, but WatchLayout may yield pre-serialized bytes."""
+    return grpc.method_handlers_generic_handler(
+        "ntp.v1.WorkerService",
+        {
+            "WatchLayout": grpc.unary_stream_rpc_method_handler(
+                svc.WatchLayout, request_deserializer=worker_pb2.WatchLayoutRequest.FromString,
+                response_serializer=_pass_bytes),
+            "AckLayout": grpc.unary_unary_rpc_method_handler(
+                svc.AckLayout, request_deserializer=worker_pb2.AckLayoutRequest.FromString,
+                response_serializer=_pass_bytes),
+            "ReportSteps": grpc.unary_unary_rpc_method_handler(
+                svc.ReportSteps, request_deserializer=worker_pb2.StepReport.FromString,
+                response_serializer=_pass_bytes),
+        },
+    )
+
+
+KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_concurrent_streams", 10_000),
+]
+
+
+class RpcServer:
+    def __init__(self, manager: Manager) -> None:
+        self.manager = manager
+        self.server = grpc.aio.server(interceptors=[AuthInterceptor(manager)], options=KEEPALIVE)
+        self.health = health_aio.HealthServicer()
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentService(manager), self.server)
+        self.server.add_generic_rpc_handlers((_worker_handler(WorkerService(manager)),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = [
+            agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name,
+            worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ]
+        reflection.enable_server_reflection(names, self.server)
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC to {host}:{port}")
+        await self.server.start()
+        for svc in ("", "ntp.v1.AgentService", "ntp.v1.WorkerService"):
+            await self.health.set(svc, health_pb2.HealthCheckResponse.SERVING)
+        return self.port
+
+    async def stop(self, grace: float = 5.0) -> None:
+        for svc in ("", "ntp.v1.AgentService", "ntp.v1.WorkerService"):
+            await self.health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(grace)

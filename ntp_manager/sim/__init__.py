@@ -1,0 +1,34 @@
+"""Simulator: failure models and traces that drive the real planner (no second policy model)."""
+
+from ntp_manager.sim.engine import (
+    Event,
+    SimSetup,
+    StaticPoint,
+    Trace,
+    TraceStats,
+    make_trace,
+    min_spares_never_pause,
+    replay,
+    static_sweep,
+)
+from ntp_manager.sim.failures import LLAMA3_RATE_PER_GPU_HOUR, FailureModel, SimError
+from ntp_manager.sim.presets import PRESETS, Preset, preset, preset_cluster
+
+__all__ = [
+    "LLAMA3_RATE_PER_GPU_HOUR",
+    "PRESETS",
+    "Event",
+    "FailureModel",
+    "Preset",
+    "SimError",
+    "SimSetup",
+    "StaticPoint",
+    "Trace",
+    "TraceStats",
+    "make_trace",
+    "min_spares_never_pause",
+    "preset",
+    "preset_cluster",
+    "replay",
+    "static_sweep",
+]

@@ -1,0 +1,222 @@
+"""Cluster and job spec files (YAML) -> topology and planner objects.
+
+File formats (documented in docs/specs.md):
+
+cluster.yaml
+    name: sample
+    defaults: {tdp_w: 1000, min_w: 200, max_w: 1300}     # optional per-GPU power limits
+    generate: {domains: 4, domain_size: 8, gpus_per_node: 4}   # either this ...
+    domains:                                            # ... or explicit domains
+      - id: nvl-0
+        power_budget_w: 9200                            # optional rack budget
+        nodes:
+          - name: node-a
+            gpus: 4                                     # a count (UUIDs derived) or a list of UUIDs
+    states: {GPU-...: failed}                           # optional GPU state overrides
+
+job.yaml
+    name: demo
+    tp: 8
+    groups_per_replica: 1
+    replicas: 3
+    local_batch: 8
+    min_tp: 4
+    heads: 32
+    mlp_columns: 4096
+    scheme: ntp-pw
+    spares: 1
+    power: {max_boost: 1.3, exponent: 0.7, rack_headroom: 1.15}
+
+Errors come out as `SpecError` with one readable line (file, field, problem).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ntp_manager.planner.spec import JobSpec, PlanError, PowerModel, Scheme
+from ntp_manager.topology import (
+    Cluster,
+    Domain,
+    Gpu,
+    GpuState,
+    PowerLimits,
+    TopologyError,
+    generate_cluster,
+    synthetic_gpu_uuid,
+)
+
+
+class SpecError(ValueError):
+    """A spec file is missing, malformed or inconsistent."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PowerDefaults(_Strict):
+    tdp_w: float = Field(1000.0, gt=0)
+    min_w: float | None = Field(None, gt=0)
+    max_w: float | None = Field(None, gt=0)
+
+    def limits(self) -> PowerLimits:
+        return PowerLimits(
+            self.tdp_w,
+            self.min_w if self.min_w is not None else 0.2 * self.tdp_w,
+            self.max_w if self.max_w is not None else 1.3 * self.tdp_w,
+        )
+
+
+class GenerateSpec(_Strict):
+    domains: int = Field(gt=0)
+    domain_size: int = Field(gt=0)
+    gpus_per_node: int = Field(gt=0)
+    power_budget_w: float | None = Field(None, gt=0)
+
+
+class NodeSpec(_Strict):
+    name: str = Field(min_length=1)
+    gpus: int | list[str]
+
+
+class DomainSpec(_Strict):
+    id: str = Field(min_length=1)
+    power_budget_w: float | None = Field(None, gt=0)
+    nodes: list[NodeSpec] = Field(min_length=1)
+
+
+class ClusterFile(_Strict):
+    name: str = "cluster"
+    defaults: PowerDefaults = PowerDefaults()
+    generate: GenerateSpec | None = None
+    domains: list[DomainSpec] | None = None
+    states: dict[str, GpuState] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ClusterFile:
+        if (self.generate is None) == (self.domains is None):
+            raise ValueError("give exactly one of 'generate' or 'domains'")
+        return self
+
+    def to_cluster(self) -> Cluster:
+        power = self.defaults.limits()
+        if self.generate is not None:
+            g = self.generate
+            cluster = generate_cluster(
+                g.domains, g.domain_size, g.gpus_per_node, name=self.name, power=power,
+                power_budget_w=g.power_budget_w,
+            )
+        else:
+            doms = []
+            for d in self.domains or []:
+                gpus = []
+                for n in d.nodes:
+                    ids = (
+                        [synthetic_gpu_uuid(self.name, d.id, n.name, i) for i in range(n.gpus)]
+                        if isinstance(n.gpus, int)
+                        else n.gpus
+                    )
+                    if isinstance(n.gpus, int) and n.gpus < 1:
+                        raise TopologyError(f"node {n.name}: gpus must be positive")
+                    gpus.extend(Gpu(u, n.name, d.id, i, GpuState.HEALTHY, power) for i, u in enumerate(ids))
+                doms.append(Domain(d.id, tuple(gpus), d.power_budget_w))
+            cluster = Cluster.build(self.name, doms)
+        return cluster.with_states(self.states)
+
+
+class PowerSpec(_Strict):
+    max_boost: float = 1.3
+    exponent: float = 0.7
+    rack_headroom: float = 1.15
+    unusable_draw_ratio: float = 0.0
+    curve: list[tuple[float, float]] = Field(default_factory=list)
+
+    def model(self) -> PowerModel:
+        return PowerModel(
+            self.max_boost, self.exponent, self.rack_headroom, self.unusable_draw_ratio, tuple(self.curve)
+        )
+
+
+class JobFile(_Strict):
+    name: str = Field(min_length=1)
+    tp: int
+    groups_per_replica: int = 1
+    replicas: int
+    local_batch: int
+    min_tp: int = 1
+    heads: int = 0
+    mlp_columns: int = 0
+    attention_share: float = 0.4
+    scheme: Literal["dp-drop", "ntp", "ntp-pw"] = "ntp"
+    spares: int = 0
+    domains: list[str] = Field(default_factory=list)
+    power: PowerSpec = PowerSpec()
+
+    def to_job(self) -> JobSpec:
+        job = JobSpec(
+            name=self.name, tp=self.tp, groups_per_replica=self.groups_per_replica,
+            replicas=self.replicas, local_batch=self.local_batch, min_tp=self.min_tp,
+            heads=self.heads, mlp_columns=self.mlp_columns, attention_share=self.attention_share,
+            scheme=Scheme(self.scheme), spares=self.spares, domains=tuple(self.domains),
+            power=self.power.model(),
+        )
+        job.validate()
+        return job
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such file") from None
+    except OSError as e:
+        raise SpecError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise SpecError(f"{path}: malformed YAML{where}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def _fmt_validation(path: Path | str, err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(x) for x in first["loc"]) or "(top level)"
+    more = f" (and {err.error_count() - 1} more problem(s))" if err.error_count() > 1 else ""
+    return f"{path}: {loc}: {first['msg']}{more}"
+
+
+def cluster_from_dict(data: dict[str, Any], source: str = "cluster") -> Cluster:
+    try:
+        return ClusterFile.model_validate(data.get("cluster", data)).to_cluster()
+    except ValidationError as e:
+        raise SpecError(_fmt_validation(source, e)) from None
+    except TopologyError as e:
+        raise SpecError(f"{source}: {e}") from None
+
+
+def job_from_dict(data: dict[str, Any], source: str = "job") -> JobSpec:
+    try:
+        return JobFile.model_validate(data.get("job", data)).to_job()
+    except ValidationError as e:
+        raise SpecError(_fmt_validation(source, e)) from None
+    except PlanError as e:
+        raise SpecError(f"{source}: {e}") from None
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    p = Path(path)
+    return cluster_from_dict(_read_yaml(p), str(p))
+
+
+def load_job(path: str | Path) -> JobSpec:
+    p = Path(path)
+    return job_from_dict(_read_yaml(p), str(p))

@@ -1,0 +1,85 @@
+"""Engine, sessions and migrations.
+
+SQLite (aiosqlite) is the embedded default: WAL journal, synchronous=FULL (an acknowledged write
+survives a SIGKILL or power loss), foreign keys on. PostgreSQL (asyncpg) is the production store.
+Migrations are Alembic's, in `migrations/`; `upgrade()` runs them on an open async connection so it
+works both from the CLI and inside the running manager.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import event
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+
+MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
+
+
+def make_engine(url: str) -> AsyncEngine:
+    if url.startswith("sqlite"):
+        engine = create_async_engine(url, connect_args={"timeout": 30})
+
+        @event.listens_for(engine.sync_engine, "connect")
+        def _pragmas(dbapi_conn: Any, _: Any) -> None:
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=FULL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.close()
+
+        return engine
+    return create_async_engine(url, pool_size=10, max_overflow=10, pool_pre_ping=True)
+
+
+def sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
+    return async_sessionmaker(engine, expire_on_commit=False)
+
+
+def alembic_config(url: str) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    cfg.set_main_option("sqlalchemy.url", url)
+    return cfg
+
+
+def _run(conn: Connection, url: str, target: str, down: bool) -> None:
+    cfg = alembic_config(url)
+    cfg.attributes["connection"] = conn
+    if down:
+        command.downgrade(cfg, target)
+    else:
+        command.upgrade(cfg, target)
+
+
+async def upgrade(engine: AsyncEngine, target: str = "head") -> None:
+    async with engine.begin() as conn:
+        await conn.run_sync(_run, str(engine.url), target, False)
+
+
+async def downgrade(engine: AsyncEngine, target: str = "base") -> None:
+    async with engine.begin() as conn:
+        await conn.run_sync(_run, str(engine.url), target, True)
+
+
+async def current_revision(engine: AsyncEngine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    def _rev(conn: Connection) -> str | None:
+        return MigrationContext.configure(conn).get_current_revision()
+
+    async with engine.connect() as conn:
+        return await conn.run_sync(_rev)
+
+
+@asynccontextmanager
+async def transaction(sm: async_sessionmaker[AsyncSession]) -> AsyncIterator[AsyncSession]:
+    async with sm() as session, session.begin():
+        yield session

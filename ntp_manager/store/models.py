@@ -1,0 +1,163 @@
+"""SQLAlchemy 2 models: the manager's durable truth.
+
+Append-only tables (health_events, audit_log, layouts) are never updated or deleted by the code.
+GPU state is split in two: `health` (set by evidence: agent reports, heartbeat loss, an operator's
+mark-healthy) and `admin` (set only by operators: cordoned, draining, maintenance). The effective
+state is the admin state when set, else the health state, so automation can never undo a cordon.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class DomainRow(Base):
+    __tablename__ = "domains"
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    power_budget_w: Mapped[float | None] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class NodeRow(Base):
+    __tablename__ = "nodes"
+    name: Mapped[str] = mapped_column(String(256), primary_key=True)
+    domain_id: Mapped[str] = mapped_column(ForeignKey("domains.id"), index=True)
+    boot_id: Mapped[str] = mapped_column(String(128), default="")
+    agent_version: Mapped[str] = mapped_column(String(64), default="")
+    last_seq: Mapped[int] = mapped_column(BigInteger, default=0)
+    drain_deadline: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    drain_reason: Mapped[str | None] = mapped_column(Text)
+    registered_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class GpuRow(Base):
+    __tablename__ = "gpus"
+    uuid: Mapped[str] = mapped_column(String(128), primary_key=True)
+    node: Mapped[str] = mapped_column(ForeignKey("nodes.name"), index=True)
+    domain_id: Mapped[str] = mapped_column(ForeignKey("domains.id"), index=True)
+    idx: Mapped[int] = mapped_column(Integer)
+    model: Mapped[str] = mapped_column(String(128), default="")
+    memory_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    tdp_mw: Mapped[int] = mapped_column(Integer, default=1_000_000)
+    min_mw: Mapped[int] = mapped_column(Integer, default=200_000)
+    max_mw: Mapped[int] = mapped_column(Integer, default=1_300_000)
+    health: Mapped[str] = mapped_column(String(16), default="healthy", index=True)
+    health_reason: Mapped[str] = mapped_column(Text, default="")
+    health_since: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    admin: Mapped[str | None] = mapped_column(String(16))
+    admin_owner: Mapped[str | None] = mapped_column(String(128))
+    admin_reason: Mapped[str | None] = mapped_column(Text)
+    desired_mw: Mapped[int | None] = mapped_column(Integer)
+    enforced_mw: Mapped[int | None] = mapped_column(Integer)
+
+    @property
+    def state(self) -> str:
+        return self.admin or self.health
+
+
+class HealthEventRow(Base):
+    __tablename__ = "health_events"
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    gpu_uuid: Mapped[str] = mapped_column(String(128), index=True)
+    node: Mapped[str] = mapped_column(String(256))
+    seq: Mapped[int | None] = mapped_column(BigInteger)  # agent report seq; None for manager-made events
+    source: Mapped[str] = mapped_column(String(32))  # agent | heartbeat | operator
+    old_state: Mapped[str] = mapped_column(String(16))
+    new_state: Mapped[str] = mapped_column(String(16))
+    reasons: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    xids: Mapped[list[Any]] = mapped_column(JSON, default=list)
+
+
+class JobRow(Base):
+    __tablename__ = "jobs"
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    created_by: Mapped[str] = mapped_column(String(128))
+
+
+class LayoutRow(Base):
+    __tablename__ = "layouts"
+    __table_args__ = (UniqueConstraint("job", "version", name="uq_layout_job_version"),)
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    job: Mapped[str] = mapped_column(String(128), index=True)
+    version: Mapped[int] = mapped_column(BigInteger)
+    leader_epoch: Mapped[int] = mapped_column(BigInteger)
+    plan: Mapped[dict[str, Any]] = mapped_column(JSON)
+    reason: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class AuditRow(Base):
+    __tablename__ = "audit_log"
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    actor: Mapped[str] = mapped_column(String(128))
+    action: Mapped[str] = mapped_column(String(64), index=True)
+    target: Mapped[str] = mapped_column(String(256))
+    before: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    after: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    request_id: Mapped[str] = mapped_column(String(64), default="")
+
+
+class TokenRow(Base):
+    __tablename__ = "api_tokens"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    public_id: Mapped[str] = mapped_column(String(16), unique=True)
+    name: Mapped[str] = mapped_column(String(128))
+    scope: Mapped[str] = mapped_column(String(16))
+    token_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class IdempotencyRow(Base):
+    __tablename__ = "idempotency_keys"
+    key: Mapped[str] = mapped_column(String(256), primary_key=True)
+    actor: Mapped[str] = mapped_column(String(128))
+    fingerprint: Mapped[str] = mapped_column(String(64))  # sha256 of method, path and body
+    status: Mapped[int] = mapped_column(Integer)
+    response: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class MaintenanceRow(Base):
+    __tablename__ = "maintenance_windows"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    target_kind: Mapped[str] = mapped_column(String(16))  # gpu | node | domain
+    target: Mapped[str] = mapped_column(String(256))
+    starts_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    ends_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    reason: Mapped[str] = mapped_column(Text, default="")
+    owner: Mapped[str] = mapped_column(String(128))
+    cancelled: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class LeaderRow(Base):
+    """One row: the leader epoch (fencing token), bumped by every manager start."""
+
+    __tablename__ = "leader"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    holder: Mapped[str] = mapped_column(String(256))
+    since: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class BreakerRow(Base):
+    """One row: the circuit breaker. Open = automatic replanning stopped until an operator resets."""
+
+    __tablename__ = "breaker"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    open: Mapped[bool] = mapped_column(Boolean, default=False)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    changed_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

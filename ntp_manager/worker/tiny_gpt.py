@@ -1,0 +1,102 @@
+"""A small GPT-style model, written here, for tests, benchmarks and examples/train_gpt.py.
+
+Plain torch: attention reshapes with `view(B, T, -1, head_dim)`, so a tensor-parallel shard with any
+number of heads runs unchanged. `TP_PLAN` shards it by module path (see worker/tp.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ntp_manager.worker.tp import ColwiseUnits, RowwiseUnits, ShardStyle
+
+
+@dataclass(frozen=True)
+class GptConfig:
+    vocab: int = 256
+    seq: int = 32
+    d_model: int = 64
+    heads: int = 8
+    mlp: int = 256
+    layers: int = 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+
+class Attention(nn.Module):
+    def __init__(self, c: GptConfig) -> None:
+        super().__init__()
+        self.hd = c.head_dim
+        self.q = nn.Linear(c.d_model, c.d_model)
+        self.k = nn.Linear(c.d_model, c.d_model)
+        self.v = nn.Linear(c.d_model, c.d_model)
+        self.o = nn.Linear(c.d_model, c.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, -1, self.hd).transpose(1, 2)
+        k = self.k(x).view(b, t, -1, self.hd).transpose(1, 2)
+        v = self.v(x).view(b, t, -1, self.hd).transpose(1, 2)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Mlp(nn.Module):
+    def __init__(self, c: GptConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(c.d_model, c.mlp)
+        self.down = nn.Linear(c.mlp, c.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(nn.functional.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, c: GptConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(c.d_model)
+        self.attn = Attention(c)
+        self.ln2 = nn.LayerNorm(c.d_model)
+        self.mlp = Mlp(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGpt(nn.Module):
+    def __init__(self, c: GptConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.tok = nn.Embedding(c.vocab, c.d_model)
+        self.pos = nn.Embedding(c.seq, c.d_model)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
+        self.ln = nn.LayerNorm(c.d_model)
+        self.head = nn.Linear(c.d_model, c.vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln(x))
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.forward(idx)
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def tp_plan(c: GptConfig) -> dict[str, ShardStyle]:
+    return {
+        "blocks.*.attn.q": ColwiseUnits("heads", c.head_dim),
+        "blocks.*.attn.k": ColwiseUnits("heads", c.head_dim),
+        "blocks.*.attn.v": ColwiseUnits("heads", c.head_dim),
+        "blocks.*.attn.o": RowwiseUnits("heads", c.head_dim),
+        "blocks.*.mlp.up": ColwiseUnits("mlp", 1),
+        "blocks.*.mlp.down": RowwiseUnits("mlp", 1),
+    }

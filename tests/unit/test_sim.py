@@ -1,0 +1,185 @@
+"""Simulator against closed forms, the paper's numbers, reproducibility and bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from ntp_manager.planner import JobSpec, Scheme
+from ntp_manager.sim import FailureModel, SimError, SimSetup, make_trace, preset, preset_cluster, replay, static_sweep
+from ntp_manager.sim.engine import Event, Trace, job_pool_size, min_spares_never_pause, placement
+from ntp_manager.topology import generate_cluster
+
+
+def flat_setup(domains=64, size=8, pp=1, model=FailureModel(), max_spares=0):
+    job = JobSpec(name="t", tp=size, groups_per_replica=pp, replicas=domains // pp, local_batch=8,
+                  min_tp=size // 2, heads=32, mlp_columns=1024)
+    cluster = generate_cluster(domains + max_spares, size, 4)
+    return SimSetup.create(cluster, job, model, max_spares)
+
+
+def test_zero_failures_give_zero_loss():
+    setup = flat_setup()
+    pts = static_sweep(setup, list(Scheme), [0.0], placements=3, seed=1)
+    assert all(pt.losses == (0.0, 0.0, 0.0) for pt in pts)
+    trace = make_trace(dataclasses.replace(setup, model=FailureModel(rate_per_gpu_hour=0.0)), 10, seed=1)
+    assert trace.events == ()
+    assert all(s.mean_throughput == 1.0 for s in replay(setup, trace, [(s, 0) for s in Scheme]))
+
+
+def test_dp_drop_loss_equals_share_of_hit_groups():
+    # One TP8 group per domain and per replica: a placement's DP-DROP loss is exactly the share of
+    # domains holding a failed GPU.
+    setup = flat_setup(domains=64, size=8)
+    fractions = [0.01, 0.03]
+    pts = static_sweep(setup, [Scheme.DP_DROP], fractions, placements=20, seed=7)
+    pool = job_pool_size(setup, 0)
+    assert pool == 512
+    for fi, pt in enumerate(pts):
+        for p, loss in enumerate(pt.losses):
+            hit = {g // 8 for g in placement(7, fi, p, pool, pt.failed_gpus)}
+            assert loss == pytest.approx(len(hit) / 64)
+
+
+def test_dp_drop_mean_matches_the_hypergeometric_closed_form():
+    # k failed of N GPUs, uniformly: P(domain of T untouched) = C(N-T, k) / C(N, k).
+    setup = flat_setup(domains=128, size=8)
+    pts = static_sweep(setup, [Scheme.DP_DROP], [0.02], placements=200, seed=3)
+    n, t, k = 1024, 8, pts[0].failed_gpus
+    expected = 1 - math.comb(n - t, k) / math.comb(n, k)
+    assert pts[0].mean_loss == pytest.approx(expected, abs=0.01)
+
+
+def test_seed_reproduces_a_run_exactly_and_another_seed_differs():
+    setup = flat_setup(model=FailureModel(rate_multiplier=200.0))
+    a, b, c = make_trace(setup, 5, 11), make_trace(setup, 5, 11), make_trace(setup, 5, 12)
+    assert a == b and a != c
+    cfg = [(Scheme.NTP, 0), (Scheme.DP_DROP, 0)]
+    assert replay(setup, a, cfg) == replay(setup, b, cfg)
+    assert static_sweep(setup, list(Scheme), [0.01], 5, seed=2) == static_sweep(setup, list(Scheme), [0.01], 5, seed=2)
+
+
+def test_trace_failed_fraction_follows_littles_law():
+    # rate x mean repair: 2e-3/h x (0.5 x 20 h + 0.5 x 4 h) = 2.4% of GPUs failed on average.
+    model = FailureModel(rate_per_gpu_hour=2e-3, hardware_share=0.5, hardware_repair_h=20, software_repair_h=4)
+    setup = flat_setup(domains=128, model=model)
+    trace = make_trace(setup, 60, seed=5, warmup_days=2)
+    mean = sum((b - a) * f for a, b, f in trace.failed_fraction_profile()) / trace.hours
+    assert mean == pytest.approx(model.steady_state_failed_fraction(), rel=0.1)
+
+
+def test_blast_radius_node_takes_the_whole_node():
+    model = FailureModel(rate_multiplier=100.0, blast_node=1.0)
+    trace = make_trace(flat_setup(model=model), 2, seed=1)
+    fails = [e for e in trace.events if e.failed]
+    assert fails and all(len(e.failed) <= 4 for e in fails)
+    assert any(len(e.failed) == 4 for e in fails)
+    for e in fails:
+        assert len({g // 4 for g in e.failed}) == 1  # one node
+
+
+def test_fixed_minibatch_pauses_and_spares_fix_it():
+    # 8 domains, TP8, 1 group/replica, 8 replicas. At t=1 h one GPU of domain 0 fails for 2 h.
+    setup = flat_setup(domains=8, size=8, max_spares=2)
+    trace = Trace(hours=4.0, n_gpus=setup.n_gpus, events=(Event(1.0, (3,), ()), Event(3.0, (), (3,))), failures=1)
+    (dp0, dp1) = replay(setup, trace, [(Scheme.DP_DROP, 0), (Scheme.DP_DROP, 1)], fixed_minibatch=True)
+    # paused 2 of 4 hours without spares; never with one spare domain
+    assert dp0.paused_share == pytest.approx(0.5) and dp0.mean_throughput == pytest.approx(0.5)
+    assert dp1.paused_share == 0.0 and dp1.mean_throughput == 1.0
+    # per-GPU throughput counts the spare: 8 / 9 GPUs do the work
+    assert dp1.per_gpu_throughput == pytest.approx(8 / 9)
+    assert min_spares_never_pause(setup, trace, Scheme.DP_DROP) == 1
+    # NTP at TP7: local batch floor(8 / work(7)) < 8, so it also needs the spare; variable batch
+    # mode loses exactly that share of a replica for 2 of 4 hours
+    (ntp,) = replay(setup, trace, [(Scheme.NTP, 0)])
+    b7 = setup.job.reduced_batch(7)
+    assert ntp.mean_throughput == pytest.approx(1 - 0.5 * (8 - b7) / 64)
+
+
+# ---- the paper's numbers (REFERENCE.md section 1) -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def paper_setup():
+    p = preset("paper-32k")
+    return SimSetup.create(preset_cluster(p), p.job, p.model)
+
+
+def test_paper_sweep_ordering_and_magnitudes(paper_setup):
+    pts = static_sweep(paper_setup, list(Scheme), [0.001, 0.002, 0.004], placements=8, seed=0)
+    by = {(pt.fraction, pt.scheme): pt.mean_loss for pt in pts}
+    for f in (0.001, 0.002, 0.004):
+        assert by[(f, Scheme.DP_DROP)] > by[(f, Scheme.NTP)] > by[(f, Scheme.NTP_PW)] - 1e-12
+    assert by[(0.004, Scheme.DP_DROP)] == pytest.approx(0.12, abs=0.015)
+    assert by[(0.004, Scheme.NTP)] <= 0.03
+    assert by[(0.004, Scheme.NTP_PW)] < 0.01
+
+
+def test_uniform_tp64_availability_at_0_1_percent():
+    p = preset("uniform-tp64")
+    setup = SimSetup.create(preset_cluster(p), p.job, p.model)
+    (pt,) = static_sweep(setup, [Scheme.DP_DROP], [0.001], placements=20, seed=0)
+    assert 1 - pt.mean_loss == pytest.approx(0.94, abs=0.01)
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "model",
+    [FailureModel(rate_per_gpu_hour=-1), FailureModel(rate_multiplier=-2), FailureModel(hardware_share=1.5),
+     FailureModel(hardware_repair_h=0), FailureModel(blast_node=0.7, blast_domain=0.7)],
+)
+def test_bad_models_are_rejected(model):
+    with pytest.raises(SimError):
+        model.validate()
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "ntp_manager.cli", "simulate", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--preset", "nope"), "unknown preset 'nope'"),
+        (("--preset", "small", "--failed-fraction", "0.5,1.0"), "failed fraction must be in [0, 1)"),
+        (("--preset", "small", "--failed-fraction", "abc"), "use 'a,b,c' or 'start:stop:count'"),
+        (("--preset", "small", "--rate-multiplier", "-1", "--days", "1"), "rate multiplier must be >= 0"),
+        (("--preset", "small", "--failure-rate", "-0.1", "--days", "1"), "failure rate must be a non-negative"),
+        (("--preset", "small", "--days", "0"), "--days must be positive"),
+        (("--preset", "small", "--scheme", "magic"), "unknown scheme 'magic'"),
+        (("--preset", "small", "--spares", "x"), "comma-separated list of integers"),
+    ],
+)
+def test_cli_bad_input(args, message):
+    r = run_cli(*args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_static_json_and_plot(tmp_path):
+    png = tmp_path / "loss.png"
+    r = run_cli("--preset", "small", "--failed-fraction", "0,0.05", "--placements", "3", "--json", "--plot", str(png))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["mode"] == "static" and len(doc["points"]) == 6
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_trace_json_with_spare_search(tmp_path):
+    png = tmp_path / "trace.png"
+    r = run_cli("--preset", "small", "--days", "20", "--rate-multiplier", "300", "--spares", "0,1",
+                "--fixed-minibatch", "--find-spares", "--max-spares", "2", "--json", "--plot", str(png))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    run = doc["runs"][0]
+    assert {s["scheme"] for s in run["stats"]} == {"dp-drop", "ntp", "ntp-pw"}
+    assert set(run["spares_needed"]) == {"dp-drop", "ntp", "ntp-pw"}
+    assert png.exists()
