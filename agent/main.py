@@ -48,7 +48,7 @@ class AgentSettings(BaseSettings):
 
 
 def fail(msg: str) -> NoReturn:
-    err.print(f"[bold red]error:[/] {msg}", highlight=False)
+    err.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 

@@ -135,7 +135,7 @@ def apply_reshard(
         pos = {u: i for i, u in enumerate(units)}
         if in_new:
             target = new_units[f]
-            nm = torch.empty(len(target), mat.shape[1])
+            nm = torch.empty(len(target), mat.shape[1], dtype=mat.dtype, device=mat.device)
             tpos = {u: i for i, u in enumerate(target)}
             for u in target:
                 if u in pos and rank in alive:
@@ -147,7 +147,7 @@ def apply_reshard(
             if mv.src == rank and mv.dst != rank:
                 reqs.append(dist.isend(torch.stack([mat[pos[u]] for u in mv.units]).contiguous(), dst=mv.dst))
             elif mv.dst == rank and mv.src != rank:
-                buf = torch.empty(len(mv.units), mat.shape[1])
+                buf = torch.empty(len(mv.units), mat.shape[1], dtype=mat.dtype, device=mat.device)
                 reqs.append((dist.irecv(buf, src=mv.src), buf, mv.units, f))  # type: ignore[arg-type]
     received = []
     for r in reqs:

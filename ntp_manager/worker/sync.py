@@ -74,17 +74,20 @@ class NtpGradSync:
     """Create on every rank of the job (it creates process groups, collectively), after
     `parallelize(model, plan, layout.units_of(rank), group=tp_group)`."""
 
-    def __init__(self, model: nn.Module, layout: SyncLayout, rank: int, families: Mapping[str, str]) -> None:
-        """`families` maps a sharded module path to its unit family."""
+    def __init__(self, model: nn.Module, layout: SyncLayout, rank: int, families: Mapping[str, str],
+                 timeout: Any = None) -> None:
+        """`families` maps a sharded module path to its unit family. `timeout` (a timedelta) bounds
+        every collective of the groups created here (torch otherwise gives new groups its default,
+        not the world group's)."""
         self.model, self.layout, self.rank = model, layout, rank
         self.n_sync = layout.sync_degree
         # Groups are created by every rank of the process group, members or not, in the same order
         # (a torch.distributed requirement); a rank outside the layout then stays inactive.
         self.dp_groups: list[Any] = []
         for ranks in sync_groups([list(r.ranks) for r in layout.replicas])[: self.n_sync]:
-            self.dp_groups.append(dist.new_group(ranks=ranks))
+            self.dp_groups.append(dist.new_group(ranks=ranks, timeout=timeout))
         members = sorted(r for rep in layout.replicas for r in rep.ranks)
-        self.layout_group = dist.new_group(ranks=members)
+        self.layout_group = dist.new_group(ranks=members, timeout=timeout)
         self.active = rank in members
         self.bytes_all_reduced = 0
         if not self.active:
@@ -147,7 +150,7 @@ class NtpGradSync:
             m, (rows, _) = self.maps[f], mats[f]
             if core:
                 a, b = m.sync_chunks[j]
-                buf = torch.empty(b - a, rows.shape[1])
+                buf = torch.empty(b - a, rows.shape[1], dtype=rows.dtype, device=rows.device)
                 keep = m.load(j)
                 buf[:keep] = rows[:keep]
                 for t in m.transfers:

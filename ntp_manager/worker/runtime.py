@@ -1,0 +1,496 @@
+"""Applying layouts live: the runtime a training process drives step by step.
+
+    rt = Runtime(model_fn, tp_plan, optimizer_fn, source, store, RuntimeConfig(job="llm"))
+    rt.start()
+    while rt.step < steps:
+        result = rt.train_step(batch_fn, loss_fn)
+
+Process groups. Each layout version gets its own default process group, created through a prefix
+`ntp/<job>/pg/v<epoch>.<version>` of a TCPStore that lives outside the ranks (the launcher's, or the
+test's), with the ranks and world size of that version. Nothing of an old group is reused, so a dead
+peer in the old group cannot stall the new one. Before creating the group, members count themselves
+in at the prefix and leave for a newer version as soon as one appears, so ranks that learnt of
+versions in different orders still meet.
+
+Step boundaries. `train_step` runs forward, backward and the NTP gradient sync, then one small
+all-gather that carries each rank's loss and the newest layout version it has seen -- the step's
+commit point -- and only then steps the optimizer. When some rank has seen a newer version, all
+ranks switch to it right after that step (planned path: they agree through the old group, so the
+switch happens at the same step on every rank).
+
+Failures. A collective that fails (a peer's socket closed) or hangs past `collective_timeout_s`
+raises inside the step before the optimizer moved; the survivors drop the old group, wait for the
+manager's next version, meet at its prefix, exchange (old rank, committed step) and reshard: units a
+survivor lacks come from its own replica's survivors or from a DP peer replica; a rank with no state
+(a repaired GPU's fresh process, or one that sat out versions) receives its shards, the replicated
+parameters and their optimizer state, and the step counter. The failed step is then re-run under
+the new layout with the same global sample order.
+
+Limit: if a rank dies inside the commit all-gather itself, survivors may disagree on whether that
+step committed; the runtime detects it at the next regroup and raises `ReconfigurationError` instead
+of training on diverged replicas (restore from a checkpoint).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import fnmatch
+import gc
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ntp_manager.worker.reshard import apply_reshard
+from ntp_manager.worker.sources import LayoutSource, WorkerLayout
+from ntp_manager.worker.sync import NtpGradSync, ReplicaGroup, SyncLayout, families_of
+from ntp_manager.worker.tp import ColwiseLinear, ColwiseUnits, RowwiseLinear, ShardStyle, parallelize
+
+log = structlog.get_logger("ntp.worker")
+
+
+class ReconfigurationError(RuntimeError):
+    """The runtime cannot continue without a restart (no layout arrived, state was lost or diverged)."""
+
+
+class _Superseded(Exception):
+    def __init__(self, newer: WorkerLayout) -> None:
+        self.newer = newer
+
+
+@dataclass
+class RuntimeConfig:
+    job: str
+    backend: str = "gloo"  # "nccl" on GPUs
+    device: str = "cpu"
+    collective_timeout_s: float = 30.0
+    rendezvous_timeout_s: float = 60.0
+    reconfigure_timeout_s: float = 120.0  # how long survivors wait for the manager's next layout
+    seed: int = 0  # model_fn runs under this seed on every rank, so initial shards agree
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int  # the step just completed (0-based)
+    loss: float  # the global loss, sample-weighted over replicas
+    global_batch: int
+    local_batch: int
+    version: int
+    tp: int
+    seconds: float
+
+
+@dataclass
+class TimelineEvent:
+    at: float  # time.time()
+    what: str
+    version: int
+    detail: str = ""
+
+
+def is_comm_failure(e: BaseException) -> bool:
+    """A failed or timed-out collective (what a dead or hung peer causes), not a bug in the step."""
+    if isinstance(e, dist.DistError):
+        return True
+    if isinstance(e, RuntimeError):
+        msg = str(e)
+        return any(s in msg for s in ("gloo", "Gloo", "Connection closed", "Connection reset", "Timed out",
+                                      "timed out", "NCCL", "Broken pipe", "connection"))
+    return False
+
+
+def _describe(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def ensure_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Create the state a step would create (zeros), so a rank joining after step 0 has the same
+    state tensors as its peers before receiving their values."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state[p]
+            if isinstance(opt, torch.optim.SGD):
+                if group.get("momentum", 0) and st.get("momentum_buffer") is None:
+                    st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
+                if not st:
+                    st["step"] = torch.tensor(0.0)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            else:
+                raise ValueError(f"resharding supports SGD, Adam and AdamW, not {type(opt).__name__}")
+
+
+def unit_counts(model: nn.Module, plan: Mapping[str, ShardStyle]) -> dict[str, int]:
+    """Family -> unit count, read off the unsharded model."""
+    counts: dict[str, int] = {}
+    for path, mod in model.named_modules():
+        for pattern, style in plan.items():
+            if fnmatch.fnmatchcase(path, pattern) and isinstance(mod, nn.Linear):
+                feats = mod.out_features if isinstance(style, ColwiseUnits) else mod.in_features
+                n = feats // style.unit_size
+                if counts.setdefault(style.family, n) != n:
+                    raise ValueError(f"family {style.family!r}: {counts[style.family]} units elsewhere, {n} at {path}")
+                break
+    return counts
+
+
+@dataclass
+class _State:
+    layout: WorkerLayout | None = None  # the version this rank last applied as a member
+    sync_layout: SyncLayout | None = None
+    model: nn.Module | None = None
+    opt: torch.optim.Optimizer | None = None
+    sync: NtpGradSync | None = None
+    tp_group: Any = None
+    timeline: list[TimelineEvent] = field(default_factory=list)
+
+
+class Runtime:
+    def __init__(
+        self,
+        model_fn: Callable[[], nn.Module],
+        plan: Mapping[str, ShardStyle],
+        optimizer_fn: Callable[[Any], torch.optim.Optimizer],
+        source: LayoutSource,
+        store: Any,
+        cfg: RuntimeConfig,
+    ) -> None:
+        self.model_fn, self.plan, self.optimizer_fn = model_fn, plan, optimizer_fn
+        self.source, self.store, self.cfg = source, store, cfg
+        self.step = 0  # committed optimizer steps
+        self.s = _State()
+        self.seen: WorkerLayout | None = None  # newest version known, member or not
+        self.units: dict[str, int] = {}
+        self.families: dict[str, str] = {}
+
+    @property
+    def _timeout(self) -> dt.timedelta:
+        return dt.timedelta(seconds=self.cfg.collective_timeout_s)
+
+    # ---- public ---------------------------------------------------------------------------------
+    @property
+    def model(self) -> nn.Module:
+        assert self.s.model is not None, "call start() first"
+        return self.s.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        assert self.s.opt is not None, "call start() first"
+        return self.s.opt
+
+    @property
+    def layout(self) -> WorkerLayout | None:
+        return self.s.layout
+
+    @property
+    def timeline(self) -> list[TimelineEvent]:
+        return self.s.timeline
+
+    @property
+    def tp(self) -> int:
+        lay = self.s.layout
+        return 0 if lay is None or lay.rank is None else lay.replicas[lay.replica_of(lay.rank)][0]
+
+    def start(self, timeout: float | None = None) -> None:
+        """Wait for a layout that includes this worker and join it (as a fresh rank)."""
+        self._join_next(-1, timeout if timeout is not None else self.cfg.reconfigure_timeout_s)
+
+    def train_step(
+        self,
+        batch_fn: Callable[[int, int, int], Any],
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    ) -> StepResult:
+        """One optimizer step. `batch_fn(step, start, count)` returns samples [start, start+count) of
+        the step's global batch (the global order must not depend on the layout); `loss_fn(model,
+        batch)` returns the mean loss over those samples. Survives peer failures (see module doc)."""
+        while True:
+            lay = self.s.layout
+            if lay is None or lay.rank is None:
+                self._join_next(lay.version if lay else -1, self.cfg.reconfigure_timeout_s)
+                continue
+            failure = None
+            try:
+                result, agreed = self._try_step(batch_fn, loss_fn)
+            except Exception as e:
+                if not is_comm_failure(e):
+                    raise
+                failure = _describe(e)
+            if failure is not None:  # outside the except block: no traceback keeps the old groups alive
+                self._recover(failure)
+                continue
+            if agreed > lay.version:
+                try:
+                    self._planned_switch(agreed)
+                except Exception as e:
+                    if not is_comm_failure(e):
+                        raise
+                    failure = _describe(e)
+                if failure is not None:
+                    self._recover(failure)
+            return result
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.source.close()
+
+    # ---- the step -------------------------------------------------------------------------------
+    def _try_step(self, batch_fn: Callable[[int, int, int], Any],
+                  loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> tuple[StepResult, int]:
+        lay, sl = self.s.layout, self.s.sync_layout
+        assert lay is not None and lay.rank is not None and sl is not None
+        assert self.s.model is not None and self.s.opt is not None and self.s.sync is not None
+        t0 = time.perf_counter()
+        ri = lay.replica_of(lay.rank)
+        tp, lb = lay.replicas[ri]
+        start = sum(b for _, b in lay.replicas[:ri])
+        batch = batch_fn(self.step, start, lb)
+        self.s.opt.zero_grad(set_to_none=True)
+        loss = loss_fn(self.s.model, batch)
+        loss.backward()
+        self.s.sync.sync()
+        newest = self.source.latest()
+        seen = newest.version if newest is not None else lay.version
+        mine = torch.tensor([loss.detach().item() * lb / tp, float(seen)], dtype=torch.float64)
+        every = [torch.zeros_like(mine) for _ in range(lay.world)]
+        dist.all_gather(every, mine)  # the commit point
+        self.s.opt.step()
+        step = self.step
+        self.step += 1
+        stacked = torch.stack(every)
+        gloss = float(stacked[:, 0].sum().item()) / lay.global_batch
+        agreed = int(stacked[:, 1].max().item())
+        secs = time.perf_counter() - t0
+        if self.s.timeline and self.s.timeline[-1].what in ("reshard done", "joined"):
+            self._event("first step", lay.version, f"tp={tp} local_batch={lb}")
+        self.source.report_step(lay, step, secs, lb)
+        return StepResult(step, gloss, lay.global_batch, lb, lay.version, tp, secs), agreed
+
+    # ---- switching layouts ----------------------------------------------------------------------
+    def _planned_switch(self, agreed: int) -> None:
+        """Every member of the current group runs this after the same step. Agree on a version every
+        rank holds (sources may skip versions), then switch to it."""
+        lay = self.s.layout
+        assert lay is not None
+        while True:
+            got = self.source.get(agreed) or self._wait_for(agreed)
+            newest = self.source.latest()
+            mine = torch.tensor([1.0 if got is not None else 0.0, float(newest.version if newest else -1)],
+                                dtype=torch.float64)
+            every = [torch.zeros_like(mine) for _ in range(lay.world)]
+            dist.all_gather(every, mine)
+            stacked = torch.stack(every)
+            if bool((stacked[:, 0] > 0).all()):
+                break
+            agreed = int(stacked[:, 1].max().item())
+        target = self.source.get(agreed)
+        assert target is not None
+        self._event("layout agreed", target.version, target.reason)
+        try:
+            self._apply(target)
+        except _Superseded as e:
+            self._join_chain(e.newer)
+
+    def _wait_for(self, version: int) -> WorkerLayout | None:
+        deadline = time.monotonic() + self.cfg.reconfigure_timeout_s
+        while time.monotonic() < deadline:
+            got = self.source.get(version)
+            if got is not None:
+                return got
+            newest = self.source.wait_newer(version - 1, 0.05)
+            if newest is not None and newest.version > version:
+                return None  # skipped: the next round agrees on a newer one
+        raise ReconfigurationError(f"layout version {version} never arrived")
+
+    def _recover(self, err: str) -> None:
+        lay = self.s.layout
+        assert lay is not None
+        self._event("failure detected", lay.version, err)
+        log.warning("collective failed; waiting for a new layout", version=lay.version, error=err)
+        self._leave_group()
+        self._join_next(lay.version, self.cfg.reconfigure_timeout_s)
+
+    def _join_next(self, after: int, timeout: float) -> None:
+        nxt = self.source.wait_newer(after, timeout)
+        if nxt is None:
+            raise ReconfigurationError(f"no layout newer than version {after} arrived within {timeout:.0f} s")
+        self._event("layout received", nxt.version, nxt.reason)
+        self._join_chain(nxt)
+
+    def _join_chain(self, target: WorkerLayout) -> None:
+        """Apply `target`, moving on to newer versions while a regroup cannot complete."""
+        while True:
+            try:
+                self._apply(target)
+                return
+            except _Superseded as e:
+                target = e.newer
+            except Exception as e:
+                if not is_comm_failure(e):
+                    raise
+                self._event("regroup failed", target.version, str(e).splitlines()[0][:160])
+                self._leave_group()
+                nxt = self.source.wait_newer(target.version, self.cfg.reconfigure_timeout_s)
+                if nxt is None:
+                    raise ReconfigurationError(
+                        f"could not regroup at version {target.version} and no newer layout arrived") from e
+                target = nxt
+
+    def _leave_group(self) -> None:
+        """Destroy the current groups. References to them are dropped first: gloo closes a group's
+        connections only when its last reference goes, and a closed connection is what tells peers
+        still blocked in a collective with us to give up now rather than at their timeout."""
+        self.s.sync, self.s.tp_group = None, None
+        if self.s.model is not None:
+            for m in self.s.model.modules():
+                if isinstance(m, ColwiseLinear | RowwiseLinear):
+                    m.group = None
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # a broken group may fail to tear down cleanly; it is dropped either way
+                log.debug("destroying the old process group failed", error=str(e))
+        gc.collect()
+
+    def _rendezvous(self, target: WorkerLayout) -> None:
+        assert target.rank is not None
+        prefix = f"ntp/{self.cfg.job}/pg/v{target.epoch}.{target.version}"
+        self.store.add(f"{prefix}/arrived", 1)
+        deadline = time.monotonic() + self.cfg.rendezvous_timeout_s
+        while self.store.add(f"{prefix}/arrived", 0) < target.world:
+            newest = self.source.latest()
+            if newest is not None and newest.version > target.version:
+                raise _Superseded(newest)
+            if time.monotonic() > deadline:
+                raise ReconfigurationError(f"rendezvous for version {target.version} timed out: "
+                                           f"{self.store.add(f'{prefix}/arrived', 0)} of {target.world} arrived")
+            time.sleep(0.005)
+        dist.init_process_group(
+            self.cfg.backend, store=dist.PrefixStore(prefix, self.store), rank=target.rank,
+            world_size=target.world, timeout=self._timeout,
+        )
+
+    def _apply(self, target: WorkerLayout) -> None:
+        """Leave the current group and join `target`'s: regroup, reshard, ack."""
+        old = self.s.layout
+        self._leave_group()
+        if target.rank is None:
+            self._event("no place", target.version, "this worker's GPU is not in the layout")
+            self.s.layout = target
+            self.source.ack(target, True, "no place")
+            return
+        self._rendezvous(target)
+        rank, world = target.rank, target.world
+        # who holds what: (old rank, version it was a member of, committed steps), -1 when fresh
+        held = old is not None and old.rank is not None and self.s.model is not None
+        mine = torch.tensor([old.rank if held and old else -1, old.version if held and old else -1, self.step],
+                            dtype=torch.int64)
+        every = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine)
+        info = [tuple(int(x) for x in t.tolist()) for t in every]
+        self._event("regrouped", target.version, f"world={world}")
+        src_version = max((v for r, v, _ in info if r >= 0), default=-1)
+        survivors = {nr: r for nr, (r, v, _) in enumerate(info) if r >= 0 and v == src_version}
+        steps = {s for nr, (_, _, s) in enumerate(info) if nr in survivors}
+        if len(steps) > 1:
+            raise ReconfigurationError(f"survivors disagree on the committed step ({sorted(steps)}): a rank died "
+                                       "inside a step's commit; restore from a checkpoint")
+        if self.s.model is None and not survivors:
+            self._build_fresh(target)  # the job's first layout: every rank initialises the same model
+            self._event("joined", target.version, f"tp={self.tp}")
+            self.source.ack(target, True)
+            return
+        if not survivors:
+            raise ReconfigurationError("no rank of the new layout holds the model state")
+        self.step = steps.pop()
+        src = min(survivors)
+        obj: list[Any] = [old.replicas if rank == src and old else None]
+        dist.broadcast_object_list(obj, src=src)
+        old_replicas: tuple[tuple[int, int], ...] = tuple(tuple(r) for r in obj[0])  # type: ignore[misc]
+        inverse = {r: nr for nr, r in survivors.items()}
+        old_ranks, r = [], 0
+        for tp, b in old_replicas:
+            old_ranks.append((tuple(inverse.get(x, world + x) for x in range(r, r + tp)), b))
+            r += tp
+        fresh = self._fresh_model() if rank not in survivors else None  # also learns the unit counts
+        old_sl = SyncLayout(tuple(ReplicaGroup(rs, b) for rs, b in old_ranks), self.units)
+        new_sl = target.sync_layout(self.units)
+        joiners = [nr for nr in range(world) if nr not in survivors]
+        tp_groups = [dist.new_group(ranks=rs, timeout=self._timeout) for rs in target.rank_lists()]
+        my_tp = tp_groups[target.replica_of(rank)]
+        if rank not in survivors:  # a fresh or stale rank: shapes for the new units, values from peers
+            model = fresh
+            assert model is not None
+            parallelize(model, self.plan, new_sl.units_of(rank), group=my_tp)
+            model.to(self.cfg.device)
+            opt = self.optimizer_fn(model.parameters())
+            if self.step > 0:
+                ensure_optimizer_state(opt)
+            self.s.model, self.s.opt = model, opt
+        assert self.s.model is not None and self.s.opt is not None
+        self.s.opt = apply_reshard(self.s.model, self.s.opt, old_sl, new_sl, set(survivors), rank,
+                                   self.families, my_tp)
+        if joiners:
+            self._send_replicated(src)
+        self.s.sync = NtpGradSync(self.s.model, new_sl, rank, self.families, timeout=self._timeout)
+        self.s.layout, self.s.sync_layout, self.s.tp_group = target, new_sl, my_tp
+        self._event("reshard done", target.version,
+                    f"tp={self.tp} joiners={len(joiners)} survivors={len(survivors)}")
+        self.source.ack(target, True)
+
+    def _fresh_model(self) -> nn.Module:
+        torch.manual_seed(self.cfg.seed)
+        model = self.model_fn()
+        if not self.units:
+            self.units = unit_counts(model, self.plan)
+            self.families = families_of(self.plan, model)
+        return model
+
+    def _build_fresh(self, target: WorkerLayout) -> None:
+        assert target.rank is not None
+        model = self._fresh_model()
+        tp_groups = [dist.new_group(ranks=rs, timeout=self._timeout) for rs in target.rank_lists()]
+        my_tp = tp_groups[target.replica_of(target.rank)]
+        sl = target.sync_layout(self.units)
+        parallelize(model, self.plan, sl.units_of(target.rank), group=my_tp)
+        model.to(self.cfg.device)
+        self.s.model, self.s.opt = model, self.optimizer_fn(model.parameters())
+        self.s.sync = NtpGradSync(model, sl, target.rank, self.families, timeout=self._timeout)
+        self.s.layout, self.s.sync_layout, self.s.tp_group = target, sl, my_tp
+
+    def _send_replicated(self, src: int) -> None:
+        """Replicated parameters, their optimizer state and the Adam step count, from `src` to all."""
+        assert self.s.model is not None and self.s.opt is not None
+        sharded = {id(p) for m in self.s.model.modules() if isinstance(m, ColwiseLinear | RowwiseLinear)
+                   for p in (m.weight, m.bias if isinstance(m, ColwiseLinear) else None) if p is not None}
+        opt = self.s.opt
+        with torch.no_grad():
+            for p in self.s.model.parameters():
+                if id(p) in sharded:
+                    continue
+                dist.broadcast(p.data, src=src)
+                st = opt.state.get(p, {})
+                for k in sorted(st):
+                    if isinstance(st[k], torch.Tensor) and st[k].dim() > 0:
+                        dist.broadcast(st[k], src=src)
+        step_val = torch.tensor([-1.0], dtype=torch.float64)
+        if dist.get_rank() == src:
+            s = next((st["step"] for st in opt.state.values() if "step" in st), None)
+            if s is not None:
+                step_val[0] = float(s)
+        dist.broadcast(step_val, src=src)
+        if step_val.item() >= 0:
+            for st in opt.state.values():
+                if "step" in st:
+                    st["step"] = torch.tensor(step_val.item())
+
+    def _event(self, what: str, version: int, detail: str = "") -> None:
+        self.s.timeline.append(TimelineEvent(time.time(), what, version, detail))
+        log.info(what, version=version, detail=detail, step=self.step)

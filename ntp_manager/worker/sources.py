@@ -1,0 +1,314 @@
+"""Where a worker learns its job's layout: the manager's gRPC watch stream, or a store-backed source
+that a test or a launcher controls.
+
+Both give the runtime the same thing, a `WorkerLayout`: the version, every replica's TP degree and
+local batch in global-rank order (replica by replica, TP rank by TP rank, as the manager numbers
+them), and this worker's global rank in it (None when its GPU has no place). Sources keep every
+version they have seen, so ranks can agree on one version even when some saw it later than others.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import structlog
+
+from ntp_manager.worker.sync import ReplicaGroup, SyncLayout
+
+log = structlog.get_logger("ntp.worker")
+
+
+@dataclass(frozen=True)
+class WorkerLayout:
+    version: int
+    replicas: tuple[tuple[int, int], ...]  # (TP degree, local batch) per replica, in rank order
+    rank: int | None  # this worker's global rank; None when it has no place in this version
+    reason: str = ""
+    epoch: int = 0
+
+    @property
+    def world(self) -> int:
+        return sum(tp for tp, _ in self.replicas)
+
+    @property
+    def global_batch(self) -> int:
+        return sum(b for _, b in self.replicas)
+
+    def rank_lists(self) -> list[list[int]]:
+        out, r = [], 0
+        for tp, _ in self.replicas:
+            out.append(list(range(r, r + tp)))
+            r += tp
+        return out
+
+    def sync_layout(self, units: dict[str, int]) -> SyncLayout:
+        return SyncLayout(
+            tuple(ReplicaGroup(tuple(rs), b) for rs, (_, b) in zip(self.rank_lists(), self.replicas, strict=True)),
+            units,
+        )
+
+    def replica_of(self, rank: int) -> int:
+        for i, rs in enumerate(self.rank_lists()):
+            if rank in rs:
+                return i
+        raise ValueError(f"rank {rank} is not in layout version {self.version}")
+
+
+class LayoutSource(Protocol):
+    def latest(self) -> WorkerLayout | None: ...
+
+    def get(self, version: int) -> WorkerLayout | None: ...
+
+    def wait_newer(self, version: int, timeout: float) -> WorkerLayout | None: ...
+
+    def ack(self, layout: WorkerLayout, ok: bool, detail: str = "") -> None: ...
+
+    def report_step(self, layout: WorkerLayout, step: int, step_time_s: float, tokens: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _History:
+    """Versions seen so far, with a condition to wait on."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.by_version: dict[int, WorkerLayout] = {}
+        self.newest: WorkerLayout | None = None
+        self.error: str | None = None
+
+    def add(self, lay: WorkerLayout) -> None:
+        with self.cond:
+            if lay.version not in self.by_version:
+                self.by_version[lay.version] = lay
+            if self.newest is None or lay.version > self.newest.version:
+                self.newest = lay
+            self.cond.notify_all()
+
+    def wait_newer(self, version: int, timeout: float, poll: Callable[[], None] | None = None) -> WorkerLayout | None:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                if poll is not None:
+                    self.cond.release()
+                    try:
+                        poll()
+                    finally:
+                        self.cond.acquire()
+                if self.newest is not None and self.newest.version > version:
+                    return self.newest
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self.cond.wait(min(left, 0.02) if poll is not None else left)
+
+
+# ---- store-backed source (tests, launchers) ---------------------------------------------------
+def publish_layout(
+    store: Any, job: str, version: int, replicas: Sequence[tuple[Sequence[str], int]], reason: str = ""
+) -> None:
+    """Publish a layout for `job`: `replicas` lists (worker ids in TP order, local batch)."""
+    doc = {"version": version, "reason": reason,
+           "replicas": [{"workers": list(ws), "local_batch": b} for ws, b in replicas]}
+    store.set(f"ntp/{job}/layout/{version}", json.dumps(doc))
+    store.set(f"ntp/{job}/layout/latest", str(version))
+
+
+def read_acks(store: Any, job: str, version: int, workers: Sequence[str]) -> dict[str, str]:
+    keys = [f"ntp/{job}/ack/{version}/{w}" for w in workers]
+    return {w: store.get(k).decode() for w, k in zip(workers, keys, strict=True) if store.check([k])}
+
+
+class StoreLayoutSource:
+    """Layouts published into a torch.distributed store by `publish_layout`. Acks are written back
+    to the store (`ntp/<job>/ack/<version>/<worker>`), so the publisher can watch them."""
+
+    def __init__(self, store: Any, job: str, worker_id: str) -> None:
+        self.store, self.job, self.worker_id = store, job, worker_id
+        self.history = _History()
+        self._lock = threading.Lock()
+
+    def _doc(self, version: int) -> WorkerLayout | None:
+        key = f"ntp/{self.job}/layout/{version}"
+        if not self.store.check([key]):
+            return None
+        doc = json.loads(self.store.get(key))
+        reps, rank, r = [], None, 0
+        for rep in doc["replicas"]:
+            ws = rep["workers"]
+            if self.worker_id in ws:
+                rank = r + ws.index(self.worker_id)
+            reps.append((len(ws), int(rep["local_batch"])))
+            r += len(ws)
+        return WorkerLayout(int(doc["version"]), tuple(reps), rank, doc.get("reason", ""))
+
+    def _poll(self) -> None:
+        with self._lock:
+            key = f"ntp/{self.job}/layout/latest"
+            if not self.store.check([key]):
+                return
+            v = int(self.store.get(key))
+            newest = self.history.newest
+            if newest is None or v > newest.version:
+                lay = self._doc(v)
+                if lay is not None:
+                    self.history.add(lay)
+
+    def latest(self) -> WorkerLayout | None:
+        self._poll()
+        return self.history.newest
+
+    def get(self, version: int) -> WorkerLayout | None:
+        lay = self.history.by_version.get(version)
+        if lay is None:
+            with self._lock:
+                lay = self._doc(version)
+            if lay is not None:
+                self.history.add(lay)
+        return lay
+
+    def wait_newer(self, version: int, timeout: float) -> WorkerLayout | None:
+        return self.history.wait_newer(version, timeout, poll=self._poll)
+
+    def ack(self, layout: WorkerLayout, ok: bool, detail: str = "") -> None:
+        with self._lock:
+            self.store.set(f"ntp/{self.job}/ack/{layout.version}/{self.worker_id}", "ok" if ok else f"failed: {detail}")
+
+    def report_step(self, layout: WorkerLayout, step: int, step_time_s: float, tokens: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+# ---- the manager's gRPC watch stream ------------------------------------------------------------
+def layout_from_pb(msg: Any, gpu_uuid: str) -> WorkerLayout:
+    """`ntp.v1.Layout` (one worker's view) -> WorkerLayout. Single-stage layouts only."""
+    reps = []
+    for s in msg.replicas:
+        reps.append((int(s.tp_degree), int(s.local_batch)))
+    rank = None
+    for g in msg.own.groups:
+        if g.stage != 0:
+            raise ValueError("the worker runtime supports single-stage (no pipeline) layouts")
+        if gpu_uuid in g.gpu_uuids:
+            rank = int(g.global_ranks[list(g.gpu_uuids).index(gpu_uuid)])
+    return WorkerLayout(int(msg.stamp.version), tuple(reps), rank, msg.reason, int(msg.stamp.leader_epoch))
+
+
+class GrpcLayoutSource:
+    """Watches `WorkerService.WatchLayout` on a background thread (reconnecting with backoff), and
+    sends acks and step reports. Thread-safe."""
+
+    def __init__(self, target: str, token: str, job: str, gpu_uuid: str, worker_id: str | None = None,
+                 connect_timeout_s: float = 30.0) -> None:
+        import grpc
+
+        from ntp_manager._proto.ntp.v1 import worker_pb2_grpc
+
+        self.job, self.gpu_uuid, self.worker_id = job, gpu_uuid, worker_id or gpu_uuid
+        self._md = (("authorization", f"Bearer {token}"),)
+        self._channel = grpc.insecure_channel(target)
+        self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
+        self.history = _History()
+        self._stop = threading.Event()
+        self._call: Any = None
+        self._steps: list[Any] = []
+        self._steps_cond = threading.Condition()
+        self._thread = threading.Thread(target=self._watch, name="ntp-layout-watch", daemon=True)
+        self._thread.start()
+        self._reporter = threading.Thread(target=self._report_loop, name="ntp-step-reports", daemon=True)
+        self._reporter.start()
+        if self.history.wait_newer(-1, connect_timeout_s) is None and self.history.error:
+            raise RuntimeError(f"cannot watch the layout of {job!r}: {self.history.error}")
+
+    def _watch(self) -> None:
+        import grpc
+
+        from ntp_manager._proto.ntp.v1 import worker_pb2
+
+        delay = 0.1
+        while not self._stop.is_set():
+            try:
+                self._call = self._stub.WatchLayout(
+                    worker_pb2.WatchLayoutRequest(job=self.job, worker_id=self.worker_id, gpu_uuid=self.gpu_uuid),
+                    metadata=self._md,
+                )
+                for msg in self._call:
+                    self.history.add(layout_from_pb(msg, self.gpu_uuid))
+                    delay = 0.1
+            except grpc.RpcError as e:
+                if self._stop.is_set():
+                    return
+                code = e.code() if hasattr(e, "code") else None
+                self.history.error = f"{code}: {e.details() if hasattr(e, 'details') else e}"
+                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                            grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                    log.error("layout watch refused", error=self.history.error)
+                    with self.history.cond:
+                        self.history.cond.notify_all()
+                    return
+                log.warning("layout watch lost; reconnecting", error=self.history.error, retry_in=delay)
+            self._stop.wait(delay)
+            delay = min(delay * 2, 5.0)
+
+    def latest(self) -> WorkerLayout | None:
+        return self.history.newest
+
+    def get(self, version: int) -> WorkerLayout | None:
+        return self.history.by_version.get(version)
+
+    def wait_newer(self, version: int, timeout: float) -> WorkerLayout | None:
+        return self.history.wait_newer(version, timeout)
+
+    def ack(self, layout: WorkerLayout, ok: bool, detail: str = "") -> None:
+        from ntp_manager._proto.ntp.v1 import common_pb2, worker_pb2
+
+        req = worker_pb2.AckLayoutRequest(
+            job=self.job, worker_id=self.worker_id,
+            stamp=common_pb2.LayoutStamp(leader_epoch=layout.epoch, version=layout.version),
+            status=worker_pb2.ACK_STATUS_APPLIED if ok else worker_pb2.ACK_STATUS_FAILED, detail=detail,
+        )
+        try:
+            self._stub.AckLayout(req, metadata=self._md, timeout=10)
+        except Exception as e:  # an ack that cannot be delivered must not stop training
+            log.warning("ack failed", version=layout.version, error=str(e))
+
+    def report_step(self, layout: WorkerLayout, step: int, step_time_s: float, tokens: int) -> None:
+        from ntp_manager._proto.ntp.v1 import common_pb2, worker_pb2
+
+        rep = worker_pb2.StepReport(
+            job=self.job, worker_id=self.worker_id, step=step,
+            stamp=common_pb2.LayoutStamp(leader_epoch=layout.epoch, version=layout.version),
+            ranks=[worker_pb2.RankStep(rank=layout.rank or 0, gpu_uuid=self.gpu_uuid, step_time_s=step_time_s,
+                                       tokens=tokens)],
+        )
+        rep.at.GetCurrentTime()
+        with self._steps_cond:  # sent from a thread: a step never waits on the manager
+            self._steps = [rep]  # only the newest matters
+            self._steps_cond.notify()
+
+    def _report_loop(self) -> None:
+        while not self._stop.is_set():
+            with self._steps_cond:
+                while not self._steps and not self._stop.is_set():
+                    self._steps_cond.wait(0.5)
+                batch, self._steps = self._steps, []
+            for rep in batch:
+                try:
+                    self._stub.ReportSteps(rep, metadata=self._md, timeout=5)
+                except Exception as e:
+                    log.debug("step report failed", error=str(e))
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._call is not None:
+            self._call.cancel()
+        with self._steps_cond:
+            self._steps_cond.notify_all()
+        self._channel.close()
