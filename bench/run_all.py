@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ["planner.py", "sim.py", "manager.py"]
+BENCHES = ["planner.py", "sim.py", "manager.py", "worker.py"]
 
 
 def main() -> int:

@@ -15,10 +15,11 @@ import hmac
 import secrets
 from dataclasses import dataclass
 
-SCOPES = ("viewer", "operator", "agent", "worker")
+SCOPES = ("viewer", "operator", "admin", "agent", "worker")
 PERMISSIONS: dict[str, frozenset[str]] = {
     "viewer": frozenset({"read"}),
     "operator": frozenset({"read", "write"}),
+    "admin": frozenset({"read", "write", "admin"}),  # operator + token management
     "agent": frozenset({"agent"}),
     "worker": frozenset({"worker"}),
 }

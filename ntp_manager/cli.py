@@ -251,7 +251,7 @@ def _with_manager(settings: Settings, fn: Callable[[Any], Awaitable[Any]]) -> An
 
 @token_app.command("create")
 def token_create(
-    scope: Annotated[str, typer.Option(help="viewer | operator | agent | worker")],
+    scope: Annotated[str, typer.Option(help="viewer | operator | admin | agent | worker")],
     name: Annotated[str, typer.Option(help="who or what holds it")] = "cli",
     data_dir: DataDir = None,
     database_url: DbUrl = None,

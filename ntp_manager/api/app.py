@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 from sqlalchemy import func, select
@@ -22,6 +22,7 @@ from sqlalchemy.exc import IntegrityError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ntp_manager import __version__
+from ntp_manager.api.dashboard import DASHBOARD_HTML, dashboard_snapshot, snapshot_events
 from ntp_manager.auth import Principal, parse_bearer
 from ntp_manager.service.errors import FailedPrecondition, InvalidArgument, NotFound, ServiceError
 from ntp_manager.service.manager import Manager, Mut
@@ -55,6 +56,12 @@ class MaintenanceBody(BaseModel):
     starts_at: AwareDatetime
     ends_at: AwareDatetime
     reason: str = Field("", max_length=2000)
+
+
+class TokenBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=128)
+    scope: Literal["viewer", "operator", "admin", "agent", "worker"]
 
 
 class PlanBody(BaseModel):
@@ -109,15 +116,15 @@ def create_app(manager: Manager) -> FastAPI:
             if principal is None:
                 raise StarletteHTTPException(401, "unknown or revoked token", headers={"WWW-Authenticate": "Bearer"})
             if not principal.can(permission):
-                raise StarletteHTTPException(
-                    403, f"a {principal.scope!r} token may not {'change' if permission == 'write' else 'read'} this"
-                )
+                verb = {"write": "change", "read": "read", "admin": "manage tokens with"}.get(permission, "use")
+                raise StarletteHTTPException(403, f"a {principal.scope!r} token may not {verb} this")
             return principal
 
         return dep
 
     Viewer = Annotated[Principal, Depends(require("read"))]
     Operator = Annotated[Principal, Depends(require("write"))]
+    Admin = Annotated[Principal, Depends(require("admin"))]
     IdemKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=256)]
 
     async def mutate(
@@ -413,9 +420,41 @@ def create_app(manager: Manager) -> FastAPI:
     ) -> JSONResponse:
         return await mutate(request, who, key, lambda m: manager.reset_breaker(m, body.reason))
 
-    @app.get("/", include_in_schema=False)
-    async def root() -> dict[str, Any]:
-        return {"service": "ntp-manager", "version": __version__, "api": "/docs"}
+    # ---- tokens (admin scope) ---------------------------------------------------------------------
+    @app.get("/v1/tokens", tags=["tokens"])
+    async def list_tokens(who: Admin) -> dict[str, Any]:
+        items = await manager.list_tokens()
+        return page(items, len(items), len(items), 0)
+
+    @app.post("/v1/tokens", tags=["tokens"], status_code=201, responses=E4)
+    async def create_token(body: TokenBody, who: Admin) -> dict[str, Any]:
+        token = await manager.create_token(body.name, body.scope, actor=who.name)
+        return {"id": token.split("_")[1], "name": body.name, "scope": body.scope, "token": token}
+
+    @app.delete("/v1/tokens/{token_id}", tags=["tokens"], responses=E4)
+    async def revoke_token(token_id: Annotated[str, Path(pattern="^[0-9a-f]{8}$")], who: Admin) -> dict[str, Any]:
+        await manager.revoke_token(token_id, actor=who.name)
+        return {"id": token_id, "revoked": True}
+
+    # ---- dashboard ---------------------------------------------------------------------------------
+    @app.get("/v1/snapshot", tags=["cluster"])
+    async def snapshot(who: Viewer) -> dict[str, Any]:
+        return await dashboard_snapshot(manager)
+
+    @app.get("/v1/stream", tags=["cluster"], response_class=StreamingResponse)
+    async def stream(
+        request: Request, token: Annotated[str | None, Query(max_length=200)] = None,
+        authorization: Annotated[str | None, Header()] = None,
+    ) -> StreamingResponse:
+        """Server-sent events: a `snapshot` event with the whole dashboard state whenever it changes.
+        EventSource cannot send headers, so a viewer token may come as `?token=` here."""
+        await require("read")(authorization or (f"Bearer {token}" if token else None))
+        return StreamingResponse(snapshot_events(manager, request), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.get("/", include_in_schema=False, response_class=HTMLResponse)
+    async def root() -> HTMLResponse:
+        return HTMLResponse(DASHBOARD_HTML)
 
     return app
 

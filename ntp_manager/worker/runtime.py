@@ -161,7 +161,11 @@ class Runtime:
         source: LayoutSource,
         store: Any,
         cfg: RuntimeConfig,
+        on_event: Callable[[TimelineEvent], None] | None = None,
     ) -> None:
+        """`on_event` sees every timeline event as it happens (failure detected, layout received,
+        regrouped, reshard done, first step, ...)."""
+        self.on_event = on_event
         self.model_fn, self.plan, self.optimizer_fn = model_fn, plan, optimizer_fn
         self.source, self.store, self.cfg = source, store, cfg
         self.step = 0  # committed optimizer steps
@@ -492,5 +496,8 @@ class Runtime:
                     st["step"] = torch.tensor(step_val.item())
 
     def _event(self, what: str, version: int, detail: str = "") -> None:
-        self.s.timeline.append(TimelineEvent(time.time(), what, version, detail))
+        ev = TimelineEvent(time.time(), what, version, detail)
+        self.s.timeline.append(ev)
+        if self.on_event is not None:
+            self.on_event(ev)
         log.info(what, version=version, detail=detail, step=self.step)

@@ -1,0 +1,261 @@
+"""Worker runtime benchmarks (gloo on CPU, real processes):
+
+1. NTP gradient sync time over uniform sync time, same model and gradient bytes: 2 replicas at TP4
+   (uniform) vs TP4 + TP3 (the TP3 replica's extra transfers), median of repeated syncs.
+2. Reshard time against bytes moved (TP4 -> TP3, the failed rank's units fetched from the DP peer).
+3. Failure to first completed step at the new TP degree for a ~100M-parameter model, split into
+   detection (kill -> survivors' collective fails), regroup (dropping the old group, the layout, the
+   rendezvous and the new process group),
+   reshard, first step.
+
+    python bench/worker.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ntp_manager.worker.reshard import apply_reshard, reshard_moves
+from ntp_manager.worker.runtime import Runtime, RuntimeConfig
+from ntp_manager.worker.sources import StoreLayoutSource, publish_layout
+from ntp_manager.worker.sync import NtpGradSync, SyncLayout, families_of, replicas_from
+from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan
+from ntp_manager.worker.tp import parallelize
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    torch.set_num_threads(1)  # 8 ranks share this machine's cores
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+# ---- 1. sync ratio -------------------------------------------------------------------------------
+def _sync_worker(rank: int, world: int, port: int, cfg: GptConfig, reps: int, q: Any) -> None:
+    _init(rank, world, port)
+    units = {"heads": cfg.heads, "mlp": cfg.mlp}
+    out = {}
+    for name, ranks in (("uniform", [[0, 1, 2, 3], [4, 5, 6, 7]]), ("ntp", [[0, 1, 2], [4, 5, 6, 7]])):
+        lay = SyncLayout(replicas_from(ranks, [len(r) for r in ranks]), units)
+        torch.manual_seed(0)
+        model = TinyGpt(cfg)
+        fams = families_of(tp_plan(cfg), model)
+        tps = [dist.new_group(ranks=r) for r in ranks]
+        active = any(rank in r for r in ranks)
+        if active:
+            parallelize(model, tp_plan(cfg), lay.units_of(rank), group=tps[lay.locate(rank)[0]])
+        sync = NtpGradSync(model, lay, rank, fams)
+        if active:
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            t = time.perf_counter()
+            sync.sync()
+            times.append(time.perf_counter() - t)
+        dist.barrier()
+        out[name] = (statistics.median(times), sync.bytes_all_reduced / reps)
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def bench_sync(quick: bool) -> list[tuple[str, ...]]:
+    rows = []
+    for cfg in ([GptConfig(vocab=512, seq=32, d_model=256, heads=8, mlp=1024, layers=2)] if quick else
+                [GptConfig(vocab=512, seq=32, d_model=256, heads=8, mlp=1024, layers=2),
+                 GptConfig(vocab=1024, seq=32, d_model=512, heads=8, mlp=2048, layers=4)]):
+        q = mp.get_context("spawn").SimpleQueue()
+        ctx = mp.start_processes(_sync_worker, args=(8, free_port(), cfg, 5 if quick else 15, q), nprocs=8,
+                                 join=False, start_method="spawn")
+        res = [q.get() for _ in range(8)]
+        while not ctx.join():
+            pass
+        # the slowest rank bounds the step
+        uni = max(r[1]["uniform"][0] for r in res)
+        ntp = max(r[1]["ntp"][0] for r in res if r[0] != 3)
+        params = sum(p.numel() for p in TinyGpt(cfg).parameters())
+        rows.append((f"{params / 1e6:.1f}M", f"{1000 * uni:.1f}", f"{1000 * ntp:.1f}", f"{ntp / uni:.2f}x"))
+    return rows
+
+
+# ---- 2. reshard time vs bytes ---------------------------------------------------------------------
+def _reshard_worker(rank: int, world: int, port: int, cfg: GptConfig, q: Any) -> None:
+    _init(rank, world, port)
+    units = {"heads": cfg.heads, "mlp": cfg.mlp}
+    old = SyncLayout(replicas_from([[0, 1, 2, 3], [4, 5, 6, 7]], [4, 4]), units)
+    new = SyncLayout(replicas_from([[0, 1, 2], [4, 5, 6, 7]], [3, 4]), units)
+    torch.manual_seed(0)
+    model = TinyGpt(cfg)
+    fams = families_of(tp_plan(cfg), model)
+    tps = [dist.new_group(ranks=list(r.ranks)) for r in old.replicas]
+    parallelize(model, tp_plan(cfg), old.units_of(rank), group=tps[old.locate(rank)[0]])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()  # momentum buffers exist: they move too
+    tps2 = [dist.new_group(ranks=list(r.ranks)) for r in new.replicas]
+    mine = next((g for g, r in zip(tps2, new.replicas, strict=True) if rank in r.ranks), None)
+    alive = {0, 1, 2, 4, 5, 6, 7}
+    dist.barrier()
+    t = time.perf_counter()
+    if rank != 3:
+        apply_reshard(model, opt, old, new, alive, rank, fams, mine)
+    else:  # the failed rank takes no part; a barrier group without it would be needed in real life
+        pass
+    el = time.perf_counter() - t
+    moves = reshard_moves(old, new, alive)
+    q.put((rank, el, moves))
+    dist.destroy_process_group()
+
+
+def bench_reshard(quick: bool) -> list[tuple[str, ...]]:
+    rows = []
+    cfgs = [GptConfig(vocab=512, seq=32, d_model=256, heads=8, mlp=1024, layers=2),
+            GptConfig(vocab=1024, seq=32, d_model=512, heads=8, mlp=2048, layers=4)]
+    if not quick:
+        cfgs.append(GptConfig(vocab=1024, seq=32, d_model=1024, heads=16, mlp=4096, layers=4))
+    for cfg in cfgs:
+        q = mp.get_context("spawn").SimpleQueue()
+        ctx = mp.start_processes(_reshard_worker, args=(8, free_port(), cfg, q), nprocs=8, join=False,
+                                 start_method="spawn")
+        res = [q.get() for _ in range(8)]
+        while not ctx.join():
+            pass
+        el = max(r[1] for r in res if r[0] != 3)
+        moves = res[0][2]
+        # bytes per unit row: every sharded tensor of a family (weights, biases, momentum), fp32; every
+        # survivor of the TP3 replica gets a new unit assignment, so more than the lost quarter moves
+        d, hd = cfg.d_model, cfg.head_dim
+        row = {"heads": cfg.layers * 2 * (3 * hd * (d + 1) + hd * d), "mlp": cfg.layers * 2 * (d + 1 + d)}
+        moved = sum(4 * row[m.family] * len(m.units) for m in moves)
+        params = sum(p.numel() for p in TinyGpt(cfg).parameters())
+        rows.append((f"{params / 1e6:.1f}M", f"{moved / 2**20:.1f}", f"{1000 * el:.0f}",
+                     f"{moved / 2**20 / el:.0f}"))
+    return rows
+
+
+# ---- 3. failure -> first step ---------------------------------------------------------------------
+BIG = GptConfig(vocab=8192, seq=64, d_model=1024, heads=16, mlp=4096, layers=8)
+
+
+def _rt_worker(wid: str, port: int, cfg: GptConfig, park_at: int, victim: str, steps: int, q: Any) -> None:
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=dt.timedelta(seconds=300))
+
+    def batch(step: int, start: int, count: int) -> Any:
+        g = torch.Generator().manual_seed(step)
+        idx = torch.randint(0, cfg.vocab, (8, cfg.seq), generator=g)
+        return idx[start : start + count], torch.roll(idx, -1, 1)[start : start + count]
+
+    rt = Runtime(lambda: TinyGpt(cfg), tp_plan(cfg), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
+                 StoreLayoutSource(store, "bench", wid), store,
+                 RuntimeConfig(job="bench", collective_timeout_s=60, rendezvous_timeout_s=300,
+                               reconfigure_timeout_s=300))
+    rt.start(timeout=300)
+    while rt.step < steps:
+        if wid == victim and rt.step == park_at:
+            store.set("bench/parked", "1")
+            time.sleep(3600)
+        r = rt.train_step(batch, lambda m, b: m.loss(*b))
+        q.put(("step", wid, r.step, r.tp, r.seconds))
+    q.put(("timeline", wid, [(e.what, e.version, e.at) for e in rt.timeline]))
+    rt.close()
+
+
+def bench_failover(quick: bool) -> tuple[list[tuple[str, ...]], dict[str, float]]:
+    cfg = GptConfig(vocab=1024, seq=32, d_model=256, heads=8, mlp=1024, layers=2) if quick else BIG
+    params = sum(p.numel() for p in TinyGpt(cfg).parameters())
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=dt.timedelta(seconds=300))
+    a, b = ["w0", "w1", "w2", "w3"], ["w4", "w5", "w6", "w7"]
+    publish_layout(store, "bench", 1, [(a, 4), (b, 4)], "start")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = {w: ctx.Process(target=_rt_worker, args=(w, port, cfg, 3, "w3", 5, q)) for w in a + b}
+    for p in procs.values():
+        p.start()
+    while not store.check(["bench/parked"]):
+        time.sleep(0.05)
+    time.sleep(1.0)  # the peers are inside step 3, blocked on the victim
+    t_kill = time.time()
+    os.kill(procs["w3"].pid, signal.SIGKILL)
+    publish_layout(store, "bench", 2, [(a[:3], 3), (b, 4)], "w3 failed")  # the manager's part: see e2e bench
+    timelines: dict[str, list[tuple[str, int, float]]] = {}
+    step_secs: list[float] = []
+    while len(timelines) < 7:
+        msg = q.get(timeout=900)
+        if msg[0] == "timeline":
+            timelines[msg[1]] = msg[2]
+        elif msg[3] == 4 and msg[2] < 3:
+            step_secs.append(msg[4])
+    for p in procs.values():
+        p.join(timeout=60)
+
+    def last(what: str) -> float:
+        return max(next(t for w, v, t in tl if w == what and v == 2) if what != "failure detected" else
+                   next(t for w, v, t in tl if w == what) for tl in timelines.values())
+
+    detect, received = last("failure detected"), last("layout received")
+    regroup, reshard, first = last("regrouped"), last("reshard done"), last("first step")
+    split = {"detection": detect - t_kill, "regroup": regroup - detect, "layout wait": received - detect,
+             "reshard": reshard - regroup, "first step": first - reshard, "total": first - t_kill,
+             "step before": statistics.median(step_secs) if step_secs else float("nan")}
+    rows = [(f"{params / 1e6:.0f}M", *(f"{split[k]:.2f}" for k in
+                                        ("detection", "regroup", "reshard", "first step", "total", "step before")))]
+    return rows, split
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    console = Console()
+    console.print(f"torch {torch.__version__}, gloo, {os.cpu_count()} CPUs")
+    t = Table(title="NTP gradient sync vs uniform (2 replicas; TP4+TP4 vs TP4+TP3), median, slowest rank")
+    for c in ("model", "uniform ms", "NTP ms", "NTP / uniform"):
+        t.add_column(c, justify="right")
+    for r in bench_sync(args.quick):
+        t.add_row(*r)
+    console.print(t)
+    t = Table(title="Reshard TP4 -> TP3 (weights + momentum), slowest rank")
+    for c in ("model", "MiB moved", "ms", "MiB/s"):
+        t.add_column(c, justify="right")
+    for r in bench_reshard(args.quick):
+        t.add_row(*r)
+    console.print(t)
+    rows, _ = bench_failover(args.quick)
+    t = Table(title="Rank killed -> first step at TP3 (seconds; 8 ranks on this machine's CPUs)")
+    for c in ("model", "detection", "regroup", "reshard", "first step", "total", "step before"):
+        t.add_column(c, justify="right")
+    for r in rows:
+        t.add_row(*r)
+    console.print(t)
+
+
+if __name__ == "__main__":
+    main()

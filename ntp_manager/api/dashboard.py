@@ -1,0 +1,82 @@
+"""The operator dashboard: one HTML page (no build step, no external assets) fed by server-sent
+events. `/v1/stream` sends a `snapshot` event whenever the state it shows changes (checked twice a
+second), so the page updates without reloading. The page asks for a token once and keeps it in the
+browser's session storage; the EventSource carries it as a query parameter because browsers cannot
+set headers on EventSource (the token is also accepted as `?token=` on `/v1/stream` only).
+
+Sizes: the snapshot lists at most `MAX_DOMAINS` domains in full (a dashboard of 100K GPUs is a
+different page: use the REST listings with paging there)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections.abc import AsyncIterator
+from importlib import resources
+from typing import Any
+
+from sqlalchemy import select
+from starlette.requests import Request
+
+from ntp_manager.service.manager import Manager
+from ntp_manager.store.models import HealthEventRow
+
+MAX_DOMAINS = 64
+POLL_S = 0.5
+
+
+async def dashboard_snapshot(manager: Manager) -> dict[str, Any]:
+    w = manager.world
+    boost: dict[str, float] = {}
+    jobs = []
+    for name, rec in sorted(w.jobs.items()):
+        lay = rec.layout
+        reps = []
+        if lay is not None:
+            for r in lay.plan["replicas"]:
+                groups = [{"domain": g["domain"], "gpus": g["gpus"], "power_ratio": g["power_ratio"]}
+                          for g in r["groups"]]
+                for g in r["groups"]:
+                    for u in g["gpus"]:
+                        boost[u] = g["power_ratio"]
+                reps.append({"id": r["id"], "tp": r["tp"], "local_batch": r["local_batch"], "groups": groups})
+        jobs.append({"name": name, "version": lay.version if lay else None, "reason": lay.reason if lay else "",
+                     "pending_reason": rec.pending_reason, "replicas": reps,
+                     "global_batch": lay.plan.get("global_batch") if lay else None})
+    by_domain: dict[str, list[Any]] = {}
+    for g in w.gpus.values():
+        by_domain.setdefault(g.domain, []).append(g)
+    domains = []
+    for did in sorted(by_domain)[:MAX_DOMAINS]:
+        gs = sorted(by_domain[did], key=lambda g: (g.node, g.idx))
+        domains.append({"id": did, "gpus": [
+            {"uuid": g.uuid, "node": g.node, "idx": g.idx, "state": g.state, "reason": g.health_reason,
+             "power_ratio": boost.get(g.uuid), "desired_w": (g.desired_mw or 0) // 1000,
+             "enforced_w": (g.enforced_mw or 0) // 1000, "tdp_w": g.tdp_mw // 1000} for g in gs]})
+    async with manager.sm() as s:
+        rows = (await s.scalars(select(HealthEventRow).order_by(HealthEventRow.id.desc()).limit(15))).all()
+    events = [{"at": r.at.isoformat(), "gpu": r.gpu_uuid, "node": r.node, "old": r.old_state, "new": r.new_state,
+               "source": r.source, "reasons": list(r.reasons or [])[:2]} for r in rows]
+    counts: dict[str, int] = {}
+    for g in w.gpus.values():
+        counts[g.state] = counts.get(g.state, 0) + 1
+    return {"epoch": manager.epoch, "gpus_by_state": counts, "domains": domains,
+            "domains_total": len(by_domain), "jobs": jobs, "events": events,
+            "breaker": {"open": manager.breaker_open, "reason": manager.breaker_reason}}
+
+
+async def snapshot_events(manager: Manager, request: Request) -> AsyncIterator[bytes]:
+    last = ""
+    yield b"retry: 2000\n\n"
+    while not await request.is_disconnected():
+        snap = await dashboard_snapshot(manager)
+        body = json.dumps(snap, separators=(",", ":"))
+        digest = hashlib.sha256(body.encode()).hexdigest()
+        if digest != last:
+            last = digest
+            yield f"event: snapshot\ndata: {body}\n\n".encode()
+        await asyncio.sleep(POLL_S)
+
+
+DASHBOARD_HTML = (resources.files("ntp_manager.api") / "static" / "dashboard.html").read_text(encoding="utf-8")

@@ -1,0 +1,206 @@
+"""A local launcher: one process per GPU (rank), the TCPStore the runtime's process groups meet in,
+and the records the ranks send back. Used by examples/train_gpt.py, `make demo` and the tests.
+
+Each rank trains `TinyGpt` on a synthetic, learnable token stream (a fixed random bigram table with
+a little noise), so the loss falls and any divergence between layouts would show. The global sample
+order depends only on the step number: `batch(step, start, count)` is the same slice whatever the
+layout, which is what makes runs comparable with a single-process reference.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import queue
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan
+
+MAX_BATCH = 64
+DEMO_MODEL = GptConfig(vocab=64, seq=16, d_model=48, heads=6, mlp=96, layers=2)
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    job: str
+    cfg: GptConfig = DEMO_MODEL
+    steps: int = 30
+    lr: float = 0.05
+    momentum: float = 0.9
+    step_delay_s: float = 0.0  # slows steps down to a pace people can follow (demo)
+    collective_timeout_s: float = 10.0
+    reconfigure_timeout_s: float = 120.0
+
+
+def bigram_table(vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(12345)
+    return torch.randint(0, vocab, (vocab,), generator=g)
+
+
+def batch(cfg: GptConfig, step: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples [start, start+count) of step `step`'s global batch."""
+    g = torch.Generator().manual_seed(10_000 + step)
+    nxt = bigram_table(cfg.vocab)
+    seq = torch.empty(MAX_BATCH, cfg.seq + 1, dtype=torch.long)
+    seq[:, 0] = torch.randint(0, cfg.vocab, (MAX_BATCH,), generator=g)
+    noise = torch.rand(MAX_BATCH, cfg.seq, generator=g) < 0.1
+    rand = torch.randint(0, cfg.vocab, (MAX_BATCH, cfg.seq), generator=g)
+    for i in range(cfg.seq):
+        seq[:, i + 1] = torch.where(noise[:, i], rand[:, i], nxt[seq[:, i]])
+    return seq[start : start + count, :-1], seq[start : start + count, 1:]
+
+
+def reference_losses(spec: TrainSpec, global_batches: list[int], seed: int = 0) -> list[float]:
+    """The single-process run on the same global batches."""
+    torch.manual_seed(seed)
+    m = TinyGpt(spec.cfg)
+    opt = torch.optim.SGD(m.parameters(), lr=spec.lr, momentum=spec.momentum)
+    out = []
+    for s, gb in enumerate(global_batches):
+        opt.zero_grad()
+        loss = m.loss(*batch(spec.cfg, s, 0, gb))
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    worker_id: str
+    store_port: int
+    source: str  # "store" | "grpc"
+    manager: str = ""
+    token: str = ""
+    gpu_uuid: str = ""
+
+
+def rank_main(train: TrainSpec, rank: RankSpec, q: Any) -> None:
+    """The body of one rank's process."""
+    from ntp_manager.worker.runtime import Runtime, RuntimeConfig, TimelineEvent
+    from ntp_manager.worker.sources import GrpcLayoutSource, LayoutSource, StoreLayoutSource
+
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    store = dist.TCPStore("127.0.0.1", rank.store_port, is_master=False, timeout=dt.timedelta(seconds=300))
+    source: LayoutSource
+    if rank.source == "grpc":
+        source = GrpcLayoutSource(rank.manager, rank.token, train.job, rank.gpu_uuid, rank.worker_id)
+    else:
+        source = StoreLayoutSource(store, train.job, rank.worker_id)
+    cfg = RuntimeConfig(job=train.job, collective_timeout_s=train.collective_timeout_s,
+                        rendezvous_timeout_s=max(60.0, 2 * train.collective_timeout_s),
+                        reconfigure_timeout_s=train.reconfigure_timeout_s)
+
+    def on_event(ev: TimelineEvent) -> None:
+        q.put({"kind": "event", "worker": rank.worker_id, "what": ev.what, "version": ev.version,
+               "detail": ev.detail, "at": ev.at})
+
+    rt = Runtime(lambda: TinyGpt(train.cfg), tp_plan(train.cfg),
+                 lambda p: torch.optim.SGD(p, lr=train.lr, momentum=train.momentum), source, store, cfg,
+                 on_event=on_event)
+    try:
+        rt.start()
+        while rt.step < train.steps:
+            r = rt.train_step(lambda s, a, n: batch(train.cfg, s, a, n), lambda m, b: m.loss(*b))
+            q.put({"kind": "step", "worker": rank.worker_id, "step": r.step, "loss": r.loss,
+                   "global_batch": r.global_batch, "local_batch": r.local_batch, "version": r.version,
+                   "tp": r.tp, "seconds": r.seconds, "at": time.time()})
+            if train.step_delay_s:
+                time.sleep(train.step_delay_s)
+        q.put({"kind": "done", "worker": rank.worker_id, "step": rt.step})
+    except Exception as e:
+        q.put({"kind": "error", "worker": rank.worker_id, "error": f"{type(e).__name__}: {e}"})
+        raise
+    finally:
+        rt.close()
+
+
+@dataclass
+class Launcher:
+    """Hosts the store; starts, kills and restarts rank processes; drains their records."""
+
+    train: TrainSpec
+    port: int = 0
+    procs: dict[str, Any] = field(default_factory=dict)
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.port:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                self.port = int(s.getsockname()[1])
+        self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False,
+                                   timeout=dt.timedelta(seconds=300))
+        self.ctx = mp.get_context("spawn")
+        # one queue per rank: a rank SIGKILLed while writing can wedge only its own queue's lock
+        self.queues: dict[str, Any] = {}
+
+    def start(self, rank: RankSpec) -> None:
+        q = self.ctx.Queue()
+        p = self.ctx.Process(target=rank_main, args=(self.train, rank, q), daemon=True,
+                             name=f"rank-{rank.worker_id}")
+        p.start()
+        self.procs[rank.worker_id], self.queues[rank.worker_id] = p, q
+
+    def kill(self, worker_id: str) -> None:
+        p = self.procs[worker_id]
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+        p.join(timeout=10)
+        self.queues.pop(worker_id, None)
+
+    def _poll(self) -> list[dict[str, Any]]:
+        got = []
+        for q in list(self.queues.values()):
+            while True:
+                try:
+                    got.append(q.get_nowait())
+                except queue.Empty:
+                    break
+        got.sort(key=lambda r: r.get("at", 0.0))
+        self.records.extend(got)
+        return got
+
+    def drain(self) -> list[dict[str, Any]]:
+        return self._poll()
+
+    def wait_for(self, pred: Any, timeout: float) -> dict[str, Any]:
+        """Drain records until `pred(record)` holds for one and return it; raises TimeoutError."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for rec in self._poll():
+                if rec["kind"] == "error":
+                    raise RuntimeError(f"rank {rec['worker']} failed: {rec['error']}")
+                if pred(rec):
+                    return rec
+            if time.monotonic() > deadline:
+                raise TimeoutError("the ranks did not get there in time")
+            if self.procs and not any(p.is_alive() for p in self.procs.values()):
+                raise RuntimeError("every rank process has exited")
+            time.sleep(0.02)
+
+    def alive(self) -> list[str]:
+        return [w for w, p in self.procs.items() if p.is_alive()]
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs.values():
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+    def steps_of(self, worker_id: str) -> list[dict[str, Any]]:
+        return sorted((r for r in self.records if r["kind"] == "step" and r["worker"] == worker_id),
+                      key=lambda r: r["step"])
