@@ -200,6 +200,15 @@ class FakeBackend:
     def close(self) -> None:
         pass
 
+    def inject(self, kind: str, gpu: int, **fields: Any) -> None:
+        """Apply a fault now, as if the scenario had scheduled it (demos and tests drive faults live)."""
+        spec = FaultSpec(at=0, gpu=gpu, kind=kind, **fields)  # type: ignore[arg-type]
+        if spec.gpu >= len(self._order):
+            raise ScenarioError(f"no GPU {gpu} on {self.node} (it has {len(self._order)})")
+        with self._cond:
+            self._pending.insert(0, spec)
+            self._cond.notify_all()
+
     # ---- scenario playback ----------------------------------------------------------------------
     def _advance(self) -> None:
         with self._cond:
