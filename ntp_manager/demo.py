@@ -1,59 +1,322 @@
-"""`make demo`: plan a sample cluster, fail a few GPUs, and show what each scheme makes of it.
+"""`make demo`: the whole system on one machine.
 
-Runs on embedded defaults (no files needed): 8 NVL32 racks, a job of 3 replicas x 2 pipeline
-stages at TP32 with one spare rack. Until the end-to-end demo (manager + agents + workers) exists,
-this is the main job: it shows the planner's decisions, which the live service reuses unchanged.
+A real manager process (SQLite), real agents on the fake GPU backend for three nodes (two NVLink
+domains of 4 GPUs for the job, plus a spare node), and a CPU training job of 2 DP replicas x TP4, one
+process per GPU, using the worker runtime over the manager's gRPC watch stream. Then:
+
+1. a GPU fails (XID 48 injected into the fake backend; the process driving it dies, as it would);
+2. the agent reports, the manager replans (that replica at TP3, smaller local batch), the layout is
+   pushed, the survivors reshard live and keep training;
+3. the GPU is repaired, the agent reports it healthy, a fresh process starts on it, the manager
+   replans back to TP4 and the new rank joins by copying its shards from peers.
+
+It prints the timeline with durations and the loss curve beside a single-process reference on the
+same global batches, then leaves the dashboard up until Ctrl-C.
 """
 
 from __future__ import annotations
 
-import random
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
 
+import httpx
+import typer
 from rich.console import Console
 from rich.table import Table
 
-from ntp_manager.cli import render_plan
-from ntp_manager.planner import JobSpec, Scheme, make_plan
-from ntp_manager.topology import GpuState, generate_cluster
+console = Console()
+JOB = "demo"
+HIT_NODE, HIT_GPU = "node-a", 3
 
 
-def main(seed: int = 7) -> None:
-    console = Console()
-    cluster = generate_cluster(8, 32, 4, name="demo")
-    base = JobSpec(
-        name="demo-llm", tp=32, groups_per_replica=2, replicas=3, local_batch=8, min_tp=28,
-        heads=128, mlp_columns=81920, spares=1,
+@dataclass
+class DemoResult:
+    versions: list[int] = field(default_factory=list)
+    tp_by_version: dict[int, list[int]] = field(default_factory=dict)
+    losses: list[tuple[int, int, float, float]] = field(default_factory=list)  # step, version, loss, reference
+    timeline: list[tuple[str, float]] = field(default_factory=list)  # what, seconds since the failure
+    stall_s: float = 0.0
+    split: dict[str, float] = field(default_factory=dict)
+    dashboard: str = ""
+
+
+def _ts(iso: str) -> float:
+    return datetime.fromisoformat(iso).timestamp()
+
+
+@contextlib.contextmanager
+def manager_process(data: Path) -> Iterator[tuple[subprocess.Popen[str], dict[str, Any]]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ntp_manager.cli", "serve", "--data-dir", str(data), "--http-port", "0",
+         "--grpc-port", "0"],
+        stdout=subprocess.PIPE, stderr=open(data / "manager.log", "w"), text=True,  # noqa: SIM115
+        env=dict(os.environ, NTP_HEARTBEAT_INTERVAL_S="2"),
     )
-    rng = random.Random(seed)
-    uuids = [g.uuid for g in cluster.gpus()]
-    # Two failures in one rack, one in another: the racks are packed into the same replica.
-    failed = [uuids[5], uuids[40], uuids[41], *rng.sample(uuids[100:], 1)]
-    broken = cluster.with_states(dict.fromkeys(failed, GpuState.FAILED))
-    console.rule("[bold]ntp-manager demo: the planner")
-    console.print(
-        f"cluster: {cluster.gpu_count} GPUs in {len(cluster.domains)} NVL32 domains; "
-        f"failed GPUs: {len(failed)}; job: {base.replicas} replicas x {base.groups_per_replica} "
-        f"stages at TP{base.tp}, min TP{base.min_tp}, {base.spares} spare group"
-    )
-    summary = Table(title="throughput by scheme")
-    for col in ("scheme", "replicas", "TP degrees", "global batch", "relative throughput", "boosted GPUs"):
-        summary.add_column(col)
-    for scheme in Scheme:
-        for spares in (0, base.spares):
-            job = JobSpec(**{**base.__dict__, "scheme": scheme, "spares": spares})
-            plan = make_plan(broken, job)
-            if spares:
-                console.rule(f"{scheme.value}")
-                render_plan(plan, console)
-            summary.add_row(
-                f"{scheme.value} ({spares} spare)", str(len(plan.replicas)),
-                ",".join(str(r.tp) for r in plan.replicas),
-                f"{plan.global_batch}/{plan.target_batch}", f"{plan.relative_throughput:.4f}",
-                str(len(plan.power_caps_w)),
-            )
-    console.rule()
-    console.print(summary)
+    assert proc.stdout is not None
+    info = None
+    for line in proc.stdout:
+        if line.startswith("NTP-MANAGER READY"):
+            info = json.loads(line.split(" ", 2)[2])
+            break
+    if info is None:
+        raise RuntimeError(f"the manager did not start; see {data / 'manager.log'}")
+    try:
+        yield proc, info
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def create_token(data: Path, scope: str) -> str:
+    cmd = [sys.executable, "-m", "ntp_manager.cli", "token", "create", "--name", f"demo-{scope}", "--scope", scope,
+           "--json", "--data-dir", str(data)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return str(json.loads(out.stdout)["token"])
+
+
+class Agents:
+    """The three nodes' agents, in a thread with their own event loop; their fake backends take
+    injected faults."""
+
+    def __init__(self, grpc: str, token: str) -> None:
+        from agent.backends.fake import FakeBackend, parse_scenario
+        from agent.core import Agent, AgentConfig
+
+        self.agents = {}
+        for node, domain in (("node-a", "nvl-0"), ("node-b", "nvl-1"), ("node-spare", "nvl-2")):
+            backend = FakeBackend(parse_scenario({"seed": 1, "gpus": 4, "faults": []}), node=node)
+            cfg = AgentConfig(manager=grpc, token=token, node=node, domain=domain, heartbeat_interval_s=1.0,
+                              sample_interval_s=0.2, xid_wait_s=0.05)
+            self.agents[node] = Agent(backend, cfg)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="agents")
+        self.thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(asyncio.gather(*(a.run() for a in self.agents.values())))
+
+    def ready(self) -> bool:
+        return all(a.registered.is_set() for a in self.agents.values())
+
+    def gpus(self, node: str) -> list[str]:
+        return [g.uuid for g in self.agents[node].statics]
+
+    def inject(self, node: str, kind: str, gpu: int, **kw: Any) -> None:
+        self.agents[node].backend.inject(kind, gpu, **kw)  # type: ignore[attr-defined]
+
+    def stop(self) -> None:
+        for a in self.agents.values():
+            self.loop.call_soon_threadsafe(a.stopping.set)
+        self.thread.join(15)
+
+
+def wait(pred: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def run_demo(steps_before: int = 6, steps_degraded: int = 6, steps_after: int = 6, data: Path | None = None,
+             keep_up: bool = True, step_delay_s: float = 0.0) -> DemoResult:
+    from ntp_manager.worker.launch import Launcher, RankSpec, TrainSpec, reference_losses
+
+    res = DemoResult()
+    tmp = tempfile.TemporaryDirectory(prefix="ntp-demo-") if data is None else None
+    root = Path(tmp.name) if tmp else data
+    assert root is not None
+    root.mkdir(parents=True, exist_ok=True)
+    console.rule("[bold]ntp-manager demo")
+    tokens = {s: create_token(root, s) for s in ("agent", "worker", "operator", "viewer")}
+    # the ranks train until the demo tells them where to stop (after the repair has been applied)
+    train = TrainSpec(job=JOB, steps=1_000_000, step_delay_s=step_delay_s, collective_timeout_s=10)
+    launcher: Launcher | None = None
+    agents: Agents | None = None
+    with manager_process(root) as (_proc, info):
+        http = f"http://{info['http']}"
+        api = httpx.Client(base_url=http, headers={"Authorization": f"Bearer {tokens['operator']}"}, timeout=20)
+        console.print(f"manager up: REST {http}, gRPC {info['grpc']} (data in {root})")
+        try:
+            agents = Agents(info["grpc"], tokens["agent"])
+            wait(agents.ready, 30, "the agents to register")
+            console.print("agents: node-a (nvl-0), node-b (nvl-1), node-spare (nvl-2), 4 fake GPUs each")
+            job = {"name": JOB, "tp": 4, "replicas": 2, "local_batch": 16, "min_tp": 2, "heads": 6,
+                   "mlp_columns": 96, "scheme": "ntp", "domains": ["nvl-0", "nvl-1"]}
+            r = api.post("/v1/jobs", json=job)
+            r.raise_for_status()
+            wait(lambda: api.get(f"/v1/jobs/{JOB}").json()["layout_version"], 30, "the first layout")
+            launcher = Launcher(train)
+            gpus = agents.gpus("node-a") + agents.gpus("node-b")
+            for u in gpus:
+                launcher.start(RankSpec(u, launcher.port, "grpc", info["grpc"], tokens["worker"], u))
+            console.print(f"training: 8 rank processes (2 replicas x TP4), TinyGpt, store on port {launcher.port}")
+
+            def step_at_least(n: int, version: int | None = None) -> Any:
+                return lambda rec: rec["kind"] == "step" and rec["step"] >= n and (
+                    version is None or rec["version"] == version)
+
+            launcher.wait_for(step_at_least(steps_before - 1), 300)
+            v1 = api.get(f"/v1/jobs/{JOB}").json()["layout_version"]
+            # ---- the failure -------------------------------------------------------------------
+            victim = agents.gpus(HIT_NODE)[HIT_GPU]
+            console.rule(f"[red]GPU {HIT_NODE}/{HIT_GPU} fails (XID 48)")
+            t_fail = time.time()
+            agents.inject(HIT_NODE, "xid", HIT_GPU, xid=48)
+            launcher.kill(victim)  # the process on a dead GPU dies with it
+            rec = launcher.wait_for(lambda rec: rec["kind"] == "step" and rec["version"] > v1, 300)
+            v2 = rec["version"]
+            launcher.wait_for(step_at_least(rec["step"] + steps_degraded - 1, v2), 300)
+            _timeline(res, api, launcher, victim, t_fail, v1, v2, "failure")
+            # ---- the repair --------------------------------------------------------------------
+            console.rule(f"[green]GPU {HIT_NODE}/{HIT_GPU} repaired")
+            t_rep = time.time()
+            launcher.start(RankSpec(victim, launcher.port, "grpc", info["grpc"], tokens["worker"], victim))
+            agents.inject(HIT_NODE, "repair", HIT_GPU)
+            rec = launcher.wait_for(lambda rec: rec["kind"] == "step" and rec["version"] > v2
+                                    and rec["worker"] == victim, 300)
+            v3 = rec["version"]
+            launcher.stop_at(rec["step"] + steps_after)
+            _timeline(res, api, launcher, victim, t_rep, v2, v3, "repair")
+            done: set[str] = set()
+            launcher.wait_for(lambda rec: rec["kind"] == "done" and (done.add(rec["worker"]) or len(done) == 8),
+                              600)
+            time.sleep(0.3)
+            launcher.drain()
+            _losses(res, launcher, train, reference_losses)
+            hist = api.get(f"/v1/jobs/{JOB}/layouts", params={"limit": 100}).json()["items"]
+            res.versions = sorted(x["version"] for x in hist)
+            res.tp_by_version = {x["version"]: sorted(r["tp"] for r in x["replicas"]) for x in hist}
+            _layouts_table(hist)
+            res.dashboard = f"{http}/?token={tokens['viewer']}"
+            console.rule()
+            console.print(f"dashboard: [bold]{res.dashboard}[/]")
+            console.print(f"ntpctl:    NTP_URL={http} NTP_TOKEN={tokens['operator']} ntpctl status")
+            if keep_up:
+                console.print("Ctrl-C stops everything.")
+                with contextlib.suppress(KeyboardInterrupt):
+                    while True:
+                        time.sleep(1)
+        finally:
+            if launcher is not None:
+                launcher.stop()
+            if agents is not None:
+                agents.stop()
+            api.close()
+    if tmp is not None:
+        tmp.cleanup()
+    console.print("stopped cleanly")
+    return res
+
+
+def _timeline(res: DemoResult, api: httpx.Client, launcher: Any, victim: str, t0: float, old: int, new: int,
+              label: str) -> None:
+    ev = api.get("/v1/events", params={"gpu": victim, "limit": 5}).json()["items"]
+    report = min((_ts(e["at"]) for e in ev if e["source"] == "agent" and _ts(e["at"]) >= t0 - 1), default=None)
+    lay = next(x for x in api.get(f"/v1/jobs/{JOB}/layouts", params={"limit": 10}).json()["items"]
+               if x["version"] == new)
+    acks = api.get(f"/v1/jobs/{JOB}").json()["acks"].get(str(new), {})
+    evs = [r for r in launcher.records if r["kind"] == "event" and r["at"] >= t0]
+
+    def first(what: str, version: int | None = None) -> float | None:
+        ts = [r["at"] for r in evs if r["what"] == what and (version is None or r["version"] == version)]
+        return min(ts) if ts else None
+
+    def last(what: str, version: int) -> float | None:
+        ts = [r["at"] for r in evs if r["what"] == what and r["version"] == version]
+        return max(ts) if ts else None
+
+    rows = [
+        (f"{label} injected", t0),
+        ("agent report received by the manager", report),
+        (f"plan made (layout v{new}: {lay['reason'][:50]})", _ts(lay["created_at"])),
+        ("collective failed on a survivor", first("failure detected")),
+        ("layout pushed (first worker has it)", first("layout received", new)),
+        ("process group rebuilt (last rank)", last("regrouped", new)),
+        ("reshard done (last rank)", last("reshard done", new)),
+        (f"acks at the manager ({sum(1 for a in acks.values() if a['ok'])})",
+         max((_ts(a["at"]) for a in acks.values()), default=None)),
+        ("first step at the new degree (last rank)", last("first step", new)),
+    ]
+    t = Table(title=f"timeline: {label} (v{old} -> v{new})")
+    for c in ("event", "t (s)", "since previous (s)"):
+        t.add_column(c)
+    prev = t0
+    for what, at in rows:
+        if at is None:
+            continue
+        t.add_row(what, f"{at - t0:.2f}", f"{max(0.0, at - prev):.2f}")
+        prev = max(prev, at)
+        res.timeline.append((what, at - t0))
+    console.print(t)
+    if label == "failure":
+        first_step = last("first step", new)
+        if first_step is not None:
+            res.stall_s = first_step - t0
+            res.split = {
+                "detection": (report or t0) - t0,
+                "plan": _ts(lay["created_at"]) - (report or t0),
+                "push + regroup": (last("regrouped", new) or t0) - _ts(lay["created_at"]),
+                "reshard": (last("reshard done", new) or t0) - (last("regrouped", new) or t0),
+                "first step": first_step - (last("reshard done", new) or t0),
+            }
+
+
+def _losses(res: DemoResult, launcher: Any, train: Any, reference_losses: Any) -> None:
+    by_step: dict[int, dict[str, Any]] = {}
+    for r in launcher.records:
+        if r["kind"] == "step":
+            by_step.setdefault(r["step"], r)
+    steps = sorted(by_step)
+    ref = reference_losses(train, [by_step[s]["global_batch"] for s in steps])
+    t = Table(title="loss per step (reference: one process, same global batches)")
+    for c in ("step", "layout", "global batch", "loss", "reference", "rel. diff"):
+        t.add_column(c, justify="right")
+    for s in steps:
+        r = by_step[s]
+        res.losses.append((s, r["version"], r["loss"], ref[s]))
+        t.add_row(str(s), f"v{r['version']}", str(r["global_batch"]), f"{r['loss']:.5f}", f"{ref[s]:.5f}",
+                  f"{abs(r['loss'] - ref[s]) / abs(ref[s]):.1e}")
+    console.print(t)
+
+
+def _layouts_table(hist: list[dict[str, Any]]) -> None:
+    t = Table(title="layout versions")
+    for c in ("version", "replicas (TP / local batch)", "reason"):
+        t.add_column(c)
+    for x in sorted(hist, key=lambda x: x["version"]):
+        t.add_row(str(x["version"]), "  ".join(f"TP{r['tp']}/{r['local_batch']}" for r in x["replicas"]),
+                  x["reason"][:70])
+    console.print(t)
+
+
+def main(
+    no_wait: bool = typer.Option(False, "--no-wait", help="exit after the scenario instead of serving until Ctrl-C"),
+    step_delay: float = typer.Option(0.3, help="pause between steps, so the dashboard can be watched"),
+) -> None:
+    res = run_demo(keep_up=not no_wait, step_delay_s=step_delay)
+    worst = max((abs(a - b) / abs(b) for _, _, a, b in res.losses), default=0.0)
+    console.print(f"stall per failure: {res.stall_s:.2f} s; worst loss difference vs reference {worst:.1e}")
 
 
 if __name__ == "__main__":
-    main()
+    typer.run(main)

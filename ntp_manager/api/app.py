@@ -475,6 +475,7 @@ def _job_view(manager: Manager, name: str) -> dict[str, Any]:
     return {
         "name": name, "spec": rec.raw, "pending_reason": rec.pending_reason,
         "layout_version": lay.version if lay else None,
+        "acks": {str(v): a for v, a in manager.layout_acks.get(name, {}).items()},
         "replicas": [{"id": r["id"], "tp": r["tp"], "local_batch": r["local_batch"]} for r in lay.plan["replicas"]]
         if lay else [],
         "relative_throughput": lay.plan["relative_throughput"] if lay else None,

@@ -118,6 +118,7 @@ class Manager:
         self.lock = asyncio.Lock()
         self.sessions: dict[str, AgentSession] = {}
         self.layout_changed = asyncio.Condition()
+        self.layout_acks: dict[str, dict[int, dict[str, dict[str, Any]]]] = {}
         self.breaker_open = False
         self.breaker_reason = ""
         self._fail_window: deque[tuple[float, str]] = deque()
@@ -918,6 +919,11 @@ class Manager:
             raise InvalidArgument(f"job {job!r} has no layout version {version}")
         if ok and version == lay.version:
             self.metrics.ack_seconds.observe(max(0.0, self.clock.monotonic() - lay.created_mono))
+        # acks of the newest versions, in memory only (operators see who has applied what)
+        per_job = self.layout_acks.setdefault(job, {})
+        per_job.setdefault(version, {})[worker] = {"ok": ok, "at": self.clock.now().isoformat()}
+        for old in sorted(per_job)[:-4]:
+            del per_job[old]
         log.info("layout ack", job=job, worker=worker, version=version, ok=ok)
         return lay
 

@@ -108,7 +108,10 @@ def rank_main(train: TrainSpec, rank: RankSpec, q: Any) -> None:
                  on_event=on_event)
     try:
         rt.start()
+        stop_key = f"ntp/{train.job}/stop_at"
         while rt.step < train.steps:
+            if store.check([stop_key]) and rt.step >= int(store.get(stop_key)):
+                break  # the launcher set a last step; every rank reads the same number
             r = rt.train_step(lambda s, a, n: batch(train.cfg, s, a, n), lambda m, b: m.loss(*b))
             q.put({"kind": "step", "worker": rank.worker_id, "step": r.step, "loss": r.loss,
                    "global_batch": r.global_batch, "local_batch": r.local_batch, "version": r.version,
@@ -144,6 +147,7 @@ class Launcher:
         self.ctx = mp.get_context("spawn")
         # one queue per rank: a rank SIGKILLed while writing can wedge only its own queue's lock
         self.queues: dict[str, Any] = {}
+        self._examined = 0  # records already shown to wait_for predicates
 
     def start(self, rank: RankSpec) -> None:
         q = self.ctx.Queue()
@@ -175,10 +179,15 @@ class Launcher:
         return self._poll()
 
     def wait_for(self, pred: Any, timeout: float) -> dict[str, Any]:
-        """Drain records until `pred(record)` holds for one and return it; raises TimeoutError."""
+        """Examine records (each once, in arrival order, across calls) until `pred(record)` holds for
+        one and return it; raises TimeoutError, or RuntimeError when a rank reports an error or every
+        rank process has exited."""
         deadline = time.monotonic() + timeout
         while True:
-            for rec in self._poll():
+            self._poll()
+            while self._examined < len(self.records):
+                rec = self.records[self._examined]
+                self._examined += 1
                 if rec["kind"] == "error":
                     raise RuntimeError(f"rank {rec['worker']} failed: {rec['error']}")
                 if pred(rec):
@@ -186,8 +195,15 @@ class Launcher:
             if time.monotonic() > deadline:
                 raise TimeoutError("the ranks did not get there in time")
             if self.procs and not any(p.is_alive() for p in self.procs.values()):
+                if self._poll():
+                    continue  # what they sent just before exiting
                 raise RuntimeError("every rank process has exited")
             time.sleep(0.02)
+
+    def stop_at(self, step: int) -> None:
+        """Ranks stop once `step` steps have completed (set it a few steps ahead of the newest record:
+        every rank must read it before getting there)."""
+        self.store.set(f"ntp/{self.train.job}/stop_at", str(step))
 
     def alive(self) -> list[str]:
         return [w for w, p in self.procs.items() if p.is_alive()]
