@@ -290,6 +290,32 @@ def plan(c: typer.Context, job: str,
     emit(c, d, as_json, table(title, ["replica", "TP", "local batch", "power ratio"], rows))
 
 
+@app.command()
+def submit(c: typer.Context, spec: Annotated[Path, typer.Argument(help="job spec YAML (a `job:` mapping)")],
+           as_json: JsonOpt = False) -> None:
+    """Create a job from a spec file (the manager plans it at once)."""
+    import yaml
+
+    try:
+        doc = yaml.safe_load(spec.read_text())
+    except OSError as e:
+        fail(f"{spec}: cannot read ({e.strerror})", 2)
+    except yaml.YAMLError as e:
+        fail(f"{spec}: not YAML ({str(e).splitlines()[0]})", 2)
+    body = doc.get("job", doc) if isinstance(doc, dict) else None
+    if not isinstance(body, dict):
+        fail(f"{spec}: expected a mapping with a `job:` section", 2)
+    d = ctx_of(c).call("POST", "/v1/jobs", json=body)
+    emit(c, d, as_json, text=f"job {d.get('name', body.get('name'))} created")
+
+
+@app.command("delete-job")
+def delete_job(c: typer.Context, job: str, as_json: JsonOpt = False) -> None:
+    """Delete a job (its workers lose their place)."""
+    d = ctx_of(c).call("DELETE", f"/v1/jobs/{job}")
+    emit(c, d, as_json, text=f"job {job} deleted")
+
+
 # ---- tokens ------------------------------------------------------------------------------------
 @token_app.command("list")
 def token_list(c: typer.Context, as_json: JsonOpt = False) -> None:
