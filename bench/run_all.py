@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ["planner.py", "sim.py", "manager.py", "worker.py"]
+BENCHES = ["planner.py", "sim.py", "manager.py", "worker.py", "e2e.py"]
 
 
 def main() -> int:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import datetime as dt
 import fnmatch
-import gc
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -318,7 +317,9 @@ class Runtime:
         assert lay is not None
         self._event("failure detected", lay.version, err)
         log.warning("collective failed; waiting for a new layout", version=lay.version, error=err)
+        t = time.perf_counter()
         self._leave_group()
+        self._event("left old group", lay.version, f"{time.perf_counter() - t:.3f} s")
         self._join_next(lay.version, self.cfg.reconfigure_timeout_s)
 
     def _join_next(self, after: int, timeout: float) -> None:
@@ -361,7 +362,6 @@ class Runtime:
                 dist.destroy_process_group()
             except Exception as e:  # a broken group may fail to tear down cleanly; it is dropped either way
                 log.debug("destroying the old process group failed", error=str(e))
-        gc.collect()
 
     def _rendezvous(self, target: WorkerLayout) -> None:
         assert target.rank is not None
