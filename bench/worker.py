@@ -31,20 +31,13 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ntp_manager.worker.launch import free_port
 from ntp_manager.worker.reshard import apply_reshard, reshard_moves
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig
 from ntp_manager.worker.sources import StoreLayoutSource, publish_layout
 from ntp_manager.worker.sync import NtpGradSync, SyncLayout, families_of, replicas_from
 from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan
 from ntp_manager.worker.tp import parallelize
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _init(rank: int, world: int, port: int) -> None:

@@ -39,6 +39,14 @@ class TrainSpec:
     reconfigure_timeout_s: float = 120.0
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def bigram_table(vocab: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(12345)
     return torch.randint(0, vocab, (vocab,), generator=g)
@@ -136,12 +144,7 @@ class Launcher:
     records: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if not self.port:
-            import socket
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                self.port = int(s.getsockname()[1])
+        self.port = self.port or free_port()
         self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False,
                                    timeout=dt.timedelta(seconds=300))
         self.ctx = mp.get_context("spawn")

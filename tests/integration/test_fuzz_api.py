@@ -49,7 +49,9 @@ def test_no_input_makes_a_server_error(live: dict[str, str]):
     """Every operation, ~30 generated requests each (valid and invalid by the schema)."""
     schema = schemathesis.openapi.from_url(f"{live['url']}/openapi.json")
     headers = {"Authorization": f"Bearer {live['token']}"}
-    ops = [r.ok() for r in schema.get_all_operations()]
+    # /v1/stream is an endless server-sent event stream: a valid request never completes, so it is
+    # tested on its own (test_dashboard_stream.py)
+    ops = [op for op in (r.ok() for r in schema.get_all_operations()) if op.path != "/v1/stream"]
     assert len(ops) >= 20
     failures: list[str] = []
     calls = [0]
