@@ -83,14 +83,15 @@ async def test_manager_restart_during_a_scenario_loses_no_report(tmp_path: Path)
     token_holder: dict[str, str] = {}
     async with running_service(url, tmp_path, grpc_port=port) as svc:
         token_holder["agent"] = svc.tokens["agent"]
-        a = make_agent(svc.grpc, svc.tokens["agent"], "node-a", "nvl-0",
-                       [{"at": 1.5, "gpu": 0, "kind": "xid", "xid": 48},
-                        {"at": 1.7, "gpu": 1, "kind": "nvlink_down"},
-                        {"at": 1.9, "gpu": 2, "kind": "thermal_throttle"}])
+        a = make_agent(svc.grpc, svc.tokens["agent"], "node-a", "nvl-0", [])
         task = asyncio.create_task(a.run())
         await eventually(lambda: a.registered.is_set())
         uuids = [g.uuid for g in a.statics]
-    # the manager is down while the faults happen; the agent buffers its reports
+    # the manager is down (and the agent knows it) while the faults happen; the agent buffers its reports
+    await eventually(lambda: not a.connected.is_set(), timeout=10)
+    a.backend.inject("xid", 0, xid=48)
+    a.backend.inject("nvlink_down", 1)
+    a.backend.inject("thermal_throttle", 2)
     await eventually(lambda: len(a.pending) >= 2, timeout=5)
     assert not a.connected.is_set()
     async with running_service(url, tmp_path, grpc_port=port) as svc2:
