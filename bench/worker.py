@@ -218,9 +218,18 @@ def bench_failover(quick: bool) -> tuple[list[tuple[str, ...]], dict[str, float]
     split = {"detection": detect - t_kill, "regroup": regroup - detect, "layout wait": received - detect,
              "reshard": reshard - regroup, "first step": first - reshard, "total": first - t_kill,
              "step before": statistics.median(step_secs) if step_secs else float("nan")}
-    rows = [(f"{params / 1e6:.0f}M", *(f"{split[k]:.2f}" for k in
-                                        ("detection", "regroup", "reshard", "first step", "total", "step before")))]
+    keys = ("detection", "regroup", "reshard", "first step", "total", "step before")
+    rows = [(f"{params / 1e6:.0f}M", *(f"{split[k]:.2f}" for k in keys))]
     return rows, split
+
+
+def show(console: Console, title: str, cols: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    t = Table(title=title)
+    for c in cols:
+        t.add_column(c, justify="right")
+    for r in rows:
+        t.add_row(*r)
+    console.print(t)
 
 
 def main() -> None:
@@ -229,25 +238,13 @@ def main() -> None:
     args = ap.parse_args()
     console = Console()
     console.print(f"torch {torch.__version__}, gloo, {os.cpu_count()} CPUs")
-    t = Table(title="NTP gradient sync vs uniform (2 replicas; TP4+TP4 vs TP4+TP3), median, slowest rank")
-    for c in ("model", "uniform ms", "NTP ms", "NTP / uniform"):
-        t.add_column(c, justify="right")
-    for r in bench_sync(args.quick):
-        t.add_row(*r)
-    console.print(t)
-    t = Table(title="Reshard TP4 -> TP3 (weights + momentum), slowest rank")
-    for c in ("model", "MiB moved", "ms", "MiB/s"):
-        t.add_column(c, justify="right")
-    for r in bench_reshard(args.quick):
-        t.add_row(*r)
-    console.print(t)
+    show(console, "NTP gradient sync vs uniform (2 replicas; TP4+TP4 vs TP4+TP3), median, slowest rank",
+         ("model", "uniform ms", "NTP ms", "NTP / uniform"), bench_sync(args.quick))
+    show(console, "Reshard TP4 -> TP3 (weights + momentum), slowest rank", ("model", "MiB moved", "ms", "MiB/s"),
+         bench_reshard(args.quick))
     rows, _ = bench_failover(args.quick)
-    t = Table(title="Rank killed -> first step at TP3 (seconds; 8 ranks on this machine's CPUs)")
-    for c in ("model", "detection", "regroup", "reshard", "first step", "total", "step before"):
-        t.add_column(c, justify="right")
-    for r in rows:
-        t.add_row(*r)
-    console.print(t)
+    show(console, "Rank killed -> first step at TP3 (seconds; 8 ranks on this machine's CPUs)",
+         ("model", "detection", "regroup", "reshard", "first step", "total", "step before"), rows)
 
 
 if __name__ == "__main__":

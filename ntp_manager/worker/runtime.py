@@ -94,6 +94,8 @@ class TimelineEvent:
 
 def is_comm_failure(e: BaseException) -> bool:
     """A failed or timed-out collective (what a dead or hung peer causes), not a bug in the step."""
+    if isinstance(e, ReconfigurationError):
+        return "rendezvous" in str(e)  # a rendezvous that timed out may succeed at a newer version
     if isinstance(e, dist.DistError):
         return True
     if isinstance(e, RuntimeError):
