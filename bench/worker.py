@@ -235,13 +235,19 @@ def show(console: Console, title: str, cols: tuple[str, ...], rows: list[tuple[s
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", choices=["sync", "reshard", "failover"], action="append")
     args = ap.parse_args()
+    parts = set(args.only or ["sync", "reshard", "failover"])
     console = Console()
     console.print(f"torch {torch.__version__}, gloo, {os.cpu_count()} CPUs")
-    show(console, "NTP gradient sync vs uniform (2 replicas; TP4+TP4 vs TP4+TP3), median, slowest rank",
-         ("model", "uniform ms", "NTP ms", "NTP / uniform"), bench_sync(args.quick))
-    show(console, "Reshard TP4 -> TP3 (weights + momentum), slowest rank", ("model", "MiB moved", "ms", "MiB/s"),
-         bench_reshard(args.quick))
+    if "sync" in parts:
+        show(console, "NTP gradient sync vs uniform (2 replicas; TP4+TP4 vs TP4+TP3), median, slowest rank",
+             ("model", "uniform ms", "NTP ms", "NTP / uniform"), bench_sync(args.quick))
+    if "reshard" in parts:
+        show(console, "Reshard TP4 -> TP3 (weights + momentum), slowest rank",
+             ("model", "MiB moved", "ms", "MiB/s"), bench_reshard(args.quick))
+    if "failover" not in parts:
+        return
     rows, _ = bench_failover(args.quick)
     show(console, "Rank killed -> first step at TP3 (seconds; 8 ranks on this machine's CPUs)",
          ("model", "detection", "regroup", "reshard", "first step", "total", "step before"), rows)
