@@ -139,7 +139,7 @@ def wait(pred: Any, timeout: float, what: str) -> Any:
 
 def run_demo(steps_before: int = 6, steps_degraded: int = 6, steps_after: int = 6, data: Path | None = None,
              keep_up: bool = True, step_delay_s: float = 0.0) -> DemoResult:
-    from ntp_manager.worker.launch import Launcher, RankSpec, TrainSpec, reference_losses
+    from ntp_manager.worker.launch import Launcher, RankSpec, TrainSpec
 
     res = DemoResult()
     tmp = tempfile.TemporaryDirectory(prefix="ntp-demo-") if data is None else None
@@ -202,7 +202,9 @@ def run_demo(steps_before: int = 6, steps_degraded: int = 6, steps_after: int = 
                               600)
             time.sleep(0.3)
             launcher.drain()
-            _losses(res, launcher, train, reference_losses)
+            rows, table = launcher.loss_report()
+            res.losses = [(st, v, loss, ref) for st, v, _, loss, ref in rows]
+            console.print(table)
             hist = api.get(f"/v1/jobs/{JOB}/layouts", params={"limit": 100}).json()["items"]
             res.versions = sorted(x["version"] for x in hist)
             res.tp_by_version = {x["version"]: sorted(r["tp"] for r in x["replicas"]) for x in hist}
@@ -279,24 +281,6 @@ def _timeline(res: DemoResult, api: httpx.Client, launcher: Any, victim: str, t0
                 "reshard": (last("reshard done", new) or t0) - (last("regrouped", new) or t0),
                 "first step": first_step - (last("reshard done", new) or t0),
             }
-
-
-def _losses(res: DemoResult, launcher: Any, train: Any, reference_losses: Any) -> None:
-    by_step: dict[int, dict[str, Any]] = {}
-    for r in launcher.records:
-        if r["kind"] == "step":
-            by_step.setdefault(r["step"], r)
-    steps = sorted(by_step)
-    ref = reference_losses(train, [by_step[s]["global_batch"] for s in steps])
-    t = Table(title="loss per step (reference: one process, same global batches)")
-    for c in ("step", "layout", "global batch", "loss", "reference", "rel. diff"):
-        t.add_column(c, justify="right")
-    for s in steps:
-        r = by_step[s]
-        res.losses.append((s, r["version"], r["loss"], ref[s]))
-        t.add_row(str(s), f"v{r['version']}", str(r["global_batch"]), f"{r['loss']:.5f}", f"{ref[s]:.5f}",
-                  f"{abs(r['loss'] - ref[s]) / abs(ref[s]):.1e}")
-    console.print(t)
 
 
 def _layouts_table(hist: list[dict[str, Any]]) -> None:

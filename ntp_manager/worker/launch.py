@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rich.table import Table
 
 from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan
 
@@ -219,6 +220,26 @@ class Launcher:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+
+    def loss_report(self) -> tuple[list[tuple[int, int, int, float, float]], Table]:
+        """Every completed step (step, layout version, global batch, loss, reference loss) beside a
+        single-process run on the same global batches, and the same as a rich table. The reference
+        needs every step from 0; with a gap its column is NaN."""
+        by_step: dict[int, dict[str, Any]] = {}
+        for r in self.records:
+            if r["kind"] == "step":
+                by_step.setdefault(r["step"], r)
+        steps = sorted(by_step)
+        gbs = [by_step[s]["global_batch"] for s in steps]
+        ref = reference_losses(self.train, gbs) if steps == list(range(len(steps))) else [float("nan")] * len(steps)
+        rows = [(s, by_step[s]["version"], by_step[s]["global_batch"], by_step[s]["loss"], ref[i])
+                for i, s in enumerate(steps)]
+        t = Table(title=f"job {self.train.job}: loss per step (reference: one process, same global batches)")
+        for c in ("step", "layout", "global batch", "loss", "reference", "rel. diff"):
+            t.add_column(c, justify="right")
+        for s, v, gb, loss, rv in rows:
+            t.add_row(str(s), f"v{v}", str(gb), f"{loss:.5f}", f"{rv:.5f}", f"{abs(loss - rv) / abs(rv):.1e}")
+        return rows, t
 
     def steps_of(self, worker_id: str) -> list[dict[str, Any]]:
         return sorted((r for r in self.records if r["kind"] == "step" and r["worker"] == worker_id),
