@@ -172,11 +172,9 @@ def create_app(manager: Manager) -> FastAPI:
     @app.get("/v1/status", tags=["cluster"])
     async def status(_: Viewer) -> dict[str, Any]:
         w = manager.world
-        counts: dict[str, int] = {}
-        for g in w.gpus.values():
-            counts[g.state] = counts.get(g.state, 0) + 1
         return {
-            "version": __version__, "leader_epoch": manager.epoch, "gpus": len(w.gpus), "gpus_by_state": counts,
+            "version": __version__, "leader_epoch": manager.epoch, "gpus": len(w.gpus),
+            "gpus_by_state": manager.gpu_state_counts(),
             "nodes": len(w.nodes), "nodes_connected": sum(1 for n in w.nodes.values() if n.connected),
             "domains": len(w.domains), "jobs": len(w.jobs),
             "breaker": {"open": manager.breaker_open, "reason": manager.breaker_reason},

@@ -979,6 +979,12 @@ class Manager:
             m.after.append(commit_memory)
 
     # ---- views -------------------------------------------------------------------------------
+    def gpu_state_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for g in self.world.gpus.values():
+            counts[g.state] = counts.get(g.state, 0) + 1
+        return counts
+
     def gpu_view(self, uuid: str, override_admin: Any = ..., owner: str | None = None,
                  reason: str | None = None) -> dict[str, Any]:
         g = self._gpu(uuid)

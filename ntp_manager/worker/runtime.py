@@ -149,7 +149,6 @@ class _State:
     model: nn.Module | None = None
     opt: torch.optim.Optimizer | None = None
     sync: NtpGradSync | None = None
-    tp_group: Any = None
     timeline: list[TimelineEvent] = field(default_factory=list)
 
 
@@ -354,7 +353,7 @@ class Runtime:
         """Destroy the current groups. References to them are dropped first: gloo closes a group's
         connections only when its last reference goes, and a closed connection is what tells peers
         still blocked in a collective with us to give up now rather than at their timeout."""
-        self.s.sync, self.s.tp_group = None, None
+        self.s.sync = None
         if self.s.model is not None:
             for m in self.s.model.modules():
                 if isinstance(m, ColwiseLinear | RowwiseLinear):
@@ -429,8 +428,7 @@ class Runtime:
         old_sl = SyncLayout(tuple(ReplicaGroup(rs, b) for rs, b in old_ranks), self.units)
         new_sl = target.sync_layout(self.units)
         joiners = [nr for nr in range(world) if nr not in survivors]
-        tp_groups = [dist.new_group(ranks=rs, timeout=self._timeout) for rs in target.rank_lists()]
-        my_tp = tp_groups[target.replica_of(rank)]
+        my_tp = self._tp_groups(target)
         if rank not in survivors:  # a fresh or stale rank: shapes for the new units, values from peers
             model = fresh
             assert model is not None
@@ -446,10 +444,16 @@ class Runtime:
         if joiners:
             self._send_replicated(src)
         self.s.sync = NtpGradSync(self.s.model, new_sl, rank, self.families, timeout=self._timeout)
-        self.s.layout, self.s.sync_layout, self.s.tp_group = target, new_sl, my_tp
+        self.s.layout, self.s.sync_layout = target, new_sl
         self._event("reshard done", target.version,
                     f"tp={self.tp} joiners={len(joiners)} survivors={len(survivors)}")
         self.source.ack(target, True)
+
+    def _tp_groups(self, target: WorkerLayout) -> Any:
+        """Create every replica's TP group (collectively, in order, as torch requires); return ours."""
+        assert target.rank is not None
+        groups = [dist.new_group(ranks=rs, timeout=self._timeout) for rs in target.rank_lists()]
+        return groups[target.replica_of(target.rank)]
 
     def _fresh_model(self) -> nn.Module:
         torch.manual_seed(self.cfg.seed)
@@ -462,14 +466,13 @@ class Runtime:
     def _build_fresh(self, target: WorkerLayout) -> None:
         assert target.rank is not None
         model = self._fresh_model()
-        tp_groups = [dist.new_group(ranks=rs, timeout=self._timeout) for rs in target.rank_lists()]
-        my_tp = tp_groups[target.replica_of(target.rank)]
+        my_tp = self._tp_groups(target)
         sl = target.sync_layout(self.units)
         parallelize(model, self.plan, sl.units_of(target.rank), group=my_tp)
         model.to(self.cfg.device)
         self.s.model, self.s.opt = model, self.optimizer_fn(model.parameters())
         self.s.sync = NtpGradSync(model, sl, target.rank, self.families, timeout=self._timeout)
-        self.s.layout, self.s.sync_layout, self.s.tp_group = target, sl, my_tp
+        self.s.layout, self.s.sync_layout = target, sl
 
     def _send_replicated(self, src: int) -> None:
         """Replicated parameters, their optimizer state and the Adam step count, from `src` to all."""
