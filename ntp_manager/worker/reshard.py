@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ntp_manager.worker.sync import SyncLayout
+from ntp_manager.worker.sync import SyncLayout, landing
 from ntp_manager.worker.tp import ColwiseLinear, RowwiseLinear
 
 STATE_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
@@ -75,15 +75,22 @@ def _sharded_modules(model: nn.Module, families: Mapping[str, str]) -> list[tupl
             and p in families]
 
 
-def _unit_rows(t: torch.Tensor, dim: int, n_units: int) -> torch.Tensor:
-    return t.movedim(dim, 0).reshape(n_units, -1)
+def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) of the stretches where both position lists go up by one."""
+    out: list[tuple[int, int, int]] = []
+    for a, b in zip(src, dst, strict=True):
+        if out and out[-1][0] + out[-1][2] == a and out[-1][1] + out[-1][2] == b:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((a, b, 1))
+    return out
 
 
-def _from_rows(rows: torch.Tensor, like_shape: list[int], dim: int, n_units: int, unit_size: int) -> torch.Tensor:
-    shape = list(like_shape)
-    shape[dim] = n_units * unit_size
-    moved = [shape[dim], *[s for i, s in enumerate(shape) if i != dim]]
-    return rows.reshape(moved).movedim(0, dim).contiguous()
+def _copy_units(dst: torch.Tensor, src: torch.Tensor, dim: int, usize: int, src_pos: list[int],
+                dst_pos: list[int]) -> None:
+    """dst's units at `dst_pos` = src's units at `src_pos`, one slice copy per contiguous stretch."""
+    for a, b, n in _runs(src_pos, dst_pos):
+        dst.narrow(dim, b * usize, n * usize).copy_(src.narrow(dim, a * usize, n * usize))
 
 
 def apply_reshard(
@@ -98,7 +105,12 @@ def apply_reshard(
 ) -> torch.optim.Optimizer:
     """Move shards and optimizer state to the new layout; returns a new optimizer (same class and
     hyperparameters) over the rebuilt parameters. Every rank of the current process group calls it;
-    ranks not in `new` only serve as sources."""
+    ranks not in `new` only serve as sources.
+
+    Moved: every tensor of a unit family (weights, column-wise biases, their optimizer state).
+    Tensors whose unit list does not change stay where they are; the others are rebuilt with slice
+    copies (one per stretch of consecutive units), and messages go straight from and into the
+    tensors wherever the slice is contiguous (column-wise tensors)."""
     if len(optimizer.param_groups) != 1:
         raise ValueError("resharding supports optimizers with one parameter group")
     moves = reshard_moves(old, new, alive)
@@ -116,67 +128,72 @@ def apply_reshard(
             out += [(f"bias.{k}", bst[k], 0) for k in STATE_KEYS if k in bst]
         return out
 
-    # one [units held, features] matrix per family on this rank: every sharded tensor side by side
-    def family_matrix(fam: str) -> tuple[torch.Tensor, list[int]]:
-        units = list(getattr(next((m for p, m in mods if families[p] == fam), None), "units", []))
-        cols = [
-            _unit_rows(t, dim, len(units)) for p, m in mods if families[p] == fam for _, t, dim in tensors_of(m)
-        ]
-        mat = torch.cat(cols, dim=1) if cols else torch.zeros(len(units), 0)
-        return mat, units
+    # every sharded tensor of a family, in module order (the same on every rank)
+    fam_tensors: dict[str, list[tuple[Any, str, torch.Tensor, int]]] = {f: [] for f in new.units}
+    for path, mod in mods:
+        fam_tensors[families[path]] += [(mod, name, t, dim) for name, t, dim in tensors_of(mod)]
 
-    mats = {f: family_matrix(f) for f in new.units}
     in_new = _in(new, rank)
     new_units = new.units_of(rank) if in_new else {}
-    new_mats: dict[str, torch.Tensor] = {}
-    reqs = []
-    for f in new.units:
-        mat, units = mats[f]
-        pos = {u: i for i, u in enumerate(units)}
-        if in_new:
-            target = new_units[f]
-            nm = torch.empty(len(target), mat.shape[1], dtype=mat.dtype, device=mat.device)
-            tpos = {u: i for i, u in enumerate(target)}
-            for u in target:
-                if u in pos and rank in alive:
-                    nm[tpos[u]] = mat[pos[u]]
-            new_mats[f] = nm
-        for mv in moves:
-            if mv.family != f:
+    # the new tensors: a tensor whose unit list does not change is kept as it is
+    new_tensors: dict[str, list[torch.Tensor]] = {}
+    for f, entries in fam_tensors.items() if in_new else ():
+        target = new_units[f]
+        new_tensors[f] = []
+        for mod, _, t, dim in entries:
+            if rank in alive and list(mod.units) == list(target):
+                new_tensors[f].append(t)
                 continue
-            if mv.src == rank and mv.dst != rank:
-                reqs.append(dist.isend(torch.stack([mat[pos[u]] for u in mv.units]).contiguous(), dst=mv.dst))
-            elif mv.dst == rank and mv.src != rank:
-                buf = torch.empty(len(mv.units), mat.shape[1], dtype=mat.dtype, device=mat.device)
-                reqs.append((dist.irecv(buf, src=mv.src), buf, mv.units, f))  # type: ignore[arg-type]
-    received = []
+            shape = list(t.shape)
+            shape[dim] = len(target) * mod.unit_size
+            new_tensors[f].append(torch.empty(shape, dtype=t.dtype, device=t.device))
+
+    # Messages first, so that they move while the local copies run. A move is cut into stretches
+    # of units that are consecutive both in the source's old list and in the destination's new
+    # one (both sides compute the same cut from the layouts); each stretch of each tensor is one
+    # message, sent from and received into the tensors themselves where the slice is contiguous.
+    reqs, scratch = [], []
+    for mv in moves:
+        if mv.src == mv.dst or rank not in (mv.src, mv.dst):
+            continue
+        spos = {u: i for i, u in enumerate(old.units_of(mv.src)[mv.family])}
+        dpos = {u: i for i, u in enumerate(new.units_of(mv.dst)[mv.family])}
+        for a, b, n in _runs([spos[u] for u in mv.units], [dpos[u] for u in mv.units]):
+            for k, (mod, _, t, dim) in enumerate(fam_tensors[mv.family]):
+                us = mod.unit_size
+                if mv.src == rank:
+                    reqs.append(dist.isend(t.narrow(dim, a * us, n * us).contiguous(), dst=mv.dst))
+                else:
+                    view = new_tensors[mv.family][k].narrow(dim, b * us, n * us)
+                    buf = landing(view)
+                    reqs.append(dist.irecv(buf, src=mv.src))
+                    if buf is not view:
+                        scratch.append((view, buf))
+    if in_new and rank in alive:
+        for f, entries in fam_tensors.items():
+            tpos = {u: i for i, u in enumerate(new_units[f])}
+            for (mod, _, t, dim), nt in zip(entries, new_tensors[f], strict=True):
+                if nt is t:
+                    continue
+                pos = {u: i for i, u in enumerate(mod.units)}
+                kept = [u for u in new_units[f] if u in pos]
+                _copy_units(nt, t, dim, mod.unit_size, [pos[u] for u in kept], [tpos[u] for u in kept])
     for r in reqs:
-        if isinstance(r, tuple):
-            r[0].wait()
-            received.append(r)
-        else:
-            r.wait()
-    for _, buf, units, fam in received:
-        tpos = {u: i for i, u in enumerate(new_units[fam])}
-        for k, u in enumerate(units):
-            new_mats[fam][tpos[u]] = buf[k]
+        r.wait()
+    for view, buf in scratch:
+        view.copy_(buf)
 
     if not in_new:
         return optimizer
 
-    # rebuild the sharded modules and the optimizer state from the new matrices
+    # rebuild the sharded modules and the optimizer state from the new tensors
     new_state: dict[nn.Parameter, dict[str, Any]] = {}
     step = next((s["step"] for s in state.values() if "step" in s), None)
-    col = dict.fromkeys(new.units, 0)
+    made = {f: iter(ts) for f, ts in new_tensors.items()}
     for path, mod in mods:
         fam = families[path]
         units = new_units[fam]
-        pieces = {}
-        for name, t, dim in tensors_of(mod):
-            width = _unit_rows(t, dim, len(mod.units)).shape[1]
-            rows = new_mats[fam][:, col[fam] : col[fam] + width]
-            col[fam] += width
-            pieces[name] = _from_rows(rows, list(t.shape), dim, len(units), mod.unit_size)
+        pieces = {name: next(made[fam]) for name, _, _ in tensors_of(mod)}
         cls = type(mod)
         fresh = cls.__new__(cls)
         nn.Module.__init__(fresh)

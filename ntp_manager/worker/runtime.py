@@ -256,7 +256,7 @@ class Runtime:
         tp, lb = lay.replicas[ri]
         start = sum(b for _, b in lay.replicas[:ri])
         batch = batch_fn(self.step, start, lb)
-        self.s.opt.zero_grad(set_to_none=True)
+        self.s.sync.zero_grad()  # in place: the gradients stay views of the sync buffers
         loss = loss_fn(self.s.model, batch)
         loss.backward()
         self.s.sync.sync()

@@ -22,6 +22,7 @@ all-reduce per TP index plus one for the replicated parameters.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,9 +71,36 @@ class SyncLayout:
         return {f: self.unit_map(f, ri).units_of(j) for f in self.units}
 
 
+class _Shard:
+    """One sharded tensor of a family: its parameter, the dimension its units run along (0 for a
+    column-wise weight or bias, 1 for a row-wise weight) and the features per unit."""
+
+    __slots__ = ("home", "param", "seg", "udim", "usize")
+
+    def __init__(self, param: nn.Parameter, udim: int, usize: int) -> None:
+        self.param, self.udim, self.usize = param, udim, usize
+        self.home: torch.Tensor  # this rank's gradient lives here between steps (p.grad is it)
+        self.seg: torch.Tensor | None = None  # core ranks: the whole sync chunk in the DP buffer
+
+    def units(self, t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """The slice of `t` (shaped like this tensor, along the unit dim) for units [start, stop)."""
+        return t.narrow(self.udim, start * self.usize, (stop - start) * self.usize)
+
+
+def _shaped(flat: torch.Tensor, off: int, shape: Sequence[int]) -> tuple[torch.Tensor, int]:
+    n = math.prod(shape)
+    return flat[off : off + n].view(*shape), off + n
+
+
 class NtpGradSync:
     """Create on every rank of the job (it creates process groups, collectively), after
-    `parallelize(model, plan, layout.units_of(rank), group=tp_group)`."""
+    `parallelize(model, plan, layout.units_of(rank), group=tp_group)`.
+
+    Gradients live in buffers allocated once: after the first `sync()` every gradient is a view of
+    them, and `zero_grad()` (instead of the optimizer's `set_to_none=True`) keeps it so, so that
+    backward accumulates into the buffers and the DP all-reduce runs on them without copies. On a
+    core rank whose load is its whole sync chunk (uniform layouts, reduced replicas) and for
+    column-wise tensors the gradient *is* its part of the all-reduce buffer."""
 
     def __init__(self, model: nn.Module, layout: SyncLayout, rank: int, families: Mapping[str, str],
                  timeout: Any = None) -> None:
@@ -94,126 +122,181 @@ class NtpGradSync:
             return
         self.replica, self.tp_index = layout.locate(rank)
         self.maps = {f: layout.unit_map(f, self.replica) for f in layout.units}
-        self.sharded: dict[str, list[tuple[nn.Parameter, int]]] = {f: [] for f in layout.units}
+        self.shards: dict[str, list[_Shard]] = {f: [] for f in layout.units}
         sharded_ids: set[int] = set()
         for path, mod in model.named_modules():
             if isinstance(mod, ColwiseLinear | RowwiseLinear):
                 fam = families[path]
-                self.sharded[fam].append((mod.weight, 0 if isinstance(mod, ColwiseLinear) else 1))
+                col = isinstance(mod, ColwiseLinear)
+                self.shards[fam].append(_Shard(mod.weight, 0 if col else 1, mod.unit_size))
                 sharded_ids.add(id(mod.weight))
-                if isinstance(mod, ColwiseLinear) and mod.bias is not None:
-                    self.sharded[fam].append((mod.bias, 0))
+                if col and mod.bias is not None:
+                    self.shards[fam].append(_Shard(mod.bias, 0, mod.unit_size))
                     sharded_ids.add(id(mod.bias))
         self.replicated = [p for p in model.parameters() if id(p) not in sharded_ids]
+        self._allocate()
 
-    # ---- unit-row views ----------------------------------------------------------------------
-    def _rows(self, fam: str) -> tuple[torch.Tensor, list[tuple[nn.Parameter, int, int, int]]]:
-        """The family's gradients as one [units held, features] matrix, and how to undo it."""
-        n_local = len(self.maps[fam].units_of(self.tp_index))
-        parts, layout = [], []
-        for p, dim in self.sharded[fam]:
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            g = g.movedim(dim, 0).contiguous()
-            m = g.reshape(n_local, -1)
-            layout.append((p, dim, m.shape[1], 0))
-            parts.append(m)
-        return torch.cat(parts, dim=1) if parts else torch.zeros(n_local, 0), layout
+    def _allocate(self) -> None:
+        j = self.tp_index
+        self.core = j < self.n_sync
+        fams = list(self.layout.units)
+        dtype = next((p.dtype for p in self.model.parameters()), torch.float32)
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        # core ranks: the DP all-reduce buffer, one segment per sharded tensor shaped for the chunk
+        aliased: set[int] = set()
+        if self.core:
+            segs = []
+            for f in fams:
+                a, b = self.maps[f].sync_chunks[j]
+                for s in self.shards[f]:
+                    shape = list(s.param.shape)
+                    shape[s.udim] = (b - a) * s.usize
+                    segs.append(shape)
+            self.dp_flat = torch.zeros(sum(math.prod(sh) for sh in segs), dtype=dtype, device=device)
+            off, k = 0, 0
+            for f in fams:
+                keep = self.maps[f].load(j)
+                for s in self.shards[f]:
+                    s.seg, off = _shaped(self.dp_flat, off, segs[k])
+                    k += 1
+                    own = s.units(s.seg, 0, keep)
+                    if own.is_contiguous():  # the gradient can be its own part of the chunk
+                        s.home = own
+                        aliased.add(id(s))
+        # the rest (extras, row-wise tensors of cores that lend units) get a home of their own
+        rest = [s for f in fams for s in self.shards[f] if id(s) not in aliased]
+        local = torch.zeros(sum(s.param.numel() for s in rest), dtype=dtype, device=device)
+        off = 0
+        for s in rest:
+            s.home, off = _shaped(local, off, s.param.shape)
+        self.rep_flat = torch.zeros(sum(p.numel() for p in self.replicated), dtype=dtype, device=device)
+        self.rep_homes = []
+        off = 0
+        for p in self.replicated:
+            h, off = _shaped(self.rep_flat, off, p.shape)
+            self.rep_homes.append(h)
 
-    def _write_rows(self, rows: torch.Tensor, layout: list[tuple[nn.Parameter, int, int, int]]) -> None:
-        col = 0
-        for p, dim, width, _ in layout:
-            block = rows[:, col : col + width]
-            col += width
-            shape = list(p.shape)
-            moved = [shape[dim], *[s for i, s in enumerate(shape) if i != dim]]
-            g = block.reshape(moved).movedim(0, dim).contiguous()
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad.copy_(g)
+    # ---- gradients in the buffers ---------------------------------------------------------------
+    def _all(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        out = [(s.param, s.home) for f in self.shards for s in self.shards[f]]
+        return out + list(zip(self.replicated, self.rep_homes, strict=True))
+
+    def zero_grad(self) -> None:
+        """Zero every gradient in place (the buffers stay the gradients)."""
+        if not self.active:
+            return
+        for p, home in self._all():
+            home.zero_()
+            p.grad = home
+
+    def _gather_grads(self) -> None:
+        for p, home in self._all():
+            g = p.grad
+            if g is None:
+                home.zero_()
+            elif g.data_ptr() != home.data_ptr() or g.stride() != home.stride():
+                home.copy_(g)
+            p.grad = home
 
     # ---- the sync ------------------------------------------------------------------------------
     def sync(self) -> None:
         if not self.active:
             return
-        lb = self.layout.replicas[self.replica].local_batch
-        gb = self.layout.global_batch
-        my = self.layout.replicas[self.replica].ranks
+        self._gather_grads()
+        lay = self.layout
+        lb, gb = lay.replicas[self.replica].local_batch, lay.global_batch
+        my = lay.replicas[self.replica].ranks
         j = self.tp_index
-        core = j < self.n_sync
-        fams = list(self.layout.units)
-        mats = {f: self._rows(f) for f in fams}
+        fams = list(lay.units)
 
-        chunks: dict[str, torch.Tensor] = {}
-        reqs = []
+        # 1. pre-sync: extras return their borrowed units' gradients to the core ranks
+        reqs, later = [], []
         for f in fams:
-            m, (rows, _) = self.maps[f], mats[f]
-            if core:
-                a, b = m.sync_chunks[j]
-                buf = torch.empty(b - a, rows.shape[1], dtype=rows.dtype, device=rows.device)
-                keep = m.load(j)
-                buf[:keep] = rows[:keep]
+            m = self.maps[f]
+            if self.core:
+                a, _ = m.sync_chunks[j]
+                for s in self.shards[f]:
+                    assert s.seg is not None
+                    own = s.units(s.seg, 0, m.load(j))
+                    if own.data_ptr() != s.home.data_ptr() or own.stride() != s.home.stride():
+                        own.copy_(s.home)
                 for t in m.transfers:
-                    if t.core == j:
-                        reqs.append(dist.irecv(buf[t.start - a : t.stop - a], src=my[t.extra]))
-                chunks[f] = buf
+                    if t.core != j:
+                        continue
+                    for s in self.shards[f]:
+                        assert s.seg is not None
+                        dst = s.units(s.seg, t.start - a, t.stop - a)
+                        buf = landing(dst)
+                        reqs.append(dist.irecv(buf, src=my[t.extra]))
+                        if buf is not dst:
+                            later.append((dst, buf))
             else:
-                pos = {u: i for i, u in enumerate(m.units_of(j))}
+                pos = self._positions(f)
                 for t in m.transfers:
                     if t.extra == j:
                         i0 = pos[t.start]
-                        reqs.append(dist.isend(rows[i0 : i0 + t.count].contiguous(), dst=my[t.core]))
-        for r in reqs:
-            r.wait()
+                        for s in self.shards[f]:
+                            reqs.append(dist.isend(s.units(s.home, i0, i0 + t.count).contiguous(), dst=my[t.core]))
+        _wait(reqs)
+        for dst, buf in later:
+            dst.copy_(buf)
 
-        if core:
-            flat = torch.cat([chunks[f].reshape(-1) for f in fams]) * lb
-            dist.all_reduce(flat, group=self.dp_groups[j])
-            self.bytes_all_reduced += flat.numel() * flat.element_size()
-            flat /= gb
-            off = 0
-            for f in fams:
-                n = chunks[f].numel()
-                chunks[f] = flat[off : off + n].reshape(chunks[f].shape)
-                off += n
+        # 2. DP all-reduce of the chunk buffer, weighted by local batch: sum(lb_r / gb * g_r)
+        if self.core:
+            self.dp_flat.mul_(lb / gb)
+            dist.all_reduce(self.dp_flat, group=self.dp_groups[j])
+            self.bytes_all_reduced += self.dp_flat.numel() * self.dp_flat.element_size()
 
-        reqs = []
+        # 3. post-sync: core ranks send the synced rows back to the extras
+        reqs, later = [], []
         for f in fams:
-            m, (rows, _) = self.maps[f], mats[f]
-            if core:
-                a, _b = m.sync_chunks[j]
+            m = self.maps[f]
+            if self.core:
+                a, _ = m.sync_chunks[j]
+                for s in self.shards[f]:
+                    assert s.seg is not None
+                    own = s.units(s.seg, 0, m.load(j))
+                    if own.data_ptr() != s.home.data_ptr() or own.stride() != s.home.stride():
+                        s.home.copy_(own)
                 for t in m.transfers:
                     if t.core == j:
-                        reqs.append(dist.isend(chunks[f][t.start - a : t.stop - a].contiguous(), dst=my[t.extra]))
-                rows[: m.load(j)] = chunks[f][: m.load(j)]
+                        for s in self.shards[f]:
+                            assert s.seg is not None
+                            reqs.append(dist.isend(s.units(s.seg, t.start - a, t.stop - a).contiguous(),
+                                                   dst=my[t.extra]))
             else:
-                pos = {u: i for i, u in enumerate(m.units_of(j))}
+                pos = self._positions(f)
                 for t in m.transfers:
                     if t.extra == j:
                         i0 = pos[t.start]
-                        reqs.append(dist.irecv(rows[i0 : i0 + t.count], src=my[t.core]))
-        for r in reqs:
-            r.wait()
-        for f in fams:
-            self._write_rows(*mats[f])
+                        for s in self.shards[f]:
+                            dst = s.units(s.home, i0, i0 + t.count)
+                            buf = landing(dst)
+                            reqs.append(dist.irecv(buf, src=my[t.core]))
+                            if buf is not dst:
+                                later.append((dst, buf))
+        _wait(reqs)
+        for dst, buf in later:
+            dst.copy_(buf)
 
+        # 4. replicated parameters: every rank of the layout gives local_batch / tp of its gradient
         if self.replicated:
-            t = len(my)
-            flat = torch.cat([
-                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.replicated
-            ]) * (lb / t)
-            dist.all_reduce(flat, group=self.layout_group)
-            self.bytes_all_reduced += flat.numel() * flat.element_size()
-            flat /= gb
-            off = 0
-            for p in self.replicated:
-                n = p.numel()
-                g = flat[off : off + n].reshape(p.shape)
-                off += n
-                if p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.copy_(g)
+            self.rep_flat.mul_(lb / (len(my) * gb))
+            dist.all_reduce(self.rep_flat, group=self.layout_group)
+            self.bytes_all_reduced += self.rep_flat.numel() * self.rep_flat.element_size()
+
+    def _positions(self, fam: str) -> dict[int, int]:
+        return {u: i for i, u in enumerate(self.maps[fam].units_of(self.tp_index))}
+
+
+def landing(dst: torch.Tensor) -> torch.Tensor:
+    """Where a message for `dst` can be received: `dst` itself when contiguous, else a scratch."""
+    return dst if dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
+
+
+def _wait(reqs: list[Any]) -> None:
+    for r in reqs:
+        r.wait()
 
 
 def families_of(plan: Mapping[str, Any], model: nn.Module) -> dict[str, str]:
