@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import datetime as dt
 import fnmatch
+import gc
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,6 +151,7 @@ class _State:
     model: nn.Module | None = None
     opt: torch.optim.Optimizer | None = None
     sync: NtpGradSync | None = None
+    world: Any = None  # every member of the current version: commit votes, regroup exchanges
     timeline: list[TimelineEvent] = field(default_factory=list)
 
 
@@ -170,6 +173,7 @@ class Runtime:
         self.source, self.store, self.cfg = source, store, cfg
         self.step = 0  # committed optimizer steps
         self.s = _State()
+        self._groups: list[weakref.ref[Any]] = []  # every group made, to check none outlives a leave
         self.seen: WorkerLayout | None = None  # newest version known, member or not
         self.units: dict[str, int] = {}
         self.families: dict[str, str] = {}
@@ -264,7 +268,7 @@ class Runtime:
         seen = newest.version if newest is not None else lay.version
         mine = torch.tensor([loss.detach().item() * lb / tp, float(seen)], dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(lay.world)]
-        dist.all_gather(every, mine)  # the commit point
+        dist.all_gather(every, mine, group=self.s.world)  # the commit point
         self.s.opt.step()
         step = self.step
         self.step += 1
@@ -289,7 +293,7 @@ class Runtime:
             mine = torch.tensor([1.0 if got is not None else 0.0, float(newest.version if newest else -1)],
                                 dtype=torch.float64)
             every = [torch.zeros_like(mine) for _ in range(lay.world)]
-            dist.all_gather(every, mine)
+            dist.all_gather(every, mine, group=self.s.world)
             stacked = torch.stack(every)
             if bool((stacked[:, 0] > 0).all()):
                 break
@@ -353,7 +357,7 @@ class Runtime:
         """Destroy the current groups. References to them are dropped first: gloo closes a group's
         connections only when its last reference goes, and a closed connection is what tells peers
         still blocked in a collective with us to give up now rather than at their timeout."""
-        self.s.sync = None
+        self.s.sync = self.s.world = None
         if self.s.model is not None:
             for m in self.s.model.modules():
                 if isinstance(m, ColwiseLinear | RowwiseLinear):
@@ -363,6 +367,31 @@ class Runtime:
                 dist.destroy_process_group()
             except Exception as e:  # a broken group may fail to tear down cleanly; it is dropped either way
                 log.debug("destroying the old process group failed", error=str(e))
+        self._release_groups()
+
+    def _track(self, *groups: Any) -> None:
+        # non-members get a marker (an int), not a group
+        self._groups += [weakref.ref(g) for g in groups if isinstance(g, dist.ProcessGroup)]
+
+    def _release_groups(self) -> None:
+        """Make sure no old group outlives the leave: a reference left somewhere (a reference cycle
+        through a failed collective's traceback, say) would keep its connections open and leave a
+        peer blocked on us until its timeout. Cheap when nothing is left; a full collection else."""
+        left = [r for r in self._groups if r() is not None]
+        self._groups = []
+        if not left:
+            return
+        holders: set[str] = set()
+        for r in left:
+            g = r()
+            holders.update(type(h).__name__ for h in (gc.get_referrers(g) if g is not None else ()))
+            del g
+        gc.collect()
+        still = sum(r() is not None for r in left)
+        log.warning("old process groups outlived the leave; collected", groups=len(left), held_by=sorted(holders),
+                    still_alive=still)
+        self._event("groups outlived leave", self.s.layout.version if self.s.layout else -1,
+                    f"{len(left)} groups held by {sorted(holders)}; {still} still alive after a collection")
 
     def _rendezvous(self, target: WorkerLayout) -> None:
         assert target.rank is not None
@@ -381,6 +410,11 @@ class Runtime:
             self.cfg.backend, store=dist.PrefixStore(prefix, self.store), rank=target.rank,
             world_size=target.world, timeout=self._timeout,
         )
+        # Nothing runs on the default group: after a failed collective torch 2.13 keeps a reference
+        # to it that no collection frees, so its connections stay open after we leave, and a peer
+        # blocked in a collective on it would wait for its timeout. Our own groups are released.
+        self.s.world = dist.new_group(list(range(target.world)), timeout=self._timeout)
+        self._track(self.s.world)
 
     def _apply(self, target: WorkerLayout) -> None:
         """Leave the current group and join `target`'s: regroup, reshard, ack."""
@@ -398,7 +432,7 @@ class Runtime:
         mine = torch.tensor([old.rank if held and old else -1, old.version if held and old else -1, self.step],
                             dtype=torch.int64)
         every = [torch.zeros_like(mine) for _ in range(world)]
-        dist.all_gather(every, mine)
+        dist.all_gather(every, mine, group=self.s.world)
         info = [tuple(int(x) for x in t.tolist()) for t in every]
         self._event("regrouped", target.version, f"world={world}")
         src_version = max((v for r, v, _ in info if r >= 0), default=-1)
@@ -444,6 +478,7 @@ class Runtime:
         if joiners:
             self._send_replicated(src)
         self.s.sync = NtpGradSync(self.s.model, new_sl, rank, self.families, timeout=self._timeout)
+        self._track(*self.s.sync.dp_groups, self.s.sync.layout_group)
         self.s.layout, self.s.sync_layout = target, new_sl
         self._event("reshard done", target.version,
                     f"tp={self.tp} joiners={len(joiners)} survivors={len(survivors)}")
@@ -453,6 +488,7 @@ class Runtime:
         """Create every replica's TP group (collectively, in order, as torch requires); return ours."""
         assert target.rank is not None
         groups = [dist.new_group(ranks=rs, timeout=self._timeout) for rs in target.rank_lists()]
+        self._track(*groups)
         return groups[target.replica_of(target.rank)]
 
     def _fresh_model(self) -> nn.Module:
@@ -472,6 +508,7 @@ class Runtime:
         model.to(self.cfg.device)
         self.s.model, self.s.opt = model, self.optimizer_fn(model.parameters())
         self.s.sync = NtpGradSync(model, sl, target.rank, self.families, timeout=self._timeout)
+        self._track(*self.s.sync.dp_groups, self.s.sync.layout_group)
         self.s.layout, self.s.sync_layout = target, sl
 
     def _send_replicated(self, src: int) -> None:
@@ -484,17 +521,17 @@ class Runtime:
             for p in self.s.model.parameters():
                 if id(p) in sharded:
                     continue
-                dist.broadcast(p.data, src=src)
+                dist.broadcast(p.data, src=src, group=self.s.world)
                 st = opt.state.get(p, {})
                 for k in sorted(st):
                     if isinstance(st[k], torch.Tensor) and st[k].dim() > 0:
-                        dist.broadcast(st[k], src=src)
+                        dist.broadcast(st[k], src=src, group=self.s.world)
         step_val = torch.tensor([-1.0], dtype=torch.float64)
         if dist.get_rank() == src:
             s = next((st["step"] for st in opt.state.values() if "step" in st), None)
             if s is not None:
                 step_val[0] = float(s)
-        dist.broadcast(step_val, src=src)
+        dist.broadcast(step_val, src=src, group=self.s.world)
         if step_val.item() >= 0:
             for st in opt.state.values():
                 if "step" in st:

@@ -163,6 +163,8 @@ def test_kill_a_rank_survivors_continue_at_tp3_then_the_repaired_rank_rejoins(ki
     tl = [what for what, v in done["w0"][2] if v == 2]
     assert tl == ["layout received", "regrouped", "reshard done", "first step"], tl
     assert any(what == "failure detected" for what, _ in done["w0"][2])
+    # every old group was gone when its rank left (else peers blocked on it wait for their timeout)
+    assert not [(w, what) for w, (_, _, tl) in done.items() for what, _ in tl if what == "groups outlived leave"]
 
     ref_losses, ref_params = reference(kind, [gb for _, _, gb, _, _ in ref_rows])
     for s, loss, *_ in ref_rows:
