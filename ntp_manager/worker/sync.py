@@ -1,17 +1,17 @@
 """NTP gradient synchronisation between DP replicas of different TP degrees (REFERENCE.md section 1).
 
-For each unit family (heads, MLP columns) every sharded gradient is viewed as a matrix with one
-row per unit the rank holds (the sharded dimension moved first, the rest flattened); a family's
-parameters are concatenated column-wise, so every exchange below is a block of rows.
+A core rank i's chunk buffer holds, for every sharded tensor of every unit family (heads, MLP
+columns), that tensor's slice for all of sync chunk i, laid out as the tensor itself (the units
+along its sharded dimension); the same layout on every replica, so one flat all-reduce syncs it.
 
-1. Pre-sync: each extra rank (TP index >= sync degree) sends the rows of the units it borrowed
-   back to their core rank (`ntp_map(...).transfers`, point-to-point inside the replica), so core
-   rank i holds the gradient of all of sync chunk i.
-2. DP sync: one all-reduce per sync index i, over {core rank i of every replica}, of the flattened
-   chunk buffers of every family (one bucket). Each replica's gradient is a mean over its own
-   local batch, so it is weighted by its local batch and the sum divided by the global batch:
-   gradients are averaged by sample count, not by replica count.
-3. Post-sync: core ranks send the synced rows back to the extras.
+1. Pre-sync: each extra rank (TP index >= sync degree) sends its borrowed units' slices back to
+   their core rank (`ntp_map(...).transfers`, point-to-point inside the replica), so core rank i
+   holds the gradient of all of sync chunk i.
+2. DP sync: one all-reduce per sync index i, over {core rank i of every replica}, of the chunk
+   buffer (one bucket). Each replica's gradient is a mean over its own local batch, so it is
+   scaled by local batch / global batch before the sum: gradients are averaged by sample count,
+   not by replica count.
+3. Post-sync: core ranks send the synced slices back to the extras.
 Parameters that are not sharded (embeddings, norms, row-wise biases) are replicated inside a TP
 group; one all-reduce over every rank, each contributing local_batch / tp_degree of its gradient,
 gives the same sample-weighted mean.
@@ -194,7 +194,7 @@ class NtpGradSync:
             g = p.grad
             if g is None:
                 home.zero_()
-            elif g.data_ptr() != home.data_ptr() or g.stride() != home.stride():
+            elif not _same(g, home):
                 home.copy_(g)
             p.grad = home
 
@@ -207,39 +207,8 @@ class NtpGradSync:
         lb, gb = lay.replicas[self.replica].local_batch, lay.global_batch
         my = lay.replicas[self.replica].ranks
         j = self.tp_index
-        fams = list(lay.units)
 
-        # 1. pre-sync: extras return their borrowed units' gradients to the core ranks
-        reqs, later = [], []
-        for f in fams:
-            m = self.maps[f]
-            if self.core:
-                a, _ = m.sync_chunks[j]
-                for s in self.shards[f]:
-                    assert s.seg is not None
-                    own = s.units(s.seg, 0, m.load(j))
-                    if own.data_ptr() != s.home.data_ptr() or own.stride() != s.home.stride():
-                        own.copy_(s.home)
-                for t in m.transfers:
-                    if t.core != j:
-                        continue
-                    for s in self.shards[f]:
-                        assert s.seg is not None
-                        dst = s.units(s.seg, t.start - a, t.stop - a)
-                        buf = landing(dst)
-                        reqs.append(dist.irecv(buf, src=my[t.extra]))
-                        if buf is not dst:
-                            later.append((dst, buf))
-            else:
-                pos = self._positions(f)
-                for t in m.transfers:
-                    if t.extra == j:
-                        i0 = pos[t.start]
-                        for s in self.shards[f]:
-                            reqs.append(dist.isend(s.units(s.home, i0, i0 + t.count).contiguous(), dst=my[t.core]))
-        _wait(reqs)
-        for dst, buf in later:
-            dst.copy_(buf)
+        self._exchange(to_core=True)  # 1. pre-sync: extras return borrowed units' gradients
 
         # 2. DP all-reduce of the chunk buffer, weighted by local batch: sum(lb_r / gb * g_r)
         if self.core:
@@ -247,37 +216,7 @@ class NtpGradSync:
             dist.all_reduce(self.dp_flat, group=self.dp_groups[j])
             self.bytes_all_reduced += self.dp_flat.numel() * self.dp_flat.element_size()
 
-        # 3. post-sync: core ranks send the synced rows back to the extras
-        reqs, later = [], []
-        for f in fams:
-            m = self.maps[f]
-            if self.core:
-                a, _ = m.sync_chunks[j]
-                for s in self.shards[f]:
-                    assert s.seg is not None
-                    own = s.units(s.seg, 0, m.load(j))
-                    if own.data_ptr() != s.home.data_ptr() or own.stride() != s.home.stride():
-                        s.home.copy_(own)
-                for t in m.transfers:
-                    if t.core == j:
-                        for s in self.shards[f]:
-                            assert s.seg is not None
-                            reqs.append(dist.isend(s.units(s.seg, t.start - a, t.stop - a).contiguous(),
-                                                   dst=my[t.extra]))
-            else:
-                pos = self._positions(f)
-                for t in m.transfers:
-                    if t.extra == j:
-                        i0 = pos[t.start]
-                        for s in self.shards[f]:
-                            dst = s.units(s.home, i0, i0 + t.count)
-                            buf = landing(dst)
-                            reqs.append(dist.irecv(buf, src=my[t.core]))
-                            if buf is not dst:
-                                later.append((dst, buf))
-        _wait(reqs)
-        for dst, buf in later:
-            dst.copy_(buf)
+        self._exchange(to_core=False)  # 3. post-sync: the synced values go back to the extras
 
         # 4. replicated parameters: every rank of the layout gives local_batch / tp of its gradient
         if self.replicated:
@@ -285,8 +224,52 @@ class NtpGradSync:
             dist.all_reduce(self.rep_flat, group=self.layout_group)
             self.bytes_all_reduced += self.rep_flat.numel() * self.rep_flat.element_size()
 
+    def _exchange(self, to_core: bool) -> None:
+        """The transfers between a replica's extra and core ranks: before the all-reduce (`to_core`)
+        extras send the gradients of their borrowed units into the core ranks' chunk buffers, after
+        it the cores send the synced values back. A core rank's own units move between its
+        gradient and the chunk buffer too, where the two are not the same memory."""
+        my = self.layout.replicas[self.replica].ranks
+        j = self.tp_index
+        sending = self.core != to_core  # extras send first, cores second
+        reqs, later = [], []
+        for f, m in self.maps.items():
+            if self.core:
+                for s in self.shards[f]:
+                    assert s.seg is not None
+                    own = s.units(s.seg, 0, m.load(j))
+                    if not _same(own, s.home):
+                        (own if to_core else s.home).copy_(s.home if to_core else own)
+            pos = self._positions(f)
+            for t in m.transfers:
+                if j not in (t.core, t.extra):  # core and extra indices never overlap
+                    continue
+                for s in self.shards[f]:
+                    if self.core:
+                        assert s.seg is not None
+                        a = m.sync_chunks[j][0]
+                        mine, peer = s.units(s.seg, t.start - a, t.stop - a), my[t.extra]
+                    else:
+                        i0 = pos[t.start]
+                        mine, peer = s.units(s.home, i0, i0 + t.count), my[t.core]
+                    if sending:
+                        reqs.append(dist.isend(mine.contiguous(), dst=peer))
+                    else:
+                        buf = landing(mine)
+                        reqs.append(dist.irecv(buf, src=peer))
+                        if buf is not mine:
+                            later.append((mine, buf))
+        _wait(reqs)
+        for dst, buf in later:
+            dst.copy_(buf)
+
     def _positions(self, fam: str) -> dict[int, int]:
         return {u: i for i, u in enumerate(self.maps[fam].units_of(self.tp_index))}
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one shape are the same memory."""
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
 
 
 def landing(dst: torch.Tensor) -> torch.Tensor:
