@@ -207,6 +207,13 @@ class NtpGradSync:
         lb, gb = lay.replicas[self.replica].local_batch, lay.global_batch
         my = lay.replicas[self.replica].ranks
         j = self.tp_index
+        # 4. (started first, it overlaps the rest) replicated parameters: every rank of the layout
+        # gives local_batch / tp of its gradient
+        rep_work = None
+        if self.replicated:
+            self.rep_flat.mul_(lb / (len(my) * gb))
+            rep_work = dist.all_reduce(self.rep_flat, group=self.layout_group, async_op=True)
+            self.bytes_all_reduced += self.rep_flat.numel() * self.rep_flat.element_size()
 
         self._exchange(to_core=True)  # 1. pre-sync: extras return borrowed units' gradients
 
@@ -218,11 +225,8 @@ class NtpGradSync:
 
         self._exchange(to_core=False)  # 3. post-sync: the synced values go back to the extras
 
-        # 4. replicated parameters: every rank of the layout gives local_batch / tp of its gradient
-        if self.replicated:
-            self.rep_flat.mul_(lb / (len(my) * gb))
-            dist.all_reduce(self.rep_flat, group=self.layout_group)
-            self.bytes_all_reduced += self.rep_flat.numel() * self.rep_flat.element_size()
+        if rep_work is not None:
+            rep_work.wait()
 
     def _exchange(self, to_core: bool) -> None:
         """The transfers between a replica's extra and core ranks: before the all-reduce (`to_core`)
