@@ -134,6 +134,7 @@ class NtpGradSync:
                     self.shards[fam].append(_Shard(mod.bias, 0, mod.unit_size))
                     sharded_ids.add(id(mod.bias))
         self.replicated = [p for p in model.parameters() if id(p) not in sharded_ids]
+        self._stage: dict[tuple[str, int, int], torch.Tensor] = {}  # see _staging
         self._allocate()
 
     def _allocate(self) -> None:
@@ -245,10 +246,10 @@ class NtpGradSync:
                     if not _same(own, s.home):
                         (own if to_core else s.home).copy_(s.home if to_core else own)
             pos = self._positions(f)
-            for t in m.transfers:
+            for ti, t in enumerate(m.transfers):
                 if j not in (t.core, t.extra):  # core and extra indices never overlap
                     continue
-                for s in self.shards[f]:
+                for si, s in enumerate(self.shards[f]):
                     if self.core:
                         assert s.seg is not None
                         a = m.sync_chunks[j][0]
@@ -256,16 +257,26 @@ class NtpGradSync:
                     else:
                         i0 = pos[t.start]
                         mine, peer = s.units(s.home, i0, i0 + t.count), my[t.core]
+                    # a strided slice (row-wise tensors) goes through a buffer kept between syncs
+                    buf = mine if mine.is_contiguous() else self._staging(f, ti, si, mine)
                     if sending:
-                        reqs.append(dist.isend(mine.contiguous(), dst=peer))
+                        if buf is not mine:
+                            buf.copy_(mine)
+                        reqs.append(dist.isend(buf, dst=peer))
                     else:
-                        buf = landing(mine)
                         reqs.append(dist.irecv(buf, src=peer))
                         if buf is not mine:
                             later.append((mine, buf))
         _wait(reqs)
         for dst, buf in later:
             dst.copy_(buf)
+
+    def _staging(self, fam: str, transfer: int, shard: int, like: torch.Tensor) -> torch.Tensor:
+        key = (fam, transfer, shard)
+        buf = self._stage.get(key)
+        if buf is None:
+            buf = self._stage[key] = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+        return buf
 
     def _positions(self, fam: str) -> dict[int, int]:
         return {u: i for i, u in enumerate(self.maps[fam].units_of(self.tp_index))}
