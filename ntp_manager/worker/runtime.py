@@ -477,8 +477,7 @@ class Runtime:
                                    self.families, my_tp)
         if joiners:
             self._send_replicated(src)
-        self.s.sync = NtpGradSync(self.s.model, new_sl, rank, self.families, timeout=self._timeout)
-        self._track(*self.s.sync.dp_groups, self.s.sync.layout_group)
+        self.s.sync = self._new_sync(self.s.model, new_sl, rank)
         self.s.layout, self.s.sync_layout = target, new_sl
         self._event("reshard done", target.version,
                     f"tp={self.tp} joiners={len(joiners)} survivors={len(survivors)}")
@@ -490,6 +489,11 @@ class Runtime:
         groups = [dist.new_group(ranks=rs, timeout=self._timeout) for rs in target.rank_lists()]
         self._track(*groups)
         return groups[target.replica_of(target.rank)]
+
+    def _new_sync(self, model: nn.Module, sl: SyncLayout, rank: int) -> NtpGradSync:
+        sync = NtpGradSync(model, sl, rank, self.families, timeout=self._timeout)
+        self._track(*sync.dp_groups, sync.layout_group)
+        return sync
 
     def _fresh_model(self) -> nn.Module:
         torch.manual_seed(self.cfg.seed)
@@ -507,8 +511,7 @@ class Runtime:
         parallelize(model, self.plan, sl.units_of(target.rank), group=my_tp)
         model.to(self.cfg.device)
         self.s.model, self.s.opt = model, self.optimizer_fn(model.parameters())
-        self.s.sync = NtpGradSync(model, sl, target.rank, self.families, timeout=self._timeout)
-        self._track(*self.s.sync.dp_groups, self.s.sync.layout_group)
+        self.s.sync = self._new_sync(model, sl, target.rank)
         self.s.layout, self.s.sync_layout = target, sl
 
     def _send_replicated(self, src: int) -> None:
