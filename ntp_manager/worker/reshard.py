@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ntp_manager.worker.sync import SyncLayout, landing
+from ntp_manager.worker.sync import SyncLayout
 from ntp_manager.worker.tp import ColwiseLinear, RowwiseLinear
 
 STATE_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
@@ -84,6 +84,11 @@ def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
         else:
             out.append((a, b, 1))
     return out
+
+
+def _landing(dst: torch.Tensor) -> torch.Tensor:
+    """Where a message for `dst` can be received: `dst` itself when contiguous, else a scratch."""
+    return dst if dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
 
 
 def _copy_units(dst: torch.Tensor, src: torch.Tensor, dim: int, usize: int, src_pos: list[int],
@@ -165,7 +170,7 @@ def apply_reshard(
                     reqs.append(dist.isend(t.narrow(dim, a * us, n * us).contiguous(), dst=mv.dst))
                 else:
                     view = new_tensors[mv.family][k].narrow(dim, b * us, n * us)
-                    buf = landing(view)
+                    buf = _landing(view)
                     reqs.append(dist.irecv(buf, src=mv.src))
                     if buf is not view:
                         scratch.append((view, buf))

@@ -287,11 +287,6 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
 
 
-def landing(dst: torch.Tensor) -> torch.Tensor:
-    """Where a message for `dst` can be received: `dst` itself when contiguous, else a scratch."""
-    return dst if dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
-
-
 def _wait(reqs: list[Any]) -> None:
     for r in reqs:
         r.wait()
