@@ -35,7 +35,7 @@ from ntp_manager.worker.launch import free_port
 from ntp_manager.worker.reshard import apply_reshard, reshard_moves
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig
 from ntp_manager.worker.sources import StoreLayoutSource, publish_layout
-from ntp_manager.worker.sync import NtpGradSync, SyncLayout, families_of, replicas_from
+from ntp_manager.worker.sync import DEFAULT_BUCKET_BYTES, NtpGradSync, SyncLayout, families_of, replicas_from
 from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan
 from ntp_manager.worker.tp import parallelize
 
@@ -47,13 +47,14 @@ def _init(rank: int, world: int, port: int) -> None:
 
 
 # ---- 1. sync ratio -------------------------------------------------------------------------------
-def _sync_worker(rank: int, world: int, port: int, cfg: GptConfig, reps: int, q: Any) -> None:
+def _sync_worker(rank: int, world: int, port: int, cfg: GptConfig, reps: int, bucket: int, q: Any) -> None:
     _init(rank, world, port)
     units = {"heads": cfg.heads, "mlp": cfg.mlp}
-    out = {}
     # uniform TP3 + TP3 all-reduces the same bytes per core rank as the NTP layout (its sync degree is 3)
-    for name, ranks in (("uniform", [[0, 1, 2, 3], [4, 5, 6, 7]]), ("ntp", [[0, 1, 2], [4, 5, 6, 7]]),
-                        ("uniform3", [[0, 1, 2], [4, 5, 6]])):
+    configs = {"uniform": [[0, 1, 2, 3], [4, 5, 6, 7]], "ntp": [[0, 1, 2], [4, 5, 6, 7]],
+               "uniform3": [[0, 1, 2], [4, 5, 6]]}
+    syncs = {}
+    for name, ranks in configs.items():
         lay = SyncLayout(replicas_from(ranks, [len(r) for r in ranks]), units)
         torch.manual_seed(0)
         model = TinyGpt(cfg)
@@ -62,30 +63,32 @@ def _sync_worker(rank: int, world: int, port: int, cfg: GptConfig, reps: int, q:
         active = any(rank in r for r in ranks)
         if active:
             parallelize(model, tp_plan(cfg), lay.units_of(rank), group=tps[lay.locate(rank)[0]])
-        sync = NtpGradSync(model, lay, rank, fams)
+        syncs[name] = NtpGradSync(model, lay, rank, fams, bucket_bytes=bucket)
         if active:
             for p in model.parameters():
                 p.grad = torch.randn_like(p)
-        times = []
-        for _ in range(reps):
+    # the layouts take turns, so that a slow spell of this shared machine hits them alike
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    for _ in range(reps):
+        for name, sync in syncs.items():
             dist.barrier()
             t = time.perf_counter()
             sync.sync()
-            times.append(time.perf_counter() - t)
-        dist.barrier()
-        out[name] = (statistics.median(times), sync.bytes_all_reduced / reps)
+            times[name].append(time.perf_counter() - t)
+    dist.barrier()
+    out = {name: (statistics.median(ts), syncs[name].bytes_all_reduced / reps) for name, ts in times.items()}
     q.put((rank, out))
     dist.destroy_process_group()
 
 
-def bench_sync(quick: bool) -> list[tuple[str, ...]]:
+def bench_sync(quick: bool, bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20) -> list[tuple[str, ...]]:
     rows = []
     for cfg in ([GptConfig(vocab=512, seq=32, d_model=256, heads=8, mlp=1024, layers=2)] if quick else
                 [GptConfig(vocab=512, seq=32, d_model=256, heads=8, mlp=1024, layers=2),
                  GptConfig(vocab=1024, seq=32, d_model=512, heads=8, mlp=2048, layers=4)]):
         q = mp.get_context("spawn").SimpleQueue()
-        ctx = mp.start_processes(_sync_worker, args=(8, free_port(), cfg, 5 if quick else 15, q), nprocs=8,
-                                 join=False, start_method="spawn")
+        args = (8, free_port(), cfg, 5 if quick else 30, int(bucket_mb * 2**20), q)
+        ctx = mp.start_processes(_sync_worker, args=args, nprocs=8, join=False, start_method="spawn")
         res = [q.get() for _ in range(8)]
         while not ctx.join():
             pass
@@ -248,6 +251,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=["sync", "reshard", "failover"], action="append")
     ap.add_argument("--repeat", type=int, default=3, help="failover runs per batch size (median reported)")
+    ap.add_argument("--bucket-mb", type=float, action="append",
+                    help="DP all-reduce bucket size for the sync part (repeat it to compare sizes)")
     args = ap.parse_args()
     parts = set(args.only or ["sync", "reshard", "failover"])
     console = Console()
@@ -255,8 +260,9 @@ def main() -> None:
     if "sync" in parts:
         show(console, "NTP gradient sync (TP4+TP3) vs uniform TP4+TP4 (same model) and TP3+TP3 (same all-reduce"
              " bytes per rank); median, slowest rank",
-             ("model", "TP4+TP4 ms", "TP3+TP3 ms", "NTP ms", "NTP / TP4", "NTP / TP3 (same bytes)"),
-             bench_sync(args.quick))
+             ("bucket MiB", "model", "TP4+TP4 ms", "TP3+TP3 ms", "NTP ms", "NTP / TP4", "NTP / TP3 (same bytes)"),
+             [(f"{mb:g}", *row) for mb in (args.bucket_mb or [DEFAULT_BUCKET_BYTES / 2**20])
+              for row in bench_sync(args.quick, mb)])
     if "reshard" in parts:
         show(console, "Reshard TP4 -> TP3 (weights + momentum), slowest rank",
              ("model", "MiB moved", "ms", "MiB/s"), bench_reshard(args.quick))

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ntp_manager.worker.sync import SyncLayout
-from ntp_manager.worker.tp import ColwiseLinear, RowwiseLinear
+from ntp_manager.worker.tp import ColwiseLinear, RowwiseLinear, unit_major_empty, unit_slice
 
 STATE_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
 
@@ -107,15 +107,16 @@ def apply_reshard(
     rank: int,
     families: Mapping[str, str],
     tp_group: Any,
+    group: Any = None,
 ) -> torch.optim.Optimizer:
     """Move shards and optimizer state to the new layout; returns a new optimizer (same class and
-    hyperparameters) over the rebuilt parameters. Every rank of the current process group calls it;
-    ranks not in `new` only serve as sources.
+    hyperparameters) over the rebuilt parameters. Every rank of `group` (the process group the
+    messages run on; None: the default group) calls it; ranks not in `new` only serve as sources.
 
     Moved: every tensor of a unit family (weights, column-wise biases, their optimizer state).
     Tensors whose unit list does not change stay where they are; the others are rebuilt with slice
     copies (one per stretch of consecutive units), and messages go straight from and into the
-    tensors wherever the slice is contiguous (column-wise tensors)."""
+    tensors: new tensors are unit-major like the shards (tp.py), so every slice is contiguous."""
     if len(optimizer.param_groups) != 1:
         raise ValueError("resharding supports optimizers with one parameter group")
     moves = reshard_moves(old, new, alive)
@@ -151,7 +152,7 @@ def apply_reshard(
                 continue
             shape = list(t.shape)
             shape[dim] = len(target) * mod.unit_size
-            new_tensors[f].append(torch.empty(shape, dtype=t.dtype, device=t.device))
+            new_tensors[f].append(unit_major_empty(shape, dim, t))
 
     # Messages first, so that they move while the local copies run. A move is cut into stretches
     # of units that are consecutive both in the source's old list and in the destination's new
@@ -167,11 +168,12 @@ def apply_reshard(
             for k, (mod, _, t, dim) in enumerate(fam_tensors[mv.family]):
                 us = mod.unit_size
                 if mv.src == rank:
-                    reqs.append(dist.isend(t.narrow(dim, a * us, n * us).contiguous(), dst=mv.dst))
+                    msg = unit_slice(t, dim, a * us, n * us).contiguous()
+                    reqs.append(dist.isend(msg, dst=mv.dst, group=group))
                 else:
-                    view = new_tensors[mv.family][k].narrow(dim, b * us, n * us)
+                    view = unit_slice(new_tensors[mv.family][k], dim, b * us, n * us)
                     buf = _landing(view)
-                    reqs.append(dist.irecv(buf, src=mv.src))
+                    reqs.append(dist.irecv(buf, src=mv.src, group=group))
                     if buf is not view:
                         scratch.append((view, buf))
     if in_new and rank in alive:

@@ -451,7 +451,7 @@ class Runtime:
         self.step = steps.pop()
         src = min(survivors)
         obj: list[Any] = [old.replicas if rank == src and old else None]
-        dist.broadcast_object_list(obj, src=src)
+        dist.broadcast_object_list(obj, src=src, group=self.s.world)
         old_replicas: tuple[tuple[int, int], ...] = tuple(tuple(r) for r in obj[0])  # type: ignore[misc]
         inverse = {r: nr for nr, r in survivors.items()}
         old_ranks, r = [], 0
@@ -474,7 +474,7 @@ class Runtime:
             self.s.model, self.s.opt = model, opt
         assert self.s.model is not None and self.s.opt is not None
         self.s.opt = apply_reshard(self.s.model, self.s.opt, old_sl, new_sl, set(survivors), rank,
-                                   self.families, my_tp)
+                                   self.families, my_tp, group=self.s.world)
         if joiners:
             self._send_replicated(src)
         self.s.sync = self._new_sync(self.s.model, new_sl, rank)

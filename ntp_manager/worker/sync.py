@@ -1,20 +1,22 @@
 """NTP gradient synchronisation between DP replicas of different TP degrees (REFERENCE.md section 1).
 
 A core rank i's chunk buffer holds, for every sharded tensor of every unit family (heads, MLP
-columns), that tensor's slice for all of sync chunk i, laid out as the tensor itself (the units
-along its sharded dimension); the same layout on every replica, so one flat all-reduce syncs it.
+columns), that tensor's slice for all of sync chunk i, laid out unit-major like the shards
+themselves (tp.py); the same layout on every replica, so flat all-reduces sync it.
 
 1. Pre-sync: each extra rank (TP index >= sync degree) sends its borrowed units' slices back to
    their core rank (`ntp_map(...).transfers`, point-to-point inside the replica), so core rank i
    holds the gradient of all of sync chunk i.
-2. DP sync: one all-reduce per sync index i, over {core rank i of every replica}, of the chunk
-   buffer (one bucket). Each replica's gradient is a mean over its own local batch, so it is
-   scaled by local batch / global batch before the sum: gradients are averaged by sample count,
-   not by replica count.
-3. Post-sync: core ranks send the synced slices back to the extras.
+2. DP sync: all-reduce of the chunk buffer over {core rank i of every replica}, in buckets of
+   whole tensors (`bucket_bytes`): a bucket's all-reduce starts as soon as its borrowed units have
+   arrived, while the next buckets are still on their way. Each replica's gradient is a mean over
+   its own local batch, so it is scaled by local batch / global batch before the sum: gradients
+   are averaged by sample count, not by replica count.
+3. Post-sync: core ranks send each bucket's synced slices back to the extras as soon as its
+   all-reduce is done.
 Parameters that are not sharded (embeddings, norms, row-wise biases) are replicated inside a TP
 group; one all-reduce over every rank, each contributing local_batch / tp_degree of its gradient,
-gives the same sample-weighted mean.
+gives the same sample-weighted mean. It starts first and overlaps all of the above.
 
 Uniform replicas (all the same degree) have no transfers: the procedure degenerates to a bucketed
 all-reduce per TP index plus one for the replicated parameters.
@@ -32,7 +34,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ntp_manager.planner.ntp_map import NtpMap, ntp_map, sync_groups
-from ntp_manager.worker.tp import ColwiseLinear, RowwiseLinear
+from ntp_manager.worker.tp import ColwiseLinear, RowwiseLinear, unit_major_view, unit_slice
+
+DEFAULT_BUCKET_BYTES = 4 << 20  # see bench/RESULTS.md (sync) for how it was chosen
 
 
 @dataclass(frozen=True)
@@ -86,10 +90,16 @@ class _Shard:
         """The slice of `t` (shaped like this tensor, along the unit dim) for units [start, stop)."""
         return t.narrow(self.udim, start * self.usize, (stop - start) * self.usize)
 
+    def message(self, t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """The same slice oriented units-first: what goes on the wire (contiguous when `t` is
+        unit-major, as every buffer here is)."""
+        return unit_slice(t, self.udim, start * self.usize, (stop - start) * self.usize)
 
-def _shaped(flat: torch.Tensor, off: int, shape: Sequence[int]) -> tuple[torch.Tensor, int]:
+
+def _shaped(flat: torch.Tensor, off: int, shape: Sequence[int], udim: int = 0) -> tuple[torch.Tensor, int]:
+    """The next block of `flat` as a tensor of `shape`, unit-major along `udim`; and the offset after it."""
     n = math.prod(shape)
-    return flat[off : off + n].view(*shape), off + n
+    return unit_major_view(flat[off : off + n], shape, udim), off + n
 
 
 class NtpGradSync:
@@ -99,14 +109,15 @@ class NtpGradSync:
     Gradients live in buffers allocated once: after the first `sync()` every gradient is a view of
     them, and `zero_grad()` (instead of the optimizer's `set_to_none=True`) keeps it so, so that
     backward accumulates into the buffers and the DP all-reduce runs on them without copies. On a
-    core rank whose load is its whole sync chunk (uniform layouts, reduced replicas) and for
-    column-wise tensors the gradient *is* its part of the all-reduce buffer."""
+    core rank every sharded gradient *is* its part of the all-reduce buffer: buffers are laid out
+    unit-major like the shards (tp.py), so a rank's own units are one block of its sync chunk."""
 
     def __init__(self, model: nn.Module, layout: SyncLayout, rank: int, families: Mapping[str, str],
-                 timeout: Any = None) -> None:
+                 timeout: Any = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         """`families` maps a sharded module path to its unit family. `timeout` (a timedelta) bounds
         every collective of the groups created here (torch otherwise gives new groups its default,
-        not the world group's)."""
+        not the world group's). `bucket_bytes`: the DP all-reduce runs per bucket of about this
+        size, so that it overlaps the transfers of the other buckets."""
         self.model, self.layout, self.rank = model, layout, rank
         self.n_sync = layout.sync_degree
         # Groups are created by every rank of the process group, members or not, in the same order
@@ -134,8 +145,8 @@ class NtpGradSync:
                     self.shards[fam].append(_Shard(mod.bias, 0, mod.unit_size))
                     sharded_ids.add(id(mod.bias))
         self.replicated = [p for p in model.parameters() if id(p) not in sharded_ids]
-        self._stage: dict[tuple[str, int, int], torch.Tensor] = {}  # see _staging
         self._allocate()
+        self._plan_messages(bucket_bytes)
 
     def _allocate(self) -> None:
         j = self.tp_index
@@ -158,18 +169,18 @@ class NtpGradSync:
             for f in fams:
                 keep = self.maps[f].load(j)
                 for s in self.shards[f]:
-                    s.seg, off = _shaped(self.dp_flat, off, segs[k])
+                    s.seg, off = _shaped(self.dp_flat, off, segs[k], s.udim)
                     k += 1
-                    own = s.units(s.seg, 0, keep)
-                    if own.is_contiguous():  # the gradient can be its own part of the chunk
-                        s.home = own
-                        aliased.add(id(s))
-        # the rest (extras, row-wise tensors of cores that lend units) get a home of their own
+                    # unit-major: the rank's own units are a block of the chunk buffer, so the
+                    # gradient is that block (its layout matches the parameter's, see tp.py)
+                    s.home = s.units(s.seg, 0, keep)
+                    aliased.add(id(s))
+        # extra ranks' gradients get a home of their own
         rest = [s for f in fams for s in self.shards[f] if id(s) not in aliased]
         local = torch.zeros(sum(s.param.numel() for s in rest), dtype=dtype, device=device)
         off = 0
         for s in rest:
-            s.home, off = _shaped(local, off, s.param.shape)
+            s.home, off = _shaped(local, off, s.param.shape, s.udim)
         self.rep_flat = torch.zeros(sum(p.numel() for p in self.replicated), dtype=dtype, device=device)
         self.rep_homes = []
         off = 0
@@ -207,7 +218,6 @@ class NtpGradSync:
         lay = self.layout
         lb, gb = lay.replicas[self.replica].local_batch, lay.global_batch
         my = lay.replicas[self.replica].ranks
-        j = self.tp_index
         # 4. (started first, it overlaps the rest) replicated parameters: every rank of the layout
         # gives local_batch / tp of its gradient
         rep_work = None
@@ -215,71 +225,93 @@ class NtpGradSync:
             self.rep_flat.mul_(lb / (len(my) * gb))
             rep_work = dist.all_reduce(self.rep_flat, group=self.layout_group, async_op=True)
             self.bytes_all_reduced += self.rep_flat.numel() * self.rep_flat.element_size()
-
-        self._exchange(to_core=True)  # 1. pre-sync: extras return borrowed units' gradients
-
-        # 2. DP all-reduce of the chunk buffer, weighted by local batch: sum(lb_r / gb * g_r)
         if self.core:
-            self.dp_flat.mul_(lb / gb)
-            dist.all_reduce(self.dp_flat, group=self.dp_groups[j])
-            self.bytes_all_reduced += self.dp_flat.numel() * self.dp_flat.element_size()
-
-        self._exchange(to_core=False)  # 3. post-sync: the synced values go back to the extras
-
+            # 1. pre-sync: receives for every bucket are posted at once; 2. each bucket's
+            # all-reduce starts as soon as its borrowed units are in (weighted by local batch:
+            # sum(lb_r / gb * g_r)), while later buckets still arrive; 3. post-sync: each bucket
+            # goes back to the extras as soon as its all-reduce is done.
+            group = self.dp_groups[self.tp_index]
+            incoming = [self._post(msgs, send=False) for msgs in self._msgs]
+            works = []
+            for (lo, hi), reqs in zip(self._spans, incoming, strict=True):
+                _wait(reqs)
+                part = self.dp_flat[lo:hi]
+                part.mul_(lb / gb)
+                works.append(dist.all_reduce(part, group=group, async_op=True))
+                self.bytes_all_reduced += part.numel() * part.element_size()
+            outgoing = []
+            for msgs, work in zip(self._msgs, works, strict=True):
+                work.wait()
+                outgoing += self._post(msgs, send=True)
+            _wait(outgoing)
+        else:  # an extra rank: its borrowed units' gradients go to their cores and come back synced
+            msgs = self._msgs[0]
+            sent = self._post(msgs, send=True)
+            back = self._post(msgs, send=False)
+            _wait(sent)
+            _wait(back)
         if rep_work is not None:
             rep_work.wait()
 
-    def _exchange(self, to_core: bool) -> None:
-        """The transfers between a replica's extra and core ranks: before the all-reduce (`to_core`)
-        extras send the gradients of their borrowed units into the core ranks' chunk buffers, after
-        it the cores send the synced values back. A core rank's own units move between its
-        gradient and the chunk buffer too, where the two are not the same memory."""
+    def _plan_messages(self, bucket_bytes: int) -> None:
+        """Cut the chunk buffer into buckets (runs of whole tensors, about `bucket_bytes` each: the
+        same cut on every replica, as it depends only on the sync chunk) and list each bucket's
+        point-to-point messages: one per (sharded tensor, transfer) this rank is part of, a slice
+        oriented units-first (contiguous: every buffer here is unit-major). Both ends of a pair
+        list their messages in the same order (tensor, then transfer), which is how gloo matches
+        them. Extra ranks keep one list (they have no chunk buffer)."""
         my = self.layout.replicas[self.replica].ranks
         j = self.tp_index
-        sending = self.core != to_core  # extras send first, cores second
-        reqs, later = [], []
+        self._msgs: list[list[_Msg]] = [[]]
+        self._spans: list[tuple[int, int]] = []
+        lo = off = 0
         for f, m in self.maps.items():
-            if self.core:
-                for s in self.shards[f]:
-                    assert s.seg is not None
-                    own = s.units(s.seg, 0, m.load(j))
-                    if not _same(own, s.home):
-                        (own if to_core else s.home).copy_(s.home if to_core else own)
             pos = self._positions(f)
-            for ti, t in enumerate(m.transfers):
-                if j not in (t.core, t.extra):  # core and extra indices never overlap
-                    continue
-                for si, s in enumerate(self.shards[f]):
+            mine = [t for t in m.transfers if j in (t.core, t.extra)]  # core and extra indices differ
+            for s in self.shards[f]:
+                for t in mine:
                     if self.core:
                         assert s.seg is not None
                         a = m.sync_chunks[j][0]
-                        mine, peer = s.units(s.seg, t.start - a, t.stop - a), my[t.extra]
+                        view, peer = s.message(s.seg, t.start - a, t.stop - a), my[t.extra]
                     else:
                         i0 = pos[t.start]
-                        mine, peer = s.units(s.home, i0, i0 + t.count), my[t.core]
-                    # a strided slice (row-wise tensors) goes through a buffer kept between syncs
-                    buf = mine if mine.is_contiguous() else self._staging(f, ti, si, mine)
-                    if sending:
-                        if buf is not mine:
-                            buf.copy_(mine)
-                        reqs.append(dist.isend(buf, dst=peer))
-                    else:
-                        reqs.append(dist.irecv(buf, src=peer))
-                        if buf is not mine:
-                            later.append((mine, buf))
-        _wait(reqs)
-        for dst, buf in later:
-            dst.copy_(buf)
+                        view, peer = s.message(s.home, i0, i0 + t.count), my[t.core]
+                    assert view.is_contiguous()  # home and seg are ours, allocated unit-major
+                    self._msgs[-1].append(_Msg(view, peer))
+                if self.core:
+                    assert s.seg is not None
+                    off += s.seg.numel()
+                    if (off - lo) * s.seg.element_size() >= bucket_bytes:
+                        self._spans.append((lo, off))
+                        self._msgs.append([])
+                        lo = off
+        if self.core:
+            if off > lo or not self._spans:
+                self._spans.append((lo, off))
+            else:
+                self._msgs.pop()  # the last bucket ended exactly at the buffer's end
 
-    def _staging(self, fam: str, transfer: int, shard: int, like: torch.Tensor) -> torch.Tensor:
-        key = (fam, transfer, shard)
-        buf = self._stage.get(key)
-        if buf is None:
-            buf = self._stage[key] = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-        return buf
+    def _post(self, msgs: list[_Msg], send: bool) -> list[Any]:
+        reqs = []
+        for m in msgs:  # point-to-point on the layout's own group, never on the default one
+            if send:
+                reqs.append(dist.isend(m.view, dst=m.peer, group=self.layout_group))
+            else:
+                reqs.append(dist.irecv(m.view, src=m.peer, group=self.layout_group))
+        return reqs
 
     def _positions(self, fam: str) -> dict[int, int]:
         return {u: i for i, u in enumerate(self.maps[fam].units_of(self.tp_index))}
+
+
+@dataclass(frozen=True)
+class _Msg:
+    """One point-to-point message of the sync: the slice it is sent from or received into (a
+    contiguous view of a gradient buffer) and the other rank."""
+
+    view: torch.Tensor
+    peer: int
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -21,6 +21,13 @@ TP group, so the layer's output is exact whatever the assignment. Attention that
 Autograd: the input of a column-wise layer is replicated, so its gradient is all-reduced in
 backward (identity forward); the output of a row-wise layer is all-reduced in forward (identity
 backward) -- Megatron's f and g operators.
+
+Memory layout: every shard is stored *unit-major*, so that the features of a run of consecutive
+units are one contiguous block. Column-wise weights are that way already (units along rows); a
+row-wise weight (units along columns) is kept column-major: `weight` is the transpose of a
+contiguous [in, out] tensor. Linear layers read it at no cost (BLAS takes either orientation) and
+autograd gives its gradient the same layout; gradient sync and resharding then move unit slices
+of every tensor without a gather copy. `unit_slice` gives such a slice as a contiguous tensor.
 """
 
 from __future__ import annotations
@@ -87,6 +94,28 @@ def feature_index(units: Sequence[int], unit_size: int) -> torch.Tensor:
     return (u[:, None] * unit_size + torch.arange(unit_size)[None, :]).reshape(-1)
 
 
+def unit_major_empty(shape: Sequence[int], udim: int, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor of `shape` whose units (along `udim`, 0 or 1) are contiguous blocks."""
+    if udim == 0:
+        return torch.empty(tuple(shape), dtype=like.dtype, device=like.device)
+    return torch.empty((shape[1], shape[0]), dtype=like.dtype, device=like.device).t()
+
+
+def unit_major_view(flat: torch.Tensor, shape: Sequence[int], udim: int) -> torch.Tensor:
+    """`flat` (one contiguous 1-D block) seen as a tensor of `shape` laid out unit-major."""
+    if udim == 0:
+        return flat.view(*shape)
+    return flat.view(shape[1], shape[0]).t()
+
+
+def unit_slice(t: torch.Tensor, udim: int, start: int, length: int) -> torch.Tensor:
+    """Features [start, start+length) along `udim`, oriented units-first (the transpose for
+    udim 1), so that the slice is a contiguous tensor whenever `t` is unit-major. Two ranks that
+    exchange a slice both orient it this way, so its bytes agree whatever each side's layout."""
+    s = t.narrow(udim, start, length)
+    return s if udim == 0 else s.t()
+
+
 class ColwiseLinear(nn.Module):
     def __init__(self, full: nn.Linear, units: Sequence[int], unit_size: int, group: Any) -> None:
         super().__init__()
@@ -104,7 +133,8 @@ class RowwiseLinear(nn.Module):
     def __init__(self, full: nn.Linear, units: Sequence[int], unit_size: int, group: Any) -> None:
         super().__init__()
         idx = feature_index(units, unit_size)
-        self.weight = nn.Parameter(full.weight.detach()[:, idx].clone())
+        # column-major: the transpose of a contiguous [in, out] tensor (see the module docstring)
+        self.weight = nn.Parameter(full.weight.detach()[:, idx].t().contiguous().t())
         self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None
         self.units, self.unit_size, self.group = list(units), unit_size, group
 

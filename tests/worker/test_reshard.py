@@ -72,6 +72,15 @@ def _worker(rank: int, world: int, port: int, kind: str, q: Any) -> None:
             alive = {r for rep in lay.replicas for r in rep.ranks}
             tp1 = [dist.new_group(ranks=list(r.ranks)) for r in lay.replicas]
             mine = next((g for g, r in zip(tp1, lay.replicas, strict=True) if rank in r.ranks), None)
+            if rank >= 4:
+                # the sources of rank 3's units hold their row-wise optimizer state row-major
+                # (shards are column-major): messages must still carry the same bytes
+                for m in model.modules():
+                    if isinstance(m, RowwiseLinear):
+                        st = opt.state[m.weight]
+                        for k in [k for k in st if isinstance(st[k], torch.Tensor) and st[k].dim() == 2]:
+                            st[k] = st[k].contiguous()
+                            assert not st[k].t().is_contiguous()
             opt = apply_reshard(model, opt, current, lay, alive, rank, fams, mine)
             sync = NtpGradSync(model, lay, rank, fams)
             current = lay

@@ -13,7 +13,14 @@ import torch.multiprocessing as mp
 
 from ntp_manager.planner import ntp_map
 from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan
-from ntp_manager.worker.tp import ColwiseLinear, RowwiseLinear, feature_index, parallelize
+from ntp_manager.worker.tp import (
+    ColwiseLinear,
+    RowwiseLinear,
+    feature_index,
+    parallelize,
+    unit_major_view,
+    unit_slice,
+)
 from tests.fakes.procs import free_port
 
 CFG = GptConfig(vocab=64, seq=16, d_model=48, heads=6, mlp=96, layers=2)
@@ -64,6 +71,14 @@ def _worker(rank: int, world: int, port: int, mode: str, q: Any) -> None:
         elif isinstance(mod, RowwiseLinear) and name.endswith("weight"):
             ref = ref[:, feature_index(mod.units, mod.unit_size)]
         errs[name] = rel_err(p.grad, ref)
+        # unit-major layout: a unit's features are one contiguous block, in the weight and in the
+        # gradient autograd made for it
+        sharded_dim = 0 if isinstance(mod, ColwiseLinear) else 1 if isinstance(mod, RowwiseLinear) else None
+        if sharded_dim is not None and (sharded_dim == 0 or name.endswith("weight")):
+            udim = sharded_dim
+            for t in (p.detach(), p.grad):
+                if not unit_slice(t, udim, 0, len(mod.units) * mod.unit_size).is_contiguous():
+                    errs[f"{name} layout"] = 1.0
     q.put((rank, errs, [int(sharded.blocks[0].attn.q.weight.shape[0] // CFG.head_dim)]))
     dist.destroy_process_group()
 
@@ -100,3 +115,18 @@ def test_parallelize_rejects_bad_plans():
         parallelize(TinyGpt(CFG), tp_plan(CFG), {"heads": [0]})
     with pytest.raises(ValueError, match="out of range"):
         parallelize(TinyGpt(CFG), tp_plan(CFG), {"heads": [99], "mlp": [0]})
+
+
+def test_unit_slices_agree_whatever_the_layout():
+    """A slice on the wire is oriented units-first, so a unit-major tensor and a row-major copy of
+    it give the same bytes; on a unit-major tensor the slice is the memory itself."""
+    full = torch.arange(5 * 12, dtype=torch.float32).view(5, 12)  # 5 out features, 4 units of 3 inputs
+    flat = torch.empty(full.numel())
+    col = unit_major_view(flat, (5, 12), udim=1)
+    col.copy_(full)
+    assert torch.equal(col, full) and col.t().is_contiguous()
+    a, b = unit_slice(col, 1, 3, 6), unit_slice(full, 1, 3, 6)
+    assert a.is_contiguous() and a.data_ptr() == flat[15:].data_ptr()  # units 1-2: one block, no copy
+    assert not b.is_contiguous() and torch.equal(a, b) and torch.equal(a.t(), full[:, 3:9])
+    assert torch.equal(a.flatten(), b.contiguous().flatten())
+    assert torch.equal(unit_slice(full, 0, 1, 2), full[1:3])
