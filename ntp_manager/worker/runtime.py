@@ -152,6 +152,7 @@ class _State:
     opt: torch.optim.Optimizer | None = None
     sync: NtpGradSync | None = None
     world: Any = None  # every member of the current version: commit votes, regroup exchanges
+    spare: list[torch.Tensor] = field(default_factory=list)  # the last sync's buffers, for the next one
     timeline: list[TimelineEvent] = field(default_factory=list)
 
 
@@ -357,6 +358,9 @@ class Runtime:
         """Destroy the current groups. References to them are dropped first: gloo closes a group's
         connections only when its last reference goes, and a closed connection is what tells peers
         still blocked in a collective with us to give up now rather than at their timeout."""
+        if self.s.sync is not None:  # its gradient buffers serve the next layout's sync
+            self.s.spare = self.s.sync.buffers()
+            self.s.sync.release()
         self.s.sync = self.s.world = None
         if self.s.model is not None:
             for m in self.s.model.modules():
@@ -421,6 +425,7 @@ class Runtime:
         old = self.s.layout
         self._leave_group()
         if target.rank is None:
+            self.s.spare = []
             self._event("no place", target.version, "this worker's GPU is not in the layout")
             self.s.layout = target
             self.source.ack(target, True, "no place")
@@ -491,7 +496,8 @@ class Runtime:
         return groups[target.replica_of(target.rank)]
 
     def _new_sync(self, model: nn.Module, sl: SyncLayout, rank: int) -> NtpGradSync:
-        sync = NtpGradSync(model, sl, rank, self.families, timeout=self._timeout)
+        spare, self.s.spare = self.s.spare, []
+        sync = NtpGradSync(model, sl, rank, self.families, timeout=self._timeout, reuse=spare)
         self._track(*sync.dp_groups, sync.layout_group)
         return sync
 

@@ -113,11 +113,16 @@ class NtpGradSync:
     unit-major like the shards (tp.py), so a rank's own units are one block of its sync chunk."""
 
     def __init__(self, model: nn.Module, layout: SyncLayout, rank: int, families: Mapping[str, str],
-                 timeout: Any = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 timeout: Any = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 reuse: Sequence[torch.Tensor] = ()) -> None:
         """`families` maps a sharded module path to its unit family. `timeout` (a timedelta) bounds
         every collective of the groups created here (torch otherwise gives new groups its default,
         not the world group's). `bucket_bytes`: the DP all-reduce runs per bucket of about this
-        size, so that it overlaps the transfers of the other buckets."""
+        size, so that it overlaps the transfers of the other buckets. `reuse`: memory for the
+        buffers, used where it fits -- a previous layout's `buffers()`, whose sync must not be
+        used any more (`release()` it). Memory already touched is cheaper than fresh pages (on a
+        VM several times a copy), and a layout switch would otherwise allocate every gradient
+        buffer anew."""
         self.model, self.layout, self.rank = model, layout, rank
         self.n_sync = layout.sync_degree
         # Groups are created by every rank of the process group, members or not, in the same order
@@ -145,48 +150,77 @@ class NtpGradSync:
                     self.shards[fam].append(_Shard(mod.bias, 0, mod.unit_size))
                     sharded_ids.add(id(mod.bias))
         self.replicated = [p for p in model.parameters() if id(p) not in sharded_ids]
-        self._allocate()
-        self._plan_messages(bucket_bytes)
+        if reuse:
+            # a gradient of the old layout means nothing under the new one, and it may be a view
+            # of memory about to be reused
+            for p in model.parameters():
+                p.grad = None
+        self._allocate(bucket_bytes, _Pool(list(reuse)))
+        self._plan_messages()
 
-    def _allocate(self) -> None:
+    def _allocate(self, bucket_bytes: int, pool: _Pool) -> None:
+        """Core ranks: the DP all-reduce buffer, cut into buckets of whole tensors (about
+        `bucket_bytes` each; the same cut on every replica, as it depends only on the sync chunk),
+        each bucket one contiguous block holding a segment per sharded tensor shaped for the
+        chunk. Extra ranks: a home per sharded gradient. Everyone: the replicated gradients."""
         j = self.tp_index
         self.core = j < self.n_sync
-        fams = list(self.layout.units)
         dtype = next((p.dtype for p in self.model.parameters()), torch.float32)
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
-        # core ranks: the DP all-reduce buffer, one segment per sharded tensor shaped for the chunk
-        aliased: set[int] = set()
-        if self.core:
-            segs = []
-            for f in fams:
-                a, b = self.maps[f].sync_chunks[j]
-                for s in self.shards[f]:
-                    shape = list(s.param.shape)
-                    shape[s.udim] = (b - a) * s.usize
-                    segs.append(shape)
-            self.dp_flat = torch.zeros(sum(math.prod(sh) for sh in segs), dtype=dtype, device=device)
-            off, k = 0, 0
-            for f in fams:
-                keep = self.maps[f].load(j)
-                for s in self.shards[f]:
-                    s.seg, off = _shaped(self.dp_flat, off, segs[k], s.udim)
-                    k += 1
-                    # unit-major: the rank's own units are a block of the chunk buffer, so the
-                    # gradient is that block (its layout matches the parameter's, see tp.py)
-                    s.home = s.units(s.seg, 0, keep)
-                    aliased.add(id(s))
-        # extra ranks' gradients get a home of their own
-        rest = [s for f in fams for s in self.shards[f] if id(s) not in aliased]
-        local = torch.zeros(sum(s.param.numel() for s in rest), dtype=dtype, device=device)
-        off = 0
-        for s in rest:
-            s.home, off = _shaped(local, off, s.param.shape, s.udim)
-        self.rep_flat = torch.zeros(sum(p.numel() for p in self.replicated), dtype=dtype, device=device)
+        # the replicated gradients first: the same size under every layout, so a predecessor's
+        # buffer for them fits exactly
+        self.rep_flat = pool.take(sum(p.numel() for p in self.replicated), dtype, device)
         self.rep_homes = []
         off = 0
         for p in self.replicated:
             h, off = _shaped(self.rep_flat, off, p.shape)
             self.rep_homes.append(h)
+        order = [(f, s) for f in self.layout.units for s in self.shards[f]]
+        self._bucket_shards: list[list[tuple[str, _Shard]]] = [[]]
+        self._blocks: list[torch.Tensor] = []  # core: one per bucket; extra: one for every home
+        if self.core:
+            shapes: dict[int, list[int]] = {}
+            size = 0
+            for f, s in order:
+                a, b = self.maps[f].sync_chunks[j]
+                shape = list(s.param.shape)
+                shape[s.udim] = (b - a) * s.usize
+                shapes[id(s)] = shape
+                if size * s.param.element_size() >= bucket_bytes:
+                    self._bucket_shards.append([])
+                    size = 0
+                self._bucket_shards[-1].append((f, s))
+                size += math.prod(shape)
+            for members in self._bucket_shards:
+                buf = pool.take(sum(math.prod(shapes[id(s)]) for _, s in members), dtype, device)
+                self._blocks.append(buf)
+                off = 0
+                for f, s in members:
+                    s.seg, off = _shaped(buf, off, shapes[id(s)], s.udim)
+                    # unit-major: the rank's own units are a block of the chunk buffer, so the
+                    # gradient is that block (its layout matches the parameter's, see tp.py)
+                    s.home = s.units(s.seg, 0, self.maps[f].load(j))
+        else:  # an extra rank's gradients get a home of their own
+            self._bucket_shards = [order]
+            local = pool.take(sum(s.param.numel() for _, s in order), dtype, device)
+            self._blocks.append(local)
+            off = 0
+            for _, s in order:
+                s.home, off = _shaped(local, off, s.param.shape, s.udim)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every gradient buffer this object holds (what a successor may `reuse`)."""
+        return [self.rep_flat, *self._blocks] if self.active else []
+
+    def release(self) -> None:
+        """Forget every buffer (they may now belong to a successor); the object is unusable."""
+        self.active = False
+        self._blocks, self._msgs, self.rep_homes = [], [], []
+        self.rep_flat = torch.empty(0)
+        for shards in getattr(self, "shards", {}).values():
+            for s in shards:
+                s.seg = None
+                s.home = torch.empty(0)
 
     # ---- gradients in the buffers ---------------------------------------------------------------
     def _all(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
@@ -233,9 +267,8 @@ class NtpGradSync:
             group = self.dp_groups[self.tp_index]
             incoming = [self._post(msgs, send=False) for msgs in self._msgs]
             works = []
-            for (lo, hi), reqs in zip(self._spans, incoming, strict=True):
+            for part, reqs in zip(self._blocks, incoming, strict=True):
                 _wait(reqs)
-                part = self.dp_flat[lo:hi]
                 part.mul_(lb / gb)
                 works.append(dist.all_reduce(part, group=group, async_op=True))
                 self.bytes_all_reduced += part.numel() * part.element_size()
@@ -253,44 +286,30 @@ class NtpGradSync:
         if rep_work is not None:
             rep_work.wait()
 
-    def _plan_messages(self, bucket_bytes: int) -> None:
-        """Cut the chunk buffer into buckets (runs of whole tensors, about `bucket_bytes` each: the
-        same cut on every replica, as it depends only on the sync chunk) and list each bucket's
-        point-to-point messages: one per (sharded tensor, transfer) this rank is part of, a slice
-        oriented units-first (contiguous: every buffer here is unit-major). Both ends of a pair
-        list their messages in the same order (tensor, then transfer), which is how gloo matches
-        them. Extra ranks keep one list (they have no chunk buffer)."""
+    def _plan_messages(self) -> None:
+        """List each bucket's point-to-point messages: one per (sharded tensor, transfer) this rank
+        is part of, a slice oriented units-first (contiguous: every buffer here is unit-major).
+        Both ends of a pair list their messages in the same order (tensor, then transfer), which
+        is how gloo matches them. Extra ranks keep one list (they have no buckets)."""
         my = self.layout.replicas[self.replica].ranks
         j = self.tp_index
-        self._msgs: list[list[_Msg]] = [[]]
-        self._spans: list[tuple[int, int]] = []
-        lo = off = 0
-        for f, m in self.maps.items():
-            pos = self._positions(f)
-            mine = [t for t in m.transfers if j in (t.core, t.extra)]  # core and extra indices differ
-            for s in self.shards[f]:
-                for t in mine:
+        mine = {f: [t for t in m.transfers if j in (t.core, t.extra)] for f, m in self.maps.items()}
+        pos = {f: self._positions(f) for f in self.maps}
+        self._msgs: list[list[_Msg]] = []
+        for members in self._bucket_shards:
+            self._msgs.append([])
+            for f, s in members:
+                m = self.maps[f]
+                for t in mine[f]:  # core and extra indices differ
                     if self.core:
                         assert s.seg is not None
                         a = m.sync_chunks[j][0]
                         view, peer = s.message(s.seg, t.start - a, t.stop - a), my[t.extra]
                     else:
-                        i0 = pos[t.start]
+                        i0 = pos[f][t.start]
                         view, peer = s.message(s.home, i0, i0 + t.count), my[t.core]
                     assert view.is_contiguous()  # home and seg are ours, allocated unit-major
                     self._msgs[-1].append(_Msg(view, peer))
-                if self.core:
-                    assert s.seg is not None
-                    off += s.seg.numel()
-                    if (off - lo) * s.seg.element_size() >= bucket_bytes:
-                        self._spans.append((lo, off))
-                        self._msgs.append([])
-                        lo = off
-        if self.core:
-            if off > lo or not self._spans:
-                self._spans.append((lo, off))
-            else:
-                self._msgs.pop()  # the last bucket ended exactly at the buffer's end
 
     def _post(self, msgs: list[_Msg], send: bool) -> list[Any]:
         reqs = []
@@ -303,6 +322,21 @@ class NtpGradSync:
 
     def _positions(self, fam: str) -> dict[int, int]:
         return {u: i for i, u in enumerate(self.maps[fam].units_of(self.tp_index))}
+
+
+class _Pool:
+    """Memory for new gradient buffers: blocks of a predecessor's buffers first (first fit, a
+    block's rest stays available), fresh zeroed memory for what does not fit."""
+
+    def __init__(self, blocks: list[torch.Tensor]) -> None:
+        self.blocks = [b.view(-1) for b in blocks if b.numel()]
+
+    def take(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        for i, b in enumerate(self.blocks):
+            if b.numel() >= n and b.dtype == dtype and b.device == device:
+                self.blocks[i] = b[n:]
+                return b[:n]
+        return torch.zeros(n, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)

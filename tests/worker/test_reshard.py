@@ -67,6 +67,7 @@ def _worker(rank: int, world: int, port: int, kind: str, q: Any) -> None:
     opt = make_opt(kind, model.parameters())
     losses = []
     current = L0
+    reused = None
     for s, lay in enumerate(STEPS):
         if lay is not current:  # the failure: everyone learns the new layout at a step boundary
             alive = {r for rep in lay.replicas for r in rep.ranks}
@@ -82,7 +83,11 @@ def _worker(rank: int, world: int, port: int, kind: str, q: Any) -> None:
                             st[k] = st[k].contiguous()
                             assert not st[k].t().is_contiguous()
             opt = apply_reshard(model, opt, current, lay, alive, rank, fams, mine)
-            sync = NtpGradSync(model, lay, rank, fams)
+            # the new sync reuses the old one's gradient memory (already touched pages)
+            spare, old_rep = sync.buffers(), sync.rep_flat.data_ptr()
+            sync.release()
+            sync = NtpGradSync(model, lay, rank, fams, reuse=spare)
+            reused = sync.active and sync.rep_flat.data_ptr() == old_rep
             current = lay
         if not sync.active:
             continue  # the failed rank does nothing more
@@ -107,7 +112,7 @@ def _worker(rank: int, world: int, port: int, kind: str, q: Any) -> None:
         units = {n: (type(m).__name__, m.units, m.unit_size) for n, m in mods.items()}
     else:
         units = {}
-    q.put((rank, losses, out, units))
+    q.put((rank, losses, out, units, reused))
     dist.destroy_process_group()
 
 
@@ -130,10 +135,11 @@ def test_failure_reshard_continue_matches_reference(kind: str):
     results = sorted((q.get() for _ in range(8)), key=lambda r: r[0])  # read before joining: big payloads
     while not ctx.join():
         pass
-    for rank, losses, params, units in results:
+    for rank, losses, params, units, reused in results:
         if rank == 3:
             assert len(losses) == 2  # it trained until it failed
             continue
+        assert reused, rank  # the new layout's sync took the old one's memory
         assert len(losses) == 4
         for a, b in zip(losses, ref_losses, strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (rank, losses, ref_losses)
