@@ -86,11 +86,6 @@ def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def _landing(dst: torch.Tensor) -> torch.Tensor:
-    """Where a message for `dst` can be received: `dst` itself when contiguous, else a scratch."""
-    return dst if dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
-
-
 def _copy_units(dst: torch.Tensor, src: torch.Tensor, dim: int, usize: int, src_pos: list[int],
                 dst_pos: list[int]) -> None:
     """dst's units at `dst_pos` = src's units at `src_pos`, one slice copy per contiguous stretch."""
@@ -158,7 +153,7 @@ def apply_reshard(
     # of units that are consecutive both in the source's old list and in the destination's new
     # one (both sides compute the same cut from the layouts); each stretch of each tensor is one
     # message, sent from and received into the tensors themselves where the slice is contiguous.
-    reqs, scratch = [], []
+    reqs = []
     for mv in moves:
         if mv.src == mv.dst or rank not in (mv.src, mv.dst):
             continue
@@ -172,10 +167,8 @@ def apply_reshard(
                     reqs.append(dist.isend(msg, dst=mv.dst, group=group))
                 else:
                     view = unit_slice(new_tensors[mv.family][k], dim, b * us, n * us)
-                    buf = _landing(view)
-                    reqs.append(dist.irecv(buf, src=mv.src, group=group))
-                    if buf is not view:
-                        scratch.append((view, buf))
+                    assert view.is_contiguous()  # received into a tensor made unit-major above
+                    reqs.append(dist.irecv(view, src=mv.src, group=group))
     if in_new and rank in alive:
         for f, entries in fam_tensors.items():
             tpos = {u: i for i, u in enumerate(new_units[f])}
@@ -187,8 +180,6 @@ def apply_reshard(
                 _copy_units(nt, t, dim, mod.unit_size, [pos[u] for u in kept], [tpos[u] for u in kept])
     for r in reqs:
         r.wait()
-    for view, buf in scratch:
-        view.copy_(buf)
 
     if not in_new:
         return optimizer

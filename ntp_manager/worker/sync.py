@@ -214,13 +214,13 @@ class NtpGradSync:
 
     def release(self) -> None:
         """Forget every buffer (they may now belong to a successor); the object is unusable."""
+        if not self.active:
+            return
         self.active = False
         self._blocks, self._msgs, self.rep_homes = [], [], []
         self.rep_flat = torch.empty(0)
-        for shards in getattr(self, "shards", {}).values():
-            for s in shards:
-                s.seg = None
-                s.home = torch.empty(0)
+        for s in (s for shards in self.shards.values() for s in shards):
+            s.seg, s.home = None, torch.empty(0)
 
     # ---- gradients in the buffers ---------------------------------------------------------------
     def _all(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
@@ -279,10 +279,7 @@ class NtpGradSync:
             _wait(outgoing)
         else:  # an extra rank: its borrowed units' gradients go to their cores and come back synced
             msgs = self._msgs[0]
-            sent = self._post(msgs, send=True)
-            back = self._post(msgs, send=False)
-            _wait(sent)
-            _wait(back)
+            _wait(self._post(msgs, send=True) + self._post(msgs, send=False))
         if rep_work is not None:
             rep_work.wait()
 
