@@ -33,6 +33,7 @@ of every tensor without a gather copy. `unit_slice` gives such a slice as a cont
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -96,9 +97,7 @@ def feature_index(units: Sequence[int], unit_size: int) -> torch.Tensor:
 
 def unit_major_empty(shape: Sequence[int], udim: int, like: torch.Tensor) -> torch.Tensor:
     """An uninitialised tensor of `shape` whose units (along `udim`, 0 or 1) are contiguous blocks."""
-    if udim == 0:
-        return torch.empty(tuple(shape), dtype=like.dtype, device=like.device)
-    return torch.empty((shape[1], shape[0]), dtype=like.dtype, device=like.device).t()
+    return unit_major_view(torch.empty(math.prod(shape), dtype=like.dtype, device=like.device), shape, udim)
 
 
 def unit_major_view(flat: torch.Tensor, shape: Sequence[int], udim: int) -> torch.Tensor:
