@@ -36,8 +36,8 @@ from ntp_manager.worker.reshard import apply_reshard, reshard_moves
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig
 from ntp_manager.worker.sources import StoreLayoutSource, publish_layout
 from ntp_manager.worker.sync import DEFAULT_BUCKET_BYTES, NtpGradSync, SyncLayout, families_of, replicas_from
-from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan
-from ntp_manager.worker.tp import parallelize
+from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan, unit_counts
+from ntp_manager.worker.tp import ShardedModule, parallelize
 
 
 def _init(rank: int, world: int, port: int) -> None:
@@ -49,7 +49,7 @@ def _init(rank: int, world: int, port: int) -> None:
 # ---- 1. sync ratio -------------------------------------------------------------------------------
 def _sync_worker(rank: int, world: int, port: int, cfg: GptConfig, reps: int, bucket: int, q: Any) -> None:
     _init(rank, world, port)
-    units = {"heads": cfg.heads, "mlp": cfg.mlp}
+    units = unit_counts(cfg)
     # uniform TP3 + TP3 all-reduces the same bytes per core rank as the NTP layout (its sync degree is 3)
     configs = {"uniform": [[0, 1, 2, 3], [4, 5, 6, 7]], "ntp": [[0, 1, 2], [4, 5, 6, 7]],
                "uniform3": [[0, 1, 2], [4, 5, 6]]}
@@ -105,7 +105,7 @@ def bench_sync(quick: bool, bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20) -> 
 # ---- 2. reshard time vs bytes ---------------------------------------------------------------------
 def _reshard_worker(rank: int, world: int, port: int, cfg: GptConfig, q: Any) -> None:
     _init(rank, world, port)
-    units = {"heads": cfg.heads, "mlp": cfg.mlp}
+    units = unit_counts(cfg)
     old = SyncLayout(replicas_from([[0, 1, 2, 3], [4, 5, 6, 7]], [4, 4]), units)
     new = SyncLayout(replicas_from([[0, 1, 2], [4, 5, 6, 7]], [3, 4]), units)
     torch.manual_seed(0)
@@ -132,6 +132,19 @@ def _reshard_worker(rank: int, world: int, port: int, cfg: GptConfig, q: Any) ->
     dist.destroy_process_group()
 
 
+def unit_bytes(cfg: GptConfig) -> dict[str, int]:
+    """Bytes per unit of each family: every sharded tensor of it (weights, biases), with SGD
+    momentum, fp32 -- what a reshard moves per unit."""
+    plan = tp_plan(cfg)
+    model = parallelize(TinyGpt(cfg), plan, {f: list(range(n)) for f, n in unit_counts(cfg).items()})
+    fams = families_of(plan, model)
+    out = dict.fromkeys(unit_counts(cfg), 0)
+    for path, m in model.named_modules():
+        if isinstance(m, ShardedModule):
+            out[fams[path]] += sum(2 * p.element_size() * p.numel() // len(m.units) for _, p, _ in m.sharded_params())
+    return out
+
+
 def bench_reshard(quick: bool) -> list[tuple[str, ...]]:
     rows = []
     cfgs = [GptConfig(vocab=512, seq=32, d_model=256, heads=8, mlp=1024, layers=2),
@@ -147,11 +160,9 @@ def bench_reshard(quick: bool) -> list[tuple[str, ...]]:
             pass
         el = max(r[1] for r in res if r[0] != 3)
         moves = res[0][2]
-        # bytes per unit row: every sharded tensor of a family (weights, biases, momentum), fp32; every
-        # survivor of the TP3 replica gets a new unit assignment, so more than the lost quarter moves
-        d, hd = cfg.d_model, cfg.head_dim
-        row = {"heads": cfg.layers * 2 * (3 * hd * (d + 1) + hd * d), "mlp": cfg.layers * 2 * (d + 1 + d)}
-        moved = sum(4 * row[m.family] * len(m.units) for m in moves)
+        # every survivor of the TP3 replica gets a new unit assignment, so more than the lost quarter moves
+        row = unit_bytes(cfg)
+        moved = sum(row[m.family] * len(m.units) for m in moves)
         params = sum(p.numel() for p in TinyGpt(cfg).parameters())
         rows.append((f"{params / 1e6:.1f}M", f"{moved / 2**20:.1f}", f"{1000 * el:.0f}",
                      f"{moved / 2**20 / el:.0f}"))

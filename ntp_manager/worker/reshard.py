@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ntp_manager.worker.sync import SyncLayout
-from ntp_manager.worker.tp import ColwiseLinear, RowwiseLinear, unit_major_empty, unit_slice
+from ntp_manager.worker.tp import ShardedModule, unit_major_empty, unit_slice
 
 STATE_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
 
@@ -71,8 +71,7 @@ def _in(layout: SyncLayout, rank: int) -> bool:
 
 
 def _sharded_modules(model: nn.Module, families: Mapping[str, str]) -> list[tuple[str, Any]]:
-    return [(p, m) for p, m in model.named_modules() if isinstance(m, ColwiseLinear | RowwiseLinear)
-            and p in families]
+    return [(p, m) for p, m in model.named_modules() if isinstance(m, ShardedModule) and p in families]
 
 
 def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
@@ -118,15 +117,12 @@ def apply_reshard(
     mods = _sharded_modules(model, families)
     state = optimizer.state
 
-    def tensors_of(mod: Any) -> list[tuple[str, torch.Tensor, int]]:
-        dim = 0 if isinstance(mod, ColwiseLinear) else 1
-        out = [("weight", mod.weight.detach(), dim)]
-        st = state.get(mod.weight, {})
-        out += [(f"weight.{k}", st[k], dim) for k in STATE_KEYS if k in st]
-        if isinstance(mod, ColwiseLinear) and mod.bias is not None:
-            out.append(("bias", mod.bias.detach(), 0))
-            bst = state.get(mod.bias, {})
-            out += [(f"bias.{k}", bst[k], 0) for k in STATE_KEYS if k in bst]
+    def tensors_of(mod: ShardedModule) -> list[tuple[str, torch.Tensor, int]]:
+        out = []
+        for name, p, dim in mod.sharded_params():
+            out.append((name, p.detach(), dim))
+            st = state.get(p, {})
+            out += [(f"{name}.{k}", st[k], dim) for k in STATE_KEYS if k in st]
         return out
 
     # every sharded tensor of a family, in module order (the same on every rank)
@@ -192,19 +188,8 @@ def apply_reshard(
         fam = families[path]
         units = new_units[fam]
         pieces = {name: next(made[fam]) for name, _, _ in tensors_of(mod)}
-        cls = type(mod)
-        fresh = cls.__new__(cls)
-        nn.Module.__init__(fresh)
-        fresh.weight = nn.Parameter(pieces["weight"])
-        if isinstance(mod, ColwiseLinear):
-            fresh.bias = nn.Parameter(pieces["bias"]) if "bias" in pieces else None
-        else:
-            fresh.bias = mod.bias  # replicated
-        fresh.units, fresh.unit_size, fresh.group = list(units), mod.unit_size, tp_group
-        for pname in ("weight", "bias") if isinstance(mod, ColwiseLinear) else ("weight",):
-            p = getattr(fresh, pname)
-            if p is None:
-                continue
+        fresh = mod.with_units(units, {name: pieces[name] for name, _, _ in mod.sharded_params()}, tp_group)
+        for pname, p, _ in fresh.sharded_params():
             st = {k: pieces[f"{pname}.{k}"] for k in STATE_KEYS if f"{pname}.{k}" in pieces}
             if st and step is not None:
                 st["step"] = step.clone() if isinstance(step, torch.Tensor) else step
@@ -213,7 +198,7 @@ def apply_reshard(
         parent_path, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent_path) if parent_path else model, name, fresh)
     for mod in model.modules():
-        if isinstance(mod, RowwiseLinear):
+        if isinstance(mod, ShardedModule):
             mod.group = tp_group
     # the same optimizer object: its one parameter group now lists the rebuilt parameters;
     # replicated parameters keep their state, sharded ones get the moved state

@@ -50,7 +50,7 @@ from torch import nn
 from ntp_manager.worker.reshard import apply_reshard
 from ntp_manager.worker.sources import LayoutSource, WorkerLayout
 from ntp_manager.worker.sync import NtpGradSync, ReplicaGroup, SyncLayout, families_of
-from ntp_manager.worker.tp import ColwiseLinear, ColwiseUnits, RowwiseLinear, ShardStyle, parallelize
+from ntp_manager.worker.tp import ShardedModule, ShardStyle, parallelize, unit_features
 
 log = structlog.get_logger("ntp.worker")
 
@@ -135,9 +135,8 @@ def unit_counts(model: nn.Module, plan: Mapping[str, ShardStyle]) -> dict[str, i
     counts: dict[str, int] = {}
     for path, mod in model.named_modules():
         for pattern, style in plan.items():
-            if fnmatch.fnmatchcase(path, pattern) and isinstance(mod, nn.Linear):
-                feats = mod.out_features if isinstance(style, ColwiseUnits) else mod.in_features
-                n = feats // style.unit_size
+            if fnmatch.fnmatchcase(path, pattern):
+                n = unit_features(path, mod, style) // style.unit_size
                 if counts.setdefault(style.family, n) != n:
                     raise ValueError(f"family {style.family!r}: {counts[style.family]} units elsewhere, {n} at {path}")
                 break
@@ -364,7 +363,7 @@ class Runtime:
         self.s.sync = self.s.world = None
         if self.s.model is not None:
             for m in self.s.model.modules():
-                if isinstance(m, ColwiseLinear | RowwiseLinear):
+                if isinstance(m, ShardedModule):
                     m.group = None
         if dist.is_initialized():
             try:
@@ -523,8 +522,8 @@ class Runtime:
     def _send_replicated(self, src: int) -> None:
         """Replicated parameters, their optimizer state and the Adam step count, from `src` to all."""
         assert self.s.model is not None and self.s.opt is not None
-        sharded = {id(p) for m in self.s.model.modules() if isinstance(m, ColwiseLinear | RowwiseLinear)
-                   for p in (m.weight, m.bias if isinstance(m, ColwiseLinear) else None) if p is not None}
+        sharded = {id(p) for m in self.s.model.modules() if isinstance(m, ShardedModule)
+                   for _, p, _ in m.sharded_params()}
         opt = self.s.opt
         with torch.no_grad():
             for p in self.s.model.parameters():

@@ -14,7 +14,7 @@ themselves (tp.py); the same layout on every replica, so flat all-reduces sync i
    are averaged by sample count, not by replica count.
 3. Post-sync: core ranks send each bucket's synced slices back to the extras as soon as its
    all-reduce is done.
-Parameters that are not sharded (embeddings, norms, row-wise biases) are replicated inside a TP
+Parameters that are not sharded (position embeddings, norms, row-wise biases) are replicated inside a TP
 group; one all-reduce over every rank, each contributing local_batch / tp_degree of its gradient,
 gives the same sample-weighted mean. It starts first and overlaps all of the above.
 
@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ntp_manager.planner.ntp_map import NtpMap, ntp_map, sync_groups
-from ntp_manager.worker.tp import ColwiseLinear, RowwiseLinear, unit_major_view, unit_slice
+from ntp_manager.worker.tp import ShardedModule, unit_major_view, unit_slice
 
 DEFAULT_BUCKET_BYTES = 4 << 20  # see bench/RESULTS.md (sync) for how it was chosen
 
@@ -141,14 +141,10 @@ class NtpGradSync:
         self.shards: dict[str, list[_Shard]] = {f: [] for f in layout.units}
         sharded_ids: set[int] = set()
         for path, mod in model.named_modules():
-            if isinstance(mod, ColwiseLinear | RowwiseLinear):
-                fam = families[path]
-                col = isinstance(mod, ColwiseLinear)
-                self.shards[fam].append(_Shard(mod.weight, 0 if col else 1, mod.unit_size))
-                sharded_ids.add(id(mod.weight))
-                if col and mod.bias is not None:
-                    self.shards[fam].append(_Shard(mod.bias, 0, mod.unit_size))
-                    sharded_ids.add(id(mod.bias))
+            if isinstance(mod, ShardedModule):
+                for _, p, udim in mod.sharded_params():
+                    self.shards[families[path]].append(_Shard(p, udim, mod.unit_size))
+                    sharded_ids.add(id(p))
         self.replicated = [p for p in model.parameters() if id(p) not in sharded_ids]
         if reuse:
             # a gradient of the old layout means nothing under the new one, and it may be a view

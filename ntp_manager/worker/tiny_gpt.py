@@ -1,7 +1,8 @@
 """A small GPT-style model, written here, for tests, benchmarks and examples/train_gpt.py.
 
 Plain torch: attention reshapes with `view(B, T, -1, head_dim)`, so a tensor-parallel shard with any
-number of heads runs unchanged. `TP_PLAN` shards it by module path (see worker/tp.py).
+number of heads runs unchanged. `tp_plan` shards it by module path (see worker/tp.py) and
+`unit_counts` gives its unit families' sizes.
 """
 
 from __future__ import annotations
@@ -92,7 +93,11 @@ class TinyGpt(nn.Module):
 
 
 def tp_plan(c: GptConfig) -> dict[str, ShardStyle]:
+    """Heads, MLP columns and the vocabulary (the token embedding by rows, the LM head by output
+    columns gathered for the loss), each a unit family of its own."""
     return {
+        "tok": RowwiseUnits("vocab", 1),
+        "head": ColwiseUnits("vocab", 1, gather_output=True),
         "blocks.*.attn.q": ColwiseUnits("heads", c.head_dim),
         "blocks.*.attn.k": ColwiseUnits("heads", c.head_dim),
         "blocks.*.attn.v": ColwiseUnits("heads", c.head_dim),
@@ -100,3 +105,8 @@ def tp_plan(c: GptConfig) -> dict[str, ShardStyle]:
         "blocks.*.mlp.up": ColwiseUnits("mlp", 1),
         "blocks.*.mlp.down": RowwiseUnits("mlp", 1),
     }
+
+
+def unit_counts(c: GptConfig) -> dict[str, int]:
+    """Family -> unit count under `tp_plan` (what `SyncLayout` takes)."""
+    return {"heads": c.heads, "mlp": c.mlp, "vocab": c.vocab}

@@ -4,14 +4,34 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch import nn
 
-from ntp_manager.worker.tp import feature_index
+from ntp_manager.worker.tp import ShardedModule, feature_index
+
+# a sharded module: the unit dim of each sharded parameter (by name), its units, the unit size
+ShardInfo = tuple[dict[str, int], list[int], int]
 
 
-def shard_errors(params: dict[str, np.ndarray], units: dict[str, tuple[str, list[int], int]],
+def shard_info(model: nn.Module) -> dict[str, ShardInfo]:
+    """Module path -> ShardInfo for every sharded module of `model` (picklable)."""
+    return {path: ({n: d for n, _, d in m.sharded_params()}, list(m.units), m.unit_size)
+            for path, m in model.named_modules() if isinstance(m, ShardedModule)}
+
+
+def ref_part(ref: torch.Tensor, name: str, info: dict[str, ShardInfo]) -> torch.Tensor:
+    """The part of the reference model's tensor for parameter `name` that the shard holds (all of
+    it for a replicated parameter)."""
+    mod, _, pname = name.rpartition(".")
+    if mod in info and pname in info[mod][0]:
+        dims, units, size = info[mod]
+        return ref.index_select(dims[pname], feature_index(units, size))
+    return ref
+
+
+def shard_errors(params: dict[str, np.ndarray], units: dict[str, ShardInfo],
                  ref_params: dict[str, torch.Tensor], optimizer: str) -> dict[str, float]:
-    """Relative error of every parameter against the same units of the reference. `units` maps a
-    sharded module path to (class name, its units, unit size).
+    """Relative error of every parameter against the same units of the reference. `units` is the
+    rank's `shard_info`.
 
     Skipped for AdamW: `attn.k.bias`. Its true gradient is exactly zero (softmax ignores a shift
     shared by a query's scores), so Adam divides rounding noise by its own magnitude and takes
@@ -20,14 +40,7 @@ def shard_errors(params: dict[str, np.ndarray], units: dict[str, tuple[str, list
     for name, arr in params.items():
         if optimizer == "adamw" and name.endswith("attn.k.bias"):
             continue
-        p, r = torch.from_numpy(arr), ref_params[name]
-        mod = name.rpartition(".")[0]
-        if mod in units:
-            cls, us, size = units[mod]
-            if cls == "ColwiseLinear":
-                r = r[feature_index(us, size)]
-            elif name.endswith("weight"):
-                r = r[:, feature_index(us, size)]
+        p, r = torch.from_numpy(arr), ref_part(ref_params[name], name, units)
         out[name] = float((p - r).norm() / max(r.norm().item(), 1e-2))
     return out
 

@@ -15,9 +15,10 @@ import torch.multiprocessing as mp
 
 from ntp_manager.planner import sync_groups
 from ntp_manager.worker.sync import NtpGradSync, SyncLayout, families_of, replicas_from
-from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan
-from ntp_manager.worker.tp import ColwiseLinear, RowwiseLinear, feature_index, parallelize
+from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan, unit_counts
+from ntp_manager.worker.tp import parallelize
 from tests.fakes.procs import free_port
+from tests.worker.compare import ref_part, shard_info
 
 CFG = GptConfig(vocab=64, seq=16, d_model=48, heads=6, mlp=90, layers=2)
 
@@ -32,7 +33,7 @@ def data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _worker(rank: int, world: int, port: int, replicas: list[list[int]], batches: list[int], q: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    layout = SyncLayout(replicas_from(replicas, batches), {"heads": CFG.heads, "mlp": CFG.mlp})
+    layout = SyncLayout(replicas_from(replicas, batches), unit_counts(CFG))
     tp_groups = [dist.new_group(ranks=r) for r in replicas]
     ri, _ = layout.locate(rank)
     torch.manual_seed(0)
@@ -48,14 +49,11 @@ def _worker(rank: int, world: int, port: int, replicas: list[list[int]], batches
     full.loss(idx, tgt).backward()  # the reference: one process, the whole global batch
     ref = dict(full.named_parameters())
     worst = ("", 0.0)
+    info = shard_info(model)
     for name, p in model.named_parameters():
-        mod = model.get_submodule(name.rpartition(".")[0])
         r = ref[name].grad
         assert r is not None and p.grad is not None
-        if isinstance(mod, ColwiseLinear):
-            r = r[feature_index(mod.units, mod.unit_size)]
-        elif isinstance(mod, RowwiseLinear) and name.endswith("weight"):
-            r = r[:, feature_index(mod.units, mod.unit_size)]
+        r = ref_part(r, name, info)
         err = float((p.grad - r).norm() / max(r.norm().item(), 1e-2))
         if err > worst[1]:
             worst = (name, err)

@@ -15,13 +15,13 @@ import torch.multiprocessing as mp
 
 from ntp_manager.worker.reshard import apply_reshard, reshard_moves
 from ntp_manager.worker.sync import NtpGradSync, SyncLayout, families_of, replicas_from
-from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan
-from ntp_manager.worker.tp import ColwiseLinear, RowwiseLinear, parallelize
+from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan, unit_counts
+from ntp_manager.worker.tp import RowwiseLinear, parallelize
 from tests.fakes.procs import free_port
-from tests.worker.compare import shard_errors, tolerance
+from tests.worker.compare import shard_errors, shard_info, tolerance
 
 CFG = GptConfig(vocab=64, seq=16, d_model=48, heads=6, mlp=90, layers=2)
-UNITS = {"heads": CFG.heads, "mlp": CFG.mlp}
+UNITS = unit_counts(CFG)
 L0 = SyncLayout(replicas_from([[0, 1, 2, 3], [4, 5, 6, 7]], [4, 4]), UNITS)
 L1 = SyncLayout(replicas_from([[0, 1, 2], [4, 5, 6, 7]], [3, 4]), UNITS)  # rank 3 failed
 STEPS = [L0, L0, L1, L1]
@@ -108,8 +108,7 @@ def _worker(rank: int, world: int, port: int, kind: str, q: Any) -> None:
     if rank != 3:
         for name, p in model.named_parameters():
             out[name] = p.detach().numpy().copy()  # numpy: no shared-memory handoff
-        mods = {n: m for n, m in model.named_modules() if isinstance(m, ColwiseLinear | RowwiseLinear)}
-        units = {n: (type(m).__name__, m.units, m.unit_size) for n, m in mods.items()}
+        units = shard_info(model)
     else:
         units = {}
     q.put((rank, losses, out, units, reused))

@@ -23,9 +23,8 @@ import torch.multiprocessing as mp
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig
 from ntp_manager.worker.sources import StoreLayoutSource, publish_layout, read_acks
 from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan
-from ntp_manager.worker.tp import ColwiseLinear, RowwiseLinear
 from tests.fakes.procs import free_port
-from tests.worker.compare import shard_errors, tolerance
+from tests.worker.compare import shard_errors, shard_info, tolerance
 
 CFG = GptConfig(vocab=64, seq=16, d_model=48, heads=6, mlp=90, layers=2)
 JOB = "rt"
@@ -68,8 +67,7 @@ def _worker(wid: str, port: int, kind: str, q: Any, park_at: int | None) -> None
             time.sleep(3600)  # the test SIGKILLs this process here, while its peers are inside a step
         r = rt.train_step(batch, loss_fn)
         q.put(("step", wid, r.step, r.loss, r.global_batch, r.version, r.tp))
-    mods = {n: m for n, m in rt.model.named_modules() if isinstance(m, ColwiseLinear | RowwiseLinear)}
-    units = {n: (type(m).__name__, m.units, m.unit_size) for n, m in mods.items()}
+    units = shard_info(rt.model)
     params = {n: p.detach().numpy().copy() for n, p in rt.model.named_parameters()}
     q.put(("done", wid, params, units, [(e.what, e.version) for e in rt.timeline]))
     rt.close()

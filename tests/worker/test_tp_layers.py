@@ -12,31 +12,20 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ntp_manager.planner import ntp_map
-from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan
-from ntp_manager.worker.tp import (
-    ColwiseLinear,
-    RowwiseLinear,
-    feature_index,
-    parallelize,
-    unit_major_view,
-    unit_slice,
-)
+from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan, unit_counts
+from ntp_manager.worker.tp import ColwiseUnits, RowwiseUnits, parallelize, unit_major_view, unit_slice
 from tests.fakes.procs import free_port
+from tests.worker.compare import ref_part, shard_info
 
 CFG = GptConfig(vocab=64, seq=16, d_model=48, heads=6, mlp=96, layers=2)
 
 
 
 def unit_lists(tp: int, mode: str) -> list[dict[str, list[int]]]:
-    """Per rank, the heads and MLP columns it holds."""
-    out = []
-    for r in range(tp):
-        if mode == "contiguous":
-            m_h, m_m = ntp_map(CFG.heads, tp, tp), ntp_map(CFG.mlp, tp, tp)
-        else:  # a healthy replica's compute partition when syncing with a TP-1 replica (non-contiguous)
-            m_h, m_m = ntp_map(CFG.heads, tp, max(1, tp - 1)), ntp_map(CFG.mlp, tp, max(1, tp - 1))
-        out.append({"heads": m_h.units_of(r), "mlp": m_m.units_of(r)})
-    return out
+    """Per rank, the heads, MLP columns and vocabulary entries it holds."""
+    n_sync = tp if mode == "contiguous" else max(1, tp - 1)  # else: a healthy replica's compute
+    # partition when syncing with a TP-1 replica (non-contiguous)
+    return [{f: ntp_map(n, tp, n_sync).units_of(r) for f, n in unit_counts(CFG).items()} for r in range(tp)]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -62,23 +51,21 @@ def _worker(rank: int, world: int, port: int, mode: str, q: Any) -> None:
     ls.backward()
     errs = {"loss": rel_err(ls.detach(), lf.detach())}
     fparams = dict(full.named_parameters())
+    info = shard_info(sharded)
     for name, p in sharded.named_parameters():
-        mod = sharded.get_submodule(name.rpartition(".")[0])
         ref = fparams[name].grad
         assert ref is not None and p.grad is not None
-        if isinstance(mod, ColwiseLinear):
-            ref = ref[feature_index(mod.units, mod.unit_size)]
-        elif isinstance(mod, RowwiseLinear) and name.endswith("weight"):
-            ref = ref[:, feature_index(mod.units, mod.unit_size)]
-        errs[name] = rel_err(p.grad, ref)
+        errs[name] = rel_err(p.grad, ref_part(ref, name, info))
         # unit-major layout: a unit's features are one contiguous block, in the weight and in the
         # gradient autograd made for it
-        sharded_dim = 0 if isinstance(mod, ColwiseLinear) else 1 if isinstance(mod, RowwiseLinear) else None
-        if sharded_dim is not None and (sharded_dim == 0 or name.endswith("weight")):
-            udim = sharded_dim
+        mod, _, pname = name.rpartition(".")
+        if mod in info and pname in info[mod][0]:
+            udim, units, size = info[mod][0][pname], info[mod][1], info[mod][2]
             for t in (p.detach(), p.grad):
-                if not unit_slice(t, udim, 0, len(mod.units) * mod.unit_size).is_contiguous():
+                if not unit_slice(t, udim, 0, len(units) * size).is_contiguous():
                     errs[f"{name} layout"] = 1.0
+    # the gathered LM head gives the whole logits on every rank
+    errs["logits"] = rel_err(sharded(idx).detach(), full(idx).detach())
     q.put((rank, errs, [int(sharded.blocks[0].attn.q.weight.shape[0] // CFG.head_dim)]))
     dist.destroy_process_group()
 
@@ -109,12 +96,20 @@ def test_parallelize_rejects_bad_plans():
     m = TinyGpt(CFG)
     with pytest.raises(ValueError, match="matched no module"):
         parallelize(m, {"nope.*": tp_plan(CFG)["blocks.*.attn.q"]}, {"heads": [0]})
-    with pytest.raises(ValueError, match=r"not nn\.Linear"):
+    with pytest.raises(ValueError, match=r"ln1 \(LayerNorm\): ColwiseUnits shards only nn\.Linear"):
         parallelize(TinyGpt(CFG), {"blocks.*.ln1": tp_plan(CFG)["blocks.*.attn.q"]}, {"heads": [0]})
+    with pytest.raises(ValueError, match=r"tok \(Embedding\): ColwiseUnits shards only nn\.Linear"):
+        parallelize(TinyGpt(CFG), {"tok": ColwiseUnits("vocab")}, {"vocab": [0]})
+    padded = TinyGpt(CFG)
+    padded.tok = torch.nn.Embedding(CFG.vocab, CFG.d_model, padding_idx=0)
+    with pytest.raises(ValueError, match="plain embeddings"):
+        parallelize(padded, {"tok": RowwiseUnits("vocab")}, {"vocab": [0]})
     with pytest.raises(ValueError, match="no unit list"):
         parallelize(TinyGpt(CFG), tp_plan(CFG), {"heads": [0]})
     with pytest.raises(ValueError, match="out of range"):
-        parallelize(TinyGpt(CFG), tp_plan(CFG), {"heads": [99], "mlp": [0]})
+        parallelize(TinyGpt(CFG), tp_plan(CFG), {"heads": [99], "mlp": [0], "vocab": [0]})
+    with pytest.raises(ValueError, match="out of range"):
+        parallelize(TinyGpt(CFG), tp_plan(CFG), {"heads": [0], "mlp": [0], "vocab": [CFG.vocab]})
 
 
 def test_unit_slices_agree_whatever_the_layout():
