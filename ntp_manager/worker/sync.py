@@ -14,9 +14,9 @@ themselves (tp.py); the same layout on every replica, so flat all-reduces sync i
    are averaged by sample count, not by replica count.
 3. Post-sync: core ranks send each bucket's synced slices back to the extras as soon as its
    all-reduce is done.
-Parameters that are not sharded (position embeddings, norms, row-wise biases) are replicated inside a TP
-group; one all-reduce over every rank, each contributing local_batch / tp_degree of its gradient,
-gives the same sample-weighted mean. It starts first and overlaps all of the above.
+Parameters that are not sharded (position embeddings, norms, row-wise biases) are replicated
+inside a TP group; one all-reduce over every rank, each contributing local_batch / tp_degree of
+its gradient, gives the same sample-weighted mean. It starts first and overlaps all of the above.
 
 Uniform replicas (all the same degree) have no transfers: the procedure degenerates to a bucketed
 all-reduce per TP index plus one for the replicated parameters.
