@@ -1,7 +1,8 @@
 """Worker runtime benchmarks (gloo on CPU, real processes):
 
 1. NTP gradient sync time over uniform sync time, same model and gradient bytes: 2 replicas at TP4
-   (uniform) vs TP4 + TP3 (the TP3 replica's extra transfers), median of repeated syncs.
+   (uniform) vs TP4 + TP3 (the TP4 replica's extra rank hands its borrowed units to its cores:
+   through shared memory, the default on one host, and as messages), median of repeated syncs.
 2. Reshard time against bytes moved (TP4 -> TP3, the failed rank's units fetched from the DP peer).
 3. Failure to first completed step at the new TP degree for a ~100M-parameter model, split into
    detection (kill -> survivors' collective fails), regroup (dropping the old group, the layout, the
@@ -51,8 +52,10 @@ def _sync_worker(rank: int, world: int, port: int, cfg: GptConfig, reps: int, bu
     _init(rank, world, port)
     units = unit_counts(cfg)
     # uniform TP3 + TP3 all-reduces the same bytes per core rank as the NTP layout (its sync degree is 3)
+    # "ntp": the extra's transfers through shared memory (the default on one host, as NVLink in a
+    # GPU domain); "ntp_msg": as point-to-point messages over loopback (what crosses hosts)
     configs = {"uniform": [[0, 1, 2, 3], [4, 5, 6, 7]], "ntp": [[0, 1, 2], [4, 5, 6, 7]],
-               "uniform3": [[0, 1, 2], [4, 5, 6]]}
+               "ntp_msg": [[0, 1, 2], [4, 5, 6, 7]], "uniform3": [[0, 1, 2], [4, 5, 6]]}
     syncs = {}
     for name, ranks in configs.items():
         lay = SyncLayout(replicas_from(ranks, [len(r) for r in ranks]), units)
@@ -63,7 +66,7 @@ def _sync_worker(rank: int, world: int, port: int, cfg: GptConfig, reps: int, bu
         active = any(rank in r for r in ranks)
         if active:
             parallelize(model, tp_plan(cfg), lay.units_of(rank), group=tps[lay.locate(rank)[0]])
-        syncs[name] = NtpGradSync(model, lay, rank, fams, bucket_bytes=bucket)
+        syncs[name] = NtpGradSync(model, lay, rank, fams, bucket_bytes=bucket, shared_memory=name != "ntp_msg")
         if active:
             for p in model.parameters():
                 p.grad = torch.randn_like(p)
@@ -95,10 +98,11 @@ def bench_sync(quick: bool, bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20) -> 
         # the slowest rank bounds the step
         uni = max(r[1]["uniform"][0] for r in res)
         ntp = max(r[1]["ntp"][0] for r in res if r[0] != 3)
+        msg = max(r[1]["ntp_msg"][0] for r in res if r[0] != 3)
         uni3 = max(r[1]["uniform3"][0] for r in res if r[0] not in (3, 7))
         params = sum(p.numel() for p in TinyGpt(cfg).parameters())
         rows.append((f"{params / 1e6:.1f}M", f"{1000 * uni:.1f}", f"{1000 * uni3:.1f}", f"{1000 * ntp:.1f}",
-                     f"{ntp / uni:.2f}x", f"{ntp / uni3:.2f}x"))
+                     f"{1000 * msg:.1f}", f"{ntp / uni:.2f}x", f"{msg / uni:.2f}x", f"{ntp / uni3:.2f}x"))
     return rows
 
 
@@ -271,7 +275,8 @@ def main() -> None:
     if "sync" in parts:
         show(console, "NTP gradient sync (TP4+TP3) vs uniform TP4+TP4 (same model) and TP3+TP3 (same all-reduce"
              " bytes per rank); median, slowest rank",
-             ("bucket MiB", "model", "TP4+TP4 ms", "TP3+TP3 ms", "NTP ms", "NTP / TP4", "NTP / TP3 (same bytes)"),
+             ("bucket MiB", "model", "TP4+TP4 ms", "TP3+TP3 ms", "NTP ms", "NTP msgs ms", "NTP / TP4",
+              "NTP msgs / TP4", "NTP / TP3 (same bytes)"),
              [(f"{mb:g}", *row) for mb in (args.bucket_mb or [DEFAULT_BUCKET_BYTES / 2**20])
               for row in bench_sync(args.quick, mb)])
     if "reshard" in parts:

@@ -25,6 +25,9 @@ all-reduce per TP index plus one for the replicated parameters.
 from __future__ import annotations
 
 import math
+import os
+import socket
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +40,7 @@ from ntp_manager.planner.ntp_map import NtpMap, ntp_map, sync_groups
 from ntp_manager.worker.tp import ShardedModule, unit_major_view, unit_slice
 
 DEFAULT_BUCKET_BYTES = 4 << 20  # see bench/RESULTS.md (sync) for how it was chosen
+DEFAULT_PACK_BYTES = 256 << 10  # transfers smaller than this share a message (_coalesce)
 
 
 @dataclass(frozen=True)
@@ -114,7 +118,8 @@ class NtpGradSync:
 
     def __init__(self, model: nn.Module, layout: SyncLayout, rank: int, families: Mapping[str, str],
                  timeout: Any = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 reuse: Sequence[torch.Tensor] = ()) -> None:
+                 reuse: Sequence[torch.Tensor] = (), pack_bytes: int = DEFAULT_PACK_BYTES,
+                 shared_memory: bool = True) -> None:
         """`families` maps a sharded module path to its unit family. `timeout` (a timedelta) bounds
         every collective of the groups created here (torch otherwise gives new groups its default,
         not the world group's). `bucket_bytes`: the DP all-reduce runs per bucket of about this
@@ -122,8 +127,12 @@ class NtpGradSync:
         buffers, used where it fits -- a previous layout's `buffers()`, whose sync must not be
         used any more (`release()` it). Memory already touched is cheaper than fresh pages (on a
         VM several times a copy), and a layout switch would otherwise allocate every gradient
-        buffer anew."""
+        buffer anew. `pack_bytes`: see `_plan_messages`. `shared_memory`: on CPU, an extra rank
+        whose cores run on its host keeps its gradients in shared memory, and the cores copy the
+        borrowed units in and out themselves (`_share`); off, or where that is impossible, the
+        transfers are point-to-point messages."""
         self.model, self.layout, self.rank = model, layout, rank
+        self.pack_bytes = pack_bytes
         self.n_sync = layout.sync_degree
         # Groups are created by every rank of the process group, members or not, in the same order
         # (a torch.distributed requirement); a rank outside the layout then stays inactive.
@@ -151,7 +160,16 @@ class NtpGradSync:
             # of memory about to be reused
             for p in model.parameters():
                 p.grad = None
-        self._allocate(bucket_bytes, _Pool(list(reuse)))
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        # the same on every rank of a job (one device type), so all or none join _share's exchange
+        self._shm = shared_memory and device.type == "cpu"
+        self._msgs: list[list[_Msg]] = []  # per bucket (extras: one list)
+        # core: per bucket, (extra, slice of the chunk buffer, the same units in the extra's
+        # shared gradients) for the extras in shared memory
+        self._copies: list[list[tuple[int, torch.Tensor, torch.Tensor]]] = []
+        self._flags: dict[int, torch.Tensor] = {}  # peer -> flag in shared-memory transfers
+        self._allocate(bucket_bytes, _Pool(list(reuse), shared=self._shm))
+        self._share()
         self._plan_messages()
 
     def _allocate(self, bucket_bytes: int, pool: _Pool) -> None:
@@ -161,6 +179,7 @@ class NtpGradSync:
         chunk. Extra ranks: a home per sharded gradient. Everyone: the replicated gradients."""
         j = self.tp_index
         self.core = j < self.n_sync
+        self.bucket_bytes = bucket_bytes
         dtype = next((p.dtype for p in self.model.parameters()), torch.float32)
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         # the replicated gradients first: the same size under every layout, so a predecessor's
@@ -171,38 +190,101 @@ class NtpGradSync:
         for p in self.replicated:
             h, off = _shaped(self.rep_flat, off, p.shape)
             self.rep_homes.append(h)
-        order = [(f, s) for f in self.layout.units for s in self.shards[f]]
-        self._bucket_shards: list[list[tuple[str, _Shard]]] = [[]]
         self._blocks: list[torch.Tensor] = []  # core: one per bucket; extra: one for every home
         if self.core:
-            shapes: dict[int, list[int]] = {}
-            size = 0
-            for f, s in order:
-                a, b = self.maps[f].sync_chunks[j]
-                shape = list(s.param.shape)
-                shape[s.udim] = (b - a) * s.usize
-                shapes[id(s)] = shape
-                if size * s.param.element_size() >= bucket_bytes:
-                    self._bucket_shards.append([])
-                    size = 0
-                self._bucket_shards[-1].append((f, s))
-                size += math.prod(shape)
-            for members in self._bucket_shards:
-                buf = pool.take(sum(math.prod(shapes[id(s)]) for _, s in members), dtype, device)
+            self._buckets = self._cut(j, bucket_bytes)
+            for members in self._buckets:
+                buf = pool.take(sum(math.prod(shape) for _, _, shape in members), dtype, device)
                 self._blocks.append(buf)
                 off = 0
-                for f, s in members:
-                    s.seg, off = _shaped(buf, off, shapes[id(s)], s.udim)
+                for f, s, shape in members:
+                    s.seg, off = _shaped(buf, off, shape, s.udim)
                     # unit-major: the rank's own units are a block of the chunk buffer, so the
                     # gradient is that block (its layout matches the parameter's, see tp.py)
                     s.home = s.units(s.seg, 0, self.maps[f].load(j))
         else:  # an extra rank's gradients get a home of their own
-            self._bucket_shards = [order]
+            order = [(f, s) for f in self.layout.units for s in self.shards[f]]
             local = pool.take(sum(s.param.numel() for _, s in order), dtype, device)
             self._blocks.append(local)
-            off = 0
-            for _, s in order:
-                s.home, off = _shaped(local, off, s.param.shape, s.udim)
+            for s, view in zip((s for _, s in order), self._home_views(j, local), strict=True):
+                s.home = view
+
+    def _cut(self, core: int, bucket_bytes: int) -> list[list[tuple[str, _Shard, list[int]]]]:
+        """Core rank `core`'s DP buckets: runs of whole tensors (family order, then model order)
+        of about `bucket_bytes`, each tensor shaped for sync chunk `core`. Every rank can compute
+        any core's cut -- the extras need it to pack their messages the way the core expects."""
+        buckets: list[list[tuple[str, _Shard, list[int]]]] = [[]]
+        size = 0
+        for f in self.layout.units:
+            a, b = self.maps[f].sync_chunks[core]
+            for s in self.shards[f]:
+                shape = list(s.param.shape)
+                shape[s.udim] = (b - a) * s.usize
+                if size * s.param.element_size() >= bucket_bytes:
+                    buckets.append([])
+                    size = 0
+                buckets[-1].append((f, s, shape))
+                size += math.prod(shape)
+        return buckets
+
+    def _home_views(self, extra: int, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Extra rank `extra`'s gradient homes in `flat`, one per sharded tensor (family order,
+        then model order), each unit-major and shaped like that rank's shard of the tensor. A core
+        rank computes its extras' layout with this too, to find the units it copies."""
+        out = []
+        off = 0
+        for f in self.layout.units:
+            n = len(self.maps[f].units_of(extra))
+            for s in self.shards[f]:
+                shape = list(s.param.shape)
+                shape[s.udim] = n * s.usize
+                view, off = _shaped(flat, off, shape, s.udim)
+                out.append(view)
+        if off != flat.numel():
+            raise ValueError(f"extra rank {extra}'s gradient buffer holds {flat.numel()} values, "
+                             f"its shards {off}: the ranks do not run the same model")
+        return out
+
+    def _share(self) -> None:
+        """Set up shared-memory transfers between this replica's extra ranks and the cores on
+        their host: the stand-in, on CPU, for NVLink inside a GPU domain. Over loopback sockets
+        every byte of the pre- and post-sync costs CPU on both ends (~0.25 ms per MB each way);
+        here a core copies its borrowed units straight out of its extra's gradients, and the
+        synced values straight back, and the extra only waits for a flag each way. Gradient
+        memory is shareable from the start (`_shared_zeros`), so a rank that becomes an extra
+        at a layout switch reuses its old buffers like any other rank. Collective over the
+        layout: one exchange of where each extra's gradients are, one of what each core mapped."""
+        self._mapped: dict[int, torch.Tensor] = {}  # core: extra's global rank -> its gradients
+        self._shm_peers: list[int] = []  # extra: the cores that copy for it
+        if not self._shm:
+            return
+        members = sorted(r for rep in self.layout.replicas for r in rep.ranks)
+        my = self.layout.replicas[self.replica].ranks
+        j = self.tp_index
+        host = _host_key()
+        where = None if self.core else _shared_address(self._blocks[0])
+        infos: list[Any] = [None] * len(members)
+        dist.all_gather_object(infos, (host, where), group=self.layout_group)
+        info = dict(zip(members, infos, strict=True))
+        if self.core:
+            extras = sorted({t.extra for m in self.maps.values() for t in m.transfers if t.core == j})
+            for e in extras:
+                e_host, e_where = info[my[e]]
+                if e_host != host or e_where is None:
+                    continue  # this pair keeps to messages
+                path, offset, n = e_where
+                dtype = self._blocks[0].dtype
+                try:
+                    whole = torch.from_file(path, shared=True, size=offset + n, dtype=dtype)
+                except RuntimeError:
+                    continue  # e.g. /proc hidden from us: messages
+                flat = whole[offset:]
+                self._home_views(e, flat)  # checks the size
+                self._mapped[my[e]] = flat
+        done: list[Any] = [None] * len(members)
+        dist.all_gather_object(done, sorted(self._mapped), group=self.layout_group)
+        if not self.core:
+            self._shm_peers = [r for r, mapped in zip(members, done, strict=True) if self.rank in mapped]
 
     def buffers(self) -> list[torch.Tensor]:
         """Every gradient buffer this object holds (what a successor may `reuse`)."""
@@ -214,6 +296,7 @@ class NtpGradSync:
             return
         self.active = False
         self._blocks, self._msgs, self.rep_homes = [], [], []
+        self._mapped, self._copies, self._shm_peers = {}, [], []
         self.rep_flat = torch.empty(0)
         for s in (s for shards in self.shards.values() for s in shards):
             s.seg, s.home = None, torch.empty(0)
@@ -260,85 +343,212 @@ class NtpGradSync:
             # all-reduce starts as soon as its borrowed units are in (weighted by local batch:
             # sum(lb_r / gb * g_r)), while later buckets still arrive; 3. post-sync: each bucket
             # goes back to the extras as soon as its all-reduce is done.
+            # Extras in shared memory: wait for their flag, then copy.
             group = self.dp_groups[self.tp_index]
+            ready = {e: dist.irecv(flag, src=e, group=self.layout_group) for e, flag in self._flags.items()}
             incoming = [self._post(msgs, send=False) for msgs in self._msgs]
             works = []
-            for part, reqs in zip(self._blocks, incoming, strict=True):
+            for part, msgs, copies, reqs in zip(self._blocks, self._msgs, self._copies, incoming, strict=True):
                 _wait(reqs)
+                for m in msgs:
+                    m.unpack()
+                for e, seg, theirs in copies:
+                    if e in ready:
+                        ready.pop(e).wait()
+                    seg.copy_(theirs)
                 part.mul_(lb / gb)
                 works.append(dist.all_reduce(part, group=group, async_op=True))
                 self.bytes_all_reduced += part.numel() * part.element_size()
+            _wait(list(ready.values()))  # an extra none of whose units are in a bucket (none in practice)
             outgoing = []
-            for msgs, work in zip(self._msgs, works, strict=True):
+            for msgs, copies, work in zip(self._msgs, self._copies, works, strict=True):
                 work.wait()
                 outgoing += self._post(msgs, send=True)
+                for _, seg, theirs in copies:
+                    theirs.copy_(seg)
+            outgoing += [dist.isend(flag, dst=e, group=self.layout_group) for e, flag in self._flags.items()]
             _wait(outgoing)
         else:  # an extra rank: its borrowed units' gradients go to their cores and come back synced
             msgs = self._msgs[0]
-            _wait(self._post(msgs, send=True) + self._post(msgs, send=False))
+            flags = [dist.isend(self._flags[c], dst=c, group=self.layout_group) for c in self._shm_peers]
+            flags += [dist.irecv(self._flags[c], src=c, group=self.layout_group) for c in self._shm_peers]
+            _wait(self._post(msgs, send=True) + self._post(msgs, send=False) + flags)
+            for m in msgs:
+                m.unpack()
         if rep_work is not None:
             rep_work.wait()
 
     def _plan_messages(self) -> None:
-        """List each bucket's point-to-point messages: one per (sharded tensor, transfer) this rank
-        is part of, a slice oriented units-first (contiguous: every buffer here is unit-major).
-        Both ends of a pair list their messages in the same order (tensor, then transfer), which
-        is how gloo matches them. Extra ranks keep one list (they have no buckets)."""
+        """List each bucket's point-to-point messages. A transfer of a sharded tensor is a slice
+        oriented units-first (contiguous: every buffer here is unit-major); per bucket and peer,
+        the slices under `pack_bytes` travel together in one packed message (each message has a
+        fixed cost, ~20 us of CPU on each end with gloo, worth ~0.5 MB of memcpy), the others go
+        straight from and into the buffers. Both ends list a pair's messages in the same order
+        (bucket of the core's cut, then tensor, then transfer), which is how gloo matches them.
+        Extra ranks keep one list (they have no buckets of their own)."""
         my = self.layout.replicas[self.replica].ranks
         j = self.tp_index
-        mine = {f: [t for t in m.transfers if j in (t.core, t.extra)] for f, m in self.maps.items()}
-        pos = {f: self._positions(f) for f in self.maps}
-        self._msgs: list[list[_Msg]] = []
-        for members in self._bucket_shards:
-            self._msgs.append([])
-            for f, s in members:
-                m = self.maps[f]
-                for t in mine[f]:  # core and extra indices differ
-                    if self.core:
-                        assert s.seg is not None
-                        a = m.sync_chunks[j][0]
-                        view, peer = s.message(s.seg, t.start - a, t.stop - a), my[t.extra]
-                    else:
-                        i0 = pos[f][t.start]
-                        view, peer = s.message(s.home, i0, i0 + t.count), my[t.core]
-                    assert view.is_contiguous()  # home and seg are ours, allocated unit-major
-                    self._msgs[-1].append(_Msg(view, peer))
+        self._msgs, self._copies = [], []
+        if self.core:
+            theirs = {e: self._home_views(my.index(e), flat) for e, flat in self._mapped.items()}
+            index = {id(s): i for i, s in enumerate(s for f in self.layout.units for s in self.shards[f])}
+            self._flags = {e: torch.zeros(1) for e in self._mapped}
+            for members in self._buckets:
+                slices, copies = [], []
+                for f, s, _ in members:
+                    m = self.maps[f]
+                    a = m.sync_chunks[j][0]
+                    assert s.seg is not None
+                    for t in m.transfers:  # core and extra indices differ
+                        if t.core != j:
+                            continue
+                        mine = s.message(s.seg, t.start - a, t.stop - a)
+                        if my[t.extra] in theirs:
+                            i0 = self._positions(f, t.extra)[t.start]
+                            other = theirs[my[t.extra]][index[id(s)]]
+                            copies.append((my[t.extra], mine, s.message(other, i0, i0 + t.count)))
+                        else:
+                            slices.append((mine, my[t.extra]))
+                self._msgs.append(_coalesce(slices, self.pack_bytes))
+                self._copies.append(copies)
+            return
+        self._flags = {c: torch.zeros(1) for c in self._shm_peers}
+        pos = {f: self._positions(f, j) for f in self.maps}
+        cores = sorted({t.core for m in self.maps.values() for t in m.transfers if t.extra == j}
+                       - {my.index(c) for c in self._shm_peers})
+        msgs: list[_Msg] = []
+        for c in cores:
+            for members in self._cut(c, self.bucket_bytes):
+                slices = []
+                for f, s, _ in members:
+                    for t in self.maps[f].transfers:
+                        if t.core == c and t.extra == j:
+                            i0 = pos[f][t.start]
+                            slices.append((s.message(s.home, i0, i0 + t.count), my[c]))
+                msgs += _coalesce(slices, self.pack_bytes)
+        self._msgs.append(msgs)
 
     def _post(self, msgs: list[_Msg], send: bool) -> list[Any]:
         reqs = []
         for m in msgs:  # point-to-point on the layout's own group, never on the default one
             if send:
-                reqs.append(dist.isend(m.view, dst=m.peer, group=self.layout_group))
+                m.pack()
+                reqs.append(dist.isend(m.out, dst=m.peer, group=self.layout_group))
             else:
-                reqs.append(dist.irecv(m.view, src=m.peer, group=self.layout_group))
+                reqs.append(dist.irecv(m.into, src=m.peer, group=self.layout_group))
         return reqs
 
-    def _positions(self, fam: str) -> dict[int, int]:
-        return {u: i for i, u in enumerate(self.maps[fam].units_of(self.tp_index))}
+    def _positions(self, fam: str, tp_index: int) -> dict[int, int]:
+        """unit -> its position among the units of TP rank `tp_index` of this replica"""
+        return {u: i for i, u in enumerate(self.maps[fam].units_of(tp_index))}
 
 
 class _Pool:
     """Memory for new gradient buffers: blocks of a predecessor's buffers first (first fit, a
-    block's rest stays available), fresh zeroed memory for what does not fit."""
+    block's rest stays available), fresh zeroed memory for what does not fit -- shareable with
+    this host's other processes if `shared` (CPU only)."""
 
-    def __init__(self, blocks: list[torch.Tensor]) -> None:
+    def __init__(self, blocks: list[torch.Tensor], shared: bool = False) -> None:
         self.blocks = [b.view(-1) for b in blocks if b.numel()]
+        self.shared = shared
 
     def take(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         for i, b in enumerate(self.blocks):
             if b.numel() >= n and b.dtype == dtype and b.device == device:
                 self.blocks[i] = b[n:]
                 return b[:n]
+        if self.shared and device.type == "cpu" and n:
+            t = _shared_zeros(n, dtype)
+            if t is not None:
+                return t
         return torch.zeros(n, dtype=dtype, device=device)
 
 
-@dataclass(frozen=True)
 class _Msg:
-    """One point-to-point message of the sync: the slice it is sent from or received into (a
-    contiguous view of a gradient buffer) and the other rank."""
+    """One point-to-point message of the sync with one peer: either one slice of a gradient
+    buffer (sent from and received into directly), or several small slices packed into staging
+    buffers (`out` filled by `pack()` before a send, `into` spread by `unpack()` after a receive;
+    two buffers, so that a receive posted early never overwrites a send still in flight)."""
 
-    view: torch.Tensor
-    peer: int
+    __slots__ = ("into", "out", "parts", "peer")
+
+    def __init__(self, slices: Sequence[torch.Tensor], peer: int) -> None:
+        self.peer = peer
+        self.parts = list(slices) if len(slices) > 1 else []
+        if self.parts:
+            n = sum(t.numel() for t in slices)
+            self.out = torch.empty(n, dtype=slices[0].dtype, device=slices[0].device)
+            self.into = torch.empty_like(self.out)
+        else:
+            self.out = self.into = slices[0]
+
+    def pack(self) -> None:
+        off = 0
+        for t in self.parts:
+            self.out[off : off + t.numel()].copy_(t.view(-1))
+            off += t.numel()
+
+    def unpack(self) -> None:
+        off = 0
+        for t in self.parts:
+            t.view(-1).copy_(self.into[off : off + t.numel()])
+            off += t.numel()
+
+
+def _coalesce(slices: Sequence[tuple[torch.Tensor, int]], pack_bytes: int) -> list[_Msg]:
+    """The messages for a bucket's slices (each with its peer): per peer, the slices under
+    `pack_bytes` as one packed message first, then every other slice as a message of its own."""
+    out = []
+    for peer in dict.fromkeys(p for _, p in slices):
+        mine = [t for t, p in slices if p == peer]
+        small = [t for t in mine if t.numel() * t.element_size() < pack_bytes]
+        if small:
+            out.append(_Msg(small, peer))
+        out += [_Msg([t], peer) for t in mine if t.numel() * t.element_size() >= pack_bytes]
+    return out
+
+
+def _host_key() -> str:
+    """Which machine this is: ranks with the same key share memory. The boot id tells apart
+    hosts (or containers on different hosts) that happen to share a host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _shared_zeros(n: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """`n` zeros of `dtype` that other processes of this host can map (`_shared_address`), or
+    None where that is impossible (no memfd: not Linux). Anonymous shared memory: nothing in
+    /dev/shm to fill or to leave behind; the pages go when the last mapping does. The tensor's
+    storage keeps the descriptor open while it lives."""
+    if not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd"):
+        return None
+    try:
+        fd = os.memfd_create("ntp-grad", os.MFD_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        t = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=n, dtype=dtype)
+    except RuntimeError:
+        os.close(fd)
+        return None
+    storage = t.untyped_storage()
+    storage._ntp_fd = fd  # type: ignore[attr-defined]
+    weakref.finalize(storage, os.close, fd)
+    return t
+
+
+def _shared_address(t: torch.Tensor) -> tuple[str, int, int] | None:
+    """Where another process of this host maps `t` (a contiguous view of `_shared_zeros`
+    memory): (path, offset in elements, elements); None for ordinary memory."""
+    storage = t.untyped_storage()
+    fd = getattr(storage, "_ntp_fd", None)
+    if fd is None or t.numel() == 0:
+        return None
+    return f"/proc/{os.getpid()}/fd/{fd}", int(t.storage_offset()), t.numel()
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ntp_manager.planner import sync_groups
+from ntp_manager.worker import sync as sync_mod
 from ntp_manager.worker.sync import NtpGradSync, SyncLayout, families_of, replicas_from
 from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan, unit_counts
 from ntp_manager.worker.tp import parallelize
@@ -30,8 +31,11 @@ def data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, torch.randint(0, CFG.vocab, (n, CFG.seq), generator=g)
 
 
-def _worker(rank: int, world: int, port: int, replicas: list[list[int]], batches: list[int], q: Any) -> None:
+def _worker(rank: int, world: int, port: int, replicas: list[list[int]], batches: list[int], opts: dict[str, Any],
+            q: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if rank in opts.pop("elsewhere", ()):  # this rank acts as if it ran on another host
+        sync_mod._host_key = lambda: "another-host"
     dist.init_process_group("gloo", rank=rank, world_size=world)
     layout = SyncLayout(replicas_from(replicas, batches), unit_counts(CFG))
     tp_groups = [dist.new_group(ranks=r) for r in replicas]
@@ -41,7 +45,7 @@ def _worker(rank: int, world: int, port: int, replicas: list[list[int]], batches
     model = TinyGpt(CFG)
     model.load_state_dict(full.state_dict())
     parallelize(model, tp_plan(CFG), layout.units_of(rank), group=tp_groups[ri])
-    sync = NtpGradSync(model, layout, rank, families_of(tp_plan(CFG), model))
+    sync = NtpGradSync(model, layout, rank, families_of(tp_plan(CFG), model), **opts)
     idx, tgt = data(sum(batches))
     start = sum(batches[:ri])
     model.loss(idx[start : start + batches[ri]], tgt[start : start + batches[ri]]).backward()
@@ -57,27 +61,61 @@ def _worker(rank: int, world: int, port: int, replicas: list[list[int]], batches
         err = float((p.grad - r).norm() / max(r.norm().item(), 1e-2))
         if err > worst[1]:
             worst = (name, err)
-    q.put((rank, worst, sync.bytes_all_reduced))
+    n_copies = sum(len(c) for c in sync._copies) if sync.core else len(sync._shm_peers)
+    q.put((rank, worst, sum(len(m) for m in sync._msgs), n_copies))
     dist.destroy_process_group()
 
 
-def run(replicas: list[list[int]], batches: list[int]) -> list[Any]:
+def run(replicas: list[list[int]], batches: list[int], **opts: Any) -> dict[int, Any]:
+    """rank -> (worst tensor, its relative error, point-to-point messages per sync, shared-memory
+    copies per sync (core) or cores copying for it (extra))"""
     world = sum(len(r) for r in replicas)
     q = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_worker, args=(world, free_port(), replicas, batches, q), nprocs=world, join=True,
+    mp.start_processes(_worker, args=(world, free_port(), replicas, batches, opts, q), nprocs=world, join=True,
                        start_method="spawn")
-    return [q.get() for _ in range(world)]
+    return {rank: (name, err, n, c) for rank, (name, err), n, c in (q.get() for _ in range(world))}
 
 
-def test_worked_example_tp2_plus_tp4():
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_worked_example_tp2_plus_tp4(shared_memory):
     replicas = [[0, 1], [2, 3, 4, 5]]
     assert sync_groups(replicas) == [[0, 2], [1, 3], [4], [5]]
-    results = run(replicas, batches=[2, 3])  # the reduced replica has a smaller local batch
-    for rank, (name, err), _ in results:
+    # the reduced replica has a smaller local batch
+    results = run(replicas, batches=[2, 3], shared_memory=shared_memory)
+    for rank, (name, err, _, _) in results.items():
         assert err <= 1e-5, (rank, name, err)
+    messages = [results[r][2] for r in range(6)]
+    if shared_memory:  # one host: the cores copy from their extras, no message carries data
+        assert messages == [0] * 6
+        assert all(results[r][3] > 0 for r in (2, 3, 4, 5))
+    else:  # this model's transfers are all small: one packed message per bucket and peer
+        assert messages == [0, 0, 1, 1, 1, 1]
+
+
+def test_shared_memory_and_messages_mixed():
+    """Extra rank 4 acts as if it ran on another host: its transfers go as messages, extra 5's
+    through shared memory, in the same sync."""
+    results = run([[0, 1], [2, 3, 4, 5]], batches=[2, 3], elsewhere=[4])
+    for rank, (name, err, _, _) in results.items():
+        assert err <= 1e-5, (rank, name, err)
+    assert results[4][2] > 0 and results[4][3] == 0
+    assert results[5][2] == 0 and results[5][3] > 0
+
+
+@pytest.mark.parametrize(("bucket_bytes", "pack_bytes"), [(1, 0), (2048, 300)])
+def test_buckets_and_packing(bucket_bytes, pack_bytes):
+    """Every tensor its own bucket and every transfer its own message; then buckets of a few
+    tensors with some transfers packed and some not (the 48 x 8 attention slices are 1.5 KiB, the
+    biases 32 bytes). The gradients are exact either way."""
+    replicas = [[0, 1], [2, 3, 4, 5]]
+    results = run(replicas, batches=[2, 3], bucket_bytes=bucket_bytes, pack_bytes=pack_bytes,
+                  shared_memory=False)
+    for rank, (name, err, _, _) in results.items():
+        assert err <= 1e-5, (rank, name, err)
+    assert results[2][2] > 1 and results[4][2] > 1
 
 
 @pytest.mark.parametrize("replicas", [[[0, 1], [2, 3]], [[0, 1, 2], [3, 4]]])
 def test_uniform_and_three_two(replicas):
-    for rank, (name, err), _ in run(replicas, batches=[3, 2]):
+    for rank, (name, err, _, _) in run(replicas, batches=[3, 2]).items():
         assert err <= 1e-5, (rank, name, err)
