@@ -119,3 +119,36 @@ def test_buckets_and_packing(bucket_bytes, pack_bytes):
 def test_uniform_and_three_two(replicas):
     for rank, (name, err, _, _) in run(replicas, batches=[3, 2]).items():
         assert err <= 1e-5, (rank, name, err)
+
+
+def test_shared_gradient_memory_is_mapped_by_another_process():
+    """What the shared-memory transfers stand on: pool memory another process of the host maps
+    at the address `_shared_address` gives, writes that both see, and a descriptor that closes
+    when the memory goes."""
+    import gc
+    import subprocess
+    import sys
+
+    block = sync_mod._shared_zeros(64, torch.float32)
+    if block is None:
+        pytest.skip("no memfd on this platform: the sync keeps to messages")
+    home = block[16:48]  # an extra's home is a slice of a pool block
+    home.copy_(torch.arange(32, dtype=torch.float32))
+    where = sync_mod._shared_address(home)
+    assert where is not None
+    path, offset, n = where
+    assert (offset, n) == (16, 32)
+    child = (
+        "import sys, torch\n"
+        f"t = torch.from_file({path!r}, shared=True, size={offset + n}, dtype=torch.float32)[{offset}:]\n"
+        "assert t.tolist() == [float(i) for i in range(32)], t\n"
+        "t.mul_(2)\n"
+    )
+    subprocess.run([sys.executable, "-c", child], check=True, timeout=120)
+    assert home.tolist() == [2.0 * i for i in range(32)]
+    assert sync_mod._shared_address(torch.zeros(4)) is None  # ordinary memory: messages
+    fd = block.untyped_storage()._ntp_fd
+    del block, home
+    gc.collect()
+    with pytest.raises(OSError):
+        os.fstat(fd)
