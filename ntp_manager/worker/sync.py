@@ -272,13 +272,9 @@ class NtpGradSync:
                 e_host, e_where = info[my[e]]
                 if e_host != host or e_where is None:
                     continue  # this pair keeps to messages
-                path, offset, n = e_where
-                dtype = self._blocks[0].dtype
-                try:
-                    whole = torch.from_file(path, shared=True, size=offset + n, dtype=dtype)
-                except RuntimeError:
+                flat = _map_shared(e_where, self._blocks[0].dtype)
+                if flat is None:
                     continue  # e.g. /proc hidden from us: messages
-                flat = whole[offset:]
                 self._home_views(e, flat)  # checks the size
                 self._mapped[my[e]] = flat
         done: list[Any] = [None] * len(members)
@@ -509,14 +505,18 @@ def _coalesce(slices: Sequence[tuple[torch.Tensor, int]], pack_bytes: int) -> li
 
 
 def _host_key() -> str:
-    """Which machine this is: ranks with the same key share memory. The boot id tells apart
-    hosts (or containers on different hosts) that happen to share a host name."""
+    """Which machine and process namespace this is: ranks with the same key can map each other's
+    memory through /proc/<pid>. The boot id tells apart hosts (or containers on different hosts)
+    that share a host name; the PID namespace, containers on one host (there /proc/<pid> would
+    name another process)."""
+    parts = [socket.gethostname()]
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
+            parts.append(f.read().strip())
+        parts.append(os.readlink("/proc/self/ns/pid"))
     except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
+        parts.append("")
+    return "/".join(parts)
 
 
 def _shared_zeros(n: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -541,14 +541,29 @@ def _shared_zeros(n: int, dtype: torch.dtype) -> torch.Tensor | None:
     return t
 
 
-def _shared_address(t: torch.Tensor) -> tuple[str, int, int] | None:
+def _shared_address(t: torch.Tensor) -> tuple[str, int, int, tuple[int, int]] | None:
     """Where another process of this host maps `t` (a contiguous view of `_shared_zeros`
-    memory): (path, offset in elements, elements); None for ordinary memory."""
+    memory): (path, offset in elements, elements, the memory's (device, inode) to check the path
+    against); None for ordinary memory."""
     storage = t.untyped_storage()
     fd = getattr(storage, "_ntp_fd", None)
     if fd is None or t.numel() == 0:
         return None
-    return f"/proc/{os.getpid()}/fd/{fd}", int(t.storage_offset()), t.numel()
+    st = os.fstat(fd)
+    return f"/proc/{os.getpid()}/fd/{fd}", int(t.storage_offset()), t.numel(), (st.st_dev, st.st_ino)
+
+
+def _map_shared(where: tuple[str, int, int, tuple[int, int]], dtype: torch.dtype) -> torch.Tensor | None:
+    """Map another process's `_shared_address`; None if this process cannot, or if the path
+    leads to other memory than the one named (then the pair keeps to messages)."""
+    path, offset, n, ident = where
+    try:
+        st = os.stat(path)
+        if (st.st_dev, st.st_ino) != tuple(ident):
+            return None
+        return torch.from_file(path, shared=True, size=offset + n, dtype=dtype)[offset:]
+    except (OSError, RuntimeError):
+        return None
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

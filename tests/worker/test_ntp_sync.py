@@ -136,8 +136,12 @@ def test_shared_gradient_memory_is_mapped_by_another_process():
     home.copy_(torch.arange(32, dtype=torch.float32))
     where = sync_mod._shared_address(home)
     assert where is not None
-    path, offset, n = where
+    path, offset, n, _ = where
     assert (offset, n) == (16, 32)
+    assert sync_mod._map_shared((path, offset, n, (0, 0)), torch.float32) is None  # not that memory
+    mapped = sync_mod._map_shared(where, torch.float32)  # in this process too: the same memory
+    assert mapped is not None and mapped.tolist() == home.tolist()
+    del mapped
     child = (
         "import sys, torch\n"
         f"t = torch.from_file({path!r}, shared=True, size={offset + n}, dtype=torch.float32)[{offset}:]\n"
