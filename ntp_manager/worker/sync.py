@@ -14,6 +14,9 @@ themselves (tp.py); the same layout on every replica, so flat all-reduces sync i
    are averaged by sample count, not by replica count.
 3. Post-sync: core ranks send each bucket's synced slices back to the extras as soon as its
    all-reduce is done.
+Steps 1 and 3 stay inside a replica (NVLink on a GPU). On CPU, where a socket would charge every
+byte to both ends, a core maps its extra's gradient memory and copies the units itself
+(`NtpGradSync._share`); across hosts and on NCCL they are point-to-point messages.
 Parameters that are not sharded (position embeddings, norms, row-wise biases) are replicated
 inside a TP group; one all-reduce over every rank, each contributing local_batch / tp_degree of
 its gradient, gives the same sample-weighted mean. It starts first and overlaps all of the above.
@@ -132,7 +135,7 @@ class NtpGradSync:
         borrowed units in and out themselves (`_share`); off, or where that is impossible, the
         transfers are point-to-point messages."""
         self.model, self.layout, self.rank = model, layout, rank
-        self.pack_bytes = pack_bytes
+        self.bucket_bytes, self.pack_bytes = bucket_bytes, pack_bytes
         self.n_sync = layout.sync_degree
         # Groups are created by every rank of the process group, members or not, in the same order
         # (a torch.distributed requirement); a rank outside the layout then stays inactive.
@@ -168,18 +171,17 @@ class NtpGradSync:
         # shared gradients) for the extras in shared memory
         self._copies: list[list[tuple[int, torch.Tensor, torch.Tensor]]] = []
         self._flags: dict[int, torch.Tensor] = {}  # peer -> flag in shared-memory transfers
-        self._allocate(bucket_bytes, _Pool(list(reuse), shared=self._shm))
+        self._allocate(_Pool(list(reuse), shared=self._shm))
         self._share()
         self._plan_messages()
 
-    def _allocate(self, bucket_bytes: int, pool: _Pool) -> None:
+    def _allocate(self, pool: _Pool) -> None:
         """Core ranks: the DP all-reduce buffer, cut into buckets of whole tensors (about
         `bucket_bytes` each; the same cut on every replica, as it depends only on the sync chunk),
         each bucket one contiguous block holding a segment per sharded tensor shaped for the
         chunk. Extra ranks: a home per sharded gradient. Everyone: the replicated gradients."""
         j = self.tp_index
         self.core = j < self.n_sync
-        self.bucket_bytes = bucket_bytes
         dtype = next((p.dtype for p in self.model.parameters()), torch.float32)
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         # the replicated gradients first: the same size under every layout, so a predecessor's
@@ -192,7 +194,7 @@ class NtpGradSync:
             self.rep_homes.append(h)
         self._blocks: list[torch.Tensor] = []  # core: one per bucket; extra: one for every home
         if self.core:
-            self._buckets = self._cut(j, bucket_bytes)
+            self._buckets = self._cut(j)
             for members in self._buckets:
                 buf = pool.take(sum(math.prod(shape) for _, _, shape in members), dtype, device)
                 self._blocks.append(buf)
@@ -209,7 +211,7 @@ class NtpGradSync:
             for s, view in zip((s for _, s in order), self._home_views(j, local), strict=True):
                 s.home = view
 
-    def _cut(self, core: int, bucket_bytes: int) -> list[list[tuple[str, _Shard, list[int]]]]:
+    def _cut(self, core: int) -> list[list[tuple[str, _Shard, list[int]]]]:
         """Core rank `core`'s DP buckets: runs of whole tensors (family order, then model order)
         of about `bucket_bytes`, each tensor shaped for sync chunk `core`. Every rank can compute
         any core's cut -- the extras need it to pack their messages the way the core expects."""
@@ -220,7 +222,7 @@ class NtpGradSync:
             for s in self.shards[f]:
                 shape = list(s.param.shape)
                 shape[s.udim] = (b - a) * s.usize
-                if size * s.param.element_size() >= bucket_bytes:
+                if size * s.param.element_size() >= self.bucket_bytes:
                     buckets.append([])
                     size = 0
                 buckets[-1].append((f, s, shape))
@@ -388,6 +390,8 @@ class NtpGradSync:
         if self.core:
             theirs = {e: self._home_views(my.index(e), flat) for e, flat in self._mapped.items()}
             index = {id(s): i for i, s in enumerate(s for f in self.layout.units for s in self.shards[f])}
+            extras = {my.index(e) for e in theirs}
+            pos = {(f, e): self._positions(f, e) for f in self.maps for e in extras}
             self._flags = {e: torch.zeros(1) for e in self._mapped}
             for members in self._buckets:
                 slices, copies = [], []
@@ -400,7 +404,7 @@ class NtpGradSync:
                             continue
                         mine = s.message(s.seg, t.start - a, t.stop - a)
                         if my[t.extra] in theirs:
-                            i0 = self._positions(f, t.extra)[t.start]
+                            i0 = pos[f, t.extra][t.start]
                             other = theirs[my[t.extra]][index[id(s)]]
                             copies.append((my[t.extra], mine, s.message(other, i0, i0 + t.count)))
                         else:
@@ -414,7 +418,7 @@ class NtpGradSync:
                        - {my.index(c) for c in self._shm_peers})
         msgs: list[_Msg] = []
         for c in cores:
-            for members in self._cut(c, self.bucket_bytes):
+            for members in self._cut(c):
                 slices = []
                 for f, s, _ in members:
                     for t in self.maps[f].transfers:
