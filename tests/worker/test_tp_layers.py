@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ntp_manager.planner import ntp_map
+from ntp_manager.worker import runtime
 from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan, unit_counts
 from ntp_manager.worker.tp import ColwiseUnits, RowwiseUnits, parallelize, unit_major_view, unit_slice
 from tests.fakes.procs import free_port
@@ -125,3 +126,10 @@ def test_unit_slices_agree_whatever_the_layout():
     assert not b.is_contiguous() and torch.equal(a, b) and torch.equal(a.t(), full[:, 3:9])
     assert torch.equal(a.flatten(), b.contiguous().flatten())
     assert torch.equal(unit_slice(full, 0, 1, 2), full[1:3])
+
+
+def test_tiny_gpt_unit_counts_match_the_plan():
+    """tiny_gpt.unit_counts is written out by hand (no 118M model built to count); it must say what
+    the runtime derives from the model and its plan."""
+    cfg = GptConfig(vocab=96, seq=8, d_model=48, heads=6, mlp=72, layers=2)
+    assert unit_counts(cfg) == runtime.unit_counts(TinyGpt(cfg), tp_plan(cfg))
