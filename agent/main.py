@@ -3,7 +3,11 @@
     ntp-agent --manager HOST:PORT --token-file F --backend nvml|fake [--scenario FILE]
               [--node NAME] [--domain ID] [--metrics-port N]
 
-Settings may also come from the environment (prefix NTP_AGENT_). Under systemd (Type=notify) it
+    ntp-agent probe [--backend nvml|fake] [--scenario FILE] [--json]
+
+`probe` prints the GPU inventory and one sample of every GPU, then exits: read-only (it never
+sets a power limit, registers nothing and needs no manager or token), for recording what a real
+node reports. Settings may also come from the environment (prefix NTP_AGENT_). Under systemd (Type=notify) it
 sends READY=1 after the backend initialised and the manager accepted its registration, and feeds
 the watchdog from the main loop. A malformed scenario or configuration prints one `error:` line and
 exits with status 2.
@@ -13,18 +17,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import importlib.metadata
+import json
 import signal
 import socket
 import sys
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from rich.console import Console
 
-from agent.backends.base import BackendError
+from agent.backends.base import BackendError, GpuBackend
 from agent.core import Agent, AgentConfig
 from agent.policy import HealthPolicy, PolicyError, XidPolicy
 
@@ -52,6 +59,30 @@ def fail(msg: str) -> NoReturn:
     raise typer.Exit(2)
 
 
+def open_backend(kind: str, scenario: Path | None, node: str, domain: str | None) -> tuple[GpuBackend, str, str | None]:
+    """The GPU backend, the node name and the NVLink domain (given, else from the backend)."""
+    if kind == "fake":
+        from agent.backends.fake import FakeBackend, ScenarioError, load_scenario
+
+        if scenario is None:
+            fail("the fake backend needs --scenario FILE")
+        try:
+            sc = load_scenario(scenario)
+        except ScenarioError as e:
+            fail(str(e))
+        node = node if node != socket.gethostname() or not sc.node else sc.node
+        return FakeBackend(sc, node=node), node, domain or sc.domain
+    if kind != "nvml":
+        fail(f"backend must be nvml or fake, not {kind!r}")
+    from agent.backends.nvml import NvmlBackend
+
+    try:
+        nvml = NvmlBackend()
+    except BackendError as e:
+        fail(f"NVML: {e}")
+    return nvml, node, domain or nvml.domain_of_node()
+
+
 def build(settings: AgentSettings) -> Agent:
     if settings.token_file is None:
         fail("a token file is needed (--token-file or NTP_AGENT_TOKEN_FILE)")
@@ -65,27 +96,7 @@ def build(settings: AgentSettings) -> Agent:
         policy = HealthPolicy(XidPolicy.default().with_overrides(settings.xid_policy))
     except PolicyError as e:
         fail(str(e))
-    if settings.backend == "fake":
-        from agent.backends.fake import FakeBackend, ScenarioError, load_scenario
-
-        if settings.scenario is None:
-            fail("the fake backend needs --scenario FILE")
-        try:
-            sc = load_scenario(settings.scenario)
-        except ScenarioError as e:
-            fail(str(e))
-        node = settings.node if settings.node != socket.gethostname() or not sc.node else sc.node
-        backend = FakeBackend(sc, node=node)
-        domain = settings.domain or sc.domain
-    else:
-        from agent.backends.nvml import NvmlBackend
-
-        try:
-            backend = NvmlBackend()
-        except BackendError as e:
-            fail(f"NVML: {e}")
-        node = settings.node
-        domain = settings.domain or backend.domain_of_node()
+    backend, node, domain = open_backend(settings.backend, settings.scenario, settings.node, settings.domain)
     if not domain:
         fail("no NVLink domain: NVML reports no fabric clique, so give --domain")
     cfg = AgentConfig(manager=settings.manager, token=token, node=node, domain=domain,
@@ -173,9 +184,76 @@ def main_cmd(
     asyncio.run(run(agent))
 
 
+def probe(backend: GpuBackend, domain: str | None) -> dict[str, Any]:
+    """Inventory and one sample of every GPU, as plain data. Reads only: nothing is set."""
+    gpus: list[dict[str, Any]] = []
+    for g in backend.gpus():
+        entry: dict[str, Any] = {"static": dataclasses.asdict(g)}
+        try:
+            entry["sample"] = dataclasses.asdict(backend.sample(g.uuid))
+        except BackendError as e:
+            entry["sample_error"] = f"{type(e).__name__}: {e}"
+        gpus.append(entry)
+    info = getattr(backend, "info", None)
+    out: dict[str, Any] = {"backend": backend.name, "host": socket.gethostname(), "domain": domain, "gpus": gpus}
+    if callable(info):
+        out["backend_info"] = info()  # after sampling: lists every query that was NotSupported
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        out["nvidia_ml_py"] = importlib.metadata.version("nvidia-ml-py")
+    return out
+
+
+def render_probe(doc: dict[str, Any]) -> None:
+    out = Console(highlight=False, soft_wrap=True)
+    out.print(f"backend {doc['backend']} on {doc['host']}; NVLink domain: {doc['domain'] or '(none: give --domain)'}")
+    for k, v in sorted(doc.get("backend_info", {}).items()):
+        out.print(f"  {k}: {v}")
+
+    def w(mw: int | None) -> str:
+        return "-" if mw is None else f"{mw / 1000:g} W"
+
+    for e in doc["gpus"]:
+        st, sm = e["static"], e.get("sample") or {}
+        out.print(f"[bold]GPU {st['index']}[/] {st['uuid']} {st['model']}, {st['memory_bytes'] / 2**30:.0f} GiB, "
+                  f"PCI {st['pci_bus_id'] or '-'}, domain {st['domain'] or '-'}")
+        out.print(f"  power limits: min {w(st['min_mw'])}, default {w(st['default_mw'])}, max {w(st['max_mw'])}")
+        if "sample_error" in e:
+            out.print(f"  [red]sample failed: {e['sample_error']}[/]")
+            continue
+        out.print(f"  enforced {w(sm['limit_mw'])}, usage {w(sm['usage_mw'])}, temperature {sm['temperature_c']} C, "
+                  f"ECC corrected {sm['sbe_total']} / uncorrected {sm['dbe_total']}, remap pending "
+                  f"{sm['remap_pending']} / failed {sm['remap_failure']}, throttled {sm['throttled']}, "
+                  f"NVLinks down {sm['nvlink_down']}")
+
+
+probe_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+
+@probe_app.command()
+def probe_cmd(
+    backend: Annotated[str, typer.Option(help="nvml | fake")] = "nvml",
+    scenario: Annotated[Path | None, typer.Option(help="scenario YAML for the fake backend")] = None,
+    domain: Annotated[str | None, typer.Option(help="NVLink domain, if NVML reports none")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Print this node's GPU inventory and one sample of every GPU. Read-only: never sets a limit."""
+    be, _, dom = open_backend(backend, scenario, socket.gethostname(), domain)
+    try:
+        doc = probe(be, dom)
+    finally:
+        be.close()
+    if as_json:
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    else:
+        render_probe(doc)
+
+
 def main() -> None:
     try:
-        app()
+        if sys.argv[1:2] == ["probe"]:
+            probe_app(args=sys.argv[2:], prog_name="ntp-agent probe")
+        else:
+            app()
     except KeyboardInterrupt:
         sys.exit(130)
 

@@ -6,13 +6,29 @@ error the agent reports), anything else -> BackendError. XID events come from an
 registered for critical XID errors; `wait_xids` blocks in `nvmlEventSetWait_v2` for a short
 timeout (NVML raises a timeout error when nothing happened) and is run on a dedicated thread.
 
+How each call is made (audited against nvidia-ml-py 13.x, where the Python wrapper hands its
+arguments to the C function as they are):
+- `nvmlDeviceGetGpuFabricInfoV` takes a *pointer* to a versioned struct: the struct's `version`
+  is set explicitly (`nvmlGpuFabricInfo_v2`; older bindings did not set it in the constructor),
+  its size is checked against the version, and it is passed with `ctypes.byref`. Passing the
+  struct by value crashed the agent on a real H100 (issue 15). On a GPU without an NVLink fabric
+  (H100) the call succeeds with state NOT_SUPPORTED and zero ids: no domain, `--domain` names it.
+- Every other call takes plain ints and handles and builds its own out-structs; integers are
+  passed as `int` (ctypes rejects floats and wraps negative numbers).
+- Queries some GPUs do not have are optional (`_opt`): constraints, default limit, memory, PCI,
+  ECC, remapped rows, retired pages (NotSupported on A100 and later), throttle reasons,
+  temperature, enforced limit, usage, NVLink. The names of those that answered NotSupported are
+  kept in `unsupported` (shown by `ntp-agent probe`).
+
 The module is injectable (`NvmlBackend(nvml=...)`) so the tests drive this exact code with a fake
-module that has nvidia-ml-py's names, signatures and error classes.
+module that has nvidia-ml-py's names, signatures, error classes and its strictness about argument
+types and by-reference structs (tests/fakes/fake_pynvml.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 from types import ModuleType
 from typing import Any
@@ -44,6 +60,8 @@ class NvmlBackend:
             raise BackendError(f"NVML init failed: {e}") from None
         self._handles: dict[str, Any] = {}
         self._static: list[GpuStatic] = []
+        self.unsupported: set[str] = set()  # NVML functions that answered NotSupported
+        self.fabric: dict[str, dict[str, Any]] = {}  # raw fabric info per GPU (probe output)
         for i in range(self._call(self.nv.nvmlDeviceGetCount)):
             h = self._call(self.nv.nvmlDeviceGetHandleByIndex, i)
             uuid = _text(self._call(self.nv.nvmlDeviceGetUUID, h))
@@ -83,6 +101,7 @@ class NvmlBackend:
         try:
             return self._call(fn, *args)
         except NotSupported:
+            self.unsupported.add(getattr(fn, "__name__", str(fn)))
             return None
 
     # ---- static description ---------------------------------------------------------------------
@@ -97,21 +116,35 @@ class NvmlBackend:
             memory_bytes=int(mem.total) if mem is not None else 0,
             min_mw=int(lo), max_mw=int(hi), default_mw=int(default),
             pci_bus_id=_text(pci.busId) if pci is not None else "",
-            domain=self._fabric_domain(h),
+            domain=self._fabric_domain(uuid, h),
         )
 
-    def _fabric_domain(self, h: Any) -> str | None:
-        """clusterUuid + cliqueId identify the NVLink domain (GB200-class systems)."""
+    def _fabric_domain(self, uuid: str, h: Any) -> str | None:
+        """clusterUuid + cliqueId identify the NVLink domain (GB200-class systems); None when the GPU
+        has no fabric (H100: state NOT_SUPPORTED), the fabric has not finished registering it, or
+        the binding lacks the call."""
         nv = self.nv
-        if not hasattr(nv, "nvmlDeviceGetGpuFabricInfoV"):
+        fn = getattr(nv, "nvmlDeviceGetGpuFabricInfoV", None)
+        struct = getattr(nv, "c_nvmlGpuFabricInfo_v2_t", None) or getattr(nv, "c_nvmlGpuFabricInfoV_t", None)
+        version = getattr(nv, "nvmlGpuFabricInfo_v2", None)
+        if fn is None or struct is None or version is None:
             return None
-        info = nv.c_nvmlGpuFabricInfoV_t()
+        info = struct()
+        if ctypes.sizeof(info) != int(version) & 0xFFFFFF:
+            # The binding's struct is not the v2 layout: NVML would read past it. Skip the query.
+            self.fabric[uuid] = {"error": f"{struct.__name__} is {ctypes.sizeof(info)} bytes, not v2"}
+            return None
+        info.version = int(version)
         try:
-            nv.nvmlDeviceGetGpuFabricInfoV(h, info)
-        except nv.NVMLError:
+            fn(h, ctypes.byref(info))
+        except nv.NVMLError as e:
+            self.fabric[uuid] = {"error": str(e)}
             return None
         cluster = bytes(info.clusterUuid)
-        if not any(cluster):
+        state = int(info.state)
+        self.fabric[uuid] = {"state": state, "status": int(info.status), "cluster_uuid": cluster.hex(),
+                             "clique_id": int(info.cliqueId)}
+        if state != int(getattr(nv, "NVML_GPU_FABRIC_STATE_COMPLETED", 3)) or not any(cluster):
             return None
         return f"{cluster.hex()}/{int(info.cliqueId)}"
 
@@ -132,6 +165,11 @@ class NvmlBackend:
             dbe = self._opt(nv.nvmlDeviceGetTotalEccErrors, h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
                             nv.NVML_VOLATILE_ECC)
             rows = self._opt(nv.nvmlDeviceGetRemappedRows, h)
+            # GPUs before Ampere retire pages instead of remapping rows; A100 and later answer
+            # NotSupported here (the H100 does), so it is asked only where rows are not supported.
+            retired = None
+            if rows is None and hasattr(nv, "nvmlDeviceGetRetiredPagesPendingStatus"):
+                retired = self._opt(nv.nvmlDeviceGetRetiredPagesPendingStatus, h)
             reasons = self._opt(nv.nvmlDeviceGetCurrentClocksEventReasons, h)
             temp = self._opt(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU)
             enforced = self._opt(nv.nvmlDeviceGetEnforcedPowerLimit, h)
@@ -148,7 +186,8 @@ class NvmlBackend:
                     down += 1
         return GpuSample(
             uuid, sbe_total=None if sbe is None else int(sbe), dbe_total=int(dbe or 0),
-            remap_pending=bool(rows[2]) if rows else False, remap_failure=bool(rows[3]) if rows else False,
+            remap_pending=bool(rows[2]) if rows else bool(retired),
+            remap_failure=bool(rows[3]) if rows else False,
             throttled=None if reasons is None else bool(int(reasons) & self._throttle_mask),
             temperature_c=None if temp is None else int(temp), nvlink_down=down,
             limit_mw=None if enforced is None else int(enforced), usage_mw=None if usage is None else int(usage),
@@ -176,8 +215,27 @@ class NvmlBackend:
         return int(self._call(self.nv.nvmlDeviceGetEnforcedPowerLimit, self._handles[uuid]))
 
     def set_limit_mw(self, uuid: str, mw: int) -> None:
+        """Set the limit; refuses (changing nothing) a value outside the GPU's constraints, or any
+        value when the constraints are unknown."""
+        st = next(g for g in self._static if g.uuid == uuid)
+        if st.min_mw <= 0 or st.max_mw < st.min_mw:
+            raise NotSupported(f"GPU {uuid}: power limit constraints unknown; not setting a limit")
+        if not st.min_mw <= int(mw) <= st.max_mw:
+            raise BackendError(f"GPU {uuid}: {int(mw)} mW is outside its constraints {st.min_mw}-{st.max_mw} mW")
         with self._lock:
             self._call(self.nv.nvmlDeviceSetPowerManagementLimit, self._handles[uuid], int(mw))
+
+    def info(self) -> dict[str, Any]:
+        """Driver and library versions, fabric answers and unsupported queries (read-only)."""
+        out: dict[str, Any] = {"unsupported": sorted(self.unsupported), "fabric": dict(self.fabric)}
+        for key, fn in (("driver", "nvmlSystemGetDriverVersion"), ("nvml", "nvmlSystemGetNVMLVersion")):
+            f = getattr(self.nv, fn, None)
+            if f is not None:
+                try:
+                    out[key] = _text(f())
+                except self.nv.NVMLError as e:
+                    out[key] = f"error: {e}"
+        return out
 
     def close(self) -> None:
         nv = self.nv

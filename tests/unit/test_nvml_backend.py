@@ -1,14 +1,27 @@
-"""The nvml backend's own code, driven through a fake pynvml module with nvidia-ml-py's API."""
+"""The nvml backend's own code, driven through a fake pynvml module as strict as nvidia-ml-py,
+and the fake itself checked against the installed nvidia-ml-py."""
 
 from __future__ import annotations
 
+import ctypes
+import inspect
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from agent.backends.base import GpuLost
+from agent.backends.base import BackendError, GpuLost, NotSupported
 from agent.backends.nvml import NvmlBackend
 from agent.core import Agent, AgentConfig
+from agent.main import probe
 from agent.power import PowerController
-from tests.fakes.fake_pynvml import Device, make
+from tests.fakes.fake_pynvml import Device, FakeNvmlMisuse, make
+
+ROOT = Path(__file__).resolve().parents[2]
+real = pytest.importorskip("pynvml")  # nvidia-ml-py: a runtime dependency, importable without a GPU
 
 
 def backend(*devs: Device) -> tuple[NvmlBackend, object]:
@@ -76,3 +89,157 @@ def test_close_shuts_nvml_down():
     assert mod.state["init"] == 1  # type: ignore[attr-defined]
     be.close()
     assert mod.state["init"] == 0  # type: ignore[attr-defined]
+
+
+# ---- the fake is as strict as the real library ----------------------------------------------------
+
+
+def old_fabric_domain(nv, h):
+    """The call as shipped before issue 15: versionless struct, passed by value (a segfault on an H100)."""
+    info = nv.c_nvmlGpuFabricInfoV_t()
+    try:
+        nv.nvmlDeviceGetGpuFabricInfoV(h, info)
+    except nv.NVMLError:
+        return None
+    return bytes(info.clusterUuid)
+
+
+def test_fake_rejects_a_struct_passed_by_value():
+    nv = make([Device("GPU-a", cluster_uuid=bytes(range(16)), clique=7)])
+    nv.nvmlInit()
+    h = nv.nvmlDeviceGetHandleByIndex(0)
+    with pytest.raises(FakeNvmlMisuse, match="passed by value"):
+        old_fabric_domain(nv, h)  # not an NVMLError: the old `except NVMLError` cannot hide it
+    assert len(nv.state["misuse"]) == 1
+
+
+def test_fake_answers_a_versionless_struct_as_nvml_does():
+    nv = make([Device("GPU-a", cluster_uuid=bytes(range(16)), clique=7)])
+    nv.nvmlInit()
+    h = nv.nvmlDeviceGetHandleByIndex(0)
+    info = nv.c_nvmlGpuFabricInfoV_t()
+    assert info.version == 0  # stricter than nvidia-ml-py 13's constructor: the caller must set it
+    with pytest.raises(nv.NVMLError_ArgumentVersionMismatch):
+        nv.nvmlDeviceGetGpuFabricInfoV(h, ctypes.byref(info))
+    info.version = nv.nvmlGpuFabricInfo_v2
+    assert nv.nvmlDeviceGetGpuFabricInfoV(h, ctypes.byref(info)) == 0
+    assert bytes(info.clusterUuid) == bytes(range(16)) and info.cliqueId == 7
+    assert info.state == nv.NVML_GPU_FABRIC_STATE_COMPLETED
+
+
+def test_fake_rejects_floats_negative_ints_and_foreign_handles():
+    nv = make([Device("GPU-a")])
+    nv.nvmlInit()
+    h = nv.nvmlDeviceGetHandleByIndex(0)
+    with pytest.raises(TypeError, match="int expected"):  # what ctypes' c_uint(1.5) says
+        nv.nvmlDeviceSetPowerManagementLimit(h, 1_000_000.0)
+    with pytest.raises(FakeNvmlMisuse, match="wrap"):
+        nv.nvmlDeviceSetPowerManagementLimit(h, -1)
+    with pytest.raises(FakeNvmlMisuse, match="not a device handle"):
+        nv.nvmlDeviceGetUUID(0)
+    with pytest.raises(FakeNvmlMisuse, match="event set"):
+        nv.nvmlEventSetWait_v2(object(), 10)
+
+
+def test_fake_signatures_match_nvidia_ml_py():
+    nv = make([])
+    fake_fns = {n: getattr(nv, n) for n in dir(nv) if n.startswith("nvml") and inspect.isfunction(getattr(nv, n))}
+    assert len(fake_fns) > 20
+    for name, fn in fake_fns.items():
+        assert hasattr(real, name), f"{name} is not in nvidia-ml-py"
+        want = [(p.name, p.default) for p in inspect.signature(getattr(real, name)).parameters.values()]
+        got = [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
+        assert got == want, f"{name}: fake {got} vs nvidia-ml-py {want}"
+    for cls in ("NVMLError_NotSupported", "NVMLError_NoPermission", "NVMLError_GpuIsLost", "NVMLError_Timeout",
+                "NVMLError_InvalidArgument", "NVMLError_ArgumentVersionMismatch", "NVMLError_Uninitialized"):
+        assert getattr(nv, cls)().value == getattr(real, cls)(0).value, cls
+
+
+def test_fake_fabric_struct_has_the_real_layout():
+    ours, theirs = make([]).c_nvmlGpuFabricInfoV_t, real.c_nvmlGpuFabricInfo_v2_t
+    assert [(n, ctypes.sizeof(t)) for n, t in ours._fields_] == [(n, ctypes.sizeof(t)) for n, t in theirs._fields_]
+    assert ctypes.sizeof(ours) == ctypes.sizeof(theirs) == real.nvmlGpuFabricInfo_v2 & 0xFFFFFF
+    assert make([]).nvmlGpuFabricInfo_v2 == real.nvmlGpuFabricInfo_v2
+    for name in ("NVML_NVLINK_MAX_LINKS", "nvmlEventTypeXidCriticalError", "NVML_GPU_FABRIC_STATE_COMPLETED",
+                 "nvmlClocksEventReasonHwThermalSlowdown", "NVML_MEMORY_ERROR_TYPE_UNCORRECTED"):
+        assert getattr(make([]), name) == getattr(real, name), name
+
+
+def test_backend_names_only_what_nvidia_ml_py_has():
+    src = (ROOT / "agent" / "backends" / "nvml.py").read_text()
+    names = set(re.findall(r"\bnv\.(\w+)", src)) | set(re.findall(r"getattr\((?:self\.)?nv, \"(\w+)\"", src))
+    names |= set(re.findall(r"\"(nvml\w+)\"", src))
+    names -= {"NVMLError"}
+    assert len(names) > 25
+    missing = sorted(n for n in names if not hasattr(real, n))
+    assert not missing, f"not in nvidia-ml-py: {missing}"
+
+
+def test_h100_as_recorded_constructs_and_samples_without_misuse():
+    dev = Device.h100("GPU-h100")
+    be, nv = backend(dev)
+    (g,) = be.gpus()
+    assert (g.model, g.min_mw, g.default_mw, g.max_mw) == ("NVIDIA H100 80GB HBM3", 200_000, 700_000, 700_000)
+    assert g.domain is None
+    assert be.fabric["GPU-h100"]["state"] == 0  # NOT_SUPPORTED: no NVLink fabric on this machine
+    s = be.sample("GPU-h100")
+    assert s.limit_mw == 700_000 and s.remap_pending is False
+    assert be.unsupported == set()  # remapped rows answered, so retired pages were never asked
+    assert be.wait_xids(0.0) == []
+    be.set_limit_mw("GPU-h100", 600_000)
+    assert be.get_limit_mw("GPU-h100") == 600_000
+    be.close()
+    assert nv.state["misuse"] == []
+
+
+def test_retired_pages_are_asked_only_without_row_remapping_and_stay_optional():
+    old = Device("GPU-v100", remap_supported=False, retired_pages_supported=True, retired_pending=True)
+    neither = Device("GPU-x", remap_supported=False)
+    be, nv = backend(old, neither)
+    assert be.sample("GPU-v100").remap_pending is True
+    assert be.sample("GPU-x").remap_pending is False
+    assert be.unsupported == {"nvmlDeviceGetRemappedRows", "nvmlDeviceGetRetiredPagesPendingStatus"}
+    assert nv.state["misuse"] == []
+
+
+def test_set_limit_outside_constraints_or_unknown_is_refused_before_nvml():
+    dev = Device.h100("GPU-a")
+    blind = Device("GPU-b", constraints_supported=False)
+    be, nv = backend(dev, blind)
+    with pytest.raises(BackendError, match="outside its constraints"):
+        be.set_limit_mw("GPU-a", 750_000)
+    with pytest.raises(NotSupported, match="constraints unknown"):
+        be.set_limit_mw("GPU-b", 500_000)
+    assert nv.state["set_calls"] == 0 and dev.limit_mw == 700_000
+
+
+def test_probe_reads_and_never_sets():
+    lost = Device("GPU-b", cluster_uuid=bytes(range(16)), clique=3)
+    be, nv = backend(Device.h100("GPU-a"), lost)
+    lost.lost = True
+    doc = probe(be, be.domain_of_node())
+    json.dumps(doc)  # plain data
+    a, b = doc["gpus"]
+    assert a["static"]["max_mw"] == 700_000 and a["sample"]["limit_mw"] == 700_000
+    assert "GpuLost" in b["sample_error"]
+    assert doc["backend_info"]["driver"].startswith("580") and doc["backend_info"]["fabric"]["GPU-a"]["state"] == 0
+    assert nv.state["set_calls"] == 0 and "nvmlDeviceSetPowerManagementLimit" not in nv.state["calls"]
+    assert nv.state["misuse"] == []
+
+
+def test_probe_cli_prints_json_and_fails_cleanly_without_nvml(tmp_path):
+    sc = tmp_path / "sc.yaml"
+    sc.write_text("gpus: [{tdp_w: 700, max_w: 700}]\ndomain: nvl-0\n")
+    r = subprocess.run([sys.executable, "-m", "agent.main", "probe", "--backend", "fake", "--scenario", str(sc),
+                        "--json"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["domain"] == "nvl-0" and doc["gpus"][0]["static"]["max_mw"] == 700_000
+    try:
+        real.nvmlInit()
+        real.nvmlShutdown()
+        return  # a machine with a driver: nothing to check here
+    except real.NVMLError:
+        pass
+    r = subprocess.run([sys.executable, "-m", "agent.main", "probe"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "NVML" in r.stderr and "Traceback" not in r.stderr
