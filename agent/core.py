@@ -289,8 +289,11 @@ class Agent:
             return None
         if st.error:
             log.warning("power command failed", gpu=u, error=st.error)
+        elif st.note:
+            log.info("power cap clamped", gpu=u, note=st.note)
+        detail = "; ".join(x for x in (st.error, st.note) if x)
         return agent_pb2.AgentMessage(result=agent_pb2.CommandResult(
-            command_id=msg.command_id, ok=st.error is None, detail=st.error or "", gpu_uuids=[u],
+            command_id=msg.command_id, ok=st.error is None, detail=detail, gpu_uuids=[u],
             power=[agent_pb2.PowerReading(desired_mw=st.desired_mw or 0, enforced_mw=st.enforced_mw or 0)]))
 
     async def connect_forever(self) -> None:

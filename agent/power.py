@@ -1,8 +1,16 @@
 """Power caps: desired (from the manager) -> clamped -> applied -> read back; restore on release.
 
+The agent never asks the driver for a limit outside the GPU's own constraints: a desired cap is
+clamped to [min, max] first (the clamp is reported with the result), and when the constraints are
+unknown (NVML answered NotSupported) nothing is set at all. After every set the enforced limit is
+read back; if the driver enforces something else (another limit in force), that is reported as an
+error rather than assumed away.
+
+The manager sends a cap for every GPU when the fleet runs under a base cap (healthy GPUs at the
+base, boosted GPUs above it) and only for boosted GPUs otherwise; the agent treats both the same.
 The limit found before the agent first changed a GPU is remembered and restored when the manager
 releases the cap and on clean shutdown. Limits revert on a driver reload (without persistence
-mode), so `reconcile()` re-applies desired caps periodically and reports drift.
+mode), so `reconcile()` re-applies desired caps periodically and counts the drift.
 """
 
 from __future__ import annotations
@@ -14,9 +22,11 @@ from agent.backends.base import BackendError, GpuBackend, GpuLost, NoPermission,
 
 @dataclass
 class CapState:
-    desired_mw: int | None = None
+    desired_mw: int | None = None  # what the agent set: the manager's request, clamped
     original_mw: int | None = None  # limit before the agent touched it
-    enforced_mw: int | None = None
+    enforced_mw: int | None = None  # read back after setting
+    requested_mw: int | None = None  # what the manager asked for
+    note: str | None = None  # e.g. the clamp applied
     error: str | None = None
 
 
@@ -25,6 +35,7 @@ class PowerController:
     backend: GpuBackend
     caps: dict[str, CapState] = field(default_factory=dict)
     drift_events: int = 0
+    clamped_events: int = 0
 
     def _limits(self, uuid: str) -> tuple[int, int]:
         for g in self.backend.gpus():
@@ -33,22 +44,43 @@ class PowerController:
         raise BackendError(f"unknown GPU {uuid}")
 
     def set(self, uuid: str, mw: int) -> CapState:
-        """Apply a desired cap (clamped to the GPU's constraints) and read back the enforced one."""
+        """Apply a desired cap, clamped to the GPU's constraints, and read back the enforced one.
+
+        Never raises for a GPU-side problem: the returned state's `error` says what went wrong."""
+        try:
+            lo, hi = self._limits(uuid)
+        except BackendError as e:
+            return CapState(requested_mw=mw, error=str(e))
         st = self.caps.setdefault(uuid, CapState())
-        lo, hi = self._limits(uuid)
-        st.desired_mw = max(lo, min(hi, mw))
+        st.requested_mw = mw
+        if lo <= 0 or hi < lo:
+            st.desired_mw, st.note = None, None
+            st.error = f"power limit constraints of {uuid} are unknown ({lo}-{hi} mW): not setting any limit"
+            return st
+        want = max(lo, min(hi, int(mw)))
+        st.note = None
+        if want != mw:
+            self.clamped_events += 1
+            side = "maximum" if mw > hi else "minimum"
+            st.note = f"requested {mw} mW clamped to the GPU's {side} {want} mW"
+        st.desired_mw = want
         try:
             if st.original_mw is None:
                 st.original_mw = self.backend.get_limit_mw(uuid)
-            self.backend.set_limit_mw(uuid, st.desired_mw)
+            self.backend.set_limit_mw(uuid, want)
             st.enforced_mw = self.backend.get_limit_mw(uuid)
             st.error = None
+            if st.enforced_mw != want:
+                st.error = (f"set {want} mW but the driver enforces {st.enforced_mw} mW "
+                            f"(another power limit is in force)")
         except NoPermission as e:
             st.error = f"no permission to set the power limit: {e} (run the agent as root)"
         except NotSupported as e:
             st.error = f"power limits not supported: {e}"
         except GpuLost as e:
             st.error = f"GPU lost: {e}"
+        except BackendError as e:
+            st.error = f"setting the power limit failed: {e}"
         return st
 
     def release(self, uuid: str) -> CapState:
@@ -56,7 +88,8 @@ class PowerController:
         st = self.caps.get(uuid)
         if st is None:
             return CapState()
-        st.desired_mw = None
+        st.desired_mw = st.requested_mw = None
+        st.note = None
         if st.original_mw is not None:
             try:
                 self.backend.set_limit_mw(uuid, st.original_mw)
@@ -69,21 +102,21 @@ class PowerController:
         return st
 
     def reconcile(self) -> list[str]:
-        """Re-apply every desired cap whose enforced limit drifted; returns the GPUs fixed."""
+        """Re-apply every desired cap whose enforced limit drifted from what was read back after it
+        was set (a driver reload); returns the GPUs fixed. A limit the driver never took (reported
+        when set) is not retried every period."""
         fixed = []
         for uuid, st in list(self.caps.items()):
-            if st.desired_mw is None:
+            if st.desired_mw is None or st.requested_mw is None:
                 continue
             try:
                 enforced = self.backend.get_limit_mw(uuid)
             except BackendError:
                 continue
-            if enforced != st.desired_mw:
+            if enforced != st.enforced_mw:
                 self.drift_events += 1
-                self.set(uuid, st.desired_mw)
+                self.set(uuid, st.requested_mw)
                 fixed.append(uuid)
-            else:
-                st.enforced_mw = enforced
         return fixed
 
     def restore_all(self) -> None:

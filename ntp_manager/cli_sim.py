@@ -30,7 +30,7 @@ from ntp_manager.sim import (
     static_sweep,
 )
 from ntp_manager.specfile import SpecError, load_cluster, load_job
-from ntp_manager.topology import TopologyError
+from ntp_manager.topology import PowerLimits, TopologyError
 
 DEFAULT_SWEEP = "0:0.004:9"
 
@@ -54,6 +54,18 @@ def parse_fractions(text: str) -> list[float]:
         if not 0 <= v < 1:
             raise SimError(f"failed fraction must be in [0, 1), got {v}")
     return values
+
+
+def parse_power(text: str | None) -> PowerLimits:
+    """'DEFAULT,MIN,MAX' in watts -> PowerLimits (None: the presets' 1000 W, 200-1300 W)."""
+    if text is None:
+        return PowerLimits()
+    try:
+        default, lo, hi = (float(x) for x in text.split(","))
+        return PowerLimits(default, lo, hi)
+    except ValueError as e:
+        raise SimError(f"--gpu-power {text!r}: use 'DEFAULT,MIN,MAX' watts with 0 < MIN <= DEFAULT <= MAX ({e})") \
+            from None
 
 
 def parse_ints(text: str, what: str) -> list[int]:
@@ -95,6 +107,12 @@ def simulate(
     failure_rate: Annotated[float | None, typer.Option(help="failures per GPU-hour (default Llama 3)")] = None,
     blast_node: Annotated[float, typer.Option(help="probability a failure takes its node")] = 0.0,
     blast_domain: Annotated[float, typer.Option(help="probability a failure takes its domain")] = 0.0,
+    gpu_power: Annotated[
+        str | None, typer.Option(help="preset GPUs' power limits 'DEFAULT,MIN,MAX' in watts (H100: 700,200,700)")
+    ] = None,
+    base_cap: Annotated[
+        float | None, typer.Option(help="fleet base power cap, a share of each GPU's maximum limit, in (0, 1]")
+    ] = None,
     seed: Annotated[int, typer.Option(help="random seed")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="print results as JSON")] = False,
     plot: Annotated[Path | None, typer.Option(help="write a PNG plot here")] = None,
@@ -124,10 +142,14 @@ def simulate(
         pool = max(max(spare_list), max_spares if find_spares else 0)
         job_spec = load_job(job) if job else p.job
         if cluster:
+            if gpu_power is not None or base_cap is not None:
+                raise SimError("--gpu-power and --base-cap apply to presets; with --cluster set "
+                               "defaults.tdp_w/min_w/max_w/base_cap in the cluster file")
             c = load_cluster(cluster)
         else:
             per_domain = p.domain_size // job_spec.tp if job_spec.tp <= p.domain_size else 1
-            c = preset_cluster(p, -(-pool // max(per_domain, 1)))
+            power = parse_power(gpu_power).with_base_cap(base_cap)
+            c = preset_cluster(p, -(-pool // max(per_domain, 1)), power)
         setup = SimSetup.create(c, job_spec, model, pool)
         if days is None:
             fractions = parse_fractions(failed_fraction)
@@ -143,6 +165,7 @@ def simulate(
     except (SimError, PlanError, SpecError, TopologyError) as e:
         fail(str(e))
     result["model"] = dataclasses.asdict(model)
+    result["power"] = {"gpu_power": gpu_power, "base_cap": base_cap}
     result["preset"] = p.name if not (cluster or job) else None
     if as_json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")

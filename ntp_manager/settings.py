@@ -30,6 +30,9 @@ class Settings(BaseSettings):
     breaker_window_s: float = Field(60.0, gt=0)  # ...opens the circuit breaker
     breaker_min_gpus: int = Field(4, ge=1)  # never trip on fewer failures than this
     unary_deadline_s: float = Field(10.0, gt=0)
+    # Fleet base power cap: healthy GPUs run at this share of their maximum limit (never above their
+    # default), so that reduced TP groups can be boosted up to the maximum (docs/planner.md).
+    power_base_cap: float | None = Field(None, gt=0, le=1)
     log_format: str = Field("console", pattern="^(console|json)$")
     leader_id: str = Field(default_factory=lambda: f"{os.uname().nodename}:{os.getpid()}")
 

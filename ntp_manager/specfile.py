@@ -5,6 +5,7 @@ File formats (documented in docs/specs.md):
 cluster.yaml
     name: sample
     defaults: {tdp_w: 1000, min_w: 200, max_w: 1300}     # optional per-GPU power limits
+                                                        # (+ base_cap: 0.85, a fleet base cap)
     generate: {domains: 4, domain_size: 8, gpus_per_node: 4}   # either this ...
     domains:                                            # ... or explicit domains
       - id: nvl-0
@@ -63,13 +64,14 @@ class PowerDefaults(_Strict):
     tdp_w: float = Field(1000.0, gt=0)
     min_w: float | None = Field(None, gt=0)
     max_w: float | None = Field(None, gt=0)
+    base_cap: float | None = Field(None, gt=0, le=1)  # fleet base cap, a share of max_w
 
     def limits(self) -> PowerLimits:
         return PowerLimits(
             self.tdp_w,
             self.min_w if self.min_w is not None else 0.2 * self.tdp_w,
             self.max_w if self.max_w is not None else 1.3 * self.tdp_w,
-        )
+        ).with_base_cap(self.base_cap)
 
 
 class GenerateSpec(_Strict):

@@ -59,11 +59,18 @@ def synthetic_gpu_uuid(cluster: str, domain: str, node: str, index: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class PowerLimits:
-    """Power envelope of one GPU, in watts. `tdp_w` is the default (100%) limit."""
+    """Power envelope of one GPU, in watts.
+
+    `tdp_w` is the GPU's default limit. `base_w`, when set, is the fleet base cap: the limit a
+    healthy GPU runs at, between `min_w` and the default, so that a reduced TP group has headroom
+    up to `max_w` even where the default already is the maximum (H100: 700 W, GB300: 1,400 W).
+    `nominal_w` is what a healthy GPU runs at (the base cap, else the default); the planner's power
+    ratios and speeds are relative to it."""
 
     tdp_w: float = DEFAULT_TDP_W
     min_w: float = DEFAULT_TDP_W * 0.2
     max_w: float = DEFAULT_TDP_W * 1.3
+    base_w: float | None = None
 
     def __post_init__(self) -> None:
         if not (0 < self.min_w <= self.tdp_w <= self.max_w):
@@ -71,6 +78,31 @@ class PowerLimits:
                 f"power limits must satisfy 0 < min <= tdp <= max, got min={self.min_w} "
                 f"tdp={self.tdp_w} max={self.max_w}"
             )
+        if self.base_w is not None and not (self.min_w <= self.base_w <= self.tdp_w):
+            raise TopologyError(
+                f"a base power cap must lie between the minimum and the default limit, got base={self.base_w} "
+                f"min={self.min_w} default={self.tdp_w}"
+            )
+
+    @property
+    def nominal_w(self) -> float:
+        """The limit a healthy GPU runs at: the base cap if one is set, else the default."""
+        return self.tdp_w if self.base_w is None else self.base_w
+
+    def with_base_cap(self, ratio: float | None) -> PowerLimits:
+        """These limits under a fleet base cap of `ratio` x the maximum (None: no base cap)."""
+        if ratio is None:
+            return PowerLimits(self.tdp_w, self.min_w, self.max_w)
+        return PowerLimits(self.tdp_w, self.min_w, self.max_w, base_cap_w(self.min_w, self.tdp_w, self.max_w, ratio))
+
+
+def base_cap_w(min_w: float, default_w: float, max_w: float, ratio: float) -> float:
+    """The base limit of a GPU under a fleet base cap `ratio` (a share of its maximum limit, in
+    (0, 1]): ratio x max, raised to the GPU's minimum and never above its default limit (a base cap
+    only ever lowers a healthy GPU). Raises TopologyError for a ratio outside (0, 1]."""
+    if not 0 < ratio <= 1:
+        raise TopologyError(f"a base power cap is a share of the maximum limit in (0, 1], got {ratio}")
+    return min(default_w, max(min_w, ratio * max_w))
 
 
 DEFAULT_POWER = PowerLimits()
@@ -128,6 +160,11 @@ class Domain:
     @cached_property
     def tdp_sum_w(self) -> float:
         return sum(g.power.tdp_w for g in self.gpus)
+
+    @cached_property
+    def nominal_sum_w(self) -> float:
+        """Sum of the limits its GPUs run at when healthy (base caps where set)."""
+        return sum(g.power.nominal_w for g in self.gpus)
 
     @cached_property
     def nodes(self) -> tuple[Node, ...]:

@@ -33,7 +33,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from agent.backends.base import GpuLost, GpuSample, GpuStatic, NoPermission, XidEvent
+from agent.backends.base import BackendError, GpuLost, GpuSample, GpuStatic, NoPermission, XidEvent
 
 FaultKind = Literal[
     "xid", "lost", "ecc_uncorrectable", "ecc_correctable", "nvlink_down", "thermal_throttle", "slow",
@@ -194,7 +194,9 @@ class FakeBackend:
             raise GpuLost(f"GPU {uuid} is lost")
         if g.refuse_set:
             raise NoPermission(f"setting the power limit of {uuid} was refused (insufficient permissions)")
-        g.limit_mw = max(g.static.min_mw, min(g.static.max_mw, mw))
+        if not g.static.min_mw <= mw <= g.static.max_mw:  # as NVML: an invalid argument, nothing changes
+            raise BackendError(f"{mw} mW is outside {uuid}'s constraints {g.static.min_mw}-{g.static.max_mw} mW")
+        g.limit_mw = mw
         self.set_calls.append((uuid, mw))
 
     def close(self) -> None:

@@ -47,7 +47,7 @@ class GroupPlan:
     tp: int
     usable: int  # usable GPUs the group had (>= tp)
     spare: bool  # drawn from the spare pool
-    power_ratio: float  # limit / TDP on its GPUs (> 1 when boosted)
+    power_ratio: float  # limit / nominal limit (base cap, else TDP) on its GPUs; > 1 when boosted
     domain_pos: int  # the domain's position in the cluster
     local: int  # the group's index within its domain
     positions: range | tuple[int, ...]  # its GPUs' positions in `Cluster.flat_uuids`, TP-rank order
@@ -81,7 +81,7 @@ class ReplicaPlan:
 
     @property
     def boosted(self) -> tuple[str, ...]:
-        """UUIDs of this replica's GPUs running above TDP."""
+        """UUIDs of this replica's GPUs running above their nominal limit (base cap, else TDP)."""
         return tuple(u for g in self.groups if g.power_ratio > 1.0 for u in g.gpus)
 
 
@@ -105,7 +105,9 @@ class Plan:
     dropped: tuple[SetAside, ...]
     idle: tuple[SetAside, ...]
     spares_used: tuple[str, ...]
-    power_caps_w: Mapping[str, float]  # GPU UUID -> limit in watts, only where it differs from TDP
+    # GPU UUID -> limit in watts, only where it differs from the GPU's nominal limit (its base cap
+    # when the cluster sets one, else TDP); every other GPU runs at its nominal limit.
+    power_caps_w: Mapping[str, float]
     global_batch: int
     target_batch: int
     reasons: tuple[str, ...] = field(default=())
@@ -282,10 +284,15 @@ def make_plan(cluster: Cluster, job: JobSpec) -> Plan:
         for stage, (g, gtp, pr) in enumerate(zip(c.groups, c.group_tp, c.group_power, strict=True)):
             if pr > 1.0 + 1e-12:
                 dg = ctx.domain(g).gpus
+                capped = False
                 for pos in ctx.local_positions(g, gtp):
-                    caps[dg[pos].uuid] = math.floor(dg[pos].power.tdp_w * pr * 1000) / 1000  # mW, down
+                    lim = dg[pos].power
+                    # whole milliwatts, rounded down (the 1e-6 absorbs float noise at the maximum)
+                    caps[dg[pos].uuid] = min(lim.max_w, math.floor(lim.nominal_w * pr * 1000 + 1e-6) / 1000)
+                    capped = capped or dg[pos].power.base_w is not None
+                base = "base cap" if capped else "TDP"
                 reasons.append(
-                    f"group {ctx.gid(g)}: TP{gtp} boosted to {pr:.3f}x TDP (needs speed "
+                    f"group {ctx.gid(g)}: TP{gtp} boosted to {pr:.3f}x {base} (needs speed "
                     f"{job.work(gtp):.3f}x, gets {job.power.speed(pr):.3f}x)"
                 )
             if g.spare:

@@ -28,14 +28,18 @@ class Scheme(StrEnum):
 class PowerModel:
     """Per-GPU speed as a function of its power limit, and the rack budget.
 
-    - speed(p) = p ** exponent for p = limit / TDP, unless `curve` gives measured
+    Ratios are relative to a GPU's *nominal* limit: the cluster's base power cap where one is set
+    (topology.PowerLimits.base_w), else its default limit (TDP). Speed 1.0 is a GPU at its nominal
+    limit, which is what the job's healthy step time is measured at.
+
+    - speed(p) = p ** exponent for p = limit / nominal, unless `curve` gives measured
       (power ratio, speed ratio) points, which are interpolated linearly (and extrapolated flat).
-    - A GPU may be raised to at most `max_boost` x TDP (and never above its own max limit).
+    - A GPU may be raised to at most `max_boost` x nominal (and never above its own max limit).
     - A domain's budget is its configured `power_budget_w`, else `rack_headroom` x the sum of its
-      GPUs' TDPs. The default headroom of 1.15 models the paper's co-designed rack, whose power
-      delivery can move the budget of failed GPUs to survivors and carry a boost on a few racks.
-    - Unusable GPUs are assumed to draw `unusable_draw_ratio` x TDP (0: powered down); idle usable
-      GPUs are counted at TDP, so the budget holds even if they start working.
+      GPUs' nominal limits. The default headroom of 1.15 models the paper's co-designed rack, whose
+      power delivery can move the budget of failed GPUs to survivors and carry a boost on a few racks.
+    - Unusable GPUs are assumed to draw `unusable_draw_ratio` x nominal (0: powered down); idle
+      usable GPUs are counted at nominal, so the budget holds even if they start working.
     """
 
     max_boost: float = 1.3

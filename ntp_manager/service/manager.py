@@ -51,7 +51,7 @@ from ntp_manager.store.models import (
     NodeRow,
     TokenRow,
 )
-from ntp_manager.topology import GpuState
+from ntp_manager.topology import GpuState, base_cap_w
 
 log = structlog.get_logger("ntp.manager")
 
@@ -113,7 +113,7 @@ class Manager:
         self.sm = db.sessionmaker(self.engine)
         self.metrics = Metrics()
         self.tokens = TokenTable()
-        self.world = World()
+        self.world = World(base_cap=settings.power_base_cap)
         self.epoch = 0
         self.lock = asyncio.Lock()
         self.sessions: dict[str, AgentSession] = {}
@@ -153,6 +153,8 @@ class Manager:
             asyncio.create_task(self._control_loop(), name="control-loop"),
             asyncio.create_task(self._monitor_loop(), name="monitor"),
         ]
+        if self.settings.power_base_cap is not None or any(g.desired_mw is not None for g in self.world.gpus.values()):
+            self._recompute_power_later()  # the base cap may have been set, changed or removed since
         self.ready = True
         log.info("manager started", epoch=self.epoch, gpus=len(self.world.gpus), jobs=len(self.world.jobs))
 
@@ -176,7 +178,7 @@ class Manager:
         await self.engine.dispose()
 
     async def _load(self) -> None:
-        w = World()
+        w = World(base_cap=self.settings.power_base_cap)
         now_mono = self.clock.monotonic()
         async with self.sm() as s:
             for d in (await s.scalars(select(DomainRow))).all():
@@ -345,6 +347,8 @@ class Manager:
                 if new_gpus:
                     w.invalidate()
                     self._mark_all_dirty()
+                    if self.settings.power_base_cap is not None:
+                        self._recompute_power_later()  # new GPUs start at the base cap
                 elif recovered:
                     w.apply_states(recovered)
                     self._mark_dirty_for(recovered)
@@ -857,8 +861,11 @@ class Manager:
                 for u, w in plan.get("power_caps_w", {}).items():
                     caps[u] = int(w * 1000)
         changes: list[tuple[str, int | None]] = []
+        base = self.settings.power_base_cap
         for u, rec in self.world.gpus.items():
             want = caps.get(u)
+            if want is None and base is not None:  # under a fleet base cap every other GPU runs at its base
+                want = int(base_cap_w(rec.min_mw, rec.tdp_mw, rec.max_mw, base))
             if want != rec.desired_mw:
                 row = await m.session.get(GpuRow, u)
                 if row is not None:

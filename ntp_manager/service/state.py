@@ -79,6 +79,7 @@ class World:
     nodes: dict[str, NodeRec] = field(default_factory=dict)
     domains: dict[str, float | None] = field(default_factory=dict)  # id -> power budget
     jobs: dict[str, JobRec] = field(default_factory=dict)
+    base_cap: float | None = None  # fleet base power cap (settings.power_base_cap)
     _cluster: Cluster | None = None
 
     def invalidate(self) -> None:
@@ -99,7 +100,8 @@ class World:
                         tuple(
                             Gpu(
                                 r.uuid, r.node, did, r.idx, GpuState(r.state),
-                                PowerLimits(r.tdp_mw / 1000, r.min_mw / 1000, r.max_mw / 1000),
+                                PowerLimits(r.tdp_mw / 1000, r.min_mw / 1000, r.max_mw / 1000).with_base_cap(
+                                    self.base_cap),
                             )
                             for r in recs
                         ),

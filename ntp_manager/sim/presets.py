@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ntp_manager.planner import JobSpec, Scheme
 from ntp_manager.sim.failures import FailureModel, SimError
-from ntp_manager.topology import Cluster, generate_cluster
+from ntp_manager.topology import DEFAULT_POWER, Cluster, PowerLimits, generate_cluster
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,7 @@ def preset(name: str) -> Preset:
         raise SimError(f"unknown preset {name!r}; choose one of: {', '.join(sorted(PRESETS))}") from None
 
 
-def preset_cluster(p: Preset, spare_domains: int = 0) -> Cluster:
-    """The preset's cluster with `spare_domains` extra domains after the job's own."""
-    return generate_cluster(p.domains + spare_domains, p.domain_size, p.gpus_per_node, name=p.name)
+def preset_cluster(p: Preset, spare_domains: int = 0, power: PowerLimits = DEFAULT_POWER) -> Cluster:
+    """The preset's cluster with `spare_domains` extra domains after the job's own; every GPU has the
+    power limits `power` (default 1000 W, 200-1300 W; a base cap in `power.base_w` applies)."""
+    return generate_cluster(p.domains + spare_domains, p.domain_size, p.gpus_per_node, name=p.name, power=power)

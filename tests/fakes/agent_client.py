@@ -24,9 +24,11 @@ def gpu_uuids(node: str, n: int) -> list[str]:
 
 
 class ScriptedAgent:
-    def __init__(self, target: str, token: str, node: str, domain: str, gpus: list[str], tdp_mw: int = 1_000_000):
+    def __init__(self, target: str, token: str, node: str, domain: str, gpus: list[str], tdp_mw: int = 1_000_000,
+                 max_mw: int | None = None):
         self.target, self.token, self.node, self.domain, self.gpus = target, token, node, domain, gpus
         self.tdp_mw = tdp_mw
+        self.max_mw = int(tdp_mw * 1.3) if max_mw is None else max_mw
         self.channel: grpc.aio.Channel | None = None
         self.out: asyncio.Queue[Any] = asyncio.Queue()
         self.welcome: Any = None
@@ -44,7 +46,7 @@ class ScriptedAgent:
                 gpus=[
                     common_pb2.GpuInfo(
                         uuid=u, index=i, model="FakeGPU",
-                        power=common_pb2.PowerConstraints(min_mw=200_000, max_mw=int(self.tdp_mw * 1.3),
+                        power=common_pb2.PowerConstraints(min_mw=200_000, max_mw=self.max_mw,
                                                           default_mw=self.tdp_mw),
                     )
                     for i, u in enumerate(self.gpus)

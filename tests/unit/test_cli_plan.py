@@ -74,6 +74,7 @@ CLUSTER_OK = "generate: {domains: 2, domain_size: 4, gpus_per_node: 2}\n"
         (CLUSTER_OK, JOB_OK + "bogus: 1\n", (), "bogus"),
         ("generate: {domains: 2, domain_size: 6, gpus_per_node: 4}\n", JOB_OK, (), "not a multiple"),
         (CLUSTER_OK, JOB_OK, ("--fail-random", "100"), "exceeds the 8 placeable GPUs"),
+        ("defaults: {base_cap: 1.5}\n" + CLUSTER_OK, JOB_OK, (), "defaults.base_cap"),
     ],
 )
 def test_bad_input_gives_one_clear_line_and_exit_2(tmp_path, cluster, job, extra, message):
@@ -100,3 +101,17 @@ def test_generate_writes_a_loadable_spec(tmp_path):
 
     c = load_cluster(out)
     assert c.gpu_count == 64 * 32 and len(c.domains) == 64 and len(list(c.nodes())) == 64 * 8
+
+
+def test_cluster_base_cap_boosts_the_reduced_group_to_the_maximum(tmp_path):
+    # H100-like fleet (default = max = 700 W) under a 0.85 base cap: healthy GPUs at 595 W (not listed),
+    # the TP3 group's survivors raised to their 700 W maximum.
+    c = write(tmp_path, "c.yaml", "defaults: {tdp_w: 700, min_w: 200, max_w: 700, base_cap: 0.85}\n" + CLUSTER_OK)
+    j = write(tmp_path, "j.yaml", JOB_OK + "scheme: ntp-pw\n")
+    from ntp_manager.specfile import load_cluster
+
+    cl = load_cluster(c)
+    assert {g.power.base_w for g in cl.gpus()} == {595.0}
+    victim = cl.domains[0].gpus[3].uuid
+    doc = json.loads(run("plan", "-c", str(c), "-j", str(j), "--json", "--fail", victim).stdout)
+    assert sorted(doc["power_caps_w"].values()) == [700.0, 700.0, 700.0]

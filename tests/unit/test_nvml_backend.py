@@ -243,3 +243,55 @@ def test_probe_cli_prints_json_and_fails_cleanly_without_nvml(tmp_path):
         pass
     r = subprocess.run([sys.executable, "-m", "agent.main", "probe"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "NVML" in r.stderr and "Traceback" not in r.stderr
+
+
+# ---- power caps: never outside the GPU's constraints, always read back ---------------------------
+
+
+def test_cap_above_max_or_below_min_is_clamped_and_reported():
+    # H100: 200-700 W. A base cap of 0.85 x 700 = 595 W for healthy GPUs; a boost request of 800 W
+    # (above the maximum) is clamped to 700 W, a request of 100 W to the 200 W minimum.
+    dev = Device.h100("GPU-a")
+    be, nv = backend(dev)
+    pc = PowerController(be)
+    st = pc.set("GPU-a", 595_000)
+    assert (st.desired_mw, st.enforced_mw, st.note, st.error) == (595_000, 595_000, None, None)
+    st = pc.set("GPU-a", 800_000)
+    assert st.desired_mw == st.enforced_mw == dev.limit_mw == 700_000
+    assert "clamped to the GPU's maximum 700000" in st.note and st.error is None
+    st = pc.set("GPU-a", 100_000)
+    assert dev.limit_mw == 200_000 and "minimum 200000" in st.note
+    assert pc.clamped_events == 2 and nv.state["misuse"] == []
+
+
+def test_enforced_limit_is_read_back_and_a_mismatch_is_an_error_not_retried():
+    dev = Device.h100("GPU-a")
+    dev.enforce_ceiling_mw = 650_000  # another limit in force on this GPU
+    be, nv = backend(dev)
+    pc = PowerController(be)
+    st = pc.set("GPU-a", 700_000)
+    assert st.enforced_mw == 650_000 and "driver enforces 650000 mW" in st.error
+    calls = nv.state["set_calls"]
+    assert pc.reconcile() == [] and nv.state["set_calls"] == calls  # not re-set every period
+    dev.limit_mw = 700_000  # a driver reload: the enforced limit moved, so it is re-applied
+    assert pc.reconcile() == ["GPU-a"] and dev.limit_mw == 650_000
+
+
+def test_unknown_constraints_mean_no_limit_is_ever_set():
+    dev = Device("GPU-a", constraints_supported=False)
+    be, nv = backend(dev)
+    st = PowerController(be).set("GPU-a", 900_000)
+    assert "unknown" in st.error and st.desired_mw is None
+    assert nv.state["set_calls"] == 0
+
+
+def test_agent_reports_the_clamp_and_the_enforced_limit_to_the_manager():
+    from ntp_manager._proto.ntp.v1 import agent_pb2
+
+    be, _ = backend(Device.h100("GPU-a"))
+    agent = Agent(be, AgentConfig(manager="127.0.0.1:1", token="t", node="n", domain="d"))
+    msg = agent_pb2.ManagerMessage(command_id=1, set_power=agent_pb2.SetPowerLimit(gpu_uuid="GPU-a",
+                                                                                      limit_mw=760_000))
+    res = agent.on_command(msg).result
+    assert res.ok and "clamped" in res.detail
+    assert (res.power[0].desired_mw, res.power[0].enforced_mw) == (700_000, 700_000)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from ntp_manager.planner import JobSpec, PlanError, PowerModel, Scheme, make_plan
 from ntp_manager.planner.power import domain_budget_w
-from ntp_manager.topology import GpuState, PowerLimits, generate_cluster
+from ntp_manager.topology import GpuState, PowerLimits, TopologyError, generate_cluster
 from tests.fakes.builders import cluster_from_counts, cluster_with_usable, job
 
 
@@ -243,11 +243,11 @@ def test_power_caps_never_exceed_rack_budget_or_gpu_cap(sc, headroom, max_boost)
         for g in d.gpus:
             if g.uuid in plan.power_caps_w:
                 cap = plan.power_caps_w[g.uuid]
-                assert cap <= g.power.tdp_w * max_boost + 1e-6
+                assert cap <= g.power.nominal_w * max_boost + 1e-6
                 assert g.power.min_w <= cap <= g.power.max_w
                 draw += cap
             elif g.placeable:
-                draw += g.power.tdp_w
+                draw += g.power.nominal_w
         boosted_here = any(g.uuid in plan.power_caps_w for g in d.gpus)
         if boosted_here:
             assert draw <= domain_budget_w(d, spec.power) + 1e-6
@@ -259,6 +259,70 @@ def test_gpu_own_max_limit_caps_the_boost():
     spec = job(tp=8, replicas=2, batch=16, min_tp=4, heads=32, mlp=256, scheme=Scheme.NTP_PW)
     plan = make_plan(cluster, spec)
     assert max(plan.power_caps_w.values()) <= 750
+
+
+# ---- fleet base power cap --------------------------------------------------------------------------
+
+H100 = PowerLimits(tdp_w=700, min_w=200, max_w=700)  # default = max, as recorded on a real H100
+
+
+def test_default_equal_to_max_leaves_ntp_pw_no_headroom():
+    # Without a base cap a TP7 group cannot go above 700 W = its default: ntp-pw plans what ntp plans.
+    cluster = cluster_from_counts([8, 8], [(1, 7)], power=H100)
+    pw = make_plan(cluster, job(tp=8, replicas=2, batch=16, min_tp=4, heads=32, mlp=256, scheme=Scheme.NTP_PW))
+    ntp = make_plan(cluster, job(tp=8, replicas=2, batch=16, min_tp=4, heads=32, mlp=256, scheme=Scheme.NTP))
+    assert pw.global_batch == ntp.global_batch == 16 + 13 and not pw.power_caps_w
+
+
+def test_base_cap_gives_the_reduced_group_headroom_up_to_the_maximum():
+    # Base cap 0.85 x 700 = 595 W. TP8 -> TP7 needs speed work(7) = 1.19375, i.e. power
+    # 1.19375^(1/0.7) = 1.288 x base; the maximum is 700/595 = 1.1765 x base, so the 7 survivors get
+    # exactly 700 W and speed 1.1765^0.7 = 1.1205: batch floor(16 x 1.1205 / 1.19375) = 15 (ntp: 13).
+    power = H100.with_base_cap(0.85)
+    assert power.base_w == pytest.approx(595) and power.nominal_w == pytest.approx(595)
+    cluster = cluster_from_counts([8, 8], [(1, 7)], power=power)
+    plan = make_plan(cluster, job(tp=8, replicas=2, batch=16, min_tp=4, heads=32, mlp=256, scheme=Scheme.NTP_PW))
+    assert sorted(plan.power_caps_w.values()) == [700.0] * 7  # only the reduced group, at its maximum
+    assert sorted(r.local_batch for r in plan.replicas) == [math.floor(16 * (700 / 595) ** 0.7 / 1.19375), 16]
+    (boosted,) = [g for r in plan.replicas for g in r.groups if g.tp == 7]
+    assert boosted.power_ratio == pytest.approx(700 / 595)
+    assert any("base cap" in x for x in plan.reasons)
+
+
+def test_base_cap_restores_full_speed_where_the_need_is_below_the_maximum():
+    # TP32 -> TP31 with the paper's units: work(31) = 1.1195 -> power 1.1195^(1/0.7) = 1.1749 x base,
+    # below 700/595 = 1.1765: full batch, survivors at 595 x 1.1749 = 699.1 W.
+    power = PowerLimits(700, 200, 700).with_base_cap(0.85)
+    cluster = cluster_from_counts([32, 32], [(0, 5)], power=power)
+    spec = job(tp=32, replicas=2, batch=8, min_tp=28, heads=128, mlp=81920, scheme=Scheme.NTP_PW)
+    plan = make_plan(cluster, spec)
+    assert plan.global_batch == 16
+    need = spec.work(31) ** (1 / 0.7)
+    assert all(w == pytest.approx(595 * need, abs=1e-3) and w <= 700 for w in plan.power_caps_w.values())
+    # the rack budget is counted against base limits: 1.15 x 32 x 595 W
+    assert domain_budget_w(cluster.domains[0], spec.power) == pytest.approx(1.15 * 32 * 595)
+
+
+@pytest.mark.parametrize(
+    ("ratio", "base"),
+    [(0.85, 595.0), (0.2, 200.0), (0.1, 200.0), (1.0, 700.0)],  # raised to the minimum, never above the default
+)
+def test_base_cap_is_a_share_of_the_maximum_within_min_and_default(ratio, base):
+    assert H100.with_base_cap(ratio).base_w == pytest.approx(base)
+
+
+def test_base_cap_never_raises_a_gpu_above_its_default():
+    b200 = PowerLimits(1000, 200, 1300)
+    assert b200.with_base_cap(0.9).base_w == 1000  # 0.9 x 1300 = 1170 > default: stays at 1000
+    assert b200.with_base_cap(0.7).base_w == pytest.approx(910)
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.5, 1.2])
+def test_bad_base_cap_is_refused(bad):
+    with pytest.raises(TopologyError, match="base power cap"):
+        H100.with_base_cap(bad)
+    with pytest.raises(TopologyError, match="between the minimum and the default"):
+        PowerLimits(700, 200, 700, base_w=150)
 
 
 # ---- bad input -----------------------------------------------------------------------------------

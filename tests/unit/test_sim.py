@@ -13,7 +13,7 @@ import pytest
 from ntp_manager.planner import JobSpec, Scheme
 from ntp_manager.sim import FailureModel, SimError, SimSetup, make_trace, preset, preset_cluster, replay, static_sweep
 from ntp_manager.sim.engine import Event, Trace, job_pool_size, min_spares_never_pause, placement
-from ntp_manager.topology import generate_cluster
+from ntp_manager.topology import PowerLimits, generate_cluster
 
 
 def flat_setup(domains=64, size=8, pp=1, model=FailureModel(), max_spares=0):
@@ -156,6 +156,10 @@ def run_cli(*args):
         (("--preset", "small", "--days", "0"), "--days must be positive"),
         (("--preset", "small", "--scheme", "magic"), "unknown scheme 'magic'"),
         (("--preset", "small", "--spares", "x"), "comma-separated list of integers"),
+        (("--preset", "small", "--gpu-power", "700,200"), "use 'DEFAULT,MIN,MAX'"),
+        (("--preset", "small", "--gpu-power", "700,800,900"), "0 < MIN <= DEFAULT <= MAX"),
+        (("--preset", "small", "--base-cap", "1.5"), "base power cap"),
+        (("--cluster", "c.yaml", "--base-cap", "0.9"), "apply to presets"),
     ],
 )
 def test_cli_bad_input(args, message):
@@ -183,3 +187,20 @@ def test_cli_trace_json_with_spare_search(tmp_path):
     assert {s["scheme"] for s in run["stats"]} == {"dp-drop", "ntp", "ntp-pw"}
     assert set(run["spares_needed"]) == {"dp-drop", "ntp", "ntp-pw"}
     assert png.exists()
+
+
+def test_base_cap_gives_ntp_pw_its_headroom_back_on_a_default_equal_max_fleet():
+    # 64 NVL8 domains of H100-like GPUs (700 W default = max). Without a base cap ntp-pw cannot boost
+    # and loses what ntp loses; under a 0.85 base cap the reduced groups rise to 700 W and lose less.
+    job = JobSpec(name="t", tp=8, groups_per_replica=1, replicas=64, local_batch=8, min_tp=4, heads=32,
+                  mlp_columns=1024, scheme=Scheme.NTP)
+    h100 = PowerLimits(700, 200, 700)
+    flat = SimSetup.create(generate_cluster(64, 8, 4, power=h100), job, FailureModel())
+    capped = SimSetup.create(generate_cluster(64, 8, 4, power=h100.with_base_cap(0.85)), job, FailureModel())
+    args = ([0.02], 10, 4)
+    ntp, pw = static_sweep(flat, [Scheme.NTP, Scheme.NTP_PW], *args)
+    (pw_capped,) = static_sweep(capped, [Scheme.NTP_PW], *args)
+    assert ntp.mean_loss > 0 and pw.losses == ntp.losses
+    # TP7 needs speed work(7) = 0.4 x 5/4 + 0.6 x 147/128 = 1.189; ntp keeps floor(8 / 1.189) = 6 of 8
+    # samples; at 700/595 = 1.176 x base the survivors run at 1.120 and keep floor(8 x 1.120 / 1.189) = 7.
+    assert pw_capped.mean_loss < 0.6 * ntp.mean_loss
