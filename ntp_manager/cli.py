@@ -18,7 +18,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from ntp_manager.planner import Plan, PlanError, make_plan
+from ntp_manager.planner import GroupPlan, Plan, PlanError, PreviousLayout, ReplicaPlan, make_plan
 from ntp_manager.planner.export import plan_to_dict
 from ntp_manager.settings import Settings
 from ntp_manager.specfile import SpecError, load_cluster, load_job
@@ -65,10 +65,16 @@ def render_plan(plan: Plan, console: Console) -> None:
     table.add_column("groups")
     table.add_column("boosted GPUs", justify="right")
     table.add_column("rel. throughput", justify="right")
+    def show(r: ReplicaPlan, g: GroupPlan) -> str:
+        text = f"{g.group_id}@{g.tp}" if g.tp < plan.tp else g.group_id
+        if plan.moves is not None and (g.prev_replica, g.prev_stage) != (r.replica_id, g.stage):
+            text += " (new)" if g.prev_replica is None else f" (from r{g.prev_replica}/s{g.prev_stage})"
+        return text
+
     for r in plan.replicas:
         degraded = r.tp < plan.tp or r.relative_throughput < 1.0 or r.boosted
         style = "yellow" if degraded else None
-        groups = ", ".join(f"{g.group_id}@{g.tp}" if g.tp < plan.tp else g.group_id for g in r.groups)
+        groups = ", ".join(show(r, g) for g in r.groups)
         table.add_row(
             str(r.replica_id), str(r.tp), str(r.local_batch), groups, str(len(r.boosted)),
             f"{r.relative_throughput:.3f}", style=style,
@@ -84,6 +90,8 @@ def render_plan(plan: Plan, console: Console) -> None:
         f"{len(plan.spares_used)} spares used, {len(plan.power_caps_w)} GPUs boosted",
         highlight=False,
     )
+    if plan.moves is not None:
+        console.print(plan.moves.describe(), highlight=False)
 
 
 @app.command()
@@ -93,18 +101,39 @@ def plan(
     fail_gpu: Annotated[list[str] | None, typer.Option("--fail", help="mark this GPU UUID failed")] = None,
     fail_random: Annotated[int, typer.Option("--fail-random", min=0, help="fail N random GPUs")] = 0,
     seed: Annotated[int, typer.Option("--seed", help="seed for --fail-random")] = 0,
+    previous: Annotated[
+        Path | None, typer.Option("--previous", help="plan JSON of the layout running now: keep its groups in place")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
 ) -> None:
-    """Plan a job on a cluster (optionally with injected failures) and print the plan."""
+    """Plan a job on a cluster (optionally with injected failures) and print the plan.
+
+    With --previous (the output of an earlier `plan --json`), groups stay in their replica and stage
+    where the best packing allows, and the plan shows what moves."""
     try:
         c = apply_failures(load_cluster(cluster), fail_gpu or [], fail_random, seed)
-        p = make_plan(c, load_job(job))
+        prev = None if previous is None else PreviousLayout.from_dict(_read_json(previous))
+        p = make_plan(c, load_job(job), prev)
     except (SpecError, PlanError, TopologyError) as e:
         fail(str(e))
     if as_json:
         sys.stdout.write(json.dumps(plan_to_dict(p), indent=2) + "\n")
     else:
         render_plan(p, Console())
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such file") from None
+    except OSError as e:
+        raise SpecError(f"{path}: cannot read ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise SpecError(f"{path}: malformed JSON at line {e.lineno}: {e.msg}") from None
+    if not isinstance(doc, dict):
+        raise SpecError(f"{path}: expected a plan JSON object")
+    return doc
 
 
 @cluster_app.command("generate")

@@ -27,6 +27,7 @@ job.yaml
     scheme: ntp-pw
     spares: 1
     power: {max_boost: 1.3, exponent: 0.7, rack_headroom: 1.15}
+    parameters: 480000000000                          # optional model size (or stage_bytes: [...])
 
 Errors come out as `SpecError` with one readable line (file, field, problem).
 """
@@ -158,6 +159,9 @@ class JobFile(_Strict):
     spares: int = 0
     domains: list[str] = Field(default_factory=list)
     power: PowerSpec = PowerSpec()
+    stage_bytes: list[int] = Field(default_factory=list)  # state per pipeline stage (one, or one per stage)
+    parameters: int = Field(0, ge=0)  # model size estimate when stage_bytes is not given
+    bytes_per_parameter: float = Field(16.0, gt=0)
 
     def to_job(self) -> JobSpec:
         job = JobSpec(
@@ -165,7 +169,8 @@ class JobFile(_Strict):
             replicas=self.replicas, local_batch=self.local_batch, min_tp=self.min_tp,
             heads=self.heads, mlp_columns=self.mlp_columns, attention_share=self.attention_share,
             scheme=Scheme(self.scheme), spares=self.spares, domains=tuple(self.domains),
-            power=self.power.model(),
+            power=self.power.model(), stage_bytes=tuple(self.stage_bytes), parameters=self.parameters,
+            bytes_per_parameter=self.bytes_per_parameter,
         )
         job.validate()
         return job

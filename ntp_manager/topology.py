@@ -71,8 +71,12 @@ class PowerLimits:
     min_w: float = DEFAULT_TDP_W * 0.2
     max_w: float = DEFAULT_TDP_W * 1.3
     base_w: float | None = None
+    # The limit a healthy GPU runs at: the base cap if one is set, else the default (derived; a
+    # field rather than a property because the planner reads it for every GPU of a reduced rack).
+    nominal_w: float = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "nominal_w", self.tdp_w if self.base_w is None else self.base_w)
         if not (0 < self.min_w <= self.tdp_w <= self.max_w):
             raise TopologyError(
                 f"power limits must satisfy 0 < min <= tdp <= max, got min={self.min_w} "
@@ -83,11 +87,6 @@ class PowerLimits:
                 f"a base power cap must lie between the minimum and the default limit, got base={self.base_w} "
                 f"min={self.min_w} default={self.tdp_w}"
             )
-
-    @property
-    def nominal_w(self) -> float:
-        """The limit a healthy GPU runs at: the base cap if one is set, else the default."""
-        return self.tdp_w if self.base_w is None else self.base_w
 
     def with_base_cap(self, ratio: float | None) -> PowerLimits:
         """These limits under a fleet base cap of `ratio` x the maximum (None: no base cap)."""

@@ -3,6 +3,7 @@
 No I/O, no clock, no framework imports: the simulator and the live manager call the same code.
 """
 
+from ntp_manager.planner.moves import MoveSummary, PreviousLayout, diff_assignments
 from ntp_manager.planner.ntp_map import NtpMap, Transfer, even_chunks, ntp_map, sync_groups
 from ntp_manager.planner.plan import GroupPlan, Plan, ReplicaPlan, SetAside, make_plan
 from ntp_manager.planner.spec import JobSpec, PlanError, PowerModel, Scheme
@@ -10,14 +11,17 @@ from ntp_manager.planner.spec import JobSpec, PlanError, PowerModel, Scheme
 __all__ = [
     "GroupPlan",
     "JobSpec",
+    "MoveSummary",
     "NtpMap",
     "Plan",
     "PlanError",
     "PowerModel",
+    "PreviousLayout",
     "ReplicaPlan",
     "Scheme",
     "SetAside",
     "Transfer",
+    "diff_assignments",
     "even_chunks",
     "make_plan",
     "ntp_map",

@@ -39,6 +39,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
                         "spare": g.spare,
                         "power_ratio": g.power_ratio,
                         "gpus": list(g.gpus),
+                        "prev_replica": g.prev_replica,
+                        "prev_stage": g.prev_stage,
                     }
                     for g in r.groups
                 ],
@@ -50,4 +52,13 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "spares_used": list(plan.spares_used),
         "power_caps_w": dict(sorted(plan.power_caps_w.items())),
         "reasons": list(plan.reasons),
+        "moves": None
+        if plan.moves is None
+        else {
+            "moved": plan.moves.moved,
+            "stage_changed": plan.moves.stage_changed,
+            "joined": plan.moves.joined,
+            "left": plan.moves.left,
+            "bytes": plan.moves.bytes,
+        },
     }

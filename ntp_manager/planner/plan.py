@@ -31,8 +31,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Literal, cast
 
+from ntp_manager.planner.moves import MoveSummary, PreviousLayout, diff_assignments
+from ntp_manager.planner.packing import Item, pack
 from ntp_manager.planner.power import PowerRequest, allocate_domain_power
 from ntp_manager.planner.spec import JobSpec, PlanError, Scheme
 from ntp_manager.topology import Cluster, Domain
@@ -53,6 +55,8 @@ class GroupPlan:
     positions: range | tuple[int, ...]  # its GPUs' positions in `Cluster.flat_uuids`, TP-rank order
     domain_ids: tuple[str, ...] = field(repr=False, compare=False)
     flat_uuids: tuple[str, ...] = field(repr=False, compare=False)
+    prev_replica: int | None = None  # where it was in the previous plan (None: not placed, or no previous)
+    prev_stage: int | None = None
 
     @property
     def domain(self) -> str:
@@ -111,6 +115,7 @@ class Plan:
     global_batch: int
     target_batch: int
     reasons: tuple[str, ...] = field(default=())
+    moves: MoveSummary | None = None  # what changed relative to the previous plan, when one was given
 
     @property
     def relative_throughput(self) -> float:
@@ -179,17 +184,32 @@ class _Ctx:
 
 @dataclass(slots=True)
 class _Candidate:
-    groups: list[_Group]
-    home: int | None  # home replica id when kept intact
+    groups: list[_Group]  # in stage order
+    home: int | None  # replica id it keeps (intact, or closed under its reference id); None: new
+    stayers: int = 0  # groups in their reference slot
     tp: int = 0
     batch: int = 0
     group_tp: list[int] = field(default_factory=list)
     group_power: list[float] = field(default_factory=list)
 
 
-def make_plan(cluster: Cluster, job: JobSpec) -> Plan:
-    """Plan `job` on `cluster`. Raises PlanError (a ValueError) for invalid input."""
+Packing = Literal["stable", "sorted"]
+
+
+def make_plan(
+    cluster: Cluster, job: JobSpec, previous: Plan | PreviousLayout | None = None, *, packing: Packing = "stable"
+) -> Plan:
+    """Plan `job` on `cluster`. Raises PlanError (a ValueError) for invalid input.
+
+    `previous` is the plan currently running (a Plan, or `PreviousLayout.from_dict(plan_json)`):
+    among the packings with the best total, the planner keeps as many groups as it can in their
+    previous (replica, stage), then moves the fewest bytes, and the plan reports what moved. Without
+    it, the job's home layout (group k of the job in replica k // P, stage k % P) is the reference
+    and no moves are reported. `packing="sorted"` is the packer before stage identity (sort by
+    usable count, cut): the same totals, kept for comparison (bench/planner.py)."""
     job.validate()
+    if packing not in ("stable", "sorted"):
+        raise PlanError(f"packing must be 'stable' or 'sorted', got {packing!r}")
     positions = _job_domain_positions(cluster, job)
     T = job.tp
     all_sizes = cluster.domain_sizes
@@ -221,39 +241,30 @@ def make_plan(cluster: Cluster, job: JobSpec) -> Plan:
             )
             dropped.append(ctx.aside(g, why))
 
-    # Home replicas that are fully healthy stay intact; everything else is repacked.
     P = job.groups_per_replica
-    intact: list[_Candidate] = []
-    pool: list[_Group] = []
-    broken_homes: list[int] = []
-    n_primary = min(len(groups), job.primary_groups)
-    for r in range(job.replicas):
-        members = groups[r * P : (r + 1) * P] if (r + 1) * P <= n_primary else None
-        if members is not None and all(g.usable == T for g in members):
-            intact.append(_Candidate(members, r))
-        else:
-            broken_homes.append(r)
-            lo, hi = r * P, min((r + 1) * P, n_primary)
-            pool.extend(g for g in groups[lo:hi] if keep[g.order])
-    pool.extend(g for g in groups[n_primary:] if keep[g.order])
-    pool.sort(key=lambda g: (-g.usable, g.order))
-
-    repacked = [_Candidate(pool[i : i + P], None) for i in range(0, len(pool) - P + 1, P)]
-    idle: list[SetAside] = [
-        ctx.aside(g, f"too few usable groups to fill a replica of {P}") for g in pool[len(repacked) * P :]
-    ]
+    prev_slot, prev_unknown = _previous_slots(ctx, previous, job, reasons)
+    has_prev = prev_slot is not None
+    prev_slot = prev_slot or {}
+    idle: list[SetAside] = []
+    grants: dict[int, float] = {}
+    if packing == "sorted":
+        intact, repacked, free_ids = _pack_sorted(ctx, job, groups, keep, idle)
+    else:
+        intact, repacked, free_ids = _pack_stable(ctx, job, groups, keep, prev_slot, idle, grants)
 
     full_tp, full_power = [T] * P, [1.0] * P
     for c in intact:
         c.tp, c.batch = T, job.local_batch
         c.group_tp, c.group_power = full_tp, full_power  # shared, never mutated
-    _size_repacked(ctx, job, repacked)
+    _size_repacked(ctx, job, repacked, grants)
 
     viable = [c for c in repacked if c.batch > 0]
     for c in repacked:
         if c.batch <= 0:
             idle.extend(ctx.aside(g, f"replica at TP{c.tp} would get no sample") for g in c.groups)
-    viable.sort(key=lambda c: -c.batch)  # stable: ties keep packing order
+    # Best batch first; among equals, the replicas that keep the most groups in place (stable: ties
+    # keep packing order).
+    viable.sort(key=lambda c: (-c.batch, -c.stayers))
 
     # Select replicas, best batch first, until the target global batch is reached.
     target = job.target_batch
@@ -268,13 +279,15 @@ def make_plan(cluster: Cluster, job: JobSpec) -> Plan:
         total += c.batch
         selected.append(c)
 
-    # Replica ids: intact replicas keep theirs; repacked ones take freed ids, then new ones.
-    free = iter(broken_homes)
-    next_new = job.replicas
+    # Replica ids: kept ones keep theirs; new ones take free ids (in order), then fresh ones.
+    used_ids = {c.home for c in selected if c.home is not None}
+    free = iter(sorted(i for i in free_ids if i not in used_ids) if packing == "stable" else free_ids)
+    next_new = max([job.replicas - 1, *free_ids, *used_ids]) + 1
     replicas: list[ReplicaPlan] = []
     caps: dict[str, float] = {}
     spares_used: list[str] = []
     ids, flat = ctx.ids, ctx.flat
+    after: list[tuple[tuple[int, int], tuple[int, int]]] = []
     for c in selected:
         rid = c.home if c.home is not None else next(free, None)
         if rid is None:
@@ -289,7 +302,7 @@ def make_plan(cluster: Cluster, job: JobSpec) -> Plan:
                     lim = dg[pos].power
                     # whole milliwatts, rounded down (the 1e-6 absorbs float noise at the maximum)
                     caps[dg[pos].uuid] = min(lim.max_w, math.floor(lim.nominal_w * pr * 1000 + 1e-6) / 1000)
-                    capped = capped or dg[pos].power.base_w is not None
+                    capped = capped or lim.base_w is not None
                 base = "base cap" if capped else "TDP"
                 reasons.append(
                     f"group {ctx.gid(g)}: TP{gtp} boosted to {pr:.3f}x {base} (needs speed "
@@ -297,13 +310,17 @@ def make_plan(cluster: Cluster, job: JobSpec) -> Plan:
                 )
             if g.spare:
                 spares_used.append(ctx.gid(g))
+            was = prev_slot.get((g.dpos, g.local))
             gps.append(
                 GroupPlan(
-                    stage, gtp, g.usable, g.spare, pr, g.dpos, g.local, ctx.global_positions(g, gtp), ids, flat
+                    stage, gtp, g.usable, g.spare, pr, g.dpos, g.local, ctx.global_positions(g, gtp), ids, flat,
+                    None if was is None else was[0], None if was is None else was[1],
                 )
             )
+            if has_prev:
+                after.append(((g.dpos, g.local), (rid, stage)))
         replicas.append(ReplicaPlan(rid, tuple(gps), c.tp, c.batch, c.batch / job.local_batch))
-        if c.home is None and (c.tp < T or c.batch < job.local_batch):
+        if c.stayers < len(c.groups) and (c.tp < T or c.batch < job.local_batch):
             reasons.append(
                 f"replica {rid}: groups {', '.join(ctx.gid(g) for g in c.groups)} packed together at "
                 f"TP{c.tp}, local batch {c.batch}/{job.local_batch}"
@@ -313,6 +330,25 @@ def make_plan(cluster: Cluster, job: JobSpec) -> Plan:
         reasons.append(f"global batch {total} is below the target {target} ({100 * total / target:.2f}%)")
     if spares_used:
         reasons.append(f"{len(spares_used)} spare group(s) in use")
+    moves = None
+    if has_prev:
+
+        def name(key: tuple[int, int]) -> str:
+            return f"{ids[key[0]]}/g{key[1]}"
+
+        moves = diff_assignments(prev_slot, after, job.stage_sizes(), name, prev_unknown)
+        reasons.append(moves.describe())
+        shown = 0
+        for key, new in after:
+            old = prev_slot.get(key)
+            if old == new:
+                continue
+            if shown == MAX_MOVE_REASONS:
+                reasons.append(f"... and {moves.moved - MAX_MOVE_REASONS} more moved group(s)")
+                break
+            shown += 1
+            was_at = "newly placed" if old is None else f"replica {old[0]} stage {old[1]}"
+            reasons.append(f"group {name(key)}: {was_at} -> replica {new[0]} stage {new[1]}")
 
     return Plan(
         job=job.name,
@@ -326,7 +362,166 @@ def make_plan(cluster: Cluster, job: JobSpec) -> Plan:
         global_batch=total,
         target_batch=target,
         reasons=tuple(reasons),
+        moves=moves,
     )
+
+
+MAX_MOVE_REASONS = 20  # moved groups named one by one in a plan's reasons
+
+
+def _previous_slots(
+    ctx: _Ctx, previous: Plan | PreviousLayout | None, job: JobSpec, reasons: list[str]
+) -> tuple[dict[tuple[int, int], tuple[int, int]] | None, int]:
+    """Previous (replica, stage) by (domain position, group index in its domain), and how many of
+    its groups this cluster does not hold; (None, 0) without a usable previous plan."""
+    if previous is None:
+        return None, 0
+    if isinstance(previous, Plan):
+        tp: int | None = previous.tp
+        per = {len(r.groups) for r in previous.replicas}
+        P_prev = per.pop() if len(per) == 1 else None
+    else:
+        tp, P_prev = previous.tp, previous.groups_per_replica
+    if tp is not None and tp != job.tp:
+        reasons.append(f"previous plan ignored: its TP degree {tp} is not the job's {job.tp}")
+        return None, 0
+    if P_prev is not None and P_prev != job.groups_per_replica:
+        reasons.append(
+            f"previous plan ignored: its replicas have {P_prev} groups, the job's {job.groups_per_replica}"
+        )
+        return None, 0
+    out: dict[tuple[int, int], tuple[int, int]] = {}
+    unknown = 0
+    if isinstance(previous, Plan) and all(
+        g.domain_ids is ctx.ids for r in previous.replicas[:1] for g in r.groups[:1]
+    ):
+        # a plan of this cluster (the same shape): positions are comparable, no ids to parse
+        for r in previous.replicas:
+            for g in r.groups:
+                out[(g.domain_pos, g.local)] = (r.replica_id, g.stage)
+        return out, 0
+    layout = previous if isinstance(previous, PreviousLayout) else PreviousLayout.from_plan(previous)
+    index = ctx.cluster.domain_index
+    for gid, slot in layout.assignments.items():
+        dom, sep, local = gid.rpartition("/g")
+        dpos = index.get(dom)
+        if sep and dpos is not None and local.isdigit():
+            out[(dpos, int(local))] = slot
+        else:
+            unknown += 1
+    return out, unknown
+
+
+def _pack_stable(
+    ctx: _Ctx,
+    job: JobSpec,
+    groups: list[_Group],
+    keep: list[bool],
+    prev_slot: Mapping[tuple[int, int], tuple[int, int]],
+    idle: list[SetAside],
+    grants: dict[int, float],
+) -> tuple[list[_Candidate], list[_Candidate], list[int]]:
+    """Replicas with stage identity: (intact, repacked, ids of reference replicas).
+
+    The reference is the previous plan, else the home layout. A reference replica whose P groups
+    are all still fully usable stays exactly as it is. Every other usable group is packed by
+    planner/packing.py, keyed by what sets a replica's value under the scheme. Under ntp-pw the
+    power grants behind the keys are left in `grants` (group order -> power ratio) for reuse,
+    minus the racks where a reduced group was left over (those are granted again without it)."""
+    T, P = job.tp, job.groups_per_replica
+    n_primary = min(len(groups), job.primary_groups)
+
+    def ref(g: _Group) -> tuple[int, int] | None:
+        if prev_slot:
+            slot = prev_slot.get((g.dpos, g.local))
+            return slot if slot is not None and slot[1] < P else None
+        return (g.order // P, g.order % P) if g.order < n_primary else None
+
+    rows: dict[int, list[_Group | None]] = {}
+    if prev_slot:
+        for g in groups:
+            slot = ref(g)
+            if slot is not None:
+                row = rows.get(slot[0])
+                if row is None:
+                    row = rows[slot[0]] = [None] * P
+                row[slot[1]] = g
+    else:  # the home layout: replica r holds the job's groups r*P .. r*P+P-1
+        for r in range(-(-n_primary // P)):
+            home: list[_Group | None] = [*groups[r * P : min((r + 1) * P, n_primary)]]
+            rows[r] = home + [None] * (P - len(home))
+    intact: list[_Candidate] = []
+    in_intact: set[int] = set()
+    for rid in sorted(rows):
+        members = rows[rid]
+        if all(g is not None and keep[g.order] and g.usable == T for g in members):
+            full = [g for g in members if g is not None]
+            intact.append(_Candidate(full, rid, P))
+            in_intact.update(g.order for g in full)
+    pool = [g for g in groups if keep[g.order] and g.order not in in_intact]
+    keys = _packing_keys(ctx, job, pool, grants)
+    items = [Item(i, keys[i], ref(g)) for i, g in enumerate(pool)]
+    sizes = job.stage_sizes()
+    blocks, left = pack(items, P, None if sizes is None else [sizes[s] for s in range(P)])
+    repacked = [_Candidate([pool[i] for i in b.slots], b.rid, b.stayers) for b in blocks]
+    idle.extend(ctx.aside(pool[i], f"too few usable groups to fill a replica of {P}") for i in left)
+    stale = {pool[i].dpos for i in left if pool[i].usable < T}
+    if stale:
+        for order in [o for o in grants if groups[o].dpos in stale]:
+            del grants[order]
+    free_ids = sorted(set(rows) - {c.home for c in intact})
+    return intact, repacked, free_ids
+
+
+def _packing_keys(ctx: _Ctx, job: JobSpec, pool: list[_Group], grants: dict[int, float]) -> list[int]:
+    """What a replica is worth is the lowest key of its groups: all equal under dp-drop (only full
+    groups are kept), the usable count under ntp (the replica runs at its lowest), and under ntp-pw
+    the local batch the group's power grant allows (each group runs at its own degree, boosted
+    within its rack's budget; grants here count every reduced group of the pool)."""
+    T = job.tp
+    if job.scheme is Scheme.DP_DROP:
+        return [0] * len(pool)
+    if job.scheme is Scheme.NTP:
+        return [min(g.usable, T) for g in pool]
+    work = {t: job.work(t) for t in range(job.min_tp, T + 1)}
+    requests: dict[int, list[PowerRequest]] = {}
+    for i, g in enumerate(pool):
+        t = min(g.usable, T)
+        if t < T:
+            requests.setdefault(g.dpos, []).append(PowerRequest(i, ctx.domain(g), ctx.uuids(g, t), work[t]))
+    keys = [job.local_batch] * len(pool)
+    for reqs in requests.values():
+        granted = allocate_domain_power(reqs[0].domain, reqs, job.power)
+        for req in reqs:
+            i = cast(int, req.key)
+            keys[i] = job.reduced_batch(min(pool[i].usable, T), job.power.speed(granted[req.key]))
+            grants[pool[i].order] = granted[req.key]
+    return keys
+
+
+def _pack_sorted(
+    ctx: _Ctx, job: JobSpec, groups: list[_Group], keep: list[bool], idle: list[SetAside]
+) -> tuple[list[_Candidate], list[_Candidate], list[int]]:
+    """The packer before stage identity: intact home replicas stay, every other usable group is
+    sorted by usable count and the list is cut into replicas (a group's stage is its position)."""
+    T, P = job.tp, job.groups_per_replica
+    intact: list[_Candidate] = []
+    pool: list[_Group] = []
+    broken_homes: list[int] = []
+    n_primary = min(len(groups), job.primary_groups)
+    for r in range(job.replicas):
+        members = groups[r * P : (r + 1) * P] if (r + 1) * P <= n_primary else None
+        if members is not None and all(g.usable == T for g in members):
+            intact.append(_Candidate(members, r, P))
+        else:
+            broken_homes.append(r)
+            lo, hi = r * P, min((r + 1) * P, n_primary)
+            pool.extend(g for g in groups[lo:hi] if keep[g.order])
+    pool.extend(g for g in groups[n_primary:] if keep[g.order])
+    pool.sort(key=lambda g: (-g.usable, g.order))
+    repacked = [_Candidate(pool[i : i + P], None) for i in range(0, len(pool) - P + 1, P)]
+    idle.extend(ctx.aside(g, f"too few usable groups to fill a replica of {P}") for g in pool[len(repacked) * P :])
+    return intact, repacked, broken_homes
 
 
 def _job_domain_positions(cluster: Cluster, job: JobSpec) -> Sequence[int]:
@@ -379,8 +574,12 @@ def _enumerate_groups(
     return groups[:want]
 
 
-def _size_repacked(ctx: _Ctx, job: JobSpec, repacked: list[_Candidate]) -> None:
-    """Set TP degrees, power ratios and local batches of repacked replicas, by scheme."""
+def _size_repacked(
+    ctx: _Ctx, job: JobSpec, repacked: list[_Candidate], known: Mapping[int, float] | None = None
+) -> None:
+    """Set TP degrees, power ratios and local batches of repacked replicas, by scheme. `known`:
+    power ratios already granted (group order -> ratio) for racks whose reduced groups are exactly
+    the ones packed here."""
     T, B = job.tp, job.local_batch
     if job.scheme is Scheme.DP_DROP:
         for c in repacked:
@@ -406,6 +605,9 @@ def _size_repacked(ctx: _Ctx, job: JobSpec, repacked: list[_Candidate]) -> None:
         c.group_power = [1.0] * len(c.groups)
         for si, (g, t) in enumerate(zip(c.groups, c.group_tp, strict=True)):
             if t < T:
+                if known is not None and g.order in known:
+                    c.group_power[si] = known[g.order]
+                    continue
                 requests.setdefault(g.dpos, []).append(
                     PowerRequest((ci, si), ctx.domain(g), ctx.uuids(g, t), work[t])
                 )

@@ -108,6 +108,13 @@ class JobSpec:
     local_batch        samples per replica per step when healthy
     spares             TP groups beyond replicas x groups_per_replica the job may draw on
     domains            domain ids the job may use, in order (empty: every domain of the cluster)
+    stage_bytes        optional: bytes of parameters + optimizer state one pipeline stage holds
+                       (one value for every stage, or one per stage); what a TP group loads when it
+                       changes stage. Used only to report and break ties between equal packings.
+    parameters         optional model-size estimate used when stage_bytes is not given: the
+                       model's parameter count, split evenly over the stages at
+                       `bytes_per_parameter` each (16: bf16 weights and gradients, fp32 master
+                       weights and two Adam moments)
     """
 
     name: str
@@ -123,6 +130,9 @@ class JobSpec:
     spares: int = 0
     domains: tuple[str, ...] = ()
     power: PowerModel = field(default_factory=PowerModel)
+    stage_bytes: tuple[int, ...] = ()
+    parameters: int = 0
+    bytes_per_parameter: float = 16.0
 
     @property
     def target_batch(self) -> int:
@@ -154,7 +164,27 @@ class JobSpec:
             raise PlanError(f"attention_share must be in [0, 1], got {self.attention_share}")
         if len(set(self.domains)) != len(self.domains):
             raise PlanError("job domains contain duplicates")
+        if self.stage_bytes and len(self.stage_bytes) not in (1, self.groups_per_replica):
+            raise PlanError(
+                f"stage_bytes needs one value or one per stage ({self.groups_per_replica}), got {len(self.stage_bytes)}"
+            )
+        if any(not isinstance(b, int) or b < 0 for b in self.stage_bytes):
+            raise PlanError("stage_bytes must be non-negative integers (bytes)")
+        if not isinstance(self.parameters, int) or self.parameters < 0:
+            raise PlanError(f"parameters must be a non-negative integer, got {self.parameters!r}")
+        if not self.bytes_per_parameter > 0:
+            raise PlanError(f"bytes_per_parameter must be positive, got {self.bytes_per_parameter}")
         self.power.validate()
+
+    def stage_sizes(self) -> dict[int, int] | None:
+        """Bytes of state per pipeline stage (see stage_bytes / parameters), None when unknown."""
+        P = self.groups_per_replica
+        if self.stage_bytes:
+            return {s: self.stage_bytes[s if len(self.stage_bytes) > 1 else 0] for s in range(P)}
+        if self.parameters:
+            per = int(self.parameters * self.bytes_per_parameter / P)
+            return dict.fromkeys(range(P), per)
+        return None
 
     # ---- the work model -----------------------------------------------------------------------
     def work(self, tp: int) -> float:

@@ -115,3 +115,28 @@ def test_cluster_base_cap_boosts_the_reduced_group_to_the_maximum(tmp_path):
     victim = cl.domains[0].gpus[3].uuid
     doc = json.loads(run("plan", "-c", str(c), "-j", str(j), "--json", "--fail", victim).stdout)
     assert sorted(doc["power_caps_w"].values()) == [700.0, 700.0, 700.0]
+
+
+def test_previous_plan_keeps_groups_in_place_and_shows_the_moves(tmp_path):
+    # 4 NVL4 domains, TP4 x 2 stages, 2 replicas, ntp: failures in both replicas (stage 1 of replica
+    # 0, stage 0 of replica 1) put the two TP3 groups into one replica by one swap.
+    c = write(tmp_path, "c.yaml", "generate: {domains: 4, domain_size: 4, gpus_per_node: 2}\n")
+    j = write(tmp_path, "j.yaml", "name: j\ntp: 4\ngroups_per_replica: 2\nreplicas: 2\nlocal_batch: 4\n"
+                                  "min_tp: 2\nheads: 8\nparameters: 1000000000\n")
+    first = run("plan", "-c", str(c), "-j", str(j), "--json")
+    assert first.returncode == 0, first.stderr
+    prev = write(tmp_path, "prev.json", first.stdout)
+    doc = json.loads(first.stdout)
+    a = doc["replicas"][0]["groups"][1]["gpus"][0]
+    b = doc["replicas"][1]["groups"][0]["gpus"][0]
+    out = run("plan", "-c", str(c), "-j", str(j), "--json", "--fail", a, "--fail", b, "--previous", str(prev))
+    assert out.returncode == 0, out.stderr
+    moved = json.loads(out.stdout)["moves"]
+    assert moved["moved"] == 2 and moved["bytes"] is not None and moved["left"] == 0
+    text = run("plan", "-c", str(c), "-j", str(j), "--fail", a, "--fail", b, "--previous", str(prev))
+    assert "moves vs the previous plan: 2 group(s) moved" in text.stdout and "(from r" in text.stdout
+    bad = write(tmp_path, "bad.json", "{not json")
+    r = run("plan", "-c", str(c), "-j", str(j), "--previous", str(bad))
+    assert r.returncode == 2 and "malformed JSON" in r.stderr and "Traceback" not in r.stderr
+    r = run("plan", "-c", str(c), "-j", str(j), "--previous", str(write(tmp_path, "x.json", '{"replicas": 3}')))
+    assert r.returncode == 2 and "previous plan JSON is malformed" in r.stderr

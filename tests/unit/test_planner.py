@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ntp_manager.planner import JobSpec, PlanError, PowerModel, Scheme, make_plan
+from ntp_manager.planner import JobSpec, PlanError, PowerModel, PreviousLayout, Scheme, make_plan
 from ntp_manager.planner.power import domain_budget_w
 from ntp_manager.topology import GpuState, PowerLimits, TopologyError, generate_cluster
 from tests.fakes.builders import cluster_from_counts, cluster_with_usable, job
@@ -111,6 +111,37 @@ def test_packing_matches_brute_force(case):
     plan = make_plan(cluster, spec)
     assert len(plan.replicas) == spec.replicas
     assert sum(r.tp for r in plan.replicas) == brute_force_best(usable, pp)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.integers(2, 6).flatmap(
+        lambda tp: st.tuples(
+            st.just(tp),
+            st.integers(2, 3).flatmap(
+                lambda pp: st.tuples(
+                    st.just(pp),
+                    st.lists(st.integers(1, tp), min_size=2 * pp, max_size=pp * 3).filter(
+                        lambda xs, pp=pp: len(xs) % pp == 0
+                    ),
+                )
+            ),
+            st.randoms(use_true_random=False),
+        )
+    )
+)
+def test_packing_with_a_previous_layout_still_matches_brute_force(case):
+    # Whatever the previous layout (here: a random assignment of the groups to replicas and stages),
+    # keeping groups in place never costs total TP: the sum of replica minima is the optimum.
+    tp, (pp, usable), rnd = case
+    cluster = cluster_with_usable(tp, usable)
+    spec = job(tp=tp, pp=pp, replicas=len(usable) // pp, min_tp=1, batch=1000, heads=64, mlp=64)
+    gids = [f"d{d}/g0" for d in range(len(usable))]
+    rnd.shuffle(gids)
+    prev = PreviousLayout({g: (i // pp, i % pp) for i, g in enumerate(gids)}, tp, pp)
+    plan = make_plan(cluster, spec, prev)
+    assert sum(r.tp for r in plan.replicas) == brute_force_best(usable, pp)
+    assert plan.global_batch == make_plan(cluster, spec, packing="sorted").global_batch
 
 
 def test_packing_puts_partly_failed_domains_together():
