@@ -37,7 +37,7 @@ from rich.table import Table
 
 from ntp_manager.planner import JobSpec, Plan, Scheme, diff_assignments, make_plan
 from ntp_manager.sim import FailureModel, SimSetup, make_trace, preset, preset_cluster
-from ntp_manager.topology import Cluster, GpuState, generate_cluster
+from ntp_manager.topology import DEFAULT_POWER, Cluster, GpuState, PowerLimits, generate_cluster
 
 SIZES = [8_192, 32_768, 100_000, 1_000_000]
 SHAPES = [("NVL32", 32, 32), ("NVL72", 72, 64)]  # (name, domain size, TP)
@@ -157,15 +157,28 @@ def paper_job(scheme: Scheme) -> JobSpec:
     return replace(preset("paper-32k").job, scheme=scheme, parameters=PAPER_PARAMETERS)
 
 
-def churn_one_at_a_time(scheme: Scheme, failures: int = 60, seed: int = 0) -> dict[str, dict[str, float]]:
-    cluster = preset_cluster(preset("paper-32k"))
+# (label, scheme, GPU power limits): the third is an H100-like fleet (700 W default = max) under a
+# 0.85 base cap, where ntp-pw restores TP31 groups but not TP30 ones, so its packing keys differ.
+VARIANTS = [
+    ("ntp", Scheme.NTP, DEFAULT_POWER),
+    ("ntp-pw", Scheme.NTP_PW, DEFAULT_POWER),
+    ("ntp-pw, H100 base 0.85", Scheme.NTP_PW, PowerLimits(700, 200, 700).with_base_cap(0.85)),
+]
+
+
+def churn_one_at_a_time(
+    scheme: Scheme, power: PowerLimits = DEFAULT_POWER, failures: int = 60, seed: int = 0
+) -> dict[str, dict[str, float]]:
+    cluster = preset_cluster(preset("paper-32k"), power=power)
     victims = random.Random(seed).sample(list(cluster.flat_uuids), failures)
     return churn_run(cluster, paper_job(scheme), [{v: GpuState.FAILED} for v in victims])
 
 
-def churn_trace(scheme: Scheme, days: float = 15, seed: int = 0) -> dict[str, dict[str, float]]:
+def churn_trace(
+    scheme: Scheme, power: PowerLimits = DEFAULT_POWER, days: float = 15, seed: int = 0
+) -> dict[str, dict[str, float]]:
     p = preset("paper-32k")
-    cluster = preset_cluster(p)
+    cluster = preset_cluster(p, power=power)
     setup = SimSetup.create(cluster, paper_job(scheme), FailureModel(hardware_repair_h=72.0))
     trace = make_trace(setup, days, seed, warmup_days=6)
     steps: list[dict[str, GpuState]] = []
@@ -249,23 +262,23 @@ def churn(console: Console) -> dict[str, object]:
         table.add_column(col, justify="right")
     out: dict[str, object] = {}
     for label, fn in (("60 failures, one at a time", churn_one_at_a_time), ("15-day trace", churn_trace)):
-        for scheme in (Scheme.NTP, Scheme.NTP_PW):
-            with console.status(f"{label}, {scheme.value}"):
-                res = fn(scheme)
-            out[f"{label} / {scheme.value}"] = res
+        for name, scheme, power in VARIANTS:
+            with console.status(f"{label}, {name}"):
+                res = fn(scheme, power)
+            out[f"{label} / {name}"] = res
             eq = res["equal_batch_steps"]
             kinds = ("", "/failure", "/repair") if "trace" in label else ("",)
             for kind in kinds:
                 for packer in ("stable", "sorted"):
                     r = res[packer + kind]
                     table.add_row(
-                        label + (f" ({kind[1:]}s)" if kind else ""), scheme.value, packer, str(r["steps"]),
+                        label + (f" ({kind[1:]}s)" if kind else ""), name, packer, str(r["steps"]),
                         f"{r['stage_mean']:.2f}", str(r["stage_max"]), f"{r['moved_mean']:.2f}", str(r["moved_max"]),
                         f"{r['tb_mean']:.2f}", f"{r['tb_max']:.1f}",
                         f"{eq['equal']}/{eq['of']}" if packer == "stable" and not kind else "",
                     )
             if "trace" in res:
-                console.print(f"15-day trace ({scheme.value}): {res['trace']}")
+                console.print(f"15-day trace ({name}): {res['trace']}")
     console.print(table)
     return out
 

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, cast
 
-from ntp_manager.planner.moves import MoveSummary, PreviousLayout, diff_assignments
+from ntp_manager.planner.moves import MoveSummary, PreviousLayout
 from ntp_manager.planner.packing import Item, pack
 from ntp_manager.planner.power import PowerRequest, allocate_domain_power
 from ntp_manager.planner.spec import JobSpec, PlanError, Scheme
@@ -287,7 +287,9 @@ def make_plan(
     caps: dict[str, float] = {}
     spares_used: list[str] = []
     ids, flat = ctx.ids, ctx.flat
-    after: list[tuple[tuple[int, int], tuple[int, int]]] = []
+    # moved groups: (key, previous slot or None, new slot); placed_before: placed groups that had a slot
+    moved: list[tuple[tuple[int, int], tuple[int, int] | None, tuple[int, int]]] = []
+    placed_before = 0
     for c in selected:
         rid = c.home if c.home is not None else next(free, None)
         if rid is None:
@@ -310,7 +312,7 @@ def make_plan(
                 )
             if g.spare:
                 spares_used.append(ctx.gid(g))
-            was = prev_slot.get((g.dpos, g.local))
+            was = prev_slot.get((g.dpos, g.local)) if has_prev else None
             gps.append(
                 GroupPlan(
                     stage, gtp, g.usable, g.spare, pr, g.dpos, g.local, ctx.global_positions(g, gtp), ids, flat,
@@ -318,7 +320,10 @@ def make_plan(
                 )
             )
             if has_prev:
-                after.append(((g.dpos, g.local), (rid, stage)))
+                if was is not None:
+                    placed_before += 1
+                if was is None or was[0] != rid or was[1] != stage:
+                    moved.append(((g.dpos, g.local), was, (rid, stage)))
         replicas.append(ReplicaPlan(rid, tuple(gps), c.tp, c.batch, c.batch / job.local_batch))
         if c.stayers < len(c.groups) and (c.tp < T or c.batch < job.local_batch):
             reasons.append(
@@ -332,23 +337,22 @@ def make_plan(
         reasons.append(f"{len(spares_used)} spare group(s) in use")
     moves = None
     if has_prev:
-
-        def name(key: tuple[int, int]) -> str:
-            return f"{ids[key[0]]}/g{key[1]}"
-
-        moves = diff_assignments(prev_slot, after, job.stage_sizes(), name, prev_unknown)
+        sizes = job.stage_sizes()
+        changing = [new for _, old, new in moved if old is None or old[1] != new[1]]
+        moves = MoveSummary(
+            moved=len(moved),
+            stage_changed=len(changing),
+            joined=sum(1 for _, old, _ in moved if old is None),
+            left=len(prev_slot) - placed_before + prev_unknown,
+            bytes=None if sizes is None else sum(sizes[new[1]] for new in changing),
+            moved_groups=tuple(f"{ids[k[0]]}/g{k[1]}" for k, _, _ in moved),
+        )
         reasons.append(moves.describe())
-        shown = 0
-        for key, new in after:
-            old = prev_slot.get(key)
-            if old == new:
-                continue
-            if shown == MAX_MOVE_REASONS:
-                reasons.append(f"... and {moves.moved - MAX_MOVE_REASONS} more moved group(s)")
-                break
-            shown += 1
+        for (_, old, new), gid in zip(moved[:MAX_MOVE_REASONS], moves.moved_groups, strict=False):
             was_at = "newly placed" if old is None else f"replica {old[0]} stage {old[1]}"
-            reasons.append(f"group {name(key)}: {was_at} -> replica {new[0]} stage {new[1]}")
+            reasons.append(f"group {gid}: {was_at} -> replica {new[0]} stage {new[1]}")
+        if len(moved) > MAX_MOVE_REASONS:
+            reasons.append(f"... and {len(moved) - MAX_MOVE_REASONS} more moved group(s)")
 
     return Plan(
         job=job.name,

@@ -309,7 +309,7 @@ def test_random_sequences_keep_the_paper_like_shape_quiet():
     # 64 NVL8 domains, TP8 x 8 stages, 8 replicas, 20 failures one at a time under ntp: each step
     # moves at most a handful of groups and keeps the sorted packer's global batch.
     cluster = generate_cluster(64, 8, 4)
-    spec = job(tp=8, pp=8, replicas=8, min_tp=6, heads=32, mlp=256)
+    spec = job(tp=8, pp=8, replicas=8, min_tp=6, heads=32, mlp=256, stage_bytes=tuple(range(1, 9)))
     rng = random.Random(3)
     plan = make_plan(cluster, spec)
     snap = cluster
@@ -318,4 +318,10 @@ def test_random_sequences_keep_the_paper_like_shape_quiet():
         new = make_plan(snap, spec, plan)
         assert new.global_batch == make_plan(snap, spec, packing="sorted").global_batch
         assert new.moves is not None and new.moves.moved <= 8
+        # the plan's own summary is the group-by-group comparison of the two plans
+        slots = [(g.group_id, (r.replica_id, g.stage)) for r in new.replicas for g in r.groups]
+        ref = diff_assignments(PreviousLayout.from_plan(plan).assignments, slots, spec.stage_sizes())
+        assert (ref.moved, ref.stage_changed, ref.joined, ref.left, ref.bytes) == (
+            new.moves.moved, new.moves.stage_changed, new.moves.joined, new.moves.left, new.moves.bytes)
+        assert set(ref.moved_groups) == set(new.moves.moved_groups)
         plan = new
