@@ -96,7 +96,8 @@ class ZScoreDetector:
             i = pos[s]
             r = ranks[i]
             zs, _ = self._z.last(np.array([s]), o.enter_window)
-            fac = float(self._factor.median_last(np.array([fpos[s]]), o.enter_window)[0])
+            self._factor.since[fpos[s]] = self._z.since[s]
+            fac = float(self._factor.median_since_onset(np.array([fpos[s]]), o.enter_window)[0])
             self._z.reported[s] = fac
             zt = tuple(float(v) for v in zs[0] if not math.isnan(v))
             out.append(

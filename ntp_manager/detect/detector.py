@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ntp_manager.detect.model import FloatArray, IntArray, RobustFit, group_median, group_min, median
+from ntp_manager.detect.model import FloatArray, IntArray, RobustFit, group_median, group_min, median, row_nanmedian
 from ntp_manager.detect.options import DetectorOptions, OptionsError
 from ntp_manager.detect.types import Columns, DetectError, RankObservation, StepObservation
 from ntp_manager.detect.verdicts import (
@@ -49,6 +49,7 @@ from ntp_manager.detect.verdicts import (
 from ntp_manager.detect.window import Rule, Tracker
 
 _EXPIRE_EVERY = 64  # steps between sweeps for idle GPUs and groups
+_BASELINE_EVERY = 8  # steps between recomputations of the GPUs' own paces
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +88,9 @@ def _rule_network(o: DetectorOptions) -> Rule:
 
 
 def _rule_imbalance(o: DetectorOptions) -> Rule:
+    # a majority of the window: the window's median work is above (below) the level
     w = o.imbalance_window
-    k = max(1, math.ceil(0.75 * w))
+    k = w // 2 + 1
     return Rule(1 + o.imbalance_margin, w, k, 1 + o.imbalance_margin / 2, w, k)
 
 
@@ -102,16 +104,17 @@ class WorkloadDetector:
     def __init__(self, options: DetectorOptions | None = None) -> None:
         self._opts = options or DetectorOptions()
         o = self._opts
-        slow_cap = max(o.enter_window, o.exit_window)
-        self._slow = Tracker(slow_cap)  # per GPU: step factor f
-        self._peers = Tracker(slow_cap)  # per GPU: compute / TP group median (evidence and scope)
-        self._net = Tracker(slow_cap)  # per group: transfer factor
+        # per GPU: main ring = step factor relative to the GPU's own healthy pace; channels: the
+        # factor against its TP peers (evidence, scope) and its healthy factors (its own pace)
+        self._slow = Tracker(max(o.enter_window, o.exit_window))
+        self._slow.add_channel("peers", max(o.enter_window, o.exit_window))
+        self._slow.add_channel("base", o.baseline_window)
+        self._net = Tracker(max(o.enter_window, o.exit_window))  # per group: transfer factor
         self._imb = Tracker(o.imbalance_window)  # per group: work factor
         self._fits: dict[int, RobustFit] = {}
         self._net_fits: dict[int, RobustFit] = {}
         self._meta: dict[str, RankObservation] = {}
         self._pred: dict[str, float] = {}
-        self._group_stage: dict[str, int] = {}
         self._last_step: int | None = None
 
     # ---- configuration ------------------------------------------------------------------------------
@@ -127,7 +130,8 @@ class WorkloadDetector:
             raise OptionsError(f"expected DetectorOptions, got {type(options).__name__}")
         cap = max(options.enter_window, options.exit_window)
         self._slow.resize(cap)
-        self._peers.resize(cap)
+        self._slow.channels["peers"].resize(cap)
+        self._slow.channels["base"].resize(options.baseline_window)
         self._net.resize(cap)
         self._imb.resize(options.imbalance_window)
         for fit in (*self._fits.values(), *self._net_fits.values()):
@@ -139,7 +143,6 @@ class WorkloadDetector:
         gpus = list(gpus)
         flagged = set(self._slow.flagged())
         self._slow.forget(gpus)
-        self._peers.forget(gpus)
         for g in gpus:
             self._meta.pop(g, None)
             self._pred.pop(g, None)
@@ -158,10 +161,11 @@ class WorkloadDetector:
         return self._slow.flagged()
 
     def snapshot(self) -> DetectorSnapshot:
+        """Every known GPU's standing; its factor is relative to healthy peers (own pace included)."""
         o = self._opts
         keys = self._slow.keys()
         slots = self._slow.slots_for(keys)
-        med = self._slow.median_last(slots, o.exit_window) if len(slots) else np.empty(0)
+        med = self._slow.median_last(slots, o.exit_window) * self._slow.aux[slots] if len(slots) else np.empty(0)
         ranks = []
         for k, s, m in zip(keys, slots.tolist(), med.tolist(), strict=True):
             r = self._meta.get(k)
@@ -205,9 +209,8 @@ class WorkloadDetector:
         for g in self._slow.expire(step, idle):
             self._meta.pop(g, None)
             self._pred.pop(g, None)
-        self._peers.expire(step, idle)
-        for g in self._net.expire(step, idle) + self._imb.expire(step, idle):
-            self._group_stage.pop(g, None)
+        self._net.expire(step, idle)
+        self._imb.expire(step, idle)
 
     def _step(self, cols: Columns) -> list[Verdict]:
         o = self._opts
@@ -216,8 +219,6 @@ class WorkloadDetector:
         gnames, g_stage, g_tp, g_tok, g_sq = cols.groups, cols.g_stage, cols.g_tp, cols.g_tokens, cols.g_sumsq
         g_members = cols.g_members
         ng = len(gnames)
-        for name, s in zip(gnames, g_stage.tolist(), strict=True):
-            self._group_stage[name] = s
         x = np.column_stack([g_tok / g_tp, g_sq / g_tp, np.ones(ng)])
         stages = sorted(set(g_stage.tolist()))
 
@@ -232,13 +233,12 @@ class WorkloadDetector:
         pred = pred_g[gidx] / speed
         ratio = compute / pred
         valid = ~np.isnan(ratio)
-        nvalid = int(valid.sum())
-        norm = median(ratio[valid]) if nvalid >= o.min_peers else 1.0
+        # 2. peers: the job's median ratio is what "healthy" means this step
+        norm = median(ratio[valid]) if int(valid.sum()) >= o.min_peers else 1.0
         f = ratio / norm
         eff = compute * speed
         g_eff = group_median(eff, gidx, ng)
-        vs_peers = np.where(g_tp[gidx] > 1, eff / g_eff[gidx], np.nan)
-        vs_peers[g_members[gidx] < 2] = np.nan
+        vs_peers = np.where((g_tp[gidx] > 1) & (g_members[gidx] >= 2), eff / g_eff[gidx], np.nan)
         r_stage = g_stage[gidx]
         stage_raw = compute / group_median(compute, r_stage, int(r_stage.max()) + 1)[r_stage]
         for gpu, r, p in zip(gpus, ranks, (pred * norm).tolist(), strict=True):
@@ -246,24 +246,30 @@ class WorkloadDetector:
             if not math.isnan(p):
                 self._pred[gpu] = p
 
-        # 2-3. per-GPU hysteresis
+        # ... and the GPU's own healthy pace among them (clamped: it cannot excuse a real slowdown)
+        slots = self._slow.slots_for(gpus)
+        base = self._baselines(slots, step)
+        rel = f / base
+
+        # 3. per-GPU hysteresis on the factor relative to its own pace
         verdicts: list[Verdict] = []
         vidx = np.nonzero(valid)[0]
-        slots = self._slow.slots_for([gpus[i] for i in vidx.tolist()])
-        peer_slots = self._peers.slots_for([gpus[i] for i in vidx.tolist()])
-        self._slow.push(slots, f[vidx], step)
-        self._peers.push(peer_slots, vs_peers[vidx], step)
-        entered, exited = self._slow.decide(slots, _rule_slow(o))
-        if len(entered) or len(exited) or self._slow.flag[slots].any():
+        vslots = slots[vidx]
+        self._slow.push(vslots, rel[vidx], step)
+        self._slow.channels["peers"].push(vslots, vs_peers[vidx], step)
+        entered, exited = self._slow.decide(vslots, _rule_slow(o))
+        flagged = self._slow.flag[slots]
+        if len(entered) or len(exited) or flagged.any():
             verdicts += self._slow_verdicts(
-                step, ranks, vidx, slots, peer_slots, entered, exited, compute, pred * norm, stage_raw, wait, gidx,
+                step, ranks, vidx, vslots, entered, exited, compute, pred * norm, stage_raw, wait, gidx,
             )
+            flagged = self._slow.flag[slots]
 
-        # 5. learn: one row per group from its eligible members
-        enter_level = 1 + o.enter_margin
-        eligible = ~self._flag_of(gpus)
-        eligible &= ~(f >= enter_level)  # NaN (no model yet) stays eligible
-        y = group_median(np.where(eligible, eff, np.nan), gidx, ng)
+        # 5. learn: the GPU's own pace from its healthy steps, and one row per group for the fit
+        healthy = ~flagged & ~(rel >= 1 + o.enter_margin)  # NaN (no model yet) counts as healthy
+        hv = vidx[healthy[vidx]]
+        self._slow.channels["base"].push(slots[hv], f[hv], step)
+        y = group_median(np.where(healthy, eff, np.nan), gidx, ng)
         for s in stages:
             m = (g_stage == s) & ~np.isnan(y)
             fit = self._fits.get(s)
@@ -278,105 +284,110 @@ class WorkloadDetector:
         verdicts += self._imbalance(step, gnames, g_stage, pred_g, f, gidx, ng, stages, stage_raw)
         return verdicts
 
-    def _flag_of(self, gpus: list[str]) -> np.ndarray:
-        out = np.zeros(len(gpus), dtype=np.bool_)
-        if not self._slow.flagged():
-            return out
-        for i, g in enumerate(gpus):
-            s = self._slow.slot_of(g)
-            if s is not None and self._slow.flag[s]:
-                out[i] = True
+    def _baselines(self, slots: IntArray, step: int) -> FloatArray:
+        """Each GPU's own healthy pace relative to its peers: the median of its last
+        `baseline_window` healthy factors, clamped to 1 +- baseline_limit. Until it has
+        `baseline_min` of them it is taken at the slow end, 1 + baseline_limit, so a GPU whose pace
+        is not known yet is held to the bar every GPU is finally held to. Recomputed every few
+        steps (it moves slowly) and kept in `aux`."""
+        o = self._opts
+        if step % _BASELINE_EVERY == 0 or np.isnan(self._slow.aux[slots]).any():
+            ring = self._slow.channels["base"]
+            vals, _ = ring.last(slots, ring.capacity)
+            count = (~np.isnan(vals)).sum(axis=1)
+            b = np.where(count >= o.baseline_min, row_nanmedian(vals), 1 + o.baseline_limit)
+            b = np.clip(b, 1 - o.baseline_limit, 1 + o.baseline_limit)
+            # a flagged GPU keeps the pace it had when it was flagged
+            keep = self._slow.flag[slots]
+            self._slow.aux[slots] = np.where(keep, self._slow.aux[slots], b)
+        out: FloatArray = self._slow.aux[slots]
         return out
 
     def _slow_verdicts(
-        self, step: int, ranks: list[RankObservation], vidx: IntArray, slots: IntArray, peer_slots: IntArray,
+        self, step: int, ranks: list[RankObservation], vidx: IntArray, slots: IntArray,
         entered: IntArray, exited: IntArray, compute: FloatArray, pred: FloatArray, stage_raw: FloatArray,
         wait: FloatArray, gidx: IntArray,
     ) -> list[Verdict]:
         o = self._opts
         out: list[Verdict] = []
         pos = {int(s): int(i) for s, i in zip(slots.tolist(), vidx.tolist(), strict=True)}
-        peer_of = {int(s): int(p) for s, p in zip(slots.tolist(), peer_slots.tolist(), strict=True)}
+        peers = self._slow.channels["peers"]
         entered_set = set(entered.tolist())
-        for s in entered.tolist():
+
+        def evidence(s: int, window: int) -> tuple[float, tuple[float, ...], float | None, Scope, SlowEvidence]:
             i = pos[s]
             r = ranks[i]
-            window, _ = self._slow.last(np.array([s]), o.enter_window)
-            factors = tuple(float(v) for v in window[0] if not math.isnan(v))
-            factor = float(np.median(factors))
-            pw = self._peers.median_last(np.array([peer_of[s]]), o.enter_window)[0]
-            vs_peers = None if math.isnan(pw) else float(pw)
+            one = np.array([s])
+            base = float(self._slow.aux[s])
+            vals, _ = self._slow.last(one, window)
+            factors = tuple(float(v) * base for v in vals[0] if not math.isnan(v))
+            factor = float(self._slow.median_since_onset(one, window)[0]) * base
+            pw = float(peers.median(one, window)[0])
+            vs_peers = None if math.isnan(pw) else pw
             members = np.nonzero(gidx == gidx[i])[0]
             others = [int(j) for j in members.tolist() if j != i]
             peers_wait = float(np.median(wait[others])) if others else None
             scope = Scope.GPU if vs_peers is None or vs_peers >= 1 + o.enter_margin / 2 else Scope.GROUP
             notes = r.signals.notes() if r.signals is not None else ()
+            ev = SlowEvidence(
+                observed_s=float(compute[i]), predicted_s=float(pred[i]), factors=factors, baseline=base,
+                vs_tp_peers=vs_peers, vs_stage_raw=float(stage_raw[i]), comm_wait_s=float(wait[i]),
+                peers_comm_wait_s=peers_wait, tokens=r.tokens, sumsq=r.sumsq, signals=r.signals, notes=notes,
+            )
+            return factor, factors, vs_peers, scope, ev
+
+        for s in entered.tolist():
+            r = ranks[pos[s]]
+            factor, factors, vs_peers, scope, ev = evidence(s, o.enter_window)
             self._slow.reported[s] = factor
+            above = sum(v >= (1 + o.enter_margin) * ev.baseline for v in factors)
             why = (
                 f"{r.gpu} (stage {r.stage}, group {r.group}) took {_fmt(factor)}x the compute time a healthy GPU "
-                f"needs for the same work in {int((np.array(factors) >= 1 + o.enter_margin).sum())} of the last "
-                f"{len(factors)} steps (threshold {_fmt(1 + o.enter_margin)}x)"
+                f"needs for the same work; {above} of the last {len(factors)} steps were at least "
+                f"{_fmt(1 + o.enter_margin)}x its own usual pace ({_fmt(ev.baseline)}x)"
             )
             if scope is Scope.GPU and vs_peers is not None:
                 why += f"; {_fmt(vs_peers)}x its TP peers on the same micro-batches"
-                if peers_wait is not None:
-                    why += f", who wait {peers_wait:.3g} s for it (it waits {wait[i]:.3g} s)"
+                if ev.peers_comm_wait_s is not None:
+                    why += f", who wait {ev.peers_comm_wait_s:.3g} s for it (it waits {ev.comm_wait_s:.3g} s)"
             elif scope is Scope.GROUP:
                 why += f"; its TP peers are as slow ({_fmt(vs_peers or 1.0)}x): the whole group, a node-level cause"
-            if notes:
-                why += "; " + "; ".join(notes)
+            if ev.notes:
+                why += "; " + "; ".join(ev.notes)
             out.append(
                 Slow(
-                    gpu=r.gpu, stage=r.stage, group=r.group, factor=factor,
-                    since_step=int(self._slow.since[s]), step=step, scope=scope, update=False, dry_run=o.dry_run,
-                    reason=why,
-                    evidence=SlowEvidence(
-                        observed_s=float(compute[i]), predicted_s=float(pred[i]), factors=factors,
-                        vs_tp_peers=vs_peers, vs_stage_raw=float(stage_raw[i]), comm_wait_s=float(wait[i]),
-                        peers_comm_wait_s=peers_wait, tokens=r.tokens, sumsq=r.sumsq, signals=r.signals, notes=notes,
-                    ),
+                    gpu=r.gpu, stage=r.stage, group=r.group, factor=factor, since_step=int(self._slow.since[s]),
+                    step=step, scope=scope, update=False, dry_run=o.dry_run, reason=why, evidence=ev,
                 )
             )
         for s in exited.tolist():
             r = ranks[pos[s]]
-            factor = float(self._slow.median_last(np.array([s]), o.exit_window)[0])
+            factor = float(self._slow.median_last(np.array([s]), o.exit_window)[0]) * float(self._slow.aux[s])
             out.append(
                 Recovered(
                     gpu=r.gpu, stage=r.stage, group=r.group, factor=factor, since_step=int(self._slow.since[s]),
                     step=step, dry_run=o.dry_run,
                     reason=(
-                        f"{r.gpu} back to {_fmt(factor)}x predicted: at most {_fmt(1 + o.exit_margin)}x in "
-                        f"{o.exit_count} or more of the last {o.exit_window} steps"
+                        f"{r.gpu} back to {_fmt(factor)}x a healthy GPU's time: at most {_fmt(1 + o.exit_margin)}x "
+                        f"its own usual pace in {o.exit_count} or more of the last {o.exit_window} steps"
                     ),
                 )
             )
         # factor updates of GPUs that stay flagged
-        still = slots[self._slow.flag[slots]]
-        still = np.array([s for s in still.tolist() if s not in entered_set], dtype=np.int64)
+        still = np.array([s for s in slots[self._slow.flag[slots]].tolist() if s not in entered_set], dtype=np.int64)
         if len(still):
-            med = self._slow.median_last(still, o.exit_window)
+            med = self._slow.median_since_onset(still, o.exit_window) * self._slow.aux[still]
             moved = np.abs(med - self._slow.reported[still]) >= o.factor_update
-            for s, m in zip(still[moved].tolist(), med[moved].tolist(), strict=True):
-                i = pos[s]
-                r = ranks[i]
-                self._slow.reported[s] = m
-                window, _ = self._slow.last(np.array([s]), o.exit_window)
-                factors = tuple(float(v) for v in window[0] if not math.isnan(v))
-                pw = self._peers.median_last(np.array([peer_of[s]]), o.exit_window)[0]
-                vs_peers = None if math.isnan(pw) else float(pw)
-                notes = r.signals.notes() if r.signals is not None else ()
+            for s in still[moved].tolist():
+                r = ranks[pos[s]]
+                factor, factors, vs_peers, scope, ev = evidence(s, o.exit_window)
+                self._slow.reported[s] = factor
                 out.append(
                     Slow(
-                        gpu=r.gpu, stage=r.stage, group=r.group, factor=m, since_step=int(self._slow.since[s]),
-                        step=step,
-                        scope=Scope.GPU if vs_peers is None or vs_peers >= 1 + o.enter_margin / 2 else Scope.GROUP,
-                        update=True, dry_run=o.dry_run,
-                        reason=f"{r.gpu} still slow, now {_fmt(m)}x (median of the last {len(factors)} steps)",
-                        evidence=SlowEvidence(
-                            observed_s=float(compute[i]), predicted_s=float(pred[i]), factors=factors,
-                            vs_tp_peers=vs_peers, vs_stage_raw=float(stage_raw[i]), comm_wait_s=float(wait[i]),
-                            peers_comm_wait_s=None, tokens=r.tokens, sumsq=r.sumsq, signals=r.signals, notes=notes,
-                        ),
+                        gpu=r.gpu, stage=r.stage, group=r.group, factor=factor, since_step=int(self._slow.since[s]),
+                        step=step, scope=scope, update=True, dry_run=o.dry_run,
+                        reason=f"{r.gpu} still slow, now {_fmt(factor)}x (median since step {self._slow.since[s]})",
+                        evidence=ev,
                     )
                 )
         return out
@@ -422,7 +433,7 @@ class WorkloadDetector:
         where = {int(s): int(i) for s, i in zip(slots.tolist(), idx.tolist(), strict=True)}
         for s in entered.tolist():
             i = where[s]
-            fac = float(self._net.median_last(np.array([s]), o.enter_window)[0])
+            fac = float(self._net.median_since_onset(np.array([s]), o.enter_window)[0])
             self._net.reported[s] = fac
             out.append(
                 NetworkSlow(
@@ -472,7 +483,7 @@ class WorkloadDetector:
         w = o.imbalance_window
         for s in entered.tolist():
             i = where[s]
-            wf = float(self._imb.median_last(np.array([s]), w)[0])
+            wf = float(self._imb.median_since_onset(np.array([s]), w)[0])
             out.append(
                 Imbalance(
                     group=gnames[i], stage=int(g_stage[i]), work_factor=wf, time_factor=float(time_factor[i]),

@@ -89,11 +89,14 @@ class DetectorOptions(_Updatable):
     enter_count: int = 4  # 4 of the last 6 steps above: 1-3 step stalls never flag
     exit_window: int = 10
     exit_count: int = 8
-    imbalance_margin: float = 0.15  # a TP group given >= 15% more work than its stage's median...
-    imbalance_window: int = 20  # ...in >= 3/4 of the last 20 steps is reported as data imbalance
+    imbalance_margin: float = 0.12  # a TP group given >= 12% more work than its stage's median...
+    imbalance_window: int = 20  # ...in most of the last 20 steps is reported as data imbalance
     network_margin: float = 0.30  # a group whose own transfer time is >= 1.3x its prediction...
     network_exit_margin: float = 0.15
-    min_peers: int = 4  # ranks a stage needs for peer comparison; fewer: the model alone
+    baseline_window: int = 64  # healthy steps a GPU's own usual pace is the median of...
+    baseline_min: int = 16  # ...once it has this many (until then: 1.0)
+    baseline_limit: float = 0.05  # ...clamped to 1 +- this, so it never excuses a real slowdown
+    min_peers: int = 4  # ranks a job needs for peer comparison; fewer: the model alone
     fit_window: int = 512  # rows per stage in the robust fit (bounded memory)
     warmup_rows: int = 24  # rows a stage's fit needs before any verdict
     huber_k: float = 2.0  # residuals beyond k robust sigmas get down-weighted (Huber)
@@ -120,6 +123,9 @@ class DetectorOptions(_Updatable):
                 f"network_exit_margin ({self.network_exit_margin}) must be below network_margin "
                 f"({self.network_margin})"
             )
+        _check_int(self, "baseline_window", 1, 4 * MAX_WINDOW)
+        _check_int(self, "baseline_min", 1, self.baseline_window)
+        _check_float(self, "baseline_limit", 0.0, 0.5, lo_open=False)
         _check_int(self, "min_peers", 2, 1_000_000)
         _check_int(self, "fit_window", 8, 65_536)
         _check_int(self, "warmup_rows", 4, self.fit_window)

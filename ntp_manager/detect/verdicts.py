@@ -36,6 +36,7 @@ class SlowEvidence:
     observed_s: float  # compute seconds
     predicted_s: float  # healthy prediction for the same work, after peer normalisation
     factors: tuple[float, ...]  # the step factors the verdict rests on, oldest first
+    baseline: float  # the GPU's own usual pace relative to its peers before it turned (1 +- limit)
     vs_tp_peers: float | None  # median over those steps of compute / its TP group's median (None: tp 1)
     vs_stage_raw: float  # compute / median compute of the job (what a time-only detector sees)
     comm_wait_s: float
