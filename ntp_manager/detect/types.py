@@ -199,30 +199,51 @@ class StepObservation:
         n = len(ranks)
         if n > max_ranks:
             raise DetectError(f"step {step}: {n} ranks exceed max_ranks={max_ranks}")
-        try:
-            compute = np.array([r.compute_s for r in ranks], dtype=np.float64)
-            wait = np.array([r.comm_wait_s for r in ranks], dtype=np.float64)
-            sumsq = np.array([r.sumsq for r in ranks], dtype=np.float64)
-            speed = np.array([r.speed for r in ranks], dtype=np.float64)
-            tokens = np.array([r.tokens for r in ranks], dtype=np.int64)
-            stage = np.array([r.stage for r in ranks], dtype=np.int64)
-            tp = np.array([r.tp for r in ranks], dtype=np.int64)
-        except (TypeError, ValueError, OverflowError, AttributeError):
-            bad = None
-        else:
-            with np.errstate(invalid="ignore", over="ignore"):
-                tok_f = tokens.astype(np.float64)
-                bad_mask = ~(
-                    np.isfinite(compute) & (compute >= 0) & np.isfinite(wait) & (wait >= 0)
-                    & np.isfinite(sumsq) & (sumsq >= 0) & np.isfinite(speed) & (speed > 0)
-                    & (tokens >= 0) & (tokens <= _MAX_TOKENS) & (stage >= 0) & (stage <= _MAX_INDEX)
-                    & (tp >= 1) & (tp <= _MAX_INDEX) & ((tokens == 0) | (sumsq <= tok_f * tok_f))
-                )
-            bad = int(np.argmax(bad_mask)) if bad_mask.any() else -1
-        types_ok = bad is not None and all(
-            isinstance(r, RankObservation) and isinstance(r.gpu, str) and isinstance(r.group, str) for r in ranks
-        )
-        if not types_ok or bad is None or bad >= 0:
+        # one pass for what needs Python: types, names, groups, which ranks carry signals
+        gpus: list[str] = []
+        gid: dict[str, int] = {}
+        first: list[int] = []
+        gix: list[int] = []
+        with_signals: list[int] = []
+        bad: int | None = -1
+        for i, r in enumerate(ranks):
+            if r.__class__ is not RankObservation:
+                bad = None
+                break
+            g, grp = r.gpu, r.group
+            if g.__class__ is not str or grp.__class__ is not str or not g or not grp:
+                bad = None
+                break
+            gpus.append(g)
+            k = gid.get(grp)
+            if k is None:
+                k = gid[grp] = len(first)
+                first.append(i)
+            gix.append(k)
+            if r.signals is not None:
+                with_signals.append(i)
+        if bad is not None:
+            try:
+                compute = np.array([r.compute_s for r in ranks], dtype=np.float64)
+                wait = np.array([r.comm_wait_s for r in ranks], dtype=np.float64)
+                sumsq = np.array([r.sumsq for r in ranks], dtype=np.float64)
+                speed = np.array([r.speed for r in ranks], dtype=np.float64)
+                tokens = np.array([r.tokens for r in ranks], dtype=np.int64)
+                stage = np.array([r.stage for r in ranks], dtype=np.int64)
+                tp = np.array([r.tp for r in ranks], dtype=np.int64)
+            except (TypeError, ValueError, OverflowError):
+                bad = None
+            else:
+                with np.errstate(invalid="ignore", over="ignore"):
+                    tok_f = tokens.astype(np.float64)
+                    bad_mask = ~(
+                        np.isfinite(compute) & (compute >= 0) & np.isfinite(wait) & (wait >= 0)
+                        & np.isfinite(sumsq) & (sumsq >= 0) & np.isfinite(speed) & (speed > 0)
+                        & (tokens >= 0) & (tokens <= _MAX_TOKENS) & (stage >= 0) & (stage <= _MAX_INDEX)
+                        & (tp >= 1) & (tp <= _MAX_INDEX) & ((tokens == 0) | (sumsq <= tok_f * tok_f))
+                    )
+                bad = int(np.argmax(bad_mask)) if bad_mask.any() else -1
+        if bad is None or bad >= 0:
             for i, r in enumerate(ranks):
                 if not isinstance(r, RankObservation):
                     raise DetectError(f"step {step} rank[{i}]: expected RankObservation, got {type(r).__name__}")
@@ -240,24 +261,13 @@ class StepObservation:
                         raise DetectError(f"step {step} rank[{i}] ({r.gpu}): {name} must be a number, got {v!r}")
                 r.validate(f"step {step} rank[{i}]")
             raise DetectError(f"step {step}: the ranks' fields could not be read as numbers")  # pragma: no cover
-        gpus = [r.gpu for r in ranks]
         if len(set(gpus)) != n:
             seen: set[str] = set()
             for g in gpus:
                 if g in seen:
                     raise DetectError(f"step {step}: gpu {g} reported twice")
                 seen.add(g)
-        gid: dict[str, int] = {}
-        first: list[int] = []
-        gidx = np.empty(n, dtype=np.int64)
-        for i, r in enumerate(ranks):
-            if not r.gpu or not r.group:
-                r.validate(f"step {step} rank[{i}]")
-            k = gid.get(r.group)
-            if k is None:
-                k = gid[r.group] = len(first)
-                first.append(i)
-            gidx[i] = k
+        gidx = np.array(gix, dtype=np.int64)
         lead = np.array(first, dtype=np.int64)[gidx]
         differ = (stage != stage[lead]) | (tp != tp[lead]) | (tokens != tokens[lead]) | (sumsq != sumsq[lead])
         if differ.any():
@@ -267,9 +277,10 @@ class StepObservation:
                 f"step {step}: members of group {b.group} disagree on stage/tp/tokens/sumsq "
                 f"({a.gpu}: {a.stage}/{a.tp}/{a.tokens}/{a.sumsq:g}, {b.gpu}: {b.stage}/{b.tp}/{b.tokens}/{b.sumsq:g})"
             )
-        for i, r in enumerate(ranks):
-            if r.signals is not None:
-                r.signals.validate(f"step {step} rank[{i}] ({r.gpu})")
+        for i in with_signals:
+            r = ranks[i]
+            assert r.signals is not None
+            r.signals.validate(f"step {step} rank[{i}] ({r.gpu})")
         # keep the ranks with work
         work = (tokens > 0) & (compute > 0)
         if not work.all():

@@ -223,11 +223,12 @@ class Tracker:
         if len(slots) == 0:
             empty = np.empty(0, dtype=np.int64)
             return empty, empty
-        vals, steps = self.last(slots, rule.enter_window)
+        w = max(rule.enter_window, rule.exit_window)
+        allv, alls = self.last(slots, w)
+        vals, steps = allv[:, w - rule.enter_window :], alls[:, w - rule.enter_window :]
         above = vals >= rule.enter_level  # NaN compares False
         enter = ~self.flag[slots] & (above.sum(axis=1) >= rule.enter_count)
-        xvals, _ = self.last(slots, rule.exit_window)
-        below = xvals <= rule.exit_level
+        below = allv[:, w - rule.exit_window :] <= rule.exit_level
         leave = self.flag[slots] & (below.sum(axis=1) >= rule.exit_count)
         entered = slots[enter]
         if len(entered):
