@@ -6,10 +6,13 @@ Per step, for every rank with work:
    the GPU. The rank's ratio is observed / predicted.
 2. *Compare with peers.* Ratios are divided by their median over the job's ranks, which removes
    whatever slows everyone alike this step (and the fit's drift). The result is the rank's step
-   factor f: about 1 for a healthy GPU whatever its data, 1.2 for a GPU 20% slow.
+   factor f: about 1 for a healthy GPU whatever its data, 1.2 for a GPU 20% slow. It is then
+   divided by the GPU's own usual pace among its peers (the median of its recent healthy factors,
+   clamped to 1 +- baseline_limit), since healthy GPUs differ by a few percent.
 3. *Decide with hysteresis.* Slow when >= enter_count of its last enter_window factors are
    >= 1 + enter_margin; recovered when >= exit_count of the last exit_window are
    <= 1 + exit_margin (detect/window.py). Stalls shorter than enter_count steps never count.
+   Verdicts report the factor against healthy peers (own pace included).
 4. *Classify.* A slow GPU is compared with its TP peers, who ran the very same micro-batches: if it
    stands out among them the scope is `gpu`, if they are all as slow it is `group` (node-level).
    Separately, per TP group: its predicted work relative to its stage's groups (`Imbalance` when
@@ -19,7 +22,7 @@ Per step, for every rank with work:
    persistently high while compute is normal).
 5. *Learn.* Each group adds one row to its stage's fit: the median effective compute of its
    members that are neither flagged nor above the enter threshold this step, so a slow GPU never
-   teaches the model that slow is normal.
+   teaches the model that slow is normal; the same healthy steps feed each GPU's own pace.
 
 No verdict is made for a stage before its fit has `warmup_rows` rows. Memory is bounded: fixed
 rings per GPU and per group, a fixed number of rows per stage, idle GPUs forgotten.

@@ -128,7 +128,7 @@ def test_whole_group_slow_is_scoped_to_the_group() -> None:
 def test_data_imbalance_is_reported_as_such_and_not_as_slow() -> None:
     heavy = group(0, 1)
     maker = Steps()
-    steps = [maker.make(t, heavy={heavy: 10.0} if t >= WARM else {}) for t in range(WARM + 60)]
+    steps = [maker.make(t, heavy={heavy: 10.0} if WARM <= t < WARM + 60 else {}) for t in range(WARM + 100)]
     det = WorkloadDetector()
     vs = [v for o in steps for v in det.observe(o)]
     assert slows(vs) == []
@@ -140,6 +140,9 @@ def test_data_imbalance_is_reported_as_such_and_not_as_slow() -> None:
     assert WARM <= v.step <= WARM + 25  # a majority of a 20-step window
     assert v.step - 20 < v.since_step <= v.step  # the first heavy step in that window (chance may add one before)
     assert "the data, not the GPUs" in v.reason
+    cleared = [c for c in vs if isinstance(c, Cleared)]
+    assert [(c.what, c.group) for c in cleared] == [("imbalance", heavy)]
+    assert WARM + 60 < cleared[0].step <= WARM + 85  # a majority of 20 light steps
     # A time-only detector sees the same steps as four slow GPUs: the case this detector exists for.
     base = ZScoreDetector()
     base_vs = [v for o in steps for v in base.observe(o)]
@@ -334,6 +337,10 @@ def test_steps_must_increase_and_be_bounded() -> None:
     with pytest.raises(DetectError, match="9 ranks exceed max_ranks=8"):
         det.observe(StepObservation(6, tuple(_rank(gpu=f"G{i}", group=f"g{i}") for i in range(9))))
     assert det.observe(StepObservation(6, ())) == []  # an empty step is fine
+    # an idle rank (no tokens, no compute) is skipped, not judged
+    idle = _rank(gpu="I", group="i", tokens=0, sumsq=0.0, compute_s=0.0)
+    assert det.observe(StepObservation(7, (_rank(), idle))) == []
+    assert {r.gpu for r in det.snapshot().ranks} == {"G"}
 
 
 # ---- warm-up, NTP groups, boosted GPUs, signals ----------------------------------------------------------
