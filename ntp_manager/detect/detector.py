@@ -4,8 +4,8 @@ Per step, for every rank with work:
 1. *Predict.* Its stage's robust fit (detect/model.py) gives the healthy compute time of its
    group's work, `pred = a*tokens/tp + b*sumsq/tp + c`, divided by the speed the plan expects of
    the GPU. The rank's ratio is observed / predicted.
-2. *Compare with peers.* Ratios are divided by their median over the job's ranks, which removes
-   whatever slows everyone alike this step (and the fit's drift). The result is the rank's step
+2. *Compare with peers.* Ratios are divided by their median over the job's ranks that are not
+   flagged already, which removes whatever slows everyone alike this step (and the fit's drift). The result is the rank's step
    factor f: about 1 for a healthy GPU whatever its data, 1.2 for a GPU 20% slow. It is then
    divided by the GPU's own usual pace among its peers (the median of its recent healthy factors,
    clamped to 1 +- baseline_limit), since healthy GPUs differ by a few percent.
@@ -236,8 +236,13 @@ class WorkloadDetector:
         pred = pred_g[gidx] / speed
         ratio = compute / pred
         valid = ~np.isnan(ratio)
-        # 2. peers: the job's median ratio is what "healthy" means this step
-        norm = median(ratio[valid]) if int(valid.sum()) >= o.min_peers else 1.0
+        # 2. peers: the median ratio of the job's GPUs not already flagged is what "healthy" means
+        # this step (leaving out the flagged ones keeps a second slow group from hiding behind a first)
+        slots = self._slow.slots_for(gpus)
+        peers = valid & ~self._slow.flag[slots]
+        if int(peers.sum()) < o.min_peers:
+            peers = valid
+        norm = median(ratio[peers]) if int(peers.sum()) >= o.min_peers else 1.0
         f = ratio / norm
         eff = compute * speed
         g_eff = group_median(eff, gidx, ng)
@@ -250,7 +255,6 @@ class WorkloadDetector:
                 self._pred[gpu] = p
 
         # ... and the GPU's own healthy pace among them (clamped: it cannot excuse a real slowdown)
-        slots = self._slow.slots_for(gpus)
         base = self._baselines(slots, step)
         rel = f / base
 

@@ -122,6 +122,22 @@ def test_whole_group_slow_is_scoped_to_the_group() -> None:
         assert "whole group" in v.reason
 
 
+def test_a_second_slow_group_is_not_hidden_by_the_first() -> None:
+    # 2 stages x TP4 x DP2 = 16 ranks. Group A slows at step 40, group B at 60: then half the job is
+    # slow. Peers are the GPUs not already flagged, so B is judged against the 8 healthy ones.
+    a = {gpu(0, 0, k): 1.3 for k in range(4)}
+    b = {gpu(1, 1, k): 1.3 for k in range(4)}
+
+    def inject(t: int) -> dict[str, object]:
+        return {"slow": (a if t >= WARM else {}) | (b if t >= WARM + 20 else {})}
+
+    found = slows(run(WorkloadDetector(), Steps(dp=2), 80, inject))
+    assert sorted((v.step, v.gpu) for v in found) == sorted(
+        [(WARM + 3, g) for g in a] + [(WARM + 23, g) for g in b]
+    )
+    assert all(v.factor == pytest.approx(1.3, abs=0.06) for v in found)
+
+
 # ---- not the GPU: data and links ------------------------------------------------------------------------
 
 
@@ -455,3 +471,26 @@ def test_zscore_baseline_flags_a_slow_gpu_on_uniform_work() -> None:
     assert [v.gpu for v in rec] == [SLOW_GPU]
     assert det.forget([SLOW_GPU]) == []
     assert math.isfinite(found[0].evidence.stage_median_s)
+
+
+# ---- layer 1: pure -------------------------------------------------------------------------------------------
+
+
+def test_detect_is_pure() -> None:
+    # No service, transport or torch module comes with it, and no clock or file is touched.
+    import pathlib
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, ntp_manager.detect, ntp_manager.detect.simulate, ntp_manager.detect.evaluate; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'torch', 'grpc', 'sqlalchemy', 'fastapi', 'structlog', 'asyncio', 'socket'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]"
+    src = pathlib.Path(__file__).resolve().parents[2] / "ntp_manager" / "detect"
+    for path in src.glob("*.py"):
+        text = path.read_text()
+        for banned in ("import time", "datetime", "open(", "perf_counter", "random.seed"):
+            assert banned not in text, f"{path.name} uses {banned}"
