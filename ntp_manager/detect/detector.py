@@ -5,8 +5,9 @@ Per step, for every rank with work:
    group's work, `pred = a*tokens/tp + b*sumsq/tp + c`, divided by the speed the plan expects of
    the GPU. The rank's ratio is observed / predicted.
 2. *Compare with peers.* Ratios are divided by their median over the job's ranks that are not
-   flagged already, which removes whatever slows everyone alike this step (and the fit's drift). The result is the rank's step
-   factor f: about 1 for a healthy GPU whatever its data, 1.2 for a GPU 20% slow. It is then
+   flagged already, which removes whatever slows everyone alike this step (and the fit's drift).
+   The result is the rank's step factor f: about 1 for a healthy GPU whatever its data, 1.2 for
+   a GPU 20% slow. It is then
    divided by the GPU's own usual pace among its peers (the median of its recent healthy factors,
    clamped to 1 +- baseline_limit), since healthy GPUs differ by a few percent.
 3. *Decide with hysteresis.* Slow when >= enter_count of its last enter_window factors are
