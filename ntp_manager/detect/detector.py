@@ -7,9 +7,9 @@ Per step, for every rank with work:
 2. *Compare with peers.* Ratios are divided by their median over the job's ranks that are not
    flagged already, which removes whatever slows everyone alike this step (and the fit's drift).
    The result is the rank's step factor f: about 1 for a healthy GPU whatever its data, 1.2 for
-   a GPU 20% slow. It is then
-   divided by the GPU's own usual pace among its peers (the median of its recent healthy factors,
-   clamped to 1 +- baseline_limit), since healthy GPUs differ by a few percent.
+   a GPU 20% slow. It is then divided by the GPU's own usual pace among its peers (the median of
+   its recent healthy factors, clamped to 1 +- baseline_limit), since healthy GPUs differ by a few
+   percent.
 3. *Decide with hysteresis.* Slow when >= enter_count of its last enter_window factors are
    >= 1 + enter_margin; recovered when >= exit_count of the last exit_window are
    <= 1 + exit_margin (detect/window.py). Stalls shorter than enter_count steps never count.
