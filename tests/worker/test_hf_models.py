@@ -1,0 +1,248 @@
+"""Unmodified Hugging Face models under `plan_for` + `parallelize`, real processes on gloo.
+
+For Llama (MHA, GQA with a padding token), Mistral, Qwen2 (biases), Qwen3 (separate head_dim) and
+GPT-2 (Conv1D, fused q|k|v), each with tied and untied embeddings:
+
+- TP 1-4, contiguous and non-contiguous units: logits, loss, every gradient and the parameters
+  after one SGD (momentum) and one AdamW step equal the unsharded model's (fp32, rel. <= 1e-5);
+- the NTP gradient sync between a TP1 and a TP3 replica with different local batches, then a
+  step: the parameters equal one process trained on the global batch;
+- a step at TP2 + TP2, one rank fails, the survivors reshard (parameters and optimizer state) to
+  TP2 + TP1 and step again: parameters equal the reference, and tied weights are still one
+  Parameter (also in the optimizer).
+
+All of it runs in one set of 4 processes (module fixture): starting processes that import torch
+and transformers costs more than every case together. The kill -> TP3 -> rejoin run with real
+process deaths is in test_hf_runtime.py."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytest.importorskip("transformers", reason="the Hugging Face tests need transformers (the dev extra)")
+
+from ntp_manager.worker import plan_for
+from ntp_manager.worker.reshard import apply_reshard
+from ntp_manager.worker.sync import NtpGradSync, SyncLayout, families_of, replicas_from
+from ntp_manager.worker.tp import parallelize
+from tests.fakes.procs import free_port
+from tests.worker.hf_models import (
+    SPECS,
+    build,
+    err,
+    exact_zero_grad,
+    make_opt,
+    pairs,
+    rel,
+    tied_ok,
+    tokens,
+    unit_lists,
+)
+
+WORLD = 4
+TOL = 1e-5
+TP_MODES = [(1, "contiguous"), (2, "contiguous"), (3, "contiguous"), (4, "contiguous"), (2, "non-contiguous"),
+            (3, "non-contiguous"), (4, "non-contiguous")]
+MODELS = [(s, t) for s in SPECS for t in (False, True)]
+
+
+def _id(spec: str, tied: bool) -> str:
+    return f"{spec}-{'tied' if tied else 'untied'}"
+
+
+# ---- the cases, run inside the worker processes ---------------------------------------------------
+def _equivalence(spec: str, tied: bool, tp: int, mode: str, rank: int, group: Any) -> dict[str, float]:
+    ref, model = build(spec, tied), build(spec, tied)
+    plan = plan_for(model)
+    parallelize(model, plan, unit_lists(dict(plan.units), tp, mode)[rank], group=group)
+    errs: dict[str, float] = {"tied": 0.0 if tied_ok(model, tied) else 1.0}
+    ids, labels = tokens(0, 3, pad=spec == "llama-gqa")
+    out, rout = model(input_ids=ids, labels=labels), ref(input_ids=ids, labels=labels)
+    errs["logits"], errs["loss"] = rel(out.logits.detach(), rout.logits.detach()), rel(out.loss.detach(), rout.loss)
+    out.loss.backward()
+    rout.loss.backward()
+    ps = list(pairs(model, ref))
+    for name, p, r, part in ps:
+        assert p.grad is not None and r.grad is not None, name
+        errs[f"grad {name}"] = err(name, p.grad, part(r.grad))
+    if spec == "llama-gqa":  # the padding row: no gradient from its lookups (untied: none at all)
+        emb = model.get_input_embeddings()
+        row = emb.local_padding_idx
+        if row is not None and not tied:
+            errs["padding row grad"] = float(emb.weight.grad[row].abs().max())
+    saved = [(p.detach().clone(), r.detach().clone()) for _, p, r, _ in ps]
+    for kind in ("sgd", "adamw"):
+        with torch.no_grad():
+            for (_, p, r, _), (a, b) in zip(ps, saved, strict=True):
+                p.copy_(a)
+                r.copy_(b)
+        make_opt(kind, model.parameters()).step()
+        make_opt(kind, ref.parameters()).step()
+        for name, p, r, part in ps:
+            if kind == "adamw" and exact_zero_grad(name):
+                continue
+            errs[f"{kind} step {name}"] = err(name, p.detach(), part(r.detach()))
+    return errs
+
+
+def _reference_steps(spec: str, tied: bool, kind: str, batches: list[int]) -> Any:
+    ref = build(spec, tied)
+    opt = make_opt(kind, ref.parameters())
+    for s, gb in enumerate(batches):
+        opt.zero_grad()
+        ref(input_ids=tokens(s, gb)[0], labels=tokens(s, gb)[1]).loss.backward()
+        opt.step()
+    return ref
+
+
+def _sync(spec: str, tied: bool, rank: int, groups: dict[tuple[int, ...], Any]) -> dict[str, float]:
+    """TP1 (local batch 1) + TP3 (local batch 3): sync degree 1, the TP3 replica's extras send
+    their units to its core; then one AdamW step."""
+    replicas, batches = [[0], [1, 2, 3]], [1, 3]
+    model = build(spec, tied)
+    plan = plan_for(model)
+    lay = SyncLayout(replicas_from(replicas, batches), dict(plan.units))
+    ri, _ = lay.locate(rank)
+    parallelize(model, plan, lay.units_of(rank), group=groups[tuple(replicas[ri])])
+    sync = NtpGradSync(model, lay, rank, families_of(plan, model))
+    opt = make_opt("adamw", model.parameters())
+    ids, labels = tokens(0, sum(batches))
+    a = sum(batches[:ri])
+    sync.zero_grad()
+    model(input_ids=ids[a : a + batches[ri]], labels=labels[a : a + batches[ri]]).loss.backward()
+    sync.sync()
+    ref = build(spec, tied)
+    ref(input_ids=ids, labels=labels).loss.backward()
+    errs = {f"grad {n}": err(n, p.grad, part(r.grad)) for n, p, r, part in pairs(model, ref)}
+    opt.step()
+    make_opt("adamw", ref.parameters()).step()
+    errs |= {f"step {n}": err(n, p.detach(), part(r.detach())) for n, p, r, part in pairs(model, ref)
+             if not exact_zero_grad(n)}
+    errs["tied"] = 0.0 if tied_ok(model, tied) else 1.0
+    sync.release()
+    return errs
+
+
+def _reshard(spec: str, tied: bool, kind: str, rank: int, groups: dict[tuple[int, ...], Any]) -> dict[str, float]:
+    """Step 0 at TP2 + TP2; rank 3 fails; the survivors reshard to TP2 + TP1 (rank 3's units
+    come from the peer replica, with their optimizer state) and take step 1."""
+    model = build(spec, tied)
+    plan = plan_for(model)
+    units = dict(plan.units)
+    l0 = SyncLayout(replicas_from([[0, 1], [2, 3]], [2, 2]), units)
+    l1 = SyncLayout(replicas_from([[0, 1], [2]], [2, 1]), units)
+    fams = families_of(plan, model)
+    parallelize(model, plan, l0.units_of(rank), group=groups[(0, 1) if rank < 2 else (2, 3)])
+    opt = make_opt(kind, model.parameters())
+    errs: dict[str, float] = {}
+    for step, lay in enumerate([l0, l1]):
+        if lay is l1:
+            opt = apply_reshard(model, opt, l0, l1, {0, 1, 2}, rank, fams, groups[(0, 1) if rank < 2 else (2,)])
+            if plan.fixup is not None:
+                plan.fixup(model)  # what the Runtime does after a reshard (GPT-2's split width)
+        sync = NtpGradSync(model, lay, rank, fams)  # every rank: it creates groups
+        if not sync.active:  # the failed rank
+            return errs
+        ri, _ = lay.locate(rank)
+        a = sum(r.local_batch for r in lay.replicas[:ri])
+        n = lay.replicas[ri].local_batch
+        ids, labels = tokens(step, lay.global_batch)
+        sync.zero_grad()
+        model(input_ids=ids[a : a + n], labels=labels[a : a + n]).loss.backward()
+        sync.sync()
+        opt.step()
+        sync.release()
+    ref = _reference_steps(spec, tied, kind, [4, 3])
+    for name, p, r, part in pairs(model, ref):
+        if kind == "adamw" and exact_zero_grad(name):
+            continue
+        errs[f"param {name}"] = err(name, p.detach(), part(r.detach()))
+    errs["tied"] = 0.0 if tied_ok(model, tied) else 1.0
+    in_opt = {id(p) for p in opt.param_groups[0]["params"]}
+    errs["optimizer holds the model's parameters once"] = 0.0 if (
+        in_opt == {id(p) for p in model.parameters()} and len(in_opt) == len(opt.param_groups[0]["params"])) else 1.0
+    return errs
+
+
+def _worker(rank: int, port: int, q: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    # a collective that cannot complete fails the test instead of hanging it
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=dt.timedelta(seconds=120))
+    # every group any case uses, created once by every rank in the same order
+    ranks = [(0,), (0, 1), (0, 1, 2), (0, 1, 2, 3), (1, 2, 3), (2, 3), (2,)]
+    groups = {r: dist.new_group(list(r)) for r in ranks}
+    out: dict[str, dict[str, float]] = {}
+    try:
+        for spec, tied in MODELS:
+            for tp, mode in TP_MODES:
+                if rank < tp:
+                    out[f"{_id(spec, tied)}-tp{tp}-{mode}"] = _equivalence(spec, tied, tp, mode, rank,
+                                                                           groups[tuple(range(tp))])
+            out[f"{_id(spec, tied)}-sync"] = _sync(spec, tied, rank, groups)
+            for kind in ("sgd", "adamw"):
+                out[f"{_id(spec, tied)}-reshard-{kind}"] = _reshard(spec, tied, kind, rank, groups)
+        q.put((rank, out, None))
+    except Exception:  # the parent reports it instead of waiting for results that never come
+        import traceback
+
+        q.put((rank, out, traceback.format_exc()))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, list[dict[str, float]]]:
+    q = mp.get_context("spawn").SimpleQueue()
+    ctx = mp.start_processes(_worker, args=(free_port(), q), nprocs=WORLD, join=False, start_method="spawn")
+    got = [q.get() for _ in range(WORLD)]  # every rank answers, with its results or its traceback
+    while not ctx.join():
+        pass
+    errors = [tb for _, _, tb in got if tb]
+    assert not errors, errors[0]
+    merged: dict[str, list[dict[str, float]]] = {}
+    for _, out, _ in got:
+        for case, errs in out.items():
+            merged.setdefault(case, []).append(errs)
+    return merged
+
+
+def _worst(per_rank: list[dict[str, float]]) -> tuple[str, float]:
+    return max(((k, v) for errs in per_rank for k, v in errs.items()), key=lambda kv: kv[1])
+
+
+@pytest.mark.parametrize(("tp", "mode"), TP_MODES)
+@pytest.mark.parametrize(("spec", "tied"), MODELS, ids=[_id(s, t) for s, t in MODELS])
+def test_forward_backward_and_one_step_match_the_unsharded_model(results: Any, spec: str, tied: bool, tp: int,
+                                                                 mode: str) -> None:
+    per_rank = results[f"{_id(spec, tied)}-tp{tp}-{mode}"]
+    assert len(per_rank) == tp
+    name, err = _worst(per_rank)
+    assert err <= TOL, (name, err)
+    assert any(k.startswith("adamw step") for k in per_rank[0]) and any(k.startswith("grad") for k in per_rank[0])
+
+
+@pytest.mark.parametrize(("spec", "tied"), MODELS, ids=[_id(s, t) for s, t in MODELS])
+def test_ntp_sync_between_tp1_and_tp3_matches_one_process(results: Any, spec: str, tied: bool) -> None:
+    per_rank = results[f"{_id(spec, tied)}-sync"]
+    assert len(per_rank) == WORLD
+    name, err = _worst(per_rank)
+    assert err <= TOL, (name, err)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+@pytest.mark.parametrize(("spec", "tied"), MODELS, ids=[_id(s, t) for s, t in MODELS])
+def test_reshard_after_a_failure_keeps_tied_weights_and_matches(results: Any, spec: str, tied: bool,
+                                                                kind: str) -> None:
+    per_rank = [e for e in results[f"{_id(spec, tied)}-reshard-{kind}"] if e]  # the failed rank reports nothing
+    assert len(per_rank) == WORLD - 1
+    name, err = _worst(per_rank)
+    assert err <= TOL, (name, err)
