@@ -130,6 +130,35 @@ def _sync(spec: str, tied: bool, rank: int, groups: dict[tuple[int, ...], Any]) 
     return errs
 
 
+def _per_token(rank: int, groups: dict[tuple[int, ...], Any]) -> dict[str, float]:
+    """Padded samples, so samples count different numbers of tokens; TP1 (1 sample) + TP3 (3).
+    The sync weights each replica's loss by its samples; with HF's default loss (a mean over the
+    local batch's tokens) that is not one process's mean over the global batch's tokens. Scaling
+    each replica's token sum as docs/worker.md says (HF: num_items_in_batch = the global batch's
+    counted tokens x local batch / global batch) is. Returns the worst gradient error of each."""
+    replicas, batches = [[0], [1, 2, 3]], [1, 3]
+    ids, labels = tokens(0, 4, pad=True)
+    counted = int((labels[:, 1:] != -100).sum())  # HF shifts: position t predicts token t + 1
+    ref = build("llama-gqa", True)
+    ref(input_ids=ids, labels=labels).loss.backward()
+    out = {}
+    for how in ("local token mean", "global token mean"):
+        model = build("llama-gqa", True)
+        plan = plan_for(model)
+        lay = SyncLayout(replicas_from(replicas, batches), dict(plan.units))
+        ri, _ = lay.locate(rank)
+        parallelize(model, plan, lay.units_of(rank), group=groups[tuple(replicas[ri])])
+        sync = NtpGradSync(model, lay, rank, families_of(plan, model))
+        a, b = sum(batches[:ri]), batches[ri]
+        sync.zero_grad()
+        kw = {"num_items_in_batch": counted * b / sum(batches)} if how == "global token mean" else {}
+        model(input_ids=ids[a : a + b], labels=labels[a : a + b], **kw).loss.backward()
+        sync.sync()
+        out[how] = max(err(n, p.grad, part(r.grad)) for n, p, r, part in pairs(model, ref))
+        sync.release()
+    return out
+
+
 def _reshard(spec: str, tied: bool, kind: str, rank: int, groups: dict[tuple[int, ...], Any]) -> dict[str, float]:
     """Step 0 at TP2 + TP2; rank 3 fails; the survivors reshard to TP2 + TP1 (rank 3's units
     come from the peer replica, with their optimizer state) and take step 1."""
@@ -189,6 +218,7 @@ def _worker(rank: int, port: int, q: Any) -> None:
             out[f"{_id(spec, tied)}-sync"] = _sync(spec, tied, rank, groups)
             for kind in ("sgd", "adamw"):
                 out[f"{_id(spec, tied)}-reshard-{kind}"] = _reshard(spec, tied, kind, rank, groups)
+        out["per-token"] = _per_token(rank, groups)
         q.put((rank, out, None))
     except Exception:  # the parent reports it instead of waiting for results that never come
         import traceback
@@ -246,3 +276,12 @@ def test_reshard_after_a_failure_keeps_tied_weights_and_matches(results: Any, sp
     assert len(per_rank) == WORLD - 1
     name, err = _worst(per_rank)
     assert err <= TOL, (name, err)
+
+
+def test_per_token_loss_needs_the_documented_normalisation(results: Any) -> None:
+    """docs/worker.md, "Loss averaging": with samples of different token counts, the plain
+    per-token mean of each replica's batch is measurably off; the documented scaling is exact."""
+    per_rank = results["per-token"]
+    assert len(per_rank) == WORLD
+    assert max(e["global token mean"] for e in per_rank) <= TOL
+    assert max(e["local token mean"] for e in per_rank) > 1e-3
