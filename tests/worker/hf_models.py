@@ -136,9 +136,10 @@ def make_opt(kind: str, params: Any) -> torch.optim.Optimizer:
     lr * g / (|g| + eps): where |g| is near or below eps, fp32 rounding of the gradient (~1e-9
     absolute here, for gradients of 1e-2) moves the weight by lr * 1e-9 / eps. With the default
     eps 1e-8 that is up to lr itself (a weight whose gradient is 3e-9 gets a sign that rounding
-    decides): 3e-3 of a layer's norm after one step at lr 1e-2, in the sharded run and equally
-    between two unsharded runs that only sum in another order. At eps 1e-6 and lr 1e-3 rounding
-    moves weights by ~1e-6 of their norm, so a 1e-5 check sees real differences only."""
+    decides): up to 3e-3 of a layer's norm after one step at lr 1e-2 in the sharded run, and up to
+    2e-4 between two unsharded runs that only split the batch into micro-batches. At eps 1e-6
+    and lr 1e-3 rounding moves weights by ~1e-6 of their norm, so a 1e-5 check sees real
+    differences only."""
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, eps=1e-6)
