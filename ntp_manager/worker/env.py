@@ -122,7 +122,8 @@ def worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
     if not host or not port.isdigit():
         raise RuntimeError(f"NTP_STORE must be host:port, not {e['NTP_STORE']!r}")
     job, worker = e["NTP_JOB"], e["NTP_WORKER_ID"]
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=dt.timedelta(seconds=300))
+    store = dist.TCPStore(host, int(port), is_master=False,  # type: ignore[attr-defined]
+                          timeout=dt.timedelta(seconds=300))
     store.set(pid_key(job, worker), str(os.getpid()))
     manager, gpu = e.get("NTP_MANAGER", ""), e.get("NTP_GPU_UUID", "")
     inner: LayoutSource

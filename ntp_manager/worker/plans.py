@@ -160,8 +160,8 @@ def _gpt2_split_width(model: nn.Module) -> None:
         shard = getattr(mod, "c_attn", None)
         if isinstance(shard, ShardedModule) and hasattr(mod, "split_size") and hasattr(mod, "head_dim"):
             local = len(shard.units) * shard.unit_size
-            mod.split_size = local
-            mod.num_heads = local // int(mod.head_dim)
+            setattr(mod, "split_size", local)  # noqa: B010  (an attribute of GPT-2's class, not of nn.Module)
+            setattr(mod, "num_heads", local // int(getattr(mod, "head_dim")))  # noqa: B009, B010
 
 
 def _no_dropout(model: nn.Module, config: Any, fields: tuple[str, ...]) -> None:

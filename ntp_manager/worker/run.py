@@ -174,15 +174,16 @@ class Launcher:
         import torch.distributed as dist
 
         self.o = o
+        store_cls: Any = dist.TCPStore  # type: ignore[attr-defined]
         if o.store:
-            host, _, port = o.store.rpartition(":")
-            self.store_addr = (host, int(port))
-            self.store = dist.TCPStore(host, int(port), is_master=False, timeout=dt.timedelta(seconds=60))
+            host, _, text = o.store.rpartition(":")
+            self.store_addr = (host, int(text))
+            self.store = store_cls(host, int(text), is_master=False, timeout=dt.timedelta(seconds=60))
         else:
             port = o.store_port or _free_port(o.store_host)
             self.store_addr = (o.store_host, port)
-            self.store = dist.TCPStore(o.store_host, port, is_master=True, wait_for_workers=False,
-                                       timeout=dt.timedelta(seconds=300))
+            self.store = store_cls(o.store_host, port, is_master=True, wait_for_workers=False,
+                                   timeout=dt.timedelta(seconds=300))
         if o.manager:
             self.ranks = [Rank(g, gpu=g) for g in o.gpus]
             self.replicas: list[list[str]] = []

@@ -186,7 +186,8 @@ class ShardedModule(nn.Module):
 
     @property
     def unit_dims(self) -> dict[str, int]:
-        return self.__dict__.get("_unit_dims", self.UNIT_DIMS)
+        dims: dict[str, int] = self.__dict__.get("_unit_dims", self.UNIT_DIMS)
+        return dims
 
     def sharded_params(self) -> list[tuple[str, nn.Parameter, int]]:
         """(name, parameter, unit dim) of every sharded parameter, in a fixed order."""
@@ -406,7 +407,7 @@ _LINEAR_KINDS = "nn.Linear or Conv1D"
 def _plain(module: nn.Module, base: type[nn.Module]) -> bool:
     """Whether `module` computes what `base` computes: a subclass that overrides forward (a
     scaled embedding, say) would lose its extra work when replaced by a shard."""
-    return type(module).forward is base.forward  # type: ignore[comparison-overlap]
+    return type(module).forward is base.forward
 
 
 def unit_features(path: str, module: nn.Module, style: ShardStyle) -> int:
@@ -422,8 +423,8 @@ def unit_features(path: str, module: nn.Module, style: ShardStyle) -> int:
         if isinstance(module, nn.Linear) and not _plain(module, nn.Linear):
             raise ValueError(f"{path} ({type(module).__name__}) overrides nn.Linear.forward: its shard would "
                              "compute a plain linear layer; write a shard for it or leave it out of the plan")
-        w = module.weight
-        out_f, in_f = (int(w.shape[1]), int(w.shape[0])) if is_conv1d(module) else (int(w.shape[0]), int(w.shape[1]))
+        shape = tuple(module.weight.shape)  # type: ignore[union-attr, arg-type]
+        out_f, in_f = (int(shape[1]), int(shape[0])) if is_conv1d(module) else (int(shape[0]), int(shape[1]))
         feats = out_f if col else in_f
         parts = style.parts if isinstance(style, ColwiseUnits) else 1
         if parts < 1 or feats % parts:
