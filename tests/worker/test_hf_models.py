@@ -4,7 +4,8 @@ For Llama (MHA, GQA with a padding token), Mistral, Qwen2 (biases), Qwen3 (separ
 GPT-2 (Conv1D, fused q|k|v), each with tied and untied embeddings:
 
 - TP 1-4, contiguous and non-contiguous units: logits, loss, every gradient and the parameters
-  after one SGD (momentum) and one AdamW step equal the unsharded model's (fp32, rel. <= 1e-5);
+  after one SGD (momentum) and one AdamW step equal the unsharded model's (fp32, rel. <= 1e-5),
+  and greedy `generate()` with the KV cache gives the same tokens;
 - the NTP gradient sync between a TP1 and a TP3 replica with different local batches, then a
   step: the parameters equal one process trained on the global batch;
 - a step at TP2 + TP2, one rank fails, the survivors reshard (parameters and optimizer state) to
@@ -63,6 +64,11 @@ def _equivalence(spec: str, tied: bool, tp: int, mode: str, rank: int, group: An
     plan = plan_for(model)
     parallelize(model, plan, unit_lists(dict(plan.units), tp, mode)[rank], group=group)
     errs: dict[str, float] = {"tied": 0.0 if tied_ok(model, tied) else 1.0}
+    if mode == "non-contiguous":  # greedy generation with the KV cache: the same tokens
+        prompt = tokens(1, 2)[0][:, :4]
+        kw: dict[str, Any] = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+        same = torch.equal(model.generate(prompt, **kw), ref.generate(prompt, **kw))
+        errs["generate"] = 0.0 if same else 1.0
     ids, labels = tokens(0, 3, pad=spec == "llama-gqa")
     out, rout = model(input_ids=ids, labels=labels), ref(input_ids=ids, labels=labels)
     errs["logits"], errs["loss"] = rel(out.logits.detach(), rout.logits.detach()), rel(out.loss.detach(), rout.loss)
@@ -258,6 +264,7 @@ def test_forward_backward_and_one_step_match_the_unsharded_model(results: Any, s
     name, err = _worst(per_rank)
     assert err <= TOL, (name, err)
     assert any(k.startswith("adamw step") for k in per_rank[0]) and any(k.startswith("grad") for k in per_rank[0])
+    assert ("generate" in per_rank[0]) == (mode == "non-contiguous")
 
 
 @pytest.mark.parametrize(("spec", "tied"), MODELS, ids=[_id(s, t) for s, t in MODELS])
