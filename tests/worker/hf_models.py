@@ -112,6 +112,7 @@ def pairs(model: nn.Module, ref: nn.Module) -> Iterator[tuple[str, nn.Parameter,
 
 def rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-6) -> float:
     """Relative error, with an absolute floor on the reference's norm."""
+    a, b = a.detach(), b.detach()
     return float((a - b).norm() / max(b.norm().item(), floor))
 
 
