@@ -332,3 +332,34 @@ def test_per_token_loss_needs_the_documented_normalisation(results: Any) -> None
     assert len(per_rank) == 4
     assert max(e["global token mean"] for e in per_rank) <= TOL
     assert max(e["local token mean"] for e in per_rank) > 1e-3
+
+
+# ---- the plans themselves (this process; no group) ------------------------------------------------
+def test_plans_derive_units_from_the_config() -> None:
+    gqa = plan_for(build("llama-gqa", True))
+    assert gqa.kind == "llama" and dict(gqa.units) == {"heads": 4, "mlp": 40, "vocab": 64}
+    q, k, o = (gqa[f"model.layers.*.self_attn.{n}"] for n in ("q_proj", "k_proj", "o_proj"))
+    assert (q.unit_size, k.unit_size, o.unit_size) == (2 * 8, 8, 2 * 8)  # 2 query heads per KV group, head_dim 8
+    qwen3 = plan_for(build("qwen3", False))  # head_dim 16 from the config, not 64 / 8
+    assert qwen3["model.layers.*.self_attn.q_proj"].unit_size == 2 * 16
+    assert type(qwen3["model.layers.*.self_attn.q_norm"]).__name__ == "ReplicatedPerUnit"
+    gpt2 = plan_for(build("gpt2", True))
+    assert dict(gpt2.units) == {"heads": 4, "mlp": 40, "vocab": 64} and gpt2.fixup is not None
+    assert gpt2["transformer.h.*.attn.c_attn"].parts == 3 and "transformer.wpe" not in gpt2
+
+
+def test_plans_refuse_what_they_do_not_cover() -> None:
+    import transformers as tf
+
+    cls = tf.LlamaForSequenceClassification(build("llama-mha", False).config)
+    with pytest.raises(ValueError, match=r"^score \(Linear\) is not covered by the llama plan"):
+        plan_for(cls)
+    with pytest.raises(ValueError, match=r"dropout \(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1"):
+        plan_for(tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=4)))
+    with pytest.raises(ValueError, match="add_cross_attention=True has no ready plan"):
+        plan_for(tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=4,
+                                                  add_cross_attention=True)))
+    llama = build("llama-mha", True)
+    llama.model.layers[0].self_attn.extra_gate = torch.nn.Linear(32, 32)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.extra_gate \(Linear\) is not covered"):
+        plan_for(llama)
