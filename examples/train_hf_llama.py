@@ -154,7 +154,7 @@ def check(env: Any, rt: Any, losses: dict[int, float], args: argparse.Namespace)
             seen.add(id(p))
             if name in sharded:
                 src, dim, index = sharded[name]
-                want = getattr(rmod, src).detach().index_select(dim, index.to(p.device))
+                want = getattr(rmod, src).detach().index_select(dim, index)  # the reference is on the CPU
             else:
                 want = getattr(rmod, name).detach()
             worst_param = max(worst_param, float((p.detach().cpu() - want).norm() / want.norm()))

@@ -22,7 +22,8 @@ and watches the processes:
   replica goes on at a lower TP degree) and, once the fresh process is up, the whole layout again;
   with no restarts left a dead rank stops the run, as in torchrun. `--fail-at STEP` /
   `--repair-at STEP` inject that failure (SIGKILL of replica 0's last rank once the job has
-  completed STEP steps) and its repair, to try the runtime out.
+  completed STEP steps) and its repair, to try the runtime out. On a machine with GPUs rank i
+  sees GPU i only (one rank per GPU; `--device cpu` otherwise).
 
 Arguments are checked before anything is imported or started (torch is imported only then).
 
@@ -194,6 +195,14 @@ class Launcher:
                 i += tp
             self.ranks = [Rank(w) for rep in self.replicas for w in rep]
         self.by_id = {r.worker: r for r in self.ranks}
+        # without a manager, rank i runs on GPU i of this machine (when there are enough)
+        self.local_gpus = 0
+        if not o.manager and o.pin_gpus and o.device != "cpu":
+            import torch
+
+            self.local_gpus = torch.cuda.device_count()
+            if 0 < self.local_gpus < o.nproc:
+                raise UsageError(f"{o.nproc} ranks but {self.local_gpus} GPUs here: one rank per GPU, or --device cpu")
         self.down: set[str] = set()  # without a manager: ranks left out of the published layout
         self.version = 0
         self.failed_at: int | None = None
@@ -222,6 +231,8 @@ class Launcher:
             env.update(NTP_MANAGER=self.o.manager, NTP_TOKEN=self.o.token, NTP_GPU_UUID=r.gpu)
             if self.o.pin_gpus and r.gpu.startswith("GPU-"):
                 env["CUDA_VISIBLE_DEVICES"] = r.gpu
+        elif self.local_gpus:
+            env["CUDA_VISIBLE_DEVICES"] = str(index)
         if self.o.device:
             env["NTP_DEVICE"] = self.o.device
         return env
@@ -338,7 +349,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"ntp-run: error: {e}", file=sys.stderr)
         return 2
-    launcher = Launcher(o)
+    try:
+        launcher = Launcher(o)
+    except UsageError as e:
+        print(f"ntp-run: error: {e}", file=sys.stderr)
+        return 2
 
     def _stop(signum: int, _frame: Any) -> None:
         launcher.stop()
