@@ -479,9 +479,10 @@ def parallelize(
     Tied weights (one Parameter in several modules) are sharded once when every module holding it
     cuts it the same way; raises ValueError otherwise, and when a pattern matches nothing, a
     matched module cannot be sharded that way (see `unit_features`), a family has no unit list,
-    or a unit is out of range."""
+    or a unit is out of range. A refused plan leaves the model unchanged."""
     matched: set[str] = set()
     cuts: dict[int, _Cut] = {}  # id of an unsharded Parameter -> how it was cut
+    shards: list[tuple[str, nn.Module, ShardedModule]] = []  # replaced once everything checked out
     for path, module in list(model.named_modules()):
         for pattern, style in plan.items():
             if not fnmatch.fnmatchcase(path, pattern):
@@ -490,7 +491,7 @@ def parallelize(
                 raise ValueError(f"no unit list for family {style.family!r} (needed by {path})")
             own = units[style.family]
             if isinstance(style, ReplicatedPerUnit):
-                _replace(model, path, _make_shard(module, style, own, group))
+                shards.append((path, module, _make_shard(module, style, own, group)))
                 matched.add(pattern)
                 break
             feats = unit_features(path, module, style)
@@ -518,13 +519,20 @@ def parallelize(
                         f"dim {first.pieces[0][0]}): one Parameter can be only one shard; cut both the same way")
                 for name, (_, _, shared) in zip(names, first.pieces, strict=True):
                     shard._parameters[name] = shared  # one shard Parameter serves both uses
-            _replace(model, path, shard)
+            shards.append((path, module, shard))
             matched.add(pattern)
             break
     missing = set(plan) - matched
     if missing:
         raise ValueError(f"plan patterns matched no module: {sorted(missing)}")
-    _check_no_whole_copies(model, cuts)
+    for path, _, shard in shards:
+        _replace(model, path, shard)
+    try:
+        _check_no_whole_copies(model, cuts)
+    except ValueError:
+        for path, module, _ in reversed(shards):  # a refusal leaves the model as it was
+            _replace(model, path, module)
+        raise
     fixup = getattr(plan, "fixup", None)
     if fixup is not None:
         fixup(model)

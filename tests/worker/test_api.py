@@ -108,9 +108,14 @@ def test_tied_weights_are_sharded_once_or_refused() -> None:
                                          "the plan cuts them differently"):
         parallelize(_Tied(), {"emb": RowwiseUnits("vocab"), "head": ColwiseUnits("words", gather_output=True)},
                     {"vocab": [3, 1, 9], "words": [3, 1, 9]})
+    whole = _Tied()
     with pytest.raises(ValueError, match=r"head\.weight is the same Parameter as emb\.weight \(tied weights\), which "
                                          "the plan shards"):
-        parallelize(_Tied(), {"emb": RowwiseUnits("vocab")}, {"vocab": [3, 1, 9]})
+        parallelize(whole, {"emb": RowwiseUnits("vocab")}, {"vocab": [3, 1, 9]})
+    assert type(whole.emb) is nn.Embedding and whole.emb.weight is whole.head.weight  # left as it was
+    with pytest.raises(ValueError, match="out of range"):
+        parallelize(whole, {"emb": RowwiseUnits("vocab"), "head": ColwiseUnits("vocab")}, {"vocab": [3, 16]})
+    assert type(whole.emb) is nn.Embedding and type(whole.head) is nn.Linear
 
 
 def test_a_subclass_that_overrides_forward_is_refused() -> None:
