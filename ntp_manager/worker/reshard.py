@@ -116,10 +116,18 @@ def apply_reshard(
     moves = reshard_moves(old, new, alive)
     mods = _sharded_modules(model, families)
     state = optimizer.state
+    # a tied weight (one Parameter in two shards) moves with its first holder only
+    first: dict[int, tuple[str, str]] = {}
+    for path, mod in mods:
+        for name, p, _ in mod.sharded_params():
+            first.setdefault(id(p), (path, name))
+    owner = {(path, name) for path, name in first.values()}
 
-    def tensors_of(mod: ShardedModule) -> list[tuple[str, torch.Tensor, int]]:
+    def tensors_of(path: str, mod: ShardedModule) -> list[tuple[str, torch.Tensor, int]]:
         out = []
         for name, p, dim in mod.sharded_params():
+            if (path, name) not in owner:
+                continue
             out.append((name, p.detach(), dim))
             st = state.get(p, {})
             out += [(f"{name}.{k}", st[k], dim) for k in STATE_KEYS if k in st]
@@ -128,7 +136,7 @@ def apply_reshard(
     # every sharded tensor of a family, in module order (the same on every rank)
     fam_tensors: dict[str, list[tuple[Any, str, torch.Tensor, int]]] = {f: [] for f in new.units}
     for path, mod in mods:
-        fam_tensors[families[path]] += [(mod, name, t, dim) for name, t, dim in tensors_of(mod)]
+        fam_tensors[families[path]] += [(mod, name, t, dim) for name, t, dim in tensors_of(path, mod)]
 
     in_new = _in(new, rank)
     new_units = new.units_of(rank) if in_new else {}
@@ -184,12 +192,18 @@ def apply_reshard(
     new_state: dict[nn.Parameter, dict[str, Any]] = {}
     step = next((s["step"] for s in state.values() if "step" in s), None)
     made = {f: iter(ts) for f, ts in new_tensors.items()}
+    rebuilt: dict[int, nn.Parameter] = {}  # id of an old Parameter -> its rebuilt one (tied weights)
     for path, mod in mods:
         fam = families[path]
         units = new_units[fam]
-        pieces = {name: next(made[fam]) for name, _, _ in tensors_of(mod)}
-        fresh = mod.with_units(units, {name: pieces[name] for name, _, _ in mod.sharded_params()}, tp_group)
+        pieces = {name: next(made[fam]) for name, _, _ in tensors_of(path, mod)}
+        olds = {name: p for name, p, _ in mod.sharded_params()}
+        fresh = mod.with_units(units, {name: pieces[name] if name in pieces else rebuilt[id(p)]
+                                       for name, p in olds.items()}, tp_group)
         for pname, p, _ in fresh.sharded_params():
+            if pname not in pieces:
+                continue  # the tied weight's first holder has its state already
+            rebuilt[id(olds[pname])] = p
             st = {k: pieces[f"{pname}.{k}"] for k in STATE_KEYS if f"{pname}.{k}" in pieces}
             if st and step is not None:
                 st["step"] = step.clone() if isinstance(step, torch.Tensor) else step

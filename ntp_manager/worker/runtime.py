@@ -50,7 +50,7 @@ from torch import nn
 from ntp_manager.worker.reshard import apply_reshard
 from ntp_manager.worker.sources import LayoutSource, WorkerLayout
 from ntp_manager.worker.sync import NtpGradSync, ReplicaGroup, SyncLayout, families_of
-from ntp_manager.worker.tp import ShardedModule, ShardStyle, parallelize, unit_features
+from ntp_manager.worker.tp import ReplicatedPerUnit, ShardedModule, ShardStyle, parallelize, unit_features
 
 log = structlog.get_logger("ntp.worker")
 
@@ -136,6 +136,8 @@ def unit_counts(model: nn.Module, plan: Mapping[str, ShardStyle]) -> dict[str, i
     for path, mod in model.named_modules():
         for pattern, style in plan.items():
             if fnmatch.fnmatchcase(path, pattern):
+                if isinstance(style, ReplicatedPerUnit):
+                    break  # nothing cut: its family's count comes from the cut modules
                 n = unit_features(path, mod, style) // style.unit_size
                 if counts.setdefault(style.family, n) != n:
                     raise ValueError(f"family {style.family!r}: {counts[style.family]} units elsewhere, {n} at {path}")
@@ -159,17 +161,24 @@ class Runtime:
     def __init__(
         self,
         model_fn: Callable[[], nn.Module],
-        plan: Mapping[str, ShardStyle],
+        plan: Mapping[str, ShardStyle] | None,
         optimizer_fn: Callable[[Any], torch.optim.Optimizer],
         source: LayoutSource,
         store: Any,
         cfg: RuntimeConfig,
         on_event: Callable[[TimelineEvent], None] | None = None,
+        post_parallelize: Callable[[nn.Module], None] | None = None,
     ) -> None:
-        """`on_event` sees every timeline event as it happens (failure detected, layout received,
-        regrouped, reshard done, first step, ...)."""
+        """`plan`: module patterns -> styles, or a `plans.ModelPlan`; None takes
+        `plans.plan_for(model)` of the first model built. `on_event` sees every timeline event as
+        it happens (failure detected, layout received, regrouped, reshard done, first step, ...).
+        `post_parallelize(model)` runs after the model is sharded and after every reshard (its
+        shards were replaced), before the optimizer sees the parameters: fix-ups that depend on
+        the rank's local shapes. After a reshard it must not add, remove or replace parameters."""
         self.on_event = on_event
-        self.model_fn, self.plan, self.optimizer_fn = model_fn, plan, optimizer_fn
+        self.post_parallelize = post_parallelize
+        self._plan = plan
+        self.model_fn, self.optimizer_fn = model_fn, optimizer_fn
         self.source, self.store, self.cfg = source, store, cfg
         self.step = 0  # committed optimizer steps
         self.s = _State()
@@ -177,6 +186,25 @@ class Runtime:
         self.seen: WorkerLayout | None = None  # newest version known, member or not
         self.units: dict[str, int] = {}
         self.families: dict[str, str] = {}
+
+    @property
+    def plan(self) -> Mapping[str, ShardStyle]:
+        assert self._plan is not None, "the plan comes from the first model built (call start() first)"
+        return self._plan
+
+    def _fix(self, model: nn.Module, resharded: bool) -> None:
+        """The plan's own fix-up (parallelize ran it already; a reshard replaced the shards since)
+        and the user's hook."""
+        fixup = getattr(self._plan, "fixup", None)
+        if resharded and fixup is not None:
+            fixup(model)
+        if self.post_parallelize is None:
+            return
+        before = [id(p) for p in model.parameters()]
+        self.post_parallelize(model)
+        if resharded and [id(p) for p in model.parameters()] != before:
+            raise ReconfigurationError("post_parallelize added, removed or replaced parameters after a reshard: "
+                                       "the optimizer state moved with the old ones")
 
     @property
     def _timeout(self) -> dt.timedelta:
@@ -471,6 +499,7 @@ class Runtime:
             model = fresh
             assert model is not None
             parallelize(model, self.plan, new_sl.units_of(rank), group=my_tp)
+            self._fix(model, resharded=False)
             model.to(self.cfg.device)
             opt = self.optimizer_fn(model.parameters())
             if self.step > 0:
@@ -479,6 +508,7 @@ class Runtime:
         assert self.s.model is not None and self.s.opt is not None
         self.s.opt = apply_reshard(self.s.model, self.s.opt, old_sl, new_sl, set(survivors), rank,
                                    self.families, my_tp, group=self.s.world)
+        self._fix(self.s.model, resharded=True)
         if joiners:
             self._send_replicated(src)
         self.s.sync = self._new_sync(self.s.model, new_sl, rank)
@@ -503,6 +533,10 @@ class Runtime:
     def _fresh_model(self) -> nn.Module:
         torch.manual_seed(self.cfg.seed)
         model = self.model_fn()
+        if self._plan is None:
+            from ntp_manager.worker.plans import plan_for
+
+            self._plan = plan_for(model)
         if not self.units:
             self.units = unit_counts(model, self.plan)
             self.families = families_of(self.plan, model)
@@ -514,6 +548,7 @@ class Runtime:
         my_tp = self._tp_groups(target)
         sl = target.sync_layout(self.units)
         parallelize(model, self.plan, sl.units_of(target.rank), group=my_tp)
+        self._fix(model, resharded=False)
         model.to(self.cfg.device)
         self.s.model, self.s.opt = model, self.optimizer_fn(model.parameters())
         self.s.sync = self._new_sync(model, sl, target.rank)

@@ -155,6 +155,8 @@ class NtpGradSync:
         for path, mod in model.named_modules():
             if isinstance(mod, ShardedModule):
                 for _, p, udim in mod.sharded_params():
+                    if id(p) in sharded_ids:
+                        continue  # a tied weight: one Parameter in two shards, synced once
                     self.shards[families[path]].append(_Shard(p, udim, mod.unit_size))
                     sharded_ids.add(id(p))
         self.replicated = [p for p in model.parameters() if id(p) not in sharded_ids]

@@ -101,10 +101,10 @@ def test_parallelize_rejects_bad_plans():
         parallelize(TinyGpt(CFG), {"blocks.*.ln1": tp_plan(CFG)["blocks.*.attn.q"]}, {"heads": [0]})
     with pytest.raises(ValueError, match=r"tok \(Embedding\): ColwiseUnits shards only nn\.Linear"):
         parallelize(TinyGpt(CFG), {"tok": ColwiseUnits("vocab")}, {"vocab": [0]})
-    padded = TinyGpt(CFG)
-    padded.tok = torch.nn.Embedding(CFG.vocab, CFG.d_model, padding_idx=0)
-    with pytest.raises(ValueError, match="plain embeddings"):
-        parallelize(padded, {"tok": RowwiseUnits("vocab")}, {"vocab": [0]})
+    normed = TinyGpt(CFG)
+    normed.tok = torch.nn.Embedding(CFG.vocab, CFG.d_model, max_norm=1.0)
+    with pytest.raises(ValueError, match="without max_norm"):
+        parallelize(normed, {"tok": RowwiseUnits("vocab")}, {"vocab": [0]})
     with pytest.raises(ValueError, match="no unit list"):
         parallelize(TinyGpt(CFG), tp_plan(CFG), {"heads": [0]})
     with pytest.raises(ValueError, match="out of range"):

@@ -1,0 +1,142 @@
+"""What a training script started by `ntp-run` (worker/run.py) finds in its environment.
+
+    env = worker_env()
+    rt = env.runtime(model_fn, optimizer_fn)          # plan_for(model) unless a plan is given
+    rt.start()
+
+`ntp-run` sets, for every rank process:
+
+    NTP_STORE      host:port of the TCPStore it hosts (the runtime's process groups meet there)
+    NTP_JOB        the job's name
+    NTP_WORKER_ID  this rank's worker id (its GPU UUID under a manager)
+    NTP_GPU_UUID   this rank's GPU (under a manager)
+    NTP_MANAGER    the manager's gRPC address; absent when ntp-run publishes the layouts itself
+    NTP_TOKEN      a worker-scope token for the manager
+    NTP_LOCAL_RANK / NTP_NPROC   this process's index among ntp-run's, and their number
+    NTP_DEVICE     optional: "cpu" or "cuda" (default: cuda when torch sees a GPU)
+
+The layout source is the manager's watch stream (`GrpcLayoutSource`) with NTP_MANAGER, else the
+layouts ntp-run publishes into the store (`StoreLayoutSource`). Either way step reports also go
+into the store, where ntp-run follows the job's progress.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ntp_manager.worker.runtime import Runtime, RuntimeConfig, TimelineEvent
+from ntp_manager.worker.sources import GrpcLayoutSource, LayoutSource, StoreLayoutSource, WorkerLayout
+from ntp_manager.worker.tp import ShardStyle
+
+REQUIRED = ("NTP_STORE", "NTP_JOB", "NTP_WORKER_ID")
+
+
+def progress_key(job: str, worker: str) -> str:
+    return f"ntp/{job}/progress/{worker}"
+
+
+def pid_key(job: str, worker: str) -> str:
+    return f"ntp/{job}/pid/{worker}"
+
+
+class ReportingSource:
+    """A layout source whose step reports also land in the store (`progress_key`: the step, its
+    layout version, TP degree and global batch, as JSON), for ntp-run to follow. Everything else
+    is the wrapped source's."""
+
+    def __init__(self, inner: LayoutSource, store: Any, job: str, worker: str) -> None:
+        self.inner, self.store, self.key = inner, store, progress_key(job, worker)
+
+    def latest(self) -> WorkerLayout | None:
+        return self.inner.latest()
+
+    def get(self, version: int) -> WorkerLayout | None:
+        return self.inner.get(version)
+
+    def wait_newer(self, version: int, timeout: float) -> WorkerLayout | None:
+        return self.inner.wait_newer(version, timeout)
+
+    def ack(self, layout: WorkerLayout, ok: bool, detail: str = "") -> None:
+        self.inner.ack(layout, ok, detail)
+
+    def report_step(self, layout: WorkerLayout, step: int, step_time_s: float, tokens: int) -> None:
+        self.inner.report_step(layout, step, step_time_s, tokens)
+        tp = layout.replicas[layout.replica_of(layout.rank)][0] if layout.rank is not None else 0
+        self.store.set(self.key, json.dumps({"step": step, "version": layout.version, "tp": tp,
+                                             "global_batch": layout.global_batch}))
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@dataclass
+class WorkerEnv:
+    job: str
+    worker_id: str
+    gpu_uuid: str
+    store: Any  # a TCPStore client of ntp-run's store
+    source: LayoutSource
+    manager: str  # "" when ntp-run publishes the layouts
+    local_rank: int
+    nproc: int
+    device: str
+    backend: str
+
+    def config(self, **overrides: Any) -> RuntimeConfig:
+        """A RuntimeConfig for this job and device; `overrides` set any other field."""
+        return RuntimeConfig(job=self.job, device=self.device, backend=self.backend, **overrides)
+
+    def runtime(
+        self,
+        model_fn: Callable[[], nn.Module],
+        optimizer_fn: Callable[[Any], torch.optim.Optimizer],
+        plan: Mapping[str, ShardStyle] | None = None,
+        *,
+        post_parallelize: Callable[[nn.Module], None] | None = None,
+        on_event: Callable[[TimelineEvent], None] | None = None,
+        **cfg: Any,
+    ) -> Runtime:
+        """A Runtime on this environment's store and layout source. `plan` None: `plan_for` of
+        the model; `cfg`: RuntimeConfig fields (timeouts, seed)."""
+        return Runtime(model_fn, plan, optimizer_fn, self.source, self.store, self.config(**cfg), on_event=on_event,
+                       post_parallelize=post_parallelize)
+
+
+def worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
+    """The environment ntp-run gave this process. Raises RuntimeError naming what is missing when
+    the script was not started by ntp-run."""
+    e = os.environ if environ is None else environ
+    missing = [k for k in REQUIRED if not e.get(k)]
+    if missing:
+        raise RuntimeError(f"not started by ntp-run: {', '.join(missing)} not set (run: ntp-run --nproc N script.py)")
+    host, _, port = e["NTP_STORE"].rpartition(":")
+    if not host or not port.isdigit():
+        raise RuntimeError(f"NTP_STORE must be host:port, not {e['NTP_STORE']!r}")
+    job, worker = e["NTP_JOB"], e["NTP_WORKER_ID"]
+    store = dist.TCPStore(host, int(port), is_master=False,  # type: ignore[attr-defined]
+                          timeout=dt.timedelta(seconds=300))
+    store.set(pid_key(job, worker), str(os.getpid()))
+    manager, gpu = e.get("NTP_MANAGER", ""), e.get("NTP_GPU_UUID", "")
+    inner: LayoutSource
+    if manager:
+        if not gpu:
+            raise RuntimeError("NTP_MANAGER is set but NTP_GPU_UUID is not: under a manager every rank is a GPU")
+        inner = GrpcLayoutSource(manager, e.get("NTP_TOKEN", ""), job, gpu, worker)
+    else:
+        inner = StoreLayoutSource(store, job, worker)
+    device = e.get("NTP_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda"):
+        raise RuntimeError(f"NTP_DEVICE must be cpu or cuda, not {device!r}")
+    return WorkerEnv(job=job, worker_id=worker, gpu_uuid=gpu, store=store,
+                     source=ReportingSource(inner, store, job, worker), manager=manager,
+                     local_rank=int(e.get("NTP_LOCAL_RANK", "0")), nproc=int(e.get("NTP_NPROC", "1")),
+                     device=device, backend="nccl" if device == "cuda" else "gloo")

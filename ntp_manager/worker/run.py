@@ -1,0 +1,373 @@
+"""`ntp-run`: start a training script once per rank, as torchrun does, for the NTP runtime.
+
+    ntp-run --nproc 8 --replicas 2 train.py --steps 100                     # ntp-run plays the manager
+    ntp-run --manager HOST:50051 --token-file worker.token --job llm \\
+            --gpus GPU-a,GPU-b,... train.py --steps 100                      # layouts from the manager
+
+The script is any program written against the public API (`ntp_manager.worker`): it calls
+`worker_env()` for the store, the layout source and the job, and drives a `Runtime` (see
+examples/train_hf_llama.py). ntp-run hosts the TCPStore the runtime's process groups meet in (or
+joins another ntp-run's with `--store HOST:PORT`), gives every rank its environment (env.py),
+and watches the processes:
+
+- Under a manager (`--manager`, or NTP_MANAGER; token from `--token-file`, NTP_TOKEN_FILE or
+  NTP_TOKEN; job from `--job` or NTP_JOB; `--gpus` or NTP_GPUS, one rank per GPU UUID) the
+  layouts come from the manager's watch stream; on a GPU machine each rank sees only its GPU
+  (CUDA_VISIBLE_DEVICES=<uuid>). A rank whose process dies is restarted after `--restart-delay`
+  while `--max-restarts` allows (a repaired GPU's fresh process: it waits until the manager gives
+  it a place again, then joins by copying its shards from peers).
+- Without a manager ntp-run publishes the layouts itself: `--replicas R` equal replicas of
+  nproc / R ranks (or `--tp 4,2`), each with local batch `--batch-per-rank` x its TP degree. When
+  a rank's process dies and restarts are allowed, it publishes the layout without it (the
+  replica goes on at a lower TP degree) and, once the fresh process is up, the whole layout again;
+  with no restarts left a dead rank stops the run, as in torchrun. `--fail-at STEP` /
+  `--repair-at STEP` inject that failure (SIGKILL of replica 0's last rank once the job has
+  completed STEP steps) and its repair, to try the runtime out. On a machine with GPUs rank i
+  sees GPU i only (one rank per GPU; `--device cpu` otherwise).
+
+Arguments are checked before anything is imported or started (torch is imported only then).
+
+Exit status: 0 when every rank's last process exited 0 (a rank killed by --fail-at and never
+repaired excepted), 1 otherwise, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class UsageError(Exception):
+    pass
+
+
+@dataclass
+class Rank:
+    worker: str
+    gpu: str = ""
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    restart_at: float | None = None  # when a dead rank's fresh process is due
+    injected: bool = False  # killed by --fail-at (an expected exit)
+    rc: int | None = None  # the last process's exit status once it is gone for good
+
+
+@dataclass
+class Options:
+    cmd: list[str]
+    nproc: int
+    tps: list[int]
+    batch_per_rank: int
+    job: str
+    manager: str
+    token: str
+    gpus: list[str]
+    store: str
+    store_host: str
+    store_port: int
+    fail_at: int
+    repair_at: int
+    max_restarts: int
+    restart_delay: float
+    device: str
+    pin_gpus: bool
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def parse(argv: Sequence[str]) -> Options:
+    p = argparse.ArgumentParser(
+        prog="ntp-run", description="Run a training script once per rank under the NTP runtime (like torchrun).",
+        epilog="Environment: NTP_MANAGER, NTP_TOKEN / NTP_TOKEN_FILE, NTP_JOB, NTP_GPUS stand in for the flags.")
+    p.add_argument("--nproc", type=int, default=0, help="rank processes (default: one per --gpus entry, else 1)")
+    p.add_argument("--replicas", type=int, default=1, help="without a manager: equal DP replicas")
+    p.add_argument("--tp", default="", help="without a manager: TP degree of each replica, e.g. 4,2")
+    p.add_argument("--batch-per-rank", type=int, default=2, help="without a manager: local batch per TP rank")
+    p.add_argument("--job", default=os.environ.get("NTP_JOB", "job"))
+    p.add_argument("--manager", default=os.environ.get("NTP_MANAGER", ""), help="the manager's gRPC address")
+    p.add_argument("--token-file", default=os.environ.get("NTP_TOKEN_FILE", ""), help="a worker-scope token")
+    p.add_argument("--gpus", default=os.environ.get("NTP_GPUS", ""), help="comma-separated GPU UUIDs, one rank each")
+    p.add_argument("--store", default="", help="HOST:PORT of another ntp-run's store (multi-node)")
+    p.add_argument("--store-host", default="127.0.0.1", help="address the hosted store listens on")
+    p.add_argument("--store-port", type=int, default=0, help="port of the hosted store (default: a free one)")
+    p.add_argument("--fail-at", type=int, default=-1, help="without a manager: kill replica 0's last rank here")
+    p.add_argument("--repair-at", type=int, default=-1, help="without a manager: start it again here")
+    p.add_argument("--max-restarts", type=int, default=0, help="per rank, for processes that die")
+    p.add_argument("--restart-delay", type=float, default=1.0, help="seconds before a dead rank is restarted")
+    p.add_argument("--device", choices=["", "cpu", "cuda"], default="", help="NTP_DEVICE for the ranks")
+    p.add_argument("--no-pin-gpus", action="store_true", help="do not set CUDA_VISIBLE_DEVICES per rank")
+    p.add_argument("-m", "--module", action="store_true", help="the script is a module name (python -m)")
+    p.add_argument("script")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    a = p.parse_args(list(argv))
+    gpus = [g for g in a.gpus.split(",") if g]
+    if len(set(gpus)) != len(gpus):
+        raise UsageError("--gpus lists a GPU twice")
+    token = os.environ.get("NTP_TOKEN", "")
+    if a.token_file:
+        try:
+            token = Path(a.token_file).read_text().strip()
+        except OSError as e:
+            raise UsageError(f"--token-file: {e}") from e
+    nproc = a.nproc or len(gpus) or (sum(int(x) for x in a.tp.split(",")) if a.tp else a.replicas)
+    if a.manager:
+        if not gpus:
+            raise UsageError("--manager needs --gpus (one rank per GPU UUID)")
+        if not token:
+            raise UsageError("--manager needs a token (--token-file, NTP_TOKEN_FILE or NTP_TOKEN)")
+        if nproc != len(gpus):
+            raise UsageError(f"--nproc {nproc} but {len(gpus)} GPUs in --gpus")
+        if a.fail_at >= 0 or a.repair_at >= 0:
+            raise UsageError("--fail-at/--repair-at are for runs without a manager (under one, failures come "
+                             "from the agents)")
+        tps: list[int] = []
+    else:
+        if gpus:
+            raise UsageError("--gpus is for runs under a manager (--manager)")
+        try:
+            tps = [int(x) for x in a.tp.split(",")] if a.tp else [nproc // max(a.replicas, 1)] * a.replicas
+        except ValueError as e:
+            raise UsageError(f"--tp must be comma-separated integers, not {a.tp!r}") from e
+        if a.replicas < 1 or any(t < 1 for t in tps) or sum(tps) != nproc:
+            raise UsageError(f"--nproc {nproc} does not split into replicas of TP {tps}")
+        if a.repair_at >= 0 and not 0 <= a.fail_at < a.repair_at:
+            raise UsageError("--repair-at needs an earlier --fail-at")
+        if a.fail_at >= 0 and tps[0] < 2:
+            raise UsageError("--fail-at kills a rank of replica 0, which needs TP >= 2 to go on")
+    if a.batch_per_rank < 1 or a.max_restarts < 0 or a.restart_delay < 0:
+        raise UsageError("--batch-per-rank must be >= 1, --max-restarts and --restart-delay >= 0")
+    if a.store and ":" not in a.store:
+        raise UsageError("--store must be HOST:PORT")
+    cmd = [sys.executable, "-m", a.script, *a.args] if a.module else [sys.executable, a.script, *a.args]
+    if not a.module and not Path(a.script).is_file():
+        raise UsageError(f"no such script: {a.script}")
+    return Options(cmd=cmd, nproc=nproc, tps=tps, batch_per_rank=a.batch_per_rank, job=a.job, manager=a.manager,
+                   token=token, gpus=gpus, store=a.store, store_host=a.store_host, store_port=a.store_port,
+                   fail_at=a.fail_at, repair_at=a.repair_at, max_restarts=a.max_restarts,
+                   restart_delay=a.restart_delay, device=a.device, pin_gpus=not a.no_pin_gpus)
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def say(msg: str) -> None:
+    print(f"[ntp-run] {msg}", file=sys.stderr, flush=True)
+
+
+class Launcher:
+    """The ranks' processes, the store, and (without a manager) the layouts."""
+
+    def __init__(self, o: Options) -> None:
+        import torch.distributed as dist
+
+        self.o = o
+        store_cls: Any = dist.TCPStore  # type: ignore[attr-defined]
+        if o.store:
+            host, _, text = o.store.rpartition(":")
+            self.store_addr = (host, int(text))
+            self.store = store_cls(host, int(text), is_master=False, timeout=dt.timedelta(seconds=60))
+        else:
+            port = o.store_port or _free_port(o.store_host)
+            self.store_addr = (o.store_host, port)
+            self.store = store_cls(o.store_host, port, is_master=True, wait_for_workers=False,
+                                   timeout=dt.timedelta(seconds=300))
+        if o.manager:
+            self.ranks = [Rank(g, gpu=g) for g in o.gpus]
+            self.replicas: list[list[str]] = []
+        else:
+            self.replicas, i = [], 0
+            for ri, tp in enumerate(o.tps):
+                self.replicas.append([f"r{ri}g{j}" for j in range(tp)])
+                i += tp
+            self.ranks = [Rank(w) for rep in self.replicas for w in rep]
+        self.by_id = {r.worker: r for r in self.ranks}
+        # without a manager, rank i runs on GPU i of this machine (when there are enough)
+        self.local_gpus = 0
+        if not o.manager and o.pin_gpus and o.device != "cpu":
+            import torch
+
+            self.local_gpus = torch.cuda.device_count()
+            if 0 < self.local_gpus < o.nproc:
+                raise UsageError(f"{o.nproc} ranks but {self.local_gpus} GPUs here: one rank per GPU, or --device cpu")
+        self.down: set[str] = set()  # without a manager: ranks left out of the published layout
+        self.version = 0
+        self.failed_at: int | None = None
+
+    # ---- layouts (no manager) -------------------------------------------------------------------
+    def publish(self, reason: str) -> None:
+        from ntp_manager.worker.sources import publish_layout
+
+        reps = [[w for w in rep if w not in self.down] for rep in self.replicas]
+        reps = [r for r in reps if r]
+        if not reps:
+            raise RuntimeError("every rank is down")
+        self.version += 1
+        publish_layout(self.store, self.o.job, self.version, [(r, self.o.batch_per_rank * len(r)) for r in reps],
+                       reason)
+        say(f"layout v{self.version}: TP {[len(r) for r in reps]} ({reason})")
+
+    # ---- processes ------------------------------------------------------------------------------
+    def env_for(self, r: Rank, index: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(NTP_STORE=f"{self.store_addr[0]}:{self.store_addr[1]}", NTP_JOB=self.o.job, NTP_WORKER_ID=r.worker,
+                   NTP_LOCAL_RANK=str(index), NTP_NPROC=str(self.o.nproc))
+        for k in ("NTP_MANAGER", "NTP_TOKEN", "NTP_GPU_UUID"):
+            env.pop(k, None)
+        if self.o.manager:
+            env.update(NTP_MANAGER=self.o.manager, NTP_TOKEN=self.o.token, NTP_GPU_UUID=r.gpu)
+            if self.o.pin_gpus and r.gpu.startswith("GPU-"):
+                env["CUDA_VISIBLE_DEVICES"] = r.gpu
+        elif self.local_gpus:
+            env["CUDA_VISIBLE_DEVICES"] = str(index)
+        if self.o.device:
+            env["NTP_DEVICE"] = self.o.device
+        return env
+
+    def start(self, r: Rank) -> None:
+        r.proc = subprocess.Popen(self.o.cmd, env=self.env_for(r, self.ranks.index(r)))
+        r.rc, r.restart_at = None, None
+        say(f"{r.worker}: started (pid {r.proc.pid})")
+
+    def kill(self, r: Rank) -> None:
+        if r.proc is not None and r.proc.poll() is None:
+            r.proc.send_signal(signal.SIGKILL)
+            r.proc.wait()
+
+    def progress(self) -> int:
+        """The newest completed step any rank reported (-1 before the first)."""
+        from ntp_manager.worker.env import progress_key
+
+        best = -1
+        for r in self.ranks:
+            key = progress_key(self.o.job, r.worker)
+            if self.store.check([key]):
+                best = max(best, int(json.loads(self.store.get(key))["step"]))
+        return best
+
+    def run(self) -> int:
+        if not self.o.manager:
+            self.publish("start")
+        for r in self.ranks:
+            self.start(r)
+        fatal = False
+        while True:
+            now = time.monotonic()
+            if not self.o.manager:
+                self._inject()
+            for r in self.ranks:
+                if r.proc is not None and r.rc is None and r.restart_at is None:
+                    rc = r.proc.poll()
+                    if rc is not None:
+                        fatal |= self._exited(r, rc, now)
+                if r.restart_at is not None and now >= r.restart_at:
+                    self.start(r)
+                    r.restarts += 1
+                    if not self.o.manager and r.worker in self.down:
+                        self.down.discard(r.worker)
+                        self.publish(f"{r.worker} restarted")
+            if fatal:
+                say("stopping every rank")
+                self.stop()
+                return 1
+            if all(r.rc is not None for r in self.ranks):
+                bad = [r.worker for r in self.ranks if r.rc != 0 and not (r.injected and r.worker in self.down)]
+                say(f"done: {len(self.ranks) - len(bad)} of {len(self.ranks)} ranks finished cleanly"
+                    + (f"; failed: {bad}" if bad else ""))
+                return 1 if bad else 0
+            time.sleep(0.05)
+
+    def _exited(self, r: Rank, rc: int, now: float) -> bool:
+        """A rank's process ended; True when that stops the run."""
+        if rc == 0:
+            r.rc = 0
+            say(f"{r.worker}: finished")
+            return False
+        if r.injected and r.worker in self.down:
+            r.rc = rc
+            return False
+        say(f"{r.worker}: exited with status {rc}")
+        if r.restarts < self.o.max_restarts:
+            r.restart_at = now + self.o.restart_delay
+            if not self.o.manager and r.worker not in self.down:
+                self.down.add(r.worker)
+                self.publish(f"{r.worker} died")
+            return False
+        r.rc = rc
+        return not self.o.manager  # under a manager the others may go on (the manager replans)
+
+    def _inject(self) -> None:
+        o = self.o
+        if o.fail_at < 0:
+            return
+        step = self.progress()
+        victim = self.by_id[self.replicas[0][-1]]
+        if self.failed_at is None and step >= o.fail_at:
+            self.failed_at = step
+            victim.injected = True
+            self.down.add(victim.worker)
+            self.kill(victim)
+            say(f"{victim.worker}: killed after step {step} (--fail-at)")
+            self.publish(f"{victim.worker} failed")
+            victim.rc = -signal.SIGKILL
+        elif self.failed_at is not None and 0 <= o.repair_at <= step and victim.worker in self.down:
+            say(f"{victim.worker}: repaired after step {step} (--repair-at)")
+            self.start(victim)
+            self.down.discard(victim.worker)
+            self.publish(f"{victim.worker} repaired")
+
+    def stop(self) -> None:
+        for r in self.ranks:
+            if r.proc is not None and r.proc.poll() is None:
+                r.proc.terminate()
+        deadline = time.monotonic() + 10
+        for r in self.ranks:
+            if r.proc is not None:
+                try:
+                    r.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    r.proc.kill()
+                    r.proc.wait()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        o = parse(sys.argv[1:] if argv is None else argv)
+    except UsageError as e:
+        print(f"ntp-run: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        launcher = Launcher(o)
+    except UsageError as e:
+        print(f"ntp-run: error: {e}", file=sys.stderr)
+        return 2
+
+    def _stop(signum: int, _frame: Any) -> None:
+        launcher.stop()
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    say(f"store {launcher.store_addr[0]}:{launcher.store_addr[1]}, job {o.job}, {o.nproc} ranks"
+        + (f", manager {o.manager}" if o.manager else ", layouts published here"))
+    try:
+        return launcher.run()
+    finally:
+        launcher.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
