@@ -1,8 +1,10 @@
 """The operator dashboard: one HTML page (no build step, no external assets) fed by server-sent
 events. `/v1/stream` sends a `snapshot` event whenever the state it shows changes (checked twice a
-second), so the page updates without reloading. The page asks for a token once and keeps it in the
-browser's session storage; the EventSource carries it as a query parameter because browsers cannot
-set headers on EventSource (the token is also accepted as `?token=` on `/v1/stream` only).
+second), so the page updates without reloading. The page asks for a token once (or takes `?token=`
+once and removes it from the address bar) and keeps it in the browser's session storage. Browsers
+cannot set headers on an EventSource, so the page trades the token for a one-time ticket
+(`POST /v1/stream/tickets`, api/tickets.py) and opens the stream with that: no token in any URL.
+A stream ends when its token is revoked.
 
 Sizes: the snapshot lists at most `MAX_DOMAINS` domains in full (a dashboard of 100K GPUs is a
 different page: use the REST listings with paging there)."""
@@ -10,6 +12,7 @@ different page: use the REST listings with paging there)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 from collections.abc import AsyncIterator
@@ -63,17 +66,25 @@ async def dashboard_snapshot(manager: Manager) -> dict[str, Any]:
             "breaker": {"open": manager.breaker_open, "reason": manager.breaker_reason}}
 
 
-async def snapshot_events(manager: Manager, request: Request) -> AsyncIterator[bytes]:
+async def snapshot_events(manager: Manager, request: Request, token_id: str) -> AsyncIterator[bytes]:
     last = ""
-    yield b"retry: 2000\n\n"
-    while not await request.is_disconnected():
-        snap = await dashboard_snapshot(manager)
-        body = json.dumps(snap, separators=(",", ":"))
-        digest = hashlib.sha256(body.encode()).hexdigest()
-        if digest != last:
-            last = digest
-            yield f"event: snapshot\ndata: {body}\n\n".encode()
-        await asyncio.sleep(POLL_S)
+    revoked = asyncio.Event()
+    unwatch = manager.token_service.watch(token_id, revoked.set)
+    try:
+        yield b"retry: 2000\n\n"
+        while not await request.is_disconnected() and not revoked.is_set():
+            snap = await dashboard_snapshot(manager)
+            body = json.dumps(snap, separators=(",", ":"))
+            digest = hashlib.sha256(body.encode()).hexdigest()
+            if digest != last:
+                last = digest
+                yield f"event: snapshot\ndata: {body}\n\n".encode()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(revoked.wait(), POLL_S)
+        if revoked.is_set():
+            yield b"event: revoked\ndata: {}\n\n"
+    finally:
+        unwatch()
 
 
 DASHBOARD_HTML = (resources.files("ntp_manager.api") / "static" / "dashboard.html").read_text(encoding="utf-8")

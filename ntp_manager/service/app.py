@@ -57,8 +57,10 @@ async def run_service(settings: Settings, stop: asyncio.Event | None = None) -> 
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    info = {"http": f"{settings.http_host}:{http_port}", "grpc": f"{settings.grpc_host}:{grpc_port}",
-            "epoch": manager.epoch}
+    info: dict[str, object] = {"http": f"{settings.http_host}:{http_port}",
+                               "grpc": f"{settings.grpc_host}:{grpc_port}", "epoch": manager.epoch}
+    if rpc.tls_port is not None:
+        info["grpc_tls"] = f"{settings.grpc_host}:{rpc.tls_port}"
     print(f"NTP-MANAGER READY {json.dumps(info)}", flush=True)
     log.info("serving", **info)
     try:

@@ -8,6 +8,7 @@ works both from the CLI and inside the running manager.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,9 +23,28 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
 
 
+class StoredJson(dict[str, Any]):
+    """A JSON document with its text made once, where it was built (off the event loop for
+    plans); `json_text` writes that text instead of encoding the dict again."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, doc: dict[str, Any]) -> None:
+        super().__init__(doc)
+        self.text = json.dumps(doc, allow_nan=False, separators=(",", ":"))
+
+
+def json_text(obj: Any) -> str:
+    """The store's JSON serializer. Non-finite numbers are refused (PostgreSQL cannot hold them
+    and JSON has no spelling for them); the edge rejects them first, this is the last guard."""
+    if isinstance(obj, StoredJson):
+        return obj.text
+    return json.dumps(obj, allow_nan=False)
+
+
 def make_engine(url: str) -> AsyncEngine:
     if url.startswith("sqlite"):
-        engine = create_async_engine(url, connect_args={"timeout": 30})
+        engine = create_async_engine(url, connect_args={"timeout": 30}, json_serializer=json_text)
 
         @event.listens_for(engine.sync_engine, "connect")
         def _pragmas(dbapi_conn: Any, _: Any) -> None:
@@ -36,7 +56,7 @@ def make_engine(url: str) -> AsyncEngine:
             cur.close()
 
         return engine
-    return create_async_engine(url, pool_size=10, max_overflow=10, pool_pre_ping=True)
+    return create_async_engine(url, pool_size=10, max_overflow=10, pool_pre_ping=True, json_serializer=json_text)
 
 
 def sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:

@@ -24,7 +24,7 @@ from tests.fakes.procs import create_token, start_manager
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     data: Path = tmp_path_factory.mktemp("fuzz")
     token = create_token(data, "operator")
-    agent_token = create_token(data, "agent")
+    agent_token = create_token(data, "agent", node="node-0")
     proc, info = start_manager(data)
 
     async def seed() -> None:
