@@ -285,12 +285,21 @@ def token_list(data_dir: DataDir = None, database_url: DbUrl = None) -> None:
 
 
 @token_app.command("revoke")
-def token_revoke(token_id: str, data_dir: DataDir = None, database_url: DbUrl = None) -> None:
-    """Revoke the token with this id (the 8 characters after `ntp_`). A running manager stops
-    accepting it, and ends the streams opened with it, within a second."""
+def token_revoke(
+    token_ids: Annotated[list[str], typer.Argument(help="token ids (the 8 characters after `ntp_`)")],
+    data_dir: DataDir = None, database_url: DbUrl = None,
+) -> None:
+    """Revoke tokens by id. A running manager stops accepting them, and ends the streams opened
+    with them, within a second (NTP_TOKEN_POLL_S)."""
     settings = _settings(data_dir=data_dir, database_url=database_url)
-    _with_manager(settings, lambda m: m.revoke_token(token_id))
-    print(f"revoked {token_id}")
+
+    async def go(m: Any) -> None:
+        for tid in token_ids:
+            await m.revoke_token(tid)
+
+    _with_manager(settings, go)
+    for tid in token_ids:
+        print(f"revoked {tid}")
 
 
 def _register_simulate() -> None:

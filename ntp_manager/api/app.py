@@ -151,13 +151,6 @@ def create_app(manager: Manager) -> FastAPI:
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse({"detail": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        # never the exception's text (SQL, paths, values) to a client; the log has it all
-        log.error("request failed", path=request.url.path, request_id=getattr(request.state, "request_id", ""),
-                  exc_info=exc)
-        return JSONResponse({"detail": "internal error; the manager's log has the details"}, status_code=500)
-
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errs = exc.errors()
@@ -171,7 +164,13 @@ def create_app(manager: Manager) -> FastAPI:
     async def _request_id(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         rid = request.headers.get("x-request-id") or uuidlib.uuid4().hex
         request.state.request_id = rid[:64]
-        response = await call_next(request)
+        try:
+            response = await call_next(request)
+        except Exception as exc:
+            # never the exception's text (SQL, paths, values) to a client; the log has it all
+            log.error("request failed", path=request.url.path[:200], request_id=request.state.request_id,
+                      error=type(exc).__name__, exc_info=exc)
+            response = JSONResponse({"detail": "internal error; the manager's log has the details"}, 500)
         response.headers["x-request-id"] = request.state.request_id
         return response
 

@@ -198,7 +198,7 @@ class Manager:
                     )
             b = await s.get(BreakerRow, 1)
             if b is not None:
-                self.breaker_open, self.breaker_reason = b.open, b.reason
+                self.breaker_open, self.breaker_reason = b.open, b.reason if b.open else ""
                 self.metrics.breaker.set(1 if b.open else 0)
         await self.token_service.reload()
         self.world = w
@@ -368,10 +368,10 @@ class Manager:
                 if recovered or newly_absent:
                     w.apply_states(recovered + newly_absent)
                     self._mark_dirty_for(recovered + newly_absent)
-                    self._check_breaker()
                 self._update_gauges()
 
             m.after.append(commit_memory)
+            await self._stage_breaker(m, len(newly_absent))
 
         old = self.sessions.get(node)
         if old is not None:
@@ -447,6 +447,7 @@ class Manager:
                 if g.state != gr.health:
                     row.health, row.health_reason, row.health_since = g.state, "; ".join(g.reasons), now
                     changed.append(g.uuid)
+            newly_failed = sum(1 for g in gpus if g.state == "failed" and self.world.gpus[g.uuid].health != "failed")
 
             def commit_memory() -> None:
                 rec.last_seq = seq
@@ -461,6 +462,7 @@ class Manager:
                 self._after_state_change(changed)
 
             m.after.append(commit_memory)
+            await self._stage_breaker(m, newly_failed)
         self.metrics.reports.inc()
         return seq
 
@@ -492,7 +494,6 @@ class Manager:
         self.world.apply_states(uuids)
         self._mark_dirty_for(uuids)
         self._update_gauges()
-        self._check_breaker()
 
     def _mark_dirty_for(self, uuids: list[str]) -> None:
         domains = {self.world.gpus[u].domain for u in uuids}
@@ -505,33 +506,41 @@ class Manager:
         self._dirty.update(self.world.jobs)
         self._wake.set()
 
-    def _check_breaker(self) -> None:
-        if self.breaker_open:
-            return
+    def _breaker_verdict(self, more_failures: int) -> str | None:
+        """Why the breaker opens if `more_failures` GPUs fail now; None when it stays shut."""
+        if self.breaker_open or more_failures <= 0:
+            return None
         horizon = self.clock.monotonic() - self.settings.breaker_window_s
         while self._fail_window and self._fail_window[0][0] < horizon:
             self._fail_window.popleft()
         total = max(1, len(self.world.gpus))
         limit = max(self.settings.breaker_min_gpus, self.settings.breaker_share * total)
-        if len(self._fail_window) > limit:
-            reason = (
-                f"{len(self._fail_window)} GPUs failed within {self.settings.breaker_window_s:g}s "
-                f"(limit {limit:g} of {total}): a systemic fault is likely; automatic replanning stopped"
-            )
+        n = len(self._fail_window) + more_failures
+        if n <= limit:
+            return None
+        return (f"{n} GPUs failed within {self.settings.breaker_window_s:g}s (limit {limit:g} of {total}): "
+                "a systemic fault is likely; automatic replanning stopped")
+
+    async def _stage_breaker(self, m: Mut, more_failures: int) -> None:
+        """Open the breaker in the same transaction as the failures that trip it, so its state and
+        reason are durable exactly when those failures are (they survive any restart)."""
+        reason = self._breaker_verdict(more_failures)
+        if reason is None:
+            return
+        now = self.clock.now()
+        row = await m.session.get(BreakerRow, 1)
+        if row is None:
+            m.session.add(BreakerRow(id=1, open=True, reason=reason, changed_at=now))
+        else:
+            row.open, row.reason, row.changed_at = True, reason, now
+        m.audit(now, "breaker.open", "breaker", reason=reason)
+
+        def commit_memory() -> None:
             self.breaker_open, self.breaker_reason = True, reason
             self.metrics.breaker.set(1)
             log.warning("circuit breaker open", reason=reason)
-            asyncio.get_running_loop().create_task(self._persist_breaker(True, reason, "control-loop"))
 
-    async def _persist_breaker(self, is_open: bool, reason: str, actor: str) -> None:
-        async with self.mutation(actor) as m:
-            row = await m.session.get(BreakerRow, 1)
-            now = self.clock.now()
-            if row is None:
-                m.session.add(BreakerRow(id=1, open=is_open, reason=reason, changed_at=now))
-            else:
-                row.open, row.reason, row.changed_at = is_open, reason, now
-            m.audit(now, "breaker.open" if is_open else "breaker.reset", "breaker", reason=reason)
+        m.after.append(commit_memory)
 
     async def reset_breaker(self, m: Mut, reason: str) -> dict[str, Any]:
         was = self.breaker_open
@@ -1011,6 +1020,7 @@ class Manager:
                 self._after_state_change([u for u, _, _ in changes])
 
             m.after.append(commit_memory)
+            await self._stage_breaker(m, len(to_fail))
 
     # ---- views -------------------------------------------------------------------------------
     def gpu_state_counts(self) -> dict[str, int]:

@@ -59,8 +59,8 @@ class LoopWatchdog:
         try:
             while True:
                 t0 = loop.time()
-                self._beat = time.monotonic()
                 await asyncio.sleep(self.interval_s)
+                self._beat = time.monotonic()  # before anything else runs: the stall has ended
                 self.record(max(0.0, loop.time() - t0 - self.interval_s))
         finally:
             self._stop.set()
