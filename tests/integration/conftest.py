@@ -67,6 +67,7 @@ class Service:
     grpc: str
     tokens: dict[str, str]  # one per scope; tokens["agent"] speaks for node-0 only
     agent_tokens: dict[str, str] = field(default_factory=dict)
+    grpc_tls: str | None = None  # the TLS listener, when the settings carry a certificate
 
     def client(self, scope: str | None = "operator") -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {self.tokens[scope]}"} if scope else {}
@@ -101,7 +102,8 @@ async def running_service(url: str, tmp_path: Path, **overrides: Any) -> AsyncIt
     tokens = {s: await manager.create_token(f"test-{s}", s) for s in ("viewer", "operator", "admin", "worker")}
     tokens["agent"] = await manager.create_token("agent-node-0", "agent", node="node-0")
     try:
-        yield Service(manager, f"http://127.0.0.1:{hport}", f"127.0.0.1:{gport}", tokens, {"node-0": tokens["agent"]})
+        yield Service(manager, f"http://127.0.0.1:{hport}", f"127.0.0.1:{gport}", tokens, {"node-0": tokens["agent"]},
+                      f"127.0.0.1:{rpc.tls_port}" if rpc.tls_port is not None else None)
     finally:
         await manager.begin_shutdown()
         await rpc.stop(0.5)
