@@ -39,6 +39,7 @@ class Settings(BaseSettings):
     loop_warn_ms: float = Field(100.0, gt=0)  # event-loop watchdog warns above this
     # gRPC TLS: server certificate and key (PEM); with a client CA, agents must present a
     # certificate it signed (mTLS). See docs/security.md.
+    grpc_tls_host: str | None = None  # default: grpc_host
     grpc_tls_port: int = Field(50052, ge=0, le=65535)
     grpc_tls_cert: Path | None = None
     grpc_tls_key: Path | None = None

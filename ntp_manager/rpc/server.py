@@ -374,9 +374,10 @@ class RpcServer:
         creds = tls.server_credentials(self.manager.settings)
         if creds is not None:
             want = self.manager.settings.grpc_tls_port if tls_port is None else tls_port
-            self.tls_port = self.server.add_secure_port(f"{host}:{want}", creds)
+            tls_host = self.manager.settings.grpc_tls_host or host
+            self.tls_port = self.server.add_secure_port(f"{tls_host}:{want}", creds)
             if self.tls_port == 0:
-                raise OSError(f"cannot bind gRPC TLS to {host}:{want}")
+                raise OSError(f"cannot bind gRPC TLS to {tls_host}:{want}")
         await self.server.start()
         for svc in ("", "ntp.v1.AgentService", "ntp.v1.WorkerService"):
             await self.health.set(svc, health_pb2.HealthCheckResponse.SERVING)

@@ -60,7 +60,7 @@ async def run_service(settings: Settings, stop: asyncio.Event | None = None) -> 
     info: dict[str, object] = {"http": f"{settings.http_host}:{http_port}",
                                "grpc": f"{settings.grpc_host}:{grpc_port}", "epoch": manager.epoch}
     if rpc.tls_port is not None:
-        info["grpc_tls"] = f"{settings.grpc_host}:{rpc.tls_port}"
+        info["grpc_tls"] = f"{settings.grpc_tls_host or settings.grpc_host}:{rpc.tls_port}"
     print(f"NTP-MANAGER READY {json.dumps(info)}", flush=True)
     log.info("serving", **info)
     try:
