@@ -261,6 +261,8 @@ def token_create(
     node: Annotated[str | None, typer.Option(help="agent tokens: the one node it may speak for (required)")] = None,
     fingerprint: Annotated[str | None, typer.Option(
         help="agent tokens: SHA-256 of the client certificate the node must present (mTLS)")] = None,
+    nodes_from: Annotated[Path | None, typer.Option(
+        help="agent tokens for a fleet: one node name per line ('-': stdin); prints one JSON line per node")] = None,
     data_dir: DataDir = None,
     database_url: DbUrl = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
@@ -268,6 +270,18 @@ def token_create(
     """Create a token and print it once (only its hash is stored). A running manager sees it
     within a second (NTP_TOKEN_POLL_S)."""
     settings = _settings(data_dir=data_dir, database_url=database_url)
+    if nodes_from is not None:
+        if scope != "agent" or node or fingerprint:
+            fail("--nodes-from makes agent tokens (--scope agent), one per listed node, without --node")
+        try:
+            text = sys.stdin.read() if str(nodes_from) == "-" else nodes_from.read_text()
+        except OSError as e:
+            fail(f"{nodes_from}: cannot read ({e.strerror})")
+        nodes = [line.strip() for line in text.splitlines() if line.strip()]
+        made = _with_manager(settings, lambda m: m.token_service.create_agents(nodes, "cli"))
+        for n, tok in made.items():
+            print(json.dumps({"node": n, "token": tok, "scope": "agent"}))
+        return
     label = name or (f"agent-{node}" if node else "cli")
     token = _with_manager(settings, lambda m: m.create_token(label, scope, node=node, fingerprint=fingerprint))
     if as_json:

@@ -12,7 +12,9 @@ status and its body (`Error`), and schemathesis checks responses against it.
 """
 
 
+import asyncio
 import hashlib
+import json
 import uuid as uuidlib
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -36,6 +38,7 @@ from ntp_manager.auth import Principal, parse_bearer
 from ntp_manager.service.errors import FailedPrecondition, InvalidArgument, NotFound, ServiceError
 from ntp_manager.service.manager import Manager, Mut
 from ntp_manager.specfile import JobFile
+from ntp_manager.store.db import StoredJson
 from ntp_manager.store.models import AuditRow, HealthEventRow, IdempotencyRow, LayoutRow, MaintenanceRow
 from ntp_manager.topology import GpuState
 
@@ -132,6 +135,20 @@ def page(items: list[Any], total: int, limit: int, offset: int) -> dict[str, Any
     return {"items": items, "total": total, "limit": limit, "offset": offset}
 
 
+def _dumps(obj: Any) -> bytes:
+    if isinstance(obj, StoredJson):
+        return obj.text.encode()
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+async def json_reply(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """JSON made in a worker thread: for answers that grow with the cluster (layouts, plans, the
+    dashboard), whose encoding would otherwise hold the event loop. `obj` must not change meanwhile
+    (plans never do; views are built for the answer)."""
+    body = _dumps(obj) if isinstance(obj, StoredJson) else await asyncio.to_thread(_dumps, obj)
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
 def create_app(manager: Manager) -> FastAPI:
     app = FastAPI(
         title="ntp-manager",
@@ -197,7 +214,7 @@ def create_app(manager: Manager) -> FastAPI:
 
     async def mutate(
         request: Request, principal: Principal, key: str | None, fn: Callable[[Mut], Awaitable[Any]], status: int = 200
-    ) -> JSONResponse:
+    ) -> Response:
         body = await request.body()
         fp = hashlib.sha256(
             f"{request.method} {request.url.path}?{request.url.query}\n".encode() + body
@@ -211,14 +228,14 @@ def create_app(manager: Manager) -> FastAPI:
                             return JSONResponse(
                                 {"detail": "Idempotency-Key was already used for a different request"}, 409
                             )
-                        return JSONResponse(row.response, row.status, headers={"Idempotent-Replay": "true"})
+                        return await json_reply(row.response, row.status, headers={"Idempotent-Replay": "true"})
                 payload = await fn(m)
                 if key:
                     m.session.add(IdempotencyRow(key=key, actor=principal.name, fingerprint=fp, status=status,
                                                  response=payload, created_at=manager.clock.now()))
         except IntegrityError:
             return JSONResponse({"detail": "a concurrent request used the same Idempotency-Key"}, 409)
-        return JSONResponse(payload, status)
+        return await json_reply(payload, status)
 
     # ---- probes and metrics ---------------------------------------------------------------------
     @app.get("/healthz", tags=["probes"])
@@ -307,25 +324,27 @@ def create_app(manager: Manager) -> FastAPI:
     async def gpu(uuid: str, _: Viewer) -> dict[str, Any]:
         return manager.gpu_view(uuid)
 
-    @app.get("/v1/jobs", tags=["jobs"])
-    async def jobs(_: Viewer, limit: Limit = 100, offset: Offset = 0) -> dict[str, Any]:
+    @app.get("/v1/jobs", tags=["jobs"], response_model=dict[str, Any])
+    async def jobs(_: Viewer, limit: Limit = 100, offset: Offset = 0) -> Response:
         names = sorted(manager.world.jobs)
-        return page([_job_view(manager, n) for n in names[offset : offset + limit]], len(names), limit, offset)
+        return await json_reply(page([_job_view(manager, n) for n in names[offset : offset + limit]], len(names),
+                                     limit, offset))
 
-    @app.get("/v1/jobs/{name}", tags=["jobs"], responses={404: {"model": Error}})
-    async def job(name: str, _: Viewer) -> dict[str, Any]:
-        return _job_view(manager, name)
+    @app.get("/v1/jobs/{name}", tags=["jobs"], responses={404: {"model": Error}}, response_model=dict[str, Any])
+    async def job(name: str, _: Viewer) -> Response:
+        return await json_reply(_job_view(manager, name))
 
-    @app.get("/v1/jobs/{name}/layout", tags=["jobs"], responses={404: {"model": Error}, 409: {"model": Error}})
-    async def layout(name: str, _: Viewer) -> dict[str, Any]:
+    @app.get("/v1/jobs/{name}/layout", tags=["jobs"], responses={404: {"model": Error}, 409: {"model": Error}},
+             response_model=dict[str, Any])
+    async def layout(name: str, _: Viewer) -> Response:
         rec = manager.world.jobs.get(name)
         if rec is None:
             raise NotFound(f"unknown job {name!r}")
         if rec.layout is None:
             raise FailedPrecondition(f"job {name!r} has no layout yet: {rec.pending_reason or 'planning'}")
         lay = rec.layout
-        return {"job": name, "version": lay.version, "leader_epoch": lay.leader_epoch,
-                "created_at": lay.created_at.isoformat(), "reason": lay.reason, "plan": lay.plan}
+        return await json_reply({"job": name, "version": lay.version, "leader_epoch": lay.leader_epoch,
+                                 "created_at": lay.created_at.isoformat(), "reason": lay.reason, "plan": lay.plan})
 
     @app.get("/v1/jobs/{name}/layouts", tags=["jobs"], responses={404: {"model": Error}})
     async def layouts(name: str, _: Viewer, limit: Limit = 100, offset: Offset = 0) -> dict[str, Any]:
@@ -427,14 +446,15 @@ def create_app(manager: Manager) -> FastAPI:
             spec = manager.parse_job(body.spec.model_dump(mode="json"))
         if not body.dry_run and (body.job is None or body.fail):
             raise InvalidArgument("dry_run: a real replan needs an existing job and no simulated failures")
-        # planned off the event loop, before the transaction (which then holds only the audit)
+        # planned and encoded off the event loop, before the transaction (which then holds only the audit)
         planned = await manager.dry_run(spec, body.fail) if body.dry_run else None
+        answer = await asyncio.to_thread(StoredJson, {"dry_run": True, "plan": planned}) if planned else None
 
-        async def run(m: Mut) -> dict[str, Any]:
+        async def run(m: Mut) -> Any:
             if planned is not None:
                 m.audit(manager.clock.now(), "plan.dry_run", spec.name,
                         after={"relative_throughput": planned["relative_throughput"], "fail": body.fail[:100]})
-                return {"dry_run": True, "plan": planned}
+                return answer
             assert body.job is not None
             if manager.breaker_open:
                 raise FailedPrecondition(f"circuit breaker is open ({manager.breaker_reason}); reset it first")
@@ -442,7 +462,7 @@ def create_app(manager: Manager) -> FastAPI:
             if lay is None:
                 why = manager.world.jobs[body.job].pending_reason
                 raise InvalidArgument(f"job {body.job!r} cannot be planned: {why}")
-            return {"dry_run": False, "version": lay.version, "plan": lay.plan}
+            return await asyncio.to_thread(StoredJson, {"dry_run": False, "version": lay.version, "plan": lay.plan})
 
         return await mutate(request, who, key, run)
 
@@ -515,9 +535,9 @@ def create_app(manager: Manager) -> FastAPI:
         return {"id": token_id, "revoked": True}
 
     # ---- dashboard ---------------------------------------------------------------------------------
-    @app.get("/v1/snapshot", tags=["cluster"])
-    async def snapshot(who: Viewer) -> dict[str, Any]:
-        return await dashboard_snapshot(manager)
+    @app.get("/v1/snapshot", tags=["cluster"], response_model=dict[str, Any])
+    async def snapshot(who: Viewer) -> Response:
+        return await json_reply(await dashboard_snapshot(manager))
 
     @app.post("/v1/stream/tickets", tags=["cluster"], status_code=201)
     async def stream_ticket(who: Viewer) -> dict[str, Any]:

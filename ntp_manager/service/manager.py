@@ -119,6 +119,7 @@ class Manager:
         self._stopping = False
         self.ready = False
         self._gauges_stale = True
+        self._state_counts: dict[str, int] = {}
 
     # ---- life cycle -----------------------------------------------------------------------------
     async def start(self, migrate: bool = True) -> None:
@@ -1024,10 +1025,9 @@ class Manager:
 
     # ---- views -------------------------------------------------------------------------------
     def gpu_state_counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for g in self.world.gpus.values():
-            counts[g.state] = counts.get(g.state, 0) + 1
-        return counts
+        """GPUs per effective state (states with none left out), recounted only after a change."""
+        self.refresh_gauges()
+        return {k: v for k, v in self._state_counts.items() if v}
 
     def gpu_view(self, uuid: str, override_admin: Any = ..., owner: str | None = None,
                  reason: str | None = None) -> dict[str, Any]:
@@ -1055,6 +1055,7 @@ class Manager:
         counts: dict[str, int] = dict.fromkeys([s.value for s in GpuState], 0)
         for g in self.world.gpus.values():
             counts[g.state] = counts.get(g.state, 0) + 1
+        self._state_counts = counts
         for state, n in counts.items():
             self.metrics.gpus.labels(state).set(n)
         for job in self.world.jobs.values():

@@ -67,6 +67,27 @@ class Tokens:
         await self.reload()
         return token
 
+    async def create_agents(self, nodes: list[str], actor: str) -> dict[str, str]:
+        """One agent token per node, in one transaction (provisioning a fleet): node -> token."""
+        try:
+            for i, n in enumerate(nodes):
+                limits.node_name(f"nodes[{i}]", n)
+        except limits.LimitError as e:
+            raise InvalidArgument(str(e)) from None
+        if len(set(nodes)) != len(nodes):
+            raise InvalidArgument("nodes: a node is named twice")
+        now = self.m.clock.now()
+        made: dict[str, str] = {}
+        async with self.m.mutation(actor) as mut:
+            for n in nodes:
+                public_id, token = new_token()
+                mut.session.add(TokenRow(public_id=public_id, name=f"agent-{n}", scope="agent",
+                                         token_hash=hash_token(token), created_at=now, node=n))
+                mut.audit(now, "token.create", public_id, after={"name": f"agent-{n}", "scope": "agent", "node": n})
+                made[n] = token
+        await self.reload()
+        return made
+
     async def revoke(self, public_id: str, actor: str) -> None:
         """Revoke a token (NotFound when there is none with this id); its open streams end."""
         async with self.m.mutation(actor) as mut:
