@@ -312,17 +312,23 @@ def stall_sites(log: Path, top: int = 5) -> list[tuple[int, str]]:
     """Where the watchdog caught the loop held (its in-stall warnings), most frequent first."""
     sites: dict[str, int] = {}
     for line in log.read_text(errors="replace").splitlines():
-        if '"event loop is blocked"' not in line:
+        if '"garbage collection paused every thread"' in line:
+            key = "a full garbage collection (generation 2)"
+        elif '"event loop is blocked"' in line:
+            where = json.loads(line).get("where", "")
+            files = [f.strip() for f in where.splitlines() if f.strip().startswith("File")]
+            ours = [f for f in files if "/ntp_manager/" in f]
+            key = (ours[-1] if ours else "?") + (f" -> {files[-1]}" if files and files[-1] not in ours else "")
+        else:
             continue
-        where = json.loads(line).get("where", "")
-        frames = [f for f in where.splitlines() if f.strip().startswith("File") and "/ntp_manager/" in f]
-        key = frames[-1].strip() if frames else (where.splitlines()[-2].strip() if where else "?")
         sites[key] = sites.get(key, 0) + 1
     return sorted(((n, k) for k, n in sites.items()), reverse=True)[:top]
 
 
 async def main_async(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    if args.skip_latency:
+        return await ingest_only(args, console, out)
     with tempfile.TemporaryDirectory() as tmp:
         proc, info, tokens = start_manager(Path(tmp), [f"node-{i:04d}" for i in range(1000)])
         try:
@@ -335,16 +341,19 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
-    if not args.skip_ingest:
-        with tempfile.TemporaryDirectory() as tmp:
-            proc, info, tokens = start_manager(Path(tmp), [f"ing-{i:05d}" for i in range(12_500)] + [BIG_NODE])
-            try:
-                with console.status("health ingest: 100,000 GPUs, then the largest inputs"):
-                    out["ingest"] = await ingest(info, tokens, args.ingest_seconds, proc.pid)
-            finally:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(60)
-                out["stall_sites"] = stall_sites(Path(tmp) / "manager.log")
+    return await ingest_only(args, console, out) if not args.skip_ingest else out
+
+
+async def ingest_only(args: argparse.Namespace, console: Console, out: dict[str, Any]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, info, tokens = start_manager(Path(tmp), [f"ing-{i:05d}" for i in range(12_500)] + [BIG_NODE])
+        try:
+            with console.status("health ingest: 100,000 GPUs, then the largest inputs"):
+                out["ingest"] = await ingest(info, tokens, args.ingest_seconds, proc.pid)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+            out["stall_sites"] = stall_sites(Path(tmp) / "manager.log")
     return out
 
 
@@ -353,17 +362,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--ingest-seconds", type=float, default=20)
     ap.add_argument("--skip-ingest", action="store_true")
+    ap.add_argument("--skip-latency", action="store_true", help="only the ingest and event-loop parts")
     ap.add_argument("--json", type=Path)
     args, _ = ap.parse_known_args()
     console = Console(width=120)
     res = asyncio.run(main_async(args, console))
-    lat = res["latency"]
-    t = Table(title="failure-to-push latency (report sent -> new layout on every watcher)")
-    for col in ("agents", "watchers", "rounds", "p50 ms", "p99 ms", "max ms", "manager CPU", "goal p99"):
-        t.add_column(col, justify="right")
-    t.add_row(str(lat["agents"]), str(lat["watchers"]), str(lat["rounds"]), f"{lat['p50_ms']:.1f}",
-              f"{lat['p99_ms']:.1f}", f"{lat['max_ms']:.1f}", f"{100 * lat['manager_cpu']:.0f}%", "250 ms")
-    console.print(t)
+    if "latency" in res:
+        lat = res["latency"]
+        t = Table(title="failure-to-push latency (report sent -> new layout on every watcher)")
+        for col in ("agents", "watchers", "rounds", "p50 ms", "p99 ms", "max ms", "manager CPU", "goal p99"):
+            t.add_column(col, justify="right")
+        t.add_row(str(lat["agents"]), str(lat["watchers"]), str(lat["rounds"]), f"{lat['p50_ms']:.1f}",
+                  f"{lat['p99_ms']:.1f}", f"{lat['max_ms']:.1f}", f"{100 * lat['manager_cpu']:.0f}%", "250 ms")
+        console.print(t)
     if "ingest" in res:
         ing = res["ingest"]
         t2 = Table(title="health ingest (heartbeats, one per node per second)")

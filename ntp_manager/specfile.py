@@ -79,9 +79,9 @@ def _curve_ok(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 class PowerDefaults(_Strict):
-    tdp_w: Finite = Field(1000.0, gt=0, le=100_000)
-    min_w: Finite | None = Field(None, gt=0, le=100_000)
-    max_w: Finite | None = Field(None, gt=0, le=100_000)
+    tdp_w: Finite = Field(default=1000.0, gt=0, le=100_000)
+    min_w: Finite | None = Field(default=None, gt=0, le=100_000)
+    max_w: Finite | None = Field(default=None, gt=0, le=100_000)
 
     def limits(self) -> PowerLimits:
         return PowerLimits(
@@ -95,7 +95,7 @@ class GenerateSpec(_Strict):
     domains: StrictInt = Field(gt=0, le=limits.JOB_GPUS_MAX)
     domain_size: StrictInt = Field(gt=0, le=limits.TP_MAX)
     gpus_per_node: StrictInt = Field(gt=0, le=limits.GPUS_PER_NODE_MAX)
-    power_budget_w: Finite | None = Field(None, gt=0)
+    power_budget_w: Finite | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _bounded(self) -> GenerateSpec:
@@ -111,7 +111,7 @@ class NodeSpec(_Strict):
 
 class DomainSpec(_Strict):
     id: str = Field(min_length=1, max_length=limits.DOMAIN_MAX)
-    power_budget_w: Finite | None = Field(None, gt=0)
+    power_budget_w: Finite | None = Field(default=None, gt=0)
     nodes: list[NodeSpec] = Field(min_length=1)
 
 
@@ -139,7 +139,7 @@ class ClusterFile(_Strict):
         else:
             doms = []
             for d in self.domains or []:
-                gpus = []
+                gpus: list[Gpu] = []
                 for n in d.nodes:
                     ids = (
                         [synthetic_gpu_uuid(self.name, d.id, n.name, i) for i in range(n.gpus)]
@@ -155,10 +155,10 @@ class ClusterFile(_Strict):
 
 
 class PowerSpec(_Strict):
-    max_boost: Finite = Field(1.3, ge=1.0, le=10.0)
-    exponent: Finite = Field(0.7, gt=0.0, le=2.0)
-    rack_headroom: Finite = Field(1.15, gt=0.0, le=100.0)
-    unusable_draw_ratio: Finite = Field(0.0, ge=0.0, le=10.0)
+    max_boost: Finite = Field(default=1.3, ge=1.0, le=10.0)
+    exponent: Finite = Field(default=0.7, gt=0.0, le=2.0)
+    rack_headroom: Finite = Field(default=1.15, gt=0.0, le=100.0)
+    unusable_draw_ratio: Finite = Field(default=0.0, ge=0.0, le=10.0)
     curve: Annotated[list[tuple[Finite, Finite]], AfterValidator(_curve_ok)] = Field(
         default_factory=list, max_length=limits.POWER_CURVE_POINTS_MAX
     )
@@ -182,7 +182,7 @@ class JobFile(_Strict):
     min_tp: Annotated[StrictInt, Field(ge=1, le=limits.TP_MAX)] = 1
     heads: Annotated[StrictInt, Field(ge=0, le=limits.UNIT_COUNT_MAX)] = 0
     mlp_columns: Annotated[StrictInt, Field(ge=0, le=limits.UNIT_COUNT_MAX)] = 0
-    attention_share: Finite = Field(0.4, ge=0.0, le=1.0)
+    attention_share: Finite = Field(default=0.4, ge=0.0, le=1.0)
     scheme: Literal["dp-drop", "ntp", "ntp-pw"] = "ntp"
     spares: Annotated[StrictInt, Field(ge=0, le=limits.JOB_GPUS_MAX)] = 0
     domains: list[DomainId] = Field(default_factory=list, max_length=limits.JOB_DOMAINS_MAX)

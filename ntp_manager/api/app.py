@@ -14,7 +14,6 @@ status and its body (`Error`), and schemathesis checks responses against it.
 
 import asyncio
 import hashlib
-import json
 import uuid as uuidlib
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -38,7 +37,7 @@ from ntp_manager.auth import Principal, parse_bearer
 from ntp_manager.service.errors import FailedPrecondition, InvalidArgument, NotFound, ServiceError
 from ntp_manager.service.manager import Manager, Mut
 from ntp_manager.specfile import JobFile
-from ntp_manager.store.db import StoredJson
+from ntp_manager.store.db import StoredJson, dumps_in_pieces
 from ntp_manager.store.models import AuditRow, HealthEventRow, IdempotencyRow, LayoutRow, MaintenanceRow
 from ntp_manager.topology import GpuState
 
@@ -138,7 +137,7 @@ def page(items: list[Any], total: int, limit: int, offset: int) -> dict[str, Any
 def _dumps(obj: Any) -> bytes:
     if isinstance(obj, StoredJson):
         return obj.text.encode()
-    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    return dumps_in_pieces(obj).encode()
 
 
 async def json_reply(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -250,7 +249,7 @@ def create_app(manager: Manager) -> FastAPI:
 
     @app.get("/metrics", tags=["probes"], response_class=PlainTextResponse)
     async def metrics() -> Response:
-        manager.refresh_gauges()
+        await manager.refresh_gauges_async()
         return Response(generate_latest(manager.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # ---- read side ------------------------------------------------------------------------------
@@ -259,7 +258,7 @@ def create_app(manager: Manager) -> FastAPI:
         w = manager.world
         return {
             "version": __version__, "leader_epoch": manager.epoch, "gpus": len(w.gpus),
-            "gpus_by_state": manager.gpu_state_counts(),
+            "gpus_by_state": await manager.gpu_state_counts(),
             "nodes": len(w.nodes), "nodes_connected": sum(1 for n in w.nodes.values() if n.connected),
             "domains": len(w.domains), "jobs": len(w.jobs),
             "breaker": {"open": manager.breaker_open, "reason": manager.breaker_reason},

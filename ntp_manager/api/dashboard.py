@@ -90,7 +90,7 @@ async def dashboard_snapshot(manager: Manager) -> dict[str, Any]:
         rows = (await s.scalars(select(HealthEventRow).order_by(HealthEventRow.id.desc()).limit(15))).all()
     events = [{"at": r.at.isoformat(), "gpu": r.gpu_uuid, "node": r.node, "old": r.old_state, "new": r.new_state,
                "source": r.source, "reasons": list(r.reasons or [])[:2]} for r in rows]
-    return {"epoch": manager.epoch, "gpus_by_state": manager.gpu_state_counts(), "domains": domains,
+    return {"epoch": manager.epoch, "gpus_by_state": await manager.gpu_state_counts(), "domains": domains,
             "domains_total": len(nodes_of), "jobs": jobs, "events": events,
             "breaker": {"open": manager.breaker_open, "reason": manager.breaker_reason}}
 

@@ -33,13 +33,15 @@ async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messag
 
 
 def code_of(err: ServiceError) -> grpc.StatusCode:
-    return getattr(grpc.StatusCode, err.grpc_code)  # type: ignore[no-any-return]
+    code: grpc.StatusCode = getattr(grpc.StatusCode, err.grpc_code)
+    return code
 
 
 def principal_of(tokens: Any, context: grpc.aio.ServicerContext) -> Principal | None:
     header = dict(context.invocation_metadata() or ()).get("authorization")
     token = parse_bearer(header if isinstance(header, str) else None)
-    return tokens.verify(token) if token else None  # type: ignore[no-any-return]
+    found: Principal | None = tokens.verify(token) if token else None
+    return found
 
 
 def bearer_of(context: grpc.aio.ServicerContext) -> str | None:

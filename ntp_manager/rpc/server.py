@@ -251,13 +251,18 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):  # type: ignore[misc
             await abort(context, grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token")
         assert principal is not None
         revoked = asyncio.Event()
-        unwatch = self.m.token_service.watch(principal.token_id, revoked.set)
+
+        def on_revoke() -> None:
+            revoked.set()
+            self.m.wake_watchers()
+
+        unwatch = self.m.token_service.watch(principal.token_id, on_revoke)
         seen = (-1, -1)
         self.m.metrics.watchers.inc()
         try:
             while True:
                 try:
-                    rec = await _unless(self.m.wait_layout(request.job, seen), revoked)
+                    rec = await self.m.wait_layout(request.job, seen, revoked.is_set)
                 except ServiceError as e:  # the job was deleted
                     await abort(context, code_of(e), e.message)
                 if revoked.is_set():
@@ -298,21 +303,6 @@ def _build_serialized(rec: Any) -> LayoutViews:
     views = build_views(rec)
     views.bytes_for_gpu("")  # serializes the shared parts once, here in the worker thread
     return views
-
-
-async def _unless(coro: Any, stop: asyncio.Event) -> Any:
-    """Await `coro` unless `stop` is set first (then None, and `coro` is cancelled)."""
-    task = asyncio.ensure_future(coro)
-    stopper = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopper.cancel()
-        if not task.done():
-            task.cancel()
-    if task.done() and not task.cancelled():
-        return task.result()
-    return None
 
 
 def _pass_bytes(msg: Any) -> bytes:

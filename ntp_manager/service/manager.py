@@ -936,16 +936,22 @@ class Manager:
         asyncio.get_running_loop().create_task(run())
 
     def _publish(self, rec: LayoutRec) -> None:
+        self.wake_watchers()
+
+    def wake_watchers(self) -> None:
+        """Make every `wait_layout` look again (a new layout, or a watcher told to stop)."""
         async def notify() -> None:
             async with self.layout_changed:
                 self.layout_changed.notify_all()
 
         asyncio.get_running_loop().create_task(notify())
 
-    async def wait_layout(self, job: str, newer_than: tuple[int, int]) -> LayoutRec | None:
-        """Block until `job` has a layout with (epoch, version) > newer_than; None when stopping."""
+    async def wait_layout(self, job: str, newer_than: tuple[int, int],
+                          stop: Callable[[], bool] | None = None) -> LayoutRec | None:
+        """Block until `job` has a layout with (epoch, version) > newer_than; None when stopping
+        or when `stop()` says so (checked whenever the watchers are woken)."""
         async with self.layout_changed:
-            while not self._stopping:
+            while not self._stopping and not (stop is not None and stop()):
                 rec = self.world.jobs.get(job)
                 if rec is None:
                     raise NotFound(f"unknown job {job!r}")
@@ -977,7 +983,7 @@ class Manager:
         while not self._stopping:
             await asyncio.sleep(period)
             try:
-                self.refresh_gauges()
+                await self.refresh_gauges_async()
                 await self.check_heartbeats()
                 await self._apply_maintenance()
                 await self._apply_drain_deadlines()
@@ -1024,9 +1030,9 @@ class Manager:
             await self._stage_breaker(m, len(to_fail))
 
     # ---- views -------------------------------------------------------------------------------
-    def gpu_state_counts(self) -> dict[str, int]:
+    async def gpu_state_counts(self) -> dict[str, int]:
         """GPUs per effective state (states with none left out), recounted only after a change."""
-        self.refresh_gauges()
+        await self.refresh_gauges_async()
         return {k: v for k, v in self._state_counts.items() if v}
 
     def gpu_view(self, uuid: str, override_admin: Any = ..., owner: str | None = None,
@@ -1048,13 +1054,22 @@ class Manager:
         """Mark the gauges stale; they are recomputed at most once per monitor tick and on scrape."""
         self._gauges_stale = True
 
+    async def refresh_gauges_async(self) -> None:
+        """`refresh_gauges` with the O(GPUs) count in a worker thread (over a copy of the record
+        list; a state that changes meanwhile marks the gauges stale again)."""
+        if not self._gauges_stale:
+            return
+        self._gauges_stale = False
+        counts = await asyncio.to_thread(_count_states, list(self.world.gpus.values()))
+        self._set_gauges(counts)
+
     def refresh_gauges(self) -> None:
         if not self._gauges_stale:
             return
         self._gauges_stale = False
-        counts: dict[str, int] = dict.fromkeys([s.value for s in GpuState], 0)
-        for g in self.world.gpus.values():
-            counts[g.state] = counts.get(g.state, 0) + 1
+        self._set_gauges(_count_states(list(self.world.gpus.values())))
+
+    def _set_gauges(self, counts: dict[str, int]) -> None:
         self._state_counts = counts
         for state, n in counts.items():
             self.metrics.gpus.labels(state).set(n)
@@ -1071,6 +1086,13 @@ class Manager:
                 by_tp[r["tp"]] = by_tp.get(r["tp"], 0) + 1
             for tp, n in by_tp.items():
                 self.metrics.replicas_by_tp.labels(job.name, str(tp)).set(n)
+
+
+def _count_states(gpus: list[GpuRec]) -> dict[str, int]:
+    counts: dict[str, int] = dict.fromkeys([s.value for s in GpuState], 0)
+    for g in gpus:
+        counts[g.state] = counts.get(g.state, 0) + 1
+    return counts
 
 
 def _why(old: dict[str, Any] | None, new: dict[str, Any]) -> str:

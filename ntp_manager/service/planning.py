@@ -14,13 +14,12 @@ dict again on the loop.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from ntp_manager.planner import JobSpec, make_plan
 from ntp_manager.planner.export import plan_to_dict
-from ntp_manager.store.db import StoredJson
+from ntp_manager.store.db import StoredJson, dumps_in_pieces
 from ntp_manager.topology import Cluster, GpuState
 
 
@@ -36,7 +35,7 @@ class Draft:
 
 def fingerprint(doc: dict[str, Any]) -> str:
     """What decides whether a new plan differs from the current layout."""
-    return json.dumps(
+    return dumps_in_pieces(
         {"replicas": doc["replicas"], "power_caps_w": doc["power_caps_w"], "global_batch": doc["global_batch"]},
         sort_keys=True,
     )

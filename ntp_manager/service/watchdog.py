@@ -1,6 +1,6 @@
 """Event-loop watchdog: how long the manager's one event loop is kept from running, and by what.
 
-Two halves:
+Three parts:
 - A probe task sleeps `interval_s` again and again and measures how late it wakes up: the lag,
   which is how long some callback held the loop (plus scheduling noise). Every lag goes into the
   `ntp_event_loop_lag_seconds` histogram; the largest is kept in `ntp_event_loop_lag_max_seconds`,
@@ -9,12 +9,15 @@ Two halves:
 - A thread looks every `interval_s` at when the probe last ran. When the loop has been held for
   more than `warn_s`, it logs a warning while the stall is still going on, with the stack of the
   loop's thread: the code that holds the loop, named, instead of a number after the fact.
+- Garbage-collector pauses stop every thread; each full (generation 2) collection is timed into
+  `ntp_gc_pause_seconds` and one past `warn_s` is logged, so a stall the GC caused is named too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import sys
 import threading
 import time
@@ -37,6 +40,9 @@ class LoopWatchdog:
                              registry=registry)
         self.stalls = Counter("ntp_event_loop_stalls_total", "event-loop lags above the warning threshold",
                               registry=registry)
+        self.gc_pause = Histogram("ntp_gc_pause_seconds", "full (generation 2) garbage collections",
+                                  registry=registry, buckets=BUCKETS)
+        self._gc_t0 = 0.0
         self.max_lag_s = 0.0
         self.window_max_s = 0.0  # largest lag since the last `take_window_max()`
         self.samples = 0
@@ -56,6 +62,7 @@ class LoopWatchdog:
         self._stop.clear()
         self._thread = threading.Thread(target=self._watch, name="loop-watchdog", daemon=True)
         self._thread.start()
+        gc.callbacks.append(self._on_gc)
         try:
             while True:
                 t0 = loop.time()
@@ -64,6 +71,20 @@ class LoopWatchdog:
                 self.record(max(0.0, loop.time() - t0 - self.interval_s))
         finally:
             self._stop.set()
+            with contextlib.suppress(ValueError):
+                gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._gc_t0
+        self.gc_pause.observe(pause)
+        if pause > self.warn_s:
+            log.warning("garbage collection paused every thread", paused_ms=round(pause * 1000, 1),
+                        collected=info.get("collected", 0))
 
     def record(self, lag: float) -> None:
         self.samples += 1
