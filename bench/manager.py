@@ -14,6 +14,10 @@
    watchdog (ntp_event_loop_lag_seconds, ntp_event_loop_stalls_total) says how long the loop was
    held, and its warnings (with the stack that held the loop) are collected from its log.
 
+4. Token changes made outside the server (`ntp-manager token create/revoke` against its database)
+   under a running manager: from the change's commit (its audit record's time) to the first
+   request the manager answers accordingly.
+
 Each agent has its own token, bound to its node (`ntp-manager token create --nodes-from`).
 
 Usage: python bench/manager.py [--rounds 30] [--ingest-seconds 20] [--skip-ingest]
@@ -308,6 +312,40 @@ async def largest_inputs(info: dict[str, Any], tokens: dict[str, str], channel: 
     return {"steps": steps, "healthz_max_ms": 1e3 * max(lat for _, lat in probes), "probes": len(probes)}
 
 
+async def token_changes(data: Path, info: dict[str, Any], tokens: dict[str, str], rounds: int = 5) -> dict[str, Any]:
+    """Seconds from a CLI token change's commit to the manager acting on it."""
+    from datetime import datetime
+
+    base = f"http://{info['http']}"
+    created, revoked = [], []
+
+    async def cli(*args: str) -> str:
+        p = await asyncio.create_subprocess_exec(sys.executable, "-m", "ntp_manager.cli", "token", *args,
+                                                 "--data-dir", str(data), stdout=subprocess.PIPE)
+        out, _ = await p.communicate()
+        return out.decode()
+
+    async def committed(c: httpx.AsyncClient, action: str, target: str) -> float:
+        r = await c.get("/v1/audit", params={"action": action, "target": target})
+        return datetime.fromisoformat(r.json()["items"][0]["at"]).timestamp()
+
+    async with httpx.AsyncClient(base_url=base, timeout=30,
+                                 headers={"Authorization": f"Bearer {tokens['operator']}"}) as op:
+        for _ in range(rounds):
+            tok = json.loads(await cli("create", "--scope", "viewer", "--json"))["token"]
+            tid = tok.split("_")[1]
+            async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {tok}"}) as c:
+                while (await c.get("/v1/breaker")).status_code != 200:
+                    await asyncio.sleep(0.005)
+                created.append(time.time() - await committed(op, "token.create", tid))
+                await cli("revoke", tid)
+                while (await c.get("/v1/breaker")).status_code != 401:
+                    await asyncio.sleep(0.005)
+                revoked.append(time.time() - await committed(op, "token.revoke", tid))
+    return {"rounds": rounds, "create_max_s": max(created), "revoke_max_s": max(revoked),
+            "create_median_s": statistics.median(created), "revoke_median_s": statistics.median(revoked)}
+
+
 def stall_sites(log: Path, top: int = 5) -> list[tuple[int, str]]:
     """Where the watchdog caught the loop held (its in-stall warnings), most frequent first."""
     sites: dict[str, int] = {}
@@ -338,6 +376,8 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
                 out["latency"] = await latency(info, tokens, args.rounds, console)
             out["latency"]["manager_cpu"] = (cpu_seconds(proc.pid) - cpu0) / (time.perf_counter() - t0)
             console.print(f"latency: {json.dumps(out['latency'])}")
+            out["tokens"] = await token_changes(Path(tmp), info, tokens)
+            console.print(f"token changes: {json.dumps(out['tokens'])}")
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
@@ -367,6 +407,11 @@ def main() -> None:
     args, _ = ap.parse_known_args()
     console = Console(width=120)
     res = asyncio.run(main_async(args, console))
+    if "tokens" in res:
+        tk = res["tokens"]
+        console.print(f"token changes by the CLI under a running manager ({tk['rounds']} rounds): created usable "
+                      f"after {tk['create_median_s']:.2f} s median / {tk['create_max_s']:.2f} s max, revoked refused "
+                      f"after {tk['revoke_median_s']:.2f} s / {tk['revoke_max_s']:.2f} s (goal: within 1 s)")
     if "latency" in res:
         lat = res["latency"]
         t = Table(title="failure-to-push latency (report sent -> new layout on every watcher)")

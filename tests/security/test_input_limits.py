@@ -321,3 +321,27 @@ async def test_http_client_sees_no_sql_when_the_store_fails(registered: Service)
         svc.manager.mutation = original  # type: ignore[method-assign]
     assert r.status_code == 500
     assert not any(w in r.text for w in SQL_WORDS) and "log" in r.json()["detail"]
+
+
+async def test_error_text_in_grpc_trailers_is_capped(sqlite_service: Service) -> None:
+    """Error text travels in trailers, which gRPC limits to ~8 KiB: however long the message the
+    manager made, the client gets its status code and the text cut to 1,000 characters."""
+    from ntp_manager.service.errors import InvalidArgument
+
+    svc = sqlite_service
+
+    def long_error(*a: Any, **kw: Any) -> Any:
+        raise InvalidArgument("stamp: " + "x" * 100_000)
+
+    original = svc.manager.ack_layout
+    svc.manager.ack_layout = long_error  # type: ignore[method-assign]
+    try:
+        async with grpc.aio.insecure_channel(svc.grpc) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await worker_pb2_grpc.WorkerServiceStub(ch).AckLayout(
+                    worker_pb2.AckLayoutRequest(job="j", worker_id="w"),
+                    metadata=(("authorization", f"Bearer {svc.tokens['worker']}"),), timeout=10)
+    finally:
+        svc.manager.ack_layout = original  # type: ignore[method-assign]
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("stamp: xxx") and len(e.value.details()) <= 1000
