@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import weakref
 from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
@@ -51,21 +52,24 @@ def _job_part(name: str, rec: Any) -> tuple[dict[str, Any], dict[str, float]]:
              "global_batch": lay.plan.get("global_batch") if lay else None}, boost)
 
 
-_parts: dict[tuple[int, str], tuple[Any, tuple[dict[str, Any], dict[str, float]]]] = {}
+_parts: weakref.WeakKeyDictionary[Manager, dict[str, tuple[Any, tuple[dict[str, Any], dict[str, float]]]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 async def _job_parts(manager: Manager) -> tuple[list[dict[str, Any]], dict[str, float]]:
     jobs, boost = [], {}
+    cache = _parts.setdefault(manager, {})
     for name, rec in sorted(manager.world.jobs.items()):
-        key = (id(manager), name)
+        key = name
         lay = rec.layout
         stamp = ((lay.leader_epoch, lay.version) if lay else None, rec.pending_reason)
-        cached = _parts.get(key)
+        cached = cache.get(key)
         if cached is None or cached[0] != stamp:
             part = await asyncio.to_thread(_job_part, name, rec) if rec.layout else _job_part(name, rec)
-            if len(_parts) > 1024:
-                _parts.clear()
-            cached = _parts[key] = (stamp, part)
+            for gone in set(cache) - set(manager.world.jobs):
+                del cache[gone]
+            cached = cache[key] = (stamp, part)
         jobs.append(cached[1][0])
         boost.update(cached[1][1])
     return jobs, boost
