@@ -10,6 +10,9 @@
   so nothing is lost in effect and nothing is applied twice.
 - Reconnects back off exponentially with full jitter (tenacity's wait strategy).
 - Commands from the manager: set/release power caps (applied, read back, result sent), drain.
+- Identity: the token speaks for this node only (the manager refuses it for any other); with
+  `tls_ca` the channel is TLS, and with `tls_cert` + `tls_key` the agent presents its client
+  certificate (mTLS; see docs/security.md).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -54,6 +58,16 @@ class AgentConfig:
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 10.0
     version: str = "0.1.0"
+    tls_ca: Path | None = None  # CA of the manager's certificate: connect over TLS
+    tls_cert: Path | None = None  # this node's client certificate and key: mTLS
+    tls_key: Path | None = None
+
+    def channel(self) -> grpc.aio.Channel:
+        if self.tls_ca is None and self.tls_cert is None:
+            return grpc.aio.insecure_channel(self.manager)
+        from ntp_manager.rpc.tls import channel_credentials
+
+        return grpc.aio.secure_channel(self.manager, channel_credentials(self.tls_ca, self.tls_cert, self.tls_key))
 
 
 @dataclass
@@ -242,7 +256,7 @@ class Agent:
                     return
                 yield m
 
-        async with grpc.aio.insecure_channel(self.cfg.manager) as channel:
+        async with self.cfg.channel() as channel:
             stub = agent_pb2_grpc.AgentServiceStub(channel)
             call = stub.Connect(requests(), metadata=(("authorization", f"Bearer {self.cfg.token}"),))
             beat = asyncio.create_task(self._heartbeats(outbox))

@@ -2,6 +2,11 @@
 
     ntp-agent --manager HOST:PORT --token-file F --backend nvml|fake [--scenario FILE]
               [--node NAME] [--domain ID] [--metrics-port N]
+              [--tls-ca CA.pem [--tls-cert NODE.pem --tls-key NODE.key]]
+
+The token must be an agent token made for this node (`ntp-manager token create --scope agent
+--node NAME`); with `--tls-ca` the agent connects over TLS, and with a client certificate over
+mTLS (the manager's TLS port; docs/security.md).
 
     ntp-agent probe [--backend nvml|fake] [--scenario FILE] [--json]
 
@@ -52,6 +57,9 @@ class AgentSettings(BaseSettings):
     sample_interval_s: float = Field(1.0, gt=0)
     xid_policy: dict[str, str] = Field(default_factory=dict)  # overrides, e.g. {"94": "fail"}
     log_format: str = Field("console", pattern="^(console|json)$")
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
 
 
 def fail(msg: str) -> NoReturn:
@@ -99,9 +107,16 @@ def build(settings: AgentSettings) -> Agent:
     backend, node, domain = open_backend(settings.backend, settings.scenario, settings.node, settings.domain)
     if not domain:
         fail("no NVLink domain: NVML reports no fabric clique, so give --domain")
+    if (settings.tls_cert is None) != (settings.tls_key is None):
+        fail("--tls-cert and --tls-key go together")
+    for what, path in (("--tls-ca", settings.tls_ca), ("--tls-cert", settings.tls_cert),
+                       ("--tls-key", settings.tls_key)):
+        if path is not None and not path.is_file():
+            fail(f"{what} {path}: no such file")
     cfg = AgentConfig(manager=settings.manager, token=token, node=node, domain=domain,
                       heartbeat_interval_s=settings.heartbeat_interval_s,
-                      sample_interval_s=settings.sample_interval_s)
+                      sample_interval_s=settings.sample_interval_s,
+                      tls_ca=settings.tls_ca, tls_cert=settings.tls_cert, tls_key=settings.tls_key)
     return Agent(backend, cfg, policy)
 
 
@@ -166,10 +181,14 @@ def main_cmd(
     node: Annotated[str | None, typer.Option(help="node name (default: host name)")] = None,
     domain: Annotated[str | None, typer.Option(help="NVLink domain (default: from NVML fabric info)")] = None,
     metrics_port: Annotated[int | None, typer.Option(help="Prometheus port on 127.0.0.1 (0: off)")] = None,
+    tls_ca: Annotated[Path | None, typer.Option(help="CA of the manager's certificate (PEM): use TLS")] = None,
+    tls_cert: Annotated[Path | None, typer.Option(help="this node's client certificate (PEM): mTLS")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="its private key (PEM)")] = None,
 ) -> None:
     """Report this node's GPU health to the manager and apply its power caps."""
     overrides = {"manager": manager, "token_file": token_file, "backend": backend, "scenario": scenario,
-                 "node": node, "domain": domain, "metrics_port": metrics_port}
+                 "node": node, "domain": domain, "metrics_port": metrics_port, "tls_ca": tls_ca,
+                 "tls_cert": tls_cert, "tls_key": tls_key}
     try:
         settings = AgentSettings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as e:

@@ -8,6 +8,17 @@
 2. Health ingest. 12,500 nodes x 8 GPUs = 100,000 GPUs register, then every node sends one
    heartbeat per second (the agent's steady state; changes travel as reports). We count what the
    manager processed (its own Prometheus counter) and its CPU time.
+3. The event loop under the largest accepted inputs, on that 100,000-GPU cluster: the largest
+   hello (128 GPUs), the largest job (every GPU), a dry run of the widest spec (one replica per
+   GPU), the layout and dashboard reads. A thread polls /healthz every 20 ms; the manager's own
+   watchdog (ntp_event_loop_lag_seconds, ntp_event_loop_stalls_total) says how long the loop was
+   held, and its warnings (with the stack that held the loop) are collected from its log.
+
+4. Token changes made outside the server (`ntp-manager token create/revoke` against its database)
+   under a running manager: from the change's commit (its audit record's time) to the first
+   request the manager answers accordingly.
+
+Each agent has its own token, bound to its node (`ntp-manager token create --nodes-from`).
 
 Usage: python bench/manager.py [--rounds 30] [--ingest-seconds 20] [--skip-ingest]
 """
@@ -24,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -43,17 +55,29 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK
 
 
-def start_manager(data: Path) -> tuple[subprocess.Popen[str], dict[str, Any], dict[str, str]]:
+BIG_NODE = "big-node"
+MAX_GPUS = 100_000 + 128  # the ingest cluster plus one largest hello
+
+
+def start_manager(data: Path, nodes: list[str]) -> tuple[subprocess.Popen[str], dict[str, Any], dict[str, str]]:
     tokens = {}
-    for scope in ("operator", "agent", "worker"):
+    for scope in ("operator", "worker"):
         out = subprocess.run(
             [sys.executable, "-m", "ntp_manager.cli", "token", "create", "--scope", scope, "--json",
              "--data-dir", str(data)], capture_output=True, text=True, check=True).stdout
         tokens[scope] = json.loads(out)["token"]
-    env = dict(os.environ, NTP_SUSPECT_AFTER_S="600", NTP_FAIL_AFTER_S="1200", NTP_BREAKER_MIN_GPUS="100000")
+    out = subprocess.run(
+        [sys.executable, "-m", "ntp_manager.cli", "token", "create", "--scope", "agent", "--nodes-from", "-",
+         "--data-dir", str(data)], input="\n".join(nodes), capture_output=True, text=True, check=True).stdout
+    for line in out.splitlines():
+        d = json.loads(line)
+        tokens[d["node"]] = d["token"]
+    env = dict(os.environ, NTP_SUSPECT_AFTER_S="600", NTP_FAIL_AFTER_S="1200", NTP_BREAKER_MIN_GPUS="100000",
+               NTP_MAX_CLUSTER_GPUS=str(MAX_GPUS), NTP_LOG_FORMAT="json")
+    log = open(data / "manager.log", "w")  # noqa: SIM115 - the manager writes it until it ends
     proc = subprocess.Popen(
         [sys.executable, "-m", "ntp_manager.cli", "serve", "--data-dir", str(data), "--http-port", "0",
-         "--grpc-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+         "--grpc-port", "0"], stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith("NTP-MANAGER READY"):
@@ -107,7 +131,7 @@ async def latency(info: dict[str, Any], tokens: dict[str, str], rounds: int, con
     n_agents = 1000
     channels = [grpc.aio.insecure_channel(info["grpc"], options=[("grpc.use_local_subchannel_pool", 1)])
                 for _ in range(20)]
-    agents = [Agent(channels[i % 20], tokens["agent"], f"node-{i:04d}", f"nvl-{i // 2:03d}", 4)
+    agents = [Agent(channels[i % 20], tokens[f"node-{i:04d}"], f"node-{i:04d}", f"nvl-{i // 2:03d}", 4)
               for i in range(n_agents)]
     tasks = [asyncio.create_task(a.run()) for a in agents]
     t0 = time.perf_counter()
@@ -169,7 +193,7 @@ async def ingest(info: dict[str, Any], tokens: dict[str, str], seconds: float, p
     # one connection per channel (as separate agents would have), not one shared HTTP/2 connection
     channels = [grpc.aio.insecure_channel(info["grpc"], options=[("grpc.use_local_subchannel_pool", 1)])
                 for _ in range(50)]
-    agents = [Agent(channels[i % 50], tokens["agent"], f"ing-{i:05d}", f"ing-nvl-{i // 9:04d}", per_node)
+    agents = [Agent(channels[i % 50], tokens[f"ing-{i:05d}"], f"ing-{i:05d}", f"ing-nvl-{i // 9:04d}", per_node)
               for i in range(n_nodes)]
     tasks = []
     t0 = time.perf_counter()
@@ -198,22 +222,153 @@ async def ingest(info: dict[str, Any], tokens: dict[str, str], seconds: float, p
     await asyncio.sleep(1.0)
     elapsed = time.perf_counter() - t_start
     after, cpu1 = await count(), cpu_seconds(pid)
-    for t in tasks:
-        t.cancel()
-    for ch in channels:
-        await ch.close()
     processed = after - before
-    return {
+    res = {
         "nodes": n_nodes, "gpus": n_nodes * per_node, "register_s": reg_s, "seconds": elapsed,
         "heartbeats_sent": sent, "heartbeats_processed": processed,
         "gpus_per_s": processed * per_node / elapsed, "manager_cpu": (cpu1 - cpu0) / elapsed,
     }
+    res["loop"] = await largest_inputs(info, tokens, channels[0])
+    for t in tasks:
+        t.cancel()
+    for ch in channels:
+        await ch.close()
+    return res
+
+
+def _lag(text: str) -> tuple[dict[float, float], float]:
+    """The watchdog's histogram buckets (le -> count) and stall counter from a /metrics page."""
+    buckets, stalls = {}, 0.0
+    for line in text.splitlines():
+        if line.startswith("ntp_event_loop_lag_seconds_bucket"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets[float("inf") if le == "+Inf" else float(le)] = float(line.split()[-1])
+        elif line.startswith("ntp_event_loop_stalls_total "):
+            stalls = float(line.split()[-1])
+    return buckets, stalls
+
+
+async def largest_inputs(info: dict[str, Any], tokens: dict[str, str], channel: grpc.aio.Channel) -> dict[str, Any]:
+    """Each step's largest /healthz latency and the loop lag the watchdog measured during it."""
+    base = f"http://{info['http']}"
+    probes: list[tuple[float, float]] = []  # (when, latency)
+    stop = threading.Event()
+
+    def probe() -> None:
+        with httpx.Client(base_url=base, timeout=60) as c:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                c.get("/healthz")
+                probes.append((t0, time.perf_counter() - t0))
+                time.sleep(0.02)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    steps: list[dict[str, Any]] = []
+    op = httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {tokens['operator']}"}, timeout=300)
+
+    async def step(name: str, coro: Any) -> None:
+        m0 = _lag((await op.get("/metrics")).text)
+        t0 = time.perf_counter()
+        await coro
+        t1 = time.perf_counter()
+        await asyncio.sleep(0.2)
+        m1 = _lag((await op.get("/metrics")).text)
+        # cumulative buckets: the smallest bound that holds every lag measured during the step
+        delta = {le: n - m0[0].get(le, 0) for le, n in m1[0].items()}
+        total = delta.get(float("inf"), 0.0)
+        worst = min((le for le, n in delta.items() if n >= total), default=0.0)
+        during = [lat for t, lat in probes if t0 - 0.05 <= t <= t1 + 0.2]
+        steps.append({"step": name, "seconds": t1 - t0, "healthz_max_ms": 1e3 * max(during, default=0.0),
+                      "probes": len(during), "lag_max_bucket_s": worst, "stalls": m1[1] - m0[1]})
+
+    async def hello() -> None:
+        a = Agent(channel, tokens[BIG_NODE], BIG_NODE, "big-nvl", 128)
+        asyncio.get_running_loop().create_task(a.run())
+        await asyncio.wait_for(a.welcome.wait(), 120)
+
+    async def job() -> None:
+        (await op.post("/v1/jobs", json={"name": "all", "tp": 8, "replicas": MAX_GPUS // 8, "local_batch": 8,
+                                         "heads": 64, "mlp_columns": 4096})).raise_for_status()
+        while (await op.get("/v1/jobs/all")).json()["layout_version"] is None:
+            await asyncio.sleep(0.1)
+
+    async def dry_run() -> None:
+        (await op.post("/v1/plans", json={"spec": {"name": "wide", "tp": 1, "replicas": MAX_GPUS, "local_batch": 1,
+                                                   "heads": 1}})).raise_for_status()
+
+    async def reads() -> None:
+        for path in ("/v1/jobs/all/layout", "/v1/snapshot", "/v1/status", "/v1/gpus?limit=1000",
+                     "/v1/domains?limit=1000", "/v1/jobs/all"):
+            (await op.get(path)).raise_for_status()
+
+    await step("largest hello (128 GPUs)", hello())
+    await step("largest job (every GPU) planned and stored", job())
+    await step("dry run, one replica per GPU", dry_run())
+    await step("layout, snapshot, status, listings", reads())
+    stop.set()
+    thread.join(5)
+    await op.aclose()
+    return {"steps": steps, "healthz_max_ms": 1e3 * max(lat for _, lat in probes), "probes": len(probes)}
+
+
+async def token_changes(data: Path, info: dict[str, Any], tokens: dict[str, str], rounds: int = 5) -> dict[str, Any]:
+    """Seconds from a CLI token change's commit to the manager acting on it."""
+    from datetime import datetime
+
+    base = f"http://{info['http']}"
+    created, revoked = [], []
+
+    async def cli(*args: str) -> str:
+        p = await asyncio.create_subprocess_exec(sys.executable, "-m", "ntp_manager.cli", "token", *args,
+                                                 "--data-dir", str(data), stdout=subprocess.PIPE)
+        out, _ = await p.communicate()
+        return out.decode()
+
+    async def committed(c: httpx.AsyncClient, action: str, target: str) -> float:
+        r = await c.get("/v1/audit", params={"action": action, "target": target})
+        return datetime.fromisoformat(r.json()["items"][0]["at"]).timestamp()
+
+    async with httpx.AsyncClient(base_url=base, timeout=30,
+                                 headers={"Authorization": f"Bearer {tokens['operator']}"}) as op:
+        for _ in range(rounds):
+            tok = json.loads(await cli("create", "--scope", "viewer", "--json"))["token"]
+            tid = tok.split("_")[1]
+            async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {tok}"}) as c:
+                while (await c.get("/v1/breaker")).status_code != 200:
+                    await asyncio.sleep(0.005)
+                created.append(time.time() - await committed(op, "token.create", tid))
+                await cli("revoke", tid)
+                while (await c.get("/v1/breaker")).status_code != 401:
+                    await asyncio.sleep(0.005)
+                revoked.append(time.time() - await committed(op, "token.revoke", tid))
+    return {"rounds": rounds, "create_max_s": max(created), "revoke_max_s": max(revoked),
+            "create_median_s": statistics.median(created), "revoke_median_s": statistics.median(revoked)}
+
+
+def stall_sites(log: Path, top: int = 5) -> list[tuple[int, str]]:
+    """Where the watchdog caught the loop held (its in-stall warnings), most frequent first."""
+    sites: dict[str, int] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        if '"garbage collection paused every thread"' in line:
+            key = "a full garbage collection (generation 2)"
+        elif '"event loop is blocked"' in line:
+            where = json.loads(line).get("where", "")
+            files = [f.strip() for f in where.splitlines() if f.strip().startswith("File")]
+            ours = [f for f in files if "/ntp_manager/" in f]
+            key = (ours[-1] if ours else "?") + (f" -> {files[-1]}" if files and files[-1] not in ours else "")
+        else:
+            continue
+        sites[key] = sites.get(key, 0) + 1
+    return sorted(((n, k) for k, n in sites.items()), reverse=True)[:top]
 
 
 async def main_async(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    if args.skip_latency:
+        return await ingest_only(args, console, out)
     with tempfile.TemporaryDirectory() as tmp:
-        proc, info, tokens = start_manager(Path(tmp))
+        proc, info, tokens = start_manager(Path(tmp), [f"node-{i:04d}" for i in range(1000)])
         try:
             cpu0 = cpu_seconds(proc.pid)
             t0 = time.perf_counter()
@@ -221,18 +376,24 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
                 out["latency"] = await latency(info, tokens, args.rounds, console)
             out["latency"]["manager_cpu"] = (cpu_seconds(proc.pid) - cpu0) / (time.perf_counter() - t0)
             console.print(f"latency: {json.dumps(out['latency'])}")
+            out["tokens"] = await token_changes(Path(tmp), info, tokens)
+            console.print(f"token changes: {json.dumps(out['tokens'])}")
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
-    if not args.skip_ingest:
-        with tempfile.TemporaryDirectory() as tmp:
-            proc, info, tokens = start_manager(Path(tmp))
-            try:
-                with console.status("health ingest: 100,000 GPUs"):
-                    out["ingest"] = await ingest(info, tokens, args.ingest_seconds, proc.pid)
-            finally:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(60)
+    return await ingest_only(args, console, out) if not args.skip_ingest else out
+
+
+async def ingest_only(args: argparse.Namespace, console: Console, out: dict[str, Any]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, info, tokens = start_manager(Path(tmp), [f"ing-{i:05d}" for i in range(12_500)] + [BIG_NODE])
+        try:
+            with console.status("health ingest: 100,000 GPUs, then the largest inputs"):
+                out["ingest"] = await ingest(info, tokens, args.ingest_seconds, proc.pid)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+            out["stall_sites"] = stall_sites(Path(tmp) / "manager.log")
     return out
 
 
@@ -241,17 +402,24 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--ingest-seconds", type=float, default=20)
     ap.add_argument("--skip-ingest", action="store_true")
+    ap.add_argument("--skip-latency", action="store_true", help="only the ingest and event-loop parts")
     ap.add_argument("--json", type=Path)
     args, _ = ap.parse_known_args()
     console = Console(width=120)
     res = asyncio.run(main_async(args, console))
-    lat = res["latency"]
-    t = Table(title="failure-to-push latency (report sent -> new layout on every watcher)")
-    for col in ("agents", "watchers", "rounds", "p50 ms", "p99 ms", "max ms", "manager CPU", "goal p99"):
-        t.add_column(col, justify="right")
-    t.add_row(str(lat["agents"]), str(lat["watchers"]), str(lat["rounds"]), f"{lat['p50_ms']:.1f}",
-              f"{lat['p99_ms']:.1f}", f"{lat['max_ms']:.1f}", f"{100 * lat['manager_cpu']:.0f}%", "250 ms")
-    console.print(t)
+    if "tokens" in res:
+        tk = res["tokens"]
+        console.print(f"token changes by the CLI under a running manager ({tk['rounds']} rounds): created usable "
+                      f"after {tk['create_median_s']:.2f} s median / {tk['create_max_s']:.2f} s max, revoked refused "
+                      f"after {tk['revoke_median_s']:.2f} s / {tk['revoke_max_s']:.2f} s (goal: within 1 s)")
+    if "latency" in res:
+        lat = res["latency"]
+        t = Table(title="failure-to-push latency (report sent -> new layout on every watcher)")
+        for col in ("agents", "watchers", "rounds", "p50 ms", "p99 ms", "max ms", "manager CPU", "goal p99"):
+            t.add_column(col, justify="right")
+        t.add_row(str(lat["agents"]), str(lat["watchers"]), str(lat["rounds"]), f"{lat['p50_ms']:.1f}",
+                  f"{lat['p99_ms']:.1f}", f"{lat['max_ms']:.1f}", f"{100 * lat['manager_cpu']:.0f}%", "250 ms")
+        console.print(t)
     if "ingest" in res:
         ing = res["ingest"]
         t2 = Table(title="health ingest (heartbeats, one per node per second)")
@@ -261,6 +429,17 @@ def main() -> None:
                    f"{ing['heartbeats_processed']:,.0f}", f"{ing['gpus_per_s']:,.0f}",
                    f"{100 * ing['manager_cpu']:.0f}%", "100,000 GPUs/s")
         console.print(t2)
+        loop = ing["loop"]
+        t3 = Table(title=f"event loop at {MAX_GPUS:,} GPUs: /healthz polled every 20 ms "
+                         f"({loop['probes']} probes, max {loop['healthz_max_ms']:.0f} ms)")
+        for col in ("step", "s", "healthz max ms", "loop lag max (bucket)", "stalls > 100 ms"):
+            t3.add_column(col, justify="right")
+        for st in loop["steps"]:
+            t3.add_row(st["step"], f"{st['seconds']:.2f}", f"{st['healthz_max_ms']:.0f}",
+                       f"<= {1000 * st['lag_max_bucket_s']:.0f} ms", f"{st['stalls']:.0f}")
+        console.print(t3)
+        for n, where in res.get("stall_sites", []):
+            console.print(f"held the loop {n}x: {where}", highlight=False)
     console.print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

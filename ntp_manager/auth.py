@@ -4,8 +4,10 @@ A token reads `ntp_<id>_<secret>`: the id (8 hex characters, not secret) finds t
 the SHA-256 of the whole token is compared with the stored hash by `hmac.compare_digest`, so the
 comparison takes the same time wherever the first wrong character is. Only hashes are stored.
 
-Scopes: `viewer` (read the REST API), `operator` (viewer + every mutation), `agent` (the agent gRPC
-service), `worker` (the worker gRPC service).
+Scopes: `viewer` (read the REST API), `operator` (viewer + every mutation), `admin` (operator +
+token management), `agent` (the agent gRPC service, for the one node the token names, and only
+with the client certificate it names when it names one), `worker` (the worker gRPC service).
+docs/security.md has the threat model.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ PERMISSIONS: dict[str, frozenset[str]] = {
 class Principal:
     name: str
     scope: str
+    token_id: str = ""
+    node: str | None = None  # agent tokens: the node it may speak for
+    fingerprint: str | None = None  # agent tokens: SHA-256 of the client certificate it needs
 
     def can(self, permission: str) -> bool:
         return permission in PERMISSIONS.get(self.scope, frozenset())
@@ -64,8 +69,19 @@ class TokenTable:
     def __init__(self) -> None:
         self._by_id: dict[str, StoredToken] = {}
 
-    def replace(self, tokens: list[StoredToken]) -> None:
-        self._by_id = {t.public_id: t for t in tokens}
+    def replace(self, tokens: list[StoredToken]) -> set[str]:
+        """Install the active tokens; returns the ids that were active and are not any more."""
+        new = {t.public_id: t for t in tokens}
+        gone = {tid for tid, old in self._by_id.items() if new.get(tid) != old}
+        self._by_id = new
+        return gone
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def active(self, token_id: str) -> bool:
+        """Whether the token with this id is still valid (not revoked)."""
+        return token_id in self._by_id
 
     def verify(self, token: str) -> Principal | None:
         tid = token_id(token)

@@ -215,6 +215,11 @@ def serve(
     http_port: Annotated[int | None, typer.Option(help="REST port (0: any free)")] = None,
     grpc_host: Annotated[str | None, typer.Option(help="gRPC bind address")] = None,
     grpc_port: Annotated[int | None, typer.Option(help="gRPC port (0: any free)")] = None,
+    grpc_tls_port: Annotated[int | None, typer.Option(help="gRPC TLS port (with --grpc-tls-cert; 0: any)")] = None,
+    grpc_tls_cert: Annotated[Path | None, typer.Option(help="server certificate (PEM) for gRPC TLS")] = None,
+    grpc_tls_key: Annotated[Path | None, typer.Option(help="its private key (PEM)")] = None,
+    grpc_tls_client_ca: Annotated[Path | None, typer.Option(
+        help="CA (PEM) that signs agents' client certificates: mTLS, required of agents")] = None,
 ) -> None:
     """Run the manager: REST API, gRPC for agents and workers, and the control loop."""
     import asyncio
@@ -222,7 +227,9 @@ def serve(
     from ntp_manager.service.app import run_service
 
     settings = _settings(data_dir=data_dir, database_url=database_url, http_host=http_host, http_port=http_port,
-                         grpc_host=grpc_host, grpc_port=grpc_port)
+                         grpc_host=grpc_host, grpc_port=grpc_port, grpc_tls_port=grpc_tls_port,
+                         grpc_tls_cert=grpc_tls_cert, grpc_tls_key=grpc_tls_key,
+                         grpc_tls_client_ca=grpc_tls_client_ca)
     try:
         asyncio.run(run_service(settings))
     except OSError as e:
@@ -265,8 +272,6 @@ def _with_manager(settings: Settings, fn: Callable[[Any], Awaitable[Any]]) -> An
     async def go(engine: Any) -> Any:
         await db.upgrade(engine)
         m = Manager(settings)
-        async with m.sm() as s:
-            await m._reload_tokens(s)
         try:
             return await fn(m)
         finally:
@@ -281,16 +286,35 @@ def _with_manager(settings: Settings, fn: Callable[[Any], Awaitable[Any]]) -> An
 @token_app.command("create")
 def token_create(
     scope: Annotated[str, typer.Option(help="viewer | operator | admin | agent | worker")],
-    name: Annotated[str, typer.Option(help="who or what holds it")] = "cli",
+    name: Annotated[str | None, typer.Option(help="who or what holds it (default: cli, or the node)")] = None,
+    node: Annotated[str | None, typer.Option(help="agent tokens: the one node it may speak for (required)")] = None,
+    fingerprint: Annotated[str | None, typer.Option(
+        help="agent tokens: SHA-256 of the client certificate the node must present (mTLS)")] = None,
+    nodes_from: Annotated[Path | None, typer.Option(
+        help="agent tokens for a fleet: one node name per line ('-': stdin); prints one JSON line per node")] = None,
     data_dir: DataDir = None,
     database_url: DbUrl = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """Create a token and print it once (only its hash is stored)."""
+    """Create a token and print it once (only its hash is stored). A running manager sees it
+    within a second (NTP_TOKEN_POLL_S)."""
     settings = _settings(data_dir=data_dir, database_url=database_url)
-    token = _with_manager(settings, lambda m: m.create_token(name, scope))
+    if nodes_from is not None:
+        if scope != "agent" or node or fingerprint:
+            fail("--nodes-from makes agent tokens (--scope agent), one per listed node, without --node")
+        try:
+            text = sys.stdin.read() if str(nodes_from) == "-" else nodes_from.read_text()
+        except OSError as e:
+            fail(f"{nodes_from}: cannot read ({e.strerror})")
+        nodes = [line.strip() for line in text.splitlines() if line.strip()]
+        made = _with_manager(settings, lambda m: m.token_service.create_agents(nodes, "cli"))
+        for n, tok in made.items():
+            print(json.dumps({"node": n, "token": tok, "scope": "agent"}))
+        return
+    label = name or (f"agent-{node}" if node else "cli")
+    token = _with_manager(settings, lambda m: m.create_token(label, scope, node=node, fingerprint=fingerprint))
     if as_json:
-        print(json.dumps({"token": token, "scope": scope, "name": name}))
+        print(json.dumps({"token": token, "scope": scope, "name": label, "node": node}))
     else:
         print(token)
 
@@ -304,11 +328,21 @@ def token_list(data_dir: DataDir = None, database_url: DbUrl = None) -> None:
 
 
 @token_app.command("revoke")
-def token_revoke(token_id: str, data_dir: DataDir = None, database_url: DbUrl = None) -> None:
-    """Revoke the token with this id (the 8 characters after `ntp_`)."""
+def token_revoke(
+    token_ids: Annotated[list[str], typer.Argument(help="token ids (the 8 characters after `ntp_`)")],
+    data_dir: DataDir = None, database_url: DbUrl = None,
+) -> None:
+    """Revoke tokens by id. A running manager stops accepting them, and ends the streams opened
+    with them, within a second (NTP_TOKEN_POLL_S)."""
     settings = _settings(data_dir=data_dir, database_url=database_url)
-    _with_manager(settings, lambda m: m.revoke_token(token_id))
-    print(f"revoked {token_id}")
+
+    async def go(m: Any) -> None:
+        for tid in token_ids:
+            await m.revoke_token(tid)
+
+    _with_manager(settings, go)
+    for tid in token_ids:
+        print(f"revoked {tid}")
 
 
 def _register_simulate() -> None:

@@ -321,16 +321,25 @@ def delete_job(c: typer.Context, job: str, as_json: JsonOpt = False) -> None:
 def token_list(c: typer.Context, as_json: JsonOpt = False) -> None:
     """Tokens (ids, names, scopes; never secrets)."""
     d = ctx_of(c).call("GET", "/v1/tokens")
-    rows = [[t["id"], t["name"], t["scope"], t["created_at"][:19], "yes" if t["revoked"] else ""] for t in d["items"]]
-    emit(c, d, as_json, table("tokens", ["id", "name", "scope", "created", "revoked"], rows))
+    rows = [[t["id"], t["name"], t["scope"], t.get("node") or "", t["created_at"][:19], "yes" if t["revoked"] else ""]
+            for t in d["items"]]
+    emit(c, d, as_json, table("tokens", ["id", "name", "scope", "node", "created", "revoked"], rows))
 
 
 @token_app.command("create")
 def token_create(c: typer.Context, name: str,
                  scope: Annotated[str, typer.Option(help="viewer | operator | admin | agent | worker")],
+                 node: Annotated[str | None, typer.Option(help="agent tokens: the one node it speaks for")] = None,
+                 fingerprint: Annotated[str | None, typer.Option(
+                     help="agent tokens: SHA-256 of the node's client certificate (mTLS)")] = None,
                  as_json: JsonOpt = False) -> None:
-    """Create a token; the secret is shown once."""
-    d = ctx_of(c).call("POST", "/v1/tokens", json={"name": name, "scope": scope})
+    """Create a token; the secret is shown once. Agent tokens need --node."""
+    body = {"name": name, "scope": scope}
+    if node is not None:
+        body["node"] = node
+    if fingerprint is not None:
+        body["fingerprint"] = fingerprint
+    d = ctx_of(c).call("POST", "/v1/tokens", json=body)
     emit(c, d, as_json, text=f"{d['token']}\n[dim](id {d['id']}, scope {d['scope']}; shown once)[/]")
 
 

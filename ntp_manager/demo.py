@@ -83,9 +83,13 @@ def manager_process(data: Path) -> Iterator[tuple[subprocess.Popen[str], dict[st
             proc.kill()
 
 
-def create_token(data: Path, scope: str) -> str:
-    cmd = [sys.executable, "-m", "ntp_manager.cli", "token", "create", "--name", f"demo-{scope}", "--scope", scope,
-           "--json", "--data-dir", str(data)]
+NODES = (("node-a", "nvl-0"), ("node-b", "nvl-1"), ("node-spare", "nvl-2"))
+
+
+def create_token(data: Path, scope: str, node: str | None = None) -> str:
+    """One token; agent tokens speak for one node each."""
+    cmd = [sys.executable, "-m", "ntp_manager.cli", "token", "create", "--name", f"demo-{node or scope}", "--scope",
+           scope, "--json", "--data-dir", str(data)] + (["--node", node] if node else [])
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return str(json.loads(out.stdout)["token"])
 
@@ -94,14 +98,14 @@ class Agents:
     """The three nodes' agents, in a thread with their own event loop; their fake backends take
     injected faults."""
 
-    def __init__(self, grpc: str, token: str) -> None:
+    def __init__(self, grpc: str, tokens: dict[str, str]) -> None:
         from agent.backends.fake import FakeBackend, parse_scenario
         from agent.core import Agent, AgentConfig
 
         self.agents = {}
-        for node, domain in (("node-a", "nvl-0"), ("node-b", "nvl-1"), ("node-spare", "nvl-2")):
+        for node, domain in NODES:
             backend = FakeBackend(parse_scenario({"seed": 1, "gpus": 4, "faults": []}), node=node)
-            cfg = AgentConfig(manager=grpc, token=token, node=node, domain=domain, heartbeat_interval_s=1.0,
+            cfg = AgentConfig(manager=grpc, token=tokens[node], node=node, domain=domain, heartbeat_interval_s=1.0,
                               sample_interval_s=0.2, xid_wait_s=0.05)
             self.agents[node] = Agent(backend, cfg)
         self.loop = asyncio.new_event_loop()
@@ -147,7 +151,8 @@ def run_demo(steps_before: int = 6, steps_degraded: int = 6, steps_after: int = 
     assert root is not None
     root.mkdir(parents=True, exist_ok=True)
     console.rule("[bold]ntp-manager demo")
-    tokens = {s: create_token(root, s) for s in ("agent", "worker", "operator", "viewer")}
+    tokens = {s: create_token(root, s) for s in ("worker", "operator", "viewer")}
+    agent_tokens = {node: create_token(root, "agent", node) for node, _ in NODES}
     # the ranks train until the demo tells them where to stop (after the repair has been applied)
     train = TrainSpec(job=JOB, steps=1_000_000, step_delay_s=step_delay_s, collective_timeout_s=10)
     launcher: Launcher | None = None
@@ -157,7 +162,7 @@ def run_demo(steps_before: int = 6, steps_degraded: int = 6, steps_after: int = 
         api = httpx.Client(base_url=http, headers={"Authorization": f"Bearer {tokens['operator']}"}, timeout=20)
         console.print(f"manager up: REST {http}, gRPC {info['grpc']} (data in {root})")
         try:
-            agents = Agents(info["grpc"], tokens["agent"])
+            agents = Agents(info["grpc"], agent_tokens)
             wait(agents.ready, 30, "the agents to register")
             console.print("agents: node-a (nvl-0), node-b (nvl-1), node-spare (nvl-2), 4 fake GPUs each")
             job = {"name": JOB, "tp": 4, "replicas": 2, "local_batch": 16, "min_tp": 2, "heads": 6,

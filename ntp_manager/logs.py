@@ -11,7 +11,9 @@ import structlog
 
 def configure_logging(fmt: str = "console") -> None:
     renderer: Any = (
-        structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=False)
+        structlog.processors.JSONRenderer() if fmt == "json"
+        # plain tracebacks: rich ones with locals take seconds to render, on the event loop
+        else structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback)
     )
     structlog.configure(
         processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso"), renderer],

@@ -10,12 +10,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="NTP_", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="NTP_", extra="forbid", allow_inf_nan=False)
 
     data_dir: Path = Path("data")
     database_url: str | None = None  # default: SQLite file under data_dir
@@ -35,6 +35,18 @@ class Settings(BaseSettings):
     power_base_cap: float | None = Field(None, gt=0, le=1)
     log_format: str = Field("console", pattern="^(console|json)$")
     leader_id: str = Field(default_factory=lambda: f"{os.uname().nodename}:{os.getpid()}")
+    # sizes: what this manager's cluster can hold; larger inventories and jobs are refused
+    max_cluster_gpus: int = Field(100_000, ge=1, le=4_194_304)
+    max_request_bytes: int = Field(4 * 2**20, ge=1024, le=2**30)  # REST bodies; larger -> 413
+    token_poll_s: float = Field(0.25, gt=0, le=5)  # token changes made elsewhere show within this
+    loop_warn_ms: float = Field(100.0, gt=0)  # event-loop watchdog warns above this
+    # gRPC TLS: server certificate and key (PEM); with a client CA, agents must present a
+    # certificate it signed (mTLS). See docs/security.md.
+    grpc_tls_host: str | None = None  # default: grpc_host
+    grpc_tls_port: int = Field(50052, ge=0, le=65535)
+    grpc_tls_cert: Path | None = None
+    grpc_tls_key: Path | None = None
+    grpc_tls_client_ca: Path | None = None
 
     @field_validator("fail_after_s")
     @classmethod
@@ -43,6 +55,14 @@ class Settings(BaseSettings):
         if suspect is not None and v <= suspect:
             raise ValueError("fail_after_s must be greater than suspect_after_s")
         return v
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Settings:
+        if (self.grpc_tls_cert is None) != (self.grpc_tls_key is None):
+            raise ValueError("grpc_tls_cert and grpc_tls_key go together")
+        if self.grpc_tls_client_ca is not None and self.grpc_tls_cert is None:
+            raise ValueError("grpc_tls_client_ca needs grpc_tls_cert and grpc_tls_key (mTLS runs over TLS)")
+        return self
 
     @classmethod
     def settings_customise_sources(

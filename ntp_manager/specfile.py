@@ -35,11 +35,12 @@ Errors come out as `SpecError` with one readable line (file, field, problem).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
+from ntp_manager import limits
 from ntp_manager.planner.spec import JobSpec, PlanError, PowerModel, Scheme
 from ntp_manager.topology import (
     Cluster,
@@ -58,14 +59,32 @@ class SpecError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+# Strict scalars: `tp: true` or `tp: "8"` is an error, not 1 or 8; numbers are finite.
+Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+Count = Annotated[StrictInt, Field(ge=1, le=limits.JOB_GPUS_MAX)]
+DomainId = Annotated[
+    str, Field(min_length=1, max_length=limits.DOMAIN_MAX, pattern=limits.IDENT_PATTERN),
+]
+JobName = Annotated[
+    str, Field(min_length=1, max_length=limits.JOB_NAME_MAX, pattern=limits.JOB_NAME_PATTERN),
+]
+
+
+def _curve_ok(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    for p, v in points:
+        limits.finite("power.curve", p, 0.0, 100.0)
+        limits.finite("power.curve", v, 0.0, 100.0)
+    return points
 
 
 class PowerDefaults(_Strict):
-    tdp_w: float = Field(1000.0, gt=0)
-    min_w: float | None = Field(None, gt=0)
-    max_w: float | None = Field(None, gt=0)
-    base_cap: float | None = Field(None, gt=0, le=1)  # fleet base cap, a share of max_w
+    tdp_w: Finite = Field(default=1000.0, gt=0, le=100_000)
+    min_w: Finite | None = Field(default=None, gt=0, le=100_000)
+    max_w: Finite | None = Field(default=None, gt=0, le=100_000)
+    base_cap: Finite | None = Field(default=None, gt=0, le=1)  # fleet base cap, a share of max_w
 
     def limits(self) -> PowerLimits:
         return PowerLimits(
@@ -76,20 +95,26 @@ class PowerDefaults(_Strict):
 
 
 class GenerateSpec(_Strict):
-    domains: int = Field(gt=0)
-    domain_size: int = Field(gt=0)
-    gpus_per_node: int = Field(gt=0)
-    power_budget_w: float | None = Field(None, gt=0)
+    domains: StrictInt = Field(gt=0, le=limits.JOB_GPUS_MAX)
+    domain_size: StrictInt = Field(gt=0, le=limits.TP_MAX)
+    gpus_per_node: StrictInt = Field(gt=0, le=limits.GPUS_PER_NODE_MAX)
+    power_budget_w: Finite | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _bounded(self) -> GenerateSpec:
+        if self.domains * self.domain_size > 4 * limits.JOB_GPUS_MAX:
+            raise ValueError(f"domains x domain_size is above {4 * limits.JOB_GPUS_MAX:,} GPUs")
+        return self
 
 
 class NodeSpec(_Strict):
-    name: str = Field(min_length=1)
-    gpus: int | list[str]
+    name: str = Field(min_length=1, max_length=limits.NODE_MAX)
+    gpus: Annotated[StrictInt, Field(le=limits.GPUS_PER_NODE_MAX)] | list[str]
 
 
 class DomainSpec(_Strict):
-    id: str = Field(min_length=1)
-    power_budget_w: float | None = Field(None, gt=0)
+    id: str = Field(min_length=1, max_length=limits.DOMAIN_MAX)
+    power_budget_w: Finite | None = Field(default=None, gt=0)
     nodes: list[NodeSpec] = Field(min_length=1)
 
 
@@ -117,7 +142,7 @@ class ClusterFile(_Strict):
         else:
             doms = []
             for d in self.domains or []:
-                gpus = []
+                gpus: list[Gpu] = []
                 for n in d.nodes:
                     ids = (
                         [synthetic_gpu_uuid(self.name, d.id, n.name, i) for i in range(n.gpus)]
@@ -133,11 +158,13 @@ class ClusterFile(_Strict):
 
 
 class PowerSpec(_Strict):
-    max_boost: float = 1.3
-    exponent: float = 0.7
-    rack_headroom: float = 1.15
-    unusable_draw_ratio: float = 0.0
-    curve: list[tuple[float, float]] = Field(default_factory=list)
+    max_boost: Finite = Field(default=1.3, ge=1.0, le=10.0)
+    exponent: Finite = Field(default=0.7, gt=0.0, le=2.0)
+    rack_headroom: Finite = Field(default=1.15, gt=0.0, le=100.0)
+    unusable_draw_ratio: Finite = Field(default=0.0, ge=0.0, le=10.0)
+    curve: Annotated[list[tuple[Finite, Finite]], AfterValidator(_curve_ok)] = Field(
+        default_factory=list, max_length=limits.POWER_CURVE_POINTS_MAX
+    )
 
     def model(self) -> PowerModel:
         return PowerModel(
@@ -146,22 +173,43 @@ class PowerSpec(_Strict):
 
 
 class JobFile(_Strict):
-    name: str = Field(min_length=1)
-    tp: int
-    groups_per_replica: int = 1
-    replicas: int
-    local_batch: int
-    min_tp: int = 1
-    heads: int = 0
-    mlp_columns: int = 0
-    attention_share: float = 0.4
+    """A job spec. Every number is bounded: the GPUs it asks for ((replicas + spares) x
+    groups_per_replica x tp) by `limits.JOB_GPUS_MAX` (the manager bounds them further by its
+    `max_cluster_gpus`), its target batch by what the wire carries (uint32)."""
+
+    name: JobName
+    tp: Annotated[StrictInt, Field(ge=1, le=limits.TP_MAX)]
+    groups_per_replica: Annotated[StrictInt, Field(ge=1, le=limits.TP_MAX)] = 1
+    replicas: Count
+    local_batch: Annotated[StrictInt, Field(ge=1, le=limits.INT32_MAX)]
+    min_tp: Annotated[StrictInt, Field(ge=1, le=limits.TP_MAX)] = 1
+    heads: Annotated[StrictInt, Field(ge=0, le=limits.UNIT_COUNT_MAX)] = 0
+    mlp_columns: Annotated[StrictInt, Field(ge=0, le=limits.UNIT_COUNT_MAX)] = 0
+    attention_share: Finite = Field(default=0.4, ge=0.0, le=1.0)
     scheme: Literal["dp-drop", "ntp", "ntp-pw"] = "ntp"
-    spares: int = 0
-    domains: list[str] = Field(default_factory=list)
+    spares: Annotated[StrictInt, Field(ge=0, le=limits.JOB_GPUS_MAX)] = 0
+    domains: list[DomainId] = Field(default_factory=list, max_length=limits.JOB_DOMAINS_MAX)
     power: PowerSpec = PowerSpec()
-    stage_bytes: list[int] = Field(default_factory=list)  # state per pipeline stage (one, or one per stage)
-    parameters: int = Field(0, ge=0)  # model size estimate when stage_bytes is not given
-    bytes_per_parameter: float = Field(16.0, gt=0)
+    # state per pipeline stage (one, or one per stage)
+    stage_bytes: list[Annotated[StrictInt, Field(ge=0, le=2**62)]] = Field(
+        default_factory=list, max_length=limits.TP_MAX)
+    parameters: Annotated[StrictInt, Field(ge=0, le=2**62)] = 0  # model size estimate when stage_bytes is not given
+    bytes_per_parameter: Finite = Field(default=16.0, gt=0, le=1024)
+
+    @model_validator(mode="after")
+    def _bounded(self) -> JobFile:
+        gpus = (self.replicas + self.spares) * self.groups_per_replica * self.tp
+        if gpus > limits.JOB_GPUS_MAX:
+            raise ValueError(
+                f"the job asks for (replicas + spares) x groups_per_replica x tp = {gpus:,} GPUs; "
+                f"the limit is {limits.JOB_GPUS_MAX:,}"
+            )
+        if self.replicas * self.local_batch > 2**32 - 1:
+            raise ValueError("replicas x local_batch (the global batch) must fit in 32 bits")
+        return self
+
+    def gpus_asked(self) -> int:
+        return (self.replicas + self.spares) * self.groups_per_replica * self.tp
 
     def to_job(self) -> JobSpec:
         job = JobSpec(

@@ -3,77 +3,149 @@
 Every mutation accepts `Idempotency-Key`: a replay with the same key and the same request returns
 the first response; the same key with a different request is a 409. The mutation, its audit
 record and the idempotency record commit in one transaction.
+
+The edge: a body is read only after its bearer token checks out and only up to
+`max_request_bytes` (api/guard.py: 401 / 413); every string is bounded and free of control
+characters, every number finite and in range, every time zone-aware (limits.py), so bad input is
+a 4xx naming the field and never reaches the store. The OpenAPI document declares every error
+status and its body (`Error`), and schemathesis checks responses against it.
 """
 
 
+import asyncio
 import hashlib
 import uuid as uuidlib
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
+import structlog
 from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ntp_manager import __version__
+from ntp_manager import __version__, limits
 from ntp_manager.api.dashboard import DASHBOARD_HTML, dashboard_snapshot, snapshot_events
+from ntp_manager.api.guard import AuthFirst
+from ntp_manager.api.tickets import Tickets
 from ntp_manager.auth import Principal, parse_bearer
 from ntp_manager.service.errors import FailedPrecondition, InvalidArgument, NotFound, ServiceError
 from ntp_manager.service.manager import Manager, Mut
 from ntp_manager.specfile import JobFile
+from ntp_manager.store.db import StoredJson, dumps_in_pieces
 from ntp_manager.store.models import AuditRow, HealthEventRow, IdempotencyRow, LayoutRow, MaintenanceRow
 from ntp_manager.topology import GpuState
+
+log = structlog.get_logger("ntp.api")
 
 Limit = Annotated[int, Query(ge=1, le=1000, description="page size")]
 Offset = Annotated[int, Query(ge=0, le=10_000_000, description="items to skip")]
 
 
+def _encodable(v: str) -> str:
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("is not valid Unicode (a lone surrogate)") from None
+    return v
+
+
+def _to_utc(v: datetime) -> datetime:
+    try:
+        u = v.astimezone(UTC)
+    except OverflowError:
+        raise ValueError("is out of range once converted to UTC") from None
+    if not 1970 <= u.year <= 9000:
+        raise ValueError("must lie between the years 1970 and 9000")
+    return u
+
+
+Reason = Annotated[str, StringConstraints(min_length=1, max_length=limits.REASON_MAX, pattern=limits.TEXT_PATTERN),
+                   AfterValidator(_encodable)]
+OptReason = Annotated[str, StringConstraints(max_length=limits.REASON_MAX, pattern=limits.TEXT_PATTERN),
+                      AfterValidator(_encodable)]
+When = Annotated[AwareDatetime, AfterValidator(_to_utc)]  # any offset in, UTC kept and returned
+GpuId = Annotated[str, StringConstraints(min_length=1, max_length=limits.GPU_ID_MAX, pattern=limits.IDENT_PATTERN)]
+
+
+def _ident(n: int, desc: str) -> Any:
+    return Query(max_length=n, pattern=limits.IDENT_PATTERN, description=desc)
+
+
+class ErrorItem(BaseModel):
+    loc: list[str]
+    msg: str
+    type: str
+
+
 class Error(BaseModel):
+    """Every error: `detail` says what is wrong and names the field; a 422 from request
+    validation also lists up to 20 `errors`."""
+
     detail: str
+    errors: list[ErrorItem] | None = None
 
 
 class ReasonBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    reason: str = Field(min_length=1, max_length=2000)
+    reason: Reason
 
 
 class DrainBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    deadline: AwareDatetime
-    reason: str = Field(min_length=1, max_length=2000)
+    deadline: When
+    reason: Reason
 
 
 class MaintenanceBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     target_kind: Literal["gpu", "node", "domain"]
-    target: str = Field(min_length=1, max_length=256)
-    starts_at: AwareDatetime
-    ends_at: AwareDatetime
-    reason: str = Field("", max_length=2000)
+    target: str = Field(min_length=1, max_length=limits.NODE_MAX, pattern=limits.IDENT_PATTERN)
+    starts_at: When
+    ends_at: When
+    reason: OptReason = ""
 
 
 class TokenBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(min_length=1, max_length=128)
+    name: str = Field(min_length=1, max_length=limits.TOKEN_NAME_MAX, pattern=limits.TEXT_PATTERN)
     scope: Literal["viewer", "operator", "admin", "agent", "worker"]
+    node: str | None = Field(None, min_length=1, max_length=limits.NODE_MAX, pattern=limits.NODE_PATTERN,
+                             description="agent tokens: the one node the token may speak for (required)")
+    fingerprint: str | None = Field(None, pattern=r"^([0-9a-fA-F]{2}:?){31}[0-9a-fA-F]{2}$",
+                                    description="agent tokens: SHA-256 of the client certificate it needs (mTLS)")
 
 
 class PlanBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    job: str | None = Field(None, description="plan an existing job by name ...", max_length=128)
+    job: str | None = Field(None, description="plan an existing job by name ...", max_length=limits.JOB_NAME_MAX,
+                            pattern=limits.JOB_NAME_PATTERN)
     spec: JobFile | None = Field(None, description="... or this job spec")
     dry_run: bool = True
-    fail: list[str] = Field(default_factory=list, max_length=100_000, description="GPUs to treat as failed")
+    fail: list[GpuId] = Field(default_factory=list, max_length=100_000, description="GPUs to treat as failed")
 
 
 def page(items: list[Any], total: int, limit: int, offset: int) -> dict[str, Any]:
     return {"items": items, "total": total, "limit": limit, "offset": offset}
+
+
+def _dumps(obj: Any) -> bytes:
+    if isinstance(obj, StoredJson):
+        return obj.text.encode()
+    return dumps_in_pieces(obj).encode()
+
+
+async def json_reply(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """JSON made in a worker thread: for answers that grow with the cluster (layouts, plans, the
+    dashboard), whose encoding would otherwise hold the event loop. `obj` must not change meanwhile
+    (plans never do; views are built for the answer)."""
+    body = _dumps(obj) if isinstance(obj, StoredJson) else await asyncio.to_thread(_dumps, obj)
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 
 def create_app(manager: Manager) -> FastAPI:
@@ -81,13 +153,19 @@ def create_app(manager: Manager) -> FastAPI:
         title="ntp-manager",
         version=__version__,
         description="Operator API of ntp-manager. Authenticate with `Authorization: Bearer <token>`.",
-        responses={401: {"model": Error}, 403: {"model": Error}},
+        responses={400: {"model": Error}, 413: {"model": Error}, 422: {"model": Error}},
     )
+    app.add_middleware(AuthFirst, verify=manager.tokens.verify, max_bytes=manager.settings.max_request_bytes)
+    tickets = Tickets(manager.clock.monotonic)
 
     # ---- errors: always 4xx with a message for bad input ------------------------------------------
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
         return JSONResponse({"detail": exc.message}, status_code=exc.http_status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse({"detail": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -102,7 +180,13 @@ def create_app(manager: Manager) -> FastAPI:
     async def _request_id(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         rid = request.headers.get("x-request-id") or uuidlib.uuid4().hex
         request.state.request_id = rid[:64]
-        response = await call_next(request)
+        try:
+            response = await call_next(request)
+        except Exception as exc:
+            # never the exception's text (SQL, paths, values) to a client; the log has it all
+            log.error("request failed", path=request.url.path[:200], request_id=request.state.request_id,
+                      error=type(exc).__name__, exc_info=exc)
+            response = JSONResponse({"detail": "internal error; the manager's log has the details"}, 500)
         response.headers["x-request-id"] = request.state.request_id
         return response
 
@@ -129,7 +213,7 @@ def create_app(manager: Manager) -> FastAPI:
 
     async def mutate(
         request: Request, principal: Principal, key: str | None, fn: Callable[[Mut], Awaitable[Any]], status: int = 200
-    ) -> JSONResponse:
+    ) -> Response:
         body = await request.body()
         fp = hashlib.sha256(
             f"{request.method} {request.url.path}?{request.url.query}\n".encode() + body
@@ -143,14 +227,14 @@ def create_app(manager: Manager) -> FastAPI:
                             return JSONResponse(
                                 {"detail": "Idempotency-Key was already used for a different request"}, 409
                             )
-                        return JSONResponse(row.response, row.status, headers={"Idempotent-Replay": "true"})
+                        return await json_reply(row.response, row.status, headers={"Idempotent-Replay": "true"})
                 payload = await fn(m)
                 if key:
                     m.session.add(IdempotencyRow(key=key, actor=principal.name, fingerprint=fp, status=status,
                                                  response=payload, created_at=manager.clock.now()))
         except IntegrityError:
             return JSONResponse({"detail": "a concurrent request used the same Idempotency-Key"}, 409)
-        return JSONResponse(payload, status)
+        return await json_reply(payload, status)
 
     # ---- probes and metrics ---------------------------------------------------------------------
     @app.get("/healthz", tags=["probes"])
@@ -165,7 +249,7 @@ def create_app(manager: Manager) -> FastAPI:
 
     @app.get("/metrics", tags=["probes"], response_class=PlainTextResponse)
     async def metrics() -> Response:
-        manager.refresh_gauges()
+        await manager.refresh_gauges_async()
         return Response(generate_latest(manager.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # ---- read side ------------------------------------------------------------------------------
@@ -174,7 +258,7 @@ def create_app(manager: Manager) -> FastAPI:
         w = manager.world
         return {
             "version": __version__, "leader_epoch": manager.epoch, "gpus": len(w.gpus),
-            "gpus_by_state": manager.gpu_state_counts(),
+            "gpus_by_state": await manager.gpu_state_counts(),
             "nodes": len(w.nodes), "nodes_connected": sum(1 for n in w.nodes.values() if n.connected),
             "domains": len(w.domains), "jobs": len(w.jobs),
             "breaker": {"open": manager.breaker_open, "reason": manager.breaker_reason},
@@ -184,9 +268,15 @@ def create_app(manager: Manager) -> FastAPI:
     async def domains(_: Viewer, limit: Limit = 100, offset: Offset = 0) -> dict[str, Any]:
         w = manager.world
         ids = sorted(w.domains)
+        shown = ids[offset : offset + limit]
+        wanted = set(shown)
+        members: dict[str, list[Any]] = {d: [] for d in shown}
+        for g in w.gpus.values():  # one pass, not one per domain
+            if g.domain in wanted:
+                members[g.domain].append(g)
         items = []
-        for did in ids[offset : offset + limit]:
-            gpus = [g for g in w.gpus.values() if g.domain == did]
+        for did in shown:
+            gpus = members[did]
             items.append({
                 "id": did, "power_budget_w": w.domains[did], "gpus": len(gpus),
                 "nodes": sorted({g.node for g in gpus}),
@@ -233,25 +323,27 @@ def create_app(manager: Manager) -> FastAPI:
     async def gpu(uuid: str, _: Viewer) -> dict[str, Any]:
         return manager.gpu_view(uuid)
 
-    @app.get("/v1/jobs", tags=["jobs"])
-    async def jobs(_: Viewer, limit: Limit = 100, offset: Offset = 0) -> dict[str, Any]:
+    @app.get("/v1/jobs", tags=["jobs"], response_model=dict[str, Any])
+    async def jobs(_: Viewer, limit: Limit = 100, offset: Offset = 0) -> Response:
         names = sorted(manager.world.jobs)
-        return page([_job_view(manager, n) for n in names[offset : offset + limit]], len(names), limit, offset)
+        return await json_reply(page([_job_view(manager, n) for n in names[offset : offset + limit]], len(names),
+                                     limit, offset))
 
-    @app.get("/v1/jobs/{name}", tags=["jobs"], responses={404: {"model": Error}})
-    async def job(name: str, _: Viewer) -> dict[str, Any]:
-        return _job_view(manager, name)
+    @app.get("/v1/jobs/{name}", tags=["jobs"], responses={404: {"model": Error}}, response_model=dict[str, Any])
+    async def job(name: str, _: Viewer) -> Response:
+        return await json_reply(_job_view(manager, name))
 
-    @app.get("/v1/jobs/{name}/layout", tags=["jobs"], responses={404: {"model": Error}, 409: {"model": Error}})
-    async def layout(name: str, _: Viewer) -> dict[str, Any]:
+    @app.get("/v1/jobs/{name}/layout", tags=["jobs"], responses={404: {"model": Error}, 409: {"model": Error}},
+             response_model=dict[str, Any])
+    async def layout(name: str, _: Viewer) -> Response:
         rec = manager.world.jobs.get(name)
         if rec is None:
             raise NotFound(f"unknown job {name!r}")
         if rec.layout is None:
             raise FailedPrecondition(f"job {name!r} has no layout yet: {rec.pending_reason or 'planning'}")
         lay = rec.layout
-        return {"job": name, "version": lay.version, "leader_epoch": lay.leader_epoch,
-                "created_at": lay.created_at.isoformat(), "reason": lay.reason, "plan": lay.plan}
+        return await json_reply({"job": name, "version": lay.version, "leader_epoch": lay.leader_epoch,
+                                 "created_at": lay.created_at.isoformat(), "reason": lay.reason, "plan": lay.plan})
 
     @app.get("/v1/jobs/{name}/layouts", tags=["jobs"], responses={404: {"model": Error}})
     async def layouts(name: str, _: Viewer, limit: Limit = 100, offset: Offset = 0) -> dict[str, Any]:
@@ -271,8 +363,9 @@ def create_app(manager: Manager) -> FastAPI:
 
     @app.get("/v1/events", tags=["audit"])
     async def events(
-        _: Viewer, gpu: Annotated[str | None, Query(max_length=128)] = None,
-        node: Annotated[str | None, Query(max_length=256)] = None, limit: Limit = 100, offset: Offset = 0,
+        _: Viewer, gpu: Annotated[str | None, _ident(limits.GPU_ID_MAX, "GPU UUID")] = None,
+        node: Annotated[str | None, _ident(limits.NODE_MAX, "node name")] = None, limit: Limit = 100,
+        offset: Offset = 0,
     ) -> dict[str, Any]:
         q = select(HealthEventRow)
         cq = select(func.count()).select_from(HealthEventRow)
@@ -292,8 +385,9 @@ def create_app(manager: Manager) -> FastAPI:
 
     @app.get("/v1/audit", tags=["audit"])
     async def audit(
-        _: Viewer, action: Annotated[str | None, Query(max_length=64)] = None,
-        target: Annotated[str | None, Query(max_length=256)] = None, limit: Limit = 100, offset: Offset = 0,
+        _: Viewer, action: Annotated[str | None, _ident(64, "e.g. gpu.cordon")] = None,
+        target: Annotated[str | None, _ident(256, "GPU, node, job, token id, ...")] = None, limit: Limit = 100,
+        offset: Offset = 0,
     ) -> dict[str, Any]:
         q = select(AuditRow)
         cq = select(func.count()).select_from(AuditRow)
@@ -340,31 +434,34 @@ def create_app(manager: Manager) -> FastAPI:
     @app.post("/v1/plans", tags=["jobs"], responses=E4)
     async def plan(request: Request, body: PlanBody, who: Operator, key: IdemKey = None) -> JSONResponse:
         if (body.job is None) == (body.spec is None):
-            raise InvalidArgument("give exactly one of 'job' (a name) or 'spec'")
+            raise InvalidArgument("job: give exactly one of 'job' (a name) or 'spec'")
         if body.job is not None:
             rec = manager.world.jobs.get(body.job)
             if rec is None:
-                raise NotFound(f"unknown job {body.job!r}")
+                raise NotFound(f"job: unknown job {body.job!r}")
             spec = rec.spec
         else:
             assert body.spec is not None
             spec = manager.parse_job(body.spec.model_dump(mode="json"))
+        if not body.dry_run and (body.job is None or body.fail):
+            raise InvalidArgument("dry_run: a real replan needs an existing job and no simulated failures")
+        # planned and encoded off the event loop, before the transaction (which then holds only the audit)
+        planned = await manager.dry_run(spec, body.fail) if body.dry_run else None
+        answer = await asyncio.to_thread(StoredJson, {"dry_run": True, "plan": planned}) if planned else None
 
-        async def run(m: Mut) -> dict[str, Any]:
-            if body.dry_run:
-                doc = manager.dry_run(spec, body.fail)
+        async def run(m: Mut) -> Any:
+            if planned is not None:
                 m.audit(manager.clock.now(), "plan.dry_run", spec.name,
-                        after={"relative_throughput": doc["relative_throughput"], "fail": body.fail[:100]})
-                return {"dry_run": True, "plan": doc}
-            if body.job is None or body.fail:
-                raise InvalidArgument("a real replan needs an existing job and no simulated failures")
+                        after={"relative_throughput": planned["relative_throughput"], "fail": body.fail[:100]})
+                return answer
+            assert body.job is not None
             if manager.breaker_open:
                 raise FailedPrecondition(f"circuit breaker is open ({manager.breaker_reason}); reset it first")
             lay = await manager.replan(body.job, who.name, reason=f"operator replan by {who.name}", m=m)
             if lay is None:
                 why = manager.world.jobs[body.job].pending_reason
                 raise InvalidArgument(f"job {body.job!r} cannot be planned: {why}")
-            return {"dry_run": False, "version": lay.version, "plan": lay.plan}
+            return await asyncio.to_thread(StoredJson, {"dry_run": False, "version": lay.version, "plan": lay.plan})
 
         return await mutate(request, who, key, run)
 
@@ -426,8 +523,10 @@ def create_app(manager: Manager) -> FastAPI:
 
     @app.post("/v1/tokens", tags=["tokens"], status_code=201, responses=E4)
     async def create_token(body: TokenBody, who: Admin) -> dict[str, Any]:
-        token = await manager.create_token(body.name, body.scope, actor=who.name)
-        return {"id": token.split("_")[1], "name": body.name, "scope": body.scope, "token": token}
+        token = await manager.create_token(body.name, body.scope, actor=who.name, node=body.node,
+                                           fingerprint=body.fingerprint)
+        return {"id": token.split("_")[1], "name": body.name, "scope": body.scope, "node": body.node,
+                "token": token}
 
     @app.delete("/v1/tokens/{token_id}", tags=["tokens"], responses=E4)
     async def revoke_token(token_id: Annotated[str, Path(pattern="^[0-9a-f]{8}$")], who: Admin) -> dict[str, Any]:
@@ -435,25 +534,59 @@ def create_app(manager: Manager) -> FastAPI:
         return {"id": token_id, "revoked": True}
 
     # ---- dashboard ---------------------------------------------------------------------------------
-    @app.get("/v1/snapshot", tags=["cluster"])
-    async def snapshot(who: Viewer) -> dict[str, Any]:
-        return await dashboard_snapshot(manager)
+    @app.get("/v1/snapshot", tags=["cluster"], response_model=dict[str, Any])
+    async def snapshot(who: Viewer) -> Response:
+        return await json_reply(await dashboard_snapshot(manager))
 
-    @app.get("/v1/stream", tags=["cluster"], response_class=StreamingResponse)
+    @app.post("/v1/stream/tickets", tags=["cluster"], status_code=201)
+    async def stream_ticket(who: Viewer) -> dict[str, Any]:
+        """A one-time ticket (30 s) that opens `/v1/stream?ticket=...`: EventSource cannot send an
+        Authorization header, and a token in a URL would end up in history and logs."""
+        from ntp_manager.api.tickets import TTL_S
+
+        return {"ticket": tickets.issue(who), "expires_in_s": TTL_S}
+
+    @app.get("/v1/stream", tags=["cluster"], response_class=StreamingResponse,
+             responses={200: {"content": {"text/event-stream": {}}}})
     async def stream(
-        request: Request, token: Annotated[str | None, Query(max_length=200)] = None,
+        request: Request,
+        ticket: Annotated[str | None, Query(max_length=64, pattern="^[A-Za-z0-9_-]+$")] = None,
         authorization: Annotated[str | None, Header()] = None,
     ) -> StreamingResponse:
         """Server-sent events: a `snapshot` event with the whole dashboard state whenever it changes.
-        EventSource cannot send headers, so a viewer token may come as `?token=` here."""
-        await require("read")(authorization or (f"Bearer {token}" if token else None))
-        return StreamingResponse(snapshot_events(manager, request), media_type="text/event-stream",
+        Authenticate with the header, or with a ticket from `POST /v1/stream/tickets`. The stream
+        ends when its token is revoked."""
+        if ticket is not None and authorization is None:
+            who = tickets.redeem(ticket)
+            if who is None or not manager.tokens.active(who.token_id):
+                raise StarletteHTTPException(401, "unknown, used or expired ticket",
+                                             headers={"WWW-Authenticate": "Bearer"})
+        else:
+            who = await require("read")(authorization)
+        return StreamingResponse(snapshot_events(manager, request, who.token_id), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.get("/", include_in_schema=False, response_class=HTMLResponse)
     async def root() -> HTMLResponse:
         return HTMLResponse(DASHBOARD_HTML)
 
+    plain_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        """The generated document, plus 401/403 on every route that needs a token (all of /v1)."""
+        if app.openapi_schema is None:
+            doc = plain_openapi()
+            ref = {"description": "missing, unknown or insufficient token",
+                   "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+            for path, ops in doc["paths"].items():
+                if path.startswith("/v1/"):
+                    for op in ops.values():
+                        op["responses"].setdefault("401", ref)
+                        op["responses"].setdefault("403", ref)
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 

@@ -1,17 +1,21 @@
 """The operator dashboard: one HTML page (no build step, no external assets) fed by server-sent
 events. `/v1/stream` sends a `snapshot` event whenever the state it shows changes (checked twice a
-second), so the page updates without reloading. The page asks for a token once and keeps it in the
-browser's session storage; the EventSource carries it as a query parameter because browsers cannot
-set headers on EventSource (the token is also accepted as `?token=` on `/v1/stream` only).
+second), so the page updates without reloading. The page asks for a token once (or takes `?token=`
+once and removes it from the address bar) and keeps it in the browser's session storage. Browsers
+cannot set headers on an EventSource, so the page trades the token for a one-time ticket
+(`POST /v1/stream/tickets`, api/tickets.py) and opens the stream with that: no token in any URL.
+A stream ends when its token is revoked.
 
-Sizes: the snapshot lists at most `MAX_DOMAINS` domains in full (a dashboard of 100K GPUs is a
-different page: use the REST listings with paging there)."""
+Sizes: the snapshot lists at most `MAX_DOMAINS` domains and `MAX_REPLICAS` replicas per job in
+full (a dashboard of 100K GPUs is a different page: use the REST listings with paging there)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
+import weakref
 from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
@@ -23,33 +27,65 @@ from ntp_manager.service.manager import Manager
 from ntp_manager.store.models import HealthEventRow
 
 MAX_DOMAINS = 64
+MAX_REPLICAS = 256  # per job, in full (the rest are counted: `replicas_total`)
 POLL_S = 0.5
 
 
-async def dashboard_snapshot(manager: Manager) -> dict[str, Any]:
-    w = manager.world
+def _job_part(name: str, rec: Any) -> tuple[dict[str, Any], dict[str, float]]:
+    """A job's entry (its first MAX_REPLICAS replicas in full) and its boosted GPUs' power ratios.
+    O(the job's GPUs): built once per layout version, in a worker thread (plans never change)."""
+    lay = rec.layout
+    reps = []
     boost: dict[str, float] = {}
-    jobs = []
-    for name, rec in sorted(w.jobs.items()):
-        lay = rec.layout
-        reps = []
-        if lay is not None:
-            for r in lay.plan["replicas"]:
+    if lay is not None:
+        for i, r in enumerate(lay.plan["replicas"]):
+            for g in r["groups"]:
+                if g["power_ratio"] > 1.0:
+                    boost.update(dict.fromkeys(g["gpus"], g["power_ratio"]))
+            if i < MAX_REPLICAS:
                 groups = [{"domain": g["domain"], "gpus": g["gpus"], "power_ratio": g["power_ratio"]}
                           for g in r["groups"]]
-                for g in r["groups"]:
-                    for u in g["gpus"]:
-                        boost[u] = g["power_ratio"]
                 reps.append({"id": r["id"], "tp": r["tp"], "local_batch": r["local_batch"], "groups": groups})
-        jobs.append({"name": name, "version": lay.version if lay else None, "reason": lay.reason if lay else "",
-                     "pending_reason": rec.pending_reason, "replicas": reps,
-                     "global_batch": lay.plan.get("global_batch") if lay else None})
-    by_domain: dict[str, list[Any]] = {}
-    for g in w.gpus.values():
-        by_domain.setdefault(g.domain, []).append(g)
+    total = len(lay.plan["replicas"]) if lay else 0
+    return ({"name": name, "version": lay.version if lay else None, "reason": lay.reason if lay else "",
+             "pending_reason": rec.pending_reason, "replicas": reps, "replicas_total": total,
+             "global_batch": lay.plan.get("global_batch") if lay else None}, boost)
+
+
+_parts: weakref.WeakKeyDictionary[Manager, dict[str, tuple[Any, tuple[dict[str, Any], dict[str, float]]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+async def _job_parts(manager: Manager) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    jobs, boost = [], {}
+    cache = _parts.setdefault(manager, {})
+    for name, rec in sorted(manager.world.jobs.items()):
+        key = name
+        lay = rec.layout
+        stamp = ((lay.leader_epoch, lay.version) if lay else None, rec.pending_reason)
+        cached = cache.get(key)
+        if cached is None or cached[0] != stamp:
+            part = await asyncio.to_thread(_job_part, name, rec) if rec.layout else _job_part(name, rec)
+            for gone in set(cache) - set(manager.world.jobs):
+                del cache[gone]
+            cached = cache[key] = (stamp, part)
+        jobs.append(cached[1][0])
+        boost.update(cached[1][1])
+    return jobs, boost
+
+
+async def dashboard_snapshot(manager: Manager) -> dict[str, Any]:
+    """What the dashboard shows. Its cost on the event loop is O(nodes + the GPUs of the domains
+    shown): per-job parts are cached per layout version, state counts come from the gauges."""
+    w = manager.world
+    jobs, boost = await _job_parts(manager)
+    nodes_of: dict[str, list[Any]] = {}
+    for n in w.nodes.values():  # nodes, not GPUs: a tenth of the work
+        nodes_of.setdefault(n.domain, []).append(n)
     domains = []
-    for did in sorted(by_domain)[:MAX_DOMAINS]:
-        gs = sorted(by_domain[did], key=lambda g: (g.node, g.idx))
+    for did in sorted(nodes_of)[:MAX_DOMAINS]:
+        gs = sorted((w.gpus[u] for n in nodes_of[did] for u in n.gpus), key=lambda g: (g.node, g.idx))
         domains.append({"id": did, "gpus": [
             {"uuid": g.uuid, "node": g.node, "idx": g.idx, "state": g.state, "reason": g.health_reason,
              "power_ratio": boost.get(g.uuid), "desired_w": (g.desired_mw or 0) // 1000,
@@ -58,22 +94,30 @@ async def dashboard_snapshot(manager: Manager) -> dict[str, Any]:
         rows = (await s.scalars(select(HealthEventRow).order_by(HealthEventRow.id.desc()).limit(15))).all()
     events = [{"at": r.at.isoformat(), "gpu": r.gpu_uuid, "node": r.node, "old": r.old_state, "new": r.new_state,
                "source": r.source, "reasons": list(r.reasons or [])[:2]} for r in rows]
-    return {"epoch": manager.epoch, "gpus_by_state": manager.gpu_state_counts(), "domains": domains,
-            "domains_total": len(by_domain), "jobs": jobs, "events": events,
+    return {"epoch": manager.epoch, "gpus_by_state": await manager.gpu_state_counts(), "domains": domains,
+            "domains_total": len(nodes_of), "jobs": jobs, "events": events,
             "breaker": {"open": manager.breaker_open, "reason": manager.breaker_reason}}
 
 
-async def snapshot_events(manager: Manager, request: Request) -> AsyncIterator[bytes]:
+async def snapshot_events(manager: Manager, request: Request, token_id: str) -> AsyncIterator[bytes]:
     last = ""
-    yield b"retry: 2000\n\n"
-    while not await request.is_disconnected():
-        snap = await dashboard_snapshot(manager)
-        body = json.dumps(snap, separators=(",", ":"))
-        digest = hashlib.sha256(body.encode()).hexdigest()
-        if digest != last:
-            last = digest
-            yield f"event: snapshot\ndata: {body}\n\n".encode()
-        await asyncio.sleep(POLL_S)
+    revoked = asyncio.Event()
+    unwatch = manager.token_service.watch(token_id, revoked.set)
+    try:
+        yield b"retry: 2000\n\n"
+        while not await request.is_disconnected() and not revoked.is_set():
+            snap = await dashboard_snapshot(manager)
+            body = json.dumps(snap, separators=(",", ":"))
+            digest = hashlib.sha256(body.encode()).hexdigest()
+            if digest != last:
+                last = digest
+                yield f"event: snapshot\ndata: {body}\n\n".encode()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(revoked.wait(), POLL_S)
+        if revoked.is_set():
+            yield b"event: revoked\ndata: {}\n\n"
+    finally:
+        unwatch()
 
 
 DASHBOARD_HTML = (resources.files("ntp_manager.api") / "static" / "dashboard.html").read_text(encoding="utf-8")

@@ -2,7 +2,14 @@
 
 Auth: `authorization: Bearer <token>` metadata; AgentService needs an `agent` token, WorkerService
 a `worker` token; health and reflection are open. Missing/unknown token -> UNAUTHENTICATED, wrong
-scope -> PERMISSION_DENIED. Malformed requests -> INVALID_ARGUMENT (nothing written).
+scope -> PERMISSION_DENIED. An agent token speaks for the one node it names (and over the client
+certificate it names, if any): a hello for another node is PERMISSION_DENIED and audited.
+Malformed requests -> INVALID_ARGUMENT naming the field (nothing written); anything unexpected ->
+INTERNAL with a fixed sentence (rpc/guard.py). A revoked token's open streams are ended with
+UNAUTHENTICATED.
+
+TLS (rpc/tls.py): with a certificate and key the server also listens on a TLS port; with a client
+CA that port requires client certificates (mTLS) and agents must connect through it.
 """
 
 from __future__ import annotations
@@ -20,8 +27,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from ntp_manager import limits
 from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from ntp_manager.auth import parse_bearer
+from ntp_manager.rpc import tls
+from ntp_manager.rpc.guard import GuardInterceptor, abort, code_of, peer_fingerprint, principal_of
 from ntp_manager.service.errors import ServiceError
 from ntp_manager.service.manager import GpuInventory, GpuReport, Manager
 from ntp_manager.service.views import LayoutViews, build_views
@@ -40,8 +50,7 @@ STATE_NAMES = {
 SERVICE_PERMISSION = {"ntp.v1.AgentService": "agent", "ntp.v1.WorkerService": "worker"}
 
 
-def _code(err: ServiceError) -> grpc.StatusCode:
-    return getattr(grpc.StatusCode, err.grpc_code)
+REVOKED = "the token of this stream was revoked"
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -70,10 +79,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
 def _deny(handler: Any, code: grpc.StatusCode, msg: str) -> Any:
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(code, msg)
+        await abort(context, code, msg)
 
     async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        await context.abort(code, msg)
+        await abort(context, code, msg)
         yield None  # pragma: no cover
 
     kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
@@ -94,23 +103,39 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):  # type: ignore[misc]
     async def Connect(
         self, request_iterator: AsyncIterator[agent_pb2.AgentMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[agent_pb2.ManagerMessage]:
+        principal = principal_of(self.m.tokens, context)
+        if principal is None:  # revoked between the interceptor and here
+            await abort(context, grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token")
+        assert principal is not None
+        fingerprint = peer_fingerprint(context)
+        if self.m.settings.grpc_tls_client_ca is not None and fingerprint is None:
+            await abort(context, grpc.StatusCode.PERMISSION_DENIED,
+                        "agents must connect over mTLS (the manager's TLS port, with a client certificate)")
         try:
             first = await anext(aiter(request_iterator))
         except StopAsyncIteration:
             return
         if first.WhichOneof("body") != "hello":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message on the stream must be a hello")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the first message on the stream must be a hello")
         h = first.hello
+        if len(h.gpus) > limits.GPUS_PER_NODE_MAX:  # before building records for all of them
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"hello.gpus (count): {len(h.gpus)} is outside [1, {limits.GPUS_PER_NODE_MAX}]")
         inv = [
             GpuInventory(g.uuid, g.index, g.model, g.memory_bytes, g.power.default_mw or 1_000_000,
                          g.power.min_mw or 200_000, g.power.max_mw or 1_300_000)
             for g in h.gpus
         ]
         try:
-            session, last_seq = await self.m.register_agent(h.node, h.domain, inv, h.boot_id, h.agent_version)
+            session, last_seq = await self.m.register_agent(
+                h.node, h.domain, inv, h.boot_id, h.agent_version, principal, fingerprint, context.peer() or "")
         except ServiceError as e:
-            await context.abort(_code(e), e.message)
+            await abort(context, code_of(e), e.message)
         node = h.node
+        unwatch = self.m.token_service.watch(
+            principal.token_id,
+            lambda: session.outbox.put_nowait(("abort", grpc.StatusCode.UNAUTHENTICATED, REVOKED)),
+        )
         log.info("agent connected", node=node, last_seq=last_seq, gpus=len(inv))
         yield agent_pb2.ManagerMessage(
             welcome=agent_pb2.Welcome(
@@ -143,11 +168,15 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):  # type: ignore[misc]
                     else:
                         raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "empty agent message")
             except ServiceError as e:
-                session.outbox.put_nowait(("abort", _code(e), e.message))
+                session.outbox.put_nowait(("abort", code_of(e), e.message))
             except _Abort as e:
                 session.outbox.put_nowait(("abort", e.code, e.msg))
             except (asyncio.CancelledError, grpc.aio.AioRpcError):
                 pass
+            except Exception:  # a failed report never ends the stream with OK
+                log.exception("agent stream failed", node=node)
+                session.outbox.put_nowait(("abort", grpc.StatusCode.INTERNAL,
+                                           "internal error; the manager's log has the details"))
             finally:
                 session.outbox.put_nowait(None)
 
@@ -158,9 +187,10 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):  # type: ignore[misc]
                 if item is None or session.closed:
                     break
                 if item[0] == "abort":
-                    await context.abort(item[1], item[2])
+                    await abort(context, item[1], item[2])
                 yield self._command(item)
         finally:
+            unwatch()
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
@@ -194,53 +224,67 @@ class _Abort(Exception):
 class WorkerService(worker_pb2_grpc.WorkerServiceServicer):  # type: ignore[misc]
     def __init__(self, manager: Manager) -> None:
         self.m = manager
-        self._views: dict[str, tuple[tuple[int, int], LayoutViews]] = {}
+        self._views: dict[str, tuple[tuple[int, int], asyncio.Future[LayoutViews]]] = {}
 
-    def views(self, job: str, rec: Any) -> LayoutViews:
+    async def views(self, job: str, rec: Any) -> LayoutViews:
+        """The views of a layout version, built once (off the event loop: O(plan)) and shared."""
         key = (rec.leader_epoch, rec.version)
         cached = self._views.get(job)
         if cached is None or cached[0] != key:
-            cached = (key, build_views(rec))
+            fut = asyncio.ensure_future(asyncio.to_thread(_build_serialized, rec))
+            cached = (key, fut)
             self._views[job] = cached
-        return cached[1]
+        return await asyncio.shield(cached[1])
 
     async def WatchLayout(
         self, request: worker_pb2.WatchLayoutRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.Layout]:
         if not request.job:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "watch needs a job name")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "job: watch needs a job name")
+        self.m.workers.check_ids(request.job, request.worker_id)
         if request.job not in self.m.world.jobs:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown job {request.job!r}")
+            await abort(context, grpc.StatusCode.NOT_FOUND, f"job: unknown job {request.job!r}")
         if request.gpu_uuid and request.gpu_uuid not in self.m.world.gpus:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown GPU {request.gpu_uuid!r}")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"gpu_uuid: unknown GPU {request.gpu_uuid[:200]!r}")
+        principal = principal_of(self.m.tokens, context)
+        if principal is None:
+            await abort(context, grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token")
+        assert principal is not None
+        revoked = asyncio.Event()
+
+        def on_revoke() -> None:
+            revoked.set()
+            self.m.wake_watchers()
+
+        unwatch = self.m.token_service.watch(principal.token_id, on_revoke)
         seen = (-1, -1)
         self.m.metrics.watchers.inc()
         try:
             while True:
                 try:
-                    rec = await self.m.wait_layout(request.job, seen)
+                    rec = await self.m.wait_layout(request.job, seen, revoked.is_set)
                 except ServiceError as e:  # the job was deleted
-                    await context.abort(_code(e), e.message)
+                    await abort(context, code_of(e), e.message)
+                if revoked.is_set():
+                    await abort(context, grpc.StatusCode.UNAUTHENTICATED, REVOKED)
                 if rec is None:
                     return
                 seen = (rec.leader_epoch, rec.version)
                 # pre-serialized bytes; the handler's serializer passes bytes through
-                data = self.views(request.job, rec).bytes_for_gpu(request.gpu_uuid)
+                data = (await self.views(request.job, rec)).bytes_for_gpu(request.gpu_uuid)
                 self.m.metrics.pushes.inc()
                 yield data
         finally:
+            unwatch()
             self.m.metrics.watchers.dec()
 
     async def AckLayout(
         self, request: worker_pb2.AckLayoutRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.AckLayoutResponse:
-        try:
-            rec = self.m.ack_layout(
-                request.job, request.worker_id, request.stamp.leader_epoch, request.stamp.version,
-                request.status != worker_pb2.ACK_STATUS_FAILED,
-            )
-        except ServiceError as e:
-            await context.abort(_code(e), e.message)
+        rec = self.m.ack_layout(
+            request.job, request.worker_id, request.stamp.leader_epoch, request.stamp.version,
+            request.status != worker_pb2.ACK_STATUS_FAILED,
+        )
         return worker_pb2.AckLayoutResponse(
             current=common_pb2.LayoutStamp(leader_epoch=rec.leader_epoch, version=rec.version)
         )
@@ -248,13 +292,17 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):  # type: ignore[misc
     async def ReportSteps(
         self, request: worker_pb2.StepReport, context: grpc.aio.ServicerContext
     ) -> worker_pb2.StepReportResponse:
+        self.m.workers.check_ids(request.job, request.worker_id)
         if request.job not in self.m.world.jobs:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown job {request.job!r}")
-        for r in request.ranks:
-            if r.step_time_s < 0 or r.step_time_s != r.step_time_s:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "step_time_s must be a non-negative number")
-        self.m.step_reports[(request.job, request.worker_id)] = request
+            await abort(context, grpc.StatusCode.NOT_FOUND, f"job: unknown job {request.job!r}")
+        self.m.workers.record_steps(request.job, request.worker_id, request)
         return worker_pb2.StepReportResponse(accepted=True)
+
+
+def _build_serialized(rec: Any) -> LayoutViews:
+    views = build_views(rec)
+    views.bytes_for_gpu("")  # serializes the shared parts once, here in the worker thread
+    return views
 
 
 def _pass_bytes(msg: Any) -> bytes:
@@ -292,7 +340,7 @@ KEEPALIVE = [
 class RpcServer:
     def __init__(self, manager: Manager) -> None:
         self.manager = manager
-        self.server = grpc.aio.server(interceptors=[AuthInterceptor(manager)], options=KEEPALIVE)
+        self.server = grpc.aio.server(interceptors=[GuardInterceptor(), AuthInterceptor(manager)], options=KEEPALIVE)
         self.health = health_aio.HealthServicer()
         agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentService(manager), self.server)
         self.server.add_generic_rpc_handlers((_worker_handler(WorkerService(manager)),))
@@ -305,11 +353,21 @@ class RpcServer:
         ]
         reflection.enable_server_reflection(names, self.server)
         self.port = 0
+        self.tls_port: int | None = None
 
-    async def start(self, host: str, port: int) -> int:
+    async def start(self, host: str, port: int, tls_port: int | None = None) -> int:
+        """Listen on `port` (plaintext) and, when the settings carry a certificate, on `tls_port`
+        (TLS; mTLS with a client CA). Returns the plaintext port; `self.tls_port` has the other."""
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"cannot bind gRPC to {host}:{port}")
+        creds = tls.server_credentials(self.manager.settings)
+        if creds is not None:
+            want = self.manager.settings.grpc_tls_port if tls_port is None else tls_port
+            tls_host = self.manager.settings.grpc_tls_host or host
+            self.tls_port = self.server.add_secure_port(f"{tls_host}:{want}", creds)
+            if self.tls_port == 0:
+                raise OSError(f"cannot bind gRPC TLS to {tls_host}:{want}")
         await self.server.start()
         for svc in ("", "ntp.v1.AgentService", "ntp.v1.WorkerService"):
             await self.health.set(svc, health_pb2.HealthCheckResponse.SERVING)

@@ -13,6 +13,7 @@ import gc
 import json
 import signal
 import socket
+import sys
 from collections.abc import Iterator
 
 import structlog
@@ -41,6 +42,10 @@ async def run_service(settings: Settings, stop: asyncio.Event | None = None) -> 
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
+    # Work that grows with the cluster runs in worker threads; a thread that computes holds the GIL
+    # for up to the switch interval each time the loop's thread gives it up (every syscall), so a
+    # short interval keeps the loop's callbacks from waiting 5 ms per system call.
+    sys.setswitchinterval(0.0005)
     rpc = RpcServer(manager)
     grpc_port = await rpc.start(settings.grpc_host, settings.grpc_port)
 
@@ -57,8 +62,10 @@ async def run_service(settings: Settings, stop: asyncio.Event | None = None) -> 
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    info = {"http": f"{settings.http_host}:{http_port}", "grpc": f"{settings.grpc_host}:{grpc_port}",
-            "epoch": manager.epoch}
+    info: dict[str, object] = {"http": f"{settings.http_host}:{http_port}",
+                               "grpc": f"{settings.grpc_host}:{grpc_port}", "epoch": manager.epoch}
+    if rpc.tls_port is not None:
+        info["grpc_tls"] = f"{settings.grpc_tls_host or settings.grpc_host}:{rpc.tls_port}"
     print(f"NTP-MANAGER READY {json.dumps(info)}", flush=True)
     log.info("serving", **info)
     try:

@@ -30,3 +30,17 @@ class Conflict(ServiceError):
 class FailedPrecondition(ServiceError):
     http_status = 409
     grpc_code = "FAILED_PRECONDITION"
+
+
+class PermissionDenied(ServiceError):
+    """The caller is who it says, but may not do this (e.g. an agent token used for another node)."""
+
+    http_status = 403
+    grpc_code = "PERMISSION_DENIED"
+
+
+class ResourceExhausted(ServiceError):
+    """Accepting this would take the manager past a configured size (e.g. `max_cluster_gpus`)."""
+
+    http_status = 409
+    grpc_code = "RESOURCE_EXHAUSTED"

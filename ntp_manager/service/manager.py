@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -28,13 +27,24 @@ import structlog
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from ntp_manager.auth import Principal, StoredToken, TokenTable, hash_token, new_token
+from ntp_manager.auth import Principal, TokenTable
 from ntp_manager.clock import Clock, SystemClock
-from ntp_manager.planner import JobSpec, PlanError, make_plan
-from ntp_manager.planner.export import plan_to_dict
-from ntp_manager.service.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound
+from ntp_manager.planner import JobSpec, PlanError
+from ntp_manager.service import planning
+from ntp_manager.service.errors import (
+    Conflict,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+)
+from ntp_manager.service.inputs import GpuInventory, GpuReport, check_hello, check_power_readings, check_report
 from ntp_manager.service.metrics import Metrics
 from ntp_manager.service.state import HEALTH_STATES, GpuRec, JobRec, LayoutRec, NodeRec, World
+from ntp_manager.service.tokens import Tokens
+from ntp_manager.service.watchdog import LoopWatchdog
+from ntp_manager.service.worker_reports import WorkerReports
 from ntp_manager.settings import Settings
 from ntp_manager.specfile import SpecError, job_from_dict
 from ntp_manager.store import db
@@ -49,9 +59,10 @@ from ntp_manager.store.models import (
     LeaderRow,
     MaintenanceRow,
     NodeRow,
-    TokenRow,
 )
-from ntp_manager.topology import GpuState, base_cap_w
+from ntp_manager.topology import GpuState, TopologyError, base_cap_w
+
+__all__ = ["AgentSession", "GpuInventory", "GpuReport", "Manager", "Mut"]
 
 log = structlog.get_logger("ntp.manager")
 
@@ -83,28 +94,6 @@ class AgentSession:
     closed: bool = False
 
 
-@dataclass
-class GpuReport:
-    """One GPU's health from an agent report (transport-neutral)."""
-
-    uuid: str
-    state: str
-    reasons: list[str]
-    xids: list[int]
-    enforced_mw: int | None = None
-
-
-@dataclass
-class GpuInventory:
-    uuid: str
-    index: int
-    model: str = ""
-    memory_bytes: int = 0
-    default_mw: int = 1_000_000
-    min_mw: int = 200_000
-    max_mw: int = 1_300_000
-
-
 class Manager:
     def __init__(self, settings: Settings, clock: Clock | None = None) -> None:
         self.settings = settings
@@ -112,13 +101,15 @@ class Manager:
         self.engine = db.make_engine(settings.effective_database_url)
         self.sm = db.sessionmaker(self.engine)
         self.metrics = Metrics()
-        self.tokens = TokenTable()
+        self.tokens = TokenTable()  # the live table (see service/tokens.py)
+        self.token_service = Tokens(self)
+        self.watchdog = LoopWatchdog(self.metrics.registry, warn_s=settings.loop_warn_ms / 1000)
+        self.workers = WorkerReports()
         self.world = World(base_cap=settings.power_base_cap)
         self.epoch = 0
         self.lock = asyncio.Lock()
         self.sessions: dict[str, AgentSession] = {}
         self.layout_changed = asyncio.Condition()
-        self.layout_acks: dict[str, dict[int, dict[str, dict[str, Any]]]] = {}
         self.breaker_open = False
         self.breaker_reason = ""
         self._fail_window: deque[tuple[float, str]] = deque()
@@ -127,8 +118,8 @@ class Manager:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self.ready = False
-        self.step_reports: dict[tuple[str, str], Any] = {}
         self._gauges_stale = True
+        self._state_counts: dict[str, int] = {}
 
     # ---- life cycle -----------------------------------------------------------------------------
     async def start(self, migrate: bool = True) -> None:
@@ -152,6 +143,8 @@ class Manager:
         self._tasks = [
             asyncio.create_task(self._control_loop(), name="control-loop"),
             asyncio.create_task(self._monitor_loop(), name="monitor"),
+            asyncio.create_task(self.token_service.poll_forever(), name="token-poll"),
+            asyncio.create_task(self.watchdog.run(), name="loop-watchdog"),
         ]
         if self.settings.power_base_cap is not None or any(g.desired_mw is not None for g in self.world.gpus.values()):
             self._recompute_power_later()  # the base cap may have been set, changed or removed since
@@ -208,14 +201,15 @@ class Manager:
                     )
             b = await s.get(BreakerRow, 1)
             if b is not None:
-                self.breaker_open, self.breaker_reason = b.open, b.reason
-            await self._reload_tokens(s)
+                self.breaker_open, self.breaker_reason = b.open, b.reason if b.open else ""
+                self.metrics.breaker.set(1 if b.open else 0)
+        await self.token_service.reload()
         self.world = w
         self._update_gauges()
 
-    async def _reload_tokens(self, s: AsyncSession) -> None:
-        rows = (await s.scalars(select(TokenRow).where(TokenRow.revoked_at.is_(None)))).all()
-        self.tokens.replace([StoredToken(r.public_id, r.token_hash, Principal(r.name, r.scope)) for r in rows])
+    @property
+    def layout_acks(self) -> dict[str, dict[int, dict[str, dict[str, Any]]]]:
+        return self.workers.acks
 
     # ---- transactions ---------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -227,70 +221,74 @@ class Manager:
             for fn in m.after:
                 fn()
 
-    # ---- tokens -------------------------------------------------------------------------------
-    async def create_token(self, name: str, scope: str, actor: str = "cli") -> str:
-        from ntp_manager.auth import SCOPES
-
-        if scope not in SCOPES:
-            raise InvalidArgument(f"unknown scope {scope!r}; choose one of {', '.join(SCOPES)}")
-        if not name:
-            raise InvalidArgument("token name must not be empty")
-        public_id, token = new_token()
-        async with self.mutation(actor) as m:
-            m.session.add(
-                TokenRow(public_id=public_id, name=name, scope=scope, token_hash=hash_token(token),
-                         created_at=self.clock.now())
-            )
-            m.audit(self.clock.now(), "token.create", public_id, after={"name": name, "scope": scope})
-        async with self.sm() as s:
-            await self._reload_tokens(s)
-        return token
+    # ---- tokens (service/tokens.py) ------------------------------------------------------------
+    async def create_token(self, name: str, scope: str, actor: str = "cli", node: str | None = None,
+                           fingerprint: str | None = None) -> str:
+        return await self.token_service.create(name, scope, actor, node, fingerprint)
 
     async def list_tokens(self) -> list[dict[str, Any]]:
-        async with self.sm() as s:
-            rows = (await s.scalars(select(TokenRow).order_by(TokenRow.id))).all()
-        return [
-            {"id": r.public_id, "name": r.name, "scope": r.scope, "created_at": r.created_at.isoformat(),
-             "revoked": r.revoked_at is not None}
-            for r in rows
-        ]
+        return await self.token_service.list()
 
     async def revoke_token(self, public_id: str, actor: str = "cli") -> None:
-        async with self.mutation(actor) as m:
-            row = (await m.session.scalars(select(TokenRow).where(TokenRow.public_id == public_id))).first()
-            if row is None:
-                raise NotFound(f"no token with id {public_id!r}")
-            row.revoked_at = self.clock.now()
-            m.audit(self.clock.now(), "token.revoke", public_id)
-        async with self.sm() as s:
-            await self._reload_tokens(s)
+        await self.token_service.revoke(public_id, actor)
 
     # ---- agents -------------------------------------------------------------------------------
+    async def check_agent_identity(self, principal: Principal, node: str, peer_fingerprint: str | None,
+                                   peer: str = "") -> None:
+        """An agent token speaks for the one node it names, over the certificate it names if any.
+        A mismatch is audited and raises PermissionDenied."""
+        problem = None
+        if principal.node is None:
+            problem = "this agent token is bound to no node; create one per node (token create --node)"
+        elif principal.node != node:
+            problem = f"this agent token speaks for node {principal.node!r}, not {node!r}"
+        elif principal.fingerprint is not None and principal.fingerprint != peer_fingerprint:
+            problem = (f"this agent token needs the client certificate {principal.fingerprint[:16]}...; "
+                       f"the connection presented {'none' if peer_fingerprint is None else peer_fingerprint[:16]}")
+        if problem is None:
+            return
+        log.warning("agent identity refused", token=principal.token_id, node=node[:64], problem=problem)
+        async with self.mutation(f"token:{principal.token_id}") as m:
+            m.audit(self.clock.now(), "agent.denied", node[:256], reason=problem,
+                    after={"token": principal.token_id, "token_node": principal.node, "peer": peer[:200],
+                           "peer_fingerprint": peer_fingerprint})
+        raise PermissionDenied(problem)
+
     async def register_agent(
-        self, node: str, domain: str, gpus: list[GpuInventory], boot_id: str, agent_version: str
+        self, node: str, domain: str, gpus: list[GpuInventory], boot_id: str, agent_version: str,
+        principal: Principal | None = None, peer_fingerprint: str | None = None, peer: str = "",
     ) -> tuple[AgentSession, int]:
         """Register (or re-register) a node; returns its session and the last applied report seq.
 
-        Raises InvalidArgument for a malformed inventory; nothing is written then."""
-        if not node or not domain:
-            raise InvalidArgument("hello needs a node name and a domain")
-        if not gpus:
-            raise InvalidArgument(f"node {node!r} reports no GPUs")
+        With a `principal` (always, from the gRPC edge) the hello must come from the node its token
+        names (PermissionDenied, audited, otherwise). Raises InvalidArgument for a malformed
+        inventory and ResourceExhausted past `max_cluster_gpus`; nothing is written then. Every
+        registration is audited (`node.register`, then `node.rehello` with what changed)."""
+        check_hello(node, domain, gpus, boot_id, agent_version)
+        if principal is not None:
+            await self.check_agent_identity(principal, node, peer_fingerprint, peer)
         uuids = [g.uuid for g in gpus]
-        if len(set(uuids)) != len(uuids) or any(not u for u in uuids):
-            raise InvalidArgument(f"node {node!r}: duplicate or empty GPU UUIDs in its inventory")
         for g in gpus:
             other = self.world.gpus.get(g.uuid)
             if other is not None and other.node != node:
-                raise InvalidArgument(f"GPU {g.uuid} is already registered on node {other.node!r}")
-            if not (0 < g.min_mw <= g.default_mw <= g.max_mw):
-                raise InvalidArgument(f"GPU {g.uuid}: power constraints must satisfy 0 < min <= default <= max")
+                raise InvalidArgument(f"hello.gpus: GPU {g.uuid} is already registered on node {other.node!r}")
         known = self.world.nodes.get(node)
         if known is not None and known.domain != domain:
-            raise InvalidArgument(f"node {node!r} is registered in domain {known.domain!r}, not {domain!r}")
+            raise InvalidArgument(f"hello.domain: node {node!r} is registered in domain {known.domain!r}, "
+                                  f"not {domain!r}")
+        adding = sum(1 for u in uuids if u not in self.world.gpus)
+        if len(self.world.gpus) + adding > self.settings.max_cluster_gpus:
+            raise ResourceExhausted(
+                f"hello.gpus: registering {adding} more GPUs would pass max_cluster_gpus="
+                f"{self.settings.max_cluster_gpus} ({len(self.world.gpus)} registered)"
+            )
 
         now = self.clock.now()
         recovered: list[str] = []
+        reshaped: list[GpuInventory] = []  # known GPUs whose index or power limits changed
+        listed = set(uuids)
+        absent = [u for u in (known.gpus if known else []) if u not in listed]
+        newly_absent = [u for u in absent if self.world.gpus[u].health != "failed"]
         async with self.mutation(f"agent:{node}") as m:
             s = m.session
             if domain not in self.world.domains and await s.get(DomainRow, domain) is None:
@@ -303,6 +301,11 @@ class Manager:
                 await s.flush()
                 m.audit(now, "node.register", node, after={"domain": domain, "gpus": uuids})
             else:
+                m.audit(now, "node.rehello", node,
+                        before={"boot_id": nrow.boot_id, "agent_version": nrow.agent_version},
+                        after={"boot_id": boot_id, "agent_version": agent_version,
+                               "token": principal.token_id if principal else None, "peer": peer[:200],
+                               "added": [u for u in uuids if u not in self.world.gpus], "absent": absent})
                 nrow.boot_id, nrow.agent_version = boot_id, agent_version
             new_gpus = []
             for g in gpus:
@@ -319,13 +322,24 @@ class Manager:
                     row.idx, row.model, row.memory_bytes = g.index, g.model, g.memory_bytes
                     row.tdp_mw, row.min_mw, row.max_mw = g.default_mw, g.min_mw, g.max_mw
                     rec = self.world.gpus.get(g.uuid)
-                    # Silence was the only evidence against it: the agent is back, so is the GPU.
-                    if rec is not None and rec.health_source == "heartbeat" and rec.health != "healthy":
+                    if rec is not None and (rec.idx, rec.tdp_mw, rec.min_mw, rec.max_mw) != (
+                            g.index, g.default_mw, g.min_mw, g.max_mw):
+                        reshaped.append(g)
+                    # Silence (or absence from the inventory) was the only evidence against it:
+                    # the agent is back with it, so is the GPU.
+                    if rec is not None and rec.health_source in ("heartbeat", "inventory") and rec.health != "healthy":
                         s.add(HealthEventRow(at=now, gpu_uuid=g.uuid, node=node, seq=None, source="heartbeat",
                                              old_state=rec.health, new_state="healthy",
                                              reasons=["agent reconnected"], xids=[]))
                         row.health, row.health_reason, row.health_since = "healthy", "agent reconnected", now
                         recovered.append(g.uuid)
+            gone_reason = "absent from the node's inventory at its last hello"
+            for u in newly_absent:
+                row = await s.get(GpuRow, u)
+                if row is not None:
+                    s.add(HealthEventRow(at=now, gpu_uuid=u, node=node, seq=None, source="agent",
+                                         old_state=row.health, new_state="failed", reasons=[gone_reason], xids=[]))
+                    row.health, row.health_reason, row.health_since = "failed", gone_reason, now
             last_seq = nrow.last_seq
 
             def commit_memory() -> None:
@@ -341,20 +355,28 @@ class Manager:
                 for g in new_gpus:
                     w.gpus[g.uuid] = GpuRec(g.uuid, node, domain, g.index, g.default_mw, g.min_mw, g.max_mw)
                     rec_node.gpus.append(g.uuid)
+                for g in reshaped:
+                    r = w.gpus[g.uuid]
+                    r.idx, r.tdp_mw, r.min_mw, r.max_mw = g.index, g.default_mw, g.min_mw, g.max_mw
                 for u in recovered:
                     r = w.gpus[u]
                     r.health, r.health_reason, r.health_source = "healthy", "agent reconnected", "agent"
-                if new_gpus:
+                for u in newly_absent:
+                    r = w.gpus[u]
+                    self._note_transition(r, "failed")
+                    r.health, r.health_reason, r.health_source = "failed", gone_reason, "inventory"
+                if new_gpus or reshaped:
                     w.invalidate()
                     self._mark_all_dirty()
                     if self.settings.power_base_cap is not None:
                         self._recompute_power_later()  # new GPUs start at the base cap
-                elif recovered:
-                    w.apply_states(recovered)
-                    self._mark_dirty_for(recovered)
+                if recovered or newly_absent:
+                    w.apply_states(recovered + newly_absent)
+                    self._mark_dirty_for(recovered + newly_absent)
                 self._update_gauges()
 
             m.after.append(commit_memory)
+            await self._stage_breaker(m, len(newly_absent))
 
         old = self.sessions.get(node)
         if old is not None:
@@ -389,7 +411,9 @@ class Manager:
         """Apply one health report. Returns the seq to acknowledge.
 
         seq <= last applied: a replay, acknowledged and ignored. seq > last + 1: a gap, rejected.
-        Unknown GPUs or states reject the whole report. Rejections write nothing."""
+        Unknown GPUs or states, or values past the limits, reject the whole report (InvalidArgument
+        naming the field). Rejections write nothing."""
+        check_report(seq, gpus)
         rec = self.world.nodes.get(node)
         if rec is None:
             raise FailedPrecondition(f"node {node!r} has not registered (send hello first)")
@@ -400,11 +424,13 @@ class Manager:
         for g in gpus:
             gr = self.world.gpus.get(g.uuid)
             if gr is None or gr.node != node:
-                raise InvalidArgument(f"report from {node!r} names unknown GPU {g.uuid!r}")
+                raise InvalidArgument(f"report.gpus: report from {node!r} names unknown GPU {g.uuid!r}")
             if g.state not in HEALTH_STATES:
-                raise InvalidArgument(f"GPU {g.uuid}: agents may report {sorted(HEALTH_STATES)}, not {g.state!r}")
+                raise InvalidArgument(
+                    f"report.gpus.state: GPU {g.uuid}: agents may report {sorted(HEALTH_STATES)}, not {g.state!r}"
+                )
         if len({g.uuid for g in gpus}) != len(gpus):
-            raise InvalidArgument("a report names the same GPU twice")
+            raise InvalidArgument("report.gpus: a report names the same GPU twice")
 
         now = self.clock.now()
         changed: list[str] = []
@@ -426,6 +452,7 @@ class Manager:
                 if g.state != gr.health:
                     row.health, row.health_reason, row.health_since = g.state, "; ".join(g.reasons), now
                     changed.append(g.uuid)
+            newly_failed = sum(1 for g in gpus if g.state == "failed" and self.world.gpus[g.uuid].health != "failed")
 
             def commit_memory() -> None:
                 rec.last_seq = seq
@@ -440,10 +467,12 @@ class Manager:
                 self._after_state_change(changed)
 
             m.after.append(commit_memory)
+            await self._stage_breaker(m, newly_failed)
         self.metrics.reports.inc()
         return seq
 
     async def record_power_result(self, node: str, readings: list[tuple[str, int]]) -> None:
+        check_power_readings(readings)
         known = [(u, mw) for u, mw in readings if u in self.world.gpus and self.world.gpus[u].node == node]
         if not known:
             return
@@ -470,7 +499,6 @@ class Manager:
         self.world.apply_states(uuids)
         self._mark_dirty_for(uuids)
         self._update_gauges()
-        self._check_breaker()
 
     def _mark_dirty_for(self, uuids: list[str]) -> None:
         domains = {self.world.gpus[u].domain for u in uuids}
@@ -483,33 +511,41 @@ class Manager:
         self._dirty.update(self.world.jobs)
         self._wake.set()
 
-    def _check_breaker(self) -> None:
-        if self.breaker_open:
-            return
+    def _breaker_verdict(self, more_failures: int) -> str | None:
+        """Why the breaker opens if `more_failures` GPUs fail now; None when it stays shut."""
+        if self.breaker_open or more_failures <= 0:
+            return None
         horizon = self.clock.monotonic() - self.settings.breaker_window_s
         while self._fail_window and self._fail_window[0][0] < horizon:
             self._fail_window.popleft()
         total = max(1, len(self.world.gpus))
         limit = max(self.settings.breaker_min_gpus, self.settings.breaker_share * total)
-        if len(self._fail_window) > limit:
-            reason = (
-                f"{len(self._fail_window)} GPUs failed within {self.settings.breaker_window_s:g}s "
-                f"(limit {limit:g} of {total}): a systemic fault is likely; automatic replanning stopped"
-            )
+        n = len(self._fail_window) + more_failures
+        if n <= limit:
+            return None
+        return (f"{n} GPUs failed within {self.settings.breaker_window_s:g}s (limit {limit:g} of {total}): "
+                "a systemic fault is likely; automatic replanning stopped")
+
+    async def _stage_breaker(self, m: Mut, more_failures: int) -> None:
+        """Open the breaker in the same transaction as the failures that trip it, so its state and
+        reason are durable exactly when those failures are (they survive any restart)."""
+        reason = self._breaker_verdict(more_failures)
+        if reason is None:
+            return
+        now = self.clock.now()
+        row = await m.session.get(BreakerRow, 1)
+        if row is None:
+            m.session.add(BreakerRow(id=1, open=True, reason=reason, changed_at=now))
+        else:
+            row.open, row.reason, row.changed_at = True, reason, now
+        m.audit(now, "breaker.open", "breaker", reason=reason)
+
+        def commit_memory() -> None:
             self.breaker_open, self.breaker_reason = True, reason
             self.metrics.breaker.set(1)
             log.warning("circuit breaker open", reason=reason)
-            asyncio.get_running_loop().create_task(self._persist_breaker(True, reason, "control-loop"))
 
-    async def _persist_breaker(self, is_open: bool, reason: str, actor: str) -> None:
-        async with self.mutation(actor) as m:
-            row = await m.session.get(BreakerRow, 1)
-            now = self.clock.now()
-            if row is None:
-                m.session.add(BreakerRow(id=1, open=is_open, reason=reason, changed_at=now))
-            else:
-                row.open, row.reason, row.changed_at = is_open, reason, now
-            m.audit(now, "breaker.open" if is_open else "breaker.reset", "breaker", reason=reason)
+        m.after.append(commit_memory)
 
     async def reset_breaker(self, m: Mut, reason: str) -> dict[str, Any]:
         was = self.breaker_open
@@ -735,10 +771,18 @@ class Manager:
 
     # ---- jobs and plans -----------------------------------------------------------------------
     def parse_job(self, spec: dict[str, Any]) -> JobSpec:
+        """A job spec, checked (InvalidArgument naming the field) and bounded by `max_cluster_gpus`."""
         try:
-            return job_from_dict(spec, "job")
+            job = job_from_dict(spec, "job")
         except SpecError as e:
             raise InvalidArgument(str(e)) from None
+        asked = (job.replicas + job.spares) * job.groups_per_replica * job.tp
+        if asked > self.settings.max_cluster_gpus:
+            raise InvalidArgument(
+                f"job: (replicas + spares) x groups_per_replica x tp = {asked:,} GPUs; this manager's "
+                f"cluster holds at most {self.settings.max_cluster_gpus:,} (max_cluster_gpus)"
+            )
+        return job
 
     async def create_job(self, m: Mut, spec: dict[str, Any]) -> dict[str, Any]:
         job = self.parse_job(spec)
@@ -767,24 +811,26 @@ class Manager:
 
         def commit_memory() -> None:
             self.world.jobs.pop(name, None)
+            self.workers.forget(name)
             self._dirty.discard(name)
             self._recompute_power_later()
 
         m.after.append(commit_memory)
         return {"name": name, "deleted": True}
 
-    def dry_run(self, spec: JobSpec, fail: list[str]) -> dict[str, Any]:
-        cluster = self.world.cluster()
-        changes = {}
+    async def dry_run(self, spec: JobSpec, fail: list[str]) -> dict[str, Any]:
+        """The plan `spec` would get now, with the GPUs in `fail` failed; planned off the loop."""
         for u in fail:
             if u not in self.world.gpus:
-                raise NotFound(f"unknown GPU {u!r}")
-            changes[u] = GpuState.FAILED
+                raise NotFound(f"fail: unknown GPU {u[:200]!r}")
+        cluster = await self.world.cluster_async()
         try:
-            plan = make_plan(cluster.with_states(changes), spec)
+            d = await asyncio.to_thread(planning.draft, cluster, spec, tuple(fail))
         except PlanError as e:
             raise InvalidArgument(str(e)) from None
-        return plan_to_dict(plan)
+        except TopologyError as e:  # a GPU in `fail` registered after the snapshot was taken
+            raise NotFound(f"fail: {e}") from None
+        return d.doc
 
     async def _control_loop(self) -> None:
         while not self._stopping:
@@ -807,18 +853,20 @@ class Manager:
             return None
         t0 = time.perf_counter()
         try:
-            plan = make_plan(self.world.cluster(), job.spec)
+            # off the event loop: snapshot build, planning, document, fingerprint, JSON text
+            d = await asyncio.to_thread(planning.draft, await self.world.cluster_async(), job.spec)
         except PlanError as e:
             job.pending_reason = str(e)
             return None
         finally:
             self.metrics.plan_seconds.observe(time.perf_counter() - t0)
+        if self.world.jobs.get(name) is not job:
+            return None  # deleted or replaced while planning
         job.pending_reason = None
-        doc = plan_to_dict(plan)
-        fp = _fingerprint(doc)
+        doc, fp = d.doc, d.fingerprint
         if job.layout is not None:
             if not job.layout.fingerprint:
-                job.layout.fingerprint = _fingerprint(job.layout.plan)
+                job.layout.fingerprint = await asyncio.to_thread(planning.fingerprint, job.layout.plan)
             if job.layout.fingerprint == fp:
                 return job.layout
         why = reason or _why(job.layout.plan if job.layout else None, doc)
@@ -829,10 +877,7 @@ class Manager:
             mm.session.add(LayoutRow(job=name, version=version, leader_epoch=self.epoch, plan=doc, reason=why,
                                      created_at=now))
             mm.audit(now, "layout.update", name, before={"version": version - 1} if version > 1 else None,
-                     after={"version": version, "replicas": [[r["id"], r["tp"], r["local_batch"]]
-                                                              for r in doc["replicas"]],
-                            "relative_throughput": doc["relative_throughput"]},
-                     reason=why)
+                     after={"version": version, **d.summary}, reason=why)
             rec = LayoutRec(name, version, self.epoch, doc, why, now, self.clock.monotonic(), fp)
             power = await self._stage_power(mm)
 
@@ -898,16 +943,22 @@ class Manager:
         asyncio.get_running_loop().create_task(run())
 
     def _publish(self, rec: LayoutRec) -> None:
+        self.wake_watchers()
+
+    def wake_watchers(self) -> None:
+        """Make every `wait_layout` look again (a new layout, or a watcher told to stop)."""
         async def notify() -> None:
             async with self.layout_changed:
                 self.layout_changed.notify_all()
 
         asyncio.get_running_loop().create_task(notify())
 
-    async def wait_layout(self, job: str, newer_than: tuple[int, int]) -> LayoutRec | None:
-        """Block until `job` has a layout with (epoch, version) > newer_than; None when stopping."""
+    async def wait_layout(self, job: str, newer_than: tuple[int, int],
+                          stop: Callable[[], bool] | None = None) -> LayoutRec | None:
+        """Block until `job` has a layout with (epoch, version) > newer_than; None when stopping
+        or when `stop()` says so (checked whenever the watchers are woken)."""
         async with self.layout_changed:
-            while not self._stopping:
+            while not self._stopping and not (stop is not None and stop()):
                 rec = self.world.jobs.get(job)
                 if rec is None:
                     raise NotFound(f"unknown job {job!r}")
@@ -918,19 +969,18 @@ class Manager:
         return None
 
     def ack_layout(self, job: str, worker: str, epoch: int, version: int, ok: bool) -> LayoutRec:
+        """Record a worker's ack of layout (epoch, version); see service/worker_reports.py."""
+        self.workers.check_ids(job, worker)
         rec = self.world.jobs.get(job)
         if rec is None:
-            raise NotFound(f"unknown job {job!r}")
+            raise NotFound(f"job: unknown job {job!r}")
         lay = rec.layout
-        if lay is None or version > lay.version or version < 1:
-            raise InvalidArgument(f"job {job!r} has no layout version {version}")
+        if lay is None:
+            raise InvalidArgument(f"stamp: job {job!r} has no layout yet")
+        # acks of the newest versions, in memory only (operators see who has applied what)
+        self.workers.record_ack(job, lay, worker, epoch, version, ok, self.clock.now().isoformat())
         if ok and version == lay.version:
             self.metrics.ack_seconds.observe(max(0.0, self.clock.monotonic() - lay.created_mono))
-        # acks of the newest versions, in memory only (operators see who has applied what)
-        per_job = self.layout_acks.setdefault(job, {})
-        per_job.setdefault(version, {})[worker] = {"ok": ok, "at": self.clock.now().isoformat()}
-        for old in sorted(per_job)[:-4]:
-            del per_job[old]
         log.info("layout ack", job=job, worker=worker, version=version, ok=ok)
         return lay
 
@@ -940,7 +990,7 @@ class Manager:
         while not self._stopping:
             await asyncio.sleep(period)
             try:
-                self.refresh_gauges()
+                await self.refresh_gauges_async()
                 await self.check_heartbeats()
                 await self._apply_maintenance()
                 await self._apply_drain_deadlines()
@@ -984,13 +1034,13 @@ class Manager:
                 self._after_state_change([u for u, _, _ in changes])
 
             m.after.append(commit_memory)
+            await self._stage_breaker(m, len(to_fail))
 
     # ---- views -------------------------------------------------------------------------------
-    def gpu_state_counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for g in self.world.gpus.values():
-            counts[g.state] = counts.get(g.state, 0) + 1
-        return counts
+    async def gpu_state_counts(self) -> dict[str, int]:
+        """GPUs per effective state (states with none left out), recounted only after a change."""
+        await self.refresh_gauges_async()
+        return {k: v for k, v in self._state_counts.items() if v}
 
     def gpu_view(self, uuid: str, override_admin: Any = ..., owner: str | None = None,
                  reason: str | None = None) -> dict[str, Any]:
@@ -1011,13 +1061,23 @@ class Manager:
         """Mark the gauges stale; they are recomputed at most once per monitor tick and on scrape."""
         self._gauges_stale = True
 
+    async def refresh_gauges_async(self) -> None:
+        """`refresh_gauges` with the O(GPUs) count in a worker thread (over a copy of the record
+        list; a state that changes meanwhile marks the gauges stale again)."""
+        if not self._gauges_stale:
+            return
+        self._gauges_stale = False
+        counts = await asyncio.to_thread(_count_states, list(self.world.gpus.values()))
+        self._set_gauges(counts)
+
     def refresh_gauges(self) -> None:
         if not self._gauges_stale:
             return
         self._gauges_stale = False
-        counts: dict[str, int] = dict.fromkeys([s.value for s in GpuState], 0)
-        for g in self.world.gpus.values():
-            counts[g.state] = counts.get(g.state, 0) + 1
+        self._set_gauges(_count_states(list(self.world.gpus.values())))
+
+    def _set_gauges(self, counts: dict[str, int]) -> None:
+        self._state_counts = counts
         for state, n in counts.items():
             self.metrics.gpus.labels(state).set(n)
         for job in self.world.jobs.values():
@@ -1035,11 +1095,11 @@ class Manager:
                 self.metrics.replicas_by_tp.labels(job.name, str(tp)).set(n)
 
 
-def _fingerprint(doc: dict[str, Any]) -> str:
-    return json.dumps(
-        {"replicas": doc["replicas"], "power_caps_w": doc["power_caps_w"], "global_batch": doc["global_batch"]},
-        sort_keys=True,
-    )
+def _count_states(gpus: list[GpuRec]) -> dict[str, int]:
+    counts: dict[str, int] = dict.fromkeys([s.value for s in GpuState], 0)
+    for g in gpus:
+        counts[g.state] = counts.get(g.state, 0) + 1
+    return counts
 
 
 def _why(old: dict[str, Any] | None, new: dict[str, Any]) -> str:

@@ -5,6 +5,8 @@ Only the manager mutates it, after the matching transaction has committed.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -81,37 +83,79 @@ class World:
     jobs: dict[str, JobRec] = field(default_factory=dict)
     base_cap: float | None = None  # fleet base power cap (settings.power_base_cap)
     _cluster: Cluster | None = None
+    _shape_gen: int = 0  # bumped whenever GPUs are added or change place or limits
+    _changed_while_building: set[str] | None = None
+    _building: asyncio.Future[Cluster] | None = None
 
     def invalidate(self) -> None:
         self._cluster = None
+        self._shape_gen += 1
 
     def cluster(self) -> Cluster:
-        """Topology snapshot for the planner (rebuilt after registrations, else cached)."""
+        """Topology snapshot for the planner (rebuilt after registrations, else cached).
+
+        Building it is O(GPUs) (about a second at 100K GPUs here): on the event loop, use
+        `cluster_async`, which builds in a worker thread."""
         if self._cluster is None:
-            by_domain: dict[str, list[GpuRec]] = {}
-            for g in self.gpus.values():
-                by_domain.setdefault(g.domain, []).append(g)
-            domains = []
-            for did in sorted(by_domain):
-                recs = sorted(by_domain[did], key=lambda r: (r.node, r.idx))
-                domains.append(
-                    Domain(
-                        did,
-                        tuple(
-                            Gpu(
-                                r.uuid, r.node, did, r.idx, GpuState(r.state),
-                                PowerLimits(r.tdp_mw / 1000, r.min_mw / 1000, r.max_mw / 1000).with_base_cap(
-                                    self.base_cap),
-                            )
-                            for r in recs
-                        ),
-                        self.domains.get(did),
-                    )
-                )
-            self._cluster = Cluster.build("live", domains)
+            self._cluster = _build_cluster(list(self.gpus.values()), dict(self.domains), self.base_cap)
+        return self._cluster
+
+    async def cluster_async(self) -> Cluster:
+        """`cluster()` without holding the event loop: the snapshot is built in a worker thread
+        from a copy of the record list, then the states that changed meanwhile are applied to it
+        (every state change passes through `apply_states`, which records them). Concurrent callers
+        share one build."""
+        while self._cluster is None:
+            if self._building is None:
+                self._building = asyncio.get_running_loop().create_future()
+                building = self._building
+                gen = self._shape_gen
+                self._changed_while_building = set()
+                try:
+                    built = await asyncio.to_thread(_build_cluster, list(self.gpus.values()), dict(self.domains),
+                                                    self.base_cap)
+                    changed, self._changed_while_building = self._changed_while_building, None
+                    if gen == self._shape_gen:  # else GPUs were added meanwhile: build again
+                        if changed:
+                            built = built.with_states({u: GpuState(self.gpus[u].state) for u in changed})
+                        self._cluster = built
+                    building.set_result(built)
+                except BaseException as e:
+                    self._changed_while_building = None
+                    building.set_exception(e)
+                    raise
+                finally:
+                    self._building = None
+            else:
+                await asyncio.shield(self._building)
         return self._cluster
 
     def apply_states(self, uuids: list[str]) -> None:
         """Bring the cached snapshot up to date after state changes of `uuids`."""
+        if self._changed_while_building is not None:
+            self._changed_while_building.update(uuids)
         if self._cluster is not None and uuids:
             self._cluster = self._cluster.with_states({u: GpuState(self.gpus[u].state) for u in uuids})
+
+
+def _build_cluster(recs: Iterable[GpuRec], budgets: dict[str, float | None], base_cap: float | None) -> Cluster:
+    by_domain: dict[str, list[GpuRec]] = {}
+    for g in recs:
+        by_domain.setdefault(g.domain, []).append(g)
+    domains = []
+    for did in sorted(by_domain):
+        group = sorted(by_domain[did], key=lambda r: (r.node, r.idx))
+        domains.append(
+            Domain(
+                did,
+                tuple(
+                    Gpu(
+                        r.uuid, r.node, did, r.idx, GpuState(r.state),
+                        PowerLimits(r.tdp_mw / 1000, r.min_mw / 1000, r.max_mw / 1000).with_base_cap(base_cap),
+                    )
+                    for r in group
+                ),
+                budgets.get(did),
+            )
+        )
+    return Cluster.build("live", domains)

@@ -8,6 +8,7 @@ works both from the CLI and inside the running manager.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,9 +23,56 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
 
 
+CHUNK = 256
+
+
+def dumps_in_pieces(obj: Any, sort_keys: bool = False) -> str:
+    """`json.dumps(obj)` (compact, finite numbers only), made piece by piece: dicts key by key and
+    long lists `CHUNK` items at a time. The C encoder holds the GIL for a whole call, so one call
+    over a 100K-GPU plan would stop the event loop for as long as it runs even from a worker
+    thread; between pieces the loop gets its turn."""
+    if isinstance(obj, dict):
+        keys = sorted(obj) if sort_keys else list(obj)
+        parts = [json.dumps(_key(k)) + ":" + dumps_in_pieces(obj[k], sort_keys) for k in keys]
+        return "{" + ",".join(parts) + "}"
+    if isinstance(obj, list | tuple) and len(obj) > CHUNK:
+        pieces = [json.dumps(obj[i : i + CHUNK], allow_nan=False, separators=(",", ":"), sort_keys=sort_keys)[1:-1]
+                  for i in range(0, len(obj), CHUNK)]
+        return "[" + ",".join(p for p in pieces if p) + "]"
+    return json.dumps(obj, allow_nan=False, separators=(",", ":"), sort_keys=sort_keys)
+
+
+def _key(k: Any) -> str:
+    """A dict key as `json.dumps` writes it."""
+    if isinstance(k, str):
+        return k
+    if k is True or k is False or k is None:
+        return json.dumps(k)
+    return json.dumps(k) if isinstance(k, int | float) else str(k)
+
+
+class StoredJson(dict[str, Any]):
+    """A JSON document with its text made once, where it was built (off the event loop for
+    plans); `json_text` writes that text instead of encoding the dict again."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, doc: dict[str, Any]) -> None:
+        super().__init__(doc)
+        self.text = dumps_in_pieces(doc)
+
+
+def json_text(obj: Any) -> str:
+    """The store's JSON serializer. Non-finite numbers are refused (PostgreSQL cannot hold them
+    and JSON has no spelling for them); the edge rejects them first, this is the last guard."""
+    if isinstance(obj, StoredJson):
+        return obj.text
+    return json.dumps(obj, allow_nan=False)
+
+
 def make_engine(url: str) -> AsyncEngine:
     if url.startswith("sqlite"):
-        engine = create_async_engine(url, connect_args={"timeout": 30})
+        engine = create_async_engine(url, connect_args={"timeout": 30}, json_serializer=json_text)
 
         @event.listens_for(engine.sync_engine, "connect")
         def _pragmas(dbapi_conn: Any, _: Any) -> None:
@@ -36,7 +84,7 @@ def make_engine(url: str) -> AsyncEngine:
             cur.close()
 
         return engine
-    return create_async_engine(url, pool_size=10, max_overflow=10, pool_pre_ping=True)
+    return create_async_engine(url, pool_size=10, max_overflow=10, pool_pre_ping=True, json_serializer=json_text)
 
 
 def sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:

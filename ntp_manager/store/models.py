@@ -8,22 +8,47 @@ state is the admin state when set, else the health state, so automation can neve
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """A timestamp stored in UTC and read back time-zone aware, the same on every store.
+
+    SQLite keeps no offset: it stored a +05:30 wall time as if it were UTC, shifting drain
+    deadlines and maintenance windows. Every value is converted to UTC on the way in (a naive
+    value is refused: its zone is unknown) and marked UTC on the way out."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime: give a time zone (the store keeps UTC)")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 class Base(DeclarativeBase):
-    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, datetime: UtcDateTime}
 
 
 class DomainRow(Base):
     __tablename__ = "domains"
     id: Mapped[str] = mapped_column(String(128), primary_key=True)
     power_budget_w: Mapped[float | None] = mapped_column(Float)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)
 
 
 class NodeRow(Base):
@@ -33,9 +58,9 @@ class NodeRow(Base):
     boot_id: Mapped[str] = mapped_column(String(128), default="")
     agent_version: Mapped[str] = mapped_column(String(64), default="")
     last_seq: Mapped[int] = mapped_column(BigInteger, default=0)
-    drain_deadline: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    drain_deadline: Mapped[datetime | None] = mapped_column(UtcDateTime)
     drain_reason: Mapped[str | None] = mapped_column(Text)
-    registered_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    registered_at: Mapped[datetime] = mapped_column(UtcDateTime)
 
 
 class GpuRow(Base):
@@ -51,7 +76,7 @@ class GpuRow(Base):
     max_mw: Mapped[int] = mapped_column(Integer, default=1_300_000)
     health: Mapped[str] = mapped_column(String(16), default="healthy", index=True)
     health_reason: Mapped[str] = mapped_column(Text, default="")
-    health_since: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    health_since: Mapped[datetime] = mapped_column(UtcDateTime)
     admin: Mapped[str | None] = mapped_column(String(16))
     admin_owner: Mapped[str | None] = mapped_column(String(128))
     admin_reason: Mapped[str | None] = mapped_column(Text)
@@ -66,7 +91,7 @@ class GpuRow(Base):
 class HealthEventRow(Base):
     __tablename__ = "health_events"
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
-    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    at: Mapped[datetime] = mapped_column(UtcDateTime, index=True)
     gpu_uuid: Mapped[str] = mapped_column(String(128), index=True)
     node: Mapped[str] = mapped_column(String(256))
     seq: Mapped[int | None] = mapped_column(BigInteger)  # agent report seq; None for manager-made events
@@ -81,7 +106,7 @@ class JobRow(Base):
     __tablename__ = "jobs"
     name: Mapped[str] = mapped_column(String(128), primary_key=True)
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)
     created_by: Mapped[str] = mapped_column(String(128))
 
 
@@ -94,13 +119,13 @@ class LayoutRow(Base):
     leader_epoch: Mapped[int] = mapped_column(BigInteger)
     plan: Mapped[dict[str, Any]] = mapped_column(JSON)
     reason: Mapped[str] = mapped_column(Text)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)
 
 
 class AuditRow(Base):
     __tablename__ = "audit_log"
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
-    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    at: Mapped[datetime] = mapped_column(UtcDateTime, index=True)
     actor: Mapped[str] = mapped_column(String(128))
     action: Mapped[str] = mapped_column(String(64), index=True)
     target: Mapped[str] = mapped_column(String(256))
@@ -117,8 +142,12 @@ class TokenRow(Base):
     name: Mapped[str] = mapped_column(String(128))
     scope: Mapped[str] = mapped_column(String(16))
     token_hash: Mapped[str] = mapped_column(String(64))
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    # agent tokens: the one node they may speak for, and optionally the SHA-256 of the client
+    # certificate that node must present (mTLS)
+    node: Mapped[str | None] = mapped_column(String(256))
+    fingerprint: Mapped[str | None] = mapped_column(String(64))
 
 
 class IdempotencyRow(Base):
@@ -128,7 +157,7 @@ class IdempotencyRow(Base):
     fingerprint: Mapped[str] = mapped_column(String(64))  # sha256 of method, path and body
     status: Mapped[int] = mapped_column(Integer)
     response: Mapped[dict[str, Any]] = mapped_column(JSON)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)
 
 
 class MaintenanceRow(Base):
@@ -136,8 +165,8 @@ class MaintenanceRow(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     target_kind: Mapped[str] = mapped_column(String(16))  # gpu | node | domain
     target: Mapped[str] = mapped_column(String(256))
-    starts_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    ends_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    starts_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    ends_at: Mapped[datetime] = mapped_column(UtcDateTime)
     reason: Mapped[str] = mapped_column(Text, default="")
     owner: Mapped[str] = mapped_column(String(128))
     cancelled: Mapped[bool] = mapped_column(Boolean, default=False)
@@ -150,7 +179,7 @@ class LeaderRow(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     epoch: Mapped[int] = mapped_column(BigInteger)
     holder: Mapped[str] = mapped_column(String(256))
-    since: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    since: Mapped[datetime] = mapped_column(UtcDateTime)
 
 
 class BreakerRow(Base):
@@ -160,4 +189,4 @@ class BreakerRow(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     open: Mapped[bool] = mapped_column(Boolean, default=False)
     reason: Mapped[str] = mapped_column(Text, default="")
-    changed_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    changed_at: Mapped[datetime] = mapped_column(UtcDateTime)

@@ -25,8 +25,9 @@ def gpu_uuids(node: str, n: int) -> list[str]:
 
 class ScriptedAgent:
     def __init__(self, target: str, token: str, node: str, domain: str, gpus: list[str], tdp_mw: int = 1_000_000,
-                 max_mw: int | None = None):
+                 max_mw: int | None = None, credentials: grpc.ChannelCredentials | None = None):
         self.target, self.token, self.node, self.domain, self.gpus = target, token, node, domain, gpus
+        self.credentials = credentials  # TLS / mTLS when given
         self.tdp_mw = tdp_mw
         self.max_mw = int(tdp_mw * 1.3) if max_mw is None else max_mw
         self.channel: grpc.aio.Channel | None = None
@@ -55,7 +56,8 @@ class ScriptedAgent:
         )
 
     async def connect(self, first: agent_pb2.AgentMessage | None = None) -> None:
-        self.channel = grpc.aio.insecure_channel(self.target)
+        self.channel = (grpc.aio.secure_channel(self.target, self.credentials) if self.credentials
+                        else grpc.aio.insecure_channel(self.target))
         stub = agent_pb2_grpc.AgentServiceStub(self.channel)
         await self.out.put(first or self.hello())
 

@@ -17,10 +17,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def create_token(data: Path, scope: str) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "ntp_manager.cli", "token", "create", "--scope", scope, "--json", "--data-dir",
-         str(data)], capture_output=True, text=True, timeout=120, check=True).stdout
+def create_token(data: Path, scope: str, node: str | None = None, env: dict[str, str] | None = None) -> str:
+    """`ntp-manager token create` against the data dir (or NTP_DATABASE_URL in `env`); agent
+    tokens need the `node` they speak for."""
+    cmd = [sys.executable, "-m", "ntp_manager.cli", "token", "create", "--scope", scope, "--json", "--data-dir",
+           str(data)]
+    if node is not None:
+        cmd += ["--node", node]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True,
+                         env=dict(os.environ, **(env or {}))).stdout
     return str(json.loads(out)["token"])
 
 

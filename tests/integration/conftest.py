@@ -8,7 +8,7 @@ import os
 import secrets
 import socket
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,11 +65,19 @@ class Service:
     manager: Manager
     http: str
     grpc: str
-    tokens: dict[str, str]
+    tokens: dict[str, str]  # one per scope; tokens["agent"] speaks for node-0 only
+    agent_tokens: dict[str, str] = field(default_factory=dict)
+    grpc_tls: str | None = None  # the TLS listener, when the settings carry a certificate
 
     def client(self, scope: str | None = "operator") -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {self.tokens[scope]}"} if scope else {}
         return httpx.AsyncClient(base_url=self.http, headers=headers, timeout=20)
+
+    async def agent_token(self, node: str) -> str:
+        """An agent token bound to `node` (made once per node)."""
+        if node not in self.agent_tokens:
+            self.agent_tokens[node] = await self.manager.create_token(f"agent-{node}", "agent", node=node)
+        return self.agent_tokens[node]
 
 
 @contextlib.asynccontextmanager
@@ -91,9 +99,11 @@ async def running_service(url: str, tmp_path: Path, **overrides: Any) -> AsyncIt
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         await asyncio.sleep(0.01)
-    tokens = {s: await manager.create_token(f"test-{s}", s) for s in ("viewer", "operator", "agent", "worker")}
+    tokens = {s: await manager.create_token(f"test-{s}", s) for s in ("viewer", "operator", "admin", "worker")}
+    tokens["agent"] = await manager.create_token("agent-node-0", "agent", node="node-0")
     try:
-        yield Service(manager, f"http://127.0.0.1:{hport}", f"127.0.0.1:{gport}", tokens)
+        yield Service(manager, f"http://127.0.0.1:{hport}", f"127.0.0.1:{gport}", tokens, {"node-0": tokens["agent"]},
+                      f"127.0.0.1:{rpc.tls_port}" if rpc.tls_port is not None else None)
     finally:
         await manager.begin_shutdown()
         await rpc.stop(0.5)

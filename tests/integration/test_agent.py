@@ -35,7 +35,7 @@ async def running(agent: Agent):  # type: ignore[no-untyped-def]
 async def test_xid79_fails_the_node_before_the_next_heartbeat_and_xid13_changes_nothing(sqlite_service: Service):
     svc = sqlite_service
     # heartbeats every 30 s: anything the manager learns within the test came as an immediate report
-    a = make_agent(svc.grpc, svc.tokens["agent"], "node-a", "nvl-0",
+    a = make_agent(svc.grpc, await svc.agent_token("node-a"), "node-a", "nvl-0",
                    [{"at": 0.3, "gpu": 2, "kind": "xid", "xid": 13}, {"at": 1.0, "gpu": 1, "kind": "xid", "xid": 79}])
     async with running(a):
         await eventually(lambda: a.registered.is_set())
@@ -56,9 +56,9 @@ async def test_xid79_fails_the_node_before_the_next_heartbeat_and_xid13_changes_
 
 async def test_power_cap_reaches_the_fake_gpu_and_is_read_back(sqlite_service: Service):
     svc = sqlite_service
-    a = make_agent(svc.grpc, svc.tokens["agent"], "node-a", "nvl-0",
+    a = make_agent(svc.grpc, await svc.agent_token("node-a"), "node-a", "nvl-0",
                    [{"at": 1.0, "gpu": 3, "kind": "ecc_uncorrectable"}])
-    b = make_agent(svc.grpc, svc.tokens["agent"], "node-b", "nvl-1", [])
+    b = make_agent(svc.grpc, await svc.agent_token("node-b"), "node-b", "nvl-1", [])
     async with running(a), running(b):
         await eventually(lambda: a.registered.is_set() and b.registered.is_set())
         async with svc.client() as c:
@@ -82,8 +82,8 @@ async def test_manager_restart_during_a_scenario_loses_no_report(tmp_path: Path)
     url = f"sqlite+aiosqlite:///{tmp_path / 'r.db'}"
     token_holder: dict[str, str] = {}
     async with running_service(url, tmp_path, grpc_port=port) as svc:
-        token_holder["agent"] = svc.tokens["agent"]
-        a = make_agent(svc.grpc, svc.tokens["agent"], "node-a", "nvl-0", [])
+        token_holder["agent"] = await svc.agent_token("node-a")
+        a = make_agent(svc.grpc, token_holder["agent"], "node-a", "nvl-0", [])
         task = asyncio.create_task(a.run())
         await eventually(lambda: a.registered.is_set())
         uuids = [g.uuid for g in a.statics]

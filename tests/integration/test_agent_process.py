@@ -17,7 +17,7 @@ from tests.integration.conftest import Service, eventually
 async def test_agent_process_reports_and_exposes_metrics(sqlite_service: Service, tmp_path: Path):
     svc = sqlite_service
     token = tmp_path / "token"
-    token.write_text(svc.tokens["agent"] + "\n")
+    token.write_text(await svc.agent_token("rack1-tray3") + "\n")
     scenario = tmp_path / "scenario.yaml"
     scenario.write_text(
         "seed: 5\nnode: rack1-tray3\ndomain: nvl-7\ngpus: 4\n"

@@ -29,7 +29,8 @@ def start(data: Path, http: int, grpc_port: int) -> subprocess.Popen[str]:
 
 async def test_sigkill_loses_nothing_acknowledged(tmp_path: Path):
     data = tmp_path / "data"
-    tokens = {s: create_token(data, s) for s in ("operator", "agent", "worker")}
+    tokens = {s: create_token(data, s) for s in ("operator", "worker")}
+    tokens.update({n: create_token(data, "agent", node=n) for n in ("node-0", "node-1")})
     http, gport = free_port(), free_port()
     proc = start(data, http, gport)
     target = f"127.0.0.1:{gport}"
@@ -38,7 +39,7 @@ async def test_sigkill_loses_nothing_acknowledged(tmp_path: Path):
         async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {tokens['operator']}"}) as c:
             agents = []
             for d in range(2):
-                a = ScriptedAgent(target, tokens["agent"], f"node-{d}", f"nvl-{d}", gpu_uuids(f"node-{d}", 4))
+                a = ScriptedAgent(target, tokens[f"node-{d}"], f"node-{d}", f"nvl-{d}", gpu_uuids(f"node-{d}", 4))
                 await a.connect()
                 await a.wait_for(lambda a=a: a.welcome is not None)
                 agents.append(a)
@@ -119,7 +120,7 @@ async def test_sigkill_loses_nothing_acknowledged(tmp_path: Path):
                 await a.close()
             for d in range(2):
                 node = f"node-{d}"
-                a = ScriptedAgent(target, tokens["agent"], node, f"nvl-{d}", gpu_uuids(node, 4))
+                a = ScriptedAgent(target, tokens[node], node, f"nvl-{d}", gpu_uuids(node, 4))
                 await a.connect()
                 await a.wait_for(lambda a=a: a.welcome is not None)
                 assert a.welcome.last_applied_seq >= acked_by_node.get(node, 0)

@@ -23,8 +23,8 @@ async def test_dashboard_shows_a_failure_live(sqlite_service: Service, tmp_path:
     from playwright.async_api import async_playwright, expect
 
     svc = sqlite_service
-    a = make_agent(svc.grpc, svc.tokens["agent"], "node-a", "nvl-0", [])
-    b = make_agent(svc.grpc, svc.tokens["agent"], "node-b", "nvl-1", [])
+    a = make_agent(svc.grpc, await svc.agent_token("node-a"), "node-a", "nvl-0", [])
+    b = make_agent(svc.grpc, await svc.agent_token("node-b"), "node-b", "nvl-1", [])
     async with running(a), running(b):
         await eventually(lambda: a.registered.is_set() and b.registered.is_set())
         async with svc.client() as c:

@@ -1,5 +1,6 @@
 """The dashboard's data: `/v1/snapshot` and the server-sent event stream `/v1/stream` (auth by header
-or `?token=`, a first snapshot at once, a new one when the state changes)."""
+or a one-time ticket, never a token in the URL; a first snapshot at once, a new one when the state
+changes)."""
 
 from __future__ import annotations
 
@@ -26,20 +27,29 @@ async def test_stream_auth_and_live_snapshots(sqlite_service: Service) -> None:
     async with httpx.AsyncClient(base_url=svc.http, timeout=20) as c:
         r = await c.get("/v1/stream")
         assert r.status_code == 401 and "missing bearer token" in r.json()["detail"]
-        r = await c.get("/v1/stream", params={"token": svc.tokens["agent"]})
+        r = await c.get("/v1/stream", headers={"Authorization": f"Bearer {svc.tokens['agent']}"})
+        assert r.status_code == 403
+        # a token in the URL opens nothing any more
+        r = await c.get("/v1/stream", params={"token": svc.tokens["viewer"]})
+        assert r.status_code == 401
+        r = await c.post("/v1/stream/tickets", headers={"Authorization": f"Bearer {svc.tokens['agent']}"})
         assert r.status_code == 403
         assert (await c.get("/v1/snapshot")).status_code == 401
         page = await c.get("/")
         assert page.status_code == 200 and "EventSource" in page.text
 
-    a = make_agent(svc.grpc, svc.tokens["agent"], "node-a", "nvl-0", [])
+    a = make_agent(svc.grpc, await svc.agent_token("node-a"), "node-a", "nvl-0", [])
     async with running(a):
         await eventually(lambda: a.registered.is_set())
         async with svc.client() as c:
             assert (await c.post("/v1/jobs", json=dict(JOB, replicas=1))).status_code == 201
         await eventually(lambda: svc.manager.world.jobs["llm"].layout is not None)
+        async with svc.client("viewer") as c:
+            r = await c.post("/v1/stream/tickets")
+            assert r.status_code == 201
+            ticket = r.json()["ticket"]
         async with httpx.AsyncClient(base_url=svc.http, timeout=20) as c, \
-                c.stream("GET", "/v1/stream", params={"token": svc.tokens["viewer"]}) as resp:
+                c.stream("GET", "/v1/stream", params={"ticket": ticket}) as resp:
             assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
             lines = resp.aiter_lines()
             snap = await _next_snapshot(lines)

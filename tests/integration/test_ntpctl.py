@@ -37,8 +37,9 @@ async def cj(svc: Service, *args: str, scope: str = "operator") -> Any:
 
 async def test_reading_and_changing_commands(sqlite_service: Service, tmp_path: Path) -> None:
     svc = sqlite_service
-    a = make_agent(svc.grpc, svc.tokens["agent"], "node-a", "nvl-0", [{"at": 0.5, "gpu": 3, "kind": "xid", "xid": 48}])
-    b = make_agent(svc.grpc, svc.tokens["agent"], "node-b", "nvl-1", [])
+    a = make_agent(svc.grpc, await svc.agent_token("node-a"), "node-a", "nvl-0",
+                   [{"at": 0.5, "gpu": 3, "kind": "xid", "xid": 48}])
+    b = make_agent(svc.grpc, await svc.agent_token("node-b"), "node-b", "nvl-1", [])
     async with running(a), running(b):
         await eventually(lambda: a.registered.is_set() and b.registered.is_set())
         async with svc.client() as c:

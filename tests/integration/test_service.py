@@ -20,7 +20,8 @@ JOB = {"name": "llm", "tp": 4, "replicas": 2, "local_batch": 8, "min_tp": 2, "he
 async def start_agents(svc: Service, domains: int = 2, per_node: int = 4) -> list[ScriptedAgent]:
     agents = []
     for d in range(domains):
-        a = ScriptedAgent(svc.grpc, svc.tokens["agent"], f"node-{d}", f"nvl-{d}", gpu_uuids(f"node-{d}", per_node))
+        node = f"node-{d}"
+        a = ScriptedAgent(svc.grpc, await svc.agent_token(node), node, f"nvl-{d}", gpu_uuids(node, per_node))
         await a.connect()
         await a.wait_for(lambda a=a: a.welcome is not None)
         agents.append(a)
@@ -102,8 +103,9 @@ async def test_worker_ack_and_step_reports(sqlite_service: Service):
         status=worker_pb2.ACK_STATUS_APPLIED), metadata=md, timeout=5)
     assert resp.current.version == 1
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await stub.AckLayout(worker_pb2.AckLayoutRequest(job="llm", stamp=common_pb2.LayoutStamp(version=9)),
-                             metadata=md, timeout=5)
+        await stub.AckLayout(worker_pb2.AckLayoutRequest(
+            job="llm", stamp=common_pb2.LayoutStamp(leader_epoch=svc.manager.epoch, version=9)),
+            metadata=md, timeout=5)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await stub.AckLayout(worker_pb2.AckLayoutRequest(job="nope"), metadata=md, timeout=5)
@@ -157,16 +159,16 @@ async def test_malformed_agent_input_is_rejected_without_side_effects(service: S
     await agent3.close()
 
     # duplicate UUIDs in a hello, and a GPU claimed by two nodes
-    dup = ScriptedAgent(service.grpc, service.tokens["agent"], "node-x", "nvl-0", ["GPU-a", "GPU-a"])
+    dup = ScriptedAgent(service.grpc, await service.agent_token("node-x"), "node-x", "nvl-0", ["GPU-a", "GPU-a"])
     await dup.connect()
     await dup.wait_for(lambda: dup.error is not None)
     assert dup.error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    thief = ScriptedAgent(service.grpc, service.tokens["agent"], "node-y", "nvl-0", ["GPU-node-0-0"])
+    thief = ScriptedAgent(service.grpc, await service.agent_token("node-y"), "node-y", "nvl-0", ["GPU-node-0-0"])
     await thief.connect()
     await thief.wait_for(lambda: thief.error is not None)
     assert thief.error.code() == grpc.StatusCode.INVALID_ARGUMENT and "already registered" in thief.error.details()
     # the first message must be a hello
-    rude = ScriptedAgent(service.grpc, service.tokens["agent"], "node-z", "nvl-0", ["GPU-z"])
+    rude = ScriptedAgent(service.grpc, await service.agent_token("node-z"), "node-z", "nvl-0", ["GPU-z"])
     await rude.connect(agent_pb2.AgentMessage(heartbeat=agent_pb2.Heartbeat()))
     await rude.wait_for(lambda: rude.error is not None)
     assert rude.error.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -321,7 +323,7 @@ async def test_heartbeat_loss_suspect_then_failed_then_back(tmp_path):
         await eventually(lambda: len(svc.manager.world.jobs["llm"].layout.plan["replicas"]) == 1)
         # the agent comes back: silence was the only evidence, so its GPUs are healthy again
         await agents[1].close()
-        back = ScriptedAgent(svc.grpc, svc.tokens["agent"], "node-1", "nvl-1", gpu_uuids("node-1", 4))
+        back = ScriptedAgent(svc.grpc, await svc.agent_token("node-1"), "node-1", "nvl-1", gpu_uuids("node-1", 4))
         await back.connect()
         await back.wait_for(lambda: back.welcome is not None)
         await eventually(lambda: svc.manager.world.gpus["GPU-node-1-0"].health == "healthy")

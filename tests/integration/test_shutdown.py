@@ -16,7 +16,7 @@ from tests.fakes.procs import create_token, start_manager
 
 async def test_sigterm_is_graceful(tmp_path: Path):
     data = tmp_path / "d"
-    agent_token = create_token(data, "agent")
+    agent_token = create_token(data, "agent", node="node-0")
     proc, info = start_manager(data)
     agent = ScriptedAgent(info["grpc"], agent_token, "node-0", "nvl-0", gpu_uuids("node-0", 2))
     await agent.connect()

@@ -77,5 +77,13 @@ def test_the_job_runs_one_rank_per_fake_gpu_and_fits_the_domains() -> None:
     assert job.tp * job.replicas == len(gpus) and set(job.domains) == {"nvl-0", "nvl-1"}
     # the training model has 6 heads and 96 MLP columns: the spec must say the same
     assert (job.heads, job.mlp_columns) == (6, 96)
-    tokens = shlex.split((ROOT / "deploy/bootstrap-tokens.sh").read_text().split("for scope in", 1)[1].split(";")[0])
-    assert set(tokens) >= {"agent", "worker", "operator", "viewer"}
+    boot = (ROOT / "deploy/bootstrap-tokens.sh").read_text()
+    tokens = shlex.split(boot.split("for scope in", 1)[1].split(";")[0])
+    assert set(tokens) >= {"worker", "operator", "viewer"}
+    # agent tokens speak for one node each: every agent reads the token made for its --node
+    nodes = shlex.split(boot.split("for node in", 1)[1].split(";")[0])
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    for name in ("agent-a", "agent-b"):
+        cmd = compose["services"][name]["command"]
+        node = cmd[cmd.index("--node") + 1]
+        assert node in nodes and cmd[cmd.index("--token-file") + 1] == f"/tokens/agent-{node}"

@@ -1,0 +1,111 @@
+"""What every gRPC call passes through besides auth: error mapping, capped error text, identity.
+
+- `GuardInterceptor` wraps every handler: a ServiceError becomes its status code; anything else is
+  logged with its traceback and answered INTERNAL with a fixed sentence, so no exception text (SQL,
+  paths, values) reaches a client, and no failure ends a stream with OK.
+- Error text sent in trailers is capped (`limits.cap_message`): trailers are metadata, and gRPC
+  refuses metadata past ~8 KiB.
+- `principal_of` and `peer_fingerprint` say who is calling: the token's principal, and the SHA-256
+  of the client certificate when the call came over mTLS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
+
+from ntp_manager.auth import Principal, parse_bearer
+from ntp_manager.limits import cap_message
+from ntp_manager.rpc.tls import fingerprint_of_pem
+from ntp_manager.service.errors import ServiceError
+
+log = structlog.get_logger("ntp.rpc")
+
+INTERNAL = "internal error; the manager's log has the details"
+
+
+async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    await context.abort(code, cap_message(message))
+
+
+def code_of(err: ServiceError) -> grpc.StatusCode:
+    code: grpc.StatusCode = getattr(grpc.StatusCode, err.grpc_code)
+    return code
+
+
+def principal_of(tokens: Any, context: grpc.aio.ServicerContext) -> Principal | None:
+    header = dict(context.invocation_metadata() or ()).get("authorization")
+    token = parse_bearer(header if isinstance(header, str) else None)
+    found: Principal | None = tokens.verify(token) if token else None
+    return found
+
+
+def bearer_of(context: grpc.aio.ServicerContext) -> str | None:
+    header = dict(context.invocation_metadata() or ()).get("authorization")
+    return parse_bearer(header if isinstance(header, str) else None)
+
+
+def peer_fingerprint(context: grpc.aio.ServicerContext) -> str | None:
+    """SHA-256 (hex) of the verified client certificate of this call, None without mTLS."""
+    try:
+        pems = context.auth_context().get("x509_pem_cert") or []
+    except Exception:
+        return None
+    if not pems:
+        return None
+    return fingerprint_of_pem(pems[0])
+
+
+class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], details: grpc.HandlerCallDetails
+    ) -> Any:
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith("/ntp.v1."):
+            return handler  # health and reflection are grpc's own
+        return _wrap(handler, details.method)
+
+
+async def _fail(context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
+    if isinstance(exc, ServiceError):
+        await abort(context, code_of(exc), exc.message)
+    log.error("rpc failed", method=method, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, INTERNAL)
+
+
+_PASS = (asyncio.CancelledError, grpc.aio.AbortError)
+
+
+def _wrap(handler: Any, method: str) -> Any:
+    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    if handler.response_streaming:
+        inner = handler.stream_stream if handler.request_streaming else handler.unary_stream
+
+        async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                async for item in inner(request, context):
+                    yield item
+            except _PASS:
+                raise
+            except Exception as e:
+                await _fail(context, method, e)
+
+        make = (grpc.stream_stream_rpc_method_handler if handler.request_streaming
+                else grpc.unary_stream_rpc_method_handler)
+        return make(streaming, **kw)
+    inner_u = handler.stream_unary if handler.request_streaming else handler.unary_unary
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await inner_u(request, context)
+        except _PASS:
+            raise
+        except Exception as e:
+            await _fail(context, method, e)
+
+    make_u = grpc.stream_unary_rpc_method_handler if handler.request_streaming else grpc.unary_unary_rpc_method_handler
+    return make_u(unary, **kw)

@@ -1,0 +1,57 @@
+"""TLS and mutual TLS for gRPC: credentials from PEM files, for the manager and for its clients.
+
+Manager (settings, docs/security.md): `grpc_tls_cert` + `grpc_tls_key` open a TLS listener on
+`grpc_tls_port` beside the plaintext one (which stays on loopback unless told otherwise); adding
+`grpc_tls_client_ca` makes that listener require a client certificate signed by that CA, and makes
+the agent service refuse agents that did not come through it. An agent token may further be tied
+to one certificate by its SHA-256 fingerprint (`token create --scope agent --node N
+--fingerprint SHA256`), so a stolen token is useless without that node's key.
+
+Clients: `channel_credentials(ca, cert, key)`: the CA that signed the manager's certificate, and
+the client's own certificate and key for mTLS.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ssl
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise OSError(f"{what} {path}: cannot read ({e.strerror})") from None
+
+
+def server_credentials(settings: Any) -> grpc.ServerCredentials | None:
+    """The TLS listener's credentials, or None when no certificate is configured. Raises OSError
+    naming an unreadable file."""
+    if settings.grpc_tls_cert is None:
+        return None
+    cert = _read(settings.grpc_tls_cert, "grpc_tls_cert")
+    key = _read(settings.grpc_tls_key, "grpc_tls_key")
+    ca = _read(settings.grpc_tls_client_ca, "grpc_tls_client_ca") if settings.grpc_tls_client_ca else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def channel_credentials(ca: Path | None, cert: Path | None = None, key: Path | None = None) -> grpc.ChannelCredentials:
+    """Credentials for a client: verify the manager with `ca` (system roots when None) and, with
+    `cert` and `key`, present that certificate (mTLS)."""
+    if (cert is None) != (key is None):
+        raise ValueError("a client certificate and its key go together")
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(ca, "CA") if ca else None,
+        private_key=_read(key, "key") if key else None,
+        certificate_chain=_read(cert, "certificate") if cert else None,
+    )
+
+
+def fingerprint_of_pem(pem: bytes | str) -> str:
+    """SHA-256 (hex) of a PEM certificate's DER bytes: what `token create --fingerprint` takes."""
+    text = pem.decode() if isinstance(pem, bytes) else pem
+    return hashlib.sha256(ssl.PEM_cert_to_DER_cert(text)).hexdigest()
