@@ -26,7 +26,8 @@ async def test_base_cap_on_a_fleet_whose_default_is_its_maximum(tmp_path):
     async with running_service(f"sqlite+aiosqlite:///{tmp_path / 'pb.db'}", tmp_path, power_base_cap=0.85) as svc:
         agents = []
         for d in range(2):
-            a = ScriptedAgent(svc.grpc, await svc.agent_token(f"node-{d}"), f"node-{d}", f"nvl-{d}", gpu_uuids(f"node-{d}", 4),
+            node = f"node-{d}"
+            a = ScriptedAgent(svc.grpc, await svc.agent_token(node), node, f"nvl-{d}", gpu_uuids(node, 4),
                               tdp_mw=700_000, max_mw=700_000)
             await a.connect()
             await a.wait_for(lambda a=a: a.welcome is not None)
