@@ -70,7 +70,7 @@ class ReportingSource:
 
     def report_step(self, layout: WorkerLayout, step: int, step_time_s: float, tokens: int) -> None:
         self.inner.report_step(layout, step, step_time_s, tokens)
-        tp = layout.replicas[layout.replica_of(layout.rank)][0] if layout.rank is not None else 0
+        tp = layout.tp_of(layout.rank) if layout.rank is not None else 0
         self.store.set(self.key, json.dumps({"step": step, "version": layout.version, "tp": tp,
                                              "global_batch": layout.global_batch}))
 
