@@ -168,8 +168,10 @@ class NtpGradSync:
             for p in model.parameters():
                 p.grad = None
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        # the same on every rank of a job (one device type), so all or none join _share's exchange
-        self._shm = shared_memory and device.type == "cpu"
+        # the same on every rank of a job (one device type), so all or none join _share's exchange;
+        # CPU memory only (device memory goes through comm.py), and off under forced staging, which
+        # stands in for a GPU
+        self._shm = shared_memory and device.type == "cpu" and not comm.staging_forced()
         self._msgs: list[list[_Msg]] = []  # per bucket (extras: one list)
         # core: per bucket, (extra, slice of the chunk buffer, the same units in the extra's
         # shared gradients) for the extras in shared memory
