@@ -513,6 +513,9 @@ class Runtime:
     def _apply(self, target: WorkerLayout, planned: bool = False) -> None:
         """Leave the current group and join `target`'s: regroup, reshard, ack."""
         old = self.s.layout
+        if target.n_stages > 1:
+            raise ReconfigurationError(f"layout version {target.version} has {target.n_stages} pipeline stages; "
+                                       "this runtime runs single-stage layouts only")
         # NCCL on a planned switch: keep the communicator, the next version may shrink it
         self._leave_group(keep=planned and target.rank is not None and self.choice.backend == "nccl"
                           and self.features.shrink_group and comm.can_shrink())
