@@ -266,13 +266,18 @@ class Stats:
 stats = Stats()
 
 
-def configure(*, force_staging: bool | None = None, device: torch.device | str | None = None) -> None:
+def configure(*, force_staging: bool | None = None, device: torch.device | str | None = None,
+              pool_bytes: int | None = None) -> None:
     """Process-wide: `force_staging` runs gloo's staged path with CPU tensors too (tests);
-    `device` is where NCCL groups carry CPU tensors."""
+    `device` is where NCCL groups carry CPU tensors; `pool_bytes` caps the staging buffers kept
+    for reuse (a staged sync has its whole gradient chunk in flight at once, so a cap below that
+    re-allocates pinned memory every step)."""
     if force_staging is not None:
         _settings.force_staging = force_staging
     if device is not None:
         _settings.device = torch.device(device)
+    if pool_bytes is not None:
+        _pool.limit = pool_bytes
 
 
 def staging_forced() -> bool:
@@ -326,7 +331,8 @@ _pool = _Pool()
 
 
 def release_buffers() -> None:
-    """Forget the pooled staging buffers (a new layout has new message sizes)."""
+    """Forget the pooled staging buffers (a new layout has new message sizes; stale sizes would
+    fill the pool and keep the new ones out)."""
     _pool.clear()
 
 

@@ -448,6 +448,7 @@ class Runtime:
                 comm.leave(self.choice.backend, self.features)
             except Exception as e:  # a broken group may fail to tear down cleanly; it is dropped either way
                 log.debug("destroying the old process group failed", error=str(e))
+        comm.release_buffers()  # the next layout's messages have other sizes
         self._release_groups()
 
     def _track(self, *groups: Any) -> None:
