@@ -509,15 +509,20 @@ def wait_all(works: Sequence[Any]) -> None:
 def init_default_group(backend: str, store: Any, rank: int, world: int, timeout: Any,
                        device: torch.device | None, features: CommFeatures | None = None) -> None:
     """The version's default group. NCCL: error handling as the runtime needs it (NCCL_ENV, set
-    before the communicator exists) and, where torch supports it, eager initialisation bound to
-    the rank's device -- then every sub-group is split from this communicator (ncclCommSplit)
-    rather than initialised from nothing."""
+    before the communicator exists), communicator creation bounded by `timeout` too (NCCL's
+    non-blocking mode with torch's timeout for it: a peer that dies between the rendezvous and
+    ncclCommInitRank would otherwise hang the others there), unless the user set these
+    variables; and, where torch supports it, eager initialisation bound to the rank's device --
+    then every sub-group is split from this communicator (ncclCommSplit) rather than initialised
+    from nothing."""
     feats = features or detect_features()
     kwargs: dict[str, Any] = {}
     if backend == "nccl":
         check_nccl_env(os.environ)
         for k, v in NCCL_ENV.items():
             os.environ.setdefault(k, v)
+        os.environ.setdefault("TORCH_NCCL_USE_COMM_NONBLOCKING", "1")
+        os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(max(1, int(timeout.total_seconds()))))
         if feats.eager_init and device is not None:
             kwargs["device_id"] = device
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
