@@ -345,6 +345,14 @@ def create_app(manager: Manager) -> FastAPI:
         return await json_reply({"job": name, "version": lay.version, "leader_epoch": lay.leader_epoch,
                                  "created_at": lay.created_at.isoformat(), "reason": lay.reason, "plan": lay.plan})
 
+    @app.get("/v1/jobs/{name}/steps", tags=["jobs"], responses={404: {"model": Error}})
+    async def steps(
+        name: str, _: Viewer, recent: Annotated[int, Query(ge=0, le=1000, description="newest samples listed")] = 100,
+    ) -> dict[str, Any]:
+        """Workers' step reports: step time, compute and TP communication wait per replica and per
+        stage of the current layout, over the job's bounded window, and the newest samples."""
+        return manager.step_summary(name, recent)
+
     @app.get("/v1/jobs/{name}/layouts", tags=["jobs"], responses={404: {"model": Error}})
     async def layouts(name: str, _: Viewer, limit: Limit = 100, offset: Offset = 0) -> dict[str, Any]:
         if name not in manager.world.jobs:

@@ -292,10 +292,7 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):  # type: ignore[misc
     async def ReportSteps(
         self, request: worker_pb2.StepReport, context: grpc.aio.ServicerContext
     ) -> worker_pb2.StepReportResponse:
-        self.m.workers.check_ids(request.job, request.worker_id)
-        if request.job not in self.m.world.jobs:
-            await abort(context, grpc.StatusCode.NOT_FOUND, f"job: unknown job {request.job!r}")
-        self.m.workers.record_steps(request.job, request.worker_id, request)
+        await self.m.record_steps(request.job, request.worker_id, request)
         return worker_pb2.StepReportResponse(accepted=True)
 
 

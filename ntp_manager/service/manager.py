@@ -42,6 +42,7 @@ from ntp_manager.service.errors import (
 from ntp_manager.service.inputs import GpuInventory, GpuReport, check_hello, check_power_readings, check_report
 from ntp_manager.service.metrics import Metrics
 from ntp_manager.service.state import HEALTH_STATES, GpuRec, JobRec, LayoutRec, NodeRec, World
+from ntp_manager.service.steps import StepWindow
 from ntp_manager.service.tokens import Tokens
 from ntp_manager.service.watchdog import LoopWatchdog
 from ntp_manager.service.worker_reports import WorkerReports
@@ -100,12 +101,12 @@ class Manager:
         self.clock = clock or SystemClock()
         self.engine = db.make_engine(settings.effective_database_url)
         self.sm = db.sessionmaker(self.engine)
-        self.metrics = Metrics()
+        self.workers = WorkerReports()
+        self.world = World(base_cap=settings.power_base_cap)
+        self.metrics = Metrics(self._step_windows)
         self.tokens = TokenTable()  # the live table (see service/tokens.py)
         self.token_service = Tokens(self)
         self.watchdog = LoopWatchdog(self.metrics.registry, warn_s=settings.loop_warn_ms / 1000)
-        self.workers = WorkerReports()
-        self.world = World(base_cap=settings.power_base_cap)
         self.epoch = 0
         self.lock = asyncio.Lock()
         self.sessions: dict[str, AgentSession] = {}
@@ -984,6 +985,30 @@ class Manager:
             self.metrics.ack_seconds.observe(max(0.0, self.clock.monotonic() - lay.created_mono))
         log.info("layout ack", job=job, worker=worker, version=version, ok=ok)
         return lay
+
+    async def record_steps(self, job: str, worker_id: str, report: Any) -> None:
+        """Keep a worker's step report (an ntp.v1.StepReport) in its job's window
+        (service/steps.py). NotFound for an unknown job, InvalidArgument for a bad field."""
+        self.workers.check_ids(job, worker_id)
+        rec = self.world.jobs.get(job)
+        if rec is None:
+            raise NotFound(f"job: unknown job {job!r}")
+        await self.workers.record_steps(job, rec.layout, worker_id, report, self.clock.now().timestamp())
+        if self.world.jobs.get(job) is not rec:  # deleted while the layout's places were built
+            self.workers.forget(job)
+
+    def _step_windows(self) -> list[tuple[str, int, StepWindow]]:
+        return [(name, job.layout.version if job.layout else 0, self.workers.steps[name])
+                for name, job in self.world.jobs.items() if name in self.workers.steps]
+
+    def step_summary(self, job: str, recent: int) -> dict[str, Any]:
+        """Step times of `job` per replica and per stage over its window (current layout), and the
+        newest `recent` samples."""
+        rec = self.world.jobs.get(job)
+        if rec is None:
+            raise NotFound(f"unknown job {job!r}")
+        version = rec.layout.version if rec.layout is not None else 0
+        return {"job": job, **self.workers.window(job).summary(version, recent)}
 
     # ---- heartbeat monitor ----------------------------------------------------------------------
     async def _monitor_loop(self) -> None:
