@@ -36,6 +36,7 @@ from ntp_manager.api.tickets import Tickets
 from ntp_manager.auth import Principal, parse_bearer
 from ntp_manager.service.errors import FailedPrecondition, InvalidArgument, NotFound, ServiceError
 from ntp_manager.service.manager import Manager, Mut
+from ntp_manager.service.queries import maintenance_view
 from ntp_manager.specfile import JobFile
 from ntp_manager.store.db import StoredJson, dumps_in_pieces
 from ntp_manager.store.models import AuditRow, HealthEventRow, IdempotencyRow, LayoutRow, MaintenanceRow
@@ -415,13 +416,11 @@ def create_app(manager: Manager) -> FastAPI:
 
     @app.get("/v1/maintenance", tags=["operations"])
     async def maintenance_list(_: Viewer, limit: Limit = 100, offset: Offset = 0) -> dict[str, Any]:
-        from ntp_manager.service.manager import _maint_view
-
         async with manager.sm() as s:
             total = await s.scalar(select(func.count()).select_from(MaintenanceRow))
             rows = (await s.scalars(select(MaintenanceRow).order_by(MaintenanceRow.id.desc())
                                     .limit(limit).offset(offset))).all()
-        return page([_maint_view(r) for r in rows], total or 0, limit, offset)
+        return page([maintenance_view(r) for r in rows], total or 0, limit, offset)
 
     @app.get("/v1/breaker", tags=["operations"])
     async def breaker(_: Viewer) -> dict[str, Any]:
