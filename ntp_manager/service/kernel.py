@@ -239,6 +239,7 @@ class Kernel:
         self.after_commit: list[Reaction] = []  # run after every commit, once memory is updated
         self.batches = 0  # group commits made (for tests and metrics)
         self.batched_items = 0
+        self.split = 0  # failed group commits whose items were run again one by one
         self._queue: deque[_Item] = deque()
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -323,6 +324,7 @@ class Kernel:
                     items[0].fut.set_exception(e)
                 return
             log.info("group commit failed; running its items one by one", items=len(items), error=type(e).__name__)
+            self.split += 1
             for item in items:
                 await self._run([item])
             return
