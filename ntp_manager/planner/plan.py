@@ -308,7 +308,7 @@ def make_plan(
                 base = "base cap" if capped else "TDP"
                 reasons.append(
                     f"group {ctx.gid(g)}: TP{gtp} boosted to {pr:.3f}x {base} (needs speed "
-                    f"{job.work(gtp):.3f}x, gets {job.power.speed(pr):.3f}x)"
+                    f"{job.speed_needed(gtp):.3f}x, gets {job.power.speed(pr):.3f}x)"
                 )
             if g.spare:
                 spares_used.append(ctx.gid(g))
@@ -487,7 +487,7 @@ def _packing_keys(ctx: _Ctx, job: JobSpec, pool: list[_Group], grants: dict[int,
         return [0] * len(pool)
     if job.scheme is Scheme.NTP:
         return [min(g.usable, T) for g in pool]
-    work = {t: job.work(t) for t in range(job.min_tp, T + 1)}
+    work = {t: job.speed_needed(t) for t in range(job.min_tp, T + 1)}
     requests: dict[int, list[PowerRequest]] = {}
     for i, g in enumerate(pool):
         t = min(g.usable, T)
@@ -601,7 +601,7 @@ def _size_repacked(
         return
 
     # ntp-pw: each group at its own degree; reduced groups ask their rack for power.
-    work = {t: job.work(t) for t in range(job.min_tp, T + 1)}
+    work = {t: job.speed_needed(t) for t in range(job.min_tp, T + 1)}
     requests: dict[int, list[PowerRequest]] = {}
     for ci, c in enumerate(repacked):
         c.group_tp = [min(g.usable, T) for g in c.groups]

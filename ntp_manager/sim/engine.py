@@ -21,7 +21,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from ntp_manager.planner import JobSpec, Scheme, make_plan
+from ntp_manager.planner import JobSpec, Plan, Scheme, make_plan
 from ntp_manager.sim.failures import FailureModel, SimError
 from ntp_manager.topology import Cluster, GpuState
 
@@ -90,6 +90,34 @@ class SimSetup:
         return self.cluster.with_states({self.uuids[i]: GpuState.FAILED for i in failed})
 
 
+def plan_throughput(plan: Plan, job: JobSpec) -> float:
+    """Samples per second of `plan` relative to the healthy job.
+
+    Without a step model: global batch / target batch (every replica keeps the healthy step time).
+    With one (JobSpec.step_model): (global batch / target) x healthy step / the plan's step, where a
+    step is the slowest replica's pipeline (each group at its own degree and power) plus the DP sync
+    over the plan's replicas, whose bytes per core rank grow by T / t for the lowest degree t in the
+    plan (the NTP sync, REFERENCE.md section 1)."""
+    sm = job.step_model
+    if sm is None:
+        return plan.relative_throughput
+    if not plan.replicas:
+        return 0.0
+    healthy = sm.pipeline_time(job.tp, job.local_batch) + sm.dp_sync_time(job.replicas)
+    slowest = 0.0
+    lowest = job.tp
+    for r in plan.replicas:
+        for g in r.groups:
+            lowest = min(lowest, g.tp)
+            if g.tp < job.tp or g.power_ratio != 1.0:
+                speed = job.power.speed(g.power_ratio) if g.power_ratio != 1.0 else 1.0
+                slowest = max(slowest, sm.pipeline_time(g.tp, r.local_batch, speed))
+            else:
+                slowest = max(slowest, sm.pipeline_time(job.tp, r.local_batch))
+    step = slowest + sm.dp_sync_time(len(plan.replicas), lowest)
+    return plan.relative_throughput * healthy / step
+
+
 # ---- static mode ---------------------------------------------------------------------------------
 
 
@@ -134,7 +162,7 @@ def static_sweep(
         for p in range(placements):
             snap = setup.snapshot(blast_placement(setup, seed, fi, p, pool, count))
             for s in schemes:
-                losses[s].append(1.0 - make_plan(snap, jobs[s]).relative_throughput)
+                losses[s].append(1.0 - plan_throughput(make_plan(snap, jobs[s]), jobs[s]))
             progress(1)
         out.extend(StaticPoint(f, count, s, tuple(losses[s])) for s in schemes)
     return out
@@ -334,8 +362,8 @@ def replay(
         for k, job in enumerate(jobs):
             plan = make_plan(snap, job)
             below[k] = not plan.meets_target
-            thr = plan.relative_throughput
-            current[k] = (0.0 if below[k] else 1.0) if fixed_minibatch else thr
+            thr = plan_throughput(plan, job)
+            current[k] = (0.0 if below[k] else thr) if fixed_minibatch else thr
             lows[k] = min(lows[k], current[k])
         progress(1)
     for k in range(len(jobs)):

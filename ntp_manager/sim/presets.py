@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ntp_manager.planner import PAPER_POWER_CURVE, JobSpec, PowerModel, Scheme
+from ntp_manager.planner.steptime import Hardware, Layout, ModelShape, StepModel
 from ntp_manager.sim.failures import FailureModel, SimError
 from ntp_manager.topology import DEFAULT_POWER, Cluster, PowerLimits, generate_cluster
 
@@ -33,6 +34,10 @@ class Preset:
 # budget of 1.15 x its GPUs' nominal sum, at most 1.3x per GPU. NTP-PW's result rests on the budget;
 # docs/simulation.md has the loss as a function of it.
 PAPER_POWER = PowerModel(max_boost=1.3, rack_headroom=1.15, curve=PAPER_POWER_CURVE)
+
+# The paper's 480B model on B200s in the paper's layout: TP32 x 8 stages x 128 replicas, 8 sequences
+# of 16K tokens per replica, 12 interleaved chunks per stage (planner/steptime.py states the model).
+PAPER_STEP = StepModel(ModelShape(), Hardware(), Layout(tp=32, pp=8, dp=128, domain=32, interleave=12))
 
 PRESETS: dict[str, Preset] = {
     "paper-32k": Preset(
