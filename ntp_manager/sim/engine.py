@@ -156,11 +156,11 @@ def static_sweep(
     # Static placements are over the GPUs the job may use (primary + its spares), uniformly.
     pool = _job_pool_size(setup, spares)
     out: list[StaticPoint] = []
-    for fi, f in enumerate(fractions):
+    for f in fractions:
         count = round(f * pool)
         losses: dict[Scheme, list[float]] = {s: [] for s in schemes}
         for p in range(placements):
-            snap = setup.snapshot(blast_placement(setup, seed, fi, p, pool, count))
+            snap = setup.snapshot(blast_placement(setup, seed, p, pool, count))
             for s in schemes:
                 losses[s].append(1.0 - plan_throughput(make_plan(snap, jobs[s]), jobs[s]))
             progress(1)
@@ -168,21 +168,29 @@ def static_sweep(
     return out
 
 
-def placement(seed: int, point: int, index: int, pool: int, count: int) -> list[int]:
-    """The `index`-th random set of `count` failed GPU positions among the first `pool`, for sweep
-    point `point` (deterministic in its arguments)."""
-    return random.Random(f"static:{seed}:{point}:{index}").sample(range(pool), count)
+def placement(seed: int, index: int, pool: int, count: int) -> list[int]:
+    """The `index`-th random set of `count` failed GPU positions among the first `pool`
+    (deterministic in its arguments). Nested in `count`: the set for k failures is the first k of
+    the set for any larger count, so a sweep compares every fraction on the same placements
+    (common random numbers) and a placement's loss never moves against the scheme's own behaviour
+    between sweep points by chance."""
+    rng = random.Random(f"static:{seed}:{index}")
+    failed: dict[int, None] = {}  # ordered set
+    while len(failed) < count:
+        failed.setdefault(rng.randrange(pool))
+    return list(failed)
 
 
-def blast_placement(setup: SimSetup, seed: int, point: int, index: int, pool: int, count: int) -> list[int]:
+def blast_placement(setup: SimSetup, seed: int, index: int, pool: int, count: int) -> list[int]:
     """Like `placement`, but failures come with the model's blast radius: each draws a GPU not yet
     failed and takes it alone, its node or its domain, until `count` GPUs are failed (the last
-    blast is cut short so that exactly `count` fail). Without a blast radius it is `placement`."""
+    blast is cut short so that exactly `count` fail). Nested in `count` too. Without a blast
+    radius it is `placement`."""
     model = setup.model
     if model.blast_node == 0 and model.blast_domain == 0:
-        return placement(seed, point, index, pool, count)
-    rng = random.Random(f"static:{seed}:{point}:{index}")
-    failed: dict[int, None] = {}  # ordered set
+        return placement(seed, index, pool, count)
+    rng = random.Random(f"static:{seed}:{index}")
+    failed: dict[int, None] = {}
     while len(failed) < count:
         gpu = rng.randrange(pool)
         if gpu in failed:

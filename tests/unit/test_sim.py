@@ -42,9 +42,9 @@ def test_dp_drop_loss_equals_share_of_hit_groups():
     pts = static_sweep(setup, [Scheme.DP_DROP], fractions, placements=20, seed=7)
     pool = job_pool_size(setup, 0)
     assert pool == 512
-    for fi, pt in enumerate(pts):
+    for pt in pts:
         for p, loss in enumerate(pt.losses):
-            hit = {g // 8 for g in placement(7, fi, p, pool, pt.failed_gpus)}
+            hit = {g // 8 for g in placement(7, p, pool, pt.failed_gpus)}
             assert loss == pytest.approx(len(hit) / 64)
 
 
