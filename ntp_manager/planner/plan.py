@@ -268,15 +268,16 @@ def make_plan(
 
     # Select replicas, best batch first, until the target global batch is reached.
     target = job.target_batch
-    selected: list[_Candidate] = []
-    total = 0
+    chosen, total = _select(intact + viable, target)
+    if job.scheme is Scheme.NTP_PW and packing == "stable":
+        chosen, total = _power_aware_selection(ctx, job, intact, viable, chosen, total)
+    ids_in = {id(c) for c, _ in chosen}
     for c in intact + viable:
-        if total >= target:
+        if id(c) not in ids_in:
             idle.extend(ctx.aside(g, "standing by: target batch reached") for g in c.groups)
-            continue
-        if total + c.batch > target:
-            c.batch = target - total
-        total += c.batch
+    selected: list[_Candidate] = []
+    for c, used in chosen:
+        c.batch = used
         selected.append(c)
 
     # Replica ids: kept ones keep theirs; new ones take free ids (in order), then fresh ones.
@@ -464,7 +465,8 @@ def _pack_stable(
             in_intact.update(g.order for g in full)
     pool = [g for g in groups if keep[g.order] and g.order not in in_intact]
     keys = _packing_keys(ctx, job, pool, grants)
-    items = [Item(i, keys[i], ref(g)) for i, g in enumerate(pool)]
+    slack = _rack_slack(job, pool)
+    items = [Item(i, keys[i], ref(g), slack[i]) for i, g in enumerate(pool)]
     sizes = job.stage_sizes()
     blocks, left = pack(items, P, None if sizes is None else [sizes[s] for s in range(P)])
     repacked = [_Candidate([pool[i] for i in b.slots], b.rid, b.stayers) for b in blocks]
@@ -475,6 +477,107 @@ def _pack_stable(
             del grants[order]
     free_ids = sorted(set(rows) - {c.home for c in intact})
     return intact, repacked, free_ids
+
+
+def _select(cands: list[_Candidate], target: int) -> tuple[list[tuple[_Candidate, int]], int]:
+    """Candidates in order until `target` samples are reached, each with the batch it runs (the
+    last one trimmed to land on the target exactly), and the total."""
+    out: list[tuple[_Candidate, int]] = []
+    total = 0
+    for c in cands:
+        if total >= target:
+            break
+        used = min(c.batch, target - total)
+        out.append((c, used))
+        total += used
+    return out, total
+
+
+def _power_aware_selection(
+    ctx: _Ctx,
+    job: JobSpec,
+    intact: list[_Candidate],
+    viable: list[_Candidate],
+    chosen: list[tuple[_Candidate, int]],
+    total: int,
+) -> tuple[list[tuple[_Candidate, int]], int]:
+    """Under ntp-pw, give the power of reduced groups that will not run to their selected rack-mates.
+
+    Two kinds of groups do not run: those of replicas standing by, and possibly those of the last
+    selected replica when it is trimmed (it may become unnecessary once its rack-mates run faster).
+    Their racks are granted again among the selected reduced groups (grants only rise, so the
+    budget holds while the others draw nominal) and the replicas selected again. If the trimmed
+    replica is needed after all, the attempt is undone (it would draw more than nominal)."""
+    target = job.target_batch
+    for _ in range(4):
+        ids_in = {id(c) for c, _ in chosen}
+        others = [c for c in viable if id(c) not in ids_in]
+        keep = [c for c, _ in chosen]
+        last, used = chosen[-1] if chosen else (None, 0)
+        dropping = last is not None and used < last.batch and last.tp < job.tp
+        if dropping:
+            assert last is not None
+            others.append(last)
+            keep.pop()
+        saved = {id(c): (list(c.group_power), c.batch) for c in keep}
+        if not _regrant_selected(ctx, job, keep, others):
+            return chosen, total
+        viable.sort(key=lambda c: (-c.batch, -c.stayers))
+        again, again_total = _select(intact + viable, target)
+        if dropping and any(c is last for c, _ in again):
+            for c in keep:  # undo: the trimmed replica still runs and draws its own grant
+                c.group_power[:], c.batch = saved[id(c)]
+            viable.sort(key=lambda c: (-c.batch, -c.stayers))
+            return _select(intact + viable, target)
+        chosen, total = again, again_total
+    return chosen, total
+
+
+def _regrant_selected(ctx: _Ctx, job: JobSpec, selected: list[_Candidate], others: list[_Candidate]) -> bool:
+    """Grant power again, among the selected replicas' reduced groups only, in the racks where a
+    reduced group of a replica in `others` (not selected) held a grant. Batches of the selected
+    replicas are recomputed; returns whether any rose. Removing requests from a water-filling never
+    lowers what the others get, so no grant and no batch falls."""
+    T = job.tp
+    racks = {g.dpos for c in others for g, t in zip(c.groups, c.group_tp, strict=True) if t < T}
+    if not racks:
+        return False
+    need = {t: job.speed_needed(t) for t in range(job.min_tp, T)}
+    requests: dict[int, list[PowerRequest]] = {}
+    for ci, c in enumerate(selected):
+        for si, (g, t) in enumerate(zip(c.groups, c.group_tp, strict=True)):
+            if t < T and g.dpos in racks:
+                requests.setdefault(g.dpos, []).append(PowerRequest((ci, si), ctx.domain(g), ctx.uuids(g, t), need[t]))
+    touched: set[int] = set()
+    for reqs in requests.values():
+        for key, ratio in allocate_domain_power(reqs[0].domain, reqs, job.power).items():
+            ci, si = cast(tuple[int, int], key)
+            if ratio > selected[ci].group_power[si]:
+                selected[ci].group_power[si] = ratio
+                touched.add(ci)
+    rose = False
+    for ci in touched:
+        c = selected[ci]
+        batch = job.local_batch
+        for t, pr in zip(c.group_tp, c.group_power, strict=True):
+            if t < T:
+                batch = min(batch, job.reduced_batch(t, job.power.speed(pr)))
+        if batch > c.batch:
+            c.batch = batch
+            rose = True
+    return rose
+
+
+def _rack_slack(job: JobSpec, pool: list[_Group]) -> list[int]:
+    """Under ntp-pw, 0 for a reduced group whose rack holds another reduced group of the pool (they
+    share the rack's spare power), else 1; all 1 under the other schemes (no power is shared)."""
+    if job.scheme is not Scheme.NTP_PW:
+        return [1] * len(pool)
+    reduced: dict[int, int] = {}
+    for g in pool:
+        if g.usable < job.tp:
+            reduced[g.dpos] = reduced.get(g.dpos, 0) + 1
+    return [0 if g.usable < job.tp and reduced[g.dpos] > 1 else 1 for g in pool]
 
 
 def _packing_keys(ctx: _Ctx, job: JobSpec, pool: list[_Group], grants: dict[int, float]) -> list[int]:
