@@ -193,7 +193,7 @@ class _Candidate:
     group_power: list[float] = field(default_factory=list)
 
 
-Packing = Literal["stable", "sorted"]
+Packing = Literal["stable", "sorted", "none"]
 
 
 def make_plan(
@@ -206,10 +206,13 @@ def make_plan(
     previous (replica, stage), then moves the fewest bytes, and the plan reports what moved. Without
     it, the job's home layout (group k of the job in replica k // P, stage k % P) is the reference
     and no moves are reported. `packing="sorted"` is the packer before stage identity (sort by
-    usable count, cut): the same totals, kept for comparison (bench/planner.py)."""
+    usable count, cut): the same totals, kept for comparison (bench/planner.py). `packing="none"`
+    does not repack at all: every home replica keeps its groups, so under dp-drop one unusable GPU
+    idles its whole replica (all its pipeline stages) and under ntp the replica runs at its lowest
+    degree; spares are not used. It is the baseline of a job without a resource manager."""
     job.validate()
-    if packing not in ("stable", "sorted"):
-        raise PlanError(f"packing must be 'stable' or 'sorted', got {packing!r}")
+    if packing not in ("stable", "sorted", "none"):
+        raise PlanError(f"packing must be 'stable', 'sorted' or 'none', got {packing!r}")
     positions = _job_domain_positions(cluster, job)
     T = job.tp
     all_sizes = cluster.domain_sizes
@@ -249,6 +252,8 @@ def make_plan(
     grants: dict[int, float] = {}
     if packing == "sorted":
         intact, repacked, free_ids = _pack_sorted(ctx, job, groups, keep, idle)
+    elif packing == "none":
+        intact, repacked, free_ids = _pack_none(ctx, job, groups, keep, idle)
     else:
         intact, repacked, free_ids = _pack_stable(ctx, job, groups, keep, prev_slot, idle, grants)
 
@@ -629,6 +634,30 @@ def _pack_sorted(
     repacked = [_Candidate(pool[i : i + P], None) for i in range(0, len(pool) - P + 1, P)]
     idle.extend(ctx.aside(g, f"too few usable groups to fill a replica of {P}") for g in pool[len(repacked) * P :])
     return intact, repacked, broken_homes
+
+
+def _pack_none(
+    ctx: _Ctx, job: JobSpec, groups: list[_Group], keep: list[bool], idle: list[SetAside]
+) -> tuple[list[_Candidate], list[_Candidate], list[int]]:
+    """No repacking: home replica r is the job's groups r*P .. r*P+P-1, whatever their health. A
+    replica with a dropped group (dp-drop: any unusable GPU; ntp: below min_tp) is idle whole."""
+    T, P = job.tp, job.groups_per_replica
+    intact: list[_Candidate] = []
+    reduced: list[_Candidate] = []
+    n_primary = min(len(groups), job.primary_groups)
+    for r in range(n_primary // P):
+        members = groups[r * P : (r + 1) * P]
+        if all(g.usable == T for g in members):
+            intact.append(_Candidate(members, r, P))
+        elif all(keep[g.order] for g in members):
+            reduced.append(_Candidate(members, r, P))
+        else:
+            bad = next(g for g in members if not keep[g.order])
+            idle.extend(
+                ctx.aside(g, f"no repacking: replica {r} lost group {ctx.gid(bad)}") for g in members if keep[g.order]
+            )
+    idle.extend(ctx.aside(g, "no repacking: spares are not used") for g in groups[n_primary:] if keep[g.order])
+    return intact, reduced, []
 
 
 def _job_domain_positions(cluster: Cluster, job: JobSpec) -> Sequence[int]:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from ntp_manager.planner import JobSpec, Plan, Scheme, make_plan
+from ntp_manager.planner.plan import Packing
 from ntp_manager.sim.failures import FailureModel, SimError
 from ntp_manager.topology import Cluster, GpuState
 
@@ -40,13 +41,16 @@ class SimSetup:
     job: JobSpec  # spares=0; variants set scheme and spares
     model: FailureModel
     max_spares: int = 0
+    packing: Packing = "stable"  # "none": home replicas keep their groups (no resource manager)
     uuids: tuple[str, ...] = field(default=(), repr=False)
     node_of: tuple[int, ...] = field(default=(), repr=False)
     domain_of: tuple[int, ...] = field(default=(), repr=False)
     members: dict[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def create(cls, cluster: Cluster, job: JobSpec, model: FailureModel, max_spares: int = 0) -> SimSetup:
+    def create(
+        cls, cluster: Cluster, job: JobSpec, model: FailureModel, max_spares: int = 0, packing: Packing = "stable"
+    ) -> SimSetup:
         job.validate()
         model.validate()
         if max_spares < 0:
@@ -66,8 +70,10 @@ class SimSetup:
                     domain_of.append(len(domains))
                 nodes.append(tuple(range(first, len(uuids))))
             domains.append(tuple(range(start, len(uuids))))
+        if packing == "none" and max_spares:
+            raise SimError("without repacking (packing 'none') spares are never used; drop --spares")
         return cls(
-            cluster, replace(job, spares=0), model, max_spares, tuple(uuids), tuple(node_of), tuple(domain_of),
+            cluster, replace(job, spares=0), model, max_spares, packing, tuple(uuids), tuple(node_of), tuple(domain_of),
             {"node": tuple(nodes), "domain": tuple(domains)},
         )
 
@@ -88,6 +94,9 @@ class SimSetup:
 
     def snapshot(self, failed: Sequence[int]) -> Cluster:
         return self.cluster.with_states({self.uuids[i]: GpuState.FAILED for i in failed})
+
+    def plan(self, snap: Cluster, job: JobSpec, previous: Plan | None = None) -> Plan:
+        return make_plan(snap, job, previous, packing=self.packing)
 
 
 def plan_throughput(plan: Plan, job: JobSpec) -> float:
@@ -162,7 +171,7 @@ def static_sweep(
         for p in range(placements):
             snap = setup.snapshot(blast_placement(setup, seed, p, pool, count))
             for s in schemes:
-                losses[s].append(1.0 - plan_throughput(make_plan(snap, jobs[s]), jobs[s]))
+                losses[s].append(1.0 - plan_throughput(setup.plan(snap, jobs[s]), jobs[s]))
             progress(1)
         out.extend(StaticPoint(f, count, s, tuple(losses[s])) for s in schemes)
     return out
@@ -368,7 +377,7 @@ def replay(
         snap = snap.with_states(changes)
         replans += 1
         for k, job in enumerate(jobs):
-            plan = make_plan(snap, job)
+            plan = setup.plan(snap, job)
             below[k] = not plan.meets_target
             thr = plan_throughput(plan, job)
             current[k] = (0.0 if below[k] else thr) if fixed_minibatch else thr
@@ -413,7 +422,7 @@ def min_spares_never_pause(
                 changes[setup.uuids[g]] = GpuState.FAILED
             i += 1
         snap = snap.with_states(changes)
-        while not make_plan(snap, setup.variant(scheme, spares)).meets_target:
+        while not setup.plan(snap, setup.variant(scheme, spares)).meets_target:
             if spares >= setup.max_spares:
                 return None
             spares += 1
