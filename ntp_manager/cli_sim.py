@@ -192,6 +192,9 @@ def simulate(
         float | None, typer.Option(help="rack power budget as a multiple of its GPUs' nominal sum")
     ] = None,
     max_boost: Annotated[float | None, typer.Option(help="highest per-GPU power, a multiple of nominal")] = None,
+    packing: Annotated[
+        str, typer.Option(help="stable (the resource manager repacks) | none (home replicas stay: no manager)")
+    ] = "stable",
     seed: Annotated[int, typer.Option(help="random seed")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="print results as JSON")] = False,
     plot: Annotated[Path | None, typer.Option(help="write a PNG plot here")] = None,
@@ -245,7 +248,9 @@ def simulate(
             power = parse_power(gpu_power).with_base_cap(base_cap)
             c = preset_cluster(p, -(-pool // max(per_domain, 1)), power)
             name = p.name if job is None else f"job {job_spec.name} on preset {p.name}'s cluster"
-        setup = SimSetup.create(c, job_spec, model, pool)
+        if packing not in ("stable", "none"):
+            raise SimError(f"--packing must be 'stable' or 'none', got {packing!r}")
+        setup = SimSetup.create(c, job_spec, model, pool, packing)  # type: ignore[arg-type]
         if Scheme.NTP_PW in schemes:
             console.print(f"ntp-pw power model: {job_spec.power.describe()}", highlight=False)
         if not trace_mode:

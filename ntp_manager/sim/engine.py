@@ -21,7 +21,8 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from ntp_manager.planner import JobSpec, Scheme, make_plan
+from ntp_manager.planner import JobSpec, Plan, Scheme, make_plan
+from ntp_manager.planner.plan import Packing
 from ntp_manager.sim.failures import FailureModel, SimError
 from ntp_manager.topology import Cluster, GpuState
 
@@ -40,13 +41,16 @@ class SimSetup:
     job: JobSpec  # spares=0; variants set scheme and spares
     model: FailureModel
     max_spares: int = 0
+    packing: Packing = "stable"  # "none": home replicas keep their groups (no resource manager)
     uuids: tuple[str, ...] = field(default=(), repr=False)
     node_of: tuple[int, ...] = field(default=(), repr=False)
     domain_of: tuple[int, ...] = field(default=(), repr=False)
     members: dict[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def create(cls, cluster: Cluster, job: JobSpec, model: FailureModel, max_spares: int = 0) -> SimSetup:
+    def create(
+        cls, cluster: Cluster, job: JobSpec, model: FailureModel, max_spares: int = 0, packing: Packing = "stable"
+    ) -> SimSetup:
         job.validate()
         model.validate()
         if max_spares < 0:
@@ -66,8 +70,10 @@ class SimSetup:
                     domain_of.append(len(domains))
                 nodes.append(tuple(range(first, len(uuids))))
             domains.append(tuple(range(start, len(uuids))))
+        if packing == "none" and max_spares:
+            raise SimError("without repacking (packing 'none') spares are never used; drop --spares")
         return cls(
-            cluster, replace(job, spares=0), model, max_spares, tuple(uuids), tuple(node_of), tuple(domain_of),
+            cluster, replace(job, spares=0), model, max_spares, packing, tuple(uuids), tuple(node_of), tuple(domain_of),
             {"node": tuple(nodes), "domain": tuple(domains)},
         )
 
@@ -88,6 +94,37 @@ class SimSetup:
 
     def snapshot(self, failed: Sequence[int]) -> Cluster:
         return self.cluster.with_states({self.uuids[i]: GpuState.FAILED for i in failed})
+
+    def plan(self, snap: Cluster, job: JobSpec, previous: Plan | None = None) -> Plan:
+        return make_plan(snap, job, previous, packing=self.packing)
+
+
+def plan_throughput(plan: Plan, job: JobSpec) -> float:
+    """Samples per second of `plan` relative to the healthy job.
+
+    Without a step model: global batch / target batch (every replica keeps the healthy step time).
+    With one (JobSpec.step_model): (global batch / target) x healthy step / the plan's step, where a
+    step is the slowest replica's pipeline (each group at its own degree and power) plus the DP sync
+    over the plan's replicas, whose bytes per core rank grow by T / t for the lowest degree t in the
+    plan (the NTP sync, REFERENCE.md section 1)."""
+    sm = job.step_model
+    if sm is None:
+        return plan.relative_throughput
+    if not plan.replicas:
+        return 0.0
+    healthy = sm.pipeline_time(job.tp, job.local_batch) + sm.dp_sync_time(job.replicas)
+    slowest = 0.0
+    lowest = job.tp
+    for r in plan.replicas:
+        for g in r.groups:
+            lowest = min(lowest, g.tp)
+            if g.tp < job.tp or g.power_ratio != 1.0:
+                speed = job.power.speed(g.power_ratio) if g.power_ratio != 1.0 else 1.0
+                slowest = max(slowest, sm.pipeline_time(g.tp, r.local_batch, speed))
+            else:
+                slowest = max(slowest, sm.pipeline_time(job.tp, r.local_batch))
+    step = slowest + sm.dp_sync_time(len(plan.replicas), lowest)
+    return plan.relative_throughput * healthy / step
 
 
 # ---- static mode ---------------------------------------------------------------------------------
@@ -128,33 +165,41 @@ def static_sweep(
     # Static placements are over the GPUs the job may use (primary + its spares), uniformly.
     pool = _job_pool_size(setup, spares)
     out: list[StaticPoint] = []
-    for fi, f in enumerate(fractions):
+    for f in fractions:
         count = round(f * pool)
         losses: dict[Scheme, list[float]] = {s: [] for s in schemes}
         for p in range(placements):
-            snap = setup.snapshot(blast_placement(setup, seed, fi, p, pool, count))
+            snap = setup.snapshot(blast_placement(setup, seed, p, pool, count))
             for s in schemes:
-                losses[s].append(1.0 - make_plan(snap, jobs[s]).relative_throughput)
+                losses[s].append(1.0 - plan_throughput(setup.plan(snap, jobs[s]), jobs[s]))
             progress(1)
         out.extend(StaticPoint(f, count, s, tuple(losses[s])) for s in schemes)
     return out
 
 
-def placement(seed: int, point: int, index: int, pool: int, count: int) -> list[int]:
-    """The `index`-th random set of `count` failed GPU positions among the first `pool`, for sweep
-    point `point` (deterministic in its arguments)."""
-    return random.Random(f"static:{seed}:{point}:{index}").sample(range(pool), count)
+def placement(seed: int, index: int, pool: int, count: int) -> list[int]:
+    """The `index`-th random set of `count` failed GPU positions among the first `pool`
+    (deterministic in its arguments). Nested in `count`: the set for k failures is the first k of
+    the set for any larger count, so a sweep compares every fraction on the same placements
+    (common random numbers) and a placement's loss never moves against the scheme's own behaviour
+    between sweep points by chance."""
+    rng = random.Random(f"static:{seed}:{index}")
+    failed: dict[int, None] = {}  # ordered set
+    while len(failed) < count:
+        failed.setdefault(rng.randrange(pool))
+    return list(failed)
 
 
-def blast_placement(setup: SimSetup, seed: int, point: int, index: int, pool: int, count: int) -> list[int]:
+def blast_placement(setup: SimSetup, seed: int, index: int, pool: int, count: int) -> list[int]:
     """Like `placement`, but failures come with the model's blast radius: each draws a GPU not yet
     failed and takes it alone, its node or its domain, until `count` GPUs are failed (the last
-    blast is cut short so that exactly `count` fail). Without a blast radius it is `placement`."""
+    blast is cut short so that exactly `count` fail). Nested in `count` too. Without a blast
+    radius it is `placement`."""
     model = setup.model
     if model.blast_node == 0 and model.blast_domain == 0:
-        return placement(seed, point, index, pool, count)
-    rng = random.Random(f"static:{seed}:{point}:{index}")
-    failed: dict[int, None] = {}  # ordered set
+        return placement(seed, index, pool, count)
+    rng = random.Random(f"static:{seed}:{index}")
+    failed: dict[int, None] = {}
     while len(failed) < count:
         gpu = rng.randrange(pool)
         if gpu in failed:
@@ -332,10 +377,10 @@ def replay(
         snap = snap.with_states(changes)
         replans += 1
         for k, job in enumerate(jobs):
-            plan = make_plan(snap, job)
+            plan = setup.plan(snap, job)
             below[k] = not plan.meets_target
-            thr = plan.relative_throughput
-            current[k] = (0.0 if below[k] else 1.0) if fixed_minibatch else thr
+            thr = plan_throughput(plan, job)
+            current[k] = (0.0 if below[k] else thr) if fixed_minibatch else thr
             lows[k] = min(lows[k], current[k])
         progress(1)
     for k in range(len(jobs)):
@@ -377,7 +422,7 @@ def min_spares_never_pause(
                 changes[setup.uuids[g]] = GpuState.FAILED
             i += 1
         snap = snap.with_states(changes)
-        while not make_plan(snap, setup.variant(scheme, spares)).meets_target:
+        while not setup.plan(snap, setup.variant(scheme, spares)).meets_target:
             if spares >= setup.max_spares:
                 return None
             spares += 1

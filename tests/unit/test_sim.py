@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ntp_manager.cli import app as cli_app
-from ntp_manager.planner import PAPER_POWER_CURVE, JobSpec, Scheme
+from ntp_manager.planner import PAPER_POWER_CURVE, JobSpec, Scheme, make_plan
 from ntp_manager.sim import FailureModel, SimError, SimSetup, make_trace, preset, preset_cluster, replay, static_sweep
 from ntp_manager.sim.engine import Event, Trace, job_pool_size, min_spares_never_pause, placement
 from ntp_manager.topology import PowerLimits, generate_cluster
@@ -42,9 +42,9 @@ def test_dp_drop_loss_equals_share_of_hit_groups():
     pts = static_sweep(setup, [Scheme.DP_DROP], fractions, placements=20, seed=7)
     pool = job_pool_size(setup, 0)
     assert pool == 512
-    for fi, pt in enumerate(pts):
+    for pt in pts:
         for p, loss in enumerate(pt.losses):
-            hit = {g // 8 for g in placement(7, fi, p, pool, pt.failed_gpus)}
+            hit = {g // 8 for g in placement(7, p, pool, pt.failed_gpus)}
             assert loss == pytest.approx(len(hit) / 64)
 
 
@@ -278,3 +278,35 @@ def test_base_cap_gives_ntp_pw_its_headroom_back_on_a_default_equal_max_fleet():
     # TP7 needs speed work(7) = 0.4 x 5/4 + 0.6 x 147/128 = 1.189; ntp keeps floor(8 / 1.189) = 6 of 8
     # samples; at 700/595 = 1.176 x base the survivors run at 1.120 and keep floor(8 x 1.120 / 1.189) = 7.
     assert pw_capped.mean_loss < 0.6 * ntp.mean_loss
+
+
+# ---- the abstract's figure: what a job without repacking loses; NVL72 leftovers ------------------
+
+
+def test_without_repacking_one_failure_idles_the_whole_pipeline_replica():
+    # 16 NVL8 domains, TP8 x 2 stages, 8 replicas; no repacking: dp-drop loses every replica with a
+    # failed GPU in either stage, with repacking only the hit groups (and the odd one out).
+    job = JobSpec(name="t", tp=8, groups_per_replica=2, replicas=8, local_batch=4, min_tp=6, heads=32,
+                  mlp_columns=1024)
+    cluster = generate_cluster(16, 8, 4)
+    frozen = SimSetup.create(cluster, job, FailureModel(), packing="none")
+    managed = SimSetup.create(cluster, job, FailureModel())
+    (pt,) = static_sweep(frozen, [Scheme.DP_DROP], [0.02], placements=10, seed=1)
+    (pt_m,) = static_sweep(managed, [Scheme.DP_DROP], [0.02], placements=10, seed=1)
+    for p, (loss, loss_m) in enumerate(zip(pt.losses, pt_m.losses, strict=True)):
+        failed = placement(1, p, 128, pt.failed_gpus)
+        replicas_hit = {g // 16 for g in failed}  # replica r = domains 2r, 2r+1 = GPUs 16r..16r+15
+        groups_hit = {g // 8 for g in failed}
+        assert loss == pytest.approx(len(replicas_hit) / 8)
+        assert loss_m == pytest.approx(1 - ((16 - len(groups_hit)) // 2) / 8)  # replicas of healthy groups
+
+
+def test_nvl72_tp64_leftovers_hide_failures_until_a_domain_has_more_than_eight():
+    p = preset("nvl72-tp64")
+    assert (p.domain_size, p.job.tp) == (72, 64)
+    small = dataclasses.replace(p, domains=2)
+    job = dataclasses.replace(p.job, replicas=2)
+    setup = SimSetup.create(preset_cluster(small), job, p.model)
+    for failed, expected in ((range(8), 1.0), (range(9), 0.5)):  # 8 fit in the leftovers, the 9th not
+        plan = make_plan(setup.snapshot(list(failed)), setup.variant(Scheme.DP_DROP))
+        assert plan.relative_throughput == expected
