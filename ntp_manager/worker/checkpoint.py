@@ -663,8 +663,11 @@ class Checkpointer:
             os.replace(att.tmp, final)
             _fsync_dir(self.root)
             log.info("checkpoint complete", step=att.step, path=str(final), bytes=doc["bytes"])
+            try:
+                self._retain(att.step)
+            except OSError as e:  # the checkpoint is complete all the same
+                log.warning("retention failed", step=att.step, error=str(e))
             done.set_result(final)
-            self._retain(att.step)
         except Exception as e:
             msg = f"step {att.step}: checkpoint not completed (it will never be loaded): {type(e).__name__}: {e}"
             log.warning("checkpoint incomplete", step=att.step, error=str(e))
