@@ -23,8 +23,8 @@ import torch
 
 from ntp_manager.worker.checkpoint import (
     MANIFEST,
-    CheckpointError,
     Checkpointer,
+    CheckpointError,
     Retention,
     retention_plan,
     stretches,
@@ -251,12 +251,12 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one(tmp_path: Path, dam
 
 def test_no_verified_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
     m, opt, fams = fresh("sgd", TARGETS["TP1"], 0)
-    with pytest.raises(CheckpointError, match="no usable checkpoint in .* \\(none complete\\)"):
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint in .* \(none complete\)"):
         Checkpointer(tmp_path).load(m, opt, TARGETS["TP1"], 0, fams)
     ref, ref_opt = reference("sgd")
     path = save_all(tmp_path, 2, "sgd", ref, ref_opt, TARGETS["TP1"])
     _shard_file(path).write_bytes(b"garbage")
-    with pytest.raises(CheckpointError, match="step-000000000002: r0/__0_0.distcp: 7 bytes"):
+    with pytest.raises(CheckpointError, match=r"step-000000000002: r0/__0_0\.distcp: 7 bytes"):
         Checkpointer(tmp_path).load(m, opt, TARGETS["TP1"], 0, fams)
 
 
@@ -329,7 +329,7 @@ def test_state_it_cannot_store_is_refused_at_save(tmp_path: Path) -> None:
     for p in m.parameters():
         p.grad = torch.zeros_like(p)
     amsgrad.step()
-    with pytest.raises(ValueError, match="optimizer state 'max_exp_avg_sq' of .* \\(Adam\\): checkpoints store"):
+    with pytest.raises(ValueError, match=r"optimizer state 'max_exp_avg_sq' of .* \(Adam\): checkpoints store"):
         ck.save(2, m, amsgrad, TARGETS["TP1"], 0, fams, attempt="y")
     with pytest.raises(ValueError, match="attempt must be"):
         ck.save(2, m, opt, TARGETS["TP1"], 0, fams, attempt="../escape")
