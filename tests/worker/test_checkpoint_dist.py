@@ -2,7 +2,7 @@
 
 1. Eight processes train TinyGpt at TP4 x DP2 (NTP gradient sync) and checkpoint after steps 2 and
    4, asynchronously (the next step runs while the shards are written). The checkpoint is then
-   restored into TP3 + TP4, TP2 x DP3, TP4 + TP2 + TP1 and TP1, each from models built from another
+   restored into TP3 + TP4, TP2 x DP3 and TP4 + TP2 + TP1, each from models built from another
    seed and optimizers without state: right after the load every rank's parameters and optimizer
    state equal (bitwise) the same units of a reference that loaded the same checkpoint in one
    process, and two more training steps in the new layout give the reference's losses and
@@ -39,7 +39,8 @@ from tests.worker.compare import ref_part, shard_info
 
 WORLD = 8
 GLOBAL = 8  # samples per step in every layout
-RESTORES = {**TARGETS, "corrupt: TP2xDP3": TARGETS["TP2xDP3"]}
+# TP1 is the reference itself (and is covered in test_checkpoint.py)
+RESTORES = {**{k: v for k, v in TARGETS.items() if k != "TP1"}, "corrupt: TP2xDP3": TARGETS["TP2xDP3"]}
 AFTER = 2  # training steps after the restore
 TOL = 1e-5
 
@@ -191,6 +192,9 @@ def _worker(rank: int, port: int, root: str, q: Any) -> None:
         dist.destroy_process_group()
 
 
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
     root = tmp_path_factory.mktemp("ckpt")
@@ -244,7 +248,7 @@ def _killed_writer(rank: int, port: int, root: str, flag: str, q: Any) -> None:
     model, fams = _build(lay, rank, tp, seed=0)
     opt = make_opt("adamw", model.parameters())
     sync = NtpGradSync(model, lay, rank, fams)
-    ck = Checkpointer(root, complete_timeout_s=5)
+    ck = Checkpointer(root, complete_timeout_s=2)
     items = 0
 
     def hook(stage: str, att: Any) -> None:
@@ -289,7 +293,7 @@ def test_a_writer_killed_mid_save_leaves_a_checkpoint_that_is_never_loaded(tmp_p
         for p in procs:
             if p.is_alive():
                 p.kill()
-    assert rank == 0 and result.startswith("CheckpointError: ranks [1] did not finish their part within 5 s"), result
+    assert rank == 0 and result.startswith("CheckpointError: ranks [1] did not finish their part within 2 s"), result
     # on disk: step 1 complete; step 2's attempt holds rank 0's part and rank 1's cut-off file, no manifest
     assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".tmp")) == ["step-000000000001"]
     (attempt,) = root.glob(".tmp-step-000000000002-*")
