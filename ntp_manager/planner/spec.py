@@ -18,6 +18,13 @@ class PlanError(ValueError):
     """The planner's input is invalid; the message says what and how to fix it."""
 
 
+# The NTP paper's measured power points for a GPU under a training load: 1.1x power costs 2.8% of
+# perf/W and 1.2x power 6.5%, i.e. speed 1.1 x 0.972 = 1.069x and 1.2 x 0.935 = 1.122x
+# (REFERENCE.md section 1). Beyond 1.2x nothing was measured, so a curve ending here credits no
+# speed for more power (the allocator never grants power past the last point).
+PAPER_POWER_CURVE: tuple[tuple[float, float], ...] = ((1.0, 1.0), (1.1, 1.069), (1.2, 1.122))
+
+
 class Scheme(StrEnum):
     DP_DROP = "dp-drop"  # uniform TP: a TP group with any unusable GPU is dropped
     NTP = "ntp"  # packed replicas run at their lowest TP degree with a smaller local batch
@@ -33,7 +40,9 @@ class PowerModel:
     limit, which is what the job's healthy step time is measured at.
 
     - speed(p) = p ** exponent for p = limit / nominal, unless `curve` gives measured
-      (power ratio, speed ratio) points, which are interpolated linearly (and extrapolated flat).
+      (power ratio, speed ratio) points, which are interpolated linearly (monotone, since the
+      points are) and extrapolated flat: no speed is credited beyond the last measured point
+      (`PAPER_POWER_CURVE` holds the NTP paper's points).
     - A GPU may be raised to at most `max_boost` x nominal (and never above its own max limit).
     - A domain's budget is its configured `power_budget_w`, else `rack_headroom` x the sum of its
       GPUs' nominal limits. The default headroom of 1.15 models the paper's co-designed rack, whose
@@ -70,6 +79,25 @@ class PowerModel:
         if not self.curve:
             return float(power_ratio**self.exponent)
         return _interp(self.curve, power_ratio, 0)
+
+    @property
+    def max_speed(self) -> float:
+        """Highest speed the model credits (inf for a power law)."""
+        return self.curve[-1][1] if self.curve else float("inf")
+
+    def useful_power(self, speed_ratio: float) -> float:
+        """Power ratio worth granting towards `speed_ratio`: what reaches it, or, where the curve
+        cannot, what reaches the curve's highest speed (more power would buy nothing)."""
+        return self.power_for_speed(min(speed_ratio, self.max_speed))
+
+    def describe(self) -> str:
+        """One line naming the speed curve and the rack budget (for reports)."""
+        if self.curve:
+            pts = ", ".join(f"{p:g}x->{s:g}x" for p, s in self.curve)
+            law = f"measured curve {pts} (flat beyond)"
+        else:
+            law = f"speed = power^{self.exponent:g}"
+        return f"{law}; rack budget {self.rack_headroom:g} x nominal sum; per-GPU boost <= {self.max_boost:g}x"
 
     def power_for_speed(self, speed_ratio: float) -> float:
         """Smallest power ratio that reaches `speed_ratio` (may exceed max_boost)."""

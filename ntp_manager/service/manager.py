@@ -854,7 +854,8 @@ class Manager:
         t0 = time.perf_counter()
         try:
             # off the event loop: snapshot build, planning, document, fingerprint, JSON text
-            d = await asyncio.to_thread(planning.draft, await self.world.cluster_async(), job.spec)
+            previous = job.layout.plan if job.layout is not None else None
+            d = await asyncio.to_thread(planning.draft, await self.world.cluster_async(), job.spec, (), previous)
         except PlanError as e:
             job.pending_reason = str(e)
             return None
@@ -869,7 +870,7 @@ class Manager:
                 job.layout.fingerprint = await asyncio.to_thread(planning.fingerprint, job.layout.plan)
             if job.layout.fingerprint == fp:
                 return job.layout
-        why = reason or _why(job.layout.plan if job.layout else None, doc)
+        why = _why(job.layout.plan if job.layout else None, doc, reason)
 
         async def persist(mm: Mut) -> LayoutRec:
             now = self.clock.now()
@@ -1102,15 +1103,21 @@ def _count_states(gpus: list[GpuRec]) -> dict[str, int]:
     return counts
 
 
-def _why(old: dict[str, Any] | None, new: dict[str, Any]) -> str:
-    if old is None:
-        return f"initial layout: {len(new['replicas'])} replicas, throughput {new['relative_throughput']:.4f}"
-    old_tp = sorted(r["tp"] for r in old["replicas"])
-    new_tp = sorted(r["tp"] for r in new["replicas"])
-    return (
-        f"replanned: replicas {len(old['replicas'])} -> {len(new['replicas'])}, TP degrees {old_tp} -> {new_tp}, "
-        f"throughput {old['relative_throughput']:.4f} -> {new['relative_throughput']:.4f}"
-    )
+def _why(old: dict[str, Any] | None, new: dict[str, Any], given: str = "") -> str:
+    """A layout's reason: `given` (an operator's) or what changed, then what moved."""
+    if given:
+        why = given
+    elif old is None:
+        why = f"initial layout: {len(new['replicas'])} replicas, throughput {new['relative_throughput']:.4f}"
+    else:
+        old_tp = sorted(r["tp"] for r in old["replicas"])
+        new_tp = sorted(r["tp"] for r in new["replicas"])
+        why = (
+            f"replanned: replicas {len(old['replicas'])} -> {len(new['replicas'])}, TP degrees {old_tp} -> "
+            f"{new_tp}, throughput {old['relative_throughput']:.4f} -> {new['relative_throughput']:.4f}"
+        )
+    moves = planning.moves_text(new.get("moves"))
+    return f"{why}; moves: {moves}" if moves else why
 
 
 def _aware(t: datetime) -> datetime:

@@ -4,7 +4,9 @@ Each worker's view holds every replica's summary plus the full rank lists of its
 one peer it can fetch state from: O(replicas + TP), never the job's whole GPU list. The shared part
 (summaries, stamp) is built once per version; per-watcher work is a copy plus two replica details.
 
-Global ranks number GPUs replica by replica (ascending id), stage by stage, TP rank by TP rank.
+Global ranks number GPUs replica by replica (ascending id), stage by stage, TP rank by TP rank
+(`planner.ranks`, the function the workers number them with). Every summary carries each stage's
+TP degree, so a worker can find its stage's peers in every replica.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from ntp_manager._proto.ntp.v1 import common_pb2 as pb
+from ntp_manager.planner.ranks import stage_ranks
 from ntp_manager.service.state import LayoutRec
 
 
@@ -70,18 +73,21 @@ def build_views(rec: LayoutRec, rendezvous: str = "") -> LayoutViews:
     )
     details: dict[int, pb.ReplicaDetail] = {}
     replica_of: dict[str, int] = {}
-    rank = 0
     full: list[int] = []
-    for r in sorted(plan["replicas"], key=lambda r: r["id"]):
-        base.replicas.append(pb.ReplicaSummary(replica_id=r["id"], tp_degree=r["tp"], local_batch=r["local_batch"]))
+    replicas = sorted(plan["replicas"], key=lambda r: r["id"])
+    stages = [sorted(r["groups"], key=lambda g: g["stage"]) for r in replicas]
+    numbers = stage_ranks([[len(g["gpus"]) for g in gs] for gs in stages]) if replicas else []
+    rank = 0
+    for r, groups, ranks_of in zip(replicas, stages, numbers, strict=True):
+        base.replicas.append(pb.ReplicaSummary(replica_id=r["id"], tp_degree=r["tp"], local_batch=r["local_batch"],
+                                               stage_tp_degrees=[len(g["gpus"]) for g in groups]))
         detail = pb.ReplicaDetail(replica_id=r["id"])
-        for g in r["groups"]:
-            ranks = list(range(rank, rank + len(g["gpus"])))
-            rank += len(g["gpus"])
+        for g, ranks in zip(groups, ranks_of, strict=True):
             detail.groups.append(
                 pb.TpGroup(group_id=g["group"], domain=g["domain"], stage=g["stage"], tp_degree=g["tp"],
-                           gpu_uuids=g["gpus"], global_ranks=ranks, power_ratio=g["power_ratio"])
+                           gpu_uuids=g["gpus"], global_ranks=list(ranks), power_ratio=g["power_ratio"])
             )
+            rank = ranks.stop
             for u in g["gpus"]:
                 replica_of[u] = r["id"]
         details[r["id"]] = detail

@@ -132,7 +132,7 @@ def static_sweep(
         count = round(f * pool)
         losses: dict[Scheme, list[float]] = {s: [] for s in schemes}
         for p in range(placements):
-            snap = setup.snapshot(placement(seed, fi, p, pool, count))
+            snap = setup.snapshot(blast_placement(setup, seed, fi, p, pool, count))
             for s in schemes:
                 losses[s].append(1.0 - make_plan(snap, jobs[s]).relative_throughput)
             progress(1)
@@ -144,6 +144,25 @@ def placement(seed: int, point: int, index: int, pool: int, count: int) -> list[
     """The `index`-th random set of `count` failed GPU positions among the first `pool`, for sweep
     point `point` (deterministic in its arguments)."""
     return random.Random(f"static:{seed}:{point}:{index}").sample(range(pool), count)
+
+
+def blast_placement(setup: SimSetup, seed: int, point: int, index: int, pool: int, count: int) -> list[int]:
+    """Like `placement`, but failures come with the model's blast radius: each draws a GPU not yet
+    failed and takes it alone, its node or its domain, until `count` GPUs are failed (the last
+    blast is cut short so that exactly `count` fail). Without a blast radius it is `placement`."""
+    model = setup.model
+    if model.blast_node == 0 and model.blast_domain == 0:
+        return placement(seed, point, index, pool, count)
+    rng = random.Random(f"static:{seed}:{point}:{index}")
+    failed: dict[int, None] = {}  # ordered set
+    while len(failed) < count:
+        gpu = rng.randrange(pool)
+        if gpu in failed:
+            continue
+        for g in setup.blast(gpu, model.draw_radius(rng)):
+            if len(failed) < count and g < pool:
+                failed.setdefault(g)
+    return list(failed)
 
 
 def job_pool_size(setup: SimSetup, spares: int) -> int:

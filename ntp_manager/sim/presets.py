@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ntp_manager.planner import JobSpec, Scheme
+from ntp_manager.planner import PAPER_POWER_CURVE, JobSpec, PowerModel, Scheme
 from ntp_manager.sim.failures import FailureModel, SimError
 from ntp_manager.topology import DEFAULT_POWER, Cluster, PowerLimits, generate_cluster
 
@@ -29,12 +29,17 @@ class Preset:
     description: str
 
 
+# Every preset states its power model: the paper's measured speed curve (flat beyond 1.2x), a rack
+# budget of 1.15 x its GPUs' nominal sum, at most 1.3x per GPU. NTP-PW's result rests on the budget;
+# docs/simulation.md has the loss as a function of it.
+PAPER_POWER = PowerModel(max_boost=1.3, rack_headroom=1.15, curve=PAPER_POWER_CURVE)
+
 PRESETS: dict[str, Preset] = {
     "paper-32k": Preset(
         "paper-32k", 1024, 32, 4,
         JobSpec(
             name="paper-480b", tp=32, groups_per_replica=8, replicas=128, local_batch=8, min_tp=28,
-            heads=128, mlp_columns=81_920, attention_share=0.4, scheme=Scheme.NTP,
+            heads=128, mlp_columns=81_920, attention_share=0.4, scheme=Scheme.NTP, power=PAPER_POWER,
         ),
         FailureModel(hardware_repair_h=72.0),
         "32,768 GPUs, NVL32, TP32, 8 groups/replica, 128 replicas, Llama 3 rates",
@@ -43,7 +48,7 @@ PRESETS: dict[str, Preset] = {
         "uniform-tp64", 512, 64, 4,
         JobSpec(
             name="tp64", tp=64, groups_per_replica=1, replicas=512, local_batch=2, min_tp=64,
-            heads=128, mlp_columns=81_920, scheme=Scheme.DP_DROP,
+            heads=128, mlp_columns=81_920, scheme=Scheme.DP_DROP, power=PAPER_POWER,
         ),
         FailureModel(hardware_repair_h=72.0),
         "32,768 GPUs, NVL64, uniform TP64, one group per replica",
@@ -52,7 +57,7 @@ PRESETS: dict[str, Preset] = {
         "small", 4, 8, 4,
         JobSpec(
             name="small", tp=8, groups_per_replica=2, replicas=2, local_batch=8, min_tp=4,
-            heads=32, mlp_columns=4096, scheme=Scheme.NTP,
+            heads=32, mlp_columns=4096, scheme=Scheme.NTP, power=PAPER_POWER,
         ),
         FailureModel(),
         "32 GPUs, NVL8, TP8, 2 groups/replica",

@@ -450,6 +450,9 @@ class Runtime:
     def _apply(self, target: WorkerLayout) -> None:
         """Leave the current group and join `target`'s: regroup, reshard, ack."""
         old = self.s.layout
+        if target.n_stages > 1:
+            raise ReconfigurationError(f"layout version {target.version} has {target.n_stages} pipeline stages; "
+                                       "this runtime runs single-stage layouts only")
         self._leave_group()
         if target.rank is None:
             self.s.spare = []

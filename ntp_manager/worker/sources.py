@@ -1,10 +1,11 @@
 """Where a worker learns its job's layout: the manager's gRPC watch stream, or a store-backed source
 that a test or a launcher controls.
 
-Both give the runtime the same thing, a `WorkerLayout`: the version, every replica's TP degree and
-local batch in global-rank order (replica by replica, TP rank by TP rank, as the manager numbers
-them), and this worker's global rank in it (None when its GPU has no place). Sources keep every
-version they have seen, so ranks can agree on one version even when some saw it later than others.
+Both give the runtime the same thing, a `WorkerLayout`: the version, every replica's local batch and
+the TP degree of each of its pipeline stages, in global-rank order (replica by replica, stage by
+stage, TP rank by TP rank: `planner.ranks`, as the manager numbers them), and this worker's global
+rank in it (None when its GPU has no place). Sources keep every version they have seen, so ranks
+can agree on one version even when some saw it later than others.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Protocol
 
 import structlog
 
+from ntp_manager.planner.ranks import check_degrees, global_rank, locate, stage_ranks, world_size
 from ntp_manager.worker.sync import ReplicaGroup, SyncLayout
 
 log = structlog.get_logger("ntp.worker")
@@ -25,38 +27,77 @@ log = structlog.get_logger("ntp.worker")
 
 @dataclass(frozen=True)
 class WorkerLayout:
+    """One version of the job's layout as a worker sees it. A replica is a pipeline of stages,
+    each a TP group of its own degree; ranks are numbered by `planner.ranks` (replica by replica,
+    stage by stage, TP index by TP index)."""
+
     version: int
-    replicas: tuple[tuple[int, int], ...]  # (TP degree, local batch) per replica, in rank order
+    replicas: tuple[tuple[int, int], ...]  # (TP degree: the lowest of its stages, local batch) per replica
     rank: int | None  # this worker's global rank; None when it has no place in this version
     reason: str = ""
     epoch: int = 0
+    # per replica, the TP degree of each pipeline stage; () for single-stage replicas of degree replicas[i][0]
+    stages: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.stages:
+            if len(self.stages) != len(self.replicas):
+                raise ValueError(f"layout version {self.version}: {len(self.stages)} stage lists for "
+                                 f"{len(self.replicas)} replicas")
+            check_degrees(self.stages)
+        if self.rank is not None and not 0 <= self.rank < self.world:
+            raise ValueError(f"layout version {self.version}: rank {self.rank} outside a world of {self.world}")
+
+    @property
+    def degrees(self) -> tuple[tuple[int, ...], ...]:
+        """Per replica, the TP degree of each stage."""
+        return self.stages or tuple((tp,) for tp, _ in self.replicas)
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.degrees[0]) if self.replicas else 1
 
     @property
     def world(self) -> int:
-        return sum(tp for tp, _ in self.replicas)
+        return world_size(self.degrees)
 
     @property
     def global_batch(self) -> int:
         return sum(b for _, b in self.replicas)
 
-    def rank_lists(self) -> list[list[int]]:
-        out, r = [], 0
-        for tp, _ in self.replicas:
-            out.append(list(range(r, r + tp)))
-            r += tp
-        return out
+    def group_ranks(self) -> list[list[range]]:
+        """[replica][stage] -> that TP group's global ranks."""
+        return stage_ranks(self.degrees) if self.replicas else []
 
-    def sync_layout(self, units: dict[str, int]) -> SyncLayout:
+    def rank_lists(self) -> list[list[int]]:
+        """Per replica, all its ranks (every stage's)."""
+        return [[r for g in rep for r in g] for rep in self.group_ranks()]
+
+    def where(self, rank: int) -> tuple[int, int, int]:
+        """(replica, stage, TP index) of a global rank."""
+        try:
+            return locate(self.degrees, rank)
+        except ValueError:
+            raise ValueError(f"rank {rank} is not in layout version {self.version}") from None
+
+    def sync_layout(self, units: dict[str, int], stage: int = 0) -> SyncLayout:
+        """The NTP sync of one stage: that stage's TP group of every replica."""
+        groups = self.group_ranks()
         return SyncLayout(
-            tuple(ReplicaGroup(tuple(rs), b) for rs, (_, b) in zip(self.rank_lists(), self.replicas, strict=True)),
+            tuple(ReplicaGroup(tuple(g[stage]), b) for g, (_, b) in zip(groups, self.replicas, strict=True)),
             units,
         )
 
     def replica_of(self, rank: int) -> int:
-        for i, rs in enumerate(self.rank_lists()):
-            if rank in rs:
-                return i
-        raise ValueError(f"rank {rank} is not in layout version {self.version}")
+        return self.where(rank)[0]
+
+    def stage_of(self, rank: int) -> int:
+        return self.where(rank)[1]
+
+    def tp_of(self, rank: int) -> int:
+        """The TP degree of the group `rank` belongs to."""
+        ri, si, _ = self.where(rank)
+        return self.degrees[ri][si]
 
 
 class LayoutSource(Protocol):
@@ -110,11 +151,18 @@ class _History:
 
 # ---- store-backed source (tests, launchers) ---------------------------------------------------
 def publish_layout(
-    store: Any, job: str, version: int, replicas: Sequence[tuple[Sequence[str], int]], reason: str = ""
+    store: Any, job: str, version: int, replicas: Sequence[tuple[Sequence[str] | Sequence[Sequence[str]], int]],
+    reason: str = "",
 ) -> None:
-    """Publish a layout for `job`: `replicas` lists (worker ids in TP order, local batch)."""
-    doc = {"version": version, "reason": reason,
-           "replicas": [{"workers": list(ws), "local_batch": b} for ws, b in replicas]}
+    """Publish a layout for `job`: `replicas` lists (workers, local batch), where workers are the
+    worker ids in TP order (one stage) or, for pipelines, one such list per stage."""
+    reps: list[dict[str, Any]] = []
+    for ws, b in replicas:
+        if ws and not isinstance(ws[0], str):
+            reps.append({"stages": [list(st) for st in ws], "local_batch": b})
+        else:
+            reps.append({"workers": list(ws), "local_batch": b})
+    doc = {"version": version, "reason": reason, "replicas": reps}
     store.set(f"ntp/{job}/layout/{version}", json.dumps(doc))
     store.set(f"ntp/{job}/layout/latest", str(version))
 
@@ -122,6 +170,22 @@ def publish_layout(
 def read_acks(store: Any, job: str, version: int, workers: Sequence[str]) -> dict[str, str]:
     keys = [f"ntp/{job}/ack/{version}/{w}" for w in workers]
     return {w: store.get(k).decode() for w, k in zip(workers, keys, strict=True) if store.check([k])}
+
+
+def layout_from_doc(doc: dict[str, Any], worker_id: str) -> WorkerLayout:
+    """A `publish_layout` document -> this worker's WorkerLayout."""
+    reps, degrees, where = [], [], None
+    for ri, rep in enumerate(doc["replicas"]):
+        stages = rep["stages"] if "stages" in rep else [rep["workers"]]
+        for si, ws in enumerate(stages):
+            if worker_id in ws:
+                where = (ri, si, list(ws).index(worker_id))
+        degrees.append(tuple(len(ws) for ws in stages))
+        reps.append((min(degrees[-1]), int(rep["local_batch"])))
+    rank = global_rank(degrees, *where) if where is not None else None
+    multi = any(len(d) > 1 for d in degrees)
+    return WorkerLayout(int(doc["version"]), tuple(reps), rank, doc.get("reason", ""),
+                        stages=tuple(degrees) if multi else ())
 
 
 class StoreLayoutSource:
@@ -138,14 +202,7 @@ class StoreLayoutSource:
         if not self.store.check([key]):
             return None
         doc = json.loads(self.store.get(key))
-        reps, rank, r = [], None, 0
-        for rep in doc["replicas"]:
-            ws = rep["workers"]
-            if self.worker_id in ws:
-                rank = r + ws.index(self.worker_id)
-            reps.append((len(ws), int(rep["local_batch"])))
-            r += len(ws)
-        return WorkerLayout(int(doc["version"]), tuple(reps), rank, doc.get("reason", ""))
+        return layout_from_doc(doc, self.worker_id)
 
     def _poll(self) -> None:
         with self._lock:
@@ -188,17 +245,37 @@ class StoreLayoutSource:
 
 # ---- the manager's gRPC watch stream ------------------------------------------------------------
 def layout_from_pb(msg: Any, gpu_uuid: str) -> WorkerLayout:
-    """`ntp.v1.Layout` (one worker's view) -> WorkerLayout. Single-stage layouts only."""
-    reps = []
+    """`ntp.v1.Layout` (one worker's view) -> WorkerLayout. Pipelines need each replica's stage
+    degrees (`ReplicaSummary.stage_tp_degrees`); a summary without them is one stage. The
+    worker's rank is the one the manager gave it, checked against `planner.ranks`' numbering.
+    Raises ValueError for a view whose stages or ranks do not add up."""
+    reps, degrees = [], []
     for s in msg.replicas:
         reps.append((int(s.tp_degree), int(s.local_batch)))
+        degrees.append(tuple(int(d) for d in s.stage_tp_degrees) or (int(s.tp_degree),))
     rank = None
+    if reps:
+        check_degrees(degrees)
+    ids = [int(s.replica_id) for s in msg.replicas]
     for g in msg.own.groups:
-        if g.stage != 0:
-            raise ValueError("the worker runtime supports single-stage (no pipeline) layouts")
-        if gpu_uuid in g.gpu_uuids:
-            rank = int(g.global_ranks[list(g.gpu_uuids).index(gpu_uuid)])
-    return WorkerLayout(int(msg.stamp.version), tuple(reps), rank, msg.reason, int(msg.stamp.leader_epoch))
+        if gpu_uuid not in g.gpu_uuids:
+            continue
+        index = list(g.gpu_uuids).index(gpu_uuid)
+        rank = int(g.global_ranks[index])
+        if msg.own.replica_id not in ids:
+            raise ValueError(f"layout {msg.stamp.version}: own replica {msg.own.replica_id} has no summary")
+        ri = ids.index(msg.own.replica_id)
+        stage = int(g.stage)
+        if stage >= len(degrees[ri]) or len(g.gpu_uuids) != degrees[ri][stage]:
+            raise ValueError(f"layout {msg.stamp.version}: group {g.group_id} (stage {stage}, {len(g.gpu_uuids)} GPUs) "
+                             f"does not match replica {msg.own.replica_id}'s stage degrees {list(degrees[ri])}")
+        expected = global_rank(degrees, ri, stage, index)
+        if rank != expected:
+            raise ValueError(f"layout {msg.stamp.version}: the manager gives {gpu_uuid} rank {rank}, the stage "
+                             f"numbering gives {expected} (replica {ri}, stage {stage}, TP index {index})")
+    multi = any(len(d) > 1 for d in degrees)
+    return WorkerLayout(int(msg.stamp.version), tuple(reps), rank, msg.reason, int(msg.stamp.leader_epoch),
+                        stages=tuple(degrees) if multi else ())
 
 
 class GrpcLayoutSource:

@@ -84,14 +84,16 @@ class TpGroup(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., domain: _Optional[str] = ..., stage: _Optional[int] = ..., tp_degree: _Optional[int] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., global_ranks: _Optional[_Iterable[int]] = ..., power_ratio: _Optional[float] = ...) -> None: ...
 
 class ReplicaSummary(_message.Message):
-    __slots__ = ("replica_id", "tp_degree", "local_batch")
+    __slots__ = ("replica_id", "tp_degree", "local_batch", "stage_tp_degrees")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     TP_DEGREE_FIELD_NUMBER: _ClassVar[int]
     LOCAL_BATCH_FIELD_NUMBER: _ClassVar[int]
+    STAGE_TP_DEGREES_FIELD_NUMBER: _ClassVar[int]
     replica_id: int
     tp_degree: int
     local_batch: int
-    def __init__(self, replica_id: _Optional[int] = ..., tp_degree: _Optional[int] = ..., local_batch: _Optional[int] = ...) -> None: ...
+    stage_tp_degrees: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, replica_id: _Optional[int] = ..., tp_degree: _Optional[int] = ..., local_batch: _Optional[int] = ..., stage_tp_degrees: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReplicaDetail(_message.Message):
     __slots__ = ("replica_id", "groups")
