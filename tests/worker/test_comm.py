@@ -284,3 +284,25 @@ def test_nccl_collectives_p2p_and_shrink():
         assert out["ring"] == float((rank - 1) % world)
         if out["shrink"] is not None:
             assert out["shrink"] == (world - 1, float(world - 1))
+
+
+def test_worker_env_passes_the_host_to_the_backend_choice():
+    """ntp-run's variables reach RuntimeConfig: local rank and ranks, the GPUs they use (pinned
+    ranks each see one), the backend asked for; a bad value is refused with its name."""
+    from ntp_manager.worker.env import worker_env
+
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,  # noqa: F841 - held open
+                           timeout=dt.timedelta(seconds=30))
+    base = {"NTP_STORE": f"127.0.0.1:{port}", "NTP_JOB": "j", "NTP_WORKER_ID": "w5", "NTP_LOCAL_RANK": "5",
+            "NTP_NPROC": "8", "NTP_DEVICE": "cpu"}
+    env = worker_env({**base, "NTP_LOCAL_GPUS": "8"})
+    cfg = env.config(collective_timeout_s=5)
+    assert (cfg.backend, cfg.local_rank, cfg.local_world_size, cfg.local_gpus) == ("auto", 5, 8, 8)
+    assert cfg.collective_timeout_s == 5
+    assert cfg.resolve(CPU_ONLY)[0].backend == "gloo"
+    with pytest.raises(RuntimeError, match="NTP_BACKEND must be"):
+        worker_env({**base, "NTP_BACKEND": "mpi"})
+    with pytest.raises(RuntimeError, match="NTP_LOCAL_GPUS must be a count"):
+        worker_env({**base, "NTP_LOCAL_GPUS": "x"})
+    env.source.close()
