@@ -34,7 +34,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 import structlog
-from sqlalchemy import insert, update
+from sqlalchemy import Table, bindparam, insert, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from ntp_manager.clock import Clock
@@ -163,22 +163,22 @@ class Tx:
         """Write everything staged: inserts, then ORM rows, then updates, events and audits."""
         s, now = self.session, self.now
         if self._new_domains:
-            await s.execute(insert(DomainRow), [{"id": d, "power_budget_w": None, "created_at": now}
-                                                for d in self._new_domains])
+            await s.execute(insert(DOMAINS), [{"id": d, "power_budget_w": None, "created_at": now}
+                                              for d in self._new_domains])
         if self._new_nodes:
-            await s.execute(insert(NodeRow), [
+            await s.execute(insert(NODES), [
                 {"name": n.name, "domain_id": n.domain, "boot_id": n.boot_id, "agent_version": n.agent_version,
                  "last_seq": n.last_seq, "drain_deadline": n.drain_deadline, "drain_reason": n.drain_reason,
                  "registered_at": now} for n in self._new_nodes.values()])
         if self._new_gpus:
-            await s.execute(insert(GpuRow), [_gpu_row(g, now) for g in self._new_gpus.values()])
+            await s.execute(insert(GPUS), [_gpu_row(g, now) for g in self._new_gpus.values()])
         await s.flush()
-        await _bulk_update(s, NodeRow, "name", self._nodes)
-        await _bulk_update(s, GpuRow, "uuid", self._gpus)
+        await _bulk_update(s, NODES, "name", self._nodes)
+        await _bulk_update(s, GPUS, "uuid", self._gpus)
         if self._events:
-            await s.execute(insert(HealthEventRow), self._events)
+            await s.execute(insert(EVENTS), self._events)
         if self._audits:
-            await s.execute(insert(AuditRow), self._audits)
+            await s.execute(insert(AUDIT), self._audits)
 
     def publish(self, world: World) -> None:
         """Apply the committed changes to memory (the same values the rows got)."""
@@ -202,14 +202,26 @@ def _gpu_row(g: GpuRec, now: datetime) -> dict[str, Any]:
             "admin_reason": g.admin_reason, "desired_mw": g.desired_mw, "enforced_mw": g.enforced_mw}
 
 
-async def _bulk_update(s: AsyncSession, model: Any, key: str, changes: dict[str, Any]) -> None:
+# Core tables: bulk statements with no ORM bookkeeping (the identity map never holds these rows).
+def _table(model: Any) -> Table:
+    table = model.__table__
+    assert isinstance(table, Table)
+    return table
+
+
+DOMAINS, NODES, GPUS = _table(DomainRow), _table(NodeRow), _table(GpuRow)
+EVENTS, AUDIT = _table(HealthEventRow), _table(AuditRow)
+
+
+async def _bulk_update(s: AsyncSession, table: Any, key: str, changes: dict[str, Any]) -> None:
     """UPDATE by primary key, one executemany per set of columns changed."""
     groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
     for pk, change in changes.items():
         values = change.values()
-        groups.setdefault(tuple(sorted(values)), []).append({key: pk, **values})
-    for params in groups.values():
-        await s.execute(update(model), params)
+        groups.setdefault(tuple(sorted(values)), []).append({"pk_": pk, **values})
+    for cols, params in groups.items():
+        stmt = update(table).where(table.c[key] == bindparam("pk_")).values({c: bindparam(c) for c in cols})
+        await s.execute(stmt, params)
 
 
 @dataclass

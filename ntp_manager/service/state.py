@@ -97,13 +97,20 @@ KEEP: Final = _Keep()
 
 
 class _Change:
-    """Shared by the typed changes: the fields given, merged and applied by name."""
+    """Shared by the typed changes: the fields given, merged and applied by name. The values are
+    collected once, when the change is made (changes are frozen)."""
 
     __slots__ = ()
+    _names: tuple[str, ...] = ()  # the dataclass's field names (set below each class)
+    _values: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_values", {n: v for n in self._names if (v := getattr(self, n)) is not KEEP})
 
     def values(self) -> dict[str, Any]:
-        """The columns this change sets, by name: what the row gets and what the record gets."""
-        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not KEEP}  # type: ignore[arg-type]
+        """The columns this change sets, by name: what the row gets and what the record gets.
+        (The same dict each time: do not change it.)"""
+        return self._values
 
     def apply(self, target: Any) -> None:
         """Set this change's values on a record (or a row): the same values the row was written."""
@@ -131,6 +138,7 @@ class GpuChange(_Change):
     max_mw: int | _Keep = KEEP
     model: str | _Keep = KEEP
     memory_bytes: int | _Keep = KEEP
+    _values: dict[str, Any] = field(init=False, repr=False, compare=False, default_factory=dict)
 
     @classmethod
     def health_to(cls, state: GpuState, reason: str, source: HealthSource, at: datetime) -> GpuChange:
@@ -168,9 +176,14 @@ class NodeChange(_Change):
     agent_version: str | _Keep = KEEP
     drain_deadline: datetime | _Keep | None = KEEP
     drain_reason: str | _Keep | None = KEEP
+    _values: dict[str, Any] = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def then(self, later: NodeChange) -> NodeChange:
         return NodeChange(**{**self.values(), **later.values()})
+
+
+GpuChange._names = tuple(f.name for f in fields(GpuChange) if f.init)
+NodeChange._names = tuple(f.name for f in fields(NodeChange) if f.init)
 
 
 @dataclass
