@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from ntp_manager.planner import JobSpec, Plan, Scheme, make_plan
 from ntp_manager.planner.plan import Packing
 from ntp_manager.sim.failures import FailureModel, SimError
+from ntp_manager.sim.stall import STALL_PRESETS, StallModel
 from ntp_manager.topology import Cluster, GpuState
 
 Progress = Callable[[int], None]
@@ -330,11 +331,35 @@ class TraceStats:
     scheme: Scheme
     spares: int
     fixed_minibatch: bool
-    mean_throughput: float  # time-averaged, relative to the healthy job
+    mean_throughput: float  # time-averaged, relative to the healthy job, stalls not counted
     paused_share: float  # share of time with global batch below target
     min_throughput: float
     per_gpu_throughput: float  # mean throughput x primary GPUs / (primary + spare GPUs)
     replans: int
+    stall: str = "none"  # the stall model's name
+    changes: int = 0  # layout changes that the job acted on
+    stalled_share: float = 0.0  # share of the time training stood still for reconfiguration
+    effective_throughput: float = 0.0  # time-averaged throughput with stalls counted as zero
+
+    @property
+    def effective_per_gpu(self) -> float:
+        if not self.mean_throughput:
+            return 0.0
+        return self.effective_throughput * self.per_gpu_throughput / self.mean_throughput
+
+
+def layout_key(plan: Plan) -> tuple[tuple[int, int, tuple[tuple[int, int, int, int], ...]], ...]:
+    """What a running job sees of a plan: replicas, their batches, and each group's place and degree."""
+    return tuple(
+        (r.replica_id, r.local_batch, tuple((g.domain_pos, g.local, g.stage, g.tp) for g in r.groups))
+        for r in plan.replicas
+    )
+
+
+def healthy_step_s(job: JobSpec) -> float | None:
+    """The job's healthy step time from its step model (None without one)."""
+    sm = job.step_model
+    return None if sm is None else sm.pipeline_time(job.tp, job.local_batch) + sm.dp_sync_time(job.replicas)
 
 
 def replay(
@@ -343,50 +368,87 @@ def replay(
     configs: Sequence[tuple[Scheme, int]],
     fixed_minibatch: bool = False,
     progress: Progress = _noop,
+    stall: StallModel | None = None,
+    step_s: float | None = None,
 ) -> list[TraceStats]:
-    """Replan after every batch of simultaneous events and integrate throughput over time."""
+    """Replan after every batch of simultaneous events and integrate throughput over time.
+
+    With a `stall` model every change of the layout the job acts on stops training for the
+    model's stall (chained when changes come faster than stalls end); `step_s` is the healthy step
+    time it uses (default: the job's step model, else 0). The trace's first events at time 0 are
+    the state the window starts in, not a change. With `repairs="deferred"` repaired GPUs are taken
+    back only at the next failure; with "free" taking them back costs nothing."""
+    model = stall or STALL_PRESETS["none"]
+    model.validate()
     jobs = [setup.variant(s, sp) for s, sp in configs]
-    acc = [0.0] * len(jobs)
-    paused = [0.0] * len(jobs)
-    lows = [1.0] * len(jobs)
-    failed: set[int] = set()
+    if step_s is None:
+        step_s = healthy_step_s(setup.job) or 0.0
+    n = len(jobs)
+    acc = [0.0] * n
+    eff = [0.0] * n
+    stalled = [0.0] * n
+    stall_until = [0.0] * n
+    changes = [0] * n
+    paused = [0.0] * n
+    lows = [1.0] * n
     snap = setup.cluster
-    current = [1.0] * len(jobs)
-    below = [False] * len(jobs)
+    plans: list[Plan | None] = [setup.plan(snap, job) for job in jobs]
+    keys: list[object] = [layout_key(p) for p in plans if p is not None]
+    current = [1.0] * n
+    below = [False] * n
+    pending: dict[str, GpuState] = {}  # repairs not yet acted on (deferred)
     t = 0.0
     replans = 0
     i = 0
     events = trace.events
+
+    def advance(k: int, until: float) -> None:
+        span = until - t
+        lost = min(span, max(0.0, stall_until[k] - t))
+        acc[k] += current[k] * span
+        eff[k] += current[k] * (span - lost)
+        stalled[k] += lost
+        if below[k]:
+            paused[k] += span
+
     while i < len(events):
         at = events[i].at_h
-        for k in range(len(jobs)):
-            acc[k] += current[k] * (at - t)
-            if below[k]:
-                paused[k] += at - t
+        for k in range(n):
+            advance(k, at)
         t = at
-        changes: dict[str, GpuState] = {}
+        changes_now: dict[str, GpuState] = {}
+        any_failure = False
         while i < len(events) and events[i].at_h == at:
             e = events[i]
             for g in e.repaired:
-                failed.discard(g)
-                changes[setup.uuids[g]] = GpuState.HEALTHY
+                changes_now[setup.uuids[g]] = GpuState.HEALTHY
             for g in e.failed:
-                failed.add(g)
-                changes[setup.uuids[g]] = GpuState.FAILED
+                changes_now[setup.uuids[g]] = GpuState.FAILED
+                any_failure = True
             i += 1
-        snap = snap.with_states(changes)
+        if model.repairs == "deferred" and not any_failure and at > 0:
+            pending.update(changes_now)  # taken back at the next restart
+            progress(1)
+            continue
+        snap = snap.with_states({**pending, **changes_now})
+        pending.clear()
         replans += 1
         for k, job in enumerate(jobs):
-            plan = setup.plan(snap, job)
+            prev = plans[k]
+            plan = setup.plan(snap, job, prev)
+            key = layout_key(plan)
+            if prev is not None and at > 0 and key != keys[k] and (any_failure or model.repairs == "stall"):
+                changes[k] += 1
+                seconds = model.stall_s(job, plan, prev, step_s)
+                stall_until[k] = max(stall_until[k], at) + seconds / 3600.0
+            plans[k], keys[k] = plan, key
             below[k] = not plan.meets_target
             thr = plan_throughput(plan, job)
             current[k] = (0.0 if below[k] else thr) if fixed_minibatch else thr
             lows[k] = min(lows[k], current[k])
         progress(1)
-    for k in range(len(jobs)):
-        acc[k] += current[k] * (trace.hours - t)
-        if below[k]:
-            paused[k] += trace.hours - t
+    for k in range(n):
+        advance(k, trace.hours)
     out = []
     primary_gpus = setup.job.primary_groups * setup.job.tp
     for k, (s, sp) in enumerate(configs):
@@ -395,6 +457,7 @@ def replay(
             TraceStats(
                 s, sp, fixed_minibatch, mean, paused[k] / trace.hours, lows[k],
                 mean * primary_gpus / (primary_gpus + sp * setup.job.tp), replans,
+                model.name, changes[k], stalled[k] / trace.hours, eff[k] / trace.hours,
             )
         )
     return out

@@ -31,6 +31,7 @@ class Preset:
     job: JobSpec
     model: FailureModel
     description: str
+    step_s: float | None = None  # healthy step seconds (what a redone step costs in a stall)
 
 
 # Every preset states its power model: the paper's measured speed curve (flat beyond 1.2x), a rack
@@ -41,6 +42,8 @@ PAPER_POWER = PowerModel(max_boost=1.3, rack_headroom=1.15, curve=PAPER_POWER_CU
 # The paper's 480B model on B200s in the paper's layout: TP32 x 8 stages x 128 replicas, 8 sequences
 # of 16K tokens per replica, 12 interleaved chunks per stage (planner/steptime.py states the model).
 PAPER_STEP = StepModel(ModelShape(), Hardware(), Layout(tp=32, pp=8, dp=128, domain=32, interleave=12))
+PAPER_STEP_S = PAPER_STEP.breakdown(8).total  # ~1.75 s
+PAPER_PARAMS = ModelShape().params  # 503e9 (the paper's "480B"): 16 bytes each -> ~1 TB of state per stage
 
 PRESETS: dict[str, Preset] = {
     "paper-32k": Preset(
@@ -48,18 +51,22 @@ PRESETS: dict[str, Preset] = {
         JobSpec(
             name="paper-480b", tp=32, groups_per_replica=8, replicas=128, local_batch=8, min_tp=28,
             heads=128, mlp_columns=81_920, attention_share=0.4, scheme=Scheme.NTP, power=PAPER_POWER,
+            parameters=PAPER_PARAMS,
         ),
         FailureModel(hardware_repair_h=72.0),
         "32,768 GPUs, NVL32, TP32, 8 groups/replica, 128 replicas, Llama 3 rates",
+        PAPER_STEP_S,
     ),
     "paper-100k": Preset(
         "paper-100k", 3125, 32, 4,
         JobSpec(
             name="paper-480b-100k", tp=32, groups_per_replica=8, replicas=390, local_batch=8, min_tp=28,
             heads=128, mlp_columns=81_920, attention_share=0.4, scheme=Scheme.NTP, power=PAPER_POWER,
+            parameters=PAPER_PARAMS,
         ),
         FailureModel(hardware_repair_h=72.0),
         "100,000 GPUs, NVL32, the paper's job scaled: TP32, 8 groups/replica, 390 replicas (3,120 domains)",
+        PAPER_STEP_S,
     ),
     "nvl72-tp64": Preset(
         "nvl72-tp64", 455, 72, 4,

@@ -12,10 +12,11 @@ import pytest
 from typer.testing import CliRunner
 
 from ntp_manager.cli import app as cli_app
-from ntp_manager.planner import PAPER_POWER_CURVE, JobSpec, Scheme, make_plan
+from ntp_manager.planner import PAPER_POWER_CURVE, JobSpec, PreviousLayout, Scheme, make_plan
 from ntp_manager.sim import FailureModel, SimError, SimSetup, make_trace, preset, preset_cluster, replay, static_sweep
 from ntp_manager.sim.engine import Event, Trace, job_pool_size, min_spares_never_pause, placement
-from ntp_manager.topology import PowerLimits, generate_cluster
+from ntp_manager.sim.stall import STALL_PRESETS, reshard_s
+from ntp_manager.topology import GpuState, PowerLimits, generate_cluster
 
 
 def flat_setup(domains=64, size=8, pp=1, model=FailureModel(), max_spares=0):
@@ -310,3 +311,64 @@ def test_nvl72_tp64_leftovers_hide_failures_until_a_domain_has_more_than_eight()
     for failed, expected in ((range(8), 1.0), (range(9), 0.5)):  # 8 fit in the leftovers, the 9th not
         plan = make_plan(setup.snapshot(list(failed)), setup.variant(Scheme.DP_DROP))
         assert plan.relative_throughput == expected
+
+
+# ---- the cost of reconfiguring ------------------------------------------------------------------
+
+
+def one_failure_trace(setup, gpu=3, fail_at=1.0, repair_at=3.0, hours=4.0):
+    return Trace(hours, setup.n_gpus, (Event(fail_at, (gpu,), ()), Event(repair_at, (), (gpu,))), 1)
+
+
+def test_restart_stall_counts_each_failure_and_defers_repairs():
+    # 8 domains, TP8, one group per replica. One failure at 1 h (repaired at 3 h) under the restart
+    # model: 600 s of standing still at 1 h; the repair is acted on only at the next failure (none),
+    # so dp-drop stays at 7/8 from 1 h to the end: effective = (1 x 1 + 7/8 x (3 - 1/6)) / 4 h.
+    setup = flat_setup(domains=8, size=8)
+    trace = one_failure_trace(setup)
+    (dp,) = replay(setup, trace, [(Scheme.DP_DROP, 0)], stall=STALL_PRESETS["restart"])
+    assert dp.changes == 1 and dp.stalled_share == pytest.approx((600 / 3600) / 4)
+    assert dp.mean_throughput == pytest.approx((1 + 7 / 8 * 3) / 4)
+    assert dp.effective_throughput == pytest.approx((1 + 7 / 8 * (3 - 1 / 6)) / 4)
+    # ft-hsdp: 180 s for the failure, the repair free and taken at once
+    (ft,) = replay(setup, trace, [(Scheme.DP_DROP, 0)], stall=STALL_PRESETS["ft-hsdp"])
+    assert ft.changes == 1 and ft.mean_throughput == pytest.approx((1 + 7 / 8 * 2 + 1) / 4)
+    assert ft.effective_throughput == pytest.approx((1 + 7 / 8 * (2 - 180 / 3600) + 1) / 4)
+
+
+def test_stalls_chain_when_changes_come_faster_than_they_end():
+    setup = flat_setup(domains=8, size=8)
+    trace = Trace(1.0, setup.n_gpus, (Event(0.1, (3,), ()), Event(0.15, (20,), ())), 2)
+    model = dataclasses.replace(STALL_PRESETS["ft-hsdp"], fixed_s=360.0)  # 0.1 h each
+    (dp,) = replay(setup, trace, [(Scheme.DP_DROP, 0)], stall=model)
+    assert dp.changes == 2 and dp.stalled_share == pytest.approx(0.2)  # 0.1 -> 0.2 -> 0.3 h
+
+
+def test_live_stall_scales_with_the_state_a_change_moves():
+    # NVL8 TP8, 2 stages, stage state 8 GB: a group that changes stage loads 8 GB / 8 GPUs = 1 GB
+    # per GPU; one that keeps its stage and drops to TP7 fetches 8 GB x (1/7 - 1/8) = 0.143 GB.
+    job = JobSpec(name="t", tp=8, groups_per_replica=2, replicas=2, local_batch=8, min_tp=4, heads=32,
+                  mlp_columns=1024, stage_bytes=(8_000_000_000,))
+    cluster = generate_cluster(4, 8, 4)
+    before = make_plan(cluster, job)
+    hit = cluster.with_states({cluster.domains[1].gpus[0].uuid: GpuState.FAILED})
+    after = make_plan(hit, job, before)
+    live = STALL_PRESETS["live"]
+    assert after.moves is not None and after.moves.stage_changed == 0  # the TP7 group stays in place
+    assert reshard_s(job, after, before, live.net_bw) == pytest.approx(8e9 * (1 / 7 - 1 / 8) / live.net_bw)
+    assert live.stall_s(job, after, before, step_s=2.0) == pytest.approx(0.16 + 0.27 + 2.0 + 8e9 / 56 / 40e9)
+    moved = make_plan(cluster, job, PreviousLayout({"d1/g0": (0, 1), "d0/g0": (0, 0)}, 8, 2))
+    assert reshard_s(job, moved, before, live.net_bw) == pytest.approx(1e9 / live.net_bw)
+
+
+def test_cli_stall_applies_to_traces_and_names_its_step():
+    r = cli_runner.invoke(cli_app, ["simulate", "--preset", "small", "--stall", "restart"])
+    assert r.exit_code == 2 and "--stall applies to trace mode" in r.output
+    r = cli_runner.invoke(cli_app, ["simulate", "--preset", "small", "--days", "1", "--stall", "live"])
+    assert r.exit_code == 2 and "--step-seconds" in r.output
+    r = cli_runner.invoke(cli_app, ["simulate", "--preset", "small", "--days", "2", "--rate-multiplier", "300",
+                                    "--stall", "live", "--step-seconds", "1.5", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout[r.stdout.index("{"):])
+    stats = doc["runs"][0]["stats"]
+    assert all(s["stall"] == "live" and s["effective_throughput"] <= s["mean_throughput"] for s in stats)
