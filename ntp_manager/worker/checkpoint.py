@@ -117,6 +117,10 @@ class CheckpointError(RuntimeError):
     """No checkpoint can be used: none complete and verified, or one of a different model."""
 
 
+class NoCheckpoint(CheckpointError):
+    """There is no complete checkpoint at all (a new job), as opposed to none that verifies."""
+
+
 # ---- pure parts ---------------------------------------------------------------------------------
 def write_ranges(layout: SyncLayout, rank: int) -> dict[str, tuple[int, int]]:
     """Family -> the units [start, stop) that `rank`'s replica writes: a family's units cut into
@@ -726,6 +730,8 @@ class Checkpointer:
             box: list[Any] = [refs]
             dist.broadcast_object_list(box, group=group, group_src=0)
             refs = box[0]
+        if not refs:
+            raise NoCheckpoint(f"no complete checkpoint in {self.root}")
         skipped: list[tuple[str, str]] = []
         for ref in refs:
             why = self._verify(ref, group)
@@ -743,7 +749,7 @@ class Checkpointer:
             skipped.append((ref.path.name, why))
             self._bad.add(ref.step)
             log.warning("checkpoint skipped", path=str(ref.path), reason=why)
-        tried = "; ".join(f"{n}: {w}" for n, w in skipped) or "none complete"
+        tried = "; ".join(f"{n}: {w}" for n, w in skipped)
         raise CheckpointError(f"no usable checkpoint in {self.root} ({tried})")
 
     def _verify(self, ref: CheckpointRef, group: Any) -> str | None:
