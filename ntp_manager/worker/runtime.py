@@ -49,7 +49,15 @@ import torch.distributed as dist
 from torch import nn
 
 from ntp_manager.worker import comm
-from ntp_manager.worker.reshard import apply_reshard
+from ntp_manager.worker.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    NoCheckpoint,
+    RestoreInfo,
+    Retention,
+    SaveHandle,
+)
+from ntp_manager.worker.reshard import apply_reshard, reshard_moves
 from ntp_manager.worker.sources import LayoutSource, WorkerLayout
 from ntp_manager.worker.sync import NtpGradSync, ReplicaGroup, SyncLayout, families_of
 from ntp_manager.worker.tp import ReplicatedPerUnit, ShardedModule, ShardStyle, parallelize, unit_features
@@ -84,6 +92,14 @@ class RuntimeConfig:
     local_world_size: int = 1  # the job's ranks on this host
     local_gpus: int | None = None  # distinct GPUs those ranks use (None: the GPUs this process sees)
     force_staging: bool = False  # tests: gloo's host staging also for CPU tensors (comm.py)
+
+    # unit-addressed checkpoints (worker/checkpoint.py); None: none. A directory every rank sees.
+    checkpoint_dir: str | None = None
+    checkpoint_interval: int = 0  # steps between automatic checkpoints (0: only save_checkpoint())
+    checkpoint_keep_last: int = 3
+    checkpoint_keep_every: int = 0  # also keep checkpoints whose step is a multiple of this
+    checkpoint_resume: bool = True  # a job's first layout restores the newest checkpoint if there is one
+    checkpoint_complete_timeout_s: float = 300.0  # how long the coordinator waits for every rank's part
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "gloo", "nccl"):
@@ -224,6 +240,13 @@ class Runtime:
         self.seen: WorkerLayout | None = None  # newest version known, member or not
         self.units: dict[str, int] = {}
         self.families: dict[str, str] = {}
+        keep = Retention(cfg.checkpoint_keep_last, cfg.checkpoint_keep_every)
+        self.checkpointer = (Checkpointer(cfg.checkpoint_dir, keep,
+                                          complete_timeout_s=cfg.checkpoint_complete_timeout_s)
+                             if cfg.checkpoint_dir else None)
+        self.data_state_fn: Callable[[], dict[str, Any]] | None = None  # what save_checkpoint stores as data_state
+        self.restored: RestoreInfo | None = None  # the last restore from a checkpoint
+        self._saved_step = -1
 
     @property
     def plan(self) -> Mapping[str, ShardStyle]:
@@ -291,6 +314,7 @@ class Runtime:
                 continue
             failure = None
             try:
+                self._checkpoint_if_due()
                 result, agreed = self._try_step(batch_fn, loss_fn)
             except Exception as e:
                 if not is_comm_failure(e):
@@ -311,6 +335,8 @@ class Runtime:
             return result
 
     def close(self) -> None:
+        if self.checkpointer is not None:  # this rank's writes, and (coordinator) their completion
+            self.checkpointer.close(self.cfg.checkpoint_complete_timeout_s)
         comm.leave(self.choice.backend, self.features)
         self.source.close()
 
@@ -341,7 +367,7 @@ class Runtime:
         gloss = float(stacked[:, 0].sum().item()) / lay.global_batch
         agreed = int(stacked[:, 1].max().item())
         secs = time.perf_counter() - t0
-        if self.s.timeline and self.s.timeline[-1].what in ("reshard done", "joined"):
+        if self.s.timeline and self.s.timeline[-1].what in ("reshard done", "joined", "restored from checkpoint"):
             self._event("first step", lay.version, f"tp={tp} local_batch={lb}")
         self.source.report_step(lay, step, secs, lb)
         return StepResult(step, gloss, lay.global_batch, lb, lay.version, tp, secs), agreed
@@ -540,15 +566,12 @@ class Runtime:
         survivors = {nr: r for nr, (r, v, _) in enumerate(info) if r >= 0 and v == src_version}
         steps = {s for nr, (_, _, s) in enumerate(info) if nr in survivors}
         if len(steps) > 1:
-            raise ReconfigurationError(f"survivors disagree on the committed step ({sorted(steps)}): a rank died "
-                                       "inside a step's commit; restore from a checkpoint")
-        if self.s.model is None and not survivors:
-            self._build_fresh(target)  # the job's first layout: every rank initialises the same model
-            self._event("joined", target.version, f"tp={self.tp}")
-            self.source.ack(target, True)
-            return
+            return self._restore_into(target, f"survivors disagree on the committed step ({sorted(steps)}): a rank "
+                                      "died inside a step's commit")
+        if not survivors and max(s for _, _, s in info) == 0:
+            return self._restore_into(target, None)  # the job's first layout: a checkpoint, or a fresh model
         if not survivors:
-            raise ReconfigurationError("no rank of the new layout holds the model state")
+            return self._restore_into(target, "no rank of the new layout holds the model state")
         self.step = steps.pop()
         src = min(survivors)
         obj: list[Any] = [old.replicas if rank == src and old else None]
@@ -562,6 +585,10 @@ class Runtime:
         fresh = self._fresh_model() if rank not in survivors else None  # also learns the unit counts
         old_sl = SyncLayout(tuple(ReplicaGroup(rs, b) for rs, b in old_ranks), self.units)
         new_sl = target.sync_layout(self.units)
+        try:
+            reshard_moves(old_sl, new_sl, set(survivors))
+        except ValueError as e:  # every holder of some unit is gone
+            return self._restore_into(target, str(e))
         joiners = [nr for nr in range(world) if nr not in survivors]
         my_tp = self._tp_groups(target)
         if rank not in survivors:  # a fresh or stale rank: shapes for the new units, values from peers
@@ -648,6 +675,72 @@ class Runtime:
             for st in opt.state.values():
                 if "step" in st:
                     st["step"] = torch.tensor(step_val.item())
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def save_checkpoint(self, data_state: dict[str, Any] | None = None) -> SaveHandle:
+        """Checkpoint the state after `step` committed steps (worker/checkpoint.py); returns once
+        this rank's shards are copied, while they are written. Every rank of the layout calls it
+        between the same two steps. `data_state`: JSON describing the data position (default:
+        `data_state_fn()` when set)."""
+        lay, sl = self.s.layout, self.s.sync_layout
+        if self.checkpointer is None:
+            raise RuntimeError("no checkpoint_dir in the RuntimeConfig")
+        assert lay is not None and lay.rank is not None and sl is not None, "call start() first"
+        if data_state is None and self.data_state_fn is not None:
+            data_state = self.data_state_fn()
+        handle = self.checkpointer.save(self.step, self.model, self.optimizer, sl, lay.rank, self.families,
+                                        group=self.s.world, data_state=data_state, job_ranks=range(lay.world))
+        self._saved_step = self.step
+        log.info("checkpoint started", step=self.step, version=lay.version, snapshot_s=round(handle.snapshot_s, 4))
+        return handle
+
+    def restore_checkpoint(self) -> RestoreInfo:
+        """Every rank of the current layout loads the newest verified checkpoint into its model
+        and optimizer (any layout can load any checkpoint); training goes on from its step.
+        Raises CheckpointError when none verifies."""
+        lay, sl = self.s.layout, self.s.sync_layout
+        if self.checkpointer is None:
+            raise RuntimeError("no checkpoint_dir in the RuntimeConfig")
+        assert lay is not None and lay.rank is not None and sl is not None, "call start() first"
+        info = self.checkpointer.load(self.model, self.optimizer, sl, lay.rank, self.families, group=self.s.world)
+        self.step = self._saved_step = info.step
+        self.restored = info
+        self._event("restored from checkpoint", lay.version, info.describe())
+        return info
+
+    def _checkpoint_if_due(self) -> None:
+        n = self.cfg.checkpoint_interval
+        if self.checkpointer is not None and n > 0 and self.step > 0 and self.step % n == 0 \
+                and self._saved_step != self.step:
+            self.save_checkpoint()
+
+    def _restore_into(self, target: WorkerLayout, why: str | None) -> None:
+        """Every rank of `target` builds a fresh model for its units and loads the newest verified
+        checkpoint into it: state no survivor holds (`why`), or the job's first layout (`why`
+        None: without a checkpoint, or with checkpoint_resume off, the fresh model is the start)."""
+        ck = self.checkpointer if why is not None or self.cfg.checkpoint_resume else None
+        if why is not None and ck is None:
+            raise ReconfigurationError(f"{why}; no checkpoint_dir is configured to restore from")
+        self._build_fresh(target)
+        assert target.rank is not None and self.s.sync_layout is not None
+        info = None
+        if ck is not None:
+            try:
+                info = ck.load(self.model, self.optimizer, self.s.sync_layout, target.rank, self.families,
+                               group=self.s.world)
+            except NoCheckpoint as e:
+                if why is not None:
+                    raise ReconfigurationError(f"{why}; and {e}") from e
+            except CheckpointError as e:
+                raise ReconfigurationError(f"{why or 'resuming the job'}: {e}") from e
+        if info is None:
+            self._event("joined", target.version, f"tp={self.tp}")
+            self.source.ack(target, True)
+            return
+        self.step = self._saved_step = info.step
+        self.restored = info
+        self._event("restored from checkpoint", target.version, info.describe() + (f" ({why})" if why else ""))
+        self.source.ack(target, True, f"restored from step {info.step}")
 
     def _event(self, what: str, version: int, detail: str = "") -> None:
         ev = TimelineEvent(time.time(), what, version, detail)
