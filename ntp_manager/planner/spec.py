@@ -123,6 +123,48 @@ def _interp(points: Sequence[tuple[float, float]], x: float, axis: int) -> float
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+CHECKPOINT_DIR_MAX = 4096  # characters (Linux PATH_MAX)
+CHECKPOINT_INTERVAL_MAX = 2**31 - 1
+CHECKPOINT_KEEP_MAX = 10_000
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """Where and how often a job's workers write unit-addressed checkpoints (worker/checkpoint.py:
+    any layout loads them, so the workers fall back to one when no survivor holds some unit). The
+    manager records and hands on the policy; the workers write and verify the checkpoints.
+
+    dir             absolute path of a directory every rank of the job sees (a shared filesystem)
+    interval_steps  optimizer steps between checkpoints
+    keep_last       the newest good checkpoints kept
+    keep_every      also keep checkpoints whose step is a multiple of this (0: none)
+    """
+
+    dir: str
+    interval_steps: int
+    keep_last: int = 3
+    keep_every: int = 0
+
+    def validate(self) -> None:
+        d = self.dir
+        if not isinstance(d, str) or not d.startswith("/"):
+            raise PlanError(f"checkpoint.dir must be an absolute path, got {d!r}")
+        if len(d) > CHECKPOINT_DIR_MAX:
+            raise PlanError(f"checkpoint.dir is {len(d)} characters long; the limit is {CHECKPOINT_DIR_MAX}")
+        if any(ord(c) < 32 or ord(c) == 127 for c in d):
+            raise PlanError("checkpoint.dir contains a control character")
+        parts = d.split("/")
+        if ".." in parts or "." in parts:
+            raise PlanError(f"checkpoint.dir must not contain '.' or '..' components, got {d!r}")
+        if d.rstrip("/") == "":
+            raise PlanError("checkpoint.dir must not be the root directory")
+        for name, v, lo, hi in (("interval_steps", self.interval_steps, 1, CHECKPOINT_INTERVAL_MAX),
+                                ("keep_last", self.keep_last, 1, CHECKPOINT_KEEP_MAX),
+                                ("keep_every", self.keep_every, 0, CHECKPOINT_INTERVAL_MAX)):
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise PlanError(f"checkpoint.{name} must be an integer in [{lo}, {hi}], got {v!r}")
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """A training job as the planner sees it.
@@ -153,6 +195,7 @@ class JobSpec:
                        model's parameter count, split evenly over the stages at
                        `bytes_per_parameter` each (16: bf16 weights and gradients, fp32 master
                        weights and two Adam moments)
+    checkpoint         optional `CheckpointPolicy`: where and how often the workers checkpoint
     """
 
     name: str
@@ -173,6 +216,7 @@ class JobSpec:
     stage_bytes: tuple[int, ...] = ()
     parameters: int = 0
     bytes_per_parameter: float = 16.0
+    checkpoint: CheckpointPolicy | None = None
 
     @property
     def target_batch(self) -> int:
@@ -235,6 +279,8 @@ class JobSpec:
                 )
             if sm.balance != self.balance:
                 raise PlanError(f"step_model balance {sm.balance!r} is not the job's {self.balance!r}")
+        if self.checkpoint is not None:
+            self.checkpoint.validate()
 
     def stage_sizes(self) -> dict[int, int] | None:
         """Bytes of state per pipeline stage (see stage_bytes / parameters), None when unknown."""
