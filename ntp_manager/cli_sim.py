@@ -148,6 +148,25 @@ def refuse_inert_options(given: dict[str, Any], trace: bool, custom_cluster: boo
             )
 
 
+_POWER_ONLY = {
+    "power_curve": "--power-curve",
+    "rack_headroom": "--rack-headroom",
+    "max_boost": "--max-boost",
+    "gpu_power": "--gpu-power",
+    "base_cap": "--base-cap",
+}
+
+
+def refuse_scheme_inert_options(given: dict[str, Any], schemes: list[Scheme], redo_steps: float) -> None:
+    """Power options only act on ntp-pw; --step-seconds only on a stall model that redoes a step."""
+    if Scheme.NTP_PW not in schemes:
+        for name, flag in _POWER_ONLY.items():
+            if given.get(name) is not None:
+                raise SimError(f"{flag} only changes ntp-pw (power boost); add --scheme ntp-pw or drop it")
+    if given.get("step_seconds") is not None and not redo_steps:
+        raise SimError("--step-seconds is what a redone step costs; only --stall live redoes one")
+
+
 def simulate(
     preset_name: Annotated[
         str | None, typer.Option("--preset", help=f"{' | '.join(PRESETS)} (default paper-32k)")
@@ -233,6 +252,7 @@ def simulate(
         )
         model.validate()
         schemes = _schemes(scheme)
+        refuse_scheme_inert_options(given, schemes, stall_preset(stall or "none").redo_steps)
         spare_list = parse_ints(spares or "0", "--spares")
         n_placements = 100 if placements is None else placements
         n_seeds = 1 if seeds is None else seeds
