@@ -31,6 +31,7 @@ from ntp_manager.sim import (
     static_sweep,
 )
 from ntp_manager.sim.engine import healthy_step_s
+from ntp_manager.sim.presets import PAPER_STEP
 from ntp_manager.sim.stall import StallModel, stall_preset
 from ntp_manager.specfile import SpecError, load_cluster, load_job
 from ntp_manager.topology import PowerLimits, TopologyError
@@ -148,6 +149,25 @@ def refuse_inert_options(given: dict[str, Any], trace: bool, custom_cluster: boo
             )
 
 
+_POWER_ONLY = {
+    "power_curve": "--power-curve",
+    "rack_headroom": "--rack-headroom",
+    "max_boost": "--max-boost",
+    "gpu_power": "--gpu-power",
+    "base_cap": "--base-cap",
+}
+
+
+def refuse_scheme_inert_options(given: dict[str, Any], schemes: list[Scheme], redo_steps: float) -> None:
+    """Power options only act on ntp-pw; --step-seconds only on a stall model that redoes a step."""
+    if Scheme.NTP_PW not in schemes:
+        for name, flag in _POWER_ONLY.items():
+            if given.get(name) is not None:
+                raise SimError(f"{flag} only changes ntp-pw (power boost); add --scheme ntp-pw or drop it")
+    if given.get("step_seconds") is not None and not redo_steps:
+        raise SimError("--step-seconds is what a redone step costs; only --stall live redoes one")
+
+
 def simulate(
     preset_name: Annotated[
         str | None, typer.Option("--preset", help=f"{' | '.join(PRESETS)} (default paper-32k)")
@@ -203,6 +223,11 @@ def simulate(
     step_seconds: Annotated[
         float | None, typer.Option(help="trace mode: healthy step time for the stall model (default: the job's)")
     ] = None,
+    step_model: Annotated[
+        str | None,
+        typer.Option(help="'paper': size reduced replicas and throughput by the 480B-on-B200 step model "
+                          "(TP32 x 8 stages, 12 interleaved chunks); 'paper-v1': without interleaving"),
+    ] = None,
     packing: Annotated[
         str, typer.Option(help="stable (the resource manager repacks) | none (home replicas stay: no manager)")
     ] = "stable",
@@ -233,6 +258,7 @@ def simulate(
         )
         model.validate()
         schemes = _schemes(scheme)
+        refuse_scheme_inert_options(given, schemes, stall_preset(stall or "none").redo_steps)
         spare_list = parse_ints(spares or "0", "--spares")
         n_placements = 100 if placements is None else placements
         n_seeds = 1 if seeds is None else seeds
@@ -251,6 +277,13 @@ def simulate(
             power_fields["max_boost"] = max_boost
         if power_fields:
             job_spec = dataclasses.replace(job_spec, power=dataclasses.replace(job_spec.power, **power_fields))
+        if step_model is not None:
+            if step_model not in ("paper", "paper-v1"):
+                raise SimError(f"--step-model must be 'paper' or 'paper-v1', got {step_model!r}")
+            sm = PAPER_STEP if step_model == "paper" else dataclasses.replace(
+                PAPER_STEP, layout=dataclasses.replace(PAPER_STEP.layout, interleave=1))
+            job_spec = dataclasses.replace(job_spec, step_model=sm)
+            job_spec.validate()
         if cluster:
             c = load_cluster(cluster)
             name = f"job {job_spec.name} on cluster {c.name}"

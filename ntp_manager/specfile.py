@@ -26,7 +26,8 @@ job.yaml
     mlp_columns: 4096
     scheme: ntp-pw
     spares: 1
-    power: {max_boost: 1.3, exponent: 0.7, rack_headroom: 1.15}
+    power: {max_boost: 1.3, exponent: 0.7, rack_headroom: 1.15}   # or curve: [[1.0, 1.0], [1.1, 1.069], ...]
+    balance: layer                                    # or stage: units rotate over a stage's layers
     parameters: 480000000000                          # optional model size (or stage_bytes: [...])
     checkpoint: {dir: /shared/ckpt/demo, interval_steps: 500, keep_last: 3, keep_every: 5000}   # optional
 
@@ -212,6 +213,8 @@ class JobFile(_Strict):
     spares: Annotated[StrictInt, Field(ge=0, le=limits.JOB_GPUS_MAX)] = 0
     domains: list[DomainId] = Field(default_factory=list, max_length=limits.JOB_DOMAINS_MAX)
     power: PowerSpec = PowerSpec()
+    # how a reduced group's units are split: the same way in every layer, or rotated over a stage
+    balance: Literal["layer", "stage"] = "layer"
     # state per pipeline stage (one, or one per stage)
     stage_bytes: list[Annotated[StrictInt, Field(ge=0, le=2**62)]] = Field(
         default_factory=list, max_length=limits.TP_MAX)
@@ -240,7 +243,8 @@ class JobFile(_Strict):
             replicas=self.replicas, local_batch=self.local_batch, min_tp=self.min_tp,
             heads=self.heads, mlp_columns=self.mlp_columns, attention_share=self.attention_share,
             scheme=Scheme(self.scheme), spares=self.spares, domains=tuple(self.domains),
-            power=self.power.model(), stage_bytes=tuple(self.stage_bytes), parameters=self.parameters,
+            power=self.power.model(), balance=self.balance, stage_bytes=tuple(self.stage_bytes),
+            parameters=self.parameters,
             bytes_per_parameter=self.bytes_per_parameter,
             checkpoint=self.checkpoint.policy() if self.checkpoint is not None else None,
         )

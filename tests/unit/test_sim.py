@@ -213,6 +213,12 @@ def test_cli_bad_input(args, message):
         (("--power-curve", "steep"), "--power-curve 'steep'"),
         (("--power-curve", "1.0:1.0,1.1:0.9"), "power.curve needs"),
         (("--rack-headroom", "0"), "rack_headroom must be positive"),
+        (("--scheme", "ntp", "--rack-headroom", "1.2"), "--rack-headroom only changes ntp-pw"),
+        (("--scheme", "dp-drop", "--power-curve", "paper"), "--power-curve only changes ntp-pw"),
+        (("--scheme", "ntp", "--base-cap", "0.9"), "--base-cap only changes ntp-pw"),
+        (("--days", "1", "--stall", "restart", "--step-seconds", "2"), "only --stall live redoes one"),
+        (("--stall", "nope", "--days", "1"), "unknown stall model 'nope'"),
+        (("--step-model", "paper"), "step_model layout TP32 x PP8 is not the job's TP8"),
     ],
 )
 def test_cli_refuses_options_that_would_do_nothing(args, message):
