@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from ntp_manager.planner.ntp_map import max_units_per_rank
+from ntp_manager.planner.steptime import StepModel, StepModelError
 
 
 class PlanError(ValueError):
@@ -178,6 +179,15 @@ class JobSpec:
     local_batch        samples per replica per step when healthy
     spares             TP groups beyond replicas x groups_per_replica the job may draw on
     domains            domain ids the job may use, in order (empty: every domain of the cluster)
+    balance            "layer" (default): every layer splits its units the same way, so a rank's
+                       work is the most units any rank holds (ceil(U / t)); "stage": the extra
+                       units rotate over the layers of a stage, so work is even, T / t (what the
+                       NTP paper assumes: a replica contributes in proportion to its GPUs)
+    step_model         optional `StepModel` (planner/steptime.py): when given, the reduced-batch
+                       rule and the speed a boost must restore come from the step time (compute,
+                       TP communication, pipeline fill and drain) instead of the work ratio alone;
+                       its layout's tp and pp must be the job's tp and groups_per_replica, its
+                       model's heads and ffn the job's units, one sequence per microbatch
     stage_bytes        optional: bytes of parameters + optimizer state one pipeline stage holds
                        (one value for every stage, or one per stage); what a TP group loads when it
                        changes stage. Used only to report and break ties between equal packings.
@@ -201,6 +211,8 @@ class JobSpec:
     spares: int = 0
     domains: tuple[str, ...] = ()
     power: PowerModel = field(default_factory=PowerModel)
+    balance: str = "layer"
+    step_model: StepModel | None = None
     stage_bytes: tuple[int, ...] = ()
     parameters: int = 0
     bytes_per_parameter: float = 16.0
@@ -247,6 +259,26 @@ class JobSpec:
         if not self.bytes_per_parameter > 0:
             raise PlanError(f"bytes_per_parameter must be positive, got {self.bytes_per_parameter}")
         self.power.validate()
+        if self.balance not in ("layer", "stage"):
+            raise PlanError(f"balance must be 'layer' or 'stage', got {self.balance!r}")
+        if self.step_model is not None:
+            sm = self.step_model
+            try:
+                sm.validate()
+            except StepModelError as e:
+                raise PlanError(f"step_model: {e}") from None
+            if (sm.layout.tp, sm.layout.pp) != (self.tp, self.groups_per_replica):
+                raise PlanError(
+                    f"step_model layout TP{sm.layout.tp} x PP{sm.layout.pp} is not the job's "
+                    f"TP{self.tp} x {self.groups_per_replica} groups per replica"
+                )
+            if (sm.model.heads, sm.model.ffn) != (self.heads, self.mlp_columns):
+                raise PlanError(
+                    f"step_model units ({sm.model.heads} heads, {sm.model.ffn} MLP columns) are not the job's "
+                    f"({self.heads}, {self.mlp_columns})"
+                )
+            if sm.balance != self.balance:
+                raise PlanError(f"step_model balance {sm.balance!r} is not the job's {self.balance!r}")
         if self.checkpoint is not None:
             self.checkpoint.validate()
 
@@ -267,7 +299,9 @@ class JobSpec:
         A rank's time is set by the most units it holds of each kind (ceil(U / tp)); attention and
         MLP are weighted by `attention_share`. work(self.tp) == 1.0.
         Example: 128 heads, 81,920 columns, tp 32 -> 31, share 0.4:
-        0.4 * 5/4 + 0.6 * 2643/2560 = 1.1195."""
+        0.4 * 5/4 + 0.6 * 2643/2560 = 1.1195. With balance "stage": T / t."""
+        if self.balance == "stage":
+            return self.tp / tp
         parts = []
         if self.heads:
             parts.append((self.attention_share if self.mlp_columns else 1.0, self.heads))
@@ -277,9 +311,36 @@ class JobSpec:
             w * max_units_per_rank(u, tp) / max_units_per_rank(u, self.tp) for w, u in parts
         )
 
+    def speed_needed(self, tp: int) -> float:
+        """Relative compute speed at which a replica at degree `tp` keeps the healthy step time with
+        the full local batch: work(tp), or from the step model (only compute speeds up, so it may be
+        inf when communication alone is too slow)."""
+        sm = self.step_model
+        if sm is None:
+            return self.work(tp)
+        target = sm.pipeline_time(self.tp, self.local_batch) * (1.0 + 1e-9)
+        if sm.pipeline_time(tp, self.local_batch) <= target:
+            return 1.0
+        hi = 2.0
+        while sm.pipeline_time(tp, self.local_batch, hi) > target:
+            hi *= 2.0
+            if hi > 64.0:
+                return float("inf")
+        lo = 1.0
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            if sm.pipeline_time(tp, self.local_batch, mid) <= target:
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
     def reduced_batch(self, tp: int, speed: float = 1.0) -> int:
         """Largest local batch at degree `tp` (GPUs at relative `speed`) whose step time does not
-        exceed a healthy replica's: floor(local_batch * speed / work(tp))."""
+        exceed a healthy replica's: floor(local_batch * speed / work(tp)), or, with a step model,
+        the largest number of sequences whose pipeline time does not exceed the healthy one."""
+        if self.step_model is not None:
+            return self.step_model.reduced_batch(tp, self.local_batch, speed)
         ratio = speed / self.work(tp)
         # Power ratios are rounded down to 1e-6 so caps stay within budget; a shortfall that small
         # is not worth a sample.

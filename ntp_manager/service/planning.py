@@ -99,3 +99,20 @@ def human_bytes(n: int) -> str:
             return f"{x:.0f} B" if unit == "B" else f"{x:.1f} {unit}"
         x /= 1000
     raise AssertionError("unreachable")
+
+
+def why(old: Mapping[str, Any] | None, new: Mapping[str, Any], given: str = "") -> str:
+    """A layout's reason: `given` (an operator's) or what changed, then what moved."""
+    if given:
+        text = given
+    elif old is None:
+        text = f"initial layout: {len(new['replicas'])} replicas, throughput {new['relative_throughput']:.4f}"
+    else:
+        old_tp = sorted(r["tp"] for r in old["replicas"])
+        new_tp = sorted(r["tp"] for r in new["replicas"])
+        text = (
+            f"replanned: replicas {len(old['replicas'])} -> {len(new['replicas'])}, TP degrees {old_tp} -> "
+            f"{new_tp}, throughput {old['relative_throughput']:.4f} -> {new['relative_throughput']:.4f}"
+        )
+    moves = moves_text(new.get("moves"))
+    return f"{text}; moves: {moves}" if moves else text

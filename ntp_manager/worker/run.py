@@ -227,12 +227,16 @@ class Launcher:
                    NTP_LOCAL_RANK=str(index), NTP_NPROC=str(self.o.nproc))
         for k in ("NTP_MANAGER", "NTP_TOKEN", "NTP_GPU_UUID"):
             env.pop(k, None)
+        env.pop("NTP_LOCAL_GPUS", None)
         if self.o.manager:
             env.update(NTP_MANAGER=self.o.manager, NTP_TOKEN=self.o.token, NTP_GPU_UUID=r.gpu)
             if self.o.pin_gpus and r.gpu.startswith("GPU-"):
                 env["CUDA_VISIBLE_DEVICES"] = r.gpu
+                # each rank sees its GPU only: tell the backend choice how many GPUs the ranks use
+                env["NTP_LOCAL_GPUS"] = str(len({x.gpu for x in self.ranks}))
         elif self.local_gpus:
             env["CUDA_VISIBLE_DEVICES"] = str(index)
+            env["NTP_LOCAL_GPUS"] = str(self.o.nproc)
         if self.o.device:
             env["NTP_DEVICE"] = self.o.device
         return env

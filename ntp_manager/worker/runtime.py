@@ -36,6 +36,7 @@ from __future__ import annotations
 import datetime as dt
 import fnmatch
 import gc
+import os
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -47,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ntp_manager.worker import comm
 from ntp_manager.worker.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -74,13 +76,23 @@ class _Superseded(Exception):
 
 @dataclass
 class RuntimeConfig:
+    """`backend` "auto" picks per device (`comm.choose_backend`): NCCL on CUDA when every rank of
+    this host has a GPU of its own, gloo staged through host memory when ranks share GPUs, gloo on
+    CPU. An explicit combination that cannot work (nccl on CPU, nccl with more ranks than GPUs on
+    a host, cuda without CUDA) is refused when the Runtime is built (comm.BackendError)."""
+
     job: str
-    backend: str = "gloo"  # "nccl" on GPUs
-    device: str = "cpu"
+    backend: str = "auto"  # "auto" | "gloo" | "nccl"
+    device: str = "cpu"  # "cpu" | "cuda" (this rank's GPU: comm.device_index)
     collective_timeout_s: float = 30.0
     rendezvous_timeout_s: float = 60.0
     reconfigure_timeout_s: float = 120.0  # how long survivors wait for the manager's next layout
     seed: int = 0  # model_fn runs under this seed on every rank, so initial shards agree
+    local_rank: int = 0  # this rank's index among the job's ranks on its host
+    local_world_size: int = 1  # the job's ranks on this host
+    local_gpus: int | None = None  # distinct GPUs those ranks use (None: the GPUs this process sees)
+    force_staging: bool = False  # tests: gloo's host staging also for CPU tensors (comm.py)
+
     # unit-addressed checkpoints (worker/checkpoint.py); None: none. A directory every rank sees.
     checkpoint_dir: str | None = None
     checkpoint_interval: int = 0  # steps between automatic checkpoints (0: only save_checkpoint())
@@ -88,6 +100,25 @@ class RuntimeConfig:
     checkpoint_keep_every: int = 0  # also keep checkpoints whose step is a multiple of this
     checkpoint_resume: bool = True  # a job's first layout restores the newest checkpoint if there is one
     checkpoint_complete_timeout_s: float = 300.0  # how long the coordinator waits for every rank's part
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise comm.BackendError(f"backend must be 'auto', 'gloo' or 'nccl', not {self.backend!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise comm.BackendError(f"device must be 'cpu' or 'cuda', not {self.device!r}")
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise comm.BackendError(f"local_rank {self.local_rank} is not among {self.local_world_size} local ranks")
+
+    def resolve(self, features: comm.CommFeatures | None = None) -> tuple[comm.BackendChoice, torch.device]:
+        """The backend and this rank's device; raises comm.BackendError for what cannot work."""
+        feats = features or comm.detect_features()
+        gpus = self.local_gpus if self.local_gpus is not None else feats.cuda_devices
+        choice = comm.choose_backend(self.device, self.backend, self.local_world_size, gpus, feats)
+        if choice.backend == "nccl":
+            comm.check_nccl_env(os.environ)
+        if choice.device == "cpu":
+            return choice, torch.device("cpu")
+        return choice, torch.device("cuda", comm.device_index(self.local_rank, feats.cuda_devices))
 
 
 @dataclass(frozen=True)
@@ -195,6 +226,14 @@ class Runtime:
         self._plan = plan
         self.model_fn, self.optimizer_fn = model_fn, optimizer_fn
         self.source, self.store, self.cfg = source, store, cfg
+        # refused here, before anything starts, when the device / backend / host cannot work
+        self.features = comm.detect_features()
+        self.choice, self.device = cfg.resolve(self.features)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # NCCL's object collectives and batched p2p use it
+        comm.configure(force_staging=cfg.force_staging, device=self.device)
+        log.info("backend chosen", backend=self.choice.backend, device=str(self.device), reason=self.choice.reason)
+        self._held: tuple[str, int, int] | None = None  # NCCL: (version key, rank, world) of a kept communicator
         self.step = 0  # committed optimizer steps
         self.s = _State()
         self._groups: list[weakref.ref[Any]] = []  # every group made, to check none outlives a leave
@@ -298,8 +337,7 @@ class Runtime:
     def close(self) -> None:
         if self.checkpointer is not None:  # this rank's writes, and (coordinator) their completion
             self.checkpointer.close(self.cfg.checkpoint_complete_timeout_s)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        comm.leave(self.choice.backend, self.features)
         self.source.close()
 
     # ---- the step -------------------------------------------------------------------------------
@@ -321,7 +359,7 @@ class Runtime:
         seen = newest.version if newest is not None else lay.version
         mine = torch.tensor([loss.detach().item() * lb / tp, float(seen)], dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(lay.world)]
-        dist.all_gather(every, mine, group=self.s.world)  # the commit point
+        comm.all_gather(every, mine, group=self.s.world)  # the commit point
         self.s.opt.step()
         step = self.step
         self.step += 1
@@ -346,7 +384,7 @@ class Runtime:
             mine = torch.tensor([1.0 if got is not None else 0.0, float(newest.version if newest else -1)],
                                 dtype=torch.float64)
             every = [torch.zeros_like(mine) for _ in range(lay.world)]
-            dist.all_gather(every, mine, group=self.s.world)
+            comm.all_gather(every, mine, group=self.s.world)
             stacked = torch.stack(every)
             if bool((stacked[:, 0] > 0).all()):
                 break
@@ -355,7 +393,7 @@ class Runtime:
         assert target is not None
         self._event("layout agreed", target.version, target.reason)
         try:
-            self._apply(target)
+            self._apply(target, planned=True)
         except _Superseded as e:
             self._join_chain(e.newer)
 
@@ -406,10 +444,13 @@ class Runtime:
                         f"could not regroup at version {target.version} and no newer layout arrived") from e
                 target = nxt
 
-    def _leave_group(self) -> None:
+    def _leave_group(self, keep: bool = False) -> None:
         """Destroy the current groups. References to them are dropped first: gloo closes a group's
         connections only when its last reference goes, and a closed connection is what tells peers
-        still blocked in a collective with us to give up now rather than at their timeout."""
+        still blocked in a collective with us to give up now rather than at their timeout. NCCL
+        communicators are aborted (comm.leave). `keep` (NCCL, a planned switch, where torch can
+        shrink): the sub-groups go, the version's default communicator stays for the next
+        rendezvous to shrink (comm.shrink_plan decides; it is aborted there otherwise)."""
         if self.s.sync is not None:  # its gradient buffers serve the next layout's sync
             self.s.spare = self.s.sync.buffers()
             self.s.sync.release()
@@ -418,9 +459,19 @@ class Runtime:
             for m in self.s.model.modules():
                 if isinstance(m, ShardedModule):
                     m.group = None
-        if dist.is_initialized():
+        lay = self.s.layout
+        if keep and dist.is_initialized() and lay is not None and lay.rank is not None:
+            if self._held is None:
+                self._held = (f"{lay.epoch}.{lay.version}", lay.rank, lay.world)
+            for r in self._groups:
+                g = r()
+                if g is not None:
+                    dist.destroy_process_group(g)
+                del g
+        elif dist.is_initialized():
+            self._held = None
             try:
-                dist.destroy_process_group()
+                comm.leave(self.choice.backend, self.features)
             except Exception as e:  # a broken group may fail to tear down cleanly; it is dropped either way
                 log.debug("destroying the old process group failed", error=str(e))
         self._release_groups()
@@ -452,6 +503,7 @@ class Runtime:
     def _rendezvous(self, target: WorkerLayout) -> None:
         assert target.rank is not None
         prefix = f"ntp/{self.cfg.job}/pg/v{target.epoch}.{target.version}"
+        comm.publish_held(self.store, prefix, target.rank, self._held, self.choice.backend)
         self.store.add(f"{prefix}/arrived", 1)
         deadline = time.monotonic() + self.cfg.rendezvous_timeout_s
         while self.store.add(f"{prefix}/arrived", 0) < target.world:
@@ -462,23 +514,37 @@ class Runtime:
                 raise ReconfigurationError(f"rendezvous for version {target.version} timed out: "
                                            f"{self.store.add(f'{prefix}/arrived', 0)} of {target.world} arrived")
             time.sleep(0.005)
-        dist.init_process_group(
-            self.cfg.backend, store=dist.PrefixStore(prefix, self.store), rank=target.rank,
-            world_size=target.world, timeout=self._timeout,
-        )
+        shrinkable = self.choice.backend == "nccl" and self.features.shrink_group
+        plan = comm.agree(self.store, prefix, target.world, self.choice.backend, shrinkable)
+        if plan.kind == "shrink" and self._held is not None and self._held[0] == plan.old_version:
+            comm.shrink_default_group(plan.exclude)  # ncclCommShrink: no new communicator from nothing
+            self._held = None
+            if (dist.get_rank(), dist.get_world_size()) != (target.rank, target.world):
+                raise ReconfigurationError(f"shrunk communicator gives rank {dist.get_rank()} of "
+                                           f"{dist.get_world_size()}, the layout {target.rank} of {target.world}")
+            self._event("communicator shrunk", target.version, plan.reason)
+        else:
+            if self._held is not None:
+                self._held = None
+                comm.leave(self.choice.backend, self.features)
+            comm.init_default_group(self.choice.backend, dist.PrefixStore(prefix, self.store), target.rank,
+                                    target.world, self._timeout, self.device if self.device.type == "cuda" else None,
+                                    self.features)
         # Nothing runs on the default group: after a failed collective torch 2.13 keeps a reference
         # to it that no collection frees, so its connections stay open after we leave, and a peer
         # blocked in a collective on it would wait for its timeout. Our own groups are released.
         self.s.world = dist.new_group(list(range(target.world)), timeout=self._timeout)
         self._track(self.s.world)
 
-    def _apply(self, target: WorkerLayout) -> None:
+    def _apply(self, target: WorkerLayout, planned: bool = False) -> None:
         """Leave the current group and join `target`'s: regroup, reshard, ack."""
         old = self.s.layout
         if target.n_stages > 1:
             raise ReconfigurationError(f"layout version {target.version} has {target.n_stages} pipeline stages; "
                                        "this runtime runs single-stage layouts only")
-        self._leave_group()
+        # NCCL on a planned switch: keep the communicator, the next version may shrink it
+        self._leave_group(keep=planned and target.rank is not None and self.choice.backend == "nccl"
+                          and self.features.shrink_group and comm.can_shrink())
         if target.rank is None:
             self.s.spare = []
             self._event("no place", target.version, "this worker's GPU is not in the layout")
@@ -492,7 +558,7 @@ class Runtime:
         mine = torch.tensor([old.rank if held and old else -1, old.version if held and old else -1, self.step],
                             dtype=torch.int64)
         every = [torch.zeros_like(mine) for _ in range(world)]
-        dist.all_gather(every, mine, group=self.s.world)
+        comm.all_gather(every, mine, group=self.s.world)
         info = [tuple(int(x) for x in t.tolist()) for t in every]
         self._event("regrouped", target.version, f"world={world}")
         src_version = max((v for r, v, _ in info if r >= 0), default=-1)
@@ -508,7 +574,7 @@ class Runtime:
         self.step = steps.pop()
         src = min(survivors)
         obj: list[Any] = [old.replicas if rank == src and old else None]
-        dist.broadcast_object_list(obj, src=src, group=self.s.world)
+        comm.broadcast_object_list(obj, src=src, group=self.s.world)
         old_replicas: tuple[tuple[int, int], ...] = tuple(tuple(r) for r in obj[0])  # type: ignore[misc]
         inverse = {r: nr for nr, r in survivors.items()}
         old_ranks, r = [], 0
@@ -529,7 +595,7 @@ class Runtime:
             assert model is not None
             parallelize(model, self.plan, new_sl.units_of(rank), group=my_tp)
             self._fix(model, resharded=False)
-            model.to(self.cfg.device)
+            model.to(self.device)
             opt = self.optimizer_fn(model.parameters())
             if self.step > 0:
                 ensure_optimizer_state(opt)
@@ -578,7 +644,7 @@ class Runtime:
         sl = target.sync_layout(self.units)
         parallelize(model, self.plan, sl.units_of(target.rank), group=my_tp)
         self._fix(model, resharded=False)
-        model.to(self.cfg.device)
+        model.to(self.device)
         self.s.model, self.s.opt = model, self.optimizer_fn(model.parameters())
         self.s.sync = self._new_sync(model, sl, target.rank)
         self.s.layout, self.s.sync_layout = target, sl
@@ -593,17 +659,17 @@ class Runtime:
             for p in self.s.model.parameters():
                 if id(p) in sharded:
                     continue
-                dist.broadcast(p.data, src=src, group=self.s.world)
+                comm.broadcast(p.data, src=src, group=self.s.world)
                 st = opt.state.get(p, {})
                 for k in sorted(st):
                     if isinstance(st[k], torch.Tensor) and st[k].dim() > 0:
-                        dist.broadcast(st[k], src=src, group=self.s.world)
+                        comm.broadcast(st[k], src=src, group=self.s.world)
         step_val = torch.tensor([-1.0], dtype=torch.float64)
         if dist.get_rank() == src:
             s = next((st["step"] for st in opt.state.values() if "step" in st), None)
             if s is not None:
                 step_val[0] = float(s)
-        dist.broadcast(step_val, src=src, group=self.s.world)
+        comm.broadcast(step_val, src=src, group=self.s.world)
         if step_val.item() >= 0:
             for st in opt.state.values():
                 if "step" in st:
