@@ -39,8 +39,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check ntp_manager agent tests bench examples
 	$(BIN)/mypy
 
+# Tests are independent (own ports, own databases): one worker per core, whole files kept together
+# so that module-scoped fixtures are built once.
+TEST_WORKERS ?= auto
 test: lint $(CHROMIUM_STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py

@@ -18,8 +18,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ntp_manager.planner import PlanError, Scheme
+from ntp_manager.planner import PAPER_POWER_CURVE, PlanError, Scheme
 from ntp_manager.sim import (
+    PRESETS,
     SimError,
     SimSetup,
     make_trace,
@@ -29,6 +30,9 @@ from ntp_manager.sim import (
     replay,
     static_sweep,
 )
+from ntp_manager.sim.engine import healthy_step_s
+from ntp_manager.sim.presets import PAPER_STEP
+from ntp_manager.sim.stall import StallModel, stall_preset
 from ntp_manager.specfile import SpecError, load_cluster, load_job
 from ntp_manager.topology import PowerLimits, TopologyError
 
@@ -85,26 +89,117 @@ def _progress(console: Console) -> Progress:
     )
 
 
+def parse_power_curve(text: str) -> dict[str, Any]:
+    """'paper' | 'law:EXPONENT' | 'P:S,P:S,...' (power ratio : speed ratio) -> PowerModel fields."""
+    t = text.strip()
+    if t == "paper":
+        return {"curve": PAPER_POWER_CURVE}
+    try:
+        if t.startswith("law:"):
+            return {"curve": (), "exponent": float(t[4:])}
+        points = tuple((float(a), float(b)) for a, b in (x.split(":") for x in t.split(",") if x.strip()))
+    except ValueError:
+        raise SimError(
+            f"--power-curve {text!r}: use 'paper', 'law:EXPONENT' or 'P:S,P:S,...' (power ratio:speed ratio)"
+        ) from None
+    return {"curve": points}
+
+
+# Options that only mean something in one mode: (flag, what it applies to). Given in the other mode
+# they would be ignored, so the command refuses them instead.
+_TRACE_ONLY = {
+    "fixed_minibatch": "--fixed-minibatch",
+    "find_spares": "--find-spares",
+    "seeds": "--seeds",
+    "warmup_days": "--warmup-days",
+    "repair_days": "--repair-days",
+    "software_repair_hours": "--software-repair-hours",
+    "rate_multiplier": "--rate-multiplier",
+    "failure_rate": "--failure-rate",
+    "stall": "--stall",
+    "step_seconds": "--step-seconds",
+}
+_STATIC_ONLY = {"failed_fraction": "--failed-fraction", "placements": "--placements"}
+
+
+def refuse_inert_options(given: dict[str, Any], trace: bool, custom_cluster: bool) -> None:
+    """Raise SimError naming the first option that would do nothing with the others given.
+
+    `given` maps option names to their values, None where the option was not given."""
+    if trace:
+        for name, flag in _STATIC_ONLY.items():
+            if given.get(name) is not None:
+                raise SimError(f"{flag} applies to the static sweep; trace mode (--days) does not use it")
+    else:
+        for name, flag in _TRACE_ONLY.items():
+            if given.get(name) is not None:
+                raise SimError(f"{flag} applies to trace mode (--days); the static sweep does not use it")
+        spares = given.get("spares")
+        if spares is not None and "," in spares:
+            raise SimError("--spares takes one value in the static sweep (a list only in trace mode, --days)")
+    if given.get("max_spares") is not None and not given.get("find_spares"):
+        raise SimError("--max-spares bounds --find-spares; without it the option does nothing")
+    if custom_cluster:
+        if given.get("preset_name") is not None and given.get("job") is not None:
+            raise SimError("--preset names a cluster and a job; with --cluster and --job it would do nothing")
+        if given.get("gpu_power") is not None or given.get("base_cap") is not None:
+            raise SimError(
+                "--gpu-power and --base-cap apply to presets; with --cluster set "
+                "defaults.tdp_w/min_w/max_w/base_cap in the cluster file"
+            )
+
+
+_POWER_ONLY = {
+    "power_curve": "--power-curve",
+    "rack_headroom": "--rack-headroom",
+    "max_boost": "--max-boost",
+    "gpu_power": "--gpu-power",
+    "base_cap": "--base-cap",
+}
+
+
+def refuse_scheme_inert_options(given: dict[str, Any], schemes: list[Scheme], redo_steps: float) -> None:
+    """Power options only act on ntp-pw; --step-seconds only on a stall model that redoes a step."""
+    if Scheme.NTP_PW not in schemes:
+        for name, flag in _POWER_ONLY.items():
+            if given.get(name) is not None:
+                raise SimError(f"{flag} only changes ntp-pw (power boost); add --scheme ntp-pw or drop it")
+    if given.get("step_seconds") is not None and not redo_steps:
+        raise SimError("--step-seconds is what a redone step costs; only --stall live redoes one")
+
+
 def simulate(
-    preset_name: Annotated[str, typer.Option("--preset", help="paper-32k | uniform-tp64 | small")] = "paper-32k",
+    preset_name: Annotated[
+        str | None, typer.Option("--preset", help=f"{' | '.join(PRESETS)} (default paper-32k)")
+    ] = None,
     cluster: Annotated[Path | None, typer.Option("--cluster", help="cluster YAML instead of a preset")] = None,
     job: Annotated[Path | None, typer.Option("--job", help="job YAML instead of the preset's")] = None,
     scheme: Annotated[list[str] | None, typer.Option("--scheme", help="dp-drop | ntp | ntp-pw | all")] = None,
-    failed_fraction: Annotated[str, typer.Option(help="static sweep: 'a,b,c' or 'start:stop:count'")] = DEFAULT_SWEEP,
-    placements: Annotated[int, typer.Option(help="random placements per static point")] = 100,
+    failed_fraction: Annotated[
+        str | None, typer.Option(help=f"static sweep: 'a,b,c' or 'start:stop:count' (default {DEFAULT_SWEEP})")
+    ] = None,
+    placements: Annotated[int | None, typer.Option(help="static sweep: random placements per point (100)")] = None,
     days: Annotated[float | None, typer.Option(help="trace mode: simulate this many days")] = None,
-    spares: Annotated[str, typer.Option(help="spare TP groups (comma list in trace mode)")] = "0",
-    fixed_minibatch: Annotated[bool, typer.Option(help="pause while the global batch is below target")] = False,
-    find_spares: Annotated[bool, typer.Option(help="trace mode: fewest spares that never pause")] = False,
-    max_spares: Annotated[int, typer.Option(help="largest spare pool to consider")] = 160,
-    seeds: Annotated[int, typer.Option(help="trace mode: number of traces (seed, seed+1, ...)")] = 1,
+    spares: Annotated[str | None, typer.Option(help="spare TP groups (a comma list in trace mode); 0")] = None,
+    fixed_minibatch: Annotated[
+        bool | None, typer.Option("--fixed-minibatch", help="trace mode: pause while the global batch is below target")
+    ] = None,
+    find_spares: Annotated[
+        bool | None, typer.Option("--find-spares", help="trace mode: fewest spares that never pause")
+    ] = None,
+    max_spares: Annotated[int | None, typer.Option(help="largest spare pool --find-spares considers (160)")] = None,
+    seeds: Annotated[int | None, typer.Option(help="trace mode: number of traces (seed, seed+1, ...); 1")] = None,
     warmup_days: Annotated[
         float | None, typer.Option(help="trace mode: run this long first (default 2x hardware repair)")
     ] = None,
-    repair_days: Annotated[float | None, typer.Option(help="hardware repair time in days")] = None,
-    software_repair_hours: Annotated[float | None, typer.Option(help="software repair time in hours")] = None,
-    rate_multiplier: Annotated[float, typer.Option(help="multiply the per-GPU failure rate")] = 1.0,
-    failure_rate: Annotated[float | None, typer.Option(help="failures per GPU-hour (default Llama 3)")] = None,
+    repair_days: Annotated[float | None, typer.Option(help="trace mode: hardware repair time in days")] = None,
+    software_repair_hours: Annotated[
+        float | None, typer.Option(help="trace mode: software repair time in hours")
+    ] = None,
+    rate_multiplier: Annotated[float | None, typer.Option(help="trace mode: multiply the per-GPU failure rate")] = None,
+    failure_rate: Annotated[
+        float | None, typer.Option(help="trace mode: failures per GPU-hour (default Llama 3)")
+    ] = None,
     blast_node: Annotated[float, typer.Option(help="probability a failure takes its node")] = 0.0,
     blast_domain: Annotated[float, typer.Option(help="probability a failure takes its domain")] = 0.0,
     gpu_power: Annotated[
@@ -113,60 +208,126 @@ def simulate(
     base_cap: Annotated[
         float | None, typer.Option(help="fleet base power cap, a share of each GPU's maximum limit, in (0, 1]")
     ] = None,
+    power_curve: Annotated[
+        str | None,
+        typer.Option(help="speed vs power: 'paper' (measured 1.1x->1.069x, 1.2x->1.122x), 'law:0.7', 'P:S,...'"),
+    ] = None,
+    rack_headroom: Annotated[
+        float | None, typer.Option(help="rack power budget as a multiple of its GPUs' nominal sum")
+    ] = None,
+    max_boost: Annotated[float | None, typer.Option(help="highest per-GPU power, a multiple of nominal")] = None,
+    stall: Annotated[
+        str | None,
+        typer.Option(help="trace mode: what a layout change costs: none | restart | ft-hsdp | live"),
+    ] = None,
+    step_seconds: Annotated[
+        float | None, typer.Option(help="trace mode: healthy step time for the stall model (default: the job's)")
+    ] = None,
+    step_model: Annotated[
+        str | None,
+        typer.Option(help="'paper': size reduced replicas and throughput by the 480B-on-B200 step model "
+                          "(TP32 x 8 stages, 12 interleaved chunks); 'paper-v1': without interleaving"),
+    ] = None,
+    packing: Annotated[
+        str, typer.Option(help="stable (the resource manager repacks) | none (home replicas stay: no manager)")
+    ] = "stable",
     seed: Annotated[int, typer.Option(help="random seed")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="print results as JSON")] = False,
     plot: Annotated[Path | None, typer.Option(help="write a PNG plot here")] = None,
 ) -> None:
-    """Simulate failures against the real planner: static sweeps or event-driven traces."""
+    """Simulate failures against the real planner: static sweeps or event-driven traces.
+
+    An option that would do nothing with the others given (a trace option in a static sweep, a
+    preset option with a custom cluster) is refused, not ignored."""
     from ntp_manager.cli import fail
 
     console = Console(stderr=as_json)
+    given = dict(locals())
+    trace_mode = days is not None
     try:
-        p = preset(preset_name)
+        refuse_inert_options(given, trace_mode, cluster is not None)
+        p = preset(preset_name or "paper-32k")
         model = dataclasses.replace(
             p.model,
-            rate_multiplier=rate_multiplier,
+            rate_multiplier=1.0 if rate_multiplier is None else rate_multiplier,
             blast_node=blast_node,
             blast_domain=blast_domain,
-            **({"rate_per_gpu_hour": failure_rate} if failure_rate is not None else {}),
-            **({"hardware_repair_h": repair_days * 24} if repair_days is not None else {}),
-            **({"software_repair_h": software_repair_hours} if software_repair_hours is not None else {}),
+            rate_per_gpu_hour=p.model.rate_per_gpu_hour if failure_rate is None else failure_rate,
+            hardware_repair_h=p.model.hardware_repair_h if repair_days is None else repair_days * 24,
+            software_repair_h=p.model.software_repair_h if software_repair_hours is None else software_repair_hours,
         )
         model.validate()
         schemes = _schemes(scheme)
-        spare_list = parse_ints(spares, "--spares")
-        if placements < 1:
+        refuse_scheme_inert_options(given, schemes, stall_preset(stall or "none").redo_steps)
+        spare_list = parse_ints(spares or "0", "--spares")
+        n_placements = 100 if placements is None else placements
+        n_seeds = 1 if seeds is None else seeds
+        if n_placements < 1:
             raise SimError("--placements must be >= 1")
-        if seeds < 1:
+        if n_seeds < 1:
             raise SimError("--seeds must be >= 1")
-        pool = max(max(spare_list), max_spares if find_spares else 0)
+        pool = max(max(spare_list), (160 if max_spares is None else max_spares) if find_spares else 0)
         job_spec = load_job(job) if job else p.job
+        power_fields: dict[str, Any] = {}
+        if power_curve is not None:
+            power_fields.update(parse_power_curve(power_curve))
+        if rack_headroom is not None:
+            power_fields["rack_headroom"] = rack_headroom
+        if max_boost is not None:
+            power_fields["max_boost"] = max_boost
+        if power_fields:
+            job_spec = dataclasses.replace(job_spec, power=dataclasses.replace(job_spec.power, **power_fields))
+        if step_model is not None:
+            if step_model not in ("paper", "paper-v1"):
+                raise SimError(f"--step-model must be 'paper' or 'paper-v1', got {step_model!r}")
+            sm = PAPER_STEP if step_model == "paper" else dataclasses.replace(
+                PAPER_STEP, layout=dataclasses.replace(PAPER_STEP.layout, interleave=1))
+            job_spec = dataclasses.replace(job_spec, step_model=sm)
+            job_spec.validate()
         if cluster:
-            if gpu_power is not None or base_cap is not None:
-                raise SimError("--gpu-power and --base-cap apply to presets; with --cluster set "
-                               "defaults.tdp_w/min_w/max_w/base_cap in the cluster file")
             c = load_cluster(cluster)
+            name = f"job {job_spec.name} on cluster {c.name}"
         else:
             per_domain = p.domain_size // job_spec.tp if job_spec.tp <= p.domain_size else 1
             power = parse_power(gpu_power).with_base_cap(base_cap)
             c = preset_cluster(p, -(-pool // max(per_domain, 1)), power)
-        setup = SimSetup.create(c, job_spec, model, pool)
-        if days is None:
-            fractions = parse_fractions(failed_fraction)
-            result = _run_static(console, setup, schemes, fractions, placements, seed, spare_list[0], plot, p.name)
+            name = p.name if job is None else f"job {job_spec.name} on preset {p.name}'s cluster"
+        if packing not in ("stable", "none"):
+            raise SimError(f"--packing must be 'stable' or 'none', got {packing!r}")
+        setup = SimSetup.create(c, job_spec, model, pool, packing)  # type: ignore[arg-type]
+        if Scheme.NTP_PW in schemes:
+            console.print(f"ntp-pw power model: {job_spec.power.describe()}", highlight=False)
+        if not trace_mode:
+            fractions = parse_fractions(failed_fraction or DEFAULT_SWEEP)
+            result = _run_static(console, setup, schemes, fractions, n_placements, seed, spare_list[0], plot, name)
         else:
+            assert days is not None
             if days <= 0:
                 raise SimError(f"--days must be positive, got {days}")
             warm = 2 * model.hardware_repair_h / 24 if warmup_days is None else warmup_days
+            stall_model = stall_preset(stall or "none")
+            step_s = step_seconds if step_seconds is not None else healthy_step_s(job_spec)
+            if step_s is None and not job and not cluster:
+                step_s = p.step_s
+            if stall_model.redo_steps and step_s is None:
+                raise SimError(
+                    f"--stall {stall_model.name} redoes a step: give --step-seconds (the job has no step model)"
+                )
+            if step_seconds is not None and step_seconds < 0:
+                raise SimError("--step-seconds must be >= 0")
             result = _run_trace(
-                console, setup, schemes, days, warm, seed, seeds, spare_list, fixed_minibatch, find_spares, plot,
-                p.name,
+                console, setup, schemes, days, warm, seed, n_seeds, spare_list, bool(fixed_minibatch),
+                bool(find_spares), plot, name, stall_model, step_s or 0.0,
             )
     except (SimError, PlanError, SpecError, TopologyError) as e:
         fail(str(e))
     result["model"] = dataclasses.asdict(model)
-    result["power"] = {"gpu_power": gpu_power, "base_cap": base_cap}
+    result["power"] = {
+        "gpu_power": gpu_power, "base_cap": base_cap, "model": dataclasses.asdict(job_spec.power),
+        "describe": job_spec.power.describe(),
+    }
     result["preset"] = p.name if not (cluster or job) else None
+    result["name"] = name
     if as_json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
 
@@ -226,6 +387,7 @@ def _run_static(
 def _run_trace(
     console: Console, setup: SimSetup, schemes: list[Scheme], days: float, warmup: float, seed: int, seeds: int,
     spare_list: list[int], fixed: bool, find: bool, plot: Path | None, name: str,
+    stall: StallModel | None = None, step_s: float = 0.0,
 ) -> dict[str, Any]:
     traces = [make_trace(setup, days, seed + k, warmup) for k in range(seeds)]
     configs = [(s, sp) for s in schemes for sp in spare_list]
@@ -234,7 +396,8 @@ def _run_trace(
         total = sum(len(t.events) for t in traces) * (1 + (len(schemes) if find else 0))
         task = prog.add_task(f"{seeds} trace(s) of {days:g} days", total=total)
         for k, tr in enumerate(traces):
-            stats = replay(setup, tr, configs, fixed, progress=lambda n: prog.advance(task, n))
+            stats = replay(setup, tr, configs, fixed, progress=lambda n: prog.advance(task, n), stall=stall,
+                           step_s=step_s)
             needed = {}
             if find:
                 for s in schemes:
@@ -256,14 +419,27 @@ def _run_trace(
         t1.add_row(str(r["seed"]), str(tr.failures), str(tr.peak_failed()), f"{100 * tr.time_share_above(0.001):.1f}%")
     console.print(t1)
     t2 = Table(title="throughput over the trace" + (" (fixed minibatch)" if fixed else ""))
-    for col in ("seed", "scheme", "spares", "mean throughput", "min", "paused", "per-GPU throughput"):
+    # In fixed-minibatch mode a plan below the target batch pauses training; otherwise it trains on a
+    # smaller batch, and the column says how long that lasted.
+    below = "paused" if fixed else "time below target batch"
+    stalls = stall is not None and stall.name != "none"
+    cols = ["seed", "scheme", "spares", "mean throughput", "min", below, "per-GPU throughput"]
+    if stalls:
+        cols += ["changes", "stalled", "effective"]
+    for col in cols:
         t2.add_column(col, justify="right")
     for r in runs:
         for s in r["stats"]:
-            t2.add_row(
+            row = [
                 str(r["seed"]), s.scheme.value, str(s.spares), f"{100 * s.mean_throughput:.2f}%",
                 f"{100 * s.min_throughput:.2f}%", f"{100 * s.paused_share:.2f}%", f"{100 * s.per_gpu_throughput:.2f}%",
-            )
+            ]
+            if stalls:
+                row += [str(s.changes), f"{100 * s.stalled_share:.3f}%", f"{100 * s.effective_throughput:.2f}%"]
+            t2.add_row(*row)
+    if stalls:
+        assert stall is not None
+        console.print(f"stall model {stall.name}: {stall}; healthy step {step_s:.2f} s", highlight=False)
     console.print(t2)
     if find:
         t3 = Table(title="spare groups needed never to pause (fixed minibatch)")
@@ -296,7 +472,9 @@ def _run_trace(
                 "stats": [
                     {"scheme": s.scheme.value, "spares": s.spares, "mean_throughput": s.mean_throughput,
                      "min_throughput": s.min_throughput, "paused_share": s.paused_share,
-                     "per_gpu_throughput": s.per_gpu_throughput, "replans": s.replans}
+                     "per_gpu_throughput": s.per_gpu_throughput, "replans": s.replans, "stall": s.stall,
+                     "changes": s.changes, "stalled_share": s.stalled_share,
+                     "effective_throughput": s.effective_throughput}
                     for s in r["stats"]
                 ],
                 "spares_needed": r["spares_needed"],

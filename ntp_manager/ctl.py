@@ -186,9 +186,31 @@ def layout(c: typer.Context, job: str, history: Annotated[bool, typer.Option(hel
     d = cx.call("GET", f"/v1/jobs/{job}/layout")
     plan = d.get("plan", d)
     rows = [[r["id"], r["tp"], r["local_batch"], ", ".join(g["domain"] for g in r["groups"]),
-             ", ".join(f"{g['power_ratio']:.2f}" for g in r["groups"])] for r in plan["replicas"]]
+             ", ".join(f"{g['power_ratio']:.2f}" for g in r["groups"]), _moved_from(r)] for r in plan["replicas"]]
     emit(c, d, as_json, table(f"{job} layout v{d.get('version', '?')}", ["replica", "TP", "local batch", "domains",
-                                                                     "power ratio"], rows))
+                                                                     "power ratio", "moved here"], rows))
+    if not (as_json or cx.as_json):
+        out.print(f"reason: {d.get('reason', '')}", highlight=False)
+        out.print(_moves_line(plan.get("moves")), highlight=False)
+
+
+def _moved_from(replica: dict[str, Any]) -> str:
+    """The replica's groups that were elsewhere in the layout before: `group (from rR/sS)`."""
+    parts = []
+    for g in replica["groups"]:
+        if "prev_replica" not in g or (g["prev_replica"], g["prev_stage"]) == (replica["id"], g["stage"]):
+            continue
+        was = "new" if g["prev_replica"] is None else f"r{g['prev_replica']}/s{g['prev_stage']}"
+        parts.append(f"{g['group']} s{g['stage']} (from {was})")
+    return ", ".join(parts)
+
+
+def _moves_line(moves: dict[str, Any] | None) -> str:
+    if not moves:
+        return "moves: none recorded (first layout, or planned without the previous one)"
+    size = "" if moves.get("bytes") is None else f", ~{moves['bytes'] / 1e9:.1f} GB of state to load"
+    return (f"moves vs the previous layout: {moves['moved']} group(s) moved ({moves['stage_changed']} change "
+            f"stage, {moves['joined']} newly placed), {moves['left']} left{size}")
 
 
 @app.command()

@@ -40,6 +40,9 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(4 * 2**20, ge=1024, le=2**30)  # REST bodies; larger -> 413
     token_poll_s: float = Field(0.25, gt=0, le=5)  # token changes made elsewhere show within this
     loop_warn_ms: float = Field(100.0, gt=0)  # event-loop watchdog warns above this
+    # group commit: reports, heartbeat transitions and hellos queued while a commit runs go into the
+    # next one; an idle committer first waits this long for more (0: commit at once)
+    group_commit_window_ms: float = Field(1.0, ge=0, le=5)
     # gRPC TLS: server certificate and key (PEM); with a client CA, agents must present a
     # certificate it signed (mTLS). See docs/security.md.
     grpc_tls_host: str | None = None  # default: grpc_host

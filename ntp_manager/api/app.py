@@ -36,6 +36,7 @@ from ntp_manager.api.tickets import Tickets
 from ntp_manager.auth import Principal, parse_bearer
 from ntp_manager.service.errors import FailedPrecondition, InvalidArgument, NotFound, ServiceError
 from ntp_manager.service.manager import Manager, Mut
+from ntp_manager.service.queries import maintenance_view
 from ntp_manager.specfile import JobFile
 from ntp_manager.store.db import StoredJson, dumps_in_pieces
 from ntp_manager.store.models import AuditRow, HealthEventRow, IdempotencyRow, LayoutRow, MaintenanceRow
@@ -345,6 +346,14 @@ def create_app(manager: Manager) -> FastAPI:
         return await json_reply({"job": name, "version": lay.version, "leader_epoch": lay.leader_epoch,
                                  "created_at": lay.created_at.isoformat(), "reason": lay.reason, "plan": lay.plan})
 
+    @app.get("/v1/jobs/{name}/steps", tags=["jobs"], responses={404: {"model": Error}})
+    async def steps(
+        name: str, _: Viewer, recent: Annotated[int, Query(ge=0, le=1000, description="newest samples listed")] = 100,
+    ) -> dict[str, Any]:
+        """Workers' step reports: step time, compute and TP communication wait per replica and per
+        stage of the current layout, over the job's bounded window, and the newest samples."""
+        return manager.step_summary(name, recent)
+
     @app.get("/v1/jobs/{name}/layouts", tags=["jobs"], responses={404: {"model": Error}})
     async def layouts(name: str, _: Viewer, limit: Limit = 100, offset: Offset = 0) -> dict[str, Any]:
         if name not in manager.world.jobs:
@@ -407,13 +416,11 @@ def create_app(manager: Manager) -> FastAPI:
 
     @app.get("/v1/maintenance", tags=["operations"])
     async def maintenance_list(_: Viewer, limit: Limit = 100, offset: Offset = 0) -> dict[str, Any]:
-        from ntp_manager.service.manager import _maint_view
-
         async with manager.sm() as s:
             total = await s.scalar(select(func.count()).select_from(MaintenanceRow))
             rows = (await s.scalars(select(MaintenanceRow).order_by(MaintenanceRow.id.desc())
                                     .limit(limit).offset(offset))).all()
-        return page([_maint_view(r) for r in rows], total or 0, limit, offset)
+        return page([maintenance_view(r) for r in rows], total or 0, limit, offset)
 
     @app.get("/v1/breaker", tags=["operations"])
     async def breaker(_: Viewer) -> dict[str, Any]:

@@ -43,13 +43,23 @@ def _job_part(name: str, rec: Any) -> tuple[dict[str, Any], dict[str, float]]:
                 if g["power_ratio"] > 1.0:
                     boost.update(dict.fromkeys(g["gpus"], g["power_ratio"]))
             if i < MAX_REPLICAS:
-                groups = [{"domain": g["domain"], "gpus": g["gpus"], "power_ratio": g["power_ratio"]}
+                groups = [{"domain": g["domain"], "gpus": g["gpus"], "power_ratio": g["power_ratio"],
+                           "group": g["group"], "stage": g["stage"], "moved_from": _moved_from(r["id"], g)}
                           for g in r["groups"]]
                 reps.append({"id": r["id"], "tp": r["tp"], "local_batch": r["local_batch"], "groups": groups})
     total = len(lay.plan["replicas"]) if lay else 0
     return ({"name": name, "version": lay.version if lay else None, "reason": lay.reason if lay else "",
              "pending_reason": rec.pending_reason, "replicas": reps, "replicas_total": total,
-             "global_batch": lay.plan.get("global_batch") if lay else None}, boost)
+             "global_batch": lay.plan.get("global_batch") if lay else None,
+             "moves": lay.plan.get("moves") if lay else None}, boost)
+
+
+def _moved_from(replica: int, g: dict[str, Any]) -> str | None:
+    """Where a group was before this layout ("r3/s1", "new"), or None when it stayed put (or the
+    plan records no previous places)."""
+    if "prev_replica" not in g or (g["prev_replica"], g["prev_stage"]) == (replica, g["stage"]):
+        return None
+    return "new" if g["prev_replica"] is None else f"r{g['prev_replica']}/s{g['prev_stage']}"
 
 
 _parts: weakref.WeakKeyDictionary[Manager, dict[str, tuple[Any, tuple[dict[str, Any], dict[str, float]]]]] = (

@@ -6,9 +6,10 @@ No I/O, no clock, no framework imports: the simulator and the live manager call 
 from ntp_manager.planner.moves import MoveSummary, PreviousLayout, diff_assignments
 from ntp_manager.planner.ntp_map import NtpMap, Transfer, even_chunks, ntp_map, sync_groups
 from ntp_manager.planner.plan import GroupPlan, Plan, ReplicaPlan, SetAside, make_plan
-from ntp_manager.planner.spec import JobSpec, PlanError, PowerModel, Scheme
+from ntp_manager.planner.spec import PAPER_POWER_CURVE, JobSpec, PlanError, PowerModel, Scheme
 
 __all__ = [
+    "PAPER_POWER_CURVE",
     "GroupPlan",
     "JobSpec",
     "MoveSummary",

@@ -56,7 +56,7 @@ def allocate_domain_power(
         pl = [limits[u] for u in r.gpus]
         cap = min([model.max_boost] + [p.max_w / p.nominal_w for p in pl])
         floor = max(p.min_w / p.nominal_w for p in pl)
-        need = min(cap, max(1.0, model.power_for_speed(r.speed_needed)))
+        need = min(cap, max(1.0, model.useful_power(r.speed_needed)))
         infos.append((need, floor, sum(p.nominal_w for p in pl), r.key, cap))
     infos.sort(key=lambda x: x[0])
 

@@ -32,21 +32,24 @@ from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, wor
 from ntp_manager.auth import parse_bearer
 from ntp_manager.rpc import tls
 from ntp_manager.rpc.guard import GuardInterceptor, abort, code_of, peer_fingerprint, principal_of
+from ntp_manager.service.agents import Ack, AgentCommand, Drain, EndStream, ReleasePower, SetPower
 from ntp_manager.service.errors import ServiceError
 from ntp_manager.service.manager import GpuInventory, GpuReport, Manager
 from ntp_manager.service.views import LayoutViews, build_views
+from ntp_manager.topology import GpuState
 
 log = structlog.get_logger("ntp.rpc")
 
-STATE_NAMES = {
-    common_pb2.GPU_STATE_HEALTHY: "healthy",
-    common_pb2.GPU_STATE_SUSPECT: "suspect",
-    common_pb2.GPU_STATE_DEGRADED: "degraded",
-    common_pb2.GPU_STATE_FAILED: "failed",
-    common_pb2.GPU_STATE_CORDONED: "cordoned",
-    common_pb2.GPU_STATE_DRAINING: "draining",
-    common_pb2.GPU_STATE_MAINTENANCE: "maintenance",
+STATE_NAMES: dict[int, str] = {
+    common_pb2.GPU_STATE_HEALTHY: GpuState.HEALTHY,
+    common_pb2.GPU_STATE_SUSPECT: GpuState.SUSPECT,
+    common_pb2.GPU_STATE_DEGRADED: GpuState.DEGRADED,
+    common_pb2.GPU_STATE_FAILED: GpuState.FAILED,
+    common_pb2.GPU_STATE_CORDONED: GpuState.CORDONED,
+    common_pb2.GPU_STATE_DRAINING: GpuState.DRAINING,
+    common_pb2.GPU_STATE_MAINTENANCE: GpuState.MAINTENANCE,
 }
+PIPELINE = 64  # reports of one agent stream in flight at once
 SERVICE_PERMISSION = {"ntp.v1.AgentService": "agent", "ntp.v1.WorkerService": "worker"}
 
 
@@ -134,7 +137,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):  # type: ignore[misc]
         node = h.node
         unwatch = self.m.token_service.watch(
             principal.token_id,
-            lambda: session.outbox.put_nowait(("abort", grpc.StatusCode.UNAUTHENTICATED, REVOKED)),
+            lambda: session.outbox.put_nowait(EndStream(grpc.StatusCode.UNAUTHENTICATED.name, REVOKED)),
         )
         log.info("agent connected", node=node, last_seq=last_seq, gpus=len(inv))
         yield agent_pb2.ManagerMessage(
@@ -143,6 +146,26 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):  # type: ignore[misc]
                 heartbeat_interval_ms=int(self.m.settings.heartbeat_interval_s * 1000),
             )
         )
+
+        # Reports are applied in order but not one round trip at a time: up to PIPELINE of a
+        # stream's reports wait in the group commit together; acks go out in order as they commit.
+        pending: asyncio.Queue[asyncio.Future[int] | None] = asyncio.Queue(PIPELINE)
+
+        async def acks() -> None:
+            while (fut := await pending.get()) is not None:
+                try:
+                    seq = await fut
+                except ServiceError as e:
+                    session.outbox.put_nowait(EndStream(code_of(e).name, e.message))
+                    return
+                except Exception:  # a failed report never ends the stream with OK
+                    log.exception("agent report failed", node=node)
+                    session.outbox.put_nowait(EndStream(grpc.StatusCode.INTERNAL.name,
+                                                        "internal error; the manager's log has the details"))
+                    return
+                session.outbox.put_nowait(Ack(seq))
+
+        acker = asyncio.create_task(acks())
 
         async def read() -> None:
             try:
@@ -157,8 +180,10 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):  # type: ignore[misc]
                                       [x.xid for x in g.xids], g.power.enforced_mw or None)
                             for g in r.gpus
                         ]
-                        seq = await self.m.apply_report(node, r.seq, reports)
-                        session.outbox.put_nowait(("ack", seq))
+                        fut = asyncio.ensure_future(self.m.apply_report(node, r.seq, reports))
+                        await pending.put(fut)
+                        if acker.done():
+                            return
                     elif kind == "result":
                         res = msg.result
                         readings = [(u, p.enforced_mw) for u, p in zip(res.gpu_uuids, res.power, strict=False)]
@@ -168,17 +193,27 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):  # type: ignore[misc]
                     else:
                         raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "empty agent message")
             except ServiceError as e:
-                session.outbox.put_nowait(("abort", code_of(e), e.message))
+                await _settle(pending)
+                session.outbox.put_nowait(EndStream(code_of(e).name, e.message))
             except _Abort as e:
-                session.outbox.put_nowait(("abort", e.code, e.msg))
+                await _settle(pending)
+                session.outbox.put_nowait(EndStream(e.code.name, e.msg))
             except (asyncio.CancelledError, grpc.aio.AioRpcError):
                 pass
-            except Exception:  # a failed report never ends the stream with OK
+            except Exception:  # a failed message never ends the stream with OK
                 log.exception("agent stream failed", node=node)
-                session.outbox.put_nowait(("abort", grpc.StatusCode.INTERNAL,
-                                           "internal error; the manager's log has the details"))
+                session.outbox.put_nowait(EndStream(grpc.StatusCode.INTERNAL.name,
+                                                    "internal error; the manager's log has the details"))
             finally:
+                # the reports already read are acked (or refused) before the stream ends
+                with contextlib.suppress(asyncio.CancelledError):
+                    await _settle(pending)
                 session.outbox.put_nowait(None)
+
+        async def _settle(q: asyncio.Queue[asyncio.Future[int] | None]) -> None:
+            if not acker.done():
+                await q.put(None)
+                await asyncio.wait([acker])
 
         reader = asyncio.create_task(read())
         try:
@@ -186,34 +221,36 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):  # type: ignore[misc]
                 item = await session.outbox.get()
                 if item is None or session.closed:
                     break
-                if item[0] == "abort":
-                    await abort(context, item[1], item[2])
+                if isinstance(item, EndStream):
+                    await abort(context, grpc.StatusCode[item.status], item.message)
+                    break
                 yield self._command(item)
         finally:
             unwatch()
             reader.cancel()
+            acker.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await acker
             self.m.disconnect_agent(session)
             log.info("agent disconnected", node=node)
 
-    def _command(self, item: tuple[Any, ...]) -> agent_pb2.ManagerMessage:
-        kind = item[0]
+    def _command(self, cmd: AgentCommand) -> agent_pb2.ManagerMessage:
         cid = next(self._ids)
-        if kind == "ack":
-            return agent_pb2.ManagerMessage(ack=agent_pb2.ReportAck(seq=item[1]), command_id=cid)
-        if kind == "set_power":
+        if isinstance(cmd, Ack):
+            return agent_pb2.ManagerMessage(ack=agent_pb2.ReportAck(seq=cmd.seq), command_id=cid)
+        if isinstance(cmd, SetPower):
             return agent_pb2.ManagerMessage(
-                set_power=agent_pb2.SetPowerLimit(gpu_uuid=item[1], limit_mw=item[2], reason=item[3]), command_id=cid
-            )
-        if kind == "release_power":
-            return agent_pb2.ManagerMessage(release_power=agent_pb2.ReleasePowerLimit(gpu_uuid=item[1]),
+                set_power=agent_pb2.SetPowerLimit(gpu_uuid=cmd.gpu, limit_mw=cmd.limit_mw, reason=cmd.reason),
+                command_id=cid)
+        if isinstance(cmd, ReleasePower):
+            return agent_pb2.ManagerMessage(release_power=agent_pb2.ReleasePowerLimit(gpu_uuid=cmd.gpu),
                                             command_id=cid)
-        if kind == "drain":
-            ts = Timestamp()
-            ts.FromDatetime(item[1])
-            return agent_pb2.ManagerMessage(drain=agent_pb2.Drain(deadline=ts, reason=item[2]), command_id=cid)
-        raise ValueError(kind)
+        assert isinstance(cmd, Drain)
+        ts = Timestamp()
+        ts.FromDatetime(cmd.deadline)
+        return agent_pb2.ManagerMessage(drain=agent_pb2.Drain(deadline=ts, reason=cmd.reason), command_id=cid)
 
 
 class _Abort(Exception):
@@ -292,10 +329,7 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):  # type: ignore[misc
     async def ReportSteps(
         self, request: worker_pb2.StepReport, context: grpc.aio.ServicerContext
     ) -> worker_pb2.StepReportResponse:
-        self.m.workers.check_ids(request.job, request.worker_id)
-        if request.job not in self.m.world.jobs:
-            await abort(context, grpc.StatusCode.NOT_FOUND, f"job: unknown job {request.job!r}")
-        self.m.workers.record_steps(request.job, request.worker_id, request)
+        await self.m.record_steps(request.job, request.worker_id, request)
         return worker_pb2.StepReportResponse(accepted=True)
 
 

@@ -2,11 +2,52 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ntp_manager.service.steps import StepWindow
+
+# What the step collector reads at each scrape: (job, current layout version, its window).
+StepSource = Callable[[], Iterable[tuple[str, int, StepWindow]]]
+
+
+class StepCollector(Collector):
+    """Step time per replica and per stage of each job's current layout, over its step window
+    (service/steps.py), read at scrape time: the label sets follow the layout, none go stale."""
+
+    def __init__(self, source: StepSource) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        rep = GaugeMetricFamily("ntp_job_replica_step_seconds",
+                                "mean step time of a replica's ranks over the step window (current layout)",
+                                labels=["job", "replica"])
+        rep_n = GaugeMetricFamily("ntp_job_replica_step_samples", "rank steps behind ntp_job_replica_step_seconds",
+                                  labels=["job", "replica"])
+        stage = GaugeMetricFamily("ntp_job_stage_step_seconds",
+                                  "mean step time of a pipeline stage's ranks over the step window (current layout)",
+                                  labels=["job", "stage"])
+        wait = GaugeMetricFamily("ntp_job_stage_comm_wait_seconds",
+                                 "mean TP communication wait of a stage's ranks over the step window",
+                                 labels=["job", "stage"])
+        for job, version, window in self.source():
+            for r, v in window.per_replica(version).items():
+                rep.add_metric([job, str(r)], v["mean_step_s"])
+                rep_n.add_metric([job, str(r)], v["samples"])
+            for st, v in window.per_stage(version).items():
+                stage.add_metric([job, str(st)], v["mean_step_s"])
+                wait.add_metric([job, str(st)], v["mean_comm_wait_s"])
+        yield from (rep, rep_n, stage, wait)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # families depend on the jobs: collected at scrape time only
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, steps: StepSource | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.gpus = Gauge("ntp_gpus", "GPUs by effective state", ["state"], registry=r)
@@ -28,3 +69,5 @@ class Metrics:
         self.breaker = Gauge("ntp_circuit_breaker_open", "1 while automatic replanning is stopped", registry=r)
         self.watchers = Gauge("ntp_layout_watchers", "open layout watch streams", registry=r)
         self.agents = Gauge("ntp_agents_connected", "connected agent streams", registry=r)
+        if steps is not None:
+            r.register(StepCollector(steps))

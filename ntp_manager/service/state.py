@@ -1,24 +1,45 @@
-"""In-memory mirror of the manager's durable state (rebuilt from the database on start).
+"""The in-memory mirror of the manager's durable state, and the typed changes made to it.
 
-Only the manager mutates it, after the matching transaction has committed.
+Records (`GpuRec`, `NodeRec`, `JobRec`, `LayoutRec`) are rebuilt from the database on start. Only
+the kernel mutates them, after the transaction that wrote the same change has committed.
+
+A change to a GPU or a node is one typed value (`GpuChange`, `NodeChange`) whose fields are named
+after the columns they set. `values()` is the one place a change becomes data: the transaction
+writes exactly those values to the row (service/kernel.py) and `apply()` sets exactly those values
+on the record, so the row and the memory cannot drift apart (a field that is not a column of the
+row or an attribute of the record fails the test that checks every field against both).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime
-from typing import Any
+from enum import StrEnum
+from typing import Any, Final
 
 from ntp_manager.planner import JobSpec
 from ntp_manager.topology import Cluster, Domain, Gpu, GpuState, PowerLimits
 
-HEALTH_STATES = frozenset({"healthy", "suspect", "degraded", "failed"})
-ADMIN_STATES = frozenset({"cordoned", "draining", "maintenance"})
+HEALTH_STATES = frozenset({GpuState.HEALTHY, GpuState.SUSPECT, GpuState.DEGRADED, GpuState.FAILED})
+ADMIN_STATES = frozenset({GpuState.CORDONED, GpuState.DRAINING, GpuState.MAINTENANCE})
 
 
-@dataclass
+class HealthSource(StrEnum):
+    """What a GPU's health verdict rests on: a silence-only verdict is undone by a reconnect."""
+
+    AGENT = "agent"  # the agent's report
+    HEARTBEAT = "heartbeat"  # the node went silent
+    INVENTORY = "inventory"  # the node's hello left the GPU out
+    OPERATOR = "operator"  # mark-healthy
+    REGISTERED = "registered"  # new, no report yet
+
+
+SILENCE_SOURCES = frozenset({HealthSource.HEARTBEAT, HealthSource.INVENTORY})
+
+
+@dataclass(slots=True)
 class GpuRec:
     uuid: str
     node: str
@@ -27,31 +48,142 @@ class GpuRec:
     tdp_mw: int
     min_mw: int
     max_mw: int
-    health: str = "healthy"
+    health: str = GpuState.HEALTHY
     health_reason: str = ""
-    health_source: str = "agent"
+    health_source: str = HealthSource.AGENT
+    health_since: datetime | None = None
     admin: str | None = None
     admin_owner: str | None = None
     admin_reason: str | None = None
     desired_mw: int | None = None
     enforced_mw: int | None = None
+    model: str = ""
+    memory_bytes: int = 0
 
     @property
     def state(self) -> str:
         return self.admin or self.health
 
 
-@dataclass
+@dataclass(slots=True)
 class NodeRec:
     name: str
     domain: str
     gpus: list[str]
     last_seq: int = 0
     boot_id: str = ""
-    last_seen: float = 0.0  # monotonic
+    last_seen: float = 0.0  # monotonic; memory only (heartbeats are never written)
     connected: bool = False
     drain_deadline: datetime | None = None
     drain_reason: str | None = None
+    agent_version: str = ""
+
+
+class _Keep:
+    """The value of a change field that leaves its column as it is."""
+
+    _instance: _Keep | None = None
+
+    def __new__(cls) -> _Keep:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "KEEP"
+
+
+KEEP: Final = _Keep()
+
+
+class _Change:
+    """Shared by the typed changes: the fields given, merged and applied by name. The values are
+    collected once, when the change is made (changes are frozen)."""
+
+    __slots__ = ()
+    _names: tuple[str, ...] = ()  # the dataclass's field names (set below each class)
+    _values: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_values", {n: v for n in self._names if (v := getattr(self, n)) is not KEEP})
+
+    def values(self) -> dict[str, Any]:
+        """The columns this change sets, by name: what the row gets and what the record gets.
+        (The same dict each time: do not change it.)"""
+        return self._values
+
+    def apply(self, target: Any) -> None:
+        """Set this change's values on a record (or a row): the same values the row was written."""
+        for name, value in self.values().items():
+            setattr(target, name, value)
+
+    def __bool__(self) -> bool:
+        return bool(self.values())
+
+
+@dataclass(frozen=True, slots=True)
+class GpuChange(_Change):
+    health: GpuState | _Keep = KEEP
+    health_reason: str | _Keep = KEEP
+    health_source: HealthSource | _Keep = KEEP
+    health_since: datetime | _Keep = KEEP
+    admin: GpuState | _Keep | None = KEEP
+    admin_owner: str | _Keep | None = KEEP
+    admin_reason: str | _Keep | None = KEEP
+    desired_mw: int | _Keep | None = KEEP
+    enforced_mw: int | _Keep | None = KEEP
+    idx: int | _Keep = KEEP
+    tdp_mw: int | _Keep = KEEP
+    min_mw: int | _Keep = KEEP
+    max_mw: int | _Keep = KEEP
+    model: str | _Keep = KEEP
+    memory_bytes: int | _Keep = KEEP
+    _values: dict[str, Any] = field(init=False, repr=False, compare=False, default_factory=dict)
+
+    @classmethod
+    def health_to(cls, state: GpuState, reason: str, source: HealthSource, at: datetime) -> GpuChange:
+        return cls(health=state, health_reason=reason, health_source=source, health_since=at)
+
+    @classmethod
+    def admin_to(cls, state: GpuState | None, owner: str | None, reason: str | None) -> GpuChange:
+        """Set (or clear, `state=None`) the operator state; owner and reason go with it."""
+        if state is None:
+            return cls(admin=None, admin_owner=None, admin_reason=None)
+        return cls(admin=state, admin_owner=owner, admin_reason=reason)
+
+    def then(self, later: GpuChange) -> GpuChange:
+        """This change followed by `later` (its fields win)."""
+        return GpuChange(**{**self.values(), **later.values()})
+
+    def differing(self, rec: GpuRec) -> GpuChange:
+        """Only the fields whose value differs from what `rec` holds."""
+        return GpuChange(**{k: v for k, v in self.values().items() if getattr(rec, k) != v})
+
+    @property
+    def touches_state(self) -> bool:
+        return self.health is not KEEP or self.admin is not KEEP
+
+    @property
+    def touches_shape(self) -> bool:
+        """Index or power limits: the planner's snapshot must be rebuilt."""
+        return any(v is not KEEP for v in (self.idx, self.tdp_mw, self.min_mw, self.max_mw))
+
+
+@dataclass(frozen=True, slots=True)
+class NodeChange(_Change):
+    last_seq: int | _Keep = KEEP
+    boot_id: str | _Keep = KEEP
+    agent_version: str | _Keep = KEEP
+    drain_deadline: datetime | _Keep | None = KEEP
+    drain_reason: str | _Keep | None = KEEP
+    _values: dict[str, Any] = field(init=False, repr=False, compare=False, default_factory=dict)
+
+    def then(self, later: NodeChange) -> NodeChange:
+        return NodeChange(**{**self.values(), **later.values()})
+
+
+GpuChange._names = tuple(f.name for f in fields(GpuChange) if f.init)
+NodeChange._names = tuple(f.name for f in fields(NodeChange) if f.init)
 
 
 @dataclass
@@ -130,8 +262,9 @@ class World:
                 await asyncio.shield(self._building)
         return self._cluster
 
-    def apply_states(self, uuids: list[str]) -> None:
+    def apply_states(self, uuids: Iterable[str]) -> None:
         """Bring the cached snapshot up to date after state changes of `uuids`."""
+        uuids = list(uuids)
         if self._changed_while_building is not None:
             self._changed_while_building.update(uuids)
         if self._cluster is not None and uuids:

@@ -5,24 +5,26 @@
   token cannot grow the table by inventing ids. An ack must carry the stamp of the layout it
   applied: an older leader epoch is FAILED_PRECONDITION (that layout was overtaken by a restart or
   a failover), a version that never existed is INVALID_ARGUMENT.
-- Step reports: the newest report per (job, worker), at most `STEP_BYTES_PER_JOB` bytes of them per
-  job; the least recently updated worker's report goes first. Every number must be finite and
-  non-negative, and each list is bounded (`ntp_manager.limits`).
+- Step reports: each rank's step goes into its job's `StepWindow` (service/steps.py: at most
+  `STEP_BYTES_PER_JOB` bytes of samples per job, oldest first out), placed by the current layout
+  when the report's stamp is that layout. Every number must be finite and non-negative, and each
+  list is bounded (`ntp_manager.limits`).
 """
 
 from __future__ import annotations
 
-import math
-from collections import OrderedDict
+import asyncio
 from typing import Any
 
 from ntp_manager import limits
+from ntp_manager.service import steps
 from ntp_manager.service.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from ntp_manager.service.state import LayoutRec
+from ntp_manager.service.steps import STEP_BYTES_PER_JOB, Place, StepWindow
+
+__all__ = ["ACK_VERSIONS_KEPT", "STEP_BYTES_PER_JOB", "WorkerReports", "workers_cap"]
 
 ACK_VERSIONS_KEPT = 4
-STEP_BYTES_PER_JOB = 16 * 2**20
-STEP_TIME_MAX_S = 1e6
 
 
 def workers_cap(layout: LayoutRec) -> int:
@@ -33,9 +35,10 @@ def workers_cap(layout: LayoutRec) -> int:
 class WorkerReports:
     def __init__(self) -> None:
         self.acks: dict[str, dict[int, dict[str, dict[str, Any]]]] = {}
-        self.steps: dict[str, OrderedDict[str, tuple[int, Any]]] = {}
-        self._step_bytes: dict[str, int] = {}
+        self.steps: dict[str, StepWindow] = {}
         self._caps: dict[str, tuple[int, int]] = {}  # job -> (layout version, cap)
+        # job -> ((epoch, version), GPU places in that layout), built off the loop once per version
+        self._places: dict[str, tuple[tuple[int, int], asyncio.Future[dict[str, Place]]]] = {}
 
     def check_ids(self, job: str, worker_id: str) -> None:
         try:
@@ -67,40 +70,44 @@ class WorkerReports:
         for old in sorted(per_job)[:-ACK_VERSIONS_KEPT]:
             del per_job[old]
 
-    def record_steps(self, job: str, worker_id: str, report: Any) -> None:
-        """Keep `report` (an ntp.v1.StepReport) as the newest of this worker. Raises InvalidArgument."""
+    async def record_steps(self, job: str, layout: LayoutRec | None, worker_id: str, report: Any,
+                           now: float) -> int:
+        """Keep the ranks of `report` (an ntp.v1.StepReport of `job`, whose current layout is
+        `layout`) in the job's window; returns how many samples were kept. Raises InvalidArgument
+        (nothing kept) for a bad field or a stamp newer than the current layout."""
         self.check_ids(job, worker_id)
-        try:
-            limits.integer("ranks (count)", len(report.ranks), 0, limits.RANKS_PER_STEP_REPORT)
-            for i, r in enumerate(report.ranks):
-                if not (math.isfinite(r.step_time_s) and 0 <= r.step_time_s <= STEP_TIME_MAX_S):
-                    raise InvalidArgument(
-                        f"ranks[{i}].step_time_s: must be a finite number in [0, {STEP_TIME_MAX_S:g}], "
-                        f"got {r.step_time_s}"
-                    )
-                if r.gpu_uuid:
-                    limits.ident(f"ranks[{i}].gpu_uuid", r.gpu_uuid, limits.GPU_ID_MAX)
-                limits.integer(f"ranks[{i}].sequence_lengths (count)", len(r.sequence_lengths), 0,
-                               limits.SEQUENCES_PER_RANK)
-        except limits.LimitError as e:
-            raise InvalidArgument(str(e)) from None
-        size = report.ByteSize()
-        window = self.steps.setdefault(job, OrderedDict())
-        used = self._step_bytes.get(job, 0)
-        old = window.pop(worker_id, None)
-        if old is not None:
-            used -= old[0]
-        while window and used + size > STEP_BYTES_PER_JOB:
-            _, (n, _) = window.popitem(last=False)
-            used -= n
-        window[worker_id] = (size, report)
-        self._step_bytes[job] = used + size
+        steps.check_report(report)
+        places = None
+        if report.HasField("stamp") and (report.stamp.leader_epoch, report.stamp.version) != (0, 0):
+            stamp = (report.stamp.leader_epoch, report.stamp.version)
+            if layout is None or stamp > (layout.leader_epoch, layout.version):
+                raise InvalidArgument(f"stamp: job {job!r} has no layout {stamp}")
+            if stamp == (layout.leader_epoch, layout.version):
+                places = await self.places(job, layout)
+        samples = steps.samples_of(report, now, places)
+        self.window(job).add(samples)
+        return len(samples)
+
+    def window(self, job: str) -> StepWindow:
+        w = self.steps.get(job)
+        if w is None:
+            w = self.steps[job] = StepWindow()
+        return w
+
+    async def places(self, job: str, layout: LayoutRec) -> dict[str, Place]:
+        """Where each GPU serves in `layout`, built once per version in a worker thread."""
+        key = (layout.leader_epoch, layout.version)
+        cached = self._places.get(job)
+        if cached is None or cached[0] != key:
+            cached = (key, asyncio.ensure_future(asyncio.to_thread(steps.places_of, layout.plan)))
+            self._places[job] = cached
+        return await asyncio.shield(cached[1])
 
     def forget(self, job: str) -> None:
         self.acks.pop(job, None)
         self.steps.pop(job, None)
-        self._step_bytes.pop(job, None)
         self._caps.pop(job, None)
+        self._places.pop(job, None)
 
     def _cap(self, job: str, layout: LayoutRec) -> int:
         cached = self._caps.get(job)

@@ -76,6 +76,7 @@ class GpuRow(Base):
     max_mw: Mapped[int] = mapped_column(Integer, default=1_300_000)
     health: Mapped[str] = mapped_column(String(16), default="healthy", index=True)
     health_reason: Mapped[str] = mapped_column(Text, default="")
+    health_source: Mapped[str] = mapped_column(String(16), default="agent", server_default="agent")
     health_since: Mapped[datetime] = mapped_column(UtcDateTime)
     admin: Mapped[str | None] = mapped_column(String(16))
     admin_owner: Mapped[str | None] = mapped_column(String(128))

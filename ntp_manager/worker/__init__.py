@@ -24,6 +24,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ntp_manager.worker.checkpoint import Checkpointer, CheckpointError, RestoreInfo, Retention, retention_plan
     from ntp_manager.worker.env import WorkerEnv, worker_env
     from ntp_manager.worker.plans import ModelPlan, plan_for
     from ntp_manager.worker.reshard import apply_reshard, reshard_moves
@@ -53,6 +54,8 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "CheckpointError",
+    "Checkpointer",
     "ColwiseUnits",
     "GrpcLayoutSource",
     "LayoutSource",
@@ -61,6 +64,8 @@ __all__ = [
     "ReconfigurationError",
     "ReplicaGroup",
     "ReplicatedPerUnit",
+    "RestoreInfo",
+    "Retention",
     "RowwiseUnits",
     "Runtime",
     "RuntimeConfig",
@@ -78,11 +83,14 @@ __all__ = [
     "plan_for",
     "publish_layout",
     "reshard_moves",
+    "retention_plan",
     "unit_counts",
     "worker_env",
 ]
 
 _WHERE = {
+    "CheckpointError": "checkpoint", "Checkpointer": "checkpoint", "RestoreInfo": "checkpoint",
+    "Retention": "checkpoint", "retention_plan": "checkpoint",
     "WorkerEnv": "env", "worker_env": "env",
     "ModelPlan": "plans", "plan_for": "plans",
     "apply_reshard": "reshard", "reshard_moves": "reshard",

@@ -14,6 +14,9 @@
     NTP_TOKEN      a worker-scope token for the manager
     NTP_LOCAL_RANK / NTP_NPROC   this process's index among ntp-run's, and their number
     NTP_DEVICE     optional: "cpu" or "cuda" (default: cuda when torch sees a GPU)
+    NTP_BACKEND    optional: "auto" (default: comm.choose_backend), "gloo" or "nccl"
+    NTP_LOCAL_GPUS set by ntp-run when it pins each rank to a GPU: the distinct GPUs its ranks use
+                   (each process then sees one, so torch's own count would say 1)
 
 The layout source is the manager's watch stream (`GrpcLayoutSource`) with NTP_MANAGER, else the
 layouts ntp-run publishes into the store (`StoreLayoutSource`). Either way step reports also go
@@ -90,10 +93,14 @@ class WorkerEnv:
     nproc: int
     device: str
     backend: str
+    local_gpus: int | None = None  # distinct GPUs this host's ranks use (None: what torch sees)
 
     def config(self, **overrides: Any) -> RuntimeConfig:
         """A RuntimeConfig for this job and device; `overrides` set any other field."""
-        return RuntimeConfig(job=self.job, device=self.device, backend=self.backend, **overrides)
+        base: dict[str, Any] = dict(job=self.job, device=self.device, backend=self.backend,
+                                    local_rank=self.local_rank % max(self.nproc, 1),
+                                    local_world_size=max(self.nproc, 1), local_gpus=self.local_gpus)
+        return RuntimeConfig(**{**base, **overrides})
 
     def runtime(
         self,
@@ -136,7 +143,13 @@ def worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
     device = e.get("NTP_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda"):
         raise RuntimeError(f"NTP_DEVICE must be cpu or cuda, not {device!r}")
+    backend = e.get("NTP_BACKEND") or "auto"
+    if backend not in ("auto", "gloo", "nccl"):
+        raise RuntimeError(f"NTP_BACKEND must be auto, gloo or nccl, not {backend!r}")
+    local_gpus = e.get("NTP_LOCAL_GPUS", "")
+    if local_gpus and not local_gpus.isdigit():
+        raise RuntimeError(f"NTP_LOCAL_GPUS must be a count, not {local_gpus!r}")
     return WorkerEnv(job=job, worker_id=worker, gpu_uuid=gpu, store=store,
                      source=ReportingSource(inner, store, job, worker), manager=manager,
                      local_rank=int(e.get("NTP_LOCAL_RANK", "0")), nproc=int(e.get("NTP_NPROC", "1")),
-                     device=device, backend="nccl" if device == "cuda" else "gloo")
+                     device=device, backend=backend, local_gpus=int(local_gpus) if local_gpus else None)

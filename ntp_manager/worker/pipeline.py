@@ -27,6 +27,7 @@ the all-reduce of Megatron's f operator). So with degrees tp_s and tp_{s+1}:
 `activation_peers` gives both directions (pure). Every message is a whole tensor (a small header
 with its shape and dtype goes first in the forward direction; a gradient has its activation's
 shape), so a stage whose degree changes needs nothing from its neighbours but the new numbering.
+Messages go through the transport seam (worker/comm.py), like every other message of the runtime.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from ntp_manager.worker import comm
 from ntp_manager.worker.tp import ShardStyle
 
 
@@ -259,18 +260,14 @@ def send_activation(t: torch.Tensor, dsts: Sequence[int], group: Any) -> list[An
     head[0], head[1] = _DTYPES.index(t.dtype), t.dim()
     head[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
     t = t.contiguous()
-    works = []
-    for d in dsts:
-        works.append(dist.isend(head, dst=d, group=group))
-        works.append(dist.isend(t, dst=d, group=group))
-    return works
+    return comm.exchange([comm.P2P(True, x, d) for d in dsts for x in (head, t)], group)
 
 
 def recv_activation(src: int, group: Any, device: torch.device | str) -> torch.Tensor:
     """Receive a whole activation sent by `send_activation` from global rank `src`."""
     head = torch.zeros(_HEADER, dtype=torch.int64)
-    dist.recv(head, src=src, group=group)
+    comm.irecv(head, src=src, group=group).wait()
     dtype, ndim = _DTYPES[int(head[0])], int(head[1])
     t = torch.empty([int(x) for x in head[2 : 2 + ndim]], dtype=dtype, device=device)
-    dist.recv(t, src=src, group=group)
+    comm.irecv(t, src=src, group=group).wait()
     return t

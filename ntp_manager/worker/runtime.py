@@ -36,6 +36,7 @@ from __future__ import annotations
 import datetime as dt
 import fnmatch
 import gc
+import os
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -48,6 +49,15 @@ import torch.distributed as dist
 from torch import nn
 
 from ntp_manager.planner.ranks import locate, stage_ranks
+from ntp_manager.worker import comm
+from ntp_manager.worker.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    NoCheckpoint,
+    RestoreInfo,
+    Retention,
+    SaveHandle,
+)
 from ntp_manager.worker.pipeline import (
     Pipeline,
     activation_peers,
@@ -75,13 +85,49 @@ class _Superseded(Exception):
 
 @dataclass
 class RuntimeConfig:
+    """`backend` "auto" picks per device (`comm.choose_backend`): NCCL on CUDA when every rank of
+    this host has a GPU of its own, gloo staged through host memory when ranks share GPUs, gloo on
+    CPU. An explicit combination that cannot work (nccl on CPU, nccl with more ranks than GPUs on
+    a host, cuda without CUDA) is refused when the Runtime is built (comm.BackendError)."""
+
     job: str
-    backend: str = "gloo"  # "nccl" on GPUs
-    device: str = "cpu"
+    backend: str = "auto"  # "auto" | "gloo" | "nccl"
+    device: str = "cpu"  # "cpu" | "cuda" (this rank's GPU: comm.device_index)
     collective_timeout_s: float = 30.0
     rendezvous_timeout_s: float = 60.0
     reconfigure_timeout_s: float = 120.0  # how long survivors wait for the manager's next layout
     seed: int = 0  # model_fn runs under this seed on every rank, so initial shards agree
+    local_rank: int = 0  # this rank's index among the job's ranks on its host
+    local_world_size: int = 1  # the job's ranks on this host
+    local_gpus: int | None = None  # distinct GPUs those ranks use (None: the GPUs this process sees)
+    force_staging: bool = False  # tests: gloo's host staging also for CPU tensors (comm.py)
+
+    # unit-addressed checkpoints (worker/checkpoint.py); None: none. A directory every rank sees.
+    checkpoint_dir: str | None = None
+    checkpoint_interval: int = 0  # steps between automatic checkpoints (0: only save_checkpoint())
+    checkpoint_keep_last: int = 3
+    checkpoint_keep_every: int = 0  # also keep checkpoints whose step is a multiple of this
+    checkpoint_resume: bool = True  # a job's first layout restores the newest checkpoint if there is one
+    checkpoint_complete_timeout_s: float = 300.0  # how long the coordinator waits for every rank's part
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise comm.BackendError(f"backend must be 'auto', 'gloo' or 'nccl', not {self.backend!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise comm.BackendError(f"device must be 'cpu' or 'cuda', not {self.device!r}")
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise comm.BackendError(f"local_rank {self.local_rank} is not among {self.local_world_size} local ranks")
+
+    def resolve(self, features: comm.CommFeatures | None = None) -> tuple[comm.BackendChoice, torch.device]:
+        """The backend and this rank's device; raises comm.BackendError for what cannot work."""
+        feats = features or comm.detect_features()
+        gpus = self.local_gpus if self.local_gpus is not None else feats.cuda_devices
+        choice = comm.choose_backend(self.device, self.backend, self.local_world_size, gpus, feats)
+        if choice.backend == "nccl":
+            comm.check_nccl_env(os.environ)
+        if choice.device == "cpu":
+            return choice, torch.device("cpu")
+        return choice, torch.device("cuda", comm.device_index(self.local_rank, feats.cuda_devices))
 
 
 @dataclass(frozen=True)
@@ -206,12 +252,27 @@ class Runtime:
         self._plan = plan
         self.model_fn, self.optimizer_fn = model_fn, optimizer_fn
         self.source, self.store, self.cfg = source, store, cfg
+        # refused here, before anything starts, when the device / backend / host cannot work
+        self.features = comm.detect_features()
+        self.choice, self.device = cfg.resolve(self.features)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # NCCL's object collectives and batched p2p use it
+        comm.configure(force_staging=cfg.force_staging, device=self.device)
+        log.info("backend chosen", backend=self.choice.backend, device=str(self.device), reason=self.choice.reason)
+        self._held: tuple[str, int, int] | None = None  # NCCL: (version key, rank, world) of a kept communicator
         self.step = 0  # committed optimizer steps
         self.s = _State()
         self._groups: list[weakref.ref[Any]] = []  # every group made, to check none outlives a leave
         self.seen: WorkerLayout | None = None  # newest version known, member or not
         self._info: dict[int, _StageInfo] = {}  # per stage of the job's pipeline
         self._depth = 0  # the pipeline depth `_info` was read for
+        keep = Retention(cfg.checkpoint_keep_last, cfg.checkpoint_keep_every)
+        self.checkpointer = (Checkpointer(cfg.checkpoint_dir, keep,
+                                          complete_timeout_s=cfg.checkpoint_complete_timeout_s)
+                             if cfg.checkpoint_dir else None)
+        self.data_state_fn: Callable[[], dict[str, Any]] | None = None  # what save_checkpoint stores as data_state
+        self.restored: RestoreInfo | None = None  # the last restore from a checkpoint
+        self._saved_step = -1
 
     @property
     def units(self) -> dict[str, int]:
@@ -299,6 +360,7 @@ class Runtime:
                 continue
             failure = None
             try:
+                self._checkpoint_if_due()
                 result, agreed = self._try_step(batch_fn, loss_fn)
             except Exception as e:
                 if not is_comm_failure(e):
@@ -319,8 +381,9 @@ class Runtime:
             return result
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if self.checkpointer is not None:  # this rank's writes, and (coordinator) their completion
+            self.checkpointer.close(self.cfg.checkpoint_complete_timeout_s)
+        comm.leave(self.choice.backend, self.features)
         self.source.close()
 
     # ---- the step -------------------------------------------------------------------------------
@@ -347,7 +410,7 @@ class Runtime:
         # the last stage's ranks carry the replica's loss, each local_batch / tp of it
         mine = torch.tensor([value * lb / tp if last else 0.0, float(seen)], dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(lay.world)]
-        dist.all_gather(every, mine, group=self.s.world)  # the commit point
+        comm.all_gather(every, mine, group=self.s.world)  # the commit point
         self.s.opt.step()
         step = self.step
         self.step += 1
@@ -355,7 +418,7 @@ class Runtime:
         gloss = float(stacked[:, 0].sum().item()) / lay.global_batch
         agreed = int(stacked[:, 1].max().item())
         secs = time.perf_counter() - t0
-        if self.s.timeline and self.s.timeline[-1].what in ("reshard done", "joined"):
+        if self.s.timeline and self.s.timeline[-1].what in ("reshard done", "joined", "restored from checkpoint"):
             self._event("first step", lay.version, f"tp={tp} local_batch={lb} stage={stage}")
         self.source.report_step(lay, step, secs, lb)
         return StepResult(step, gloss, lay.global_batch, lb, lay.version, tp, secs, stage), agreed
@@ -375,7 +438,7 @@ class Runtime:
         ranks = lay.group_ranks()[ri]
         first, last = stage == 0, stage == len(degrees) - 1
         peers = activation_peers(degrees, stage, index)
-        device = torch.device(self.cfg.device)
+        device = self.device
         group = self.s.world
         pending: list[Any] = []
         inputs: list[torch.Tensor | None] = []
@@ -406,12 +469,12 @@ class Runtime:
             else:
                 assert peers.recv_grad is not None
                 grad = torch.empty_like(out)
-                dist.recv(grad, src=ranks[stage + 1][peers.recv_grad], group=group)
+                comm.irecv(grad, src=ranks[stage + 1][peers.recv_grad], group=group).wait()
                 out.backward(grad)
             x_in = inputs.pop()
             if x_in is not None:
                 g = x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
-                pending += [dist.isend(g, dst=ranks[stage - 1][i], group=group) for i in peers.send_grad]
+                pending += comm.exchange([comm.P2P(True, g, ranks[stage - 1][i]) for i in peers.send_grad], group)
             del out, x_in
             assert len(outputs) == k
         for w in pending:
@@ -430,7 +493,7 @@ class Runtime:
             mine = torch.tensor([1.0 if got is not None else 0.0, float(newest.version if newest else -1)],
                                 dtype=torch.float64)
             every = [torch.zeros_like(mine) for _ in range(lay.world)]
-            dist.all_gather(every, mine, group=self.s.world)
+            comm.all_gather(every, mine, group=self.s.world)
             stacked = torch.stack(every)
             if bool((stacked[:, 0] > 0).all()):
                 break
@@ -439,7 +502,7 @@ class Runtime:
         assert target is not None
         self._event("layout agreed", target.version, target.reason)
         try:
-            self._apply(target)
+            self._apply(target, planned=True)
         except _Superseded as e:
             self._join_chain(e.newer)
 
@@ -490,10 +553,13 @@ class Runtime:
                         f"could not regroup at version {target.version} and no newer layout arrived") from e
                 target = nxt
 
-    def _leave_group(self) -> None:
+    def _leave_group(self, keep: bool = False) -> None:
         """Destroy the current groups. References to them are dropped first: gloo closes a group's
         connections only when its last reference goes, and a closed connection is what tells peers
-        still blocked in a collective with us to give up now rather than at their timeout."""
+        still blocked in a collective with us to give up now rather than at their timeout. NCCL
+        communicators are aborted (comm.leave). `keep` (NCCL, a planned switch, where torch can
+        shrink): the sub-groups go, the version's default communicator stays for the next
+        rendezvous to shrink (comm.shrink_plan decides; it is aborted there otherwise)."""
         if self.s.sync is not None:  # its gradient buffers serve the next layout's sync
             self.s.spare = self.s.sync.buffers()
             self.s.sync.release()
@@ -503,11 +569,22 @@ class Runtime:
             for m in self.s.model.modules():
                 if isinstance(m, ShardedModule):
                     m.group = None
-        if dist.is_initialized():
+        lay = self.s.layout
+        if keep and dist.is_initialized() and lay is not None and lay.rank is not None:
+            if self._held is None:
+                self._held = (f"{lay.epoch}.{lay.version}", lay.rank, lay.world)
+            for r in self._groups:
+                g = r()
+                if g is not None:
+                    dist.destroy_process_group(g)
+                del g
+        elif dist.is_initialized():
+            self._held = None
             try:
-                dist.destroy_process_group()
+                comm.leave(self.choice.backend, self.features)
             except Exception as e:  # a broken group may fail to tear down cleanly; it is dropped either way
                 log.debug("destroying the old process group failed", error=str(e))
+        comm.release_buffers()  # the next layout's messages have other sizes
         self._release_groups()
 
     def _track(self, *groups: Any) -> None:
@@ -537,6 +614,7 @@ class Runtime:
     def _rendezvous(self, target: WorkerLayout) -> None:
         assert target.rank is not None
         prefix = f"ntp/{self.cfg.job}/pg/v{target.epoch}.{target.version}"
+        comm.publish_held(self.store, prefix, target.rank, self._held, self.choice.backend)
         self.store.add(f"{prefix}/arrived", 1)
         deadline = time.monotonic() + self.cfg.rendezvous_timeout_s
         while self.store.add(f"{prefix}/arrived", 0) < target.world:
@@ -547,17 +625,29 @@ class Runtime:
                 raise ReconfigurationError(f"rendezvous for version {target.version} timed out: "
                                            f"{self.store.add(f'{prefix}/arrived', 0)} of {target.world} arrived")
             time.sleep(0.005)
-        dist.init_process_group(
-            self.cfg.backend, store=dist.PrefixStore(prefix, self.store), rank=target.rank,
-            world_size=target.world, timeout=self._timeout,
-        )
+        shrinkable = self.choice.backend == "nccl" and self.features.shrink_group
+        plan = comm.agree(self.store, prefix, target.world, self.choice.backend, shrinkable)
+        if plan.kind == "shrink" and self._held is not None and self._held[0] == plan.old_version:
+            comm.shrink_default_group(plan.exclude)  # ncclCommShrink: no new communicator from nothing
+            self._held = None
+            if (dist.get_rank(), dist.get_world_size()) != (target.rank, target.world):
+                raise ReconfigurationError(f"shrunk communicator gives rank {dist.get_rank()} of "
+                                           f"{dist.get_world_size()}, the layout {target.rank} of {target.world}")
+            self._event("communicator shrunk", target.version, plan.reason)
+        else:
+            if self._held is not None:
+                self._held = None
+                comm.leave(self.choice.backend, self.features)
+            comm.init_default_group(self.choice.backend, dist.PrefixStore(prefix, self.store), target.rank,
+                                    target.world, self._timeout, self.device if self.device.type == "cuda" else None,
+                                    self.features)
         # Nothing runs on the default group: after a failed collective torch 2.13 keeps a reference
         # to it that no collection frees, so its connections stay open after we leave, and a peer
         # blocked in a collective on it would wait for its timeout. Our own groups are released.
         self.s.world = dist.new_group(list(range(target.world)), timeout=self._timeout)
         self._track(self.s.world)
 
-    def _apply(self, target: WorkerLayout) -> None:
+    def _apply(self, target: WorkerLayout, planned: bool = False) -> None:
         """Leave the current group and join `target`'s: regroup, reshard every stage, ack.
 
         Pipelines: each stage is resharded on its own, from the survivors that held it (in any
@@ -565,13 +655,17 @@ class Runtime:
         whose group moved to another stage builds that stage's model, receives its shards, the
         replicated parameters and their optimizer state from that stage's survivors (DP peers),
         and meanwhile serves its old stage's shards to whoever needs them; a fresh rank is the
-        same without the serving. Raises ReconfigurationError naming the stage when no survivor
-        holds one of its units, and when the pipeline depth changed."""
+        same without the serving. When no survivor holds some stage (or some unit of it), every
+        rank restores the newest checkpoint instead (`_restore_into`), or raises
+        ReconfigurationError naming the stage when there is none; also when the pipeline depth
+        changed."""
         old = self.s.layout
         if target.n_stages > 1 and self.pipeline is None:
             raise ReconfigurationError(f"layout version {target.version} has {target.n_stages} pipeline stages but the "
                                        "Runtime has no pipeline: give it Runtime(..., pipeline=Pipeline(...))")
-        self._leave_group()
+        # NCCL on a planned switch: keep the communicator, the next version may shrink it
+        self._leave_group(keep=planned and target.rank is not None and self.choice.backend == "nccl"
+                          and self.features.shrink_group and comm.can_shrink())
         if target.rank is None:
             self.s.spare = []
             self._event("no place", target.version, "this worker's GPU is not in the layout")
@@ -585,26 +679,23 @@ class Runtime:
         mine = torch.tensor([old.rank if held and old else -1, old.version if held and old else -1, self.step],
                             dtype=torch.int64)
         every = [torch.zeros_like(mine) for _ in range(world)]
-        dist.all_gather(every, mine, group=self.s.world)
+        comm.all_gather(every, mine, group=self.s.world)
         info = [tuple(int(x) for x in t.tolist()) for t in every]
         self._event("regrouped", target.version, f"world={world}")
         src_version = max((v for r, v, _ in info if r >= 0), default=-1)
         survivors = {nr: r for nr, (r, v, _) in enumerate(info) if r >= 0 and v == src_version}
         steps = {s for nr, (_, _, s) in enumerate(info) if nr in survivors}
         if len(steps) > 1:
-            raise ReconfigurationError(f"survivors disagree on the committed step ({sorted(steps)}): a rank died "
-                                       "inside a step's commit; restore from a checkpoint")
-        if self.s.model is None and not survivors:
-            self._build_fresh(target)  # the job's first layout: every rank initialises the same model
-            self._event("joined", target.version, f"tp={self.tp} stage={self.s.stage}")
-            self.source.ack(target, True)
-            return
+            return self._restore_into(target, f"survivors disagree on the committed step ({sorted(steps)}): a rank "
+                                      "died inside a step's commit")
+        if not survivors and max(s for _, _, s in info) == 0:
+            return self._restore_into(target, None)  # the job's first layout: a checkpoint, or a fresh model
         if not survivors:
-            raise ReconfigurationError("no rank of the new layout holds the model state")
+            return self._restore_into(target, "no rank of the new layout holds the model state")
         self.step = steps.pop()
         src = min(survivors)
         obj: list[Any] = [(old.replicas, old.degrees) if rank == src and old else None]
-        dist.broadcast_object_list(obj, src=src, group=self.s.world)
+        comm.broadcast_object_list(obj, src=src, group=self.s.world)
         old_replicas: tuple[tuple[int, int], ...] = tuple((int(r[0]), int(r[1])) for r in obj[0][0])
         old_degrees = tuple(tuple(int(d) for d in st) for st in obj[0][1])
         if len(old_degrees[0]) != depth:
@@ -628,19 +719,19 @@ class Runtime:
             new_sl[s] = target.sync_layout(units, s)
             alive[s] = {nr for nr, r in survivors.items() if locate(old_degrees, r)[1] == s}
             if not alive[s]:
-                raise ReconfigurationError(f"no surviving rank holds pipeline stage {s}: every rank that held its "
-                                           "layers is gone; restore from a checkpoint")
+                return self._restore_into(target, f"no surviving rank holds pipeline stage {s}: every rank that held "
+                                          "its layers is gone")
             try:
                 reshard_moves(old_sl[s], new_sl[s], alive[s])
-            except ValueError as e:
-                raise ReconfigurationError(f"pipeline stage {s}: {e}; restore from a checkpoint") from None
+            except ValueError as e:  # every holder of some unit of the stage is gone
+                return self._restore_into(target, f"pipeline stage {s}: {e}")
         my_tp = self._tp_groups(target)
         held_model, held_opt = self.s.model, self.s.opt  # the old stage's, when this rank held one
         if fresh is not None:  # a fresh or stale rank, or a group that changed stage: values from peers
             model = fresh
             parallelize(model, self._info[stage].plan, new_sl[stage].units_of(rank), group=my_tp)
             self._fix(model, resharded=False)
-            model.to(self.cfg.device)
+            model.to(self.device)
             opt = self.optimizer_fn(model.parameters())
             if self.step > 0:
                 ensure_optimizer_state(opt)
@@ -746,7 +837,7 @@ class Runtime:
         sl = target.sync_layout(self._info[stage].units, stage)
         parallelize(model, self._info[stage].plan, sl.units_of(target.rank), group=my_tp)
         self._fix(model, resharded=False)
-        model.to(self.cfg.device)
+        model.to(self.device)
         self.s.model, self.s.opt, self.s.stage = model, self.optimizer_fn(model.parameters()), stage
         self.s.sync = self._new_sync(model, target, target.rank)
         self.s.layout, self.s.sync_layout = target, sl
@@ -773,16 +864,80 @@ class Runtime:
                 step_val[0] = float(s)
         tensors.append(step_val)
         if me == src:
-            works = [dist.isend(t.contiguous(), dst=d, group=self.s.world) for d in dsts for t in tensors]
+            ops = [comm.P2P(True, t.contiguous(), d) for d in dsts for t in tensors]
         else:
-            works = [dist.irecv(t, src=src, group=self.s.world) for t in tensors]
-        for w in works:
-            if w is not None:
-                w.wait()
+            ops = [comm.P2P(False, t, src) for t in tensors]
+        comm.wait_all(comm.exchange(ops, self.s.world))
         if me != src and step_val.item() >= 0:
             for st in opt.state.values():
                 if "step" in st:
                     st["step"] = torch.tensor(step_val.item())
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def save_checkpoint(self, data_state: dict[str, Any] | None = None) -> SaveHandle:
+        """Checkpoint the state after `step` committed steps (worker/checkpoint.py); returns once
+        this rank's shards are copied, while they are written. Every rank of the layout calls it
+        between the same two steps. `data_state`: JSON describing the data position (default:
+        `data_state_fn()` when set)."""
+        lay, sl = self.s.layout, self.s.sync_layout
+        if self.checkpointer is None:
+            raise RuntimeError("no checkpoint_dir in the RuntimeConfig")
+        assert lay is not None and lay.rank is not None and sl is not None, "call start() first"
+        if data_state is None and self.data_state_fn is not None:
+            data_state = self.data_state_fn()
+        handle = self.checkpointer.save(self.step, self.model, self.optimizer, sl, lay.rank, self.families,
+                                        group=self.s.world, data_state=data_state, job_ranks=range(lay.world))
+        self._saved_step = self.step
+        log.info("checkpoint started", step=self.step, version=lay.version, snapshot_s=round(handle.snapshot_s, 4))
+        return handle
+
+    def restore_checkpoint(self) -> RestoreInfo:
+        """Every rank of the current layout loads the newest verified checkpoint into its model
+        and optimizer (any layout can load any checkpoint); training goes on from its step.
+        Raises CheckpointError when none verifies."""
+        lay, sl = self.s.layout, self.s.sync_layout
+        if self.checkpointer is None:
+            raise RuntimeError("no checkpoint_dir in the RuntimeConfig")
+        assert lay is not None and lay.rank is not None and sl is not None, "call start() first"
+        info = self.checkpointer.load(self.model, self.optimizer, sl, lay.rank, self.families, group=self.s.world)
+        self.step = self._saved_step = info.step
+        self.restored = info
+        self._event("restored from checkpoint", lay.version, info.describe())
+        return info
+
+    def _checkpoint_if_due(self) -> None:
+        n = self.cfg.checkpoint_interval
+        if self.checkpointer is not None and n > 0 and self.step > 0 and self.step % n == 0 \
+                and self._saved_step != self.step:
+            self.save_checkpoint()
+
+    def _restore_into(self, target: WorkerLayout, why: str | None) -> None:
+        """Every rank of `target` builds a fresh model for its units and loads the newest verified
+        checkpoint into it: state no survivor holds (`why`), or the job's first layout (`why`
+        None: without a checkpoint, or with checkpoint_resume off, the fresh model is the start)."""
+        ck = self.checkpointer if why is not None or self.cfg.checkpoint_resume else None
+        if why is not None and ck is None:
+            raise ReconfigurationError(f"{why}; no checkpoint_dir is configured to restore from")
+        self._build_fresh(target)
+        assert target.rank is not None and self.s.sync_layout is not None
+        info = None
+        if ck is not None:
+            try:
+                info = ck.load(self.model, self.optimizer, self.s.sync_layout, target.rank, self.families,
+                               group=self.s.world)
+            except NoCheckpoint as e:
+                if why is not None:
+                    raise ReconfigurationError(f"{why}; and {e}") from e
+            except CheckpointError as e:
+                raise ReconfigurationError(f"{why or 'resuming the job'}: {e}") from e
+        if info is None:
+            self._event("joined", target.version, f"tp={self.tp}")
+            self.source.ack(target, True)
+            return
+        self.step = self._saved_step = info.step
+        self.restored = info
+        self._event("restored from checkpoint", target.version, info.describe() + (f" ({why})" if why else ""))
+        self.source.ack(target, True, f"restored from step {info.step}")
 
     def _event(self, what: str, version: int, detail: str = "") -> None:
         ev = TimelineEvent(time.time(), what, version, detail)

@@ -29,6 +29,15 @@ def create_token(data: Path, scope: str, node: str | None = None, env: dict[str,
     return str(json.loads(out)["token"])
 
 
+def create_agent_tokens(data: Path, nodes: list[str]) -> dict[str, str]:
+    """One agent token per node, made by one `ntp-manager token create --nodes-from -` call."""
+    cmd = [sys.executable, "-m", "ntp_manager.cli", "token", "create", "--scope", "agent", "--nodes-from", "-",
+           "--data-dir", str(data)]
+    out = subprocess.run(cmd, input="\n".join(nodes), capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    return {d["node"]: d["token"] for d in map(json.loads, out.splitlines())}
+
+
 def start_manager(
     data: Path, http_port: int = 0, grpc_port: int = 0, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[str], dict[str, Any]]:

@@ -17,7 +17,7 @@ import httpx
 
 from ntp_manager._proto.ntp.v1 import worker_pb2, worker_pb2_grpc
 from tests.fakes.agent_client import ScriptedAgent, gpu_uuids
-from tests.fakes.procs import create_token, free_port, start_manager
+from tests.fakes.procs import create_agent_tokens, create_token, free_port, start_manager
 from tests.integration.conftest import eventually
 
 JOB = {"name": "llm", "tp": 4, "replicas": 2, "local_batch": 8, "min_tp": 2, "heads": 16, "mlp_columns": 64}
@@ -128,6 +128,98 @@ async def test_sigkill_loses_nothing_acknowledged(tmp_path: Path):
             r = await c.get("/v1/jobs/llm/layout")
             assert r.status_code == 200 and r.json()["version"] >= versions[-1]
             watcher.cancel()
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+BURST_NODES, BURST_PER_NODE = 10, 100  # 1,000 reports
+
+
+def burst_state(seq: int) -> tuple[int, str]:
+    """Report `seq` of a node sets GPU (seq % 4) to failed on odd rounds, healthy on even ones."""
+    return seq % 4, ("failed" if (seq // 4) % 2 == 0 else "healthy")
+
+
+async def test_sigkill_mid_burst_of_1000_reports_loses_nothing_acknowledged(tmp_path: Path):
+    """1,000 reports from 10 agents, sent without waiting for acks (they are group-committed); the
+    manager is killed mid-burst. Every acknowledged report is in the store, each node's reports are
+    stored without a gap, each GPU's stored health is what its last stored report said; after a
+    restart the agents resend what was not applied and end where the script ends."""
+    data = tmp_path / "data"
+    nodes = [f"node-{i}" for i in range(BURST_NODES)]
+    tokens = create_agent_tokens(data, nodes)
+    env = {"NTP_SUSPECT_AFTER_S": "60", "NTP_FAIL_AFTER_S": "120", "NTP_BREAKER_MIN_GPUS": "100000"}
+    http, gport = free_port(), free_port()
+    proc = start_manager(data, http, gport, env=env)[0]
+    target = f"127.0.0.1:{gport}"
+    try:
+        agents = []
+        for i, n in enumerate(nodes):
+            a = ScriptedAgent(target, tokens[n], n, f"nvl-{i // 2}", gpu_uuids(n, 4))
+            await a.connect()
+            await a.wait_for(lambda a=a: a.welcome is not None)
+            agents.append(a)
+        for seq in range(1, BURST_PER_NODE + 1):
+            for a in agents:
+                gpu, state = burst_state(seq)
+                await a.report({f"GPU-{a.node}-{gpu}": state}, seq=seq, wait=False)
+        while sum(len(a.acks) for a in agents) < 200:
+            await asyncio.sleep(0.001)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        acked = {a.node: list(a.acks) for a in agents}
+        total = sum(len(v) for v in acked.values())
+        assert total < BURST_NODES * BURST_PER_NODE, "the kill came after the burst: nothing was tested mid-burst"
+        for a in agents:
+            await a.close()
+
+        conn = sqlite3.connect(data / "ntp-manager.db")
+        for n in nodes:
+            stored = [s for (s,) in conn.execute("select seq from health_events where node=? and seq is not null "
+                                                 "order by seq", (n,))]
+            assert stored == list(range(1, len(stored) + 1)), f"{n}: stored reports have a gap or a duplicate"
+            lost = sorted(set(acked[n]) - set(stored))
+            assert not lost, f"{n}: acknowledged reports lost: {lost}"
+            (last,) = conn.execute("select last_seq from nodes where name=?", (n,)).fetchone()
+            assert last == len(stored)
+            want: dict[int, str] = {}
+            for seq in stored:
+                gpu, state = burst_state(seq)
+                want[gpu] = state
+            for gpu, state in want.items():
+                (health,) = conn.execute("select health from gpus where uuid=?", (f"GPU-{n}-{gpu}",)).fetchone()
+                assert health == state, (n, gpu)
+        conn.close()
+
+        # restart: each agent learns what was applied and resends the rest
+        proc = start_manager(data, http, gport, env=env)[0]
+        again = []
+        for i, n in enumerate(nodes):
+            a = ScriptedAgent(target, tokens[n], n, f"nvl-{i // 2}", gpu_uuids(n, 4))
+            await a.connect()
+            await a.wait_for(lambda a=a: a.welcome is not None)
+            assert a.welcome.last_applied_seq >= max(acked[n], default=0)
+            for seq in range(a.welcome.last_applied_seq + 1, BURST_PER_NODE + 1):
+                gpu, state = burst_state(seq)
+                await a.report({f"GPU-{n}-{gpu}": state}, seq=seq, wait=False)
+            again.append(a)
+        for a in again:
+            await a.wait_for(lambda a=a: (a.acks and a.acks[-1] == BURST_PER_NODE) or a.error is not None, timeout=30)
+            assert a.error is None
+            await a.close()
+        conn = sqlite3.connect(data / "ntp-manager.db")
+        final = {burst_state(s)[0]: burst_state(s)[1] for s in range(1, BURST_PER_NODE + 1)}
+        for n in nodes:
+            assert conn.execute("select count(*) from health_events where node=? and seq is not null",
+                                (n,)).fetchone()[0] == BURST_PER_NODE
+            for gpu, state in final.items():
+                assert conn.execute("select health from gpus where uuid=?", (f"GPU-{n}-{gpu}",)).fetchone()[0] == state
+        conn.close()
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

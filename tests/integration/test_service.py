@@ -118,6 +118,41 @@ async def test_worker_ack_and_step_reports(sqlite_service: Service):
         await stub.ReportSteps(worker_pb2.StepReport(job="llm", ranks=[worker_pb2.RankStep(step_time_s=-1)]),
                                metadata=md, timeout=5)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    # Step reports stamped with the current layout are placed by it: per replica, per stage.
+    lay = svc.manager.world.jobs["llm"].layout
+    stamp = common_pb2.LayoutStamp(leader_epoch=lay.leader_epoch, version=lay.version)
+    first_of = {r["id"]: r["groups"][0]["gpus"] for r in lay.plan["replicas"]}  # replica -> its GPUs
+    for step in range(3):
+        for rid, gpus in first_of.items():
+            # replica 0 steps in 1.0 s, replica 1 in 2.0 s; every rank waits 0.1 s on its group
+            ranks = [worker_pb2.RankStep(rank=i, gpu_uuid=u, step_time_s=1.0 + rid, compute_s=0.8 + rid,
+                                         comm_wait_s=0.1, tokens=4096, sequence_sq_sum=2 * 2048**2)
+                     for i, u in enumerate(gpus)]
+            await stub.ReportSteps(worker_pb2.StepReport(job="llm", worker_id=f"w{rid}", step=step, stamp=stamp,
+                                                         ranks=ranks), metadata=md, timeout=5)
+    with pytest.raises(grpc.aio.AioRpcError) as e:  # a report that places a GPU elsewhere is mixed up
+        await stub.ReportSteps(worker_pb2.StepReport(job="llm", worker_id="w0", stamp=stamp, ranks=[
+            worker_pb2.RankStep(gpu_uuid=first_of[0][0], replica_id=1)]), metadata=md, timeout=5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "replica_id" in (e.value.details() or "")
+    with pytest.raises(grpc.aio.AioRpcError) as e:  # a version that does not exist yet
+        await stub.ReportSteps(worker_pb2.StepReport(job="llm", stamp=common_pb2.LayoutStamp(
+            leader_epoch=lay.leader_epoch, version=lay.version + 1)), metadata=md, timeout=5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stamp" in (e.value.details() or "")
+    async with svc.client("viewer") as c:
+        got = (await c.get("/v1/jobs/llm/steps", params={"recent": 5})).json()
+        assert got["layout_version"] == lay.version
+        by_rep = {r["replica"]: r for r in got["replicas"]}
+        assert by_rep[0]["samples"] == 12 and by_rep[0]["mean_step_s"] == pytest.approx(1.0)  # 3 steps x 4 ranks
+        assert by_rep[1]["mean_step_s"] == pytest.approx(2.0) and by_rep[1]["mean_compute_s"] == pytest.approx(1.8)
+        # stage 0 holds both replicas' ranks: mean (1.0 + 2.0) / 2
+        assert [(s["stage"], s["samples"]) for s in got["stages"]] == [(0, 24)]
+        assert got["stages"][0]["mean_step_s"] == pytest.approx(1.5)
+        assert len(got["recent"]) == 5 and got["recent"][0]["tp_group"] and got["recent"][0]["step"] == 2
+        assert (await c.get("/v1/jobs/nope/steps")).status_code == 404
+        metrics = (await c.get("/metrics")).text
+    assert 'ntp_job_replica_step_seconds{job="llm",replica="1"} 2.0' in metrics
+    assert 'ntp_job_stage_step_seconds{job="llm",stage="0"} 1.5' in metrics
     await channel.close()
     for a in agents:
         await a.close()

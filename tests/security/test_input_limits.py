@@ -271,7 +271,8 @@ async def test_worker_calls_are_bounded_and_finite(registered: Service) -> None:
                 assert got == grpc.StatusCode.RESOURCE_EXHAUSTED and "worker_id" in details
         assert ok == 64  # max(64, 2 x the 2 GPUs the layout places)
         assert len(svc.manager.layout_acks["j"][1]) == 64
-        # step reports: the newest per worker, within the per-job byte budget
+        # step reports: a window of per-rank samples within the per-job byte budget; the sequence
+        # lengths are checked and summed by the worker, never kept (a sample's size does not grow)
         big = worker_pb2.StepReport(job="j", ranks=[worker_pb2.RankStep(sequence_lengths=[7] * 60_000)] * 4)
         for i in range(100):
             big.worker_id = f"w{i}"
@@ -279,7 +280,8 @@ async def test_worker_calls_are_bounded_and_finite(registered: Service) -> None:
         from ntp_manager.service.worker_reports import STEP_BYTES_PER_JOB
 
         kept = svc.manager.workers.steps["j"]
-        assert sum(n for n, _ in kept.values()) <= STEP_BYTES_PER_JOB and "w99" in kept and "w0" not in kept
+        assert kept.used <= STEP_BYTES_PER_JOB and len(kept.samples) == 400
+        assert kept.samples[-1].worker == "w99" and max(s.cost for s in kept.samples) < 2_000
 
 
 async def test_json_nan_is_refused_by_the_store_too() -> None:

@@ -14,6 +14,7 @@ from ntp_manager.service.inputs import GpuInventory
 from ntp_manager.service.manager import Manager
 from ntp_manager.settings import Settings
 from tests.fakes.agent_client import ScriptedAgent, gpu_uuids
+from tests.fakes.clock import FakeClock
 from tests.fakes.procs import create_token, start_manager
 from tests.integration.conftest import Service, eventually
 
@@ -81,18 +82,6 @@ async def test_the_breaker_and_its_reason_survive_a_crash(tmp_path: Path) -> Non
     finally:
         proc.send_signal(signal.SIGTERM)
         await asyncio.to_thread(proc.wait, 20)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-        self.wall = datetime(2030, 1, 1, tzinfo=UTC)
-
-    def now(self) -> datetime:
-        return self.wall + timedelta(seconds=self.t - 1000.0)
-
-    def monotonic(self) -> float:
-        return self.t
 
 
 async def test_a_silent_node_is_suspect_then_failed_on_schedule(tmp_path: Path) -> None:

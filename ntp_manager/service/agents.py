@@ -1,0 +1,301 @@
+"""Agents and their reports: owns the node agents' sessions (one open stream per node, with its
+outbox of typed commands), registration (hello), health reports, heartbeats and power read-backs.
+
+Registrations, reports and power read-backs are group-committed (service/kernel.py): each one is
+checked against memory first (bounds, the token's node, GPUs of this node), then submitted with a
+function that checks again against the transaction's view (another item of the same batch may have
+registered the GPU, or applied the previous report) before it writes. A report's seq is applied
+once: a replay is acknowledged and ignored, a gap is refused. Heartbeats touch memory only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import structlog
+
+from ntp_manager.auth import Principal
+from ntp_manager.service import policy
+from ntp_manager.service.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
+from ntp_manager.service.inputs import GpuInventory, GpuReport, check_hello, check_power_readings, check_report
+from ntp_manager.service.kernel import Kernel, Tx
+from ntp_manager.service.metrics import Metrics
+from ntp_manager.service.state import HEALTH_STATES, GpuChange, GpuRec, HealthSource, NodeChange, NodeRec
+from ntp_manager.settings import Settings
+from ntp_manager.topology import GpuState
+
+log = structlog.get_logger("ntp.agents")
+
+
+# ---- commands to an agent (rpc/ turns them into ntp.v1.ManagerMessage) ----------------------------
+@dataclass(frozen=True, slots=True)
+class Ack:
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class SetPower:
+    gpu: str
+    limit_mw: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReleasePower:
+    gpu: str
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    deadline: datetime
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class EndStream:
+    """End the agent's stream with a gRPC status (its name, e.g. "UNAUTHENTICATED")."""
+
+    status: str
+    message: str
+
+
+AgentCommand = Ack | SetPower | ReleasePower | Drain
+Outgoing = AgentCommand | EndStream | None  # None: the stream ends without an error
+
+
+@dataclass
+class AgentSession:
+    node: str
+    outbox: asyncio.Queue[Outgoing] = field(default_factory=asyncio.Queue)
+    closed: bool = False
+
+    def close(self) -> None:
+        self.closed = True
+        self.outbox.put_nowait(None)
+
+
+GONE = "absent from the node's inventory at its last hello"
+
+
+class Agents:
+    def __init__(self, kernel: Kernel, settings: Settings, metrics: Metrics) -> None:
+        self.kernel = kernel
+        self.settings = settings
+        self.metrics = metrics
+        self.sessions: dict[str, AgentSession] = {}
+
+    def send(self, node: str, cmd: AgentCommand) -> bool:
+        """Queue a command for a node's agent; False when it is not connected (sent on reconnect)."""
+        sess = self.sessions.get(node)
+        if sess is None:
+            return False
+        sess.outbox.put_nowait(cmd)
+        return True
+
+    def close_all(self) -> None:
+        for sess in list(self.sessions.values()):
+            sess.close()
+
+    # ---- identity ---------------------------------------------------------------------------
+    async def check_identity(self, principal: Principal, node: str, peer_fingerprint: str | None,
+                             peer: str = "") -> None:
+        """An agent token speaks for the one node it names, over the certificate it names if any.
+        A mismatch is audited and raises PermissionDenied."""
+        problem = None
+        if principal.node is None:
+            problem = "this agent token is bound to no node; create one per node (token create --node)"
+        elif principal.node != node:
+            problem = f"this agent token speaks for node {principal.node!r}, not {node!r}"
+        elif principal.fingerprint is not None and principal.fingerprint != peer_fingerprint:
+            problem = (f"this agent token needs the client certificate {principal.fingerprint[:16]}...; "
+                       f"the connection presented {'none' if peer_fingerprint is None else peer_fingerprint[:16]}")
+        if problem is None:
+            return
+        log.warning("agent identity refused", token=principal.token_id, node=node[:64], problem=problem)
+        async with self.kernel.exclusive(f"token:{principal.token_id}") as tx:
+            tx.audit(tx.now, "agent.denied", node[:256], reason=problem,
+                     after={"token": principal.token_id, "token_node": principal.node, "peer": peer[:200],
+                            "peer_fingerprint": peer_fingerprint})
+        raise PermissionDenied(problem)
+
+    # ---- registration -------------------------------------------------------------------------
+    async def register(
+        self, node: str, domain: str, gpus: list[GpuInventory], boot_id: str, agent_version: str,
+        principal: Principal | None = None, peer_fingerprint: str | None = None, peer: str = "",
+    ) -> tuple[AgentSession, int]:
+        """Register (or re-register) a node; returns its session and the last applied report seq.
+
+        With a `principal` (always, from the gRPC edge) the hello must come from the node its token
+        names (PermissionDenied, audited, otherwise). Raises InvalidArgument for a malformed
+        inventory and ResourceExhausted past `max_cluster_gpus`; nothing is written then. Every
+        registration is audited (`node.register`, then `node.rehello` with what changed)."""
+        check_hello(node, domain, gpus, boot_id, agent_version)
+        if principal is not None:
+            await self.check_identity(principal, node, peer_fingerprint, peer)
+        token = principal.token_id if principal else None
+
+        async def write(tx: Tx) -> int:
+            return self._write_hello(tx, node, domain, gpus, boot_id, agent_version, token, peer)
+
+        self._check_hello_against(None, node, domain, gpus)  # fail fast, before queueing
+        last_seq = await self.kernel.submit(f"agent:{node}", write)
+
+        rec = self.kernel.world.nodes[node]
+        rec.last_seen, rec.connected = self.kernel.clock.monotonic(), True
+        old = self.sessions.get(node)
+        if old is not None:
+            old.close()
+        session = AgentSession(node)
+        self.sessions[node] = session
+        self.metrics.agents.set(sum(1 for x in self.sessions.values() if not x.closed))
+        for u in rec.gpus:  # every cap it should hold right now
+            mw = self.kernel.world.gpus[u].desired_mw
+            if mw is not None:
+                session.outbox.put_nowait(SetPower(u, mw, "current layout"))
+        return session, last_seq
+
+    def _check_hello_against(self, tx: Tx | None, node: str, domain: str, gpus: list[GpuInventory]) -> int:
+        """Refuse a GPU of another node, a node in another domain, or a cluster past its size (in
+        memory, or in a transaction's view). Returns how many GPUs the hello adds."""
+        w = self.kernel.world
+        known = tx.node(node) if tx is not None else w.nodes.get(node)
+        if known is not None and known.domain != domain:
+            raise InvalidArgument(f"hello.domain: node {node!r} is registered in domain {known.domain!r}, "
+                                  f"not {domain!r}")
+        adding = 0
+        for g in gpus:
+            has = tx.has_gpu(g.uuid) if tx is not None else g.uuid in w.gpus
+            if not has:
+                adding += 1
+                continue
+            other = tx.gpu(g.uuid) if tx is not None else w.gpus[g.uuid]
+            if other.node != node:
+                raise InvalidArgument(f"hello.gpus: GPU {g.uuid} is already registered on node {other.node!r}")
+        registered = len(w.gpus) + (tx.new_gpu_count if tx is not None else 0)
+        if registered + adding > self.settings.max_cluster_gpus:
+            raise ResourceExhausted(
+                f"hello.gpus: registering {adding} more GPUs would pass max_cluster_gpus="
+                f"{self.settings.max_cluster_gpus} ({registered} registered)"
+            )
+        return adding
+
+    def _write_hello(self, tx: Tx, node: str, domain: str, gpus: list[GpuInventory], boot_id: str,
+                     agent_version: str, token: str | None, peer: str) -> int:
+        self._check_hello_against(tx, node, domain, gpus)
+        now = tx.now
+        known = tx.node(node)
+        uuids = [g.uuid for g in gpus]
+        added = [u for u in uuids if not tx.has_gpu(u)]
+        listed = set(uuids)
+        absent = [u for u in (known.gpus if known else []) if u not in listed]
+        if known is None:
+            tx.add_node(NodeRec(node, domain, [], 0, boot_id, agent_version=agent_version))
+            tx.audit(now, "node.register", node, after={"domain": domain, "gpus": uuids})
+        else:
+            tx.audit(now, "node.rehello", node,
+                     before={"boot_id": known.boot_id, "agent_version": known.agent_version},
+                     after={"boot_id": boot_id, "agent_version": agent_version, "token": token, "peer": peer[:200],
+                            "added": added, "absent": absent})
+            tx.change_node(node, NodeChange(boot_id=boot_id, agent_version=agent_version))
+        for g in gpus:
+            if g.uuid in added:
+                tx.add_gpu(GpuRec(g.uuid, node, domain, g.index, g.default_mw, g.min_mw, g.max_mw,
+                                  health=GpuState.HEALTHY, health_reason="registered", health_since=now,
+                                  model=g.model, memory_bytes=g.memory_bytes))
+                continue
+            rec = tx.gpu(g.uuid)
+            tx.change_gpu(g.uuid, GpuChange(idx=g.index, tdp_mw=g.default_mw, min_mw=g.min_mw, max_mw=g.max_mw,
+                                            model=g.model, memory_bytes=g.memory_bytes).differing(rec))
+            back = policy.reconnect(rec.health, rec.health_source)
+            if back.health is not None:
+                tx.event(rec, back.health, [back.reason], source="heartbeat")
+                tx.change_gpu(g.uuid, GpuChange.health_to(back.health, back.reason, HealthSource.AGENT, now))
+        for u in absent:
+            rec = tx.gpu(u)
+            if rec.health != GpuState.FAILED:
+                tx.event(rec, GpuState.FAILED, [GONE], source="agent")
+                tx.change_gpu(u, GpuChange.health_to(GpuState.FAILED, GONE, HealthSource.INVENTORY, now))
+        n = tx.node(node)
+        assert n is not None
+        return n.last_seq
+
+    def disconnect(self, session: AgentSession) -> None:
+        session.closed = True
+        if self.sessions.get(session.node) is session:
+            del self.sessions[session.node]
+            rec = self.kernel.world.nodes.get(session.node)
+            if rec is not None:
+                rec.connected = False
+        self.metrics.agents.set(len(self.sessions))
+
+    def heartbeat(self, node: str) -> None:
+        rec = self.kernel.world.nodes.get(node)
+        if rec is not None:
+            rec.last_seen = self.kernel.clock.monotonic()
+            self.metrics.heartbeats.inc()
+
+    # ---- reports ------------------------------------------------------------------------------
+    async def apply_report(self, node: str, seq: int, gpus: list[GpuReport]) -> int:
+        """Apply one health report. Returns the seq to acknowledge.
+
+        seq <= last applied: a replay, acknowledged and ignored. seq > last + 1: a gap, rejected.
+        Unknown GPUs or states, or values past the limits, reject the whole report (InvalidArgument
+        naming the field). Rejections write nothing. Reports of one node may be submitted before the
+        previous one has committed: the seq is checked in the transaction."""
+        check_report(seq, gpus)
+        rec = self.kernel.world.nodes.get(node)
+        if rec is None:
+            raise FailedPrecondition(f"node {node!r} has not registered (send hello first)")
+        if seq <= rec.last_seq:
+            return seq
+        for g in gpus:
+            gr = self.kernel.world.gpus.get(g.uuid)
+            if gr is None or gr.node != node:
+                raise InvalidArgument(f"report.gpus: report from {node!r} names unknown GPU {g.uuid!r}")
+            if g.state not in HEALTH_STATES:
+                raise InvalidArgument(
+                    f"report.gpus.state: GPU {g.uuid}: agents may report {sorted(HEALTH_STATES)}, not {g.state!r}"
+                )
+        if len({g.uuid for g in gpus}) != len(gpus):
+            raise InvalidArgument("report.gpus: a report names the same GPU twice")
+
+        async def write(tx: Tx) -> int:
+            n = tx.node(node)
+            assert n is not None
+            if seq <= n.last_seq:  # raced with a replay on another stream
+                return seq
+            if seq != n.last_seq + 1:
+                raise InvalidArgument(f"bad sequence number: expected {n.last_seq + 1}, got {seq}")
+            tx.change_node(node, NodeChange(last_seq=seq))
+            for g in gpus:
+                gr = tx.gpu(g.uuid)
+                tx.event(gr, g.state, g.reasons, source="agent", seq=seq, xids=g.xids)
+                change = GpuChange()
+                if g.enforced_mw is not None and g.enforced_mw != gr.enforced_mw:
+                    change = GpuChange(enforced_mw=g.enforced_mw)
+                if g.state != gr.health:
+                    change = change.then(GpuChange.health_to(GpuState(g.state), "; ".join(g.reasons),
+                                                             HealthSource.AGENT, tx.now))
+                tx.change_gpu(g.uuid, change)
+            tx.after.append(lambda: self.heartbeat(node))
+            return seq
+
+        out = await self.kernel.submit(f"agent:{node}", write)
+        self.metrics.reports.inc()
+        return out
+
+    async def record_power_result(self, node: str, readings: list[tuple[str, int]]) -> None:
+        """The caps an agent read back after applying a command."""
+        check_power_readings(readings)
+        w = self.kernel.world
+        known = [(u, mw) for u, mw in readings if u in w.gpus and w.gpus[u].node == node]
+        if not known:
+            return
+
+        async def write(tx: Tx) -> None:
+            for u, mw in known:
+                tx.change_gpu(u, GpuChange(enforced_mw=mw))
+
+        await self.kernel.submit(f"agent:{node}", write)

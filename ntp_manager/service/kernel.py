@@ -1,0 +1,379 @@
+"""The kernel: the in-memory world, its write lock, the transaction, and the dirty set.
+
+Every change to durable state is made inside a `Tx`. A component states what changes as typed
+values (`GpuChange`, `NodeChange`, new nodes and GPUs, health events, audit records, ORM rows); the
+transaction writes them (bulk statements, no row is read back) and, only after the database has
+committed, the kernel applies the very same values to the in-memory records, marks the jobs whose
+GPUs changed state dirty, and runs what the components asked to run after the commit (acks,
+pushes, commands). So what a client is told has happened is already durable, and memory never
+shows what the store does not hold. Inside a transaction, `tx.gpu()` / `tx.node()` give the record
+as it will be once the transaction commits.
+
+Two ways in:
+- `exclusive()`: a transaction of its own (operator actions, replans: rare, may read and fail).
+- `submit(fn)`: group commit. Agent reports, heartbeat-driven transitions and registrations are
+  queued; the committer runs whatever is queued when the previous commit finishes (after a
+  `window_s` pause when it was idle) as one transaction, then resolves every caller. A function
+  given to `submit` checks what it needs before it writes; if one still raises, the batch is rolled
+  back and each of its functions is run again in a transaction of its own, so one bad item never
+  takes the others with it.
+
+The manager is the only writer of GPUs and nodes, so the in-memory world plus a transaction's
+pending changes is exactly what the store holds: nothing on the hot paths reads rows back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TypeVar
+
+import structlog
+from sqlalchemy import Table, bindparam, insert, update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from ntp_manager.clock import Clock
+from ntp_manager.service.state import GpuChange, GpuRec, NodeChange, NodeRec, World
+from ntp_manager.store.models import AuditRow, DomainRow, GpuRow, HealthEventRow, NodeRow
+from ntp_manager.topology import GpuState
+
+log = structlog.get_logger("ntp.kernel")
+T = TypeVar("T")
+
+MAX_BATCH = 4096  # items in one group commit
+
+
+class Tx:
+    """One transaction: its session, who acts, and the changes it will publish on commit."""
+
+    def __init__(self, kernel: Kernel, session: AsyncSession, actor: str, request_id: str = "") -> None:
+        self.kernel = kernel
+        self.session = session
+        self.actor = actor
+        self.request_id = request_id
+        self.now: datetime = kernel.clock.now()
+        self.after: list[Callable[[], Any]] = []
+        self.newly_failed: list[str] = []  # GPUs this transaction fails (health -> failed)
+        self.state_changed: dict[str, None] = {}  # GPUs whose effective state changes (ordered set)
+        self.shape_changed = False  # GPUs added, or their index or limits changed
+        self._gpus: dict[str, GpuChange] = {}
+        self._views: dict[str, GpuRec] = {}
+        self._nodes: dict[str, NodeChange] = {}
+        self._node_views: dict[str, NodeRec] = {}
+        self._new_domains: list[str] = []
+        self._new_nodes: dict[str, NodeRec] = {}
+        self._new_gpus: dict[str, GpuRec] = {}
+        self._events: list[dict[str, Any]] = []
+        self._audits: list[dict[str, Any]] = []
+
+    def begin_item(self, actor: str) -> None:
+        """Start the next caller's part of a group commit."""
+        self.actor = actor
+        self.now = self.kernel.clock.now()
+
+    # ---- what the transaction sees ----------------------------------------------------------
+    def gpu(self, uuid: str) -> GpuRec:
+        """The GPU as it will be once this transaction commits. KeyError when unknown."""
+        return self._new_gpus.get(uuid) or self._views.get(uuid) or self.kernel.world.gpus[uuid]
+
+    def has_gpu(self, uuid: str) -> bool:
+        return uuid in self.kernel.world.gpus or uuid in self._new_gpus
+
+    def node(self, name: str) -> NodeRec | None:
+        return self._new_nodes.get(name) or self._node_views.get(name) or self.kernel.world.nodes.get(name)
+
+    @property
+    def new_gpu_count(self) -> int:
+        return len(self._new_gpus)
+
+    def has_domain(self, domain: str) -> bool:
+        return domain in self.kernel.world.domains or domain in self._new_domains
+
+    def gpu_changes(self) -> Iterator[tuple[str, GpuChange]]:
+        return iter(self._gpus.items())
+
+    # ---- changes ----------------------------------------------------------------------------
+    def change_gpu(self, uuid: str, change: GpuChange) -> None:
+        if not change:
+            return
+        before = self.gpu(uuid)
+        old_state, old_health = before.state, before.health
+        new = self._new_gpus.get(uuid)
+        if new is not None:  # added in this transaction: the insert carries it
+            change.apply(new)
+            view = new
+        else:
+            view = self._views.get(uuid) or dataclasses.replace(self.kernel.world.gpus[uuid])
+            change.apply(view)
+            self._views[uuid] = view
+            prior = self._gpus.get(uuid)
+            self._gpus[uuid] = change if prior is None else prior.then(change)
+        if view.state != old_state:
+            self.state_changed[uuid] = None
+        if view.health == GpuState.FAILED and old_health != GpuState.FAILED:
+            self.newly_failed.append(uuid)
+        if change.touches_shape:
+            self.shape_changed = True
+
+    def change_node(self, name: str, change: NodeChange) -> None:
+        if not change:
+            return
+        new = self._new_nodes.get(name)
+        if new is not None:
+            change.apply(new)
+            return
+        view = self._node_views.get(name) or dataclasses.replace(self.kernel.world.nodes[name])
+        change.apply(view)
+        self._node_views[name] = view
+        prior = self._nodes.get(name)
+        self._nodes[name] = change if prior is None else prior.then(change)
+
+    def add_domain(self, domain: str) -> None:
+        if not self.has_domain(domain):
+            self._new_domains.append(domain)
+
+    def add_node(self, rec: NodeRec) -> None:
+        self.add_domain(rec.domain)
+        self._new_nodes[rec.name] = rec
+
+    def add_gpu(self, rec: GpuRec) -> None:
+        """A new GPU of a node known to this transaction."""
+        self._new_gpus[rec.uuid] = rec
+        self.shape_changed = True
+
+    def event(self, gpu: GpuRec, new_state: str, reasons: list[str], source: str, seq: int | None = None,
+              xids: list[int] | None = None) -> None:
+        """A health event of `gpu` (its state before this change is read from `gpu`)."""
+        self._events.append({"at": self.now, "gpu_uuid": gpu.uuid, "node": gpu.node, "seq": seq, "source": source,
+                             "old_state": gpu.health, "new_state": new_state, "reasons": reasons,
+                             "xids": xids or []})
+
+    def audit(self, now: datetime, action: str, target: str, before: Any = None, after: Any = None,
+              reason: str = "") -> None:
+        self._audits.append({"at": now, "actor": self.actor, "action": action, "target": target, "before": before,
+                             "after": after, "reason": reason, "request_id": self.request_id})
+
+    # ---- commit -----------------------------------------------------------------------------
+    async def flush(self) -> None:
+        """Write everything staged: inserts, then ORM rows, then updates, events and audits."""
+        s, now = self.session, self.now
+        if self._new_domains:
+            await s.execute(insert(DOMAINS), [{"id": d, "power_budget_w": None, "created_at": now}
+                                              for d in self._new_domains])
+        if self._new_nodes:
+            await s.execute(insert(NODES), [
+                {"name": n.name, "domain_id": n.domain, "boot_id": n.boot_id, "agent_version": n.agent_version,
+                 "last_seq": n.last_seq, "drain_deadline": n.drain_deadline, "drain_reason": n.drain_reason,
+                 "registered_at": now} for n in self._new_nodes.values()])
+        if self._new_gpus:
+            await s.execute(insert(GPUS), [_gpu_row(g, now) for g in self._new_gpus.values()])
+        await s.flush()
+        await _bulk_update(s, NODES, "name", self._nodes)
+        await _bulk_update(s, GPUS, "uuid", self._gpus)
+        if self._events:
+            await s.execute(insert(EVENTS), self._events)
+        if self._audits:
+            await s.execute(insert(AUDIT), self._audits)
+
+    def publish(self, world: World) -> None:
+        """Apply the committed changes to memory (the same values the rows got)."""
+        for d in self._new_domains:
+            world.domains.setdefault(d, None)
+        world.nodes.update(self._new_nodes)
+        for name, nch in self._nodes.items():
+            nch.apply(world.nodes[name])
+        for uuid, rec in self._new_gpus.items():
+            world.gpus[uuid] = rec
+            world.nodes[rec.node].gpus.append(uuid)
+        for uuid, gch in self._gpus.items():
+            gch.apply(world.gpus[uuid])
+
+
+def _gpu_row(g: GpuRec, now: datetime) -> dict[str, Any]:
+    return {"uuid": g.uuid, "node": g.node, "domain_id": g.domain, "idx": g.idx, "model": g.model,
+            "memory_bytes": g.memory_bytes, "tdp_mw": g.tdp_mw, "min_mw": g.min_mw, "max_mw": g.max_mw,
+            "health": g.health, "health_reason": g.health_reason, "health_source": g.health_source,
+            "health_since": g.health_since or now, "admin": g.admin, "admin_owner": g.admin_owner,
+            "admin_reason": g.admin_reason, "desired_mw": g.desired_mw, "enforced_mw": g.enforced_mw}
+
+
+# Core tables: bulk statements with no ORM bookkeeping (the identity map never holds these rows).
+def _table(model: Any) -> Table:
+    table = model.__table__
+    assert isinstance(table, Table)
+    return table
+
+
+DOMAINS, NODES, GPUS = _table(DomainRow), _table(NodeRow), _table(GpuRow)
+EVENTS, AUDIT = _table(HealthEventRow), _table(AuditRow)
+
+
+async def _bulk_update(s: AsyncSession, table: Any, key: str, changes: dict[str, Any]) -> None:
+    """UPDATE by primary key, one executemany per set of columns changed."""
+    groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+    for pk, change in changes.items():
+        values = change.values()
+        groups.setdefault(tuple(sorted(values)), []).append({"pk_": pk, **values})
+    for cols, params in groups.items():
+        stmt = update(table).where(table.c[key] == bindparam("pk_")).values({c: bindparam(c) for c in cols})
+        await s.execute(stmt, params)
+
+
+@dataclass
+class _Item:
+    actor: str
+    fn: Callable[[Tx], Awaitable[Any]]
+    fut: asyncio.Future[Any]
+
+
+Hook = Callable[[Tx], Awaitable[None]]
+Reaction = Callable[[Tx], None]
+
+
+class Kernel:
+    """The world, its lock, transactions (exclusive and group-committed) and the dirty set."""
+
+    def __init__(self, sm: async_sessionmaker[AsyncSession], clock: Clock, world: World | None = None,
+                 window_s: float = 0.0) -> None:
+        self.sm = sm
+        self.clock = clock
+        self.world = world or World()
+        self.lock = asyncio.Lock()
+        self.window_s = window_s
+        self.dirty: set[str] = set()
+        self.wake = asyncio.Event()
+        self.before_commit: list[Hook] = []  # run inside every transaction, after its work
+        self.after_commit: list[Reaction] = []  # run after every commit, once memory is updated
+        self.batches = 0  # group commits made (for tests and metrics)
+        self.batched_items = 0
+        self.split = 0  # failed group commits whose items were run again one by one
+        self._queue: deque[_Item] = deque()
+        self._kick = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._busy = False
+
+    # ---- exclusive transactions ---------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def exclusive(self, actor: str, request_id: str = "") -> AsyncIterator[Tx]:
+        """A transaction of its own, under the write lock; published when the block ends cleanly."""
+        async with self.lock:
+            async with self.sm() as s, s.begin():
+                tx = Tx(self, s, actor, request_id)
+                yield tx
+                await self._finish(tx)
+            self._publish(tx)
+
+    # ---- group commit -------------------------------------------------------------------------
+    async def submit(self, actor: str, fn: Callable[[Tx], Awaitable[T]]) -> T:
+        """Run `fn` in the next group commit; returns its result once that commit is durable and
+        published. `fn` must check before it writes (see the module docstring)."""
+        fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        item = _Item(actor, fn, fut)
+        if self._task is None:  # no committer (a CLI, or not started): a transaction of its own
+            await self._run([item])
+        else:
+            self._queue.append(item)
+            self._kick.set()
+        return await fut
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._committer(), name="group-commit")
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Commit what is queued, then stop the committer."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while (self._queue or self._busy) and loop.time() < end:
+            await asyncio.sleep(0.005)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        while self._queue:
+            item = self._queue.popleft()
+            if not item.fut.done():
+                item.fut.cancel()
+
+    async def _committer(self) -> None:
+        while True:
+            await self._kick.wait()
+            self._kick.clear()
+            if self.window_s > 0 and len(self._queue) < MAX_BATCH:
+                await asyncio.sleep(self.window_s)  # idle until now: let a burst gather
+            while self._queue:
+                batch = [self._queue.popleft() for _ in range(min(len(self._queue), MAX_BATCH))]
+                self._busy = True
+                try:
+                    await self._run(batch)
+                finally:
+                    self._busy = False
+
+    async def _run(self, items: list[_Item]) -> None:
+        results: list[Any] = []
+        try:
+            async with self.lock:
+                async with self.sm() as s, s.begin():
+                    tx = Tx(self, s, items[0].actor)
+                    for item in items:
+                        tx.begin_item(item.actor)
+                        results.append(await item.fn(tx))
+                    await self._finish(tx)
+                self._publish(tx)
+        except asyncio.CancelledError:
+            for item in items:
+                if not item.fut.done():
+                    item.fut.cancel()
+            raise
+        except Exception as e:
+            if len(items) == 1:
+                if not items[0].fut.done():
+                    items[0].fut.set_exception(e)
+                return
+            log.info("group commit failed; running its items one by one", items=len(items), error=type(e).__name__)
+            self.split += 1
+            for item in items:
+                await self._run([item])
+            return
+        self.batches += 1
+        self.batched_items += len(items)
+        for item, result in zip(items, results, strict=True):
+            if not item.fut.done():
+                item.fut.set_result(result)
+
+    async def _finish(self, tx: Tx) -> None:
+        for hook in self.before_commit:
+            await hook(tx)
+        await tx.flush()
+
+    def _publish(self, tx: Tx) -> None:
+        w = self.world
+        tx.publish(w)
+        if tx.shape_changed:
+            w.invalidate()
+            self.mark_all_dirty()
+        elif tx.state_changed:
+            w.apply_states(tx.state_changed)
+            self.mark_dirty_for(tx.state_changed)
+        for react in self.after_commit:
+            react(tx)
+        for fn in tx.after:
+            fn()
+
+    # ---- the dirty set ------------------------------------------------------------------------
+    def mark_dirty_for(self, uuids: Any) -> None:
+        """Jobs that use (or could use) these GPUs' domains need a replan."""
+        domains = {self.world.gpus[u].domain for u in uuids}
+        for job in self.world.jobs.values():
+            if not job.spec.domains or domains.intersection(job.spec.domains):
+                self.dirty.add(job.name)
+        self.wake.set()
+
+    def mark_all_dirty(self) -> None:
+        self.dirty.update(self.world.jobs)
+        self.wake.set()

@@ -1,0 +1,40 @@
+"""Loading: rebuilds the in-memory world from the store when the manager starts."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from ntp_manager.service.state import GpuRec, JobRec, LayoutRec, NodeRec, World
+from ntp_manager.specfile import job_from_dict
+from ntp_manager.store.models import DomainRow, GpuRow, JobRow, LayoutRow, NodeRow
+
+
+async def load_world(s: AsyncSession, base_cap: float | None, now_mono: float) -> World:
+    """Domains, nodes, GPUs, jobs and each job's newest layout. Nodes get a full grace period from
+    `now_mono` before they count as silent."""
+    w = World(base_cap=base_cap)
+    for d in (await s.scalars(select(DomainRow))).all():
+        w.domains[d.id] = d.power_budget_w
+    for n in (await s.scalars(select(NodeRow))).all():
+        w.nodes[n.name] = NodeRec(n.name, n.domain_id, [], n.last_seq, n.boot_id, now_mono, False, n.drain_deadline,
+                                  n.drain_reason, n.agent_version)
+    for g in (await s.scalars(select(GpuRow))).all():
+        w.gpus[g.uuid] = GpuRec(
+            g.uuid, g.node, g.domain_id, g.idx, g.tdp_mw, g.min_mw, g.max_mw, g.health, g.health_reason,
+            g.health_source, g.health_since, g.admin, g.admin_owner, g.admin_reason, g.desired_mw, g.enforced_mw,
+            g.model, g.memory_bytes,
+        )
+        w.nodes[g.node].gpus.append(g.uuid)
+    for j in (await s.scalars(select(JobRow))).all():
+        w.jobs[j.name] = JobRec(j.name, job_from_dict(j.spec), j.spec)
+    for job in w.jobs.values():
+        row = (
+            await s.scalars(
+                select(LayoutRow).where(LayoutRow.job == job.name).order_by(LayoutRow.version.desc()).limit(1)
+            )
+        ).first()
+        if row is not None:
+            job.layout = LayoutRec(row.job, row.version, row.leader_epoch, row.plan, row.reason, row.created_at,
+                                   now_mono)
+    return w

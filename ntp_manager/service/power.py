@@ -1,0 +1,83 @@
+"""Power: owns the cap each GPU should hold (`desired_mw`) and getting it to the agents.
+
+The caps come from the current layouts (boosted groups, planner/power.py) and, under a fleet base
+cap, every other GPU's base limit. `stage()` writes the caps that differ into a transaction (the
+layout that is being persisted is passed in, as it is not in memory yet); after any commit that
+changed a GPU's desired cap, the agent of its node is sent the new cap (or told to release it).
+Agents that are not connected get every cap when they reconnect (service/agents.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+import structlog
+
+from ntp_manager.service.agents import Agents, ReleasePower, SetPower
+from ntp_manager.service.kernel import Kernel, Tx
+from ntp_manager.service.state import KEEP, GpuChange
+from ntp_manager.settings import Settings
+from ntp_manager.topology import base_cap_w
+
+log = structlog.get_logger("ntp.power")
+
+
+class Power:
+    def __init__(self, kernel: Kernel, settings: Settings, agents: Agents) -> None:
+        self.kernel = kernel
+        self.base_cap = settings.power_base_cap
+        self.agents = agents
+        self._tasks: set[asyncio.Task[None]] = set()
+        kernel.after_commit.append(self.react)
+
+    def stage(self, tx: Tx, pending: Mapping[str, Mapping[str, Any]] | None = None) -> int:
+        """Write every GPU's desired cap that differs from what it holds; `pending` maps a job to
+        the plan being persisted in `tx`. Returns how many changed."""
+        w = self.kernel.world
+        caps: dict[str, int] = {}
+        for job in w.jobs.values():
+            plan = (pending or {}).get(job.name) or (job.layout.plan if job.layout else None)
+            if plan:
+                for u, watts in plan.get("power_caps_w", {}).items():
+                    caps[u] = int(watts * 1000)
+        changed = 0
+        for u, rec in w.gpus.items():
+            want = caps.get(u)
+            if want is None and self.base_cap is not None:  # under a base cap every other GPU runs at its base
+                want = int(base_cap_w(rec.min_mw, rec.tdp_mw, rec.max_mw, self.base_cap))
+            if want != tx.gpu(u).desired_mw:
+                tx.change_gpu(u, GpuChange(desired_mw=want))
+                changed += 1
+        return changed
+
+    def react(self, tx: Tx) -> None:
+        """After a commit: send the caps it changed; new GPUs under a base cap get theirs."""
+        w = self.kernel.world
+        for u, change in tx.gpu_changes():
+            if change.desired_mw is KEEP:
+                continue
+            want = change.desired_mw
+            node = w.gpus[u].node
+            if want is None:
+                self.agents.send(node, ReleasePower(u))
+            else:
+                assert isinstance(want, int)
+                self.agents.send(node, SetPower(u, want, "layout power cap"))
+        if tx.shape_changed and self.base_cap is not None:
+            self.recompute_later()
+
+    def recompute_later(self) -> None:
+        """Recompute every cap in a transaction of its own, soon (after a job is deleted, GPUs are
+        added, or the base cap changed since the last start)."""
+        async def run() -> None:
+            try:
+                async with self.kernel.exclusive("control-loop") as tx:
+                    self.stage(tx)
+            except Exception:
+                log.exception("power recompute failed")
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
