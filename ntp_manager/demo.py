@@ -316,14 +316,13 @@ def _timeline(res: DemoResult, api: httpx.Client, launcher: Any, victim: str, t0
 
 def _stage_tps(lay: dict[str, Any]) -> list[list[int]]:
     """Per replica (by id), the TP degree of each stage."""
-    return [[g["tp"] for g in sorted(r["groups"], key=lambda g: g["stage"])]
-            for r in sorted(lay["replicas"], key=lambda r: r["id"])]
+    return [list(r["stage_tp"]) for r in sorted(lay["replicas"], key=lambda r: r["id"])]
 
 
 def _replicas_text(lay: dict[str, Any]) -> str:
     out = []
     for r in sorted(lay["replicas"], key=lambda r: r["id"]):
-        stages = " -> ".join(f"s{g['stage']} TP{g['tp']}" for g in sorted(r["groups"], key=lambda g: g["stage"]))
+        stages = " -> ".join(f"s{s} TP{tp}" for s, tp in enumerate(r["stage_tp"]))
         out.append(f"r{r['id']}: {stages} (b{r['local_batch']})")
     return "   ".join(out)
 
@@ -334,12 +333,11 @@ def _layout_now(api: httpx.Client, version: int) -> None:
                if x["version"] == version)
     console.print(f"layout v{version}: {_replicas_text(lay)}")
     for r in lay["replicas"]:
-        for g in r["groups"]:
-            if g.get("prev_replica") is not None and (g["prev_replica"], g["prev_stage"]) != (r["id"], g["stage"]):
-                console.print(f"  group {g['group']}: replica {g['prev_replica']} stage {g['prev_stage']} -> "
-                              f"replica {r['id']} stage {g['stage']}"
-                              + ("  [bold](changes stage: fetches its layers from DP peers)[/]"
-                                 if g["prev_stage"] != g["stage"] else ""))
+        for g in r["moved"]:
+            console.print(f"  group {g['group']}: replica {g['from_replica']} stage {g['from_stage']} -> "
+                          f"replica {r['id']} stage {g['stage']}"
+                          + ("  [bold](changes stage: fetches its layers from DP peers)[/]"
+                             if g["from_stage"] != g["stage"] else ""))
 
 
 def _layouts_table(hist: list[dict[str, Any]]) -> None:

@@ -365,7 +365,7 @@ def create_app(manager: Manager) -> FastAPI:
         items = [
             {"version": r.version, "leader_epoch": r.leader_epoch, "created_at": _iso(r.created_at),
              "reason": r.reason, "relative_throughput": r.plan["relative_throughput"],
-             "replicas": [{"id": x["id"], "tp": x["tp"], "local_batch": x["local_batch"]} for x in r.plan["replicas"]]}
+             "replicas": [_replica_summary(x) for x in r.plan["replicas"]], "moves": r.plan.get("moves")}
             for r in rows
         ]
         return page(items, total or 0, limit, offset)
@@ -603,6 +603,17 @@ def _plain(e: dict[str, Any]) -> dict[str, Any]:
 
 def _iso(t: datetime) -> str:
     return (t if t.tzinfo else t.replace(tzinfo=UTC)).isoformat()
+
+
+def _replica_summary(r: dict[str, Any]) -> dict[str, Any]:
+    """A replica in a layout's history: its TP degree (the lowest stage's), batch, each stage's TP
+    degree, and the groups that moved into it (replica or stage changed) with where they were."""
+    groups = sorted(r["groups"], key=lambda g: g["stage"])
+    moved = [{"group": g["group"], "stage": g["stage"], "from_replica": g.get("prev_replica"),
+              "from_stage": g.get("prev_stage")}
+             for g in groups if "prev_replica" in g and (g["prev_replica"], g["prev_stage"]) != (r["id"], g["stage"])]
+    return {"id": r["id"], "tp": r["tp"], "local_batch": r["local_batch"], "stage_tp": [g["tp"] for g in groups],
+            "moved": moved}
 
 
 def _job_view(manager: Manager, name: str) -> dict[str, Any]:
