@@ -58,7 +58,7 @@ from ntp_manager.worker.checkpoint import (
     SaveHandle,
 )
 from ntp_manager.worker.reshard import apply_reshard, reshard_moves
-from ntp_manager.worker.sources import LayoutSource, WorkerLayout
+from ntp_manager.worker.sources import LayoutSource, StepWork, WorkerLayout
 from ntp_manager.worker.sync import NtpGradSync, ReplicaGroup, SyncLayout, families_of
 from ntp_manager.worker.tp import ReplicatedPerUnit, ShardedModule, ShardStyle, parallelize, unit_features
 
@@ -352,8 +352,10 @@ class Runtime:
         start = sum(b for _, b in lay.replicas[:ri])
         batch = batch_fn(self.step, start, lb)
         self.s.sync.zero_grad()  # in place: the gradients stay views of the sync buffers
+        t_fb = time.perf_counter()
         loss = loss_fn(self.s.model, batch)
         loss.backward()
+        t_fb = time.perf_counter() - t_fb  # real compute only where the host waits for it (CPU)
         self.s.sync.sync()
         newest = self.source.latest()
         seen = newest.version if newest is not None else lay.version
@@ -369,7 +371,8 @@ class Runtime:
         secs = time.perf_counter() - t0
         if self.s.timeline and self.s.timeline[-1].what in ("reshard done", "joined", "restored from checkpoint"):
             self._event("first step", lay.version, f"tp={tp} local_batch={lb}")
-        self.source.report_step(lay, step, secs, lb)
+        self.source.report_step(lay, step, secs, lb, StepWork(
+            t_fb if self.choice.device == "cpu" else 0.0, sequence_lengths=StepWork.lengths_of(batch)))
         return StepResult(step, gloss, lay.global_batch, lb, lay.version, tp, secs), agreed
 
     # ---- switching layouts ----------------------------------------------------------------------
