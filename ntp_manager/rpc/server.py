@@ -98,7 +98,7 @@ def _deny(handler: Any, code: grpc.StatusCode, msg: str) -> Any:
     return grpc.unary_unary_rpc_method_handler(unary, **kw)
 
 
-class AgentService(agent_pb2_grpc.AgentServiceServicer):  # type: ignore[misc]
+class AgentService(agent_pb2_grpc.AgentServiceServicer):
     def __init__(self, manager: Manager) -> None:
         self.m = manager
         self._ids = itertools.count(1)
@@ -274,7 +274,7 @@ class _Abort(Exception):
         self.code, self.msg = code, msg
 
 
-class WorkerService(worker_pb2_grpc.WorkerServiceServicer):  # type: ignore[misc]
+class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, manager: Manager) -> None:
         self.m = manager
         self._views: dict[str, tuple[tuple[int, int], asyncio.Future[LayoutViews]]] = {}
@@ -291,7 +291,7 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):  # type: ignore[misc
 
     async def WatchLayout(
         self, request: worker_pb2.WatchLayoutRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[common_pb2.Layout]:
+    ) -> AsyncIterator[bytes]:  # pre-serialized ntp.v1.Layout messages (see _worker_handler)
         if not request.job:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "job: watch needs a job name")
         self.m.workers.check_ids(request.job, request.worker_id)
@@ -392,7 +392,7 @@ class RpcServer:
         self.manager = manager
         self.server = grpc.aio.server(interceptors=[GuardInterceptor(), AuthInterceptor(manager)], options=KEEPALIVE)
         self.health = health_aio.HealthServicer()
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentService(manager), self.server)
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentService(manager), self.server)  # type: ignore[no-untyped-call]
         self.server.add_generic_rpc_handlers((_worker_handler(WorkerService(manager)),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [
