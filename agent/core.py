@@ -24,11 +24,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import structlog
-from tenacity import wait_exponential_jitter
+from tenacity import RetryCallState, wait_exponential_jitter
 
 from agent.backends.base import BackendError, GpuBackend, GpuLost, GpuSample, NotSupported, XidEvent
 from agent.policy import GpuEvidence, HealthPolicy, Verdict, XidAction
@@ -141,8 +141,8 @@ class Agent:
             action = self.policy.on_xid(self.evidence[ev.uuid], ev.xid, now)
             xids.setdefault(ev.uuid, []).append(ev.xid)
             if action is XidAction.FAIL_NODE:
-                for other, evd in self.evidence.items():
-                    if other != ev.uuid:
+                for other_uuid, evd in self.evidence.items():
+                    if other_uuid != ev.uuid:
                         evd.sticky.append(f"XID {ev.xid} on {ev.uuid}: the node's GPUs are unreliable")
             log.info("xid", gpu=ev.uuid, xid=ev.xid, action=action.value)
         self.reevaluate(xids)
@@ -259,7 +259,7 @@ class Agent:
                 yield m
 
         async with self.cfg.channel() as channel:
-            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            stub = agent_pb2_grpc.AgentServiceStub(channel)  # type: ignore[no-untyped-call]
             call = stub.Connect(requests(), metadata=(("authorization", f"Bearer {self.cfg.token}"),))
             beat = asyncio.create_task(self._heartbeats(outbox))
             try:
@@ -336,7 +336,7 @@ class Agent:
                 break
             attempt += 1
             self.reconnects += 1
-            delay = wait(_RetryState(attempt))
+            delay = wait(cast(RetryCallState, _RetryState(attempt)))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), delay)
 

@@ -208,7 +208,7 @@ class FakeBackend:
 
     def inject(self, kind: str, gpu: int, **fields: Any) -> None:
         """Apply a fault now, as if the scenario had scheduled it (demos and tests drive faults live)."""
-        spec = FaultSpec(at=0, gpu=gpu, kind=kind, **fields)  # type: ignore[arg-type]
+        spec = FaultSpec(at=0, gpu=gpu, kind=kind, **fields)
         if spec.gpu >= len(self._order):
             raise ScenarioError(f"no GPU {gpu} on {self.node} (it has {len(self._order)})")
         with self._cond:

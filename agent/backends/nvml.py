@@ -49,9 +49,10 @@ class NvmlBackend:
     def __init__(self, nvml: ModuleType | None = None) -> None:
         if nvml is None:
             try:
-                import pynvml as nvml  # nvidia-ml-py
+                import pynvml  # nvidia-ml-py
             except ImportError as e:  # pragma: no cover - a packaging error
                 raise BackendError(f"nvidia-ml-py is not installed: {e}") from None
+            nvml = pynvml
         self.nv: Any = nvml
         self._lock = threading.Lock()
         try:

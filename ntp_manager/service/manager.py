@@ -200,8 +200,10 @@ class Manager:
         if rec is not None and gpus:
             self.telemetry.record(node, rec.gpus, gpus, self.clock.now().timestamp())
 
-    async def apply_report(self, node: str, seq: int, gpus: list[GpuReport]) -> int:
-        return await self.agents.apply_report(node, seq, gpus)
+    def apply_report(self, node: str, seq: int, gpus: list[GpuReport]) -> asyncio.Future[int]:
+        """A report on its way into the next group commit (service/agents.py): await it for the
+        seq to acknowledge."""
+        return self.agents.submit_report(node, seq, gpus)
 
     async def record_power_result(self, node: str, readings: list[tuple[str, int]]) -> None:
         await self.agents.record_power_result(node, readings)
