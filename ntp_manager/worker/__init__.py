@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ntp_manager.worker.checkpoint import Checkpointer, CheckpointError, RestoreInfo, Retention, retention_plan
     from ntp_manager.worker.env import WorkerEnv, worker_env
+    from ntp_manager.worker.pipeline import Pipeline, split_layers, stage_module
     from ntp_manager.worker.plans import ModelPlan, plan_for
     from ntp_manager.worker.reshard import apply_reshard, reshard_moves
     from ntp_manager.worker.runtime import (
@@ -61,6 +62,7 @@ __all__ = [
     "LayoutSource",
     "ModelPlan",
     "NtpGradSync",
+    "Pipeline",
     "ReconfigurationError",
     "ReplicaGroup",
     "ReplicatedPerUnit",
@@ -84,6 +86,8 @@ __all__ = [
     "publish_layout",
     "reshard_moves",
     "retention_plan",
+    "split_layers",
+    "stage_module",
     "unit_counts",
     "worker_env",
 ]
@@ -93,6 +97,7 @@ _WHERE = {
     "Retention": "checkpoint", "retention_plan": "checkpoint",
     "WorkerEnv": "env", "worker_env": "env",
     "ModelPlan": "plans", "plan_for": "plans",
+    "Pipeline": "pipeline", "split_layers": "pipeline", "stage_module": "pipeline",
     "apply_reshard": "reshard", "reshard_moves": "reshard",
     "ReconfigurationError": "runtime", "Runtime": "runtime", "RuntimeConfig": "runtime", "StepResult": "runtime",
     "TimelineEvent": "runtime", "unit_counts": "runtime",
