@@ -322,7 +322,8 @@ def create_app(manager: Manager) -> FastAPI:
 
     @app.get("/v1/gpus/{uuid}", tags=["cluster"], responses={404: {"model": Error}})
     async def gpu(uuid: str, _: Viewer) -> dict[str, Any]:
-        return manager.gpu_view(uuid)
+        t = manager.telemetry.get(uuid)  # the agent's latest counters (issue 21), with the heartbeats
+        return {**manager.gpu_view(uuid), "telemetry": None if t is None else t.view()}
 
     @app.get("/v1/jobs", tags=["jobs"], response_model=dict[str, Any])
     async def jobs(_: Viewer, limit: Limit = 100, offset: Offset = 0) -> Response:

@@ -67,7 +67,7 @@ from ntp_manager.worker.pipeline import (
     stage_plan,
 )
 from ntp_manager.worker.reshard import apply_reshard, reshard_moves
-from ntp_manager.worker.sources import LayoutSource, WorkerLayout
+from ntp_manager.worker.sources import LayoutSource, StepWork, WorkerLayout
 from ntp_manager.worker.sync import NtpGradSync, ReplicaGroup, SyncLayout, families_of
 from ntp_manager.worker.tp import ReplicatedPerUnit, ShardedModule, ShardStyle, parallelize, unit_features
 
@@ -398,12 +398,16 @@ class Runtime:
         last = stage == lay.n_stages - 1
         start = sum(b for _, b in lay.replicas[:ri])
         self.s.sync.zero_grad()  # in place: the gradients stay views of the sync buffers
+        t_fb = time.perf_counter()
+        batch: Any = None
         if loss_fn is not None:
-            loss = loss_fn(self.s.model, batch_fn(self.step, start, lb))
+            batch = batch_fn(self.step, start, lb)
+            loss = loss_fn(self.s.model, batch)
             loss.backward()
             value = loss.detach().item()
         else:
             value = self._pipeline_pass(batch_fn, lay, start, lb)
+        t_fb = time.perf_counter() - t_fb  # real compute only where the host waits for it (CPU)
         self.s.sync.sync()
         newest = self.source.latest()
         seen = newest.version if newest is not None else lay.version
@@ -420,7 +424,9 @@ class Runtime:
         secs = time.perf_counter() - t0
         if self.s.timeline and self.s.timeline[-1].what in ("reshard done", "joined", "restored from checkpoint"):
             self._event("first step", lay.version, f"tp={tp} local_batch={lb} stage={stage}")
-        self.source.report_step(lay, step, secs, lb)
+        lengths = StepWork.lengths_of(batch) if batch is not None else None
+        self.source.report_step(lay, step, secs, lb, StepWork(
+            t_fb if self.choice.device == "cpu" else 0.0, sequence_lengths=lengths))
         return StepResult(step, gloss, lay.global_batch, lb, lay.version, tp, secs, stage), agreed
 
     def _pipeline_pass(self, batch_fn: Callable[[int, int, int], Any], lay: WorkerLayout, start: int,

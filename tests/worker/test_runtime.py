@@ -271,3 +271,47 @@ def _lonely(wid: str, port: int, q: Any) -> None:
     except ReconfigurationError as e:
         events = [f"{ev.what}: {ev.detail}" for ev in rt.timeline]
         q.put((wid, f"ReconfigurationError: {e} | {events}"))
+
+
+class _Recording(StoreLayoutSource):
+    def __init__(self, *a: Any, q: Any) -> None:
+        super().__init__(*a)
+        self.q = q
+
+    def report_step(self, layout: Any, step: int, step_time_s: float, tokens: int, work: Any = None) -> None:
+        self.q.put((step, step_time_s, tokens, work))
+
+
+def test_step_report_carries_cpu_compute_time_and_the_batchs_sequence_lengths() -> None:
+    """Issue 21: the runtime passes a StepWork with the host-timed forward+backward (CPU: real
+    compute) and the sequence lengths the batch names."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=dt.timedelta(seconds=60))
+    publish_layout(store, "solo", 1, [(["s0"], 2)], "start")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_solo, args=(port, q))
+    p.start()
+    try:
+        step, secs, tokens, work = q.get(timeout=120)
+        p.join(timeout=60)
+    finally:
+        if p.is_alive():
+            p.kill()
+    assert (step, tokens) == (0, 2)
+    assert 0 < work.compute_s <= secs and work.comm_wait_s == 0.0
+    assert work.sequence_lengths == (5, 11)
+
+
+def _solo(port: int, q: Any) -> None:
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=dt.timedelta(seconds=60))
+    rt = Runtime(lambda: TinyGpt(CFG), tp_plan(CFG), _opt_fn("sgd"), _Recording(store, "solo", "s0", q=q),
+                 store, RuntimeConfig(job="solo", device="cpu", backend="gloo"))
+    rt.start()
+
+    class Batch(tuple):  # type: ignore[type-arg]
+        sequence_lengths = (5, 11)
+
+    rt.train_step(lambda s, st, n: Batch(batch(s, st, n)), lambda m, b: loss_fn(m, tuple(b)))
+    rt.close()
