@@ -209,7 +209,8 @@ def main() -> None:
     if "steady" in parts:
         show(console, "Steady step, PP2 x TP4 x DP2 (16 ranks): replica 0's stage 1 at TP3 vs all stages at TP4 "
              "(median of the slowest rank per step; goal <= 1.15x)",
-             ("model", "steps (TP4 / TP3)", "all TP4 ms", "one stage TP3 ms", "ratio"), bench_steady(args.quick, args.rounds))
+             ("model", "steps (TP4 / TP3)", "all TP4 ms", "one stage TP3 ms", "ratio"),
+             bench_steady(args.quick, args.rounds))
     if "failover" not in parts:
         return
     rows = []
