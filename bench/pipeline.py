@@ -225,7 +225,8 @@ def main() -> None:
     rows = []
     for key, runs in shapes.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        label = (f"{'2M' if args.quick else '118M'}, 1 stage, TP4xDP2 (8), TP4->3 (bench/worker.py)" if key == "single" else
+        size = "2M" if args.quick else "118M"
+        label = (f"{size}, 1 stage, TP4xDP2 (8), TP4->3 (bench/worker.py)" if key == "single" else
                  f"{med['params'] / 1e6:.0f}M PP2xTP{key}xDP2 ({4 * int(key)}), TP{key}->{int(key) - 1}")
         rows.append((label, *(f"{med[k]:.2f}" for k in ("detection", "regroup", "reshard", "first step", "total",
                                                         "step before")),
