@@ -30,6 +30,9 @@ from ntp_manager.sim import (
     replay,
     static_sweep,
 )
+from ntp_manager.sim.engine import healthy_step_s
+from ntp_manager.sim.presets import PAPER_STEP
+from ntp_manager.sim.stall import StallModel, stall_preset
 from ntp_manager.specfile import SpecError, load_cluster, load_job
 from ntp_manager.topology import PowerLimits, TopologyError
 
@@ -113,6 +116,8 @@ _TRACE_ONLY = {
     "software_repair_hours": "--software-repair-hours",
     "rate_multiplier": "--rate-multiplier",
     "failure_rate": "--failure-rate",
+    "stall": "--stall",
+    "step_seconds": "--step-seconds",
 }
 _STATIC_ONLY = {"failed_fraction": "--failed-fraction", "placements": "--placements"}
 
@@ -142,6 +147,25 @@ def refuse_inert_options(given: dict[str, Any], trace: bool, custom_cluster: boo
                 "--gpu-power and --base-cap apply to presets; with --cluster set "
                 "defaults.tdp_w/min_w/max_w/base_cap in the cluster file"
             )
+
+
+_POWER_ONLY = {
+    "power_curve": "--power-curve",
+    "rack_headroom": "--rack-headroom",
+    "max_boost": "--max-boost",
+    "gpu_power": "--gpu-power",
+    "base_cap": "--base-cap",
+}
+
+
+def refuse_scheme_inert_options(given: dict[str, Any], schemes: list[Scheme], redo_steps: float) -> None:
+    """Power options only act on ntp-pw; --step-seconds only on a stall model that redoes a step."""
+    if Scheme.NTP_PW not in schemes:
+        for name, flag in _POWER_ONLY.items():
+            if given.get(name) is not None:
+                raise SimError(f"{flag} only changes ntp-pw (power boost); add --scheme ntp-pw or drop it")
+    if given.get("step_seconds") is not None and not redo_steps:
+        raise SimError("--step-seconds is what a redone step costs; only --stall live redoes one")
 
 
 def simulate(
@@ -192,6 +216,21 @@ def simulate(
         float | None, typer.Option(help="rack power budget as a multiple of its GPUs' nominal sum")
     ] = None,
     max_boost: Annotated[float | None, typer.Option(help="highest per-GPU power, a multiple of nominal")] = None,
+    stall: Annotated[
+        str | None,
+        typer.Option(help="trace mode: what a layout change costs: none | restart | ft-hsdp | live"),
+    ] = None,
+    step_seconds: Annotated[
+        float | None, typer.Option(help="trace mode: healthy step time for the stall model (default: the job's)")
+    ] = None,
+    step_model: Annotated[
+        str | None,
+        typer.Option(help="'paper': size reduced replicas and throughput by the 480B-on-B200 step model "
+                          "(TP32 x 8 stages, 12 interleaved chunks); 'paper-v1': without interleaving"),
+    ] = None,
+    packing: Annotated[
+        str, typer.Option(help="stable (the resource manager repacks) | none (home replicas stay: no manager)")
+    ] = "stable",
     seed: Annotated[int, typer.Option(help="random seed")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="print results as JSON")] = False,
     plot: Annotated[Path | None, typer.Option(help="write a PNG plot here")] = None,
@@ -219,6 +258,7 @@ def simulate(
         )
         model.validate()
         schemes = _schemes(scheme)
+        refuse_scheme_inert_options(given, schemes, stall_preset(stall or "none").redo_steps)
         spare_list = parse_ints(spares or "0", "--spares")
         n_placements = 100 if placements is None else placements
         n_seeds = 1 if seeds is None else seeds
@@ -237,6 +277,13 @@ def simulate(
             power_fields["max_boost"] = max_boost
         if power_fields:
             job_spec = dataclasses.replace(job_spec, power=dataclasses.replace(job_spec.power, **power_fields))
+        if step_model is not None:
+            if step_model not in ("paper", "paper-v1"):
+                raise SimError(f"--step-model must be 'paper' or 'paper-v1', got {step_model!r}")
+            sm = PAPER_STEP if step_model == "paper" else dataclasses.replace(
+                PAPER_STEP, layout=dataclasses.replace(PAPER_STEP.layout, interleave=1))
+            job_spec = dataclasses.replace(job_spec, step_model=sm)
+            job_spec.validate()
         if cluster:
             c = load_cluster(cluster)
             name = f"job {job_spec.name} on cluster {c.name}"
@@ -245,7 +292,9 @@ def simulate(
             power = parse_power(gpu_power).with_base_cap(base_cap)
             c = preset_cluster(p, -(-pool // max(per_domain, 1)), power)
             name = p.name if job is None else f"job {job_spec.name} on preset {p.name}'s cluster"
-        setup = SimSetup.create(c, job_spec, model, pool)
+        if packing not in ("stable", "none"):
+            raise SimError(f"--packing must be 'stable' or 'none', got {packing!r}")
+        setup = SimSetup.create(c, job_spec, model, pool, packing)  # type: ignore[arg-type]
         if Scheme.NTP_PW in schemes:
             console.print(f"ntp-pw power model: {job_spec.power.describe()}", highlight=False)
         if not trace_mode:
@@ -256,9 +305,19 @@ def simulate(
             if days <= 0:
                 raise SimError(f"--days must be positive, got {days}")
             warm = 2 * model.hardware_repair_h / 24 if warmup_days is None else warmup_days
+            stall_model = stall_preset(stall or "none")
+            step_s = step_seconds if step_seconds is not None else healthy_step_s(job_spec)
+            if step_s is None and not job and not cluster:
+                step_s = p.step_s
+            if stall_model.redo_steps and step_s is None:
+                raise SimError(
+                    f"--stall {stall_model.name} redoes a step: give --step-seconds (the job has no step model)"
+                )
+            if step_seconds is not None and step_seconds < 0:
+                raise SimError("--step-seconds must be >= 0")
             result = _run_trace(
                 console, setup, schemes, days, warm, seed, n_seeds, spare_list, bool(fixed_minibatch),
-                bool(find_spares), plot, name,
+                bool(find_spares), plot, name, stall_model, step_s or 0.0,
             )
     except (SimError, PlanError, SpecError, TopologyError) as e:
         fail(str(e))
@@ -328,6 +387,7 @@ def _run_static(
 def _run_trace(
     console: Console, setup: SimSetup, schemes: list[Scheme], days: float, warmup: float, seed: int, seeds: int,
     spare_list: list[int], fixed: bool, find: bool, plot: Path | None, name: str,
+    stall: StallModel | None = None, step_s: float = 0.0,
 ) -> dict[str, Any]:
     traces = [make_trace(setup, days, seed + k, warmup) for k in range(seeds)]
     configs = [(s, sp) for s in schemes for sp in spare_list]
@@ -336,7 +396,8 @@ def _run_trace(
         total = sum(len(t.events) for t in traces) * (1 + (len(schemes) if find else 0))
         task = prog.add_task(f"{seeds} trace(s) of {days:g} days", total=total)
         for k, tr in enumerate(traces):
-            stats = replay(setup, tr, configs, fixed, progress=lambda n: prog.advance(task, n))
+            stats = replay(setup, tr, configs, fixed, progress=lambda n: prog.advance(task, n), stall=stall,
+                           step_s=step_s)
             needed = {}
             if find:
                 for s in schemes:
@@ -361,14 +422,24 @@ def _run_trace(
     # In fixed-minibatch mode a plan below the target batch pauses training; otherwise it trains on a
     # smaller batch, and the column says how long that lasted.
     below = "paused" if fixed else "time below target batch"
-    for col in ("seed", "scheme", "spares", "mean throughput", "min", below, "per-GPU throughput"):
+    stalls = stall is not None and stall.name != "none"
+    cols = ["seed", "scheme", "spares", "mean throughput", "min", below, "per-GPU throughput"]
+    if stalls:
+        cols += ["changes", "stalled", "effective"]
+    for col in cols:
         t2.add_column(col, justify="right")
     for r in runs:
         for s in r["stats"]:
-            t2.add_row(
+            row = [
                 str(r["seed"]), s.scheme.value, str(s.spares), f"{100 * s.mean_throughput:.2f}%",
                 f"{100 * s.min_throughput:.2f}%", f"{100 * s.paused_share:.2f}%", f"{100 * s.per_gpu_throughput:.2f}%",
-            )
+            ]
+            if stalls:
+                row += [str(s.changes), f"{100 * s.stalled_share:.3f}%", f"{100 * s.effective_throughput:.2f}%"]
+            t2.add_row(*row)
+    if stalls:
+        assert stall is not None
+        console.print(f"stall model {stall.name}: {stall}; healthy step {step_s:.2f} s", highlight=False)
     console.print(t2)
     if find:
         t3 = Table(title="spare groups needed never to pause (fixed minibatch)")
@@ -401,7 +472,9 @@ def _run_trace(
                 "stats": [
                     {"scheme": s.scheme.value, "spares": s.spares, "mean_throughput": s.mean_throughput,
                      "min_throughput": s.min_throughput, "paused_share": s.paused_share,
-                     "per_gpu_throughput": s.per_gpu_throughput, "replans": s.replans}
+                     "per_gpu_throughput": s.per_gpu_throughput, "replans": s.replans, "stall": s.stall,
+                     "changes": s.changes, "stalled_share": s.stalled_share,
+                     "effective_throughput": s.effective_throughput}
                     for s in r["stats"]
                 ],
                 "spares_needed": r["spares_needed"],

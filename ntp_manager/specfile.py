@@ -26,8 +26,10 @@ job.yaml
     mlp_columns: 4096
     scheme: ntp-pw
     spares: 1
-    power: {max_boost: 1.3, exponent: 0.7, rack_headroom: 1.15}
+    power: {max_boost: 1.3, exponent: 0.7, rack_headroom: 1.15}   # or curve: [[1.0, 1.0], [1.1, 1.069], ...]
+    balance: layer                                    # or stage: units rotate over a stage's layers
     parameters: 480000000000                          # optional model size (or stage_bytes: [...])
+    checkpoint: {dir: /shared/ckpt/demo, interval_steps: 500, keep_last: 3, keep_every: 5000}   # optional
 
 Errors come out as `SpecError` with one readable line (file, field, problem).
 """
@@ -41,7 +43,16 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
 from ntp_manager import limits
-from ntp_manager.planner.spec import JobSpec, PlanError, PowerModel, Scheme
+from ntp_manager.planner.spec import (
+    CHECKPOINT_DIR_MAX,
+    CHECKPOINT_INTERVAL_MAX,
+    CHECKPOINT_KEEP_MAX,
+    CheckpointPolicy,
+    JobSpec,
+    PlanError,
+    PowerModel,
+    Scheme,
+)
 from ntp_manager.topology import (
     Cluster,
     Domain,
@@ -172,6 +183,18 @@ class PowerSpec(_Strict):
         )
 
 
+class CheckpointFile(_Strict):
+    """Where and how often the job's workers checkpoint (planner.spec.CheckpointPolicy)."""
+
+    dir: Annotated[str, Field(min_length=2, max_length=CHECKPOINT_DIR_MAX, pattern=r"^/[^\x00-\x1f\x7f]*$")]
+    interval_steps: Annotated[StrictInt, Field(ge=1, le=CHECKPOINT_INTERVAL_MAX)]
+    keep_last: Annotated[StrictInt, Field(ge=1, le=CHECKPOINT_KEEP_MAX)] = 3
+    keep_every: Annotated[StrictInt, Field(ge=0, le=CHECKPOINT_INTERVAL_MAX)] = 0
+
+    def policy(self) -> CheckpointPolicy:
+        return CheckpointPolicy(self.dir, self.interval_steps, self.keep_last, self.keep_every)
+
+
 class JobFile(_Strict):
     """A job spec. Every number is bounded: the GPUs it asks for ((replicas + spares) x
     groups_per_replica x tp) by `limits.JOB_GPUS_MAX` (the manager bounds them further by its
@@ -190,11 +213,14 @@ class JobFile(_Strict):
     spares: Annotated[StrictInt, Field(ge=0, le=limits.JOB_GPUS_MAX)] = 0
     domains: list[DomainId] = Field(default_factory=list, max_length=limits.JOB_DOMAINS_MAX)
     power: PowerSpec = PowerSpec()
+    # how a reduced group's units are split: the same way in every layer, or rotated over a stage
+    balance: Literal["layer", "stage"] = "layer"
     # state per pipeline stage (one, or one per stage)
     stage_bytes: list[Annotated[StrictInt, Field(ge=0, le=2**62)]] = Field(
         default_factory=list, max_length=limits.TP_MAX)
     parameters: Annotated[StrictInt, Field(ge=0, le=2**62)] = 0  # model size estimate when stage_bytes is not given
     bytes_per_parameter: Finite = Field(default=16.0, gt=0, le=1024)
+    checkpoint: CheckpointFile | None = None
 
     @model_validator(mode="after")
     def _bounded(self) -> JobFile:
@@ -217,8 +243,10 @@ class JobFile(_Strict):
             replicas=self.replicas, local_batch=self.local_batch, min_tp=self.min_tp,
             heads=self.heads, mlp_columns=self.mlp_columns, attention_share=self.attention_share,
             scheme=Scheme(self.scheme), spares=self.spares, domains=tuple(self.domains),
-            power=self.power.model(), stage_bytes=tuple(self.stage_bytes), parameters=self.parameters,
+            power=self.power.model(), balance=self.balance, stage_bytes=tuple(self.stage_bytes),
+            parameters=self.parameters,
             bytes_per_parameter=self.bytes_per_parameter,
+            checkpoint=self.checkpoint.policy() if self.checkpoint is not None else None,
         )
         job.validate()
         return job

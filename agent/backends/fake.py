@@ -166,6 +166,10 @@ class FakeBackend:
         return GpuSample(
             uuid, sbe_total=g.sbe, dbe_total=g.dbe, throttled=g.throttled, temperature_c=97 if g.throttled else 55,
             nvlink_down=g.nvlink_down, limit_mw=g.limit_mw, usage_mw=int(g.limit_mw * 0.9), slow_factor=g.slow,
+            # a throttled GPU shows HW thermal slowdown (0x40) and lower SM clocks; a slow one, clocks at its pace
+            clock_event_reasons=0x40 if g.throttled else 0,
+            sm_clock_mhz=int(1980 * min(g.slow, 0.7 if g.throttled else 1.0)), sm_clock_max_mhz=1980,
+            nvlink_replay=0, nvlink_recovery=0, nvlink_crc=0,
         )
 
     def wait_xids(self, timeout_s: float) -> list[XidEvent]:

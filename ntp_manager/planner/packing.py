@@ -25,7 +25,8 @@ programme over the carry allowance (< P): replicas are taken most stayers first,
 when no closing is left here), or given up (its members become fillers). Unplaced members
 of replicas that were closed elsewhere are fillers too. Groups carried past the last level are left
 over; among equal choices those without a reference slot are left over first, so that groups
-that were placed stay placed.
+that were placed stay placed, then (ntp-pw) those whose rack holds another reduced group, so that
+the reduced groups kept sit in racks with power to spare and an idle one frees its rack's power.
 
 The level structure is exact (the optimum is never traded for fewer moves); the move count is
 minimised greedily per level, which the tests compare with exhaustive search on small cases.
@@ -42,6 +43,9 @@ class Item:
     idx: int  # the caller's index of the group (also the deterministic tie-break)
     key: int  # higher is better; a replica is worth its lowest key
     ref: tuple[int, int] | None  # (replica id, stage) in the reference layout
+    # power to spare in the group's rack (ntp-pw): among otherwise equal groups, those with less are
+    # carried down (and so left over) first, and their power goes to the rack-mates that stay
+    slack: int = 0
 
 
 @dataclass(slots=True)
@@ -127,6 +131,7 @@ def pack(items: Sequence[Item], P: int, stage_cost: Sequence[int] | None = None)
                         0 if x.ref is not None and x.ref[0] in waiting else 1 if x.ref is None else 2,
                         x.ref is not None and x.ref[1] in free_stages,
                         -(stage_cost[x.ref[1]] if stage_cost is not None and x.ref is not None else 0),
+                        x.slack,
                         x.idx,
                     ),
                     x,

@@ -193,7 +193,7 @@ class _Candidate:
     group_power: list[float] = field(default_factory=list)
 
 
-Packing = Literal["stable", "sorted"]
+Packing = Literal["stable", "sorted", "none"]
 
 
 def make_plan(
@@ -206,10 +206,13 @@ def make_plan(
     previous (replica, stage), then moves the fewest bytes, and the plan reports what moved. Without
     it, the job's home layout (group k of the job in replica k // P, stage k % P) is the reference
     and no moves are reported. `packing="sorted"` is the packer before stage identity (sort by
-    usable count, cut): the same totals, kept for comparison (bench/planner.py)."""
+    usable count, cut): the same totals, kept for comparison (bench/planner.py). `packing="none"`
+    does not repack at all: every home replica keeps its groups, so under dp-drop one unusable GPU
+    idles its whole replica (all its pipeline stages) and under ntp the replica runs at its lowest
+    degree; spares are not used. It is the baseline of a job without a resource manager."""
     job.validate()
-    if packing not in ("stable", "sorted"):
-        raise PlanError(f"packing must be 'stable' or 'sorted', got {packing!r}")
+    if packing not in ("stable", "sorted", "none"):
+        raise PlanError(f"packing must be 'stable', 'sorted' or 'none', got {packing!r}")
     positions = _job_domain_positions(cluster, job)
     T = job.tp
     all_sizes = cluster.domain_sizes
@@ -249,6 +252,8 @@ def make_plan(
     grants: dict[int, float] = {}
     if packing == "sorted":
         intact, repacked, free_ids = _pack_sorted(ctx, job, groups, keep, idle)
+    elif packing == "none":
+        intact, repacked, free_ids = _pack_none(ctx, job, groups, keep, idle)
     else:
         intact, repacked, free_ids = _pack_stable(ctx, job, groups, keep, prev_slot, idle, grants)
 
@@ -268,15 +273,16 @@ def make_plan(
 
     # Select replicas, best batch first, until the target global batch is reached.
     target = job.target_batch
-    selected: list[_Candidate] = []
-    total = 0
+    chosen, total = _select(intact + viable, target)
+    if job.scheme is Scheme.NTP_PW and packing == "stable":
+        chosen, total = _power_aware_selection(ctx, job, intact, viable, chosen, total)
+    ids_in = {id(c) for c, _ in chosen}
     for c in intact + viable:
-        if total >= target:
+        if id(c) not in ids_in:
             idle.extend(ctx.aside(g, "standing by: target batch reached") for g in c.groups)
-            continue
-        if total + c.batch > target:
-            c.batch = target - total
-        total += c.batch
+    selected: list[_Candidate] = []
+    for c, used in chosen:
+        c.batch = used
         selected.append(c)
 
     # Replica ids: kept ones keep theirs; new ones take free ids (in order), then fresh ones.
@@ -308,7 +314,7 @@ def make_plan(
                 base = "base cap" if capped else "TDP"
                 reasons.append(
                     f"group {ctx.gid(g)}: TP{gtp} boosted to {pr:.3f}x {base} (needs speed "
-                    f"{job.work(gtp):.3f}x, gets {job.power.speed(pr):.3f}x)"
+                    f"{job.speed_needed(gtp):.3f}x, gets {job.power.speed(pr):.3f}x)"
                 )
             if g.spare:
                 spares_used.append(ctx.gid(g))
@@ -464,7 +470,8 @@ def _pack_stable(
             in_intact.update(g.order for g in full)
     pool = [g for g in groups if keep[g.order] and g.order not in in_intact]
     keys = _packing_keys(ctx, job, pool, grants)
-    items = [Item(i, keys[i], ref(g)) for i, g in enumerate(pool)]
+    slack = _rack_slack(job, pool)
+    items = [Item(i, keys[i], ref(g), slack[i]) for i, g in enumerate(pool)]
     sizes = job.stage_sizes()
     blocks, left = pack(items, P, None if sizes is None else [sizes[s] for s in range(P)])
     repacked = [_Candidate([pool[i] for i in b.slots], b.rid, b.stayers) for b in blocks]
@@ -477,6 +484,107 @@ def _pack_stable(
     return intact, repacked, free_ids
 
 
+def _select(cands: list[_Candidate], target: int) -> tuple[list[tuple[_Candidate, int]], int]:
+    """Candidates in order until `target` samples are reached, each with the batch it runs (the
+    last one trimmed to land on the target exactly), and the total."""
+    out: list[tuple[_Candidate, int]] = []
+    total = 0
+    for c in cands:
+        if total >= target:
+            break
+        used = min(c.batch, target - total)
+        out.append((c, used))
+        total += used
+    return out, total
+
+
+def _power_aware_selection(
+    ctx: _Ctx,
+    job: JobSpec,
+    intact: list[_Candidate],
+    viable: list[_Candidate],
+    chosen: list[tuple[_Candidate, int]],
+    total: int,
+) -> tuple[list[tuple[_Candidate, int]], int]:
+    """Under ntp-pw, give the power of reduced groups that will not run to their selected rack-mates.
+
+    Two kinds of groups do not run: those of replicas standing by, and possibly those of the last
+    selected replica when it is trimmed (it may become unnecessary once its rack-mates run faster).
+    Their racks are granted again among the selected reduced groups (grants only rise, so the
+    budget holds while the others draw nominal) and the replicas selected again. If the trimmed
+    replica is needed after all, the attempt is undone (it would draw more than nominal)."""
+    target = job.target_batch
+    for _ in range(4):
+        ids_in = {id(c) for c, _ in chosen}
+        others = [c for c in viable if id(c) not in ids_in]
+        keep = [c for c, _ in chosen]
+        last, used = chosen[-1] if chosen else (None, 0)
+        dropping = last is not None and used < last.batch and last.tp < job.tp
+        if dropping:
+            assert last is not None
+            others.append(last)
+            keep.pop()
+        saved = {id(c): (list(c.group_power), c.batch) for c in keep}
+        if not _regrant_selected(ctx, job, keep, others):
+            return chosen, total
+        viable.sort(key=lambda c: (-c.batch, -c.stayers))
+        again, again_total = _select(intact + viable, target)
+        if dropping and any(c is last for c, _ in again):
+            for c in keep:  # undo: the trimmed replica still runs and draws its own grant
+                c.group_power[:], c.batch = saved[id(c)]
+            viable.sort(key=lambda c: (-c.batch, -c.stayers))
+            return _select(intact + viable, target)
+        chosen, total = again, again_total
+    return chosen, total
+
+
+def _regrant_selected(ctx: _Ctx, job: JobSpec, selected: list[_Candidate], others: list[_Candidate]) -> bool:
+    """Grant power again, among the selected replicas' reduced groups only, in the racks where a
+    reduced group of a replica in `others` (not selected) held a grant. Batches of the selected
+    replicas are recomputed; returns whether any rose. Removing requests from a water-filling never
+    lowers what the others get, so no grant and no batch falls."""
+    T = job.tp
+    racks = {g.dpos for c in others for g, t in zip(c.groups, c.group_tp, strict=True) if t < T}
+    if not racks:
+        return False
+    need = {t: job.speed_needed(t) for t in range(job.min_tp, T)}
+    requests: dict[int, list[PowerRequest]] = {}
+    for ci, c in enumerate(selected):
+        for si, (g, t) in enumerate(zip(c.groups, c.group_tp, strict=True)):
+            if t < T and g.dpos in racks:
+                requests.setdefault(g.dpos, []).append(PowerRequest((ci, si), ctx.domain(g), ctx.uuids(g, t), need[t]))
+    touched: set[int] = set()
+    for reqs in requests.values():
+        for key, ratio in allocate_domain_power(reqs[0].domain, reqs, job.power).items():
+            ci, si = cast(tuple[int, int], key)
+            if ratio > selected[ci].group_power[si]:
+                selected[ci].group_power[si] = ratio
+                touched.add(ci)
+    rose = False
+    for ci in touched:
+        c = selected[ci]
+        batch = job.local_batch
+        for t, pr in zip(c.group_tp, c.group_power, strict=True):
+            if t < T:
+                batch = min(batch, job.reduced_batch(t, job.power.speed(pr)))
+        if batch > c.batch:
+            c.batch = batch
+            rose = True
+    return rose
+
+
+def _rack_slack(job: JobSpec, pool: list[_Group]) -> list[int]:
+    """Under ntp-pw, 0 for a reduced group whose rack holds another reduced group of the pool (they
+    share the rack's spare power), else 1; all 1 under the other schemes (no power is shared)."""
+    if job.scheme is not Scheme.NTP_PW:
+        return [1] * len(pool)
+    reduced: dict[int, int] = {}
+    for g in pool:
+        if g.usable < job.tp:
+            reduced[g.dpos] = reduced.get(g.dpos, 0) + 1
+    return [0 if g.usable < job.tp and reduced[g.dpos] > 1 else 1 for g in pool]
+
+
 def _packing_keys(ctx: _Ctx, job: JobSpec, pool: list[_Group], grants: dict[int, float]) -> list[int]:
     """What a replica is worth is the lowest key of its groups: all equal under dp-drop (only full
     groups are kept), the usable count under ntp (the replica runs at its lowest), and under ntp-pw
@@ -487,7 +595,7 @@ def _packing_keys(ctx: _Ctx, job: JobSpec, pool: list[_Group], grants: dict[int,
         return [0] * len(pool)
     if job.scheme is Scheme.NTP:
         return [min(g.usable, T) for g in pool]
-    work = {t: job.work(t) for t in range(job.min_tp, T + 1)}
+    work = {t: job.speed_needed(t) for t in range(job.min_tp, T + 1)}
     requests: dict[int, list[PowerRequest]] = {}
     for i, g in enumerate(pool):
         t = min(g.usable, T)
@@ -526,6 +634,30 @@ def _pack_sorted(
     repacked = [_Candidate(pool[i : i + P], None) for i in range(0, len(pool) - P + 1, P)]
     idle.extend(ctx.aside(g, f"too few usable groups to fill a replica of {P}") for g in pool[len(repacked) * P :])
     return intact, repacked, broken_homes
+
+
+def _pack_none(
+    ctx: _Ctx, job: JobSpec, groups: list[_Group], keep: list[bool], idle: list[SetAside]
+) -> tuple[list[_Candidate], list[_Candidate], list[int]]:
+    """No repacking: home replica r is the job's groups r*P .. r*P+P-1, whatever their health. A
+    replica with a dropped group (dp-drop: any unusable GPU; ntp: below min_tp) is idle whole."""
+    T, P = job.tp, job.groups_per_replica
+    intact: list[_Candidate] = []
+    reduced: list[_Candidate] = []
+    n_primary = min(len(groups), job.primary_groups)
+    for r in range(n_primary // P):
+        members = groups[r * P : (r + 1) * P]
+        if all(g.usable == T for g in members):
+            intact.append(_Candidate(members, r, P))
+        elif all(keep[g.order] for g in members):
+            reduced.append(_Candidate(members, r, P))
+        else:
+            bad = next(g for g in members if not keep[g.order])
+            idle.extend(
+                ctx.aside(g, f"no repacking: replica {r} lost group {ctx.gid(bad)}") for g in members if keep[g.order]
+            )
+    idle.extend(ctx.aside(g, "no repacking: spares are not used") for g in groups[n_primary:] if keep[g.order])
+    return intact, reduced, []
 
 
 def _job_domain_positions(cluster: Cluster, job: JobSpec) -> Sequence[int]:
@@ -601,7 +733,7 @@ def _size_repacked(
         return
 
     # ntp-pw: each group at its own degree; reduced groups ask their rack for power.
-    work = {t: job.work(t) for t in range(job.min_tp, T + 1)}
+    work = {t: job.speed_needed(t) for t in range(job.min_tp, T + 1)}
     requests: dict[int, list[PowerRequest]] = {}
     for ci, c in enumerate(repacked):
         c.group_tp = [min(g.usable, T) for g in c.groups]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from ntp_manager.planner.ntp_map import max_units_per_rank
+from ntp_manager.planner.steptime import StepModel, StepModelError
 
 
 class PlanError(ValueError):
@@ -122,6 +123,48 @@ def _interp(points: Sequence[tuple[float, float]], x: float, axis: int) -> float
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+CHECKPOINT_DIR_MAX = 4096  # characters (Linux PATH_MAX)
+CHECKPOINT_INTERVAL_MAX = 2**31 - 1
+CHECKPOINT_KEEP_MAX = 10_000
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """Where and how often a job's workers write unit-addressed checkpoints (worker/checkpoint.py:
+    any layout loads them, so the workers fall back to one when no survivor holds some unit). The
+    manager records and hands on the policy; the workers write and verify the checkpoints.
+
+    dir             absolute path of a directory every rank of the job sees (a shared filesystem)
+    interval_steps  optimizer steps between checkpoints
+    keep_last       the newest good checkpoints kept
+    keep_every      also keep checkpoints whose step is a multiple of this (0: none)
+    """
+
+    dir: str
+    interval_steps: int
+    keep_last: int = 3
+    keep_every: int = 0
+
+    def validate(self) -> None:
+        d = self.dir
+        if not isinstance(d, str) or not d.startswith("/"):
+            raise PlanError(f"checkpoint.dir must be an absolute path, got {d!r}")
+        if len(d) > CHECKPOINT_DIR_MAX:
+            raise PlanError(f"checkpoint.dir is {len(d)} characters long; the limit is {CHECKPOINT_DIR_MAX}")
+        if any(ord(c) < 32 or ord(c) == 127 for c in d):
+            raise PlanError("checkpoint.dir contains a control character")
+        parts = d.split("/")
+        if ".." in parts or "." in parts:
+            raise PlanError(f"checkpoint.dir must not contain '.' or '..' components, got {d!r}")
+        if d.rstrip("/") == "":
+            raise PlanError("checkpoint.dir must not be the root directory")
+        for name, v, lo, hi in (("interval_steps", self.interval_steps, 1, CHECKPOINT_INTERVAL_MAX),
+                                ("keep_last", self.keep_last, 1, CHECKPOINT_KEEP_MAX),
+                                ("keep_every", self.keep_every, 0, CHECKPOINT_INTERVAL_MAX)):
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise PlanError(f"checkpoint.{name} must be an integer in [{lo}, {hi}], got {v!r}")
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """A training job as the planner sees it.
@@ -136,6 +179,15 @@ class JobSpec:
     local_batch        samples per replica per step when healthy
     spares             TP groups beyond replicas x groups_per_replica the job may draw on
     domains            domain ids the job may use, in order (empty: every domain of the cluster)
+    balance            "layer" (default): every layer splits its units the same way, so a rank's
+                       work is the most units any rank holds (ceil(U / t)); "stage": the extra
+                       units rotate over the layers of a stage, so work is even, T / t (what the
+                       NTP paper assumes: a replica contributes in proportion to its GPUs)
+    step_model         optional `StepModel` (planner/steptime.py): when given, the reduced-batch
+                       rule and the speed a boost must restore come from the step time (compute,
+                       TP communication, pipeline fill and drain) instead of the work ratio alone;
+                       its layout's tp and pp must be the job's tp and groups_per_replica, its
+                       model's heads and ffn the job's units, one sequence per microbatch
     stage_bytes        optional: bytes of parameters + optimizer state one pipeline stage holds
                        (one value for every stage, or one per stage); what a TP group loads when it
                        changes stage. Used only to report and break ties between equal packings.
@@ -143,6 +195,7 @@ class JobSpec:
                        model's parameter count, split evenly over the stages at
                        `bytes_per_parameter` each (16: bf16 weights and gradients, fp32 master
                        weights and two Adam moments)
+    checkpoint         optional `CheckpointPolicy`: where and how often the workers checkpoint
     """
 
     name: str
@@ -158,9 +211,12 @@ class JobSpec:
     spares: int = 0
     domains: tuple[str, ...] = ()
     power: PowerModel = field(default_factory=PowerModel)
+    balance: str = "layer"
+    step_model: StepModel | None = None
     stage_bytes: tuple[int, ...] = ()
     parameters: int = 0
     bytes_per_parameter: float = 16.0
+    checkpoint: CheckpointPolicy | None = None
 
     @property
     def target_batch(self) -> int:
@@ -203,6 +259,28 @@ class JobSpec:
         if not self.bytes_per_parameter > 0:
             raise PlanError(f"bytes_per_parameter must be positive, got {self.bytes_per_parameter}")
         self.power.validate()
+        if self.balance not in ("layer", "stage"):
+            raise PlanError(f"balance must be 'layer' or 'stage', got {self.balance!r}")
+        if self.step_model is not None:
+            sm = self.step_model
+            try:
+                sm.validate()
+            except StepModelError as e:
+                raise PlanError(f"step_model: {e}") from None
+            if (sm.layout.tp, sm.layout.pp) != (self.tp, self.groups_per_replica):
+                raise PlanError(
+                    f"step_model layout TP{sm.layout.tp} x PP{sm.layout.pp} is not the job's "
+                    f"TP{self.tp} x {self.groups_per_replica} groups per replica"
+                )
+            if (sm.model.heads, sm.model.ffn) != (self.heads, self.mlp_columns):
+                raise PlanError(
+                    f"step_model units ({sm.model.heads} heads, {sm.model.ffn} MLP columns) are not the job's "
+                    f"({self.heads}, {self.mlp_columns})"
+                )
+            if sm.balance != self.balance:
+                raise PlanError(f"step_model balance {sm.balance!r} is not the job's {self.balance!r}")
+        if self.checkpoint is not None:
+            self.checkpoint.validate()
 
     def stage_sizes(self) -> dict[int, int] | None:
         """Bytes of state per pipeline stage (see stage_bytes / parameters), None when unknown."""
@@ -221,7 +299,9 @@ class JobSpec:
         A rank's time is set by the most units it holds of each kind (ceil(U / tp)); attention and
         MLP are weighted by `attention_share`. work(self.tp) == 1.0.
         Example: 128 heads, 81,920 columns, tp 32 -> 31, share 0.4:
-        0.4 * 5/4 + 0.6 * 2643/2560 = 1.1195."""
+        0.4 * 5/4 + 0.6 * 2643/2560 = 1.1195. With balance "stage": T / t."""
+        if self.balance == "stage":
+            return self.tp / tp
         parts = []
         if self.heads:
             parts.append((self.attention_share if self.mlp_columns else 1.0, self.heads))
@@ -231,9 +311,36 @@ class JobSpec:
             w * max_units_per_rank(u, tp) / max_units_per_rank(u, self.tp) for w, u in parts
         )
 
+    def speed_needed(self, tp: int) -> float:
+        """Relative compute speed at which a replica at degree `tp` keeps the healthy step time with
+        the full local batch: work(tp), or from the step model (only compute speeds up, so it may be
+        inf when communication alone is too slow)."""
+        sm = self.step_model
+        if sm is None:
+            return self.work(tp)
+        target = sm.pipeline_time(self.tp, self.local_batch) * (1.0 + 1e-9)
+        if sm.pipeline_time(tp, self.local_batch) <= target:
+            return 1.0
+        hi = 2.0
+        while sm.pipeline_time(tp, self.local_batch, hi) > target:
+            hi *= 2.0
+            if hi > 64.0:
+                return float("inf")
+        lo = 1.0
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            if sm.pipeline_time(tp, self.local_batch, mid) <= target:
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
     def reduced_batch(self, tp: int, speed: float = 1.0) -> int:
         """Largest local batch at degree `tp` (GPUs at relative `speed`) whose step time does not
-        exceed a healthy replica's: floor(local_batch * speed / work(tp))."""
+        exceed a healthy replica's: floor(local_batch * speed / work(tp)), or, with a step model,
+        the largest number of sequences whose pipeline time does not exceed the healthy one."""
+        if self.step_model is not None:
+            return self.step_model.reduced_batch(tp, self.local_batch, speed)
         ratio = speed / self.work(tp)
         # Power ratios are rounded down to 1e-6 so caps stay within budget; a shortfall that small
         # is not worth a sample.

@@ -188,7 +188,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 async for msg in request_iterator:
                     kind = msg.WhichOneof("body")
                     if kind == "heartbeat":
-                        self.m.heartbeat(node)
+                        self.m.heartbeat(node, msg.heartbeat.gpus)
                     elif kind == "report":
                         r = msg.report
                         reports = [

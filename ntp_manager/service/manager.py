@@ -43,6 +43,7 @@ from ntp_manager.service.power import Power
 from ntp_manager.service.queries import Queries, gpu_view
 from ntp_manager.service.state import LayoutRec, World
 from ntp_manager.service.steps import StepWindow
+from ntp_manager.service.telemetry import TelemetryStore
 from ntp_manager.service.tokens import Tokens
 from ntp_manager.service.watchdog import LoopWatchdog
 from ntp_manager.service.worker_reports import WorkerReports
@@ -66,6 +67,7 @@ class Manager:
         self.kernel = Kernel(self.sm, self.clock, World(base_cap=settings.power_base_cap),
                              window_s=settings.group_commit_window_ms / 1000)
         self.workers = WorkerReports()
+        self.telemetry = TelemetryStore()  # agents' GPU counters, latest per GPU (issue 21)
         self.metrics = Metrics(self._step_windows)
         self.tokens = TokenTable()  # the live table (see service/tokens.py)
         self.token_service = Tokens(self)
@@ -81,7 +83,7 @@ class Manager:
         self.jobs = Jobs(self.kernel, settings, self.metrics, self.power, self.workers, lambda: self.epoch,
                          lambda: self.breaker.open)
         self.jobs.on_layout.append(self.gauges.mark_stale)
-        self.queries = Queries(self.kernel, self.sm, self.workers)
+        self.queries = Queries(self.kernel, self.sm, self.workers, self.telemetry)
         self.sessions = self.agents.sessions
         self.ready = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -199,8 +201,11 @@ class Manager:
     def disconnect_agent(self, session: AgentSession) -> None:
         self.agents.disconnect(session)
 
-    def heartbeat(self, node: str) -> None:
+    def heartbeat(self, node: str, gpus: Any = ()) -> None:
         self.agents.heartbeat(node)
+        rec = self.kernel.world.nodes.get(node)
+        if rec is not None and gpus:
+            self.telemetry.record(node, rec.gpus, gpus, self.clock.now().timestamp())
 
     def apply_report(self, node: str, seq: int, gpus: list[GpuReport]) -> asyncio.Future[int]:
         """A report on its way into the next group commit (service/agents.py): await it for the

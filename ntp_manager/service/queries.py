@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from ntp_manager.service.errors import FailedPrecondition, NotFound
 from ntp_manager.service.kernel import Kernel
 from ntp_manager.service.state import GpuRec, JobRec
+from ntp_manager.service.telemetry import TelemetryStore
 from ntp_manager.service.worker_reports import WorkerReports
 from ntp_manager.store.models import AuditRow, HealthEventRow, LayoutRow, MaintenanceRow
 from ntp_manager.topology import GpuState
@@ -56,10 +57,12 @@ def _replicas(plan: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 class Queries:
-    def __init__(self, kernel: Kernel, sm: async_sessionmaker[AsyncSession], workers: WorkerReports) -> None:
+    def __init__(self, kernel: Kernel, sm: async_sessionmaker[AsyncSession], workers: WorkerReports,
+                 telemetry: TelemetryStore) -> None:
         self.kernel = kernel
         self.sm = sm
         self.workers = workers
+        self.telemetry = telemetry
 
     # ---- from memory --------------------------------------------------------------------------
     def domains(self, limit: int, offset: int) -> dict[str, Any]:
@@ -95,10 +98,12 @@ class Queries:
         return page([gpu_view(w.gpus[u]) for u in sel[offset : offset + limit]], len(sel), limit, offset)
 
     def gpu(self, uuid: str) -> dict[str, Any]:
+        """One GPU, with its agent's latest counters (issue 21), which come with the heartbeats."""
         rec = self.kernel.world.gpus.get(uuid)
         if rec is None:
             raise NotFound(f"unknown GPU {uuid!r}")
-        return gpu_view(rec)
+        t = self.telemetry.get(uuid)
+        return {**gpu_view(rec), "telemetry": None if t is None else t.view()}
 
     def job_rec(self, name: str) -> JobRec:
         rec = self.kernel.world.jobs.get(name)

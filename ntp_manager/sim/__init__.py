@@ -8,27 +8,33 @@ from ntp_manager.sim.engine import (
     TraceStats,
     make_trace,
     min_spares_never_pause,
+    plan_throughput,
     replay,
     static_sweep,
 )
 from ntp_manager.sim.failures import LLAMA3_RATE_PER_GPU_HOUR, FailureModel, SimError
 from ntp_manager.sim.presets import PRESETS, Preset, preset, preset_cluster
+from ntp_manager.sim.stall import STALL_PRESETS, StallModel, stall_preset
 
 __all__ = [
     "LLAMA3_RATE_PER_GPU_HOUR",
     "PRESETS",
+    "STALL_PRESETS",
     "Event",
     "FailureModel",
     "Preset",
     "SimError",
     "SimSetup",
+    "StallModel",
     "StaticPoint",
     "Trace",
     "TraceStats",
     "make_trace",
     "min_spares_never_pause",
+    "plan_throughput",
     "preset",
     "preset_cluster",
     "replay",
+    "stall_preset",
     "static_sweep",
 ]

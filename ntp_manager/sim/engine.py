@@ -21,8 +21,10 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from ntp_manager.planner import JobSpec, Scheme, make_plan
+from ntp_manager.planner import JobSpec, Plan, Scheme, make_plan
+from ntp_manager.planner.plan import Packing
 from ntp_manager.sim.failures import FailureModel, SimError
+from ntp_manager.sim.stall import STALL_PRESETS, StallModel
 from ntp_manager.topology import Cluster, GpuState
 
 Progress = Callable[[int], None]
@@ -40,13 +42,16 @@ class SimSetup:
     job: JobSpec  # spares=0; variants set scheme and spares
     model: FailureModel
     max_spares: int = 0
+    packing: Packing = "stable"  # "none": home replicas keep their groups (no resource manager)
     uuids: tuple[str, ...] = field(default=(), repr=False)
     node_of: tuple[int, ...] = field(default=(), repr=False)
     domain_of: tuple[int, ...] = field(default=(), repr=False)
     members: dict[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def create(cls, cluster: Cluster, job: JobSpec, model: FailureModel, max_spares: int = 0) -> SimSetup:
+    def create(
+        cls, cluster: Cluster, job: JobSpec, model: FailureModel, max_spares: int = 0, packing: Packing = "stable"
+    ) -> SimSetup:
         job.validate()
         model.validate()
         if max_spares < 0:
@@ -66,8 +71,10 @@ class SimSetup:
                     domain_of.append(len(domains))
                 nodes.append(tuple(range(first, len(uuids))))
             domains.append(tuple(range(start, len(uuids))))
+        if packing == "none" and max_spares:
+            raise SimError("without repacking (packing 'none') spares are never used; drop --spares")
         return cls(
-            cluster, replace(job, spares=0), model, max_spares, tuple(uuids), tuple(node_of), tuple(domain_of),
+            cluster, replace(job, spares=0), model, max_spares, packing, tuple(uuids), tuple(node_of), tuple(domain_of),
             {"node": tuple(nodes), "domain": tuple(domains)},
         )
 
@@ -88,6 +95,37 @@ class SimSetup:
 
     def snapshot(self, failed: Sequence[int]) -> Cluster:
         return self.cluster.with_states({self.uuids[i]: GpuState.FAILED for i in failed})
+
+    def plan(self, snap: Cluster, job: JobSpec, previous: Plan | None = None) -> Plan:
+        return make_plan(snap, job, previous, packing=self.packing)
+
+
+def plan_throughput(plan: Plan, job: JobSpec) -> float:
+    """Samples per second of `plan` relative to the healthy job.
+
+    Without a step model: global batch / target batch (every replica keeps the healthy step time).
+    With one (JobSpec.step_model): (global batch / target) x healthy step / the plan's step, where a
+    step is the slowest replica's pipeline (each group at its own degree and power) plus the DP sync
+    over the plan's replicas, whose bytes per core rank grow by T / t for the lowest degree t in the
+    plan (the NTP sync, REFERENCE.md section 1)."""
+    sm = job.step_model
+    if sm is None:
+        return plan.relative_throughput
+    if not plan.replicas:
+        return 0.0
+    healthy = sm.pipeline_time(job.tp, job.local_batch) + sm.dp_sync_time(job.replicas)
+    slowest = 0.0
+    lowest = job.tp
+    for r in plan.replicas:
+        for g in r.groups:
+            lowest = min(lowest, g.tp)
+            if g.tp < job.tp or g.power_ratio != 1.0:
+                speed = job.power.speed(g.power_ratio) if g.power_ratio != 1.0 else 1.0
+                slowest = max(slowest, sm.pipeline_time(g.tp, r.local_batch, speed))
+            else:
+                slowest = max(slowest, sm.pipeline_time(job.tp, r.local_batch))
+    step = slowest + sm.dp_sync_time(len(plan.replicas), lowest)
+    return plan.relative_throughput * healthy / step
 
 
 # ---- static mode ---------------------------------------------------------------------------------
@@ -128,33 +166,41 @@ def static_sweep(
     # Static placements are over the GPUs the job may use (primary + its spares), uniformly.
     pool = _job_pool_size(setup, spares)
     out: list[StaticPoint] = []
-    for fi, f in enumerate(fractions):
+    for f in fractions:
         count = round(f * pool)
         losses: dict[Scheme, list[float]] = {s: [] for s in schemes}
         for p in range(placements):
-            snap = setup.snapshot(blast_placement(setup, seed, fi, p, pool, count))
+            snap = setup.snapshot(blast_placement(setup, seed, p, pool, count))
             for s in schemes:
-                losses[s].append(1.0 - make_plan(snap, jobs[s]).relative_throughput)
+                losses[s].append(1.0 - plan_throughput(setup.plan(snap, jobs[s]), jobs[s]))
             progress(1)
         out.extend(StaticPoint(f, count, s, tuple(losses[s])) for s in schemes)
     return out
 
 
-def placement(seed: int, point: int, index: int, pool: int, count: int) -> list[int]:
-    """The `index`-th random set of `count` failed GPU positions among the first `pool`, for sweep
-    point `point` (deterministic in its arguments)."""
-    return random.Random(f"static:{seed}:{point}:{index}").sample(range(pool), count)
+def placement(seed: int, index: int, pool: int, count: int) -> list[int]:
+    """The `index`-th random set of `count` failed GPU positions among the first `pool`
+    (deterministic in its arguments). Nested in `count`: the set for k failures is the first k of
+    the set for any larger count, so a sweep compares every fraction on the same placements
+    (common random numbers) and a placement's loss never moves against the scheme's own behaviour
+    between sweep points by chance."""
+    rng = random.Random(f"static:{seed}:{index}")
+    failed: dict[int, None] = {}  # ordered set
+    while len(failed) < count:
+        failed.setdefault(rng.randrange(pool))
+    return list(failed)
 
 
-def blast_placement(setup: SimSetup, seed: int, point: int, index: int, pool: int, count: int) -> list[int]:
+def blast_placement(setup: SimSetup, seed: int, index: int, pool: int, count: int) -> list[int]:
     """Like `placement`, but failures come with the model's blast radius: each draws a GPU not yet
     failed and takes it alone, its node or its domain, until `count` GPUs are failed (the last
-    blast is cut short so that exactly `count` fail). Without a blast radius it is `placement`."""
+    blast is cut short so that exactly `count` fail). Nested in `count` too. Without a blast
+    radius it is `placement`."""
     model = setup.model
     if model.blast_node == 0 and model.blast_domain == 0:
-        return placement(seed, point, index, pool, count)
-    rng = random.Random(f"static:{seed}:{point}:{index}")
-    failed: dict[int, None] = {}  # ordered set
+        return placement(seed, index, pool, count)
+    rng = random.Random(f"static:{seed}:{index}")
+    failed: dict[int, None] = {}
     while len(failed) < count:
         gpu = rng.randrange(pool)
         if gpu in failed:
@@ -285,11 +331,35 @@ class TraceStats:
     scheme: Scheme
     spares: int
     fixed_minibatch: bool
-    mean_throughput: float  # time-averaged, relative to the healthy job
+    mean_throughput: float  # time-averaged, relative to the healthy job, stalls not counted
     paused_share: float  # share of time with global batch below target
     min_throughput: float
     per_gpu_throughput: float  # mean throughput x primary GPUs / (primary + spare GPUs)
     replans: int
+    stall: str = "none"  # the stall model's name
+    changes: int = 0  # layout changes that the job acted on
+    stalled_share: float = 0.0  # share of the time training stood still for reconfiguration
+    effective_throughput: float = 0.0  # time-averaged throughput with stalls counted as zero
+
+    @property
+    def effective_per_gpu(self) -> float:
+        if not self.mean_throughput:
+            return 0.0
+        return self.effective_throughput * self.per_gpu_throughput / self.mean_throughput
+
+
+def layout_key(plan: Plan) -> tuple[tuple[int, int, tuple[tuple[int, int, int, int], ...]], ...]:
+    """What a running job sees of a plan: replicas, their batches, and each group's place and degree."""
+    return tuple(
+        (r.replica_id, r.local_batch, tuple((g.domain_pos, g.local, g.stage, g.tp) for g in r.groups))
+        for r in plan.replicas
+    )
+
+
+def healthy_step_s(job: JobSpec) -> float | None:
+    """The job's healthy step time from its step model (None without one)."""
+    sm = job.step_model
+    return None if sm is None else sm.pipeline_time(job.tp, job.local_batch) + sm.dp_sync_time(job.replicas)
 
 
 def replay(
@@ -298,50 +368,87 @@ def replay(
     configs: Sequence[tuple[Scheme, int]],
     fixed_minibatch: bool = False,
     progress: Progress = _noop,
+    stall: StallModel | None = None,
+    step_s: float | None = None,
 ) -> list[TraceStats]:
-    """Replan after every batch of simultaneous events and integrate throughput over time."""
+    """Replan after every batch of simultaneous events and integrate throughput over time.
+
+    With a `stall` model every change of the layout the job acts on stops training for the
+    model's stall (chained when changes come faster than stalls end); `step_s` is the healthy step
+    time it uses (default: the job's step model, else 0). The trace's first events at time 0 are
+    the state the window starts in, not a change. With `repairs="deferred"` repaired GPUs are taken
+    back only at the next failure; with "free" taking them back costs nothing."""
+    model = stall or STALL_PRESETS["none"]
+    model.validate()
     jobs = [setup.variant(s, sp) for s, sp in configs]
-    acc = [0.0] * len(jobs)
-    paused = [0.0] * len(jobs)
-    lows = [1.0] * len(jobs)
-    failed: set[int] = set()
+    if step_s is None:
+        step_s = healthy_step_s(setup.job) or 0.0
+    n = len(jobs)
+    acc = [0.0] * n
+    eff = [0.0] * n
+    stalled = [0.0] * n
+    stall_until = [0.0] * n
+    changes = [0] * n
+    paused = [0.0] * n
+    lows = [1.0] * n
     snap = setup.cluster
-    current = [1.0] * len(jobs)
-    below = [False] * len(jobs)
+    plans: list[Plan | None] = [setup.plan(snap, job) for job in jobs]
+    keys: list[object] = [layout_key(p) for p in plans if p is not None]
+    current = [1.0] * n
+    below = [False] * n
+    pending: dict[str, GpuState] = {}  # repairs not yet acted on (deferred)
     t = 0.0
     replans = 0
     i = 0
     events = trace.events
+
+    def advance(k: int, until: float) -> None:
+        span = until - t
+        lost = min(span, max(0.0, stall_until[k] - t))
+        acc[k] += current[k] * span
+        eff[k] += current[k] * (span - lost)
+        stalled[k] += lost
+        if below[k]:
+            paused[k] += span
+
     while i < len(events):
         at = events[i].at_h
-        for k in range(len(jobs)):
-            acc[k] += current[k] * (at - t)
-            if below[k]:
-                paused[k] += at - t
+        for k in range(n):
+            advance(k, at)
         t = at
-        changes: dict[str, GpuState] = {}
+        changes_now: dict[str, GpuState] = {}
+        any_failure = False
         while i < len(events) and events[i].at_h == at:
             e = events[i]
             for g in e.repaired:
-                failed.discard(g)
-                changes[setup.uuids[g]] = GpuState.HEALTHY
+                changes_now[setup.uuids[g]] = GpuState.HEALTHY
             for g in e.failed:
-                failed.add(g)
-                changes[setup.uuids[g]] = GpuState.FAILED
+                changes_now[setup.uuids[g]] = GpuState.FAILED
+                any_failure = True
             i += 1
-        snap = snap.with_states(changes)
+        if model.repairs == "deferred" and not any_failure and at > 0:
+            pending.update(changes_now)  # taken back at the next restart
+            progress(1)
+            continue
+        snap = snap.with_states({**pending, **changes_now})
+        pending.clear()
         replans += 1
         for k, job in enumerate(jobs):
-            plan = make_plan(snap, job)
+            prev = plans[k]
+            plan = setup.plan(snap, job, prev)
+            key = layout_key(plan)
+            if prev is not None and at > 0 and key != keys[k] and (any_failure or model.repairs == "stall"):
+                changes[k] += 1
+                seconds = model.stall_s(job, plan, prev, step_s)
+                stall_until[k] = max(stall_until[k], at) + seconds / 3600.0
+            plans[k], keys[k] = plan, key
             below[k] = not plan.meets_target
-            thr = plan.relative_throughput
-            current[k] = (0.0 if below[k] else 1.0) if fixed_minibatch else thr
+            thr = plan_throughput(plan, job)
+            current[k] = (0.0 if below[k] else thr) if fixed_minibatch else thr
             lows[k] = min(lows[k], current[k])
         progress(1)
-    for k in range(len(jobs)):
-        acc[k] += current[k] * (trace.hours - t)
-        if below[k]:
-            paused[k] += trace.hours - t
+    for k in range(n):
+        advance(k, trace.hours)
     out = []
     primary_gpus = setup.job.primary_groups * setup.job.tp
     for k, (s, sp) in enumerate(configs):
@@ -350,6 +457,7 @@ def replay(
             TraceStats(
                 s, sp, fixed_minibatch, mean, paused[k] / trace.hours, lows[k],
                 mean * primary_gpus / (primary_gpus + sp * setup.job.tp), replans,
+                model.name, changes[k], stalled[k] / trace.hours, eff[k] / trace.hours,
             )
         )
     return out
@@ -377,7 +485,7 @@ def min_spares_never_pause(
                 changes[setup.uuids[g]] = GpuState.FAILED
             i += 1
         snap = snap.with_states(changes)
-        while not make_plan(snap, setup.variant(scheme, spares)).meets_target:
+        while not setup.plan(snap, setup.variant(scheme, spares)).meets_target:
             if spares >= setup.max_spares:
                 return None
             spares += 1

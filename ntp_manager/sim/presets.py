@@ -4,6 +4,9 @@ paper-32k     the NTP paper's evaluation (REFERENCE.md section 1): 32,768 GPUs i
               domains, healthy TP32 (reduced down to TP28), 8 TP groups per replica -> 128 replicas,
               128 heads, 81,920 MLP columns, 1,024 sequences per step (local batch 8), Llama 3 failure
               rates, 3-day hardware repair (5 with --repair-days 5), 3-hour software repair.
+paper-100k    the same job scaled to 100,000 GPUs: 3,125 NVL32 domains, 390 replicas of 8 TP32 groups.
+nvl72-tp64    32,760 GPUs in 455 NVL72 domains (GB200-like, 4 GPUs per tray), one TP64 group per
+              domain and replica: each domain's 8 leftover GPUs fill failed slots of its group.
 uniform-tp64  32,768 GPUs in NVL64 domains, one TP64 group per replica: the paper's availability
               example for uniform TP64.
 small         4 NVL8 domains, TP8, 2 groups per replica, for tests and quick looks.
@@ -14,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ntp_manager.planner import PAPER_POWER_CURVE, JobSpec, PowerModel, Scheme
+from ntp_manager.planner.steptime import Hardware, Layout, ModelShape, StepModel
 from ntp_manager.sim.failures import FailureModel, SimError
 from ntp_manager.topology import DEFAULT_POWER, Cluster, PowerLimits, generate_cluster
 
@@ -27,6 +31,7 @@ class Preset:
     job: JobSpec
     model: FailureModel
     description: str
+    step_s: float | None = None  # healthy step seconds (what a redone step costs in a stall)
 
 
 # Every preset states its power model: the paper's measured speed curve (flat beyond 1.2x), a rack
@@ -34,15 +39,43 @@ class Preset:
 # docs/simulation.md has the loss as a function of it.
 PAPER_POWER = PowerModel(max_boost=1.3, rack_headroom=1.15, curve=PAPER_POWER_CURVE)
 
+# The paper's 480B model on B200s in the paper's layout: TP32 x 8 stages x 128 replicas, 8 sequences
+# of 16K tokens per replica, 12 interleaved chunks per stage (planner/steptime.py states the model).
+PAPER_STEP = StepModel(ModelShape(), Hardware(), Layout(tp=32, pp=8, dp=128, domain=32, interleave=12))
+PAPER_STEP_S = PAPER_STEP.breakdown(8).total  # ~1.75 s
+PAPER_PARAMS = ModelShape().params  # 503e9 (the paper's "480B"): 16 bytes each -> ~1 TB of state per stage
+
 PRESETS: dict[str, Preset] = {
     "paper-32k": Preset(
         "paper-32k", 1024, 32, 4,
         JobSpec(
             name="paper-480b", tp=32, groups_per_replica=8, replicas=128, local_batch=8, min_tp=28,
             heads=128, mlp_columns=81_920, attention_share=0.4, scheme=Scheme.NTP, power=PAPER_POWER,
+            parameters=PAPER_PARAMS,
         ),
         FailureModel(hardware_repair_h=72.0),
         "32,768 GPUs, NVL32, TP32, 8 groups/replica, 128 replicas, Llama 3 rates",
+        PAPER_STEP_S,
+    ),
+    "paper-100k": Preset(
+        "paper-100k", 3125, 32, 4,
+        JobSpec(
+            name="paper-480b-100k", tp=32, groups_per_replica=8, replicas=390, local_batch=8, min_tp=28,
+            heads=128, mlp_columns=81_920, attention_share=0.4, scheme=Scheme.NTP, power=PAPER_POWER,
+            parameters=PAPER_PARAMS,
+        ),
+        FailureModel(hardware_repair_h=72.0),
+        "100,000 GPUs, NVL32, the paper's job scaled: TP32, 8 groups/replica, 390 replicas (3,120 domains)",
+        PAPER_STEP_S,
+    ),
+    "nvl72-tp64": Preset(
+        "nvl72-tp64", 455, 72, 4,
+        JobSpec(
+            name="tp64-nvl72", tp=64, groups_per_replica=1, replicas=455, local_batch=2, min_tp=56,
+            heads=128, mlp_columns=81_920, scheme=Scheme.DP_DROP, power=PAPER_POWER,
+        ),
+        FailureModel(hardware_repair_h=72.0),
+        "32,760 GPUs in NVL72 domains, TP64 per domain: 8 leftover GPUs per domain act as in-domain spares",
     ),
     "uniform-tp64": Preset(
         "uniform-tp64", 512, 64, 4,

@@ -14,6 +14,9 @@
     NTP_TOKEN      a worker-scope token for the manager
     NTP_LOCAL_RANK / NTP_NPROC   this process's index among ntp-run's, and their number
     NTP_DEVICE     optional: "cpu" or "cuda" (default: cuda when torch sees a GPU)
+    NTP_BACKEND    optional: "auto" (default: comm.choose_backend), "gloo" or "nccl"
+    NTP_LOCAL_GPUS set by ntp-run when it pins each rank to a GPU: the distinct GPUs its ranks use
+                   (each process then sees one, so torch's own count would say 1)
 
 The layout source is the manager's watch stream (`GrpcLayoutSource`) with NTP_MANAGER, else the
 layouts ntp-run publishes into the store (`StoreLayoutSource`). Either way step reports also go
@@ -33,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ntp_manager.worker.pipeline import Pipeline
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig, TimelineEvent
 from ntp_manager.worker.sources import GrpcLayoutSource, LayoutSource, StoreLayoutSource, WorkerLayout
 from ntp_manager.worker.tp import ShardStyle
@@ -70,7 +74,7 @@ class ReportingSource:
 
     def report_step(self, layout: WorkerLayout, step: int, step_time_s: float, tokens: int) -> None:
         self.inner.report_step(layout, step, step_time_s, tokens)
-        tp = layout.replicas[layout.replica_of(layout.rank)][0] if layout.rank is not None else 0
+        tp = layout.tp_of(layout.rank) if layout.rank is not None else 0
         self.store.set(self.key, json.dumps({"step": step, "version": layout.version, "tp": tp,
                                              "global_batch": layout.global_batch}))
 
@@ -90,10 +94,14 @@ class WorkerEnv:
     nproc: int
     device: str
     backend: str
+    local_gpus: int | None = None  # distinct GPUs this host's ranks use (None: what torch sees)
 
     def config(self, **overrides: Any) -> RuntimeConfig:
         """A RuntimeConfig for this job and device; `overrides` set any other field."""
-        return RuntimeConfig(job=self.job, device=self.device, backend=self.backend, **overrides)
+        base: dict[str, Any] = dict(job=self.job, device=self.device, backend=self.backend,
+                                    local_rank=self.local_rank % max(self.nproc, 1),
+                                    local_world_size=max(self.nproc, 1), local_gpus=self.local_gpus)
+        return RuntimeConfig(**{**base, **overrides})
 
     def runtime(
         self,
@@ -103,12 +111,14 @@ class WorkerEnv:
         *,
         post_parallelize: Callable[[nn.Module], None] | None = None,
         on_event: Callable[[TimelineEvent], None] | None = None,
+        pipeline: Pipeline | None = None,
         **cfg: Any,
     ) -> Runtime:
         """A Runtime on this environment's store and layout source. `plan` None: `plan_for` of
-        the model; `cfg`: RuntimeConfig fields (timeouts, seed)."""
+        the model; `pipeline`: for layouts of several stages (worker/pipeline.py); `cfg`:
+        RuntimeConfig fields (timeouts, seed)."""
         return Runtime(model_fn, plan, optimizer_fn, self.source, self.store, self.config(**cfg), on_event=on_event,
-                       post_parallelize=post_parallelize)
+                       post_parallelize=post_parallelize, pipeline=pipeline)
 
 
 def worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
@@ -136,7 +146,13 @@ def worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
     device = e.get("NTP_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda"):
         raise RuntimeError(f"NTP_DEVICE must be cpu or cuda, not {device!r}")
+    backend = e.get("NTP_BACKEND") or "auto"
+    if backend not in ("auto", "gloo", "nccl"):
+        raise RuntimeError(f"NTP_BACKEND must be auto, gloo or nccl, not {backend!r}")
+    local_gpus = e.get("NTP_LOCAL_GPUS", "")
+    if local_gpus and not local_gpus.isdigit():
+        raise RuntimeError(f"NTP_LOCAL_GPUS must be a count, not {local_gpus!r}")
     return WorkerEnv(job=job, worker_id=worker, gpu_uuid=gpu, store=store,
                      source=ReportingSource(inner, store, job, worker), manager=manager,
                      local_rank=int(e.get("NTP_LOCAL_RANK", "0")), nproc=int(e.get("NTP_NPROC", "1")),
-                     device=device, backend="nccl" if device == "cuda" else "gloo")
+                     device=device, backend=backend, local_gpus=int(local_gpus) if local_gpus else None)

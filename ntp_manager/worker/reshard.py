@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from ntp_manager.worker import comm
+from ntp_manager.worker.comm import P2P
 from ntp_manager.worker.sync import SyncLayout
 from ntp_manager.worker.tp import ShardedModule, unit_major_empty, unit_slice
 
@@ -157,7 +158,7 @@ def apply_reshard(
     # of units that are consecutive both in the source's old list and in the destination's new
     # one (both sides compute the same cut from the layouts); each stretch of each tensor is one
     # message, sent from and received into the tensors themselves where the slice is contiguous.
-    reqs = []
+    ops: list[P2P] = []
     for mv in moves:
         if mv.src == mv.dst or rank not in (mv.src, mv.dst):
             continue
@@ -168,11 +169,12 @@ def apply_reshard(
                 us = mod.unit_size
                 if mv.src == rank:
                     msg = unit_slice(t, dim, a * us, n * us).contiguous()
-                    reqs.append(dist.isend(msg, dst=mv.dst, group=group))
+                    ops.append(P2P(True, msg, mv.dst))
                 else:
                     view = unit_slice(new_tensors[mv.family][k], dim, b * us, n * us)
                     assert view.is_contiguous()  # received into a tensor made unit-major above
-                    reqs.append(dist.irecv(view, src=mv.src, group=group))
+                    ops.append(P2P(False, view, mv.src))
+    reqs = comm.exchange(ops, group)  # on NCCL one group call: no order of moves can deadlock
     if in_new and rank in alive:
         for f, entries in fam_tensors.items():
             tpos = {u: i for i, u in enumerate(new_units[f])}

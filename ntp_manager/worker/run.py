@@ -23,7 +23,8 @@ and watches the processes:
   with no restarts left a dead rank stops the run, as in torchrun. `--fail-at STEP` /
   `--repair-at STEP` inject that failure (SIGKILL of replica 0's last rank once the job has
   completed STEP steps) and its repair, to try the runtime out. On a machine with GPUs rank i
-  sees GPU i only (one rank per GPU; `--device cpu` otherwise).
+  sees GPU i only; with more ranks than GPUs the ranks share them (gloo, staged through host
+  memory: docs/worker.md "Devices and backends"); `--device cpu` runs on the CPU.
 
 Arguments are checked before anything is imported or started (torch is imported only then).
 
@@ -202,7 +203,10 @@ class Launcher:
 
             self.local_gpus = torch.cuda.device_count()
             if 0 < self.local_gpus < o.nproc:
-                raise UsageError(f"{o.nproc} ranks but {self.local_gpus} GPUs here: one rank per GPU, or --device cpu")
+                # more ranks than GPUs: not pinned, the ranks share the GPUs (comm.device_index)
+                # and the backend choice takes gloo staged through host memory (NCCL cannot)
+                say(f"{o.nproc} ranks on {self.local_gpus} GPU(s): ranks share GPUs (gloo, staged through host memory)")
+                self.local_gpus = 0
         self.down: set[str] = set()  # without a manager: ranks left out of the published layout
         self.version = 0
         self.failed_at: int | None = None
@@ -227,12 +231,16 @@ class Launcher:
                    NTP_LOCAL_RANK=str(index), NTP_NPROC=str(self.o.nproc))
         for k in ("NTP_MANAGER", "NTP_TOKEN", "NTP_GPU_UUID"):
             env.pop(k, None)
+        env.pop("NTP_LOCAL_GPUS", None)
         if self.o.manager:
             env.update(NTP_MANAGER=self.o.manager, NTP_TOKEN=self.o.token, NTP_GPU_UUID=r.gpu)
             if self.o.pin_gpus and r.gpu.startswith("GPU-"):
                 env["CUDA_VISIBLE_DEVICES"] = r.gpu
+                # each rank sees its GPU only: tell the backend choice how many GPUs the ranks use
+                env["NTP_LOCAL_GPUS"] = str(len({x.gpu for x in self.ranks}))
         elif self.local_gpus:
             env["CUDA_VISIBLE_DEVICES"] = str(index)
+            env["NTP_LOCAL_GPUS"] = str(self.o.nproc)
         if self.o.device:
             env["NTP_DEVICE"] = self.o.device
         return env

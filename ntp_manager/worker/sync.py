@@ -40,6 +40,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ntp_manager.planner.ntp_map import NtpMap, ntp_map, sync_groups
+from ntp_manager.worker import comm
+from ntp_manager.worker.comm import P2P
 from ntp_manager.worker.tp import ShardedModule, unit_major_view, unit_slice
 
 DEFAULT_BUCKET_BYTES = 4 << 20  # see bench/RESULTS.md (sync) for how it was chosen
@@ -166,8 +168,10 @@ class NtpGradSync:
             for p in model.parameters():
                 p.grad = None
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        # the same on every rank of a job (one device type), so all or none join _share's exchange
-        self._shm = shared_memory and device.type == "cpu"
+        # the same on every rank of a job (one device type), so all or none join _share's exchange;
+        # CPU memory only (device memory goes through comm.py), and off under forced staging, which
+        # stands in for a GPU
+        self._shm = shared_memory and device.type == "cpu" and not comm.staging_forced()
         self._msgs: list[list[_Msg]] = []  # per bucket (extras: one list)
         # core: per bucket, (extra, slice of the chunk buffer, the same units in the extra's
         # shared gradients) for the extras in shared memory
@@ -268,7 +272,7 @@ class NtpGradSync:
         host = _host_key()
         where = None if self.core else _shared_address(self._blocks[0])
         infos: list[Any] = [None] * len(members)
-        dist.all_gather_object(infos, (host, where), group=self.layout_group)
+        comm.all_gather_object(infos, (host, where), group=self.layout_group)
         info = dict(zip(members, infos, strict=True))
         if self.core:
             extras = sorted({t.extra for m in self.maps.values() for t in m.transfers if t.core == j})
@@ -282,7 +286,7 @@ class NtpGradSync:
                 self._home_views(e, flat)  # checks the size
                 self._mapped[my[e]] = flat
         done: list[Any] = [None] * len(members)
-        dist.all_gather_object(done, sorted(self._mapped), group=self.layout_group)
+        comm.all_gather_object(done, sorted(self._mapped), group=self.layout_group)
         if not self.core:
             self._shm_peers = [r for r, mapped in zip(members, done, strict=True) if self.rank in mapped]
 
@@ -336,7 +340,7 @@ class NtpGradSync:
         rep_work = None
         if self.replicated:
             self.rep_flat.mul_(lb / (len(my) * gb))
-            rep_work = dist.all_reduce(self.rep_flat, group=self.layout_group, async_op=True)
+            rep_work = comm.all_reduce(self.rep_flat, group=self.layout_group, async_op=True)
             self.bytes_all_reduced += self.rep_flat.numel() * self.rep_flat.element_size()
         if self.core:
             # 1. pre-sync: receives for every bucket are posted at once; 2. each bucket's
@@ -345,7 +349,7 @@ class NtpGradSync:
             # goes back to the extras as soon as its all-reduce is done.
             # Extras in shared memory: wait for their flag, then copy.
             group = self.dp_groups[self.tp_index]
-            ready = {e: dist.irecv(flag, src=e, group=self.layout_group) for e, flag in self._flags.items()}
+            ready = {e: comm.irecv(flag, src=e, group=self.layout_group) for e, flag in self._flags.items()}
             incoming = [self._post(msgs, send=False) for msgs in self._msgs]
             works = []
             for part, msgs, copies, reqs in zip(self._blocks, self._msgs, self._copies, incoming, strict=True):
@@ -357,7 +361,7 @@ class NtpGradSync:
                         ready.pop(e).wait()
                     seg.copy_(theirs)
                 part.mul_(lb / gb)
-                works.append(dist.all_reduce(part, group=group, async_op=True))
+                works.append(comm.all_reduce(part, group=group, async_op=True))
                 self.bytes_all_reduced += part.numel() * part.element_size()
             _wait(list(ready.values()))  # an extra none of whose units are in a bucket (none in practice)
             outgoing = []
@@ -366,13 +370,14 @@ class NtpGradSync:
                 outgoing += self._post(msgs, send=True)
                 for _, seg, theirs in copies:
                     theirs.copy_(seg)
-            outgoing += [dist.isend(flag, dst=e, group=self.layout_group) for e, flag in self._flags.items()]
+            outgoing += comm.exchange([P2P(True, flag, e) for e, flag in self._flags.items()], self.layout_group)
             _wait(outgoing)
         else:  # an extra rank: its borrowed units' gradients go to their cores and come back synced
             msgs = self._msgs[0]
-            flags = [dist.isend(self._flags[c], dst=c, group=self.layout_group) for c in self._shm_peers]
-            flags += [dist.irecv(self._flags[c], src=c, group=self.layout_group) for c in self._shm_peers]
-            _wait(self._post(msgs, send=True) + self._post(msgs, send=False) + flags)
+            # one exchange: on NCCL one group call, so the sends and receives cannot deadlock
+            ops = [P2P(True, self._flags[c], c) for c in self._shm_peers]
+            ops += [P2P(False, self._flags[c], c) for c in self._shm_peers]
+            _wait(comm.exchange(ops + self._ops(msgs, send=True) + self._ops(msgs, send=False), self.layout_group))
             for m in msgs:
                 m.unpack()
         if rep_work is not None:
@@ -430,15 +435,17 @@ class NtpGradSync:
                 msgs += _coalesce(slices, self.pack_bytes)
         self._msgs.append(msgs)
 
-    def _post(self, msgs: list[_Msg], send: bool) -> list[Any]:
-        reqs = []
-        for m in msgs:  # point-to-point on the layout's own group, never on the default one
+    def _ops(self, msgs: list[_Msg], send: bool) -> list[P2P]:
+        ops = []
+        for m in msgs:
             if send:
                 m.pack()
-                reqs.append(dist.isend(m.out, dst=m.peer, group=self.layout_group))
-            else:
-                reqs.append(dist.irecv(m.into, src=m.peer, group=self.layout_group))
-        return reqs
+            ops.append(P2P(send, m.out if send else m.into, m.peer))
+        return ops
+
+    def _post(self, msgs: list[_Msg], send: bool) -> list[Any]:
+        # point-to-point on the layout's own group, never on the default one
+        return comm.exchange(self._ops(msgs, send), self.layout_group)
 
     def _positions(self, fam: str, tp_index: int) -> dict[int, int]:
         """unit -> its position among the units of TP rank `tp_index` of this replica"""

@@ -62,6 +62,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ntp_manager.worker import comm
+
 
 @dataclass(frozen=True)
 class ColwiseUnits:
@@ -104,7 +106,7 @@ class _CopyToTP(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous()
         if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
-            dist.all_reduce(grad, group=ctx.group)
+            comm.all_reduce(grad, group=ctx.group)
         return grad, None
 
 
@@ -120,7 +122,7 @@ class _GatherFromTP(torch.autograd.Function):
         full = y.new_zeros(*y.shape[:-1], features)
         full.index_copy_(-1, index, y)
         if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(full, group=group)
+            comm.all_reduce(full, group=group)
         return full
 
     @staticmethod
@@ -136,7 +138,7 @@ class _ReduceFromTP(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         x = x.contiguous()
         if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(x, group=group)
+            comm.all_reduce(x, group=group)
         return x
 
     @staticmethod

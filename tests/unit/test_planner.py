@@ -253,6 +253,26 @@ def test_ntp_pw_falls_back_to_a_smaller_batch_when_the_rack_is_short():
     assert sorted(r.local_batch for r in plan.replicas) == [math.floor(16 * ratio**0.7 / 1.19375), 16]
 
 
+def test_power_of_a_reduced_group_that_need_not_run_goes_to_its_rack_mate():
+    # Rack d0 (16 GPUs, budget 1.0 x 16,000 W) holds two TP8 groups with 7 usable GPUs each; d1, d2
+    # are healthy. 5 replicas of one group (target 80) + 1 spare. With proportional work, TP7 needs
+    # speed 8/7 = 1.1429, i.e. power 1.1429^(1/0.7) = 1.2104x. Both boosted: 16,000 / 14 = 1.1429x
+    # each -> batch floor(16 x 1.1429^0.7 / 1.1429) = 15, so the sorted cut runs both (15 + 1).
+    # Granted again without the trimmed one (its 7 GPUs at nominal), the other may take
+    # (16,000 - 7,000) / 7 = 1.286x >= 1.2104x and runs the full 16: the same global batch from
+    # 5 replicas instead of 6, with 7 boosted GPUs instead of 14.
+    cluster = cluster_from_counts([16, 16, 16], [(0, 7), (0, 15)])
+    spec = job(tp=8, replicas=5, spares=1, batch=16, heads=32, mlp=64, scheme=Scheme.NTP_PW, balance="stage",
+               power=PowerModel(rack_headroom=1.0))
+    stable = make_plan(cluster, spec)
+    sorted_cut = make_plan(cluster, spec, packing="sorted")  # the packer before power awareness
+    assert stable.global_batch == sorted_cut.global_batch == 80
+    assert sorted(r.local_batch for r in sorted_cut.replicas) == [1, 15, 16, 16, 16, 16]
+    assert sorted(r.local_batch for r in stable.replicas) == [16] * 5
+    assert len(sorted_cut.power_caps_w) == 14 and len(stable.power_caps_w) == 7
+    assert all(w == pytest.approx(1000 * (8 / 7) ** (1 / 0.7), rel=1e-5) for w in stable.power_caps_w.values())
+
+
 def test_power_curve_is_used_when_given():
     curve = ((1.0, 1.0), (1.1, 1.069), (1.2, 1.122), (1.3, 1.16))
     pm = PowerModel(curve=curve)

@@ -12,10 +12,11 @@ import pytest
 from typer.testing import CliRunner
 
 from ntp_manager.cli import app as cli_app
-from ntp_manager.planner import PAPER_POWER_CURVE, JobSpec, Scheme
+from ntp_manager.planner import PAPER_POWER_CURVE, JobSpec, PreviousLayout, Scheme, make_plan
 from ntp_manager.sim import FailureModel, SimError, SimSetup, make_trace, preset, preset_cluster, replay, static_sweep
 from ntp_manager.sim.engine import Event, Trace, job_pool_size, min_spares_never_pause, placement
-from ntp_manager.topology import PowerLimits, generate_cluster
+from ntp_manager.sim.stall import STALL_PRESETS, reshard_s
+from ntp_manager.topology import GpuState, PowerLimits, generate_cluster
 
 
 def flat_setup(domains=64, size=8, pp=1, model=FailureModel(), max_spares=0):
@@ -42,9 +43,9 @@ def test_dp_drop_loss_equals_share_of_hit_groups():
     pts = static_sweep(setup, [Scheme.DP_DROP], fractions, placements=20, seed=7)
     pool = job_pool_size(setup, 0)
     assert pool == 512
-    for fi, pt in enumerate(pts):
+    for pt in pts:
         for p, loss in enumerate(pt.losses):
-            hit = {g // 8 for g in placement(7, fi, p, pool, pt.failed_gpus)}
+            hit = {g // 8 for g in placement(7, p, pool, pt.failed_gpus)}
             assert loss == pytest.approx(len(hit) / 64)
 
 
@@ -212,6 +213,12 @@ def test_cli_bad_input(args, message):
         (("--power-curve", "steep"), "--power-curve 'steep'"),
         (("--power-curve", "1.0:1.0,1.1:0.9"), "power.curve needs"),
         (("--rack-headroom", "0"), "rack_headroom must be positive"),
+        (("--scheme", "ntp", "--rack-headroom", "1.2"), "--rack-headroom only changes ntp-pw"),
+        (("--scheme", "dp-drop", "--power-curve", "paper"), "--power-curve only changes ntp-pw"),
+        (("--scheme", "ntp", "--base-cap", "0.9"), "--base-cap only changes ntp-pw"),
+        (("--days", "1", "--stall", "restart", "--step-seconds", "2"), "only --stall live redoes one"),
+        (("--stall", "nope", "--days", "1"), "unknown stall model 'nope'"),
+        (("--step-model", "paper"), "step_model layout TP32 x PP8 is not the job's TP8"),
     ],
 )
 def test_cli_refuses_options_that_would_do_nothing(args, message):
@@ -278,3 +285,96 @@ def test_base_cap_gives_ntp_pw_its_headroom_back_on_a_default_equal_max_fleet():
     # TP7 needs speed work(7) = 0.4 x 5/4 + 0.6 x 147/128 = 1.189; ntp keeps floor(8 / 1.189) = 6 of 8
     # samples; at 700/595 = 1.176 x base the survivors run at 1.120 and keep floor(8 x 1.120 / 1.189) = 7.
     assert pw_capped.mean_loss < 0.6 * ntp.mean_loss
+
+
+# ---- the abstract's figure: what a job without repacking loses; NVL72 leftovers ------------------
+
+
+def test_without_repacking_one_failure_idles_the_whole_pipeline_replica():
+    # 16 NVL8 domains, TP8 x 2 stages, 8 replicas; no repacking: dp-drop loses every replica with a
+    # failed GPU in either stage, with repacking only the hit groups (and the odd one out).
+    job = JobSpec(name="t", tp=8, groups_per_replica=2, replicas=8, local_batch=4, min_tp=6, heads=32,
+                  mlp_columns=1024)
+    cluster = generate_cluster(16, 8, 4)
+    frozen = SimSetup.create(cluster, job, FailureModel(), packing="none")
+    managed = SimSetup.create(cluster, job, FailureModel())
+    (pt,) = static_sweep(frozen, [Scheme.DP_DROP], [0.02], placements=10, seed=1)
+    (pt_m,) = static_sweep(managed, [Scheme.DP_DROP], [0.02], placements=10, seed=1)
+    for p, (loss, loss_m) in enumerate(zip(pt.losses, pt_m.losses, strict=True)):
+        failed = placement(1, p, 128, pt.failed_gpus)
+        replicas_hit = {g // 16 for g in failed}  # replica r = domains 2r, 2r+1 = GPUs 16r..16r+15
+        groups_hit = {g // 8 for g in failed}
+        assert loss == pytest.approx(len(replicas_hit) / 8)
+        assert loss_m == pytest.approx(1 - ((16 - len(groups_hit)) // 2) / 8)  # replicas of healthy groups
+
+
+def test_nvl72_tp64_leftovers_hide_failures_until_a_domain_has_more_than_eight():
+    p = preset("nvl72-tp64")
+    assert (p.domain_size, p.job.tp) == (72, 64)
+    small = dataclasses.replace(p, domains=2)
+    job = dataclasses.replace(p.job, replicas=2)
+    setup = SimSetup.create(preset_cluster(small), job, p.model)
+    for failed, expected in ((range(8), 1.0), (range(9), 0.5)):  # 8 fit in the leftovers, the 9th not
+        plan = make_plan(setup.snapshot(list(failed)), setup.variant(Scheme.DP_DROP))
+        assert plan.relative_throughput == expected
+
+
+# ---- the cost of reconfiguring ------------------------------------------------------------------
+
+
+def one_failure_trace(setup, gpu=3, fail_at=1.0, repair_at=3.0, hours=4.0):
+    return Trace(hours, setup.n_gpus, (Event(fail_at, (gpu,), ()), Event(repair_at, (), (gpu,))), 1)
+
+
+def test_restart_stall_counts_each_failure_and_defers_repairs():
+    # 8 domains, TP8, one group per replica. One failure at 1 h (repaired at 3 h) under the restart
+    # model: 600 s of standing still at 1 h; the repair is acted on only at the next failure (none),
+    # so dp-drop stays at 7/8 from 1 h to the end: effective = (1 x 1 + 7/8 x (3 - 1/6)) / 4 h.
+    setup = flat_setup(domains=8, size=8)
+    trace = one_failure_trace(setup)
+    (dp,) = replay(setup, trace, [(Scheme.DP_DROP, 0)], stall=STALL_PRESETS["restart"])
+    assert dp.changes == 1 and dp.stalled_share == pytest.approx((600 / 3600) / 4)
+    assert dp.mean_throughput == pytest.approx((1 + 7 / 8 * 3) / 4)
+    assert dp.effective_throughput == pytest.approx((1 + 7 / 8 * (3 - 1 / 6)) / 4)
+    # ft-hsdp: 180 s for the failure, the repair free and taken at once
+    (ft,) = replay(setup, trace, [(Scheme.DP_DROP, 0)], stall=STALL_PRESETS["ft-hsdp"])
+    assert ft.changes == 1 and ft.mean_throughput == pytest.approx((1 + 7 / 8 * 2 + 1) / 4)
+    assert ft.effective_throughput == pytest.approx((1 + 7 / 8 * (2 - 180 / 3600) + 1) / 4)
+
+
+def test_stalls_chain_when_changes_come_faster_than_they_end():
+    setup = flat_setup(domains=8, size=8)
+    trace = Trace(1.0, setup.n_gpus, (Event(0.1, (3,), ()), Event(0.15, (20,), ())), 2)
+    model = dataclasses.replace(STALL_PRESETS["ft-hsdp"], fixed_s=360.0)  # 0.1 h each
+    (dp,) = replay(setup, trace, [(Scheme.DP_DROP, 0)], stall=model)
+    assert dp.changes == 2 and dp.stalled_share == pytest.approx(0.2)  # 0.1 -> 0.2 -> 0.3 h
+
+
+def test_live_stall_scales_with_the_state_a_change_moves():
+    # NVL8 TP8, 2 stages, stage state 8 GB: a group that changes stage loads 8 GB / 8 GPUs = 1 GB
+    # per GPU; one that keeps its stage and drops to TP7 fetches 8 GB x (1/7 - 1/8) = 0.143 GB.
+    job = JobSpec(name="t", tp=8, groups_per_replica=2, replicas=2, local_batch=8, min_tp=4, heads=32,
+                  mlp_columns=1024, stage_bytes=(8_000_000_000,))
+    cluster = generate_cluster(4, 8, 4)
+    before = make_plan(cluster, job)
+    hit = cluster.with_states({cluster.domains[1].gpus[0].uuid: GpuState.FAILED})
+    after = make_plan(hit, job, before)
+    live = STALL_PRESETS["live"]
+    assert after.moves is not None and after.moves.stage_changed == 0  # the TP7 group stays in place
+    assert reshard_s(job, after, before, live.net_bw) == pytest.approx(8e9 * (1 / 7 - 1 / 8) / live.net_bw)
+    assert live.stall_s(job, after, before, step_s=2.0) == pytest.approx(0.16 + 0.27 + 2.0 + 8e9 / 56 / 40e9)
+    moved = make_plan(cluster, job, PreviousLayout({"d1/g0": (0, 1), "d0/g0": (0, 0)}, 8, 2))
+    assert reshard_s(job, moved, before, live.net_bw) == pytest.approx(1e9 / live.net_bw)
+
+
+def test_cli_stall_applies_to_traces_and_names_its_step():
+    r = cli_runner.invoke(cli_app, ["simulate", "--preset", "small", "--stall", "restart"])
+    assert r.exit_code == 2 and "--stall applies to trace mode" in r.output
+    r = cli_runner.invoke(cli_app, ["simulate", "--preset", "small", "--days", "1", "--stall", "live"])
+    assert r.exit_code == 2 and "--step-seconds" in r.output
+    r = cli_runner.invoke(cli_app, ["simulate", "--preset", "small", "--days", "2", "--rate-multiplier", "300",
+                                    "--stall", "live", "--step-seconds", "1.5", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout[r.stdout.index("{"):])
+    stats = doc["runs"][0]["stats"]
+    assert all(s["stall"] == "live" and s["effective_throughput"] <= s["mean_throughput"] for s in stats)

@@ -73,3 +73,8 @@ def test_job_file_defaults_and_errors():
     assert j.groups_per_replica == 1 and j.scheme.value == "ntp"
     with pytest.raises(SpecError, match="scheme"):
         job_from_dict({"name": "j", "tp": 4, "replicas": 2, "local_batch": 8, "heads": 8, "scheme": "x"})
+    assert j.balance == "layer"
+    even = job_from_dict({"name": "j", "tp": 4, "replicas": 2, "local_batch": 8, "heads": 8, "balance": "stage"})
+    assert even.work(3) == pytest.approx(4 / 3)  # proportional: T / t
+    with pytest.raises(SpecError, match="balance"):
+        job_from_dict({"name": "j", "tp": 4, "replicas": 2, "local_batch": 8, "heads": 8, "balance": "even"})

@@ -19,6 +19,7 @@ from ntp_manager.worker.sync import NtpGradSync, SyncLayout, families_of, replic
 from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan, unit_counts
 from ntp_manager.worker.tp import parallelize
 from tests.fakes.procs import free_port
+from tests.worker import devices
 from tests.worker.compare import ref_part, shard_info
 
 CFG = GptConfig(vocab=64, seq=16, d_model=48, heads=6, mlp=90, layers=2)
@@ -34,6 +35,7 @@ def data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _worker(rank: int, world: int, port: int, replicas: list[list[int]], batches: list[int], opts: dict[str, Any],
             q: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dev = devices.setup(opts.pop("device", "cpu"), rank)
     if rank in opts.pop("elsewhere", ()):  # this rank acts as if it ran on another host
         sync_mod._host_key = lambda: "another-host"
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -45,10 +47,11 @@ def _worker(rank: int, world: int, port: int, replicas: list[list[int]], batches
     model = TinyGpt(CFG)
     model.load_state_dict(full.state_dict())
     parallelize(model, tp_plan(CFG), layout.units_of(rank), group=tp_groups[ri])
+    model.to(dev)
     sync = NtpGradSync(model, layout, rank, families_of(tp_plan(CFG), model), **opts)
     idx, tgt = data(sum(batches))
     start = sum(batches[:ri])
-    model.loss(idx[start : start + batches[ri]], tgt[start : start + batches[ri]]).backward()
+    model.loss(idx[start : start + batches[ri]].to(dev), tgt[start : start + batches[ri]].to(dev)).backward()
     sync.sync()
     full.loss(idx, tgt).backward()  # the reference: one process, the whole global batch
     ref = dict(full.named_parameters())
@@ -58,33 +61,41 @@ def _worker(rank: int, world: int, port: int, replicas: list[list[int]], batches
         r = ref[name].grad
         assert r is not None and p.grad is not None
         r = ref_part(r, name, info)
-        err = float((p.grad - r).norm() / max(r.norm().item(), 1e-2))
+        err = float((p.grad.cpu() - r).norm() / max(r.norm().item(), 1e-2))
         if err > worst[1]:
             worst = (name, err)
     n_copies = sum(len(c) for c in sync._copies) if sync.core else len(sync._shm_peers)
-    q.put((rank, worst, sum(len(m) for m in sync._msgs), n_copies))
+    q.put((rank, worst, sum(len(m) for m in sync._msgs), n_copies, devices.staged_ops()))
     dist.destroy_process_group()
 
 
 def run(replicas: list[list[int]], batches: list[int], **opts: Any) -> dict[int, Any]:
     """rank -> (worst tensor, its relative error, point-to-point messages per sync, shared-memory
-    copies per sync (core) or cores copying for it (extra))"""
+    copies per sync (core) or cores copying for it (extra), operations through staging buffers)"""
     world = sum(len(r) for r in replicas)
     q = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_worker, args=(world, free_port(), replicas, batches, opts, q), nprocs=world, join=True,
                        start_method="spawn")
-    return {rank: (name, err, n, c) for rank, (name, err), n, c in (q.get() for _ in range(world))}
+    return {rank: (name, err, n, c, st) for rank, (name, err), n, c, st in (q.get() for _ in range(world))}
 
 
-@pytest.mark.parametrize("shared_memory", [True, False])
-def test_worked_example_tp2_plus_tp4(shared_memory):
+@pytest.mark.parametrize(("shared_memory", "device"), [(True, "cpu"), (False, "cpu"), (False, "staged"),
+                                                       pytest.param(True, "cuda", marks=devices.NEEDS_CUDA)])
+def test_worked_example_tp2_plus_tp4(shared_memory, device):
+    """Also with every transfer and all-reduce through comm.py's staging buffers ("staged": forced,
+    CPU tensors), and with CUDA tensors on gloo (staged; the shared-memory path is CPU-only, so it
+    turns itself off and the transfers are messages)."""
     replicas = [[0, 1], [2, 3, 4, 5]]
     assert sync_groups(replicas) == [[0, 2], [1, 3], [4], [5]]
     # the reduced replica has a smaller local batch
-    results = run(replicas, batches=[2, 3], shared_memory=shared_memory)
-    for rank, (name, err, _, _) in results.items():
+    results = run(replicas, batches=[2, 3], shared_memory=shared_memory, device=device)
+    for rank, (name, err, _, _, staged) in results.items():
         assert err <= 1e-5, (rank, name, err)
+        assert (staged > 0) == (device != "cpu"), (rank, staged)  # staging ran where it should, only there
     messages = [results[r][2] for r in range(6)]
+    if device == "cuda":
+        assert not any(results[r][3] for r in range(6))  # device memory: no shared-memory copies
+        shared_memory = False
     if shared_memory:  # one host: the cores copy from their extras, no message carries data
         assert messages == [0] * 6
         assert all(results[r][3] > 0 for r in (2, 3, 4, 5))
@@ -96,7 +107,7 @@ def test_shared_memory_and_messages_mixed():
     """Extra rank 4 acts as if it ran on another host: its transfers go as messages, extra 5's
     through shared memory, in the same sync."""
     results = run([[0, 1], [2, 3, 4, 5]], batches=[2, 3], elsewhere=[4])
-    for rank, (name, err, _, _) in results.items():
+    for rank, (name, err, *_) in results.items():
         assert err <= 1e-5, (rank, name, err)
     assert results[4][2] > 0 and results[4][3] == 0
     assert results[5][2] == 0 and results[5][3] > 0
@@ -110,14 +121,14 @@ def test_buckets_and_packing(bucket_bytes, pack_bytes):
     replicas = [[0, 1], [2, 3, 4, 5]]
     results = run(replicas, batches=[2, 3], bucket_bytes=bucket_bytes, pack_bytes=pack_bytes,
                   shared_memory=False)
-    for rank, (name, err, _, _) in results.items():
+    for rank, (name, err, *_) in results.items():
         assert err <= 1e-5, (rank, name, err)
     assert results[2][2] > 1 and results[4][2] > 1
 
 
 @pytest.mark.parametrize("replicas", [[[0, 1], [2, 3]], [[0, 1, 2], [3, 4]]])
 def test_uniform_and_three_two(replicas):
-    for rank, (name, err, _, _) in run(replicas, batches=[3, 2]).items():
+    for rank, (name, err, *_) in run(replicas, batches=[3, 2]).items():
         assert err <= 1e-5, (rank, name, err)
 
 

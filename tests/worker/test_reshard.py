@@ -18,6 +18,7 @@ from ntp_manager.worker.sync import NtpGradSync, SyncLayout, families_of, replic
 from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan, unit_counts
 from ntp_manager.worker.tp import RowwiseLinear, parallelize
 from tests.fakes.procs import free_port
+from tests.worker import devices
 from tests.worker.compare import shard_errors, shard_info, tolerance
 
 CFG = GptConfig(vocab=64, seq=16, d_model=48, heads=6, mlp=90, layers=2)
@@ -55,19 +56,22 @@ def reference(kind: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: v.detach().clone() for k, v in m.named_parameters()}
 
 
-def _worker(rank: int, world: int, port: int, kind: str, q: Any) -> None:
+def _worker(rank: int, world: int, port: int, kind: str, q: Any, device: str = "cpu") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dev = devices.setup(device, rank)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = TinyGpt(CFG)
     fams = families_of(tp_plan(CFG), model)
     tp0 = [dist.new_group(ranks=list(r.ranks)) for r in L0.replicas]
     parallelize(model, tp_plan(CFG), L0.units_of(rank), group=tp0[L0.locate(rank)[0]])
+    model.to(dev)
     sync = NtpGradSync(model, L0, rank, fams)
     opt = make_opt(kind, model.parameters())
     losses = []
     current = L0
     reused = None
+    reshard_staged = 0
     for s, lay in enumerate(STEPS):
         if lay is not current:  # the failure: everyone learns the new layout at a step boundary
             alive = {r for rep in lay.replicas for r in rep.ranks}
@@ -82,7 +86,9 @@ def _worker(rank: int, world: int, port: int, kind: str, q: Any) -> None:
                         for k in [k for k in st if isinstance(st[k], torch.Tensor) and st[k].dim() == 2]:
                             st[k] = st[k].contiguous()
                             assert not st[k].t().is_contiguous()
+            before = devices.staged_ops()
             opt = apply_reshard(model, opt, current, lay, alive, rank, fams, mine)
+            reshard_staged = devices.staged_ops() - before
             # the new sync reuses the old one's gradient memory (already touched pages)
             spare, old_rep = sync.buffers(), sync.rep_flat.data_ptr()
             sync.release()
@@ -96,7 +102,7 @@ def _worker(rank: int, world: int, port: int, kind: str, q: Any) -> None:
         idx, tgt = batch(s, lay.global_batch)
         opt.zero_grad()
         b = lay.replicas[ri].local_batch
-        loss = model.loss(idx[start : start + b], tgt[start : start + b])
+        loss = model.loss(idx[start : start + b].to(dev), tgt[start : start + b].to(dev))
         loss.backward()
         sync.sync()
         opt.step()
@@ -107,11 +113,11 @@ def _worker(rank: int, world: int, port: int, kind: str, q: Any) -> None:
     out: dict[str, Any] = {}
     if rank != 3:
         for name, p in model.named_parameters():
-            out[name] = p.detach().numpy().copy()  # numpy: no shared-memory handoff
+            out[name] = p.detach().cpu().numpy().copy()  # numpy: no shared-memory handoff
         units = shard_info(model)
     else:
         units = {}
-    q.put((rank, losses, out, units, reused))
+    q.put((rank, losses, out, units, reused, reshard_staged))
     dist.destroy_process_group()
 
 
@@ -126,15 +132,22 @@ def test_reshard_moves_fetch_the_failed_ranks_units_from_the_peer_replica():
     assert all(m.src in (4, 5, 6, 7) for m in moves if m.dst in (0, 1, 2) and set(m.units) & lost)
 
 
-@pytest.mark.parametrize("kind", ["sgd", "adamw"])
-def test_failure_reshard_continue_matches_reference(kind: str):
+@pytest.mark.parametrize(("kind", "device"), [("sgd", "cpu"), ("adamw", "cpu"), ("adamw", "staged"),
+                                             pytest.param("sgd", "cuda", marks=devices.NEEDS_CUDA),
+                                             pytest.param("adamw", "cuda", marks=devices.NEEDS_CUDA)])
+def test_failure_reshard_continue_matches_reference(kind: str, device: str):
+    """Also with the moves through comm.py's staging buffers ("staged": forced, CPU tensors) and
+    with CUDA tensors on gloo (staged: gloo's point-to-point cannot read device memory)."""
     ref_losses, ref_params = reference(kind)
     q = mp.get_context("spawn").SimpleQueue()
-    ctx = mp.start_processes(_worker, args=(8, free_port(), kind, q), nprocs=8, join=False, start_method="spawn")
+    ctx = mp.start_processes(_worker, args=(8, free_port(), kind, q, device), nprocs=8, join=False,
+                             start_method="spawn")
     results = sorted((q.get() for _ in range(8)), key=lambda r: r[0])  # read before joining: big payloads
     while not ctx.join():
         pass
-    for rank, losses, params, units, reused in results:
+    # the reshard's messages went through staging buffers where they must (rank 3's units moved)
+    assert (sum(r[5] for r in results) > 0) == (device != "cpu")
+    for rank, losses, params, units, reused, _ in results:
         if rank == 3:
             assert len(losses) == 2  # it trained until it failed
             continue

@@ -20,10 +20,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ntp_manager.worker import comm
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig
 from ntp_manager.worker.sources import StoreLayoutSource, publish_layout, read_acks
 from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan
 from tests.fakes.procs import free_port
+from tests.worker import devices
 from tests.worker.compare import shard_errors, shard_info, tolerance
 
 CFG = GptConfig(vocab=64, seq=16, d_model=48, heads=6, mlp=90, layers=2)
@@ -42,7 +44,8 @@ def batch(step: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def loss_fn(model: Any, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return model.loss(*b)
+    dev = next(model.parameters()).device  # the batch comes on the CPU; the model may be on a GPU
+    return model.loss(*(t.to(dev) for t in b))
 
 
 def make_opt(kind: str, params: Any) -> torch.optim.Optimizer:
@@ -55,21 +58,29 @@ def _opt_fn(kind: str) -> Any:
     return lambda params: make_opt(kind, params)
 
 
-def _worker(wid: str, port: int, kind: str, q: Any, park_at: int | None) -> None:
+def _worker(wid: str, port: int, kind: str, q: Any, park_at: int | None, device: str = "cpu", steps: int = STEPS,
+            index: int = 0) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=dt.timedelta(seconds=120))
     src = StoreLayoutSource(store, JOB, wid)
-    cfg = RuntimeConfig(job=JOB, collective_timeout_s=15, rendezvous_timeout_s=90, reconfigure_timeout_s=90)
+    # "cuda": CUDA tensors, gloo (the ranks share the GPUs there are), staged through host memory;
+    # "staged": CPU tensors with that staging forced
+    dev = {"cuda": dict(device="cuda", backend="gloo", local_rank=index, local_world_size=8),
+           "nccl": dict(device="cuda", backend="nccl", local_rank=index, local_world_size=4),
+           "staged": dict(force_staging=True)}.get(device, {})
+    cfg = RuntimeConfig(job=JOB, collective_timeout_s=15, rendezvous_timeout_s=90, reconfigure_timeout_s=90,
+                        **dev)  # type: ignore[arg-type]
     rt = Runtime(lambda: TinyGpt(CFG), tp_plan(CFG), _opt_fn(kind), src, store, cfg)
     rt.start()
-    while rt.step < STEPS:
+    while rt.step < steps:
         if park_at is not None and rt.step == park_at:
             store.set("test/parked", wid)
             time.sleep(3600)  # the test SIGKILLs this process here, while its peers are inside a step
         r = rt.train_step(batch, loss_fn)
         q.put(("step", wid, r.step, r.loss, r.global_batch, r.version, r.tp))
     units = shard_info(rt.model)
-    params = {n: p.detach().numpy().copy() for n, p in rt.model.named_parameters()}
-    q.put(("done", wid, params, units, [(e.what, e.version) for e in rt.timeline]))
+    params = {n: p.detach().cpu().numpy().copy() for n, p in rt.model.named_parameters()}
+    q.put(("done", wid, params, units, [(e.what, e.version) for e in rt.timeline],
+           (rt.choice.backend, str(next(rt.model.parameters()).device), comm.stats.staged_ops)))
     rt.close()
 
 
@@ -94,18 +105,27 @@ def _get(q: Any, deadline: float) -> Any:
     return q.get(timeout=left)
 
 
-@pytest.mark.parametrize("kind", ["sgd", "adamw"])
-def test_kill_a_rank_survivors_continue_at_tp3_then_the_repaired_rank_rejoins(kind: str) -> None:
+def kill_and_rejoin(kind: str, device: str, a: list[str], b: list[str], steps: int) -> None:
+    """Replicas `a` and `b` (local batch = TP degree) train; `a`'s last rank is SIGKILLed at the
+    step-2 boundary while its peers are inside step 2; the manager's replan takes `a` to one rank
+    less; a fresh process for it rejoins and `a` is whole again. Every step's loss and the final
+    parameters equal a single-process reference on the same global batches."""
+    victim = a[-1]
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=dt.timedelta(seconds=120))
-    publish_layout(store, JOB, 1, [(A, 4), (B, 4)], "start")
+    publish_layout(store, JOB, 1, [(a, len(a)), (b, len(b))], "start")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = {w: ctx.Process(target=_worker, args=(w, port, kind, q, 2 if w == "w3" else None)) for w in A + B}
+    index = {w: i for i, w in enumerate(a + b)}
+
+    def spawn(w: str, park: int | None) -> Any:
+        return ctx.Process(target=_worker, args=(w, port, kind, q, park, device, steps, index[w]))
+
+    procs = {w: spawn(w, 2 if w == victim else None) for w in a + b}
     for p in procs.values():
         p.start()
-    steps: dict[str, list[tuple[int, float, int, int, int]]] = {w: [] for w in A + B}
+    steps_of: dict[str, list[tuple[int, float, int, int, int]]] = {w: [] for w in a + b}
     done: dict[str, Any] = {}
     deadline = time.monotonic() + 240
     try:
@@ -114,21 +134,21 @@ def test_kill_a_rank_survivors_continue_at_tp3_then_the_repaired_rank_rejoins(ki
             assert time.monotonic() < deadline
             time.sleep(0.05)
         time.sleep(0.5)
-        os.kill(procs["w3"].pid, signal.SIGKILL)
-        procs["w3"].join()
-        # 2. the "manager" publishes the replan: replica A at TP3 with local batch 3
-        publish_layout(store, JOB, 2, [(A[:3], 3), (B, 4)], "w3 failed")
-        while not any(v == 2 and s >= 3 for w in steps for s, _, _, v, _ in steps[w]):
+        os.kill(procs[victim].pid, signal.SIGKILL)
+        procs[victim].join()
+        # 2. the "manager" publishes the replan: replica a one rank down, its local batch with it
+        publish_layout(store, JOB, 2, [(a[:-1], len(a) - 1), (b, len(b))], f"{victim} failed")
+        while not any(v == 2 and s >= 3 for w in steps_of for s, _, _, v, _ in steps_of[w]):
             _kind, wid, *rest = _get(q, deadline)
-            steps[wid].append(tuple(rest))  # type: ignore[arg-type]
+            steps_of[wid].append(tuple(rest))  # type: ignore[arg-type]
         # 3. the GPU is repaired: a fresh process for it, and the layout takes it back
-        procs["w3"] = ctx.Process(target=_worker, args=("w3", port, kind, q, None))
-        procs["w3"].start()
-        publish_layout(store, JOB, 3, [(A, 4), (B, 4)], "w3 repaired")
-        while len(done) < 8:
+        procs[victim] = spawn(victim, None)
+        procs[victim].start()
+        publish_layout(store, JOB, 3, [(a, len(a)), (b, len(b))], f"{victim} repaired")
+        while len(done) < len(a) + len(b):
             msg = _get(q, deadline)
             if msg[0] == "step":
-                steps[msg[1]].append(tuple(msg[2:]))
+                steps_of[msg[1]].append(tuple(msg[2:]))
             else:
                 done[msg[1]] = msg[2:]
     finally:
@@ -139,37 +159,70 @@ def test_kill_a_rank_survivors_continue_at_tp3_then_the_repaired_rank_rejoins(ki
                 p.kill()
 
     assert all(p.exitcode == 0 for p in procs.values()), {w: p.exitcode for w, p in procs.items()}
-    acks2 = read_acks(store, JOB, 2, A[:3] + B)
-    acks3 = read_acks(store, JOB, 3, A + B)
-    assert set(acks2.values()) == {"ok"} and len(acks2) == 7
-    assert set(acks3.values()) == {"ok"} and len(acks3) == 8
+    acks2 = read_acks(store, JOB, 2, a[:-1] + b)
+    acks3 = read_acks(store, JOB, 3, a + b)
+    assert set(acks2.values()) == {"ok"} and len(acks2) == len(a) + len(b) - 1
+    assert set(acks3.values()) == {"ok"} and len(acks3) == len(a) + len(b)
 
-    # every survivor saw the same steps, losses and batches; TP degrees 4 -> 3 -> 4 on replica A
-    ref_rows = sorted(steps["w0"])
-    assert [s for s, *_ in ref_rows] == list(range(STEPS))
-    for w in ["w1", "w2", *B]:
-        assert [(s, gb, v) for s, _, gb, v, _ in sorted(steps[w])] == [(s, gb, v) for s, _, gb, v, _ in ref_rows]
+    # every survivor saw the same steps, losses and batches; TP degrees n -> n-1 -> n on replica a
+    first = a[0]
+    ref_rows = sorted(steps_of[first])
+    assert [s for s, *_ in ref_rows] == list(range(steps))
+    for w in [*a[1:-1], *b]:
+        assert [(s, gb, v) for s, _, gb, v, _ in sorted(steps_of[w])] == [(s, gb, v) for s, _, gb, v, _ in ref_rows]
     versions = [v for *_, v, _ in ref_rows]
     assert versions[:2] == [1, 1] and 2 in versions and versions[-1] == 3
-    assert {(v, tp) for _, _, _, v, tp in ref_rows} == {(1, 4), (2, 3), (3, 4)}
-    assert {(v, tp) for _, _, _, v, tp in steps["w4"]} == {(1, 4), (2, 4), (3, 4)}
-    assert {gb for _, _, gb, v, _ in ref_rows if v == 2} == {7}
-    before, after = [r for r in sorted(steps["w3"]) if r[0] < 2], [r for r in sorted(steps["w3"]) if r[0] >= 2]
+    assert {(v, tp) for _, _, _, v, tp in ref_rows} == {(1, len(a)), (2, len(a) - 1), (3, len(a))}
+    assert {(v, tp) for _, _, _, v, tp in steps_of[b[0]]} == {(1, len(b)), (2, len(b)), (3, len(b))}
+    assert {gb for _, _, gb, v, _ in ref_rows if v == 2} == {len(a) - 1 + len(b)}
+    rows = sorted(steps_of[victim])
+    before, after = [r for r in rows if r[0] < 2], [r for r in rows if r[0] >= 2]
     assert [s for s, *_ in before] == [0, 1]  # the first process, until it was killed
-    assert after and all(v == 3 for *_, v, _ in after) and after[-1][0] == STEPS - 1  # the fresh one
-    # the survivors' timeline: failure detected, new layout, regroup, reshard, first step at TP3
-    tl = [what for what, v in done["w0"][2] if v == 2]
+    assert after and all(v == 3 for *_, v, _ in after) and after[-1][0] == steps - 1  # the fresh one
+    # the survivors' timeline: failure detected, new layout, regroup, reshard, first step at n-1
+    tl = [what for what, v in done[first][2] if v == 2]
     assert tl == ["layout received", "regrouped", "reshard done", "first step"], tl
-    assert any(what == "failure detected" for what, _ in done["w0"][2])
+    assert any(what == "failure detected" for what, _ in done[first][2])
     # every old group was gone when its rank left (else peers blocked on it wait for their timeout)
-    assert not [(w, what) for w, (_, _, tl) in done.items() for what, _ in tl if what == "groups outlived leave"]
+    assert not [(w, what) for w, (_, _, tl, _) in done.items() for what, _ in tl if what == "groups outlived leave"]
+    # the transport: gloo with device tensors (or forced staging) always through host buffers;
+    # NCCL carries the device tensors itself and only the CPU commit votes through device copies
+    for w, (_, _, _, (backend, where, staged)) in done.items():
+        assert backend == ("nccl" if device == "nccl" else "gloo"), (w, backend)
+        assert where.startswith("cuda" if device in ("cuda", "nccl") else "cpu"), (w, where)
+        assert (staged > 0) == (device != "cpu"), (w, staged)
 
     ref_losses, ref_params = reference(kind, [gb for _, _, gb, _, _ in ref_rows])
     for s, loss, *_ in ref_rows:
         assert abs(loss - ref_losses[s]) <= 1e-5 * abs(ref_losses[s]), (s, loss, ref_losses[s])
-    for w, (params, units, _) in done.items():
+    for w, (params, units, _, _) in done.items():
         for name, err in shard_errors(params, units, ref_params, kind).items():
             assert err <= tolerance(kind), (w, name, err)
+
+
+@pytest.mark.parametrize("device", ["cpu", devices.CUDA])
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_kill_a_rank_survivors_continue_at_tp3_then_the_repaired_rank_rejoins(kind: str, device: str) -> None:
+    """Two replicas at TP4 -> TP3 + TP4 -> TP4 + TP4. "cuda": CUDA tensors on gloo, the ranks
+    sharing the GPUs there are (one GPU runs all eight), every message staged through host memory."""
+    kill_and_rejoin(kind, device, A, B, STEPS)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 4 and dist.is_nccl_available()),
+                    reason="the NCCL runtime case needs 4 CUDA GPUs (a GPU per rank) and a torch with NCCL")
+def test_kill_and_rejoin_on_nccl() -> None:
+    """TP2 + TP2 on four GPUs with NCCL: the SIGKILLed rank's peers time out (blocking wait), abort
+    their communicators, regroup on fresh ones, fetch the lost shards and go on; the fresh process
+    rejoins."""
+    kill_and_rejoin("adamw", "nccl", ["w0", "w1"], ["w2", "w3"], STEPS)
+
+
+def test_kill_and_rejoin_with_staged_transport() -> None:
+    """The same path with every collective and message through comm.py's staging buffers (forced,
+    CPU tensors: what gloo runs on a GPU), on a smaller job to keep CI short: TP2 + TP2 -> TP1 +
+    TP2 (sync with transfers to the extra rank, units fetched from the peer replica) -> TP2 + TP2
+    (the fresh rank receives shards, replicated parameters and AdamW state)."""
+    kill_and_rejoin("adamw", "staged", ["w0", "w1"], ["w2", "w3"], STEPS)
 
 
 def test_a_hung_peer_times_out_and_no_new_layout_is_a_clear_error() -> None:
@@ -218,3 +271,47 @@ def _lonely(wid: str, port: int, q: Any) -> None:
     except ReconfigurationError as e:
         events = [f"{ev.what}: {ev.detail}" for ev in rt.timeline]
         q.put((wid, f"ReconfigurationError: {e} | {events}"))
+
+
+class _Recording(StoreLayoutSource):
+    def __init__(self, *a: Any, q: Any) -> None:
+        super().__init__(*a)
+        self.q = q
+
+    def report_step(self, layout: Any, step: int, step_time_s: float, tokens: int, work: Any = None) -> None:
+        self.q.put((step, step_time_s, tokens, work))
+
+
+def test_step_report_carries_cpu_compute_time_and_the_batchs_sequence_lengths() -> None:
+    """Issue 21: the runtime passes a StepWork with the host-timed forward+backward (CPU: real
+    compute) and the sequence lengths the batch names."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=dt.timedelta(seconds=60))
+    publish_layout(store, "solo", 1, [(["s0"], 2)], "start")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_solo, args=(port, q))
+    p.start()
+    try:
+        step, secs, tokens, work = q.get(timeout=120)
+        p.join(timeout=60)
+    finally:
+        if p.is_alive():
+            p.kill()
+    assert (step, tokens) == (0, 2)
+    assert 0 < work.compute_s <= secs and work.comm_wait_s == 0.0
+    assert work.sequence_lengths == (5, 11)
+
+
+def _solo(port: int, q: Any) -> None:
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=dt.timedelta(seconds=60))
+    rt = Runtime(lambda: TinyGpt(CFG), tp_plan(CFG), _opt_fn("sgd"), _Recording(store, "solo", "s0", q=q),
+                 store, RuntimeConfig(job="solo", device="cpu", backend="gloo"))
+    rt.start()
+
+    class Batch(tuple):  # type: ignore[type-arg]
+        sequence_lengths = (5, 11)
+
+    rt.train_step(lambda s, st, n: Batch(batch(s, st, n)), lambda m, b: loss_fn(m, tuple(b)))
+    rt.close()

@@ -16,6 +16,7 @@ from ntp_manager.worker import runtime
 from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan, unit_counts
 from ntp_manager.worker.tp import ColwiseUnits, RowwiseUnits, parallelize, unit_major_view, unit_slice
 from tests.fakes.procs import free_port
+from tests.worker import devices
 from tests.worker.compare import ref_part, shard_info
 
 CFG = GptConfig(vocab=64, seq=16, d_model=48, heads=6, mlp=96, layers=2)
@@ -35,8 +36,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / max(b.norm().item(), 1e-2))
 
 
-def _worker(rank: int, world: int, port: int, mode: str, q: Any) -> None:
+def _worker(rank: int, world: int, port: int, mode: str, q: Any, device: str = "cpu") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dev = devices.setup(device, rank)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     full = TinyGpt(CFG)
@@ -44,9 +46,11 @@ def _worker(rank: int, world: int, port: int, mode: str, q: Any) -> None:
     sharded.load_state_dict(full.state_dict())
     units = unit_lists(world, mode)[rank]
     parallelize(sharded, tp_plan(CFG), units, group=dist.group.WORLD)
+    full.to(dev)
+    sharded.to(dev)
     g = torch.Generator().manual_seed(1)
-    idx = torch.randint(0, CFG.vocab, (3, CFG.seq), generator=g)
-    tgt = torch.randint(0, CFG.vocab, (3, CFG.seq), generator=g)
+    idx = torch.randint(0, CFG.vocab, (3, CFG.seq), generator=g).to(dev)
+    tgt = torch.randint(0, CFG.vocab, (3, CFG.seq), generator=g).to(dev)
     lf, ls = full.loss(idx, tgt), sharded.loss(idx, tgt)
     lf.backward()
     ls.backward()
@@ -56,7 +60,7 @@ def _worker(rank: int, world: int, port: int, mode: str, q: Any) -> None:
     for name, p in sharded.named_parameters():
         ref = fparams[name].grad
         assert ref is not None and p.grad is not None
-        errs[name] = rel_err(p.grad, ref_part(ref, name, info))
+        errs[name] = rel_err(p.grad.cpu(), ref_part(ref.cpu(), name, info))
         # unit-major layout: a unit's features are one contiguous block, in the weight and in the
         # gradient autograd made for it
         mod, _, pname = name.rpartition(".")
@@ -67,30 +71,45 @@ def _worker(rank: int, world: int, port: int, mode: str, q: Any) -> None:
                     errs[f"{name} layout"] = 1.0
     # the gathered LM head gives the whole logits on every rank
     errs["logits"] = rel_err(sharded(idx).detach(), full(idx).detach())
-    q.put((rank, errs, [int(sharded.blocks[0].attn.q.weight.shape[0] // CFG.head_dim)]))
+    q.put((rank, errs, [int(sharded.blocks[0].attn.q.weight.shape[0] // CFG.head_dim), devices.staged_ops()]))
     dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("device", ["cpu", devices.CUDA])
 @pytest.mark.parametrize("mode", ["contiguous", "non-contiguous"])
 @pytest.mark.parametrize("tp", [1, 2, 3, 4])
-def test_sharded_model_matches_unsharded(tp: int, mode: str):
+def test_sharded_model_matches_unsharded(tp: int, mode: str, device: str):
     if tp == 1 and mode == "non-contiguous":
         pytest.skip("one rank holds every unit")
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(tp, free_port(), mode, q), nprocs=tp, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(tp, free_port(), mode, q, device), nprocs=tp, join=True, start_method="spawn")
     results = [q.get() for _ in range(tp)]
     heads_total = 0
-    for _rank, errs, (local_heads,) in results:
+    for _rank, errs, (local_heads, staged) in results:
         heads_total += local_heads
         worst = max(errs.items(), key=lambda kv: kv[1])
         assert worst[1] <= 1e-5, worst
+        # CUDA tensors on gloo never reach gloo: every TP all-reduce went through host buffers
+        assert (staged > 0) == (device != "cpu" and tp > 1), staged
     assert heads_total == CFG.heads  # every head computed exactly once across the TP group
     if mode == "non-contiguous" and tp >= 3:
         lists = unit_lists(tp, mode)
         assert any(sorted(u["heads"]) != list(range(min(u["heads"]), max(u["heads"]) + 1)) for u in lists) or any(
             sorted(u["mlp"]) != list(range(min(u["mlp"]), max(u["mlp"]) + 1)) for u in lists
         )
+
+
+def test_sharded_model_with_staged_transport():
+    """The TP all-reduces through comm.py's staging buffers (forced, CPU): what gloo on a GPU
+    runs, exact all the same."""
+    q = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_worker, args=(3, free_port(), "non-contiguous", q, "staged"), nprocs=3, join=True,
+                       start_method="spawn")
+    for _rank, errs, (_, staged) in (q.get() for _ in range(3)):
+        worst = max(errs.items(), key=lambda kv: kv[1])
+        assert worst[1] <= 1e-5, worst
+        assert staged > 0
 
 
 def test_parallelize_rejects_bad_plans():

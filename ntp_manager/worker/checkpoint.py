@@ -1,0 +1,924 @@
+"""Checkpoints addressed by unit, not by rank: any layout saves them, any layout loads them.
+
+    ckpt = Checkpointer("/shared/ckpt/llm", Retention(keep_last=3, keep_every=1000))
+    ckpt.save(step, model, optimizer, layout, rank, families, group=world, data_state={...})
+    ...                                          # training goes on while the shards are written
+    info = ckpt.load(model, optimizer, new_layout, rank, families, group=world)
+
+**What is stored.** Every sharded tensor (weights, column-wise biases, and their optimizer state:
+SGD momentum, Adam/AdamW moments) as one global tensor in torch.distributed.checkpoint (DCP)
+format, *units first*: the unsharded tensor with its unit dimension moved to the front (the
+transpose of a row-wise weight), so unit u's features are rows [u x unit_size, (u+1) x
+unit_size) whatever the layout. Replicated parameters, persistent buffers, the optimizer's step
+counts, and, in the manifest, the RNG state, an opaque data-loader position and the layout the
+checkpoint was taken under. A rank's unit set need not be contiguous (an NTP extra rank holds
+several stretches), and DCP's own sharded types cannot say that (a DTensor shard is one
+contiguous block per rank); DCP's chunk metadata can: every stretch of consecutive units is one
+DCP chunk (offsets, sizes) of the global tensor, written and read through our own planners
+(`_PieceSavePlanner`, `_PieceLoadPlanner`). Loading asks DCP for the chunks of the loading rank's
+units; DCP's resharding reads the overlapping parts of whatever chunks were saved. Stage splits
+change nothing: tensors are keyed by their module path in the whole model.
+
+**Who writes what** (`write_ranges`, pure): every replica holds every unit, so each unit is
+written once: a family's units are cut into one contiguous range per replica, and the rank of
+replica r that holds a unit of range r writes it. Replicated tensors: the stage's first rank.
+
+**Asynchronous, without collectives in the background.** `save` copies the rank's pieces (a
+snapshot; on a GPU into pinned host memory) and returns; a writer thread saves them with DCP
+(`dcp_save(no_dist=True)` into `r<rank>/` of the checkpoint's temporary directory: the rank's
+own DCP checkpoint, with DCP's fsync of every file), fsyncs the directory, hashes the files
+(SHA-256) and leaves a durable marker `done.r<rank>.json`. The coordinator (the layout's rank 0)
+waits for every rank's marker, merges the ranks' DCP metadata into one global `.metadata` (and
+checks that every tensor's chunks tile it exactly), writes `manifest.json` (every file's hash and
+size, the step, layout, tensors, data position, RNG; and a hash of the manifest itself), fsyncs,
+and renames the directory to `step-<step>`: a checkpoint is complete if and only if that name
+exists. No thread ever waits on a peer's collective, so a failed peer cannot hang the writers: its
+marker never appears, the coordinator gives up after `complete_timeout_s`, and the temporary
+directory is never loaded (it is removed by a later completion). The only collective is one small
+broadcast in `save` (the attempt's random name, so that nothing left by an earlier run with the
+same step can be mistaken for this attempt's files), on the caller's thread.
+
+**Loading** takes the newest complete checkpoint that verifies: its manifest's own hash, then every
+file's hash (the group's ranks split the files and agree on the outcome), then the DCP read; a
+checkpoint that fails any of these is skipped with the reason logged and returned
+(`RestoreInfo.skipped`), and the next older one is tried. A checkpoint of a different model (a
+tensor missing or shaped differently) is refused with a `CheckpointError`, not skipped: an older
+one would not fit either.
+
+**Retention** (`retention_plan`, pure): keep the newest `keep_last` good checkpoints and every one
+whose step is a multiple of `keep_every`; applied by the coordinator after each completion.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from ntp_manager.planner.ntp_map import even_chunks
+from ntp_manager.worker import comm
+from ntp_manager.worker.reshard import STATE_KEYS
+from ntp_manager.worker.sync import SyncLayout
+from ntp_manager.worker.tp import ShardedModule, unit_slice
+
+log = structlog.get_logger("ntp.worker.checkpoint")
+
+FORMAT = "ntp-checkpoint/1"
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step-(\d{12})$")
+_TMP_PREFIX = ".tmp-step-"
+DATA_STATE_MAX_BYTES = 1 << 20  # the data-loader position is a small JSON document
+# dcp_save(no_dist=True) warns on every call that it saves "in a single process": intended here
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+class CheckpointError(RuntimeError):
+    """No checkpoint can be used: none complete and verified, or one of a different model."""
+
+
+class NoCheckpoint(CheckpointError):
+    """There is no complete checkpoint at all (a new job), as opposed to none that verifies."""
+
+
+# ---- pure parts ---------------------------------------------------------------------------------
+def write_ranges(layout: SyncLayout, rank: int) -> dict[str, tuple[int, int]]:
+    """Family -> the units [start, stop) that `rank`'s replica writes: a family's units cut into
+    one contiguous range per replica (sizes differ by at most one). Within the replica exactly one
+    rank holds each unit, so every unit is written once in the job."""
+    ri, _ = layout.locate(rank)
+    return {f: even_chunks(n, len(layout.replicas))[ri] for f, n in layout.units.items()}
+
+
+def stretches(units: Sequence[int], lo: int = 0, hi: int | None = None) -> list[tuple[int, int, int]]:
+    """(first unit, its position in `units`, count) of every stretch of units in [lo, hi) that
+    are consecutive both as unit numbers and as positions in `units` (a shard's unit list, so a
+    stretch is one contiguous slice of the shard), in unit order."""
+    pairs = sorted((u, i) for i, u in enumerate(units) if u >= lo and (hi is None or u < hi))
+    out: list[tuple[int, int, int]] = []
+    for u, i in pairs:
+        if out and out[-1][0] + out[-1][2] == u and out[-1][1] + out[-1][2] == i:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((u, i, 1))
+    return out
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Keep the newest `keep_last` good checkpoints, and also every one whose step is a multiple
+    of `keep_every` (0: none). Steps, not positions, so the choice does not shift as checkpoints
+    are removed."""
+
+    keep_last: int = 3
+    keep_every: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keep_last, int) or self.keep_last < 1:
+            raise ValueError(f"keep_last must be a positive integer, got {self.keep_last!r}")
+        if not isinstance(self.keep_every, int) or self.keep_every < 0:
+            raise ValueError(f"keep_every must be a non-negative integer, got {self.keep_every!r}")
+
+
+@dataclass(frozen=True)
+class RetentionDecision:
+    keep: tuple[int, ...]
+    delete: tuple[int, ...]
+    reasons: dict[int, str]
+
+
+def retention_plan(steps: Iterable[int], policy: Retention, bad: Iterable[int] = ()) -> RetentionDecision:
+    """Which complete checkpoints (by step) to keep and which to delete, with a reason for each.
+    `bad` ones (a load found them corrupt) do not count towards `keep_last` and are deleted
+    unless `keep_every` keeps them -- a kept multiple is kept as evidence even when bad."""
+    bad_set = set(bad)
+    ordered = sorted(set(steps), reverse=True)
+    good = [s for s in ordered if s not in bad_set]
+    newest = set(good[: policy.keep_last])
+    keep, delete, reasons = [], [], {}
+    for s in ordered:
+        if s in newest:
+            keep.append(s)
+            reasons[s] = f"one of the newest {policy.keep_last} good"
+        elif policy.keep_every and s % policy.keep_every == 0:
+            keep.append(s)
+            reasons[s] = f"a multiple of keep_every={policy.keep_every}"
+        else:
+            delete.append(s)
+            reasons[s] = "failed verification" if s in bad_set else f"older than the newest {policy.keep_last} good"
+    return RetentionDecision(tuple(sorted(keep)), tuple(sorted(delete)), reasons)
+
+
+# ---- what a model and optimizer hold -----------------------------------------------------------
+@dataclass(frozen=True)
+class _Shard:
+    family: str
+    unit_size: int
+    udim: int  # the dimension the units run along in the rank's tensor (0 or 1)
+    units: tuple[int, ...]  # the shard's units, in the tensor's order
+    n_units: int  # the family's unit count
+
+
+@dataclass(frozen=True)
+class _Entry:
+    key: str  # the DCP name: model/<param>, optim/<param>/<state>, buffer/<name>
+    tensor: torch.Tensor  # the live tensor
+    shard: _Shard | None  # None: replicated (every rank of the stage holds all of it)
+
+    def global_shape(self) -> tuple[int, ...]:
+        """The shape stored: the unsharded tensor, units first."""
+        t, sh = self.tensor, self.shard
+        if sh is None:
+            return tuple(t.shape)
+        rest = tuple(t.shape[1:]) if sh.udim == 0 else (int(t.shape[0]),)
+        return (sh.n_units * sh.unit_size, *rest)
+
+
+def _shards(model: nn.Module, units: Mapping[str, int], families: Mapping[str, str]) -> dict[int, _Shard]:
+    """id(parameter) -> how it is sharded, for every sharded parameter of `model`."""
+    out: dict[int, _Shard] = {}
+    for path, mod in model.named_modules():
+        if not isinstance(mod, ShardedModule):
+            continue
+        for _name, p, udim in mod.sharded_params():
+            fam = families.get(path)
+            if fam is None or fam not in units:
+                raise ValueError(f"{path}: a sharded module with no unit family in the layout ({fam!r})")
+            if p.dim() > 2 or udim not in (0, 1) or (udim == 1 and p.dim() != 2):
+                raise ValueError(f"{path}.{_name}: checkpoints store 1-D and 2-D shards (units along dim 0 or 1), "
+                                 f"not shape {tuple(p.shape)} with units along dim {udim}")
+            out.setdefault(id(p), _Shard(fam, mod.unit_size, udim, tuple(mod.units), units[fam]))
+    return out
+
+
+def _scalar(v: Any) -> torch.Tensor:
+    return v.detach() if isinstance(v, torch.Tensor) else torch.tensor(float(v))
+
+
+def _entries(model: nn.Module, optimizer: torch.optim.Optimizer | None, units: Mapping[str, int],
+             families: Mapping[str, str]) -> list[_Entry]:
+    """Every tensor a checkpoint holds for this rank, in a fixed order. Raises ValueError for
+    optimizer state it cannot place (anything but SGD momentum, Adam moments and step)."""
+    shards = _shards(model, units, families)
+    state = optimizer.state if optimizer is not None else {}
+    out: list[_Entry] = []
+    for fqn, p in model.named_parameters():
+        sh = shards.get(id(p))
+        out.append(_Entry(f"model/{fqn}", p.detach(), sh))
+        st = state.get(p, {})
+        for k in sorted(st):
+            v = st[k]
+            if k in STATE_KEYS and isinstance(v, torch.Tensor) and v.shape == p.shape:
+                out.append(_Entry(f"optim/{fqn}/{k}", v, sh))
+            elif k == "step":
+                out.append(_Entry(f"optim/{fqn}/step", _scalar(v), None))
+            else:
+                raise ValueError(f"optimizer state {k!r} of {fqn} ({type(optimizer).__name__}): checkpoints store "
+                                 f"{', '.join(STATE_KEYS)} and step")
+    seen: set[int] = set()
+    for path, mod in model.named_modules():
+        for name, b in mod._buffers.items():
+            if b is None or name in mod._non_persistent_buffers_set or id(b) in seen:
+                continue
+            seen.add(id(b))
+            out.append(_Entry(f"buffer/{path + '.' if path else ''}{name}", b.detach(), None))
+    return out
+
+
+# ---- DCP planners: chunks of units-first global tensors ---------------------------------------
+@dataclass(frozen=True)
+class _Chunk:
+    key: str  # the DCP tensor it belongs to
+    offsets: tuple[int, ...]
+    size: tuple[int, ...]  # the global tensor's
+
+
+class _PieceSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, with one change: a state-dict entry may be a chunk (given
+    offsets) of a larger tensor named by `chunks[entry]`; everything else is a whole tensor."""
+
+    def __init__(self, chunks: Mapping[str, _Chunk]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._chunks = dict(chunks)
+        self._by_index: dict[tuple[str, tuple[int, ...]], str] = {}
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for name, t in self.state_dict.items():
+            c = self._chunks.get(name, _Chunk(name, (0,) * t.dim(), tuple(t.shape)))
+            self._by_index[(c.key, c.offsets)] = name
+            items.append(WriteItem(
+                index=MetadataIndex(c.key, c.offsets),
+                type=WriteItemType.SHARD if name in self._chunks else WriteItemType.TENSOR,
+                tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(c.offsets), t.shape),
+                                            properties=TensorProperties.create_from_tensor(t),
+                                            size=torch.Size(c.size)),
+            ))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return self.state_dict[self._by_index[(index.fqn, tuple(index.offset or ()))]]
+
+
+class _PieceLoadPlanner(LoadPlanner):
+    """Reads, for every tensor named in `targets`, the listed chunks (offsets, destination) of the
+    stored global tensor, from whatever chunks were saved (DCP's resharding)."""
+
+    def __init__(self, targets: Mapping[str, list[tuple[tuple[int, ...], torch.Tensor]]]) -> None:
+        self.targets = targets
+        self.metadata: Metadata | None = None
+
+    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        self.metadata = metadata
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        items: list[ReadItem] = []
+        for key, chunks in self.targets.items():
+            md = self.metadata.state_dict_metadata[key]
+            assert isinstance(md, TensorStorageMetadata)
+            local = [ChunkStorageMetadata(torch.Size(off), dst.shape) for off, dst in chunks]
+            items += create_read_items_for_chunk_list(key, md, local)
+        return LoadPlan(items)
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        raise CheckpointError(f"unexpected non-tensor entry {read_item.dest_index.fqn} in the checkpoint")
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        idx = read_item.dest_index
+        assert idx.index is not None
+        dst = self.targets[idx.fqn][idx.index][1]
+        for d, (o, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths, strict=True)):
+            dst = dst.narrow(d, o, n)
+        return dst
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass
+
+
+# ---- files -------------------------------------------------------------------------------------
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durable(path: Path, data: bytes) -> None:
+    """`data` at `path`, durably and atomically: a temporary file, fsync, rename, fsync of the directory."""
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _canonical(doc: Mapping[str, Any]) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:012d}"
+
+
+def _rng_state() -> dict[str, Any]:
+    out: dict[str, Any] = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+                           "python": _jsonable(random.getstate())}
+    if torch.cuda.is_available():
+        out["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+    try:
+        import numpy as np
+
+        st: Any = np.random.get_state()
+        out["numpy"] = [st[0], st[1].tolist(), int(st[2]), int(st[3]), float(st[4])]
+    except ImportError:  # numpy is optional
+        pass
+    return out
+
+
+def _jsonable(x: Any) -> Any:
+    return [_jsonable(v) for v in x] if isinstance(x, tuple | list) else x
+
+
+def _tuples(x: Any) -> Any:
+    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+def _set_rng_state(rng: Mapping[str, Any]) -> None:
+    def tensor(b64: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(b64)), dtype=torch.uint8)
+
+    torch.set_rng_state(tensor(rng["torch"]))
+    random.setstate(_tuples(rng["python"]))
+    cuda = rng.get("cuda")
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([tensor(s) for s in cuda])
+    if "numpy" in rng:
+        try:
+            import numpy as np
+
+            kind, keys, pos, has_gauss, cached = rng["numpy"]
+            np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        except ImportError:
+            pass
+
+
+# ---- results -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CheckpointRef:
+    step: int
+    path: Path
+
+
+@dataclass(frozen=True)
+class RestoreInfo:
+    step: int  # committed optimizer steps the checkpoint holds (training goes on from this step)
+    path: Path
+    data_state: dict[str, Any] | None  # what the saver passed as data_state
+    layout: dict[str, Any]  # the layout it was taken under (replicas: ranks and local batch; units)
+    skipped: tuple[tuple[str, str], ...]  # newer checkpoints passed over: (name, why)
+    bytes_read: int
+    seconds: float
+
+    def describe(self) -> str:
+        s = f"restored from step {self.step} ({self.path.name})"
+        if self.skipped:
+            s += "; skipped " + "; ".join(f"{n}: {why}" for n, why in self.skipped)
+        return s
+
+
+@dataclass
+class SaveHandle:
+    """One save as seen by one rank. `written`: this rank's files are durable (or the error).
+    `completed`: the coordinator's view -- the checkpoint's path once complete; None elsewhere."""
+
+    step: int
+    name: str  # the attempt's temporary directory
+    written: Future[int]  # bytes this rank wrote
+    completed: Future[Path] | None = None
+    snapshot_s: float = 0.0  # what save() cost the caller
+    pieces: int = 0
+
+
+@dataclass
+class _Attempt:
+    step: int
+    tmp: Path
+    rank: int
+    ranks: tuple[int, ...]  # every rank that leaves a marker
+    coordinator: bool
+    doc: dict[str, Any]  # the manifest, less files and hashes (coordinator only)
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    chunks: dict[str, _Chunk] = field(default_factory=dict)
+
+
+class Checkpointer:
+    """Saves and loads unit-addressed checkpoints under `root` (a directory every rank sees: a
+    shared filesystem when ranks run on several hosts). One per rank; `save` and `load` are
+    called by every rank of the layout at the same step."""
+
+    def __init__(self, root: str | os.PathLike[str], retention: Retention | None = None, *,
+                 complete_timeout_s: float = 600.0) -> None:
+        self.root = Path(root)
+        self.retention = retention or Retention()
+        self.complete_timeout_s = complete_timeout_s
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ntp-ckpt-write")
+        self._last: SaveHandle | None = None
+        self._pending: dict[str, Future[Path]] = {}  # coordinator: attempts not complete yet
+        self._lock = threading.Lock()
+        self._buffers: dict[str, torch.Tensor] = {}  # snapshot memory, reused across saves
+        self.failures: list[str] = []
+        self._bad: set[int] = set()  # steps a load found corrupt (retention does not count them)
+        self.test_hook: Any = None  # tests: called by the writer thread with (stage, attempt)
+
+    # ---- listing ---------------------------------------------------------------------------------
+    def complete(self) -> list[CheckpointRef]:
+        """Complete checkpoints, newest first (complete: renamed into place, so every file was durable)."""
+        if not self.root.is_dir():
+            return []
+        out = []
+        for p in self.root.iterdir():
+            m = _STEP_DIR.match(p.name)
+            if m and (p / MANIFEST).is_file():
+                out.append(CheckpointRef(int(m.group(1)), p))
+        return sorted(out, key=lambda r: r.step, reverse=True)
+
+    # ---- saving ----------------------------------------------------------------------------------
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, layout: SyncLayout,
+             rank: int, families: Mapping[str, str], *, group: Any = None, data_state: Mapping[str, Any] | None = None,
+             job_ranks: Sequence[int] | None = None, attempt: str | None = None) -> SaveHandle:
+        """Start saving the state after `step` committed steps; returns once this rank's pieces
+        are copied (the snapshot), while a thread writes them. Every rank of the layout calls it
+        at the same step. `group`: a process group over those ranks, for the attempt's name (one
+        broadcast); without one (a single process) the name is drawn here. `data_state`: a JSON
+        document of where the data loader is (the coordinator's is stored; it should describe the
+        global position). `job_ranks`: every rank that saves (all stages; default: the layout's).
+        `attempt`: the attempt's name, when the caller agrees on one itself (instead of `group`;
+        it must differ between attempts, e.g. a random string every rank received).
+        Raises ValueError, naming the problem, for state it cannot store."""
+        if self._last is not None:  # one snapshot in memory at a time: wait for this rank's last write
+            with contextlib.suppress(Exception):  # a failure was logged by the writer; this save starts afresh
+                self._last.written.result()
+        t0 = time.perf_counter()
+        entries = _entries(model, optimizer, layout.units, families)
+        doc = self._manifest_doc(step, entries, optimizer, layout, families, data_state)
+        nonce = [attempt or uuid.uuid4().hex[:16]]
+        if attempt is None and group is not None:
+            comm.broadcast_object_list(nonce, src=dist.get_global_rank(group, 0), group=group)
+        if not re.fullmatch(r"[A-Za-z0-9_.]{1,64}", nonce[0]):
+            raise ValueError(f"attempt must be 1-64 letters, digits, '_' or '.', not {nonce[0]!r}")
+        ranks = tuple(sorted(job_ranks if job_ranks is not None else (r for rep in layout.replicas for r in rep.ranks)))
+        att = _Attempt(step, self.root / f"{_TMP_PREFIX}{step:012d}-{nonce[0]}", rank, ranks, rank == ranks[0], doc)
+        self._snapshot(att, entries, layout, rank)
+        handle = SaveHandle(step, att.tmp.name, self._writer.submit(self._write, att),
+                            snapshot_s=time.perf_counter() - t0, pieces=len(att.state))
+        if att.coordinator:
+            done: Future[Path] = Future()
+            with self._lock:
+                self._pending[att.tmp.name] = done
+            threading.Thread(target=self._complete, args=(att, done), name="ntp-ckpt-complete", daemon=True).start()
+            handle.completed = done
+        self._last = handle
+        return handle
+
+    def _manifest_doc(self, step: int, entries: list[_Entry], optimizer: torch.optim.Optimizer | None,
+                      layout: SyncLayout, families: Mapping[str, str],
+                      data_state: Mapping[str, Any] | None) -> dict[str, Any]:
+        if data_state is not None:
+            try:
+                blob = json.dumps(dict(data_state), allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"data_state must be a JSON document (dict of str, numbers, lists): {e}") from None
+            if len(blob) > DATA_STATE_MAX_BYTES:
+                raise ValueError(f"data_state is {len(blob)} bytes as JSON; the limit is {DATA_STATE_MAX_BYTES}")
+        tensors = {}
+        for ent in entries:
+            sh = ent.shard
+            dtype = str(ent.tensor.dtype).removeprefix("torch.")
+            tensors[ent.key] = {"shape": list(ent.global_shape()), "dtype": dtype,
+                                **({"family": sh.family, "unit_size": sh.unit_size} if sh else {})}
+        return {
+            "format": FORMAT, "step": step,
+            "layout": {"replicas": [{"ranks": list(r.ranks), "local_batch": r.local_batch} for r in layout.replicas],
+                       "units": dict(layout.units)},
+            "families": dict(families),
+            "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+            "tensors": tensors,
+            "data_state": None if data_state is None else dict(data_state),
+            "rng": _rng_state(),
+        }
+
+    def _snapshot(self, att: _Attempt, entries: list[_Entry], layout: SyncLayout, rank: int) -> None:
+        """Copy the pieces this rank writes (host memory, reused across saves when shapes match)."""
+        ranges = write_ranges(layout, rank)
+        replicated_writer = rank == layout.replicas[0].ranks[0]
+        views: list[tuple[str, torch.Tensor]] = []
+        for e in entries:
+            sh = e.shard
+            if sh is None:
+                if replicated_writer:
+                    views.append((e.key, e.tensor))
+                continue
+            lo, hi = ranges[sh.family]
+            us = sh.unit_size
+            size = e.global_shape()
+            for u, pos, n in stretches(sh.units, lo, hi):
+                name = f"{e.key}#{u}"
+                views.append((name, unit_slice(e.tensor, sh.udim, pos * us, n * us)))
+                att.chunks[name] = _Chunk(e.key, (u * us,) + (0,) * (len(size) - 1), size)
+        pin = torch.cuda.is_available()
+        cuda = False
+        with torch.no_grad():
+            for name, v in views:
+                buf = self._buffers.get(name)
+                if buf is None or buf.shape != v.shape or buf.dtype != v.dtype:
+                    buf = torch.empty(v.shape, dtype=v.dtype, device="cpu", pin_memory=pin and v.is_cuda)
+                buf.copy_(v, non_blocking=v.is_cuda)
+                cuda |= v.is_cuda
+                att.state[name] = buf
+        if cuda:
+            torch.cuda.synchronize()
+        self._buffers = dict(att.state)
+
+    def _hook(self, stage: str, att: _Attempt) -> None:
+        if self.test_hook is not None:
+            self.test_hook(stage, att)
+
+    def _write(self, att: _Attempt) -> int:
+        """The writer thread: this rank's DCP files, durable, hashed, and its marker."""
+        try:
+            rdir = att.tmp / f"r{att.rank}"
+            rdir.mkdir(parents=True, exist_ok=False)
+            _fsync_dir(att.tmp)
+            self._hook("writing", att)
+            writer = FileSystemWriter(rdir, single_file_per_rank=True, sync_files=True, overwrite=False)
+            planner = _PieceSavePlanner(att.chunks)
+            if self.test_hook is not None:  # tests: stop in the middle of the data
+                inner = planner.resolve_data
+
+                def resolve(item: WriteItem) -> Any:
+                    self._hook("item", att)
+                    return inner(item)
+
+                planner.resolve_data = resolve  # type: ignore[method-assign,assignment]
+            dcp_save(att.state, storage_writer=writer, planner=planner, no_dist=True)
+            _fsync_dir(rdir)
+            files: dict[str, dict[str, Any]] = {
+                f"r{att.rank}/{p.name}": {"sha256": _sha256(p), "bytes": p.stat().st_size}
+                for p in sorted(rdir.iterdir()) if p.is_file()}
+            self._hook("written", att)
+            _write_durable(att.tmp / f"done.r{att.rank}.json", _canonical({"rank": att.rank, "files": files}))
+            att.state = {}  # the snapshot buffers stay in self._buffers for the next save
+            return sum(f["bytes"] for f in files.values())
+        except Exception as e:
+            msg = f"step {att.step}: rank {att.rank} could not write its part: {type(e).__name__}: {e}"
+            log.error("checkpoint write failed", step=att.step, rank=att.rank, error=str(e))
+            self.failures.append(msg)
+            raise
+
+    def _complete(self, att: _Attempt, done: Future[Path]) -> None:
+        """The coordinator: wait for every rank's marker, then merge, manifest, rename, retention."""
+        try:
+            deadline = time.monotonic() + self.complete_timeout_s
+            markers = {r: att.tmp / f"done.r{r}.json" for r in att.ranks}
+            delay = 0.01
+            while True:
+                missing = [r for r, p in markers.items() if not p.is_file()]
+                if not missing:
+                    break
+                if time.monotonic() > deadline:
+                    raise CheckpointError(f"ranks {missing} did not finish their part within "
+                                          f"{self.complete_timeout_s:.0f} s")
+                time.sleep(delay)
+                delay = min(delay * 2, 0.25)
+            files: dict[str, dict[str, Any]] = {}
+            for p in markers.values():
+                files.update(json.loads(p.read_bytes())["files"])
+            merged = _merge_metadata({r: FileSystemReader(att.tmp / f"r{r}").read_metadata() for r in att.ranks})
+            _check_tiling(merged)
+            _write_durable(att.tmp / ".metadata", pickle.dumps(merged))
+            meta = att.tmp / ".metadata"
+            files[".metadata"] = {"sha256": _sha256(meta), "bytes": meta.stat().st_size}
+            doc = dict(att.doc, files=files, bytes=sum(int(f["bytes"]) for f in files.values()),
+                       completed_at=time.time())
+            doc["manifest_sha256"] = hashlib.sha256(_canonical(doc)).hexdigest()
+            _write_durable(att.tmp / MANIFEST, json.dumps(doc, indent=1, sort_keys=True).encode())
+            self._hook("manifest", att)
+            final = self.root / step_dir_name(att.step)
+            if final.exists():  # an earlier timeline reached this step too: this one replaces it
+                aside = self.root / f".replaced-{final.name}-{uuid.uuid4().hex[:8]}"
+                os.replace(final, aside)
+                shutil.rmtree(aside, ignore_errors=True)
+            os.replace(att.tmp, final)
+            _fsync_dir(self.root)
+            log.info("checkpoint complete", step=att.step, path=str(final), bytes=doc["bytes"])
+            try:
+                self._retain(att.step)
+            except OSError as e:  # the checkpoint is complete all the same
+                log.warning("retention failed", step=att.step, error=str(e))
+            done.set_result(final)
+        except Exception as e:
+            msg = f"step {att.step}: checkpoint not completed (it will never be loaded): {type(e).__name__}: {e}"
+            log.warning("checkpoint incomplete", step=att.step, error=str(e))
+            self.failures.append(msg)
+            if not done.done():
+                done.set_exception(e)
+        finally:
+            with self._lock:
+                self._pending.pop(att.tmp.name, None)
+
+    def _retain(self, completed_step: int) -> None:
+        refs = {r.step: r.path for r in self.complete()}
+        decision = retention_plan(refs, self.retention, self._bad & set(refs))
+        for s in decision.delete:
+            log.info("checkpoint removed", step=s, reason=decision.reasons[s])
+            _remove(refs[s])
+        with self._lock:
+            pending = set(self._pending)
+        for p in self.root.iterdir():  # attempts of earlier steps that never completed
+            if p.name.startswith(_TMP_PREFIX) and p.name not in pending:
+                try:
+                    step = int(p.name[len(_TMP_PREFIX):].split("-")[0])
+                except ValueError:
+                    continue
+                if step <= completed_step:
+                    _remove(p)
+
+    def wait(self, timeout: float | None = None) -> list[str]:
+        """Wait for this rank's writes and (coordinator) completions; returns the failures so far."""
+        if self._last is not None:
+            with contextlib.suppress(Exception):
+                self._last.written.result(timeout)
+        with self._lock:
+            pending = list(self._pending.values())
+        for f in pending:
+            with contextlib.suppress(Exception):
+                f.result(timeout)
+        return list(self.failures)
+
+    def close(self, timeout: float | None = None) -> None:
+        self.wait(timeout)
+        self._writer.shutdown(wait=True)
+
+    # ---- loading ---------------------------------------------------------------------------------
+    def load(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, layout: SyncLayout, rank: int,
+             families: Mapping[str, str], *, group: Any = None, strict: bool = True,
+             restore_rng: bool = True) -> RestoreInfo:
+        """Fill `model` (sharded for `rank` of `layout`) and `optimizer` (fresh or not: its state
+        is made to match the checkpoint's) from the newest complete checkpoint that verifies.
+        Every rank of `group` calls it; they agree on the checkpoint. `strict`: every tensor the
+        checkpoint holds must be in the model too (a pipeline stage's model holds a part: False).
+        Raises CheckpointError when no checkpoint verifies, or when one does not fit the model."""
+        t0 = time.perf_counter()
+        refs = self.complete()
+        if group is not None:
+            box: list[Any] = [refs]
+            comm.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+            refs = box[0]
+        if not refs:
+            raise NoCheckpoint(f"no complete checkpoint in {self.root}")
+        skipped: list[tuple[str, str]] = []
+        for ref in refs:
+            why = self._verify(ref, group)
+            if why is None:
+                doc = json.loads((ref.path / MANIFEST).read_bytes())
+                targets = self._targets(doc, model, optimizer, layout, rank, families, strict)
+                why, nbytes = self._read(ref, targets, group)
+                if why is None:
+                    if restore_rng:
+                        _set_rng_state(doc["rng"])
+                    info = RestoreInfo(ref.step, ref.path, doc["data_state"], doc["layout"], tuple(skipped), nbytes,
+                                       time.perf_counter() - t0)
+                    log.info("checkpoint restored", step=ref.step, path=str(ref.path), skipped=len(skipped))
+                    return info
+            skipped.append((ref.path.name, why))
+            self._bad.add(ref.step)
+            log.warning("checkpoint skipped", path=str(ref.path), reason=why)
+        tried = "; ".join(f"{n}: {w}" for n, w in skipped)
+        raise CheckpointError(f"no usable checkpoint in {self.root} ({tried})")
+
+    def _verify(self, ref: CheckpointRef, group: Any) -> str | None:
+        """Why `ref` cannot be trusted (the manifest, then the files' hashes; the group's ranks
+        share the files and agree), or None."""
+        why: str | None = None
+        try:
+            doc = json.loads((ref.path / MANIFEST).read_bytes())
+            claimed = doc.pop("manifest_sha256", None)
+            if claimed != hashlib.sha256(_canonical(doc)).hexdigest():
+                why = "manifest.json does not match its own hash"
+            elif doc.get("format") != FORMAT or doc.get("step") != ref.step:
+                why = f"manifest format {doc.get('format')!r} step {doc.get('step')!r} (expected {FORMAT}, {ref.step})"
+        except (OSError, ValueError, AttributeError) as e:
+            why = f"manifest.json unreadable: {type(e).__name__}: {e}"
+        if why is None:
+            me, n = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+            for i, (rel, f) in enumerate(sorted(doc["files"].items())):
+                if i % n != me:
+                    continue
+                p = ref.path / rel
+                try:
+                    size = p.stat().st_size
+                    if size != f["bytes"]:
+                        why = f"{rel}: {size} bytes, the manifest says {f['bytes']}"
+                    elif (got := _sha256(p)) != f["sha256"]:
+                        why = f"{rel}: sha256 {got[:12]}... differs from the manifest's {f['sha256'][:12]}..."
+                except OSError as e:
+                    why = f"{rel}: {type(e).__name__}: {e.strerror or e}"
+                if why is not None:
+                    break
+        return _agree(why, group)
+
+    def _targets(self, doc: Mapping[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 layout: SyncLayout, rank: int, families: Mapping[str, str],
+                 strict: bool) -> dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]:
+        """The chunks this rank reads, into its live tensors; optimizer state is created (zeros,
+        as a first step would) or dropped to match the checkpoint. Raises CheckpointError, naming
+        the first few differences, when the checkpoint is of a different model."""
+        saved: dict[str, Any] = doc["tensors"]
+        if optimizer is not None:
+            _match_optimizer_state(model, optimizer, saved)
+        entries = _entries(model, optimizer, layout.units, families)
+        problems = []
+        for e in entries:
+            s = saved.get(e.key)
+            if s is None:
+                problems.append(f"{e.key} is not in the checkpoint")
+                continue
+            want = {"shape": list(e.global_shape()), "family": e.shard.family if e.shard else None,
+                    "unit_size": e.shard.unit_size if e.shard else None}
+            got = {"shape": s["shape"], "family": s.get("family"), "unit_size": s.get("unit_size")}
+            if want != got:
+                problems.append(f"{e.key}: the checkpoint has {got}, the model {want}")
+        if strict:
+            mine = {e.key for e in entries}
+            problems += [f"{k} is in the checkpoint but not in the model" for k in sorted(saved) if k not in mine]
+        if problems:
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise CheckpointError(f"the checkpoint does not fit this model: {'; '.join(problems[:5])}{more}")
+        targets: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
+        for e in entries:
+            sh = e.shard
+            if sh is None:
+                targets[e.key] = [((0,) * e.tensor.dim(), e.tensor)]
+                continue
+            us, nd = sh.unit_size, len(e.global_shape())
+            targets[e.key] = [((u * us,) + (0,) * (nd - 1), unit_slice(e.tensor, sh.udim, pos * us, n * us))
+                              for u, pos, n in stretches(sh.units)]
+        return targets
+
+    def _read(self, ref: CheckpointRef, targets: Mapping[str, list[tuple[tuple[int, ...], torch.Tensor]]],
+              group: Any) -> tuple[str | None, int]:
+        why: str | None = None
+        nbytes = 0
+        try:
+            with torch.no_grad():
+                dcp_load({}, storage_reader=FileSystemReader(ref.path), planner=_PieceLoadPlanner(targets),
+                         no_dist=True)
+            nbytes = sum(dst.numel() * dst.element_size() for chunks in targets.values() for _, dst in chunks)
+        except Exception as e:  # an unreadable file after a good hash: still the data's fault
+            why = f"reading failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        return _agree(why, group), nbytes
+
+
+def _agree(why: str | None, group: Any) -> str | None:
+    """Every rank of `group` learns every rank's finding; the first one (by rank) is the reason."""
+    if group is None:
+        return why
+    every: list[Any] = [None] * dist.get_world_size(group)
+    comm.all_gather_object(every, why, group=group)
+    return next((w for w in every if w is not None), None)
+
+
+def _match_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
+    """Give every parameter exactly the state entries the checkpoint has for it (zeros where new,
+    shaped and placed as the optimizer's own first step would make them); the values come next."""
+    for fqn, p in model.named_parameters():
+        st = optimizer.state[p]
+        want = [k for k in (*STATE_KEYS, "step") if f"optim/{fqn}/{k}" in saved]
+        for k in list(st):
+            if k not in want:
+                del st[k]
+        for k in want:
+            if k == "step":
+                if not isinstance(st.get(k), torch.Tensor):
+                    grp = next((g for g in optimizer.param_groups if any(q is p for q in g["params"])), {})
+                    on_dev = grp.get("capturable") or grp.get("fused")
+                    st[k] = torch.zeros((), dtype=torch.float32, device=p.device if on_dev else "cpu")
+            elif not isinstance(st.get(k), torch.Tensor) or st[k].shape != p.shape:
+                st[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if not st:
+            del optimizer.state[p]
+
+
+def _merge_metadata(parts: Mapping[int, Metadata]) -> Metadata:
+    """One DCP metadata for the whole checkpoint from every rank's (`r<rank>/.metadata`): the
+    chunks of each tensor side by side, every storage entry's path prefixed with its rank's
+    directory. Raises CheckpointError when two ranks disagree on a tensor's size or type."""
+    sd: dict[str, Any] = {}
+    storage: dict[MetadataIndex, Any] = {}
+    version = None
+    for r, md in sorted(parts.items()):
+        version = version or md.version
+        for key, tmd in md.state_dict_metadata.items():
+            if not isinstance(tmd, TensorStorageMetadata):
+                raise CheckpointError(f"rank {r} saved a non-tensor entry {key}")
+            cur = sd.get(key)
+            if cur is None:
+                sd[key] = TensorStorageMetadata(tmd.properties, tmd.size, list(tmd.chunks))
+            elif cur.size != tmd.size or cur.properties.dtype != tmd.properties.dtype:
+                raise CheckpointError(f"{key}: rank {r} saved {tuple(tmd.size)} {tmd.properties.dtype}, "
+                                      f"another rank {tuple(cur.size)} {cur.properties.dtype}")
+            else:
+                cur.chunks.extend(tmd.chunks)
+        for idx, info in md.storage_data.items():
+            where = f"r{r}/{info.relative_path}"
+            storage[MetadataIndex(idx.fqn, idx.offset)] = dataclasses.replace(info, relative_path=where)
+    return Metadata(state_dict_metadata=sd, storage_data=storage, version=version)
+
+
+def _check_tiling(md: Metadata) -> None:
+    """Every tensor's chunks cover it exactly once (they are cut along dim 0 only). Raises
+    CheckpointError naming the tensor otherwise: a unit written twice or by nobody."""
+    for key, tmd in md.state_dict_metadata.items():
+        assert isinstance(tmd, TensorStorageMetadata)
+        size = tuple(tmd.size)
+        if not size:
+            if len(tmd.chunks) != 1:
+                raise CheckpointError(f"{key}: a scalar saved {len(tmd.chunks)} times")
+            continue
+        at = 0
+        for c in sorted(tmd.chunks, key=lambda c: c.offsets[0]):
+            if (c.offsets[0] != at or tuple(c.offsets[1:]) != (0,) * (len(size) - 1)
+                    or tuple(c.sizes[1:]) != size[1:]):
+                raise CheckpointError(f"{key}: chunks do not tile the tensor {size} (at row {at}: a chunk at "
+                                      f"{tuple(c.offsets)} of {tuple(c.sizes)})")
+            at += c.sizes[0]
+        if at != size[0]:
+            raise CheckpointError(f"{key}: chunks cover rows [0, {at}) of {size[0]}")
+
+
+def _remove(path: Path) -> None:
+    """Remove a checkpoint directory: renamed out of the listing first, so that a removal cut
+    short never leaves a complete-looking checkpoint with files missing."""
+    aside = path.with_name(f".removing-{path.name}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.replace(path, aside)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)

@@ -1,0 +1,554 @@
+"""The one transport seam of the worker: every collective and point-to-point message of the
+runtime (TP all-reduces, the NTP sync's transfers and bucket all-reduces, the reshard's moves, the
+regroup exchanges and the peer fetch) goes through the functions here, which decide how the bytes
+travel for the group's backend and the tensor's device.
+
+- NCCL with device tensors: native, nothing copied. A CPU tensor on an NCCL group (the runtime's
+  small commit votes and step counters) goes through a device copy, since NCCL carries device
+  memory only. Point-to-point messages posted together go as one NCCL group
+  (`batch_isend_irecv`), so a ring of sends cannot deadlock on NCCL's in-order streams.
+- gloo with device (CUDA) tensors: staged through host buffers -- device -> host before a send or
+  all-reduce, host -> device after a receive. gloo's point-to-point path hands the tensor's data
+  pointer to a socket, which for device memory fails (`writev ... Bad address`, issue 15), so no
+  device tensor ever reaches it. Host buffers are pinned (only where CUDA is available: CPU builds
+  cannot pin) and reused per (size, dtype) through a small pool. The copies are synchronous: a
+  device -> host copy completes before the send reads the buffer, and a host -> device copy
+  completes before the buffer goes back to the pool, so no buffer is reused under a copy in flight.
+- gloo with CPU tensors: native, unless staging is forced (`configure(force_staging=True)` or
+  NTP_COMM_FORCE_STAGING=1, for tests): then the staged path above runs with CPU tensors, copying
+  into separate host buffers (never aliases of the tensor), so CI exercises the exact code a GPU
+  without NCCL runs.
+
+`choose_backend` (pure) decides the backend for a device and a host's ranks and refuses, with the
+reason, a combination that cannot work. `shrink_plan` (pure) decides whether a new layout's
+communicator can be shrunk from the old one (NCCL's ncclCommShrink, `dist.shrink_group`) instead of
+being created from nothing. `detect_features` feature-tests the installed torch (attributes and
+signatures, never version strings).
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import json
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, overload
+
+import torch
+import torch.distributed as dist
+
+FORCE_STAGING_ENV = "NTP_COMM_FORCE_STAGING"
+# NCCL error handling the runtime needs: a failed or timed-out collective must raise in the
+# training thread (blocking wait) and abort the communicator without killing the process
+# (async error handling 2 = "clean up only"), so the survivors can regroup.
+NCCL_ENV = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+_NCCL_ENV_REFUSED = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": {"1": "tears the process down on a peer's failure",
+                                                         "3": "tears the process down on a peer's failure"},
+                     "TORCH_NCCL_BLOCKING_WAIT": {"0": "a hung peer's collective would never raise"}}
+POOL_BYTES = 512 << 20  # host staging buffers kept for reuse, at most
+
+
+class BackendError(ValueError):
+    """A device / backend / host combination that cannot work, refused at set-up."""
+
+
+# ---- what the installed torch can do ----------------------------------------------------------
+@dataclass(frozen=True)
+class CommFeatures:
+    gloo: bool = True
+    nccl: bool = False
+    cuda_devices: int = 0  # devices this process sees (0 without CUDA)
+    eager_init: bool = False  # init_process_group(device_id=...): the communicator forms at once,
+    #                           and new_group splits it (ncclCommSplit) instead of a fresh init
+    split_group: bool = False  # dist.split_group
+    shrink_group: bool = False  # dist.shrink_group (whether a group's backend can: `can_shrink`)
+    local_sync: bool = False  # new_group(use_local_synchronization=...)
+    abort: bool = False  # ProcessGroup.abort (NCCL: ncclCommAbort on every communicator)
+
+
+def detect_features() -> CommFeatures:
+    """Feature tests of the installed torch: attributes and signatures, not version strings."""
+    cuda = torch.cuda.is_available()
+
+    def accepts(fn: Any, name: str) -> bool:
+        try:
+            return name in inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            return False
+
+    return CommFeatures(
+        gloo=dist.is_available() and dist.is_gloo_available(),
+        nccl=dist.is_available() and dist.is_nccl_available(),
+        cuda_devices=torch.cuda.device_count() if cuda else 0,
+        eager_init=accepts(dist.init_process_group, "device_id"),
+        split_group=hasattr(dist, "split_group"),
+        shrink_group=hasattr(dist, "shrink_group"),
+        local_sync=accepts(dist.new_group, "use_local_synchronization"),
+        abort=hasattr(dist.ProcessGroup, "abort"),
+    )
+
+
+# ---- which backend ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BackendChoice:
+    backend: str  # "gloo" | "nccl"
+    device: str  # "cpu" | "cuda"
+    staged: bool  # gloo carrying device tensors through host buffers
+    reason: str
+
+
+def choose_backend(device: str, requested: str, local_ranks: int, gpus: int, features: CommFeatures) -> BackendChoice:
+    """The backend for a rank whose tensors live on `device` ("cpu" or "cuda"), when
+    `local_ranks` ranks of the job run on this host and use `gpus` distinct GPUs there.
+    `requested`: "auto" (NCCL on CUDA when every rank has a GPU of its own, else gloo staged
+    through host memory; gloo on CPU), or "gloo" / "nccl" explicitly. Raises BackendError naming
+    what cannot work and why."""
+    if device not in ("cpu", "cuda"):
+        raise BackendError(f"device must be 'cpu' or 'cuda', not {device!r}")
+    if requested not in ("auto", "gloo", "nccl"):
+        raise BackendError(f"backend must be 'auto', 'gloo' or 'nccl', not {requested!r}")
+    if local_ranks < 1:
+        raise BackendError(f"a host runs at least one rank, not {local_ranks}")
+    if gpus < 0:
+        raise BackendError(f"GPU count cannot be negative ({gpus})")
+    if device == "cpu":
+        if requested == "nccl":
+            raise BackendError("backend 'nccl' cannot carry CPU tensors (device='cpu'): use gloo or device='cuda'")
+        if not features.gloo:
+            raise BackendError("device='cpu' needs gloo, and this torch was built without it")
+        return BackendChoice("gloo", "cpu", False, "CPU tensors: gloo")
+    if features.cuda_devices < 1 or gpus < 1:
+        raise BackendError("device='cuda' but torch sees no CUDA device (a CPU-only build, no GPU, or "
+                           "CUDA_VISIBLE_DEVICES empty): use device='cpu'")
+    own = local_ranks <= gpus
+    if requested == "nccl":
+        if not features.nccl:
+            raise BackendError("backend 'nccl' requested, but this torch was built without NCCL")
+        if not own:
+            raise BackendError(f"backend 'nccl' needs a GPU per rank, but {local_ranks} ranks share {gpus} GPU(s) "
+                               "on this host (NCCL refuses two ranks on one GPU): use backend 'gloo' (staged "
+                               "through host memory) or at most one rank per GPU")
+        return BackendChoice("nccl", "cuda", False, f"{local_ranks} rank(s) on {gpus} GPU(s): NCCL (requested)")
+    if requested == "auto" and own and features.nccl:
+        return BackendChoice("nccl", "cuda", False, f"{local_ranks} rank(s) on {gpus} GPU(s), one each: NCCL")
+    if not features.gloo:
+        raise BackendError(f"{local_ranks} ranks share {gpus} GPU(s): NCCL cannot run them and this torch has no gloo")
+    why = ("requested" if requested == "gloo" else
+           "this torch has no NCCL" if not features.nccl else f"{local_ranks} ranks share {gpus} GPU(s)")
+    return BackendChoice("gloo", "cuda", True, f"gloo staged through host memory ({why})")
+
+
+def device_index(local_rank: int, visible: int) -> int:
+    """The CUDA device a rank uses among the `visible` ones: its own when there is one per rank
+    (ntp-run pins each rank to one GPU, so `visible` is then 1), else shared round-robin."""
+    if visible < 1:
+        raise BackendError("no CUDA device visible")
+    return local_rank % visible
+
+
+def check_nccl_env(environ: Mapping[str, str]) -> None:
+    """Refuse NCCL error-handling settings under which a peer's failure kills the survivors or
+    hangs them (the runtime must see a failed collective raise)."""
+    for key, bad in _NCCL_ENV_REFUSED.items():
+        value = environ.get(key)
+        if value is not None and value.strip() in bad:
+            raise BackendError(f"{key}={value}: {bad[value.strip()]}; the runtime needs "
+                               f"{key}={NCCL_ENV[key]} (unset it to get that)")
+
+
+# ---- communicators across layouts -------------------------------------------------------------
+@dataclass(frozen=True)
+class CommPlan:
+    kind: Literal["fresh", "shrink"]
+    exclude: tuple[int, ...]  # shrink: ranks of the old communicator to leave out
+    old_version: str  # shrink: the version ("epoch.version") whose communicator is shrunk; "" for fresh
+    reason: str
+
+
+def shrink_plan(old_world: Mapping[str, int], arrivals: Mapping[int, tuple[str, int] | None],
+                can_shrink: bool) -> CommPlan:
+    """Whether the new version's communicator can be shrunk from an old one instead of being
+    created from nothing. `old_world`: old version -> its world size, for the versions whose
+    communicator the arriving ranks still hold; `arrivals`: every new rank -> (old version, old
+    rank) whose communicator it holds, or None (a fresh process, or one that dropped its
+    communicator). Every rank computes this from the same store entries, so all decide alike.
+
+    Shrinking keeps the survivors in their old order (new rank = position among the old ranks
+    left), so it applies only when every new rank holds the same old communicator, the new ranks
+    follow the old ranks' order, and at least one old rank is gone: a pure removal (a failed or
+    drained GPU). Joiners, reorderings and mixed versions get a fresh communicator."""
+    if not can_shrink:
+        return CommPlan("fresh", (), "", "this torch/NCCL cannot shrink a communicator")
+    if not arrivals:
+        return CommPlan("fresh", (), "", "no ranks")
+    held = [arrivals[r] for r in sorted(arrivals)]
+    if any(h is None for h in held):
+        return CommPlan("fresh", (), "", "a rank joins without the old communicator")
+    versions = {h[0] for h in held if h is not None}
+    if len(versions) != 1:
+        return CommPlan("fresh", (), "", f"ranks hold communicators of different versions {sorted(versions)}")
+    (version,) = versions
+    if version not in old_world:
+        return CommPlan("fresh", (), "", f"the size of version {version}'s communicator is unknown")
+    olds = [h[1] for h in held if h is not None]
+    if any(b <= a for a, b in itertools.pairwise(olds)):
+        return CommPlan("fresh", (), "", "the new ranks do not keep the old ranks' order")
+    if olds[0] < 0 or olds[-1] >= old_world[version]:
+        return CommPlan("fresh", (), "", "an old rank is outside the old communicator")
+    exclude = tuple(sorted(set(range(old_world[version])) - set(olds)))
+    if not exclude:
+        return CommPlan("fresh", (), "", "nobody left: a new version gets new communicators")
+    return CommPlan("shrink", exclude, version, f"version {version} without old rank(s) {list(exclude)}")
+
+
+def publish_held(store: Any, prefix: str, rank: int, held: tuple[str, int, int] | None, backend: str) -> None:
+    """Before counting itself in at a version's `prefix`: which old communicator this rank (new
+    rank `rank`) still holds -- (version key, old rank, old world) or None -- and its backend."""
+    store.set(f"{prefix}/held/{rank}", json.dumps(list(held) if held is not None else None))
+    store.add(f"{prefix}/backend/{backend}", 1)
+
+
+def agree(store: Any, prefix: str, world: int, backend: str, shrinkable: bool) -> CommPlan:
+    """After all `world` ranks counted themselves in at `prefix` (each after `publish_held`):
+    check every rank chose this backend (BackendError otherwise: mixed hosts would hang in the
+    first collective) and, when `shrinkable`, read every rank's record and decide with
+    `shrink_plan`. Every rank reads the same entries, so every rank decides alike."""
+    same = int(store.add(f"{prefix}/backend/{backend}", 0))
+    if same != world:
+        raise BackendError(f"only {same} of {world} ranks chose backend {backend!r}: the hosts of this job differ "
+                           "(GPUs per rank, CUDA or NCCL); set RuntimeConfig.backend explicitly on every rank")
+    if not shrinkable:
+        return CommPlan("fresh", (), "", "no communicator to shrink on this backend")
+    keys = [f"{prefix}/held/{r}" for r in range(world)]
+    raw = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
+    arrivals: dict[int, tuple[str, int] | None] = {}
+    old_world: dict[str, int] = {}
+    for r, v in enumerate(raw):
+        h = json.loads(bytes(v).decode() if not isinstance(v, str) else v)
+        arrivals[r] = None if h is None else (str(h[0]), int(h[1]))
+        if h is not None:
+            old_world[str(h[0])] = int(h[2])
+    return shrink_plan(old_world, arrivals, can_shrink=True)
+
+
+def can_shrink(group: Any = None) -> bool:
+    """Whether this group's backend can shrink (NCCL >= 2.27 through torch's shrink_group)."""
+    if not hasattr(dist, "shrink_group"):
+        return False
+    pg: Any = group if group is not None else dist.group.WORLD
+    try:
+        dev = getattr(pg, "bound_device_id", None) or torch.device("cuda")
+        return bool(pg._get_backend(dev).supports_shrinking)
+    except Exception:  # no such backend on this device, or no attribute: cannot
+        return False
+
+
+# ---- process-wide settings --------------------------------------------------------------------
+class _Settings:
+    def __init__(self) -> None:
+        self.force_staging = os.environ.get(FORCE_STAGING_ENV, "") not in ("", "0")
+        self.device: torch.device | None = None  # NCCL groups' device (None: the current CUDA device)
+
+
+_settings = _Settings()
+
+
+@dataclass
+class Stats:
+    staged_ops: int = 0  # operations that went through staging buffers
+    staged_bytes: int = 0
+    pool_hits: int = 0  # staging buffers reused from the pool
+
+
+stats = Stats()
+
+
+def configure(*, force_staging: bool | None = None, device: torch.device | str | None = None,
+              pool_bytes: int | None = None) -> None:
+    """Process-wide: `force_staging` runs gloo's staged path with CPU tensors too (tests);
+    `device` is where NCCL groups carry CPU tensors; `pool_bytes` caps the staging buffers kept
+    for reuse (a staged sync has its whole gradient chunk in flight at once, so a cap below that
+    re-allocates pinned memory every step)."""
+    if force_staging is not None:
+        _settings.force_staging = force_staging
+    if device is not None:
+        _settings.device = torch.device(device)
+    if pool_bytes is not None:
+        _pool.limit = pool_bytes
+
+
+def staging_forced() -> bool:
+    return _settings.force_staging
+
+
+def _nccl_device() -> torch.device:
+    if _settings.device is not None and _settings.device.type == "cuda":
+        return _settings.device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+# ---- staging buffers --------------------------------------------------------------------------
+class _Pool:
+    """Free staging buffers by (elements, dtype, device). Pinned host memory where CUDA exists."""
+
+    def __init__(self, limit: int = POOL_BYTES) -> None:
+        self.limit = limit
+        self.free: dict[tuple[int, torch.dtype, str], list[torch.Tensor]] = {}
+        self.bytes = 0
+        self.lock = threading.Lock()  # autograd runs a CUDA backward on its own thread
+
+    def take(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (n, dtype, str(device))
+        with self.lock:
+            bufs = self.free.get(key)
+            if bufs:
+                buf = bufs.pop()
+                self.bytes -= buf.numel() * buf.element_size()
+                stats.pool_hits += 1
+                return buf
+        if device.type == "cpu":
+            return torch.empty(n, dtype=dtype, pin_memory=torch.cuda.is_available())
+        return torch.empty(n, dtype=dtype, device=device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        size = buf.numel() * buf.element_size()
+        with self.lock:
+            if self.bytes + size > self.limit:
+                return  # dropped: the pool keeps what fits
+            self.free.setdefault((buf.numel(), buf.dtype, str(buf.device)), []).append(buf)
+            self.bytes += size
+
+    def clear(self) -> None:
+        with self.lock:
+            self.free.clear()
+            self.bytes = 0
+
+
+_pool = _Pool()
+
+
+def release_buffers() -> None:
+    """Forget the pooled staging buffers (a new layout has new message sizes; stale sizes would
+    fill the pool and keep the new ones out)."""
+    _pool.clear()
+
+
+Route = Literal["direct", "host", "device"]
+
+
+def backend_of(group: Any) -> str:
+    return str(dist.get_backend(group)).lower()
+
+
+def route(t: torch.Tensor, group: Any) -> Route:
+    """How `t` travels on `group`: directly, staged through host memory (gloo with a device
+    tensor, or forced), or through a device copy (NCCL with a CPU tensor)."""
+    backend = backend_of(group)
+    if backend == "nccl":
+        return "device" if t.device.type == "cpu" else "direct"
+    if t.device.type != "cpu" or _settings.force_staging:
+        return "host"
+    return "direct"
+
+
+class _Staged:
+    """A buffer standing in for `t` on the wire."""
+
+    __slots__ = ("buf", "t")
+
+    def __init__(self, t: torch.Tensor, where: Route, fill: bool) -> None:
+        dev = torch.device("cpu") if where == "host" else _nccl_device()
+        self.t = t
+        self.buf = _pool.take(t.numel(), t.dtype, dev).view(t.shape)
+        if fill:
+            self.buf.copy_(t)  # synchronous: complete before the wire reads the buffer
+        stats.staged_ops += 1
+        stats.staged_bytes += t.numel() * t.element_size()
+
+    def back(self) -> None:
+        self.t.copy_(self.buf)  # synchronous (pinned -> device included): the buffer is free after
+
+    def release(self) -> None:
+        _pool.give(self.buf.view(-1))
+
+
+class Work:
+    """A pending operation; `wait()` completes it, copies staged results back and frees buffers.
+    Waiting again does nothing."""
+
+    def __init__(self, inner: Any, after: Callable[[], None] | None = None) -> None:
+        self.inner, self.after, self.done = inner, after, False
+
+    def wait(self) -> bool:
+        if not self.done:
+            if self.inner is not None:
+                self.inner.wait()
+            self.done = True
+            if self.after is not None:
+                self.after()
+        return True
+
+
+def _finish(staged: Sequence[_Staged], copy_back: Sequence[_Staged]) -> Callable[[], None]:
+    def after() -> None:
+        for s in copy_back:
+            s.back()
+        for s in staged:
+            s.release()
+
+    return after
+
+
+# ---- collectives ------------------------------------------------------------------------------
+@overload
+def all_reduce(t: torch.Tensor, group: Any = ..., *, async_op: Literal[True]) -> Work: ...
+@overload
+def all_reduce(t: torch.Tensor, group: Any = ..., async_op: Literal[False] = ...) -> None: ...
+def all_reduce(t: torch.Tensor, group: Any = None, async_op: bool = False) -> Work | None:
+    """Sum `t` over `group` in place; with `async_op` a Work to wait on."""
+    where = route(t, group)
+    if where == "direct":
+        w = dist.all_reduce(t, group=group, async_op=async_op)
+        return Work(w) if async_op else None
+    s = _Staged(t, where, fill=True)
+    work = Work(dist.all_reduce(s.buf, group=group, async_op=True), _finish([s], [s]))
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def broadcast(t: torch.Tensor, src: int, group: Any = None) -> None:
+    """`t` from global rank `src` to every rank of `group`, in place."""
+    where = route(t, group)
+    if where == "direct":
+        dist.broadcast(t, src=src, group=group)
+        return
+    mine = dist.get_rank() == src
+    s = _Staged(t, where, fill=mine)
+    dist.broadcast(s.buf, src=src, group=group)
+    _finish([s], [] if mine else [s])()
+
+
+def all_gather(out: list[torch.Tensor], t: torch.Tensor, group: Any = None) -> None:
+    """Every rank's `t` into `out` (one tensor per rank of `group`, in group-rank order)."""
+    where = route(t, group)
+    if where == "direct" and all(route(o, group) == "direct" for o in out):
+        dist.all_gather(out, t, group=group)
+        return
+    if where == "direct":
+        where = "host" if backend_of(group) != "nccl" else "device"
+    s = _Staged(t, where, fill=True)
+    outs = [_Staged(o, where, fill=False) for o in out]
+    dist.all_gather([o.buf for o in outs], s.buf, group=group)
+    _finish([s, *outs], outs)()
+
+
+def all_gather_object(out: list[Any], obj: Any, group: Any = None) -> None:
+    """Picklable objects: torch moves them through the group's device itself (on NCCL, the
+    current CUDA device, which the runtime sets)."""
+    dist.all_gather_object(out, obj, group=group)
+
+
+def broadcast_object_list(objs: list[Any], src: int, group: Any = None) -> None:
+    dist.broadcast_object_list(objs, src=src, group=group)
+
+
+# ---- point to point ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class P2P:
+    send: bool  # True: send `tensor` to `peer`; False: receive into it from `peer`
+    tensor: torch.Tensor
+    peer: int  # global rank
+
+
+def isend(t: torch.Tensor, dst: int, group: Any = None) -> Work:
+    return exchange([P2P(True, t, dst)], group)[0]
+
+
+def irecv(t: torch.Tensor, src: int, group: Any = None) -> Work:
+    return exchange([P2P(False, t, src)], group)[0]
+
+
+def exchange(ops: Sequence[P2P], group: Any = None) -> list[Work]:
+    """Post point-to-point messages together; one Work per op, in order. On NCCL they form one
+    group call (all issued at once, so no order of sends and receives across ranks can
+    deadlock); on gloo each is its own message, staged where `route` says so. Both ends must
+    list a pair's messages in the same order."""
+    if not ops:
+        return []
+    staged: list[_Staged | None] = []
+    for op in ops:
+        where = route(op.tensor, group)
+        staged.append(None if where == "direct" else _Staged(op.tensor, where, fill=op.send))
+    bufs = [op.tensor if s is None else s.buf for op, s in zip(ops, staged, strict=True)]
+    if backend_of(group) == "nccl":
+        p2p = [dist.P2POp(dist.isend if op.send else dist.irecv, b, op.peer, group)
+               for op, b in zip(ops, bufs, strict=True)]
+        inner: list[Any] = list(dist.batch_isend_irecv(p2p))
+        if len(inner) != len(ops):  # NCCL coalesces the group into one work: wait on it for all
+            inner = [inner[0] if inner else None] * len(ops)
+    else:
+        inner = [dist.isend(b, dst=op.peer, group=group) if op.send else dist.irecv(b, src=op.peer, group=group)
+                 for op, b in zip(ops, bufs, strict=True)]
+    out = []
+    for op, s, w in zip(ops, staged, inner, strict=True):
+        out.append(Work(w, None if s is None else _finish([s], [] if op.send else [s])))
+    return out
+
+
+def wait_all(works: Sequence[Any]) -> None:
+    for w in works:
+        w.wait()
+
+
+# ---- process groups ---------------------------------------------------------------------------
+def init_default_group(backend: str, store: Any, rank: int, world: int, timeout: Any,
+                       device: torch.device | None, features: CommFeatures | None = None) -> None:
+    """The version's default group. NCCL: error handling as the runtime needs it (NCCL_ENV, set
+    before the communicator exists), communicator creation bounded by `timeout` too (NCCL's
+    non-blocking mode with torch's timeout for it: a peer that dies between the rendezvous and
+    ncclCommInitRank would otherwise hang the others there), unless the user set these
+    variables; and, where torch supports it, eager initialisation bound to the rank's device --
+    then every sub-group is split from this communicator (ncclCommSplit) rather than initialised
+    from nothing."""
+    feats = features or detect_features()
+    kwargs: dict[str, Any] = {}
+    if backend == "nccl":
+        check_nccl_env(os.environ)
+        for k, v in NCCL_ENV.items():
+            os.environ.setdefault(k, v)
+        os.environ.setdefault("TORCH_NCCL_USE_COMM_NONBLOCKING", "1")
+        os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(max(1, int(timeout.total_seconds()))))
+        if feats.eager_init and device is not None:
+            kwargs["device_id"] = device
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
+
+
+def shrink_default_group(exclude: Sequence[int]) -> None:
+    """Shrink the default group to its ranks minus `exclude` (ncclCommShrink with abort: pending
+    operations with the dead rank are cancelled). Raises when the backend cannot."""
+    flags = getattr(dist.distributed_c10d, "SHRINK_ABORT", 0)
+    dist.shrink_group(list(exclude), group=None, shrink_flags=flags)
+
+
+def leave(backend: str, features: CommFeatures | None = None) -> None:
+    """Drop every group of this process. NCCL: abort the communicators where torch can (a hung
+    peer would keep ncclCommDestroy waiting; abort returns at once; torch aborts them all within
+    one NCCL group call), else destroy; gloo: destroy (its sockets close with the last
+    reference). May raise for a broken group, which is dropped either way."""
+    if not dist.is_initialized():
+        return
+    feats = features or detect_features()
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if backend == "nccl" and feats.abort and abort is not None:
+        try:
+            abort()
+            return
+        except Exception:
+            if not dist.is_initialized():
+                return
+    dist.destroy_process_group()
