@@ -42,11 +42,13 @@ def _job_part(name: str, rec: Any) -> tuple[dict[str, Any], dict[str, float]]:
                     boost.update(dict.fromkeys(g["gpus"], g["power_ratio"]))
             if i < MAX_REPLICAS:
                 groups = [{"domain": g["domain"], "gpus": g["gpus"], "power_ratio": g["power_ratio"],
-                           "group": g["group"], "stage": g["stage"], "moved_from": _moved_from(r["id"], g)}
+                           "group": g["group"], "stage": g["stage"], "tp": g["tp"],
+                           "moved_from": _moved_from(r["id"], g)}
                           for g in r["groups"]]
                 reps.append({"id": r["id"], "tp": r["tp"], "local_batch": r["local_batch"], "groups": groups})
     total = len(lay.plan["replicas"]) if lay else 0
     return ({"name": name, "version": lay.version if lay else None, "reason": lay.reason if lay else "",
+             "tp": lay.plan.get("tp") if lay else None,  # the healthy degree: a smaller stage is drawn reduced
              "pending_reason": rec.pending_reason, "replicas": reps, "replicas_total": total,
              "global_batch": lay.plan.get("global_batch") if lay else None,
              "moves": lay.plan.get("moves") if lay else None}, boost)

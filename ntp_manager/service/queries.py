@@ -53,7 +53,18 @@ def maintenance_view(row: MaintenanceRow) -> dict[str, Any]:
 
 
 def _replicas(plan: dict[str, Any]) -> list[dict[str, Any]]:
-    return [{"id": r["id"], "tp": r["tp"], "local_batch": r["local_batch"]} for r in plan["replicas"]]
+    return [_replica_summary(r) for r in plan["replicas"]]
+
+
+def _replica_summary(r: dict[str, Any]) -> dict[str, Any]:
+    """A replica in a layout's history: its TP degree (the lowest stage's), batch, each stage's TP
+    degree, and the groups that moved into it (replica or stage changed) with where they were."""
+    groups = sorted(r["groups"], key=lambda g: g["stage"])
+    moved = [{"group": g["group"], "stage": g["stage"], "from_replica": g.get("prev_replica"),
+              "from_stage": g.get("prev_stage")}
+             for g in groups if "prev_replica" in g and (g["prev_replica"], g["prev_stage"]) != (r["id"], g["stage"])]
+    return {"id": r["id"], "tp": r["tp"], "local_batch": r["local_batch"], "stage_tp": [g["tp"] for g in groups],
+            "moved": moved}
 
 
 class Queries:
@@ -152,7 +163,7 @@ class Queries:
             select(func.count()).select_from(LayoutRow).where(where),
             lambda r: {"version": r.version, "leader_epoch": r.leader_epoch, "created_at": iso(r.created_at),
                        "reason": r.reason, "relative_throughput": r.plan["relative_throughput"],
-                       "replicas": _replicas(r.plan)},
+                       "replicas": _replicas(r.plan), "moves": r.plan.get("moves")},
             limit, offset)
 
     async def events(self, gpu: str | None, node: str | None, limit: int, offset: int) -> dict[str, Any]:
