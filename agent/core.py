@@ -24,13 +24,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import structlog
-from tenacity import wait_exponential_jitter
+from tenacity import RetryCallState, wait_exponential_jitter
 
-from agent.backends.base import BackendError, GpuBackend, GpuLost, NotSupported, XidEvent
+from agent.backends.base import BackendError, GpuBackend, GpuLost, GpuSample, NotSupported, XidEvent
 from agent.policy import GpuEvidence, HealthPolicy, Verdict, XidAction
 from agent.power import PowerController
 from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
@@ -87,6 +87,7 @@ class Agent:
         self.power = PowerController(backend)
         self.statics = backend.gpus()
         self.evidence = {g.uuid: GpuEvidence(g.uuid) for g in self.statics}
+        self.samples: dict[str, GpuSample] = {}  # latest read-only sample per GPU, sent with heartbeats
         self.verdicts: dict[str, Verdict] = {g.uuid: Verdict("healthy", ()) for g in self.statics}
         self.pending: list[PendingReport] = []
         self.next_seq = 1
@@ -140,8 +141,8 @@ class Agent:
             action = self.policy.on_xid(self.evidence[ev.uuid], ev.xid, now)
             xids.setdefault(ev.uuid, []).append(ev.xid)
             if action is XidAction.FAIL_NODE:
-                for other, evd in self.evidence.items():
-                    if other != ev.uuid:
+                for other_uuid, evd in self.evidence.items():
+                    if other_uuid != ev.uuid:
                         evd.sticky.append(f"XID {ev.xid} on {ev.uuid}: the node's GPUs are unreliable")
             log.info("xid", gpu=ev.uuid, xid=ev.xid, action=action.value)
         self.reevaluate(xids)
@@ -161,6 +162,7 @@ class Agent:
                 self.metrics["nvml_errors"] += 1
                 log.warning("sample failed", gpu=g.uuid, error=str(e))
                 continue
+            self.samples[g.uuid] = s
             self.policy.on_sample(ev, now, sbe_total=s.sbe_total, dbe_total=s.dbe_total, throttled=s.throttled,
                                   temp_c=s.temperature_c, nvlink_down=s.nvlink_down, remap_failure=s.remap_failure)
             ev.slow_reason = f"running at {100 * s.slow_factor:.0f}% speed" if s.slow_factor < 0.9 else None
@@ -257,7 +259,7 @@ class Agent:
                 yield m
 
         async with self.cfg.channel() as channel:
-            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            stub = agent_pb2_grpc.AgentServiceStub(channel)  # type: ignore[no-untyped-call]
             call = stub.Connect(requests(), metadata=(("authorization", f"Bearer {self.cfg.token}"),))
             beat = asyncio.create_task(self._heartbeats(outbox))
             try:
@@ -285,7 +287,13 @@ class Agent:
         while True:
             await asyncio.sleep(self.cfg.heartbeat_interval_s)
             if self.connected.is_set():
-                outbox.put_nowait(agent_pb2.AgentMessage(heartbeat=agent_pb2.Heartbeat(last_seq=self.next_seq - 1)))
+                outbox.put_nowait(self.heartbeat_msg())
+
+    def heartbeat_msg(self) -> agent_pb2.AgentMessage:
+        """A heartbeat carrying the latest sample of each GPU (GPUs lost or never read: none)."""
+        return agent_pb2.AgentMessage(heartbeat=agent_pb2.Heartbeat(
+            last_seq=self.next_seq - 1,
+            gpus=[telemetry_pb(s) for u, s in self.samples.items() if not self.evidence[u].lost]))
 
     def on_command(self, msg: agent_pb2.ManagerMessage) -> agent_pb2.AgentMessage | None:
         kind = msg.WhichOneof("body")
@@ -328,7 +336,7 @@ class Agent:
                 break
             attempt += 1
             self.reconnects += 1
-            delay = wait(_RetryState(attempt))
+            delay = wait(cast(RetryCallState, _RetryState(attempt)))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), delay)
 
@@ -367,6 +375,23 @@ class _RetryState:
 
     def __init__(self, attempt: int) -> None:
         self.attempt_number = attempt
+
+
+def telemetry_pb(s: GpuSample) -> agent_pb2.GpuTelemetry:
+    """A sample as sent to the manager; values a field cannot hold (a negative reading, a counter
+    past 64 bits) are left unset rather than wrapped."""
+    t = agent_pb2.GpuTelemetry(uuid=s.uuid, ecc_uncorrected=max(0, s.dbe_total), nvlink_down=max(0, s.nvlink_down))
+    for name, value, bits in (
+        ("clock_event_reasons", s.clock_event_reasons, 64), ("sm_clock_mhz", s.sm_clock_mhz, 32),
+        ("sm_clock_max_mhz", s.sm_clock_max_mhz, 32), ("usage_mw", s.usage_mw, 32), ("limit_mw", s.limit_mw, 32),
+        ("ecc_corrected", s.sbe_total, 64), ("nvlink_replay", s.nvlink_replay, 64),
+        ("nvlink_recovery", s.nvlink_recovery, 64), ("nvlink_crc", s.nvlink_crc, 64),
+    ):
+        if value is not None and 0 <= value < 2**bits:
+            setattr(t, name, value)
+    if s.temperature_c is not None and -(2**31) <= s.temperature_c < 2**31:
+        t.temperature_c = s.temperature_c
+    return t
 
 
 def _boot_id() -> str:

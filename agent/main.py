@@ -143,7 +143,7 @@ def serve_metrics(agent: Agent, port: int) -> None:
             yield GaugeMetricFamily("ntp_agent_connected", "1 while connected", value=float(agent.connected.is_set()))
 
     reg = CollectorRegistry()
-    reg.register(Collector())  # type: ignore[arg-type]
+    reg.register(Collector())
     start_http_server(port, addr="127.0.0.1", registry=reg)
 
 
@@ -186,7 +186,7 @@ def main_cmd(
     tls_key: Annotated[Path | None, typer.Option(help="its private key (PEM)")] = None,
 ) -> None:
     """Report this node's GPU health to the manager and apply its power caps."""
-    overrides = {"manager": manager, "token_file": token_file, "backend": backend, "scenario": scenario,
+    overrides: dict[str, Any] = {"manager": manager, "token_file": token_file, "backend": backend, "scenario": scenario,
                  "node": node, "domain": domain, "metrics_port": metrics_port, "tls_ca": tls_ca,
                  "tls_cert": tls_cert, "tls_key": tls_key}
     try:

@@ -54,7 +54,7 @@ class XidPolicy:
     def default(cls) -> XidPolicy:
         return cls(dict(_DEFAULT))
 
-    def with_overrides(self, overrides: Mapping[int | str, str]) -> XidPolicy:
+    def with_overrides(self, overrides: Mapping[int, str] | Mapping[str, str]) -> XidPolicy:
         actions = dict(self.actions)
         for k, v in overrides.items():
             try:

@@ -18,9 +18,20 @@
    under a running manager: from the change's commit (its audit record's time) to the first
    request the manager answers accordingly.
 
+5. Group commit (issue 19), with `--group-commit` (SQLite, and PostgreSQL with `--postgres URL`):
+   a. state-changing reports: 500 agents x 8 GPUs each send 40 reports without waiting for acks
+      (each flips a GPU between failed and healthy); reports per second from the first sent to
+      the last acknowledged, then the store's event count is checked against what was acked.
+   b. registration: 12,500 nodes x 8 GPUs say hello, 2,500 at a time.
+   c. mass failure: 1,000 nodes x 8 GPUs (NVL16 domains of 2 nodes), a job of 1,000 TP8 replicas,
+      1,000 layout watchers (one per node); 125 nodes report all 8 GPUs failed at once (1,000 GPUs);
+      from the first report sent until every watcher holds the layout without those 125 replicas.
+      Repaired between rounds (not timed).
+
 Each agent has its own token, bound to its node (`ntp-manager token create --nodes-from`).
 
 Usage: python bench/manager.py [--rounds 30] [--ingest-seconds 20] [--skip-ingest]
+       python bench/manager.py --group-commit [--postgres postgresql+asyncpg://postgres@127.0.0.1:5432/test]
 """
 
 from __future__ import annotations
@@ -59,24 +70,28 @@ BIG_NODE = "big-node"
 MAX_GPUS = 100_000 + 128  # the ingest cluster plus one largest hello
 
 
-def start_manager(data: Path, nodes: list[str]) -> tuple[subprocess.Popen[str], dict[str, Any], dict[str, str]]:
+def start_manager(data: Path, nodes: list[str], db_url: str | None = None
+                  ) -> tuple[subprocess.Popen[str], dict[str, Any], dict[str, str]]:
     tokens = {}
+    base_env = dict(os.environ, **({"NTP_DATABASE_URL": db_url} if db_url else {}))
     for scope in ("operator", "worker"):
         out = subprocess.run(
             [sys.executable, "-m", "ntp_manager.cli", "token", "create", "--scope", scope, "--json",
-             "--data-dir", str(data)], capture_output=True, text=True, check=True).stdout
+             "--data-dir", str(data)], capture_output=True, text=True, check=True, env=base_env).stdout
         tokens[scope] = json.loads(out)["token"]
     out = subprocess.run(
         [sys.executable, "-m", "ntp_manager.cli", "token", "create", "--scope", "agent", "--nodes-from", "-",
-         "--data-dir", str(data)], input="\n".join(nodes), capture_output=True, text=True, check=True).stdout
+         "--data-dir", str(data)], input="\n".join(nodes), capture_output=True, text=True, check=True,
+        env=base_env).stdout
     for line in out.splitlines():
         d = json.loads(line)
         tokens[d["node"]] = d["token"]
-    env = dict(os.environ, NTP_SUSPECT_AFTER_S="600", NTP_FAIL_AFTER_S="1200", NTP_BREAKER_MIN_GPUS="100000",
+    env = dict(base_env, NTP_SUSPECT_AFTER_S="600", NTP_FAIL_AFTER_S="1200", NTP_BREAKER_MIN_GPUS="100000",
                NTP_MAX_CLUSTER_GPUS=str(MAX_GPUS), NTP_LOG_FORMAT="json")
     log = open(data / "manager.log", "w")  # noqa: SIM115 - the manager writes it until it ends
+    prof = ["-m", "cProfile", "-o", os.environ["BENCH_PROFILE"]] if os.environ.get("BENCH_PROFILE") else []
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ntp_manager.cli", "serve", "--data-dir", str(data), "--http-port", "0",
+        [sys.executable, *prof, "-m", "ntp_manager.cli", "serve", "--data-dir", str(data), "--http-port", "0",
          "--grpc-port", "0"], stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -119,9 +134,12 @@ class Agent:
                 self.acked = msg.ack.seq
 
     def report(self, uuid: str, state: int) -> None:
+        self.report_many([uuid], state)
+
+    def report_many(self, uuids: list[str], state: int) -> None:
         self.seq += 1
         self.q.put_nowait(agent_pb2.AgentMessage(report=agent_pb2.HealthReport(
-            seq=self.seq, gpus=[agent_pb2.GpuHealth(uuid=uuid, state=state, reasons=["bench"])])))
+            seq=self.seq, gpus=[agent_pb2.GpuHealth(uuid=u, state=state, reasons=["bench"]) for u in uuids])))
 
     def heartbeat(self) -> None:
         self.q.put_nowait(agent_pb2.AgentMessage(heartbeat=agent_pb2.Heartbeat(last_seq=self.seq)))
@@ -346,6 +364,172 @@ async def token_changes(data: Path, info: dict[str, Any], tokens: dict[str, str]
             "create_median_s": statistics.median(created), "revoke_median_s": statistics.median(revoked)}
 
 
+def channels_for(info: dict[str, Any], n: int) -> list[grpc.aio.Channel]:
+    # one connection per channel (as separate agents would have), not one shared HTTP/2 connection
+    return [grpc.aio.insecure_channel(info["grpc"], options=[("grpc.use_local_subchannel_pool", 1)])
+            for _ in range(n)]
+
+
+async def register_all(agents: list[Agent], wave: int) -> tuple[float, list[asyncio.Task[None]]]:
+    tasks: list[asyncio.Task[None]] = []
+    t0 = time.perf_counter()
+    for i in range(0, len(agents), wave):
+        tasks += [asyncio.create_task(a.run()) for a in agents[i : i + wave]]
+        for a in agents[i : i + wave]:
+            await asyncio.wait_for(a.welcome.wait(), 600)
+    return time.perf_counter() - t0, tasks
+
+
+async def event_total(info: dict[str, Any], token: str) -> int:
+    async with httpx.AsyncClient(base_url=f"http://{info['http']}", timeout=60,
+                                 headers={"Authorization": f"Bearer {token}"}) as c:
+        return int((await c.get("/v1/events", params={"limit": 1})).json()["total"])
+
+
+async def report_rate(info: dict[str, Any], tokens: dict[str, str], pid: int, n_nodes: int = 500,
+                      per_node: int = 40) -> dict[str, Any]:
+    """State-changing reports, pipelined by every agent, acknowledged only once durable."""
+    channels = channels_for(info, 20)
+    agents = [Agent(channels[i % 20], tokens[f"rep-{i:04d}"], f"rep-{i:04d}", f"rep-nvl-{i // 2:03d}", 8)
+              for i in range(n_nodes)]
+    _, tasks = await register_all(agents, 500)
+    before = await event_total(info, tokens["operator"])
+    cpu0 = cpu_seconds(pid)
+    t0 = time.perf_counter()
+    for k in range(per_node):  # report k flips GPU k % 8: failed on even rounds, healthy on odd ones
+        state = common_pb2.GPU_STATE_FAILED if (k // 8) % 2 == 0 else common_pb2.GPU_STATE_HEALTHY
+        for a in agents:
+            a.report(a.uuids[k % 8], state)
+    want = per_node
+    while any(a.acked < want for a in agents):
+        await asyncio.sleep(0.002)
+    elapsed = time.perf_counter() - t0
+    cpu = cpu_seconds(pid) - cpu0
+    stored = await event_total(info, tokens["operator"]) - before
+    for t in tasks:
+        t.cancel()
+    for ch in channels:
+        await ch.close()
+    total = n_nodes * per_node
+    return {"agents": n_nodes, "reports": total, "seconds": elapsed, "per_s": total / elapsed,
+            "stored_events": stored, "manager_cpu_s": cpu, "per_manager_cpu_s": total / cpu}
+
+
+async def registration(info: dict[str, Any], tokens: dict[str, str], n_nodes: int = 12_500) -> dict[str, Any]:
+    channels = channels_for(info, 50)
+    agents = [Agent(channels[i % 50], tokens[f"ing-{i:05d}"], f"ing-{i:05d}", f"ing-nvl-{i // 9:04d}", 8)
+              for i in range(n_nodes)]
+    reg_s, tasks = await register_all(agents, 2500)
+    for t in tasks:
+        t.cancel()
+    for ch in channels:
+        await ch.close()
+    return {"nodes": n_nodes, "gpus": 8 * n_nodes, "seconds": reg_s}
+
+
+async def mass_failure(info: dict[str, Any], tokens: dict[str, str], rounds: int) -> dict[str, Any]:
+    """125 nodes x 8 GPUs fail at once; until every one of 1,000 watchers holds the new layout."""
+    n_nodes, hit = 1000, 125
+    channels = channels_for(info, 20)
+    agents = [Agent(channels[i % 20], tokens[f"node-{i:04d}"], f"node-{i:04d}", f"nvl-{i // 2:03d}", 8)
+              for i in range(n_nodes)]
+    reg_s, tasks = await register_all(agents, 500)
+    async with httpx.AsyncClient(base_url=f"http://{info['http']}",
+                                 headers={"Authorization": f"Bearer {tokens['operator']}"}, timeout=60) as c:
+        (await c.post("/v1/jobs", json={"name": "mass", "tp": 8, "replicas": n_nodes, "local_batch": 8,
+                                        "min_tp": 4, "heads": 32, "mlp_columns": 1024})).raise_for_status()
+    replicas: dict[int, int] = {}  # watcher -> replicas in the newest layout it holds
+    wmd = (("authorization", f"Bearer {tokens['worker']}"),)
+
+    async def watch(i: int) -> None:
+        stub = worker_pb2_grpc.WorkerServiceStub(channels[i % 20])
+        req = worker_pb2.WatchLayoutRequest(job="mass", worker_id=f"w{i}", gpu_uuid=agents[i].uuids[0])
+        async for msg in stub.WatchLayout(req, metadata=wmd):
+            replicas[i] = len(msg.replicas)
+
+    async def all_hold(n: int) -> float:
+        while len(replicas) < n_nodes or any(v != n for v in replicas.values()):
+            await asyncio.sleep(0.001)
+        return time.perf_counter()
+
+    watchers = [asyncio.create_task(watch(i)) for i in range(n_nodes)]
+    await all_hold(n_nodes)
+    samples = []
+    for k in range(rounds):
+        first = (k * 250) % n_nodes  # 125 consecutive nodes: 62.5 NVL16 domains, a rack's worth
+        group = agents[first : first + hit]
+        t_send = time.perf_counter()
+        for a in group:
+            a.report_many(a.uuids, common_pb2.GPU_STATE_FAILED)
+        samples.append(await all_hold(n_nodes - hit) - t_send)
+        for a in group:  # repaired (not timed)
+            a.report_many(a.uuids, common_pb2.GPU_STATE_HEALTHY)
+        await all_hold(n_nodes)
+        await asyncio.sleep(0.2)
+    for t in watchers + tasks:
+        t.cancel()
+    for ch in channels:
+        await ch.close()
+    samples.sort()
+    return {"nodes": n_nodes, "failed_gpus": 8 * hit, "watchers": n_nodes, "rounds": rounds, "register_s": reg_s,
+            "p50_ms": 1e3 * statistics.median(samples),
+            "p99_ms": 1e3 * samples[min(len(samples) - 1, int(0.99 * len(samples)))], "max_ms": 1e3 * samples[-1]}
+
+
+async def fresh_postgres(url: str) -> str:
+    """A new empty database beside the one `url` names (dropped by `drop_postgres`)."""
+    import asyncpg
+
+    name = f"ntp_bench_{os.getpid()}_{int(time.time())}"
+    admin = url.replace("postgresql+asyncpg://", "postgresql://")
+    conn = await asyncpg.connect(admin)
+    await conn.execute(f'CREATE DATABASE "{name}"')
+    await conn.close()
+    return f"{url.rsplit('/', 1)[0]}/{name}"
+
+
+async def drop_postgres(admin_url: str, url: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(admin_url.replace("postgresql+asyncpg://", "postgresql://"))
+    await conn.execute(f'DROP DATABASE IF EXISTS "{url.rsplit("/", 1)[1]}" WITH (FORCE)')
+    await conn.close()
+
+
+async def group_commit(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    stores = [("sqlite", None)] + ([("postgres", args.postgres)] if args.postgres else [])
+    for store, admin in stores:
+        res: dict[str, Any] = {}
+        for part in ("reports", "registration", "mass_failure"):
+            if part in args.skip_part:
+                continue
+            db_url = await fresh_postgres(admin) if admin else None
+            try:
+                with tempfile.TemporaryDirectory() as tmp:
+                    nodes = {"reports": [f"rep-{i:04d}" for i in range(500)],
+                             "registration": [f"ing-{i:05d}" for i in range(12_500)],
+                             "mass_failure": [f"node-{i:04d}" for i in range(1000)]}[part]
+                    proc, info, tokens = start_manager(Path(tmp), nodes, db_url)
+                    try:
+                        with console.status(f"{store}: {part}"):
+                            if part == "reports":
+                                res[part] = await report_rate(info, tokens, proc.pid)
+                            elif part == "registration":
+                                res[part] = await registration(info, tokens)
+                            else:
+                                res[part] = await mass_failure(info, tokens, args.rounds)
+                        console.print(f"{store} {part}: {json.dumps(res[part])}")
+                    finally:
+                        proc.send_signal(signal.SIGTERM)
+                        proc.wait(120)
+            finally:
+                if admin and db_url:
+                    await drop_postgres(admin, db_url)
+        out[store] = res
+    return out
+
+
 def stall_sites(log: Path, top: int = 5) -> list[tuple[int, str]]:
     """Where the watchdog caught the loop held (its in-stall warnings), most frequent first."""
     sites: dict[str, int] = {}
@@ -365,6 +549,8 @@ def stall_sites(log: Path, top: int = 5) -> list[tuple[int, str]]:
 
 async def main_async(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    if args.group_commit:
+        return {"group_commit": await group_commit(args, console)}
     if args.skip_latency:
         return await ingest_only(args, console, out)
     with tempfile.TemporaryDirectory() as tmp:
@@ -404,6 +590,9 @@ def main() -> None:
     ap.add_argument("--skip-ingest", action="store_true")
     ap.add_argument("--skip-latency", action="store_true", help="only the ingest and event-loop parts")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--group-commit", action="store_true", help="only the group-commit figures (issue 19)")
+    ap.add_argument("--postgres", help="also on PostgreSQL: an admin URL (a fresh database is made beside it)")
+    ap.add_argument("--skip-part", action="append", default=[], choices=["reports", "registration", "mass_failure"])
     args, _ = ap.parse_known_args()
     console = Console(width=120)
     res = asyncio.run(main_async(args, console))
@@ -440,7 +629,24 @@ def main() -> None:
         console.print(t3)
         for n, where in res.get("stall_sites", []):
             console.print(f"held the loop {n}x: {where}", highlight=False)
-    console.print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
+    for store, gc_res in res.get("group_commit", {}).items():
+        t4 = Table(title=f"group commit on {store}")
+        for col in ("figure", "measured", "goal"):
+            t4.add_column(col, justify="right")
+        if "reports" in gc_res:
+            r = gc_res["reports"]
+            t4.add_row(f"state-changing reports ({r['reports']:,} from {r['agents']} agents; {r['stored_events']:,} "
+                       "stored)", f"{r['per_s']:,.0f} /s", ">= 5,000 /s")
+        if "registration" in gc_res:
+            r = gc_res["registration"]
+            t4.add_row(f"registration of {r['nodes']:,} nodes ({r['gpus']:,} GPUs)", f"{r['seconds']:.1f} s", "<= 10 s")
+        if "mass_failure" in gc_res:
+            r = gc_res["mass_failure"]
+            t4.add_row(f"{r['failed_gpus']:,} GPUs fail -> layout on {r['watchers']:,} watchers ({r['rounds']} rounds)",
+                       f"p50 {r['p50_ms']:.0f} ms, p99 {r['p99_ms']:.0f} ms", "p99 <= 1,000 ms")
+        console.print(t4)
+    console.print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, "
+                  f"load average {os.getloadavg()[0]:.1f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(res, indent=2))

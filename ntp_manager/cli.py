@@ -175,7 +175,8 @@ def _settings(**overrides: object) -> Settings:
     from pydantic import ValidationError
 
     try:
-        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+        given: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
+        return Settings(**given)
     except ValidationError as e:
         first = e.errors()[0]
         fail(f"settings: {'.'.join(str(x) for x in first['loc'])}: {first['msg']}")

@@ -147,7 +147,7 @@ def nodes(c: typer.Context, domain: str | None = None, as_json: JsonOpt = False)
 def gpus(c: typer.Context, state: str | None = None, node: str | None = None, domain: str | None = None,
          as_json: JsonOpt = False) -> None:
     """GPUs, optionally filtered by state, node or domain."""
-    params = {k: v for k, v in {"state": state, "node": node, "domain": domain}.items() if v}
+    params: dict[str, Any] = {k: v for k, v in {"state": state, "node": node, "domain": domain}.items() if v}
     params["limit"] = 1000
     d = ctx_of(c).call("GET", "/v1/gpus", params=params)
     rows = [[g["uuid"], g["node"], g["domain"], styled(g["state"]), g["admin_reason"] or g["health_reason"] or "",

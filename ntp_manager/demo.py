@@ -1,14 +1,21 @@
 """`make demo`: the whole system on one machine.
 
 A real manager process (SQLite), real agents on the fake GPU backend for three nodes (two NVLink
-domains of 4 GPUs for the job, plus a spare node), and a CPU training job of 2 DP replicas x TP4, one
-process per GPU, using the worker runtime over the manager's gRPC watch stream. Then:
+domains of 4 GPUs for the job, plus a spare node), and a CPU training job of 2 DP replicas, each a
+pipeline of 2 stages, each stage a TP2 group (a domain holds one replica: its stage 0 on GPUs 0-1,
+its stage 1 on GPUs 2-3), one process per GPU, using the worker runtime over the manager's gRPC
+watch stream. The job runs ntp-pw with at most 1.1x power, too little to restore a reduced group's
+speed. Then:
 
-1. a GPU fails (XID 48 injected into the fake backend; the process driving it dies, as it would);
-2. the agent reports, the manager replans (that replica at TP3, smaller local batch), the layout is
-   pushed, the survivors reshard live and keep training;
-3. the GPU is repaired, the agent reports it healthy, a fresh process starts on it, the manager
-   replans back to TP4 and the new rank joins by copying its shards from peers.
+1. a GPU of replica 0's stage 1 fails (XID 48 injected into the fake backend; the process driving it
+   dies, as it would); the agent reports, the manager replans: that stage runs at TP1, the
+   replica's stage 0 stays at TP2 (its local batch shrinks), the layout is pushed, the survivors
+   reshard that stage live and keep training;
+2. a GPU of replica 1's stage 1 fails: the planner packs the two full groups into one replica and
+   the two reduced ones into the other, so one group of each kind changes stage; their ranks fetch
+   the other stage's layers and optimizer state from DP peers, without restarting;
+3. both GPUs are repaired, the agents report them healthy, fresh processes start on them, the
+   manager replans back to TP2 everywhere and the new ranks join by copying their stage from peers.
 
 It prints the timeline with durations and the loss curve beside a single-process reference on the
 same global batches, then leaves the dashboard up until Ctrl-C.
@@ -39,16 +46,19 @@ from rich.table import Table
 
 console = Console()
 JOB = "demo"
-HIT_NODE, HIT_GPU = "node-a", 3
+HITS = (("node-a", 3), ("node-b", 3))  # stage 1 of replica 0, then stage 1 of replica 1
 
 
 @dataclass
 class DemoResult:
     versions: list[int] = field(default_factory=list)
     tp_by_version: dict[int, list[int]] = field(default_factory=dict)
+    stages_by_version: dict[int, list[list[int]]] = field(default_factory=dict)  # per replica, each stage's TP
+    stage_changes: dict[int, int] = field(default_factory=dict)  # version -> groups that changed stage
     losses: list[tuple[int, int, float, float]] = field(default_factory=list)  # step, version, loss, reference
     timeline: list[tuple[str, float]] = field(default_factory=list)  # what, seconds since the failure
-    stall_s: float = 0.0
+    stall_s: float = 0.0  # the first failure
+    stall2_s: float = 0.0  # the second one (a packing that moves groups across stages)
     split: dict[str, float] = field(default_factory=dict)
     dashboard: str = ""
 
@@ -154,7 +164,7 @@ def run_demo(steps_before: int = 6, steps_degraded: int = 6, steps_after: int = 
     tokens = {s: create_token(root, s) for s in ("worker", "operator", "viewer")}
     agent_tokens = {node: create_token(root, "agent", node) for node, _ in NODES}
     # the ranks train until the demo tells them where to stop (after the repair has been applied)
-    train = TrainSpec(job=JOB, steps=1_000_000, step_delay_s=step_delay_s, collective_timeout_s=10)
+    train = TrainSpec(job=JOB, steps=1_000_000, step_delay_s=step_delay_s, collective_timeout_s=10, stages=2)
     launcher: Launcher | None = None
     agents: Agents | None = None
     with manager_process(root) as (_proc, info):
@@ -165,8 +175,9 @@ def run_demo(steps_before: int = 6, steps_degraded: int = 6, steps_after: int = 
             agents = Agents(info["grpc"], agent_tokens)
             wait(agents.ready, 30, "the agents to register")
             console.print("agents: node-a (nvl-0), node-b (nvl-1), node-spare (nvl-2), 4 fake GPUs each")
-            job = {"name": JOB, "tp": 4, "replicas": 2, "local_batch": 16, "min_tp": 2, "heads": 6,
-                   "mlp_columns": 96, "scheme": "ntp", "domains": ["nvl-0", "nvl-1"]}
+            job = {"name": JOB, "tp": 2, "groups_per_replica": 2, "replicas": 2, "local_batch": 16, "min_tp": 1,
+                   "heads": 6, "mlp_columns": 96, "scheme": "ntp-pw", "power": {"max_boost": 1.1},
+                   "domains": ["nvl-0", "nvl-1"]}
             r = api.post("/v1/jobs", json=job)
             r.raise_for_status()
             wait(lambda: api.get(f"/v1/jobs/{JOB}").json()["layout_version"], 30, "the first layout")
@@ -174,34 +185,46 @@ def run_demo(steps_before: int = 6, steps_degraded: int = 6, steps_after: int = 
             gpus = agents.gpus("node-a") + agents.gpus("node-b")
             for u in gpus:
                 launcher.start(RankSpec(u, launcher.port, "grpc", info["grpc"], tokens["worker"], u))
-            console.print(f"training: 8 rank processes (2 replicas x TP4), TinyGpt, store on port {launcher.port}")
+            console.print(f"training: 8 rank processes (2 replicas x 2 stages x TP2), TinyGpt, store on port "
+                          f"{launcher.port}")
 
             def step_at_least(n: int, version: int | None = None) -> Any:
                 return lambda rec: rec["kind"] == "step" and rec["step"] >= n and (
                     version is None or rec["version"] == version)
 
             launcher.wait_for(step_at_least(steps_before - 1), 300)
-            v1 = api.get(f"/v1/jobs/{JOB}").json()["layout_version"]
-            # ---- the failure -------------------------------------------------------------------
-            victim = agents.gpus(HIT_NODE)[HIT_GPU]
-            console.rule(f"[red]GPU {HIT_NODE}/{HIT_GPU} fails (XID 48)")
-            t_fail = time.time()
-            agents.inject(HIT_NODE, "xid", HIT_GPU, xid=48)
-            launcher.kill(victim)  # the process on a dead GPU dies with it
-            rec = launcher.wait_for(lambda rec: rec["kind"] == "step" and rec["version"] > v1, 300)
-            v2 = rec["version"]
-            launcher.wait_for(step_at_least(rec["step"] + steps_degraded - 1, v2), 300)
-            _timeline(res, api, launcher, victim, t_fail, v1, v2, "failure")
-            # ---- the repair --------------------------------------------------------------------
-            console.rule(f"[green]GPU {HIT_NODE}/{HIT_GPU} repaired")
+            old = api.get(f"/v1/jobs/{JOB}").json()["layout_version"]
+            victims = []
+            for k, (node, idx) in enumerate(HITS):  # ---- the failures -----------------------------
+                victim = agents.gpus(node)[idx]
+                victims.append(victim)
+                label = "failure" if k == 0 else "second failure"
+                console.rule(f"[red]GPU {node}/{idx} fails (XID 48)")
+                t_fail = time.time()
+                agents.inject(node, "xid", idx, xid=48)
+                launcher.kill(victim)  # the process on a dead GPU dies with it
+                rec = launcher.wait_for(lambda rec, old=old: rec["kind"] == "step" and rec["version"] > old, 300)
+                new = rec["version"]
+                launcher.wait_for(step_at_least(rec["step"] + steps_degraded - 1, new), 300)
+                _timeline(res, api, launcher, victim, t_fail, old, new, label)
+                _layout_now(api, new)
+                old = new
+            # ---- the repair ------------------------------------------------------------------------
+            console.rule("[green]both GPUs repaired")
             t_rep = time.time()
-            launcher.start(RankSpec(victim, launcher.port, "grpc", info["grpc"], tokens["worker"], victim))
-            agents.inject(HIT_NODE, "repair", HIT_GPU)
-            rec = launcher.wait_for(lambda rec: rec["kind"] == "step" and rec["version"] > v2
-                                    and rec["worker"] == victim, 300)
-            v3 = rec["version"]
+            for (node, idx), victim in zip(HITS, victims, strict=True):
+                launcher.start(RankSpec(victim, launcher.port, "grpc", info["grpc"], tokens["worker"], victim))
+                agents.inject(node, "repair", idx)
+            back: set[str] = set()
+
+            def both_back(rec: dict[str, Any]) -> bool:
+                if rec["kind"] == "step" and rec["worker"] in victims:
+                    back.add(rec["worker"])
+                return len(back) == len(victims)
+
+            rec = launcher.wait_for(both_back, 300)
             launcher.stop_at(rec["step"] + steps_after)
-            _timeline(res, api, launcher, victim, t_rep, v2, v3, "repair")
+            _timeline(res, api, launcher, victims[0], t_rep, old, rec["version"], "repair")
             done: set[str] = set()
             launcher.wait_for(lambda rec: rec["kind"] == "done" and (done.add(rec["worker"]) or len(done) == 8),
                               600)
@@ -213,6 +236,8 @@ def run_demo(steps_before: int = 6, steps_degraded: int = 6, steps_after: int = 
             hist = api.get(f"/v1/jobs/{JOB}/layouts", params={"limit": 100}).json()["items"]
             res.versions = sorted(x["version"] for x in hist)
             res.tp_by_version = {x["version"]: sorted(r["tp"] for r in x["replicas"]) for x in hist}
+            res.stages_by_version = {x["version"]: _stage_tps(x) for x in hist}
+            res.stage_changes = {x["version"]: (x.get("moves") or {}).get("stage_changed", 0) for x in hist}
             _layouts_table(hist)
             res.dashboard = f"{http}/?token={tokens['viewer']}"
             console.rule()
@@ -262,7 +287,7 @@ def _timeline(res: DemoResult, api: httpx.Client, launcher: Any, victim: str, t0
         ("reshard done (last rank)", last("reshard done", new)),
         (f"acks at the manager ({sum(1 for a in acks.values() if a['ok'])})",
          max((_ts(a["at"]) for a in acks.values()), default=None)),
-        ("first step at the new degree (last rank)", last("first step", new)),
+        ("first step at the new layout (last rank)", last("first step", new)),
     ]
     t = Table(title=f"timeline: {label} (v{old} -> v{new})")
     for c in ("event", "t (s)", "since previous (s)"):
@@ -275,26 +300,53 @@ def _timeline(res: DemoResult, api: httpx.Client, launcher: Any, victim: str, t0
         prev = max(prev, at)
         res.timeline.append((what, at - t0))
     console.print(t)
-    if label == "failure":
-        first_step = last("first step", new)
-        if first_step is not None:
-            res.stall_s = first_step - t0
-            res.split = {
-                "detection": (report or t0) - t0,
-                "plan": _ts(lay["created_at"]) - (report or t0),
-                "push + regroup": (last("regrouped", new) or t0) - _ts(lay["created_at"]),
-                "reshard": (last("reshard done", new) or t0) - (last("regrouped", new) or t0),
-                "first step": first_step - (last("reshard done", new) or t0),
-            }
+    first_step = last("first step", new)
+    if label == "second failure" and first_step is not None:
+        res.stall2_s = first_step - t0
+    if label == "failure" and first_step is not None:
+        res.stall_s = first_step - t0
+        res.split = {
+            "detection": (report or t0) - t0,
+            "plan": _ts(lay["created_at"]) - (report or t0),
+            "push + regroup": (last("regrouped", new) or t0) - _ts(lay["created_at"]),
+            "reshard": (last("reshard done", new) or t0) - (last("regrouped", new) or t0),
+            "first step": first_step - (last("reshard done", new) or t0),
+        }
+
+
+def _stage_tps(lay: dict[str, Any]) -> list[list[int]]:
+    """Per replica (by id), the TP degree of each stage."""
+    return [list(r["stage_tp"]) for r in sorted(lay["replicas"], key=lambda r: r["id"])]
+
+
+def _replicas_text(lay: dict[str, Any]) -> str:
+    out = []
+    for r in sorted(lay["replicas"], key=lambda r: r["id"]):
+        stages = " -> ".join(f"s{s} TP{tp}" for s, tp in enumerate(r["stage_tp"]))
+        out.append(f"r{r['id']}: {stages} (b{r['local_batch']})")
+    return "   ".join(out)
+
+
+def _layout_now(api: httpx.Client, version: int) -> None:
+    """The replicas as stages x TP groups, and which groups moved (replica or stage)."""
+    lay = next(x for x in api.get(f"/v1/jobs/{JOB}/layouts", params={"limit": 10}).json()["items"]
+               if x["version"] == version)
+    console.print(f"layout v{version}: {_replicas_text(lay)}")
+    for r in lay["replicas"]:
+        for g in r["moved"]:
+            console.print(f"  group {g['group']}: replica {g['from_replica']} stage {g['from_stage']} -> "
+                          f"replica {r['id']} stage {g['stage']}"
+                          + ("  [bold](changes stage: fetches its layers from DP peers)[/]"
+                             if g["from_stage"] != g["stage"] else ""))
 
 
 def _layouts_table(hist: list[dict[str, Any]]) -> None:
-    t = Table(title="layout versions")
-    for c in ("version", "replicas (TP / local batch)", "reason"):
+    t = Table(title="layout versions (replica: stages x TP, local batch)")
+    for c in ("version", "replicas", "groups changing stage", "reason"):
         t.add_column(c)
     for x in sorted(hist, key=lambda x: x["version"]):
-        t.add_row(str(x["version"]), "  ".join(f"TP{r['tp']}/{r['local_batch']}" for r in x["replicas"]),
-                  x["reason"][:70])
+        t.add_row(str(x["version"]), _replicas_text(x), str((x.get("moves") or {}).get("stage_changed", "")),
+                  x["reason"][:60])
     console.print(t)
 
 
@@ -304,7 +356,8 @@ def main(
 ) -> None:
     res = run_demo(keep_up=not no_wait, step_delay_s=step_delay)
     worst = max((abs(a - b) / abs(b) for _, _, a, b in res.losses), default=0.0)
-    console.print(f"stall per failure: {res.stall_s:.2f} s; worst loss difference vs reference {worst:.1e}")
+    console.print(f"failure to first step: {res.stall_s:.2f} s (one stage reduced), {res.stall2_s:.2f} s (groups "
+                  f"changing stage); worst loss difference vs reference {worst:.1e}")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,13 @@ class GpuSample:
     limit_mw: int | None = None  # enforced power limit
     usage_mw: int | None = None
     slow_factor: float = 1.0  # fake backend only: a fail-slow GPU
+    # fail-slow evidence (issue 21), read-only; None: not supported or not read
+    clock_event_reasons: int | None = None  # NVML clocks-event (throttle) bitmask
+    sm_clock_mhz: int | None = None
+    sm_clock_max_mhz: int | None = None
+    nvlink_replay: int | None = None  # summed over the GPU's links: DL replays
+    nvlink_recovery: int | None = None  # DL recoveries
+    nvlink_crc: int | None = None  # CRC errors (flit + data)
 
 
 @dataclass(frozen=True)

@@ -166,6 +166,10 @@ class FakeBackend:
         return GpuSample(
             uuid, sbe_total=g.sbe, dbe_total=g.dbe, throttled=g.throttled, temperature_c=97 if g.throttled else 55,
             nvlink_down=g.nvlink_down, limit_mw=g.limit_mw, usage_mw=int(g.limit_mw * 0.9), slow_factor=g.slow,
+            # a throttled GPU shows HW thermal slowdown (0x40) and lower SM clocks; a slow one, clocks at its pace
+            clock_event_reasons=0x40 if g.throttled else 0,
+            sm_clock_mhz=int(1980 * min(g.slow, 0.7 if g.throttled else 1.0)), sm_clock_max_mhz=1980,
+            nvlink_replay=0, nvlink_recovery=0, nvlink_crc=0,
         )
 
     def wait_xids(self, timeout_s: float) -> list[XidEvent]:
@@ -204,7 +208,7 @@ class FakeBackend:
 
     def inject(self, kind: str, gpu: int, **fields: Any) -> None:
         """Apply a fault now, as if the scenario had scheduled it (demos and tests drive faults live)."""
-        spec = FaultSpec(at=0, gpu=gpu, kind=kind, **fields)  # type: ignore[arg-type]
+        spec = FaultSpec(at=0, gpu=gpu, kind=kind, **fields)
         if spec.gpu >= len(self._order):
             raise ScenarioError(f"no GPU {gpu} on {self.node} (it has {len(self._order)})")
         with self._cond:

@@ -17,8 +17,8 @@ arguments to the C function as they are):
   passed as `int` (ctypes rejects floats and wraps negative numbers).
 - Queries some GPUs do not have are optional (`_opt`): constraints, default limit, memory, PCI,
   ECC, remapped rows, retired pages (NotSupported on A100 and later), throttle reasons,
-  temperature, enforced limit, usage, NVLink. The names of those that answered NotSupported are
-  kept in `unsupported` (shown by `ntp-agent probe`).
+  temperature, enforced limit, usage, NVLink, SM clocks and NVLink error counters. The names of
+  those that answered NotSupported are kept in `unsupported` (shown by `ntp-agent probe`).
 
 The module is injectable (`NvmlBackend(nvml=...)`) so the tests drive this exact code with a fake
 module that has nvidia-ml-py's names, signatures, error classes and its strictness about argument
@@ -49,9 +49,10 @@ class NvmlBackend:
     def __init__(self, nvml: ModuleType | None = None) -> None:
         if nvml is None:
             try:
-                import pynvml as nvml  # nvidia-ml-py
+                import pynvml  # nvidia-ml-py
             except ImportError as e:  # pragma: no cover - a packaging error
                 raise BackendError(f"nvidia-ml-py is not installed: {e}") from None
+            nvml = pynvml
         self.nv: Any = nvml
         self._lock = threading.Lock()
         try:
@@ -67,6 +68,10 @@ class NvmlBackend:
             uuid = _text(self._call(self.nv.nvmlDeviceGetUUID, h))
             self._handles[uuid] = h
             self._static.append(self._describe(i, uuid, h))
+        # nvidia-ml-py 12.535+ names it ClocksEvent; older bindings only have ClocksThrottle
+        nv: Any = self.nv
+        self._reasons_fn: Any = (getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None)
+                                 or nv.nvmlDeviceGetCurrentClocksThrottleReasons)
         self._throttle_mask = 0
         for name in THROTTLE_MASK_NAMES:
             self._throttle_mask |= int(getattr(self.nv, name, 0))
@@ -170,11 +175,14 @@ class NvmlBackend:
             retired = None
             if rows is None and hasattr(nv, "nvmlDeviceGetRetiredPagesPendingStatus"):
                 retired = self._opt(nv.nvmlDeviceGetRetiredPagesPendingStatus, h)
-            reasons = self._opt(nv.nvmlDeviceGetCurrentClocksEventReasons, h)
+            reasons = self._opt(self._reasons_fn, h)
+            sm = self._opt(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM)
+            sm_max = self._opt(nv.nvmlDeviceGetMaxClockInfo, h, nv.NVML_CLOCK_SM)
             temp = self._opt(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU)
             enforced = self._opt(nv.nvmlDeviceGetEnforcedPowerLimit, h)
             usage = self._opt(nv.nvmlDeviceGetPowerUsage, h)
             down = 0
+            errors: list[int | None] = [None, None, None, None]
             for link in range(int(nv.NVML_NVLINK_MAX_LINKS)):
                 try:
                     state = nv.nvmlDeviceGetNvLinkState(h, link)
@@ -184,6 +192,9 @@ class NvmlBackend:
                     break  # not supported, or past the last link
                 if state != nv.NVML_FEATURE_ENABLED:
                     down += 1
+                else:
+                    self._link_errors(h, link, errors)
+        replay, recovery, crc_flit, crc_data = errors
         return GpuSample(
             uuid, sbe_total=None if sbe is None else int(sbe), dbe_total=int(dbe or 0),
             remap_pending=bool(rows[2]) if rows else bool(retired),
@@ -191,7 +202,21 @@ class NvmlBackend:
             throttled=None if reasons is None else bool(int(reasons) & self._throttle_mask),
             temperature_c=None if temp is None else int(temp), nvlink_down=down,
             limit_mw=None if enforced is None else int(enforced), usage_mw=None if usage is None else int(usage),
+            clock_event_reasons=None if reasons is None else int(reasons),
+            sm_clock_mhz=None if sm is None else int(sm), sm_clock_max_mhz=None if sm_max is None else int(sm_max),
+            nvlink_replay=replay, nvlink_recovery=recovery,
+            nvlink_crc=None if crc_flit is None and crc_data is None else (crc_flit or 0) + (crc_data or 0),
         )
+
+    def _link_errors(self, h: Any, link: int, acc: list[int | None]) -> None:
+        """Add one active link's DL error counters (replay, recovery, CRC flit, CRC data) into acc;
+        a counter the link does not support stays as it was (None if no link had it)."""
+        nv = self.nv
+        for i, counter in enumerate((nv.NVML_NVLINK_ERROR_DL_REPLAY, nv.NVML_NVLINK_ERROR_DL_RECOVERY,
+                                     nv.NVML_NVLINK_ERROR_DL_CRC_FLIT, nv.NVML_NVLINK_ERROR_DL_CRC_DATA)):
+            v = self._opt(nv.nvmlDeviceGetNvLinkErrorCounter, h, link, int(counter))
+            if v is not None:
+                acc[i] = (acc[i] or 0) + int(v)
 
     def wait_xids(self, timeout_s: float) -> list[XidEvent]:
         nv = self.nv

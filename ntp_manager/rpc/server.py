@@ -98,7 +98,7 @@ def _deny(handler: Any, code: grpc.StatusCode, msg: str) -> Any:
     return grpc.unary_unary_rpc_method_handler(unary, **kw)
 
 
-class AgentService(agent_pb2_grpc.AgentServiceServicer):  # type: ignore[misc]
+class AgentService(agent_pb2_grpc.AgentServiceServicer):
     def __init__(self, manager: Manager) -> None:
         self.m = manager
         self._ids = itertools.count(1)
@@ -148,21 +148,37 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):  # type: ignore[misc]
         )
 
         # Reports are applied in order but not one round trip at a time: up to PIPELINE of a
-        # stream's reports wait in the group commit together; acks go out in order as they commit.
+        # stream's reports wait in the group commit together. Acks are cumulative (ack n: every
+        # report up to n is applied), so the reports that commit together get one ack.
         pending: asyncio.Queue[asyncio.Future[int] | None] = asyncio.Queue(PIPELINE)
 
+        def failed(e: BaseException) -> EndStream:
+            if isinstance(e, ServiceError):
+                return EndStream(code_of(e).name, e.message)
+            log.error("agent report failed", node=node, exc_info=e)  # never OK, never the error's text
+            return EndStream(grpc.StatusCode.INTERNAL.name, "internal error; the manager's log has the details")
+
         async def acks() -> None:
-            while (fut := await pending.get()) is not None:
+            held: list[asyncio.Future[int] | None] = []  # taken from the queue, not done yet
+            while True:
+                fut = held.pop() if held else await pending.get()
+                if fut is None:
+                    return
                 try:
                     seq = await fut
-                except ServiceError as e:
-                    session.outbox.put_nowait(EndStream(code_of(e).name, e.message))
+                except Exception as e:
+                    session.outbox.put_nowait(failed(e))
                     return
-                except Exception:  # a failed report never ends the stream with OK
-                    log.exception("agent report failed", node=node)
-                    session.outbox.put_nowait(EndStream(grpc.StatusCode.INTERNAL.name,
-                                                        "internal error; the manager's log has the details"))
-                    return
+                while not pending.empty():  # the next reports that are already applied
+                    nxt = pending.get_nowait()
+                    if nxt is None or not nxt.done():
+                        held.append(nxt)
+                        break
+                    if nxt.exception() is not None:
+                        session.outbox.put_nowait(Ack(seq))
+                        session.outbox.put_nowait(failed(nxt.exception()))  # type: ignore[arg-type]
+                        return
+                    seq = nxt.result()
                 session.outbox.put_nowait(Ack(seq))
 
         acker = asyncio.create_task(acks())
@@ -172,7 +188,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):  # type: ignore[misc]
                 async for msg in request_iterator:
                     kind = msg.WhichOneof("body")
                     if kind == "heartbeat":
-                        self.m.heartbeat(node)
+                        self.m.heartbeat(node, msg.heartbeat.gpus)
                     elif kind == "report":
                         r = msg.report
                         reports = [
@@ -258,7 +274,7 @@ class _Abort(Exception):
         self.code, self.msg = code, msg
 
 
-class WorkerService(worker_pb2_grpc.WorkerServiceServicer):  # type: ignore[misc]
+class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, manager: Manager) -> None:
         self.m = manager
         self._views: dict[str, tuple[tuple[int, int], asyncio.Future[LayoutViews]]] = {}
@@ -275,7 +291,7 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):  # type: ignore[misc
 
     async def WatchLayout(
         self, request: worker_pb2.WatchLayoutRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[common_pb2.Layout]:
+    ) -> AsyncIterator[bytes]:  # pre-serialized ntp.v1.Layout messages (see _worker_handler)
         if not request.job:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "job: watch needs a job name")
         self.m.workers.check_ids(request.job, request.worker_id)
@@ -376,7 +392,7 @@ class RpcServer:
         self.manager = manager
         self.server = grpc.aio.server(interceptors=[GuardInterceptor(), AuthInterceptor(manager)], options=KEEPALIVE)
         self.health = health_aio.HealthServicer()
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentService(manager), self.server)
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentService(manager), self.server)  # type: ignore[no-untyped-call]
         self.server.add_generic_rpc_handlers((_worker_handler(WorkerService(manager)),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [

@@ -18,11 +18,26 @@ import structlog
 
 from ntp_manager.auth import Principal
 from ntp_manager.service import policy
-from ntp_manager.service.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
+from ntp_manager.service.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    ServiceError,
+)
 from ntp_manager.service.inputs import GpuInventory, GpuReport, check_hello, check_power_readings, check_report
 from ntp_manager.service.kernel import Kernel, Tx
 from ntp_manager.service.metrics import Metrics
-from ntp_manager.service.state import HEALTH_STATES, GpuChange, GpuRec, HealthSource, NodeChange, NodeRec
+from ntp_manager.service.state import (
+    HEALTH_STATES,
+    GpuChange,
+    GpuRec,
+    HealthSource,
+    NodeChange,
+    NodeRec,
+    differing,
+    health_to,
+)
 from ntp_manager.settings import Settings
 from ntp_manager.topology import GpuState
 
@@ -149,7 +164,7 @@ class Agents:
             old.close()
         session = AgentSession(node)
         self.sessions[node] = session
-        self.metrics.agents.set(sum(1 for x in self.sessions.values() if not x.closed))
+        self.metrics.agents.set(len(self.sessions))
         for u in rec.gpus:  # every cap it should hold right now
             mw = self.kernel.world.gpus[u].desired_mw
             if mw is not None:
@@ -206,17 +221,18 @@ class Agents:
                                   model=g.model, memory_bytes=g.memory_bytes))
                 continue
             rec = tx.gpu(g.uuid)
-            tx.change_gpu(g.uuid, GpuChange(idx=g.index, tdp_mw=g.default_mw, min_mw=g.min_mw, max_mw=g.max_mw,
-                                            model=g.model, memory_bytes=g.memory_bytes).differing(rec))
+            inventory = GpuChange(idx=g.index, tdp_mw=g.default_mw, min_mw=g.min_mw, max_mw=g.max_mw, model=g.model,
+                                  memory_bytes=g.memory_bytes)
+            tx.change_gpu(g.uuid, differing(inventory, rec))
             back = policy.reconnect(rec.health, rec.health_source)
             if back.health is not None:
                 tx.event(rec, back.health, [back.reason], source="heartbeat")
-                tx.change_gpu(g.uuid, GpuChange.health_to(back.health, back.reason, HealthSource.AGENT, now))
+                tx.change_gpu(g.uuid, health_to(back.health, back.reason, HealthSource.AGENT, now))
         for u in absent:
             rec = tx.gpu(u)
             if rec.health != GpuState.FAILED:
                 tx.event(rec, GpuState.FAILED, [GONE], source="agent")
-                tx.change_gpu(u, GpuChange.health_to(GpuState.FAILED, GONE, HealthSource.INVENTORY, now))
+                tx.change_gpu(u, health_to(GpuState.FAILED, GONE, HealthSource.INVENTORY, now))
         n = tx.node(node)
         assert n is not None
         return n.last_seq
@@ -244,12 +260,27 @@ class Agents:
         Unknown GPUs or states, or values past the limits, reject the whole report (InvalidArgument
         naming the field). Rejections write nothing. Reports of one node may be submitted before the
         previous one has committed: the seq is checked in the transaction."""
+        return await self.submit_report(node, seq, gpus)
+
+    def submit_report(self, node: str, seq: int, gpus: list[GpuReport]) -> asyncio.Future[int]:
+        """`apply_report` without waiting (and without a task of its own): the future resolves to
+        the seq to acknowledge once the report is durable, or fails with the refusal."""
+        try:
+            return self._submit_report(node, seq, gpus)
+        except ServiceError as e:
+            fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            fut.set_exception(e)
+            return fut
+
+    def _submit_report(self, node: str, seq: int, gpus: list[GpuReport]) -> asyncio.Future[int]:
         check_report(seq, gpus)
         rec = self.kernel.world.nodes.get(node)
         if rec is None:
             raise FailedPrecondition(f"node {node!r} has not registered (send hello first)")
         if seq <= rec.last_seq:
-            return seq
+            done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            done.set_result(seq)
+            return done
         for g in gpus:
             gr = self.kernel.world.gpus.get(g.uuid)
             if gr is None or gr.node != node:
@@ -274,17 +305,20 @@ class Agents:
                 tx.event(gr, g.state, g.reasons, source="agent", seq=seq, xids=g.xids)
                 change = GpuChange()
                 if g.enforced_mw is not None and g.enforced_mw != gr.enforced_mw:
-                    change = GpuChange(enforced_mw=g.enforced_mw)
+                    change["enforced_mw"] = g.enforced_mw
                 if g.state != gr.health:
-                    change = change.then(GpuChange.health_to(GpuState(g.state), "; ".join(g.reasons),
-                                                             HealthSource.AGENT, tx.now))
+                    change.update(health_to(GpuState(g.state), "; ".join(g.reasons), HealthSource.AGENT, tx.now))
                 tx.change_gpu(g.uuid, change)
             tx.after.append(lambda: self.heartbeat(node))
             return seq
 
-        out = await self.kernel.submit(f"agent:{node}", write)
-        self.metrics.reports.inc()
-        return out
+        fut = self.kernel.enqueue(f"agent:{node}", write)
+        fut.add_done_callback(self._counted)
+        return fut
+
+    def _counted(self, fut: asyncio.Future[int]) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self.metrics.reports.inc()
 
     async def record_power_result(self, node: str, readings: list[tuple[str, int]]) -> None:
         """The caps an agent read back after applying a command."""

@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
@@ -38,7 +37,7 @@ from sqlalchemy import Table, bindparam, insert, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from ntp_manager.clock import Clock
-from ntp_manager.service.state import GpuChange, GpuRec, NodeChange, NodeRec, World
+from ntp_manager.service.state import SHAPE_FIELDS, GpuChange, GpuRec, NodeChange, NodeRec, World, apply
 from ntp_manager.store.models import AuditRow, DomainRow, GpuRow, HealthEventRow, NodeRow
 from ntp_manager.topology import GpuState
 
@@ -105,19 +104,19 @@ class Tx:
         old_state, old_health = before.state, before.health
         new = self._new_gpus.get(uuid)
         if new is not None:  # added in this transaction: the insert carries it
-            change.apply(new)
+            apply(new, change)
             view = new
         else:
-            view = self._views.get(uuid) or dataclasses.replace(self.kernel.world.gpus[uuid])
-            change.apply(view)
+            view = self._views.get(uuid) or self.kernel.world.gpus[uuid].copy()
+            apply(view, change)
             self._views[uuid] = view
             prior = self._gpus.get(uuid)
-            self._gpus[uuid] = change if prior is None else prior.then(change)
+            self._gpus[uuid] = change if prior is None else {**prior, **change}
         if view.state != old_state:
             self.state_changed[uuid] = None
         if view.health == GpuState.FAILED and old_health != GpuState.FAILED:
             self.newly_failed.append(uuid)
-        if change.touches_shape:
+        if not SHAPE_FIELDS.isdisjoint(change):
             self.shape_changed = True
 
     def change_node(self, name: str, change: NodeChange) -> None:
@@ -125,13 +124,13 @@ class Tx:
             return
         new = self._new_nodes.get(name)
         if new is not None:
-            change.apply(new)
+            apply(new, change)
             return
-        view = self._node_views.get(name) or dataclasses.replace(self.kernel.world.nodes[name])
-        change.apply(view)
+        view = self._node_views.get(name) or self.kernel.world.nodes[name].copy()
+        apply(view, change)
         self._node_views[name] = view
         prior = self._nodes.get(name)
-        self._nodes[name] = change if prior is None else prior.then(change)
+        self._nodes[name] = change if prior is None else {**prior, **change}
 
     def add_domain(self, domain: str) -> None:
         if not self.has_domain(domain):
@@ -186,12 +185,12 @@ class Tx:
             world.domains.setdefault(d, None)
         world.nodes.update(self._new_nodes)
         for name, nch in self._nodes.items():
-            nch.apply(world.nodes[name])
+            apply(world.nodes[name], nch)
         for uuid, rec in self._new_gpus.items():
             world.gpus[uuid] = rec
             world.nodes[rec.node].gpus.append(uuid)
         for uuid, gch in self._gpus.items():
-            gch.apply(world.gpus[uuid])
+            apply(world.gpus[uuid], gch)
 
 
 def _gpu_row(g: GpuRec, now: datetime) -> dict[str, Any]:
@@ -213,15 +212,26 @@ DOMAINS, NODES, GPUS = _table(DomainRow), _table(NodeRow), _table(GpuRow)
 EVENTS, AUDIT = _table(HealthEventRow), _table(AuditRow)
 
 
-async def _bulk_update(s: AsyncSession, table: Any, key: str, changes: dict[str, Any]) -> None:
-    """UPDATE by primary key, one executemany per set of columns changed."""
+_UPDATES: dict[tuple[str, str, tuple[str, ...]], Any] = {}
+
+
+def _update_stmt(table: Table, key: str, cols: tuple[str, ...]) -> Any:
+    """UPDATE table SET cols WHERE key = :pk_ (made once per set of columns)."""
+    stmt = _UPDATES.get((table.name, key, cols))
+    if stmt is None:
+        stmt = update(table).where(table.c[key] == bindparam("pk_")).values({c: bindparam(c) for c in cols})
+        _UPDATES[(table.name, key, cols)] = stmt
+    return stmt
+
+
+async def _bulk_update(s: AsyncSession, table: Table, key: str, changes: Mapping[str, Mapping[str, Any]]) -> None:
+    """UPDATE by primary key, one executemany per set of columns changed; the parameters are the
+    changes themselves."""
     groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
     for pk, change in changes.items():
-        values = change.values()
-        groups.setdefault(tuple(sorted(values)), []).append({"pk_": pk, **values})
+        groups.setdefault(tuple(sorted(change)), []).append({"pk_": pk, **change})
     for cols, params in groups.items():
-        stmt = update(table).where(table.c[key] == bindparam("pk_")).values({c: bindparam(c) for c in cols})
-        await s.execute(stmt, params)
+        await s.execute(_update_stmt(table, key, cols), params)
 
 
 @dataclass
@@ -255,6 +265,7 @@ class Kernel:
         self._queue: deque[_Item] = deque()
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._alone: set[asyncio.Task[None]] = set()
         self._busy = False
 
     # ---- exclusive transactions ---------------------------------------------------------------
@@ -272,14 +283,25 @@ class Kernel:
     async def submit(self, actor: str, fn: Callable[[Tx], Awaitable[T]]) -> T:
         """Run `fn` in the next group commit; returns its result once that commit is durable and
         published. `fn` must check before it writes (see the module docstring)."""
-        fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        return await self.enqueue(actor, fn)
+
+    def enqueue(self, actor: str, fn: Callable[[Tx], Awaitable[T]]) -> asyncio.Future[T]:
+        """`submit` without waiting: the future resolves once the commit is durable and published.
+        Items are committed in the order they were enqueued."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
         item = _Item(actor, fn, fut)
         if self._task is None:  # no committer (a CLI, or not started): a transaction of its own
-            await self._run([item])
+            task = loop.create_task(self._run_alone(item))
+            self._alone.add(task)
+            task.add_done_callback(self._alone.discard)
         else:
             self._queue.append(item)
             self._kick.set()
-        return await fut
+        return fut
+
+    async def _run_alone(self, item: _Item) -> None:
+        await self._run([item])
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._committer(), name="group-commit")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ntp_manager.service import policy
 from ntp_manager.service.kernel import Kernel, Tx
-from ntp_manager.service.state import GpuChange, HealthSource
+from ntp_manager.service.state import HealthSource, health_to
 from ntp_manager.settings import Settings
 
 
@@ -41,7 +41,7 @@ class Liveness:
                 if d.health is None:
                     continue
                 tx.event(g, d.health, [d.reason], source="heartbeat")
-                tx.change_gpu(u, GpuChange.health_to(d.health, d.reason, HealthSource.HEARTBEAT, tx.now))
+                tx.change_gpu(u, health_to(d.health, d.reason, HealthSource.HEARTBEAT, tx.now))
                 changed += 1
             return changed
 

@@ -15,7 +15,7 @@ from ntp_manager.service.agents import Agents, Drain
 from ntp_manager.service.errors import FailedPrecondition, InvalidArgument, NotFound
 from ntp_manager.service.kernel import Kernel, Tx
 from ntp_manager.service.queries import gpu_view
-from ntp_manager.service.state import GpuChange, GpuRec, HealthSource, NodeChange, NodeRec
+from ntp_manager.service.state import GpuRec, HealthSource, NodeChange, NodeRec, admin_to, health_to
 from ntp_manager.topology import GpuState
 
 
@@ -48,9 +48,9 @@ class Operators:
             if rec.admin == admin and (admin is None or rec.admin_reason == reason):
                 continue
             before = {"state": rec.state, "admin": rec.admin, "owner": rec.admin_owner, "reason": rec.admin_reason}
-            change = GpuChange.admin_to(admin, tx.actor, reason)
+            change = admin_to(admin, tx.actor, reason)
             tx.audit(tx.now, action or f"gpu.{admin or 'clear'}", u, before=before,
-                     after={"admin": admin, "owner": change.admin_owner, "reason": change.admin_reason},
+                     after={"admin": admin, "owner": change["admin_owner"], "reason": change["admin_reason"]},
                      reason=reason)
             tx.change_gpu(u, change)
             changed.append(u)
@@ -78,7 +78,7 @@ class Operators:
         if before != GpuState.HEALTHY:
             why = f"marked healthy: {reason}"
             tx.event(rec, GpuState.HEALTHY, [reason], source="operator")
-            tx.change_gpu(uuid, GpuChange.health_to(GpuState.HEALTHY, why, HealthSource.OPERATOR, tx.now))
+            tx.change_gpu(uuid, health_to(GpuState.HEALTHY, why, HealthSource.OPERATOR, tx.now))
         tx.audit(tx.now, "gpu.mark_healthy", uuid, before={"health": before}, after={"health": "healthy"},
                  reason=reason)
         return gpu_view(tx.gpu(uuid))

@@ -17,7 +17,7 @@ import structlog
 
 from ntp_manager.service.agents import Agents, ReleasePower, SetPower
 from ntp_manager.service.kernel import Kernel, Tx
-from ntp_manager.service.state import KEEP, GpuChange
+from ntp_manager.service.state import GpuChange
 from ntp_manager.settings import Settings
 from ntp_manager.topology import base_cap_w
 
@@ -56,14 +56,13 @@ class Power:
         """After a commit: send the caps it changed; new GPUs under a base cap get theirs."""
         w = self.kernel.world
         for u, change in tx.gpu_changes():
-            if change.desired_mw is KEEP:
+            if "desired_mw" not in change:
                 continue
-            want = change.desired_mw
+            want = change["desired_mw"]
             node = w.gpus[u].node
             if want is None:
                 self.agents.send(node, ReleasePower(u))
             else:
-                assert isinstance(want, int)
                 self.agents.send(node, SetPower(u, want, "layout power cap"))
         if tx.shape_changed and self.base_cap is not None:
             self.recompute_later()

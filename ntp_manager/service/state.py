@@ -3,21 +3,21 @@
 Records (`GpuRec`, `NodeRec`, `JobRec`, `LayoutRec`) are rebuilt from the database on start. Only
 the kernel mutates them, after the transaction that wrote the same change has committed.
 
-A change to a GPU or a node is one typed value (`GpuChange`, `NodeChange`) whose fields are named
-after the columns they set. `values()` is the one place a change becomes data: the transaction
-writes exactly those values to the row (service/kernel.py) and `apply()` sets exactly those values
-on the record, so the row and the memory cannot drift apart (a field that is not a column of the
-row or an attribute of the record fails the test that checks every field against both).
+A change to a GPU or a node is one typed value (`GpuChange`, `NodeChange`: typed dicts whose keys
+are the columns they set). The transaction writes the change itself as the row's UPDATE
+parameters (service/kernel.py) and `apply()` sets the same values on the record, so the row and
+the memory cannot drift apart (a key that is not a column of the row and an attribute of the record
+fails the test that checks every key against both; records have slots, so a misspelt one raises).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, Final
+from typing import Any, TypedDict, cast
 
 from ntp_manager.planner import JobSpec
 from ntp_manager.topology import Cluster, Domain, Gpu, GpuState, PowerLimits
@@ -64,6 +64,11 @@ class GpuRec:
     def state(self) -> str:
         return self.admin or self.health
 
+    def copy(self) -> GpuRec:
+        return GpuRec(self.uuid, self.node, self.domain, self.idx, self.tdp_mw, self.min_mw, self.max_mw, self.health,
+                      self.health_reason, self.health_source, self.health_since, self.admin, self.admin_owner,
+                      self.admin_reason, self.desired_mw, self.enforced_mw, self.model, self.memory_bytes)
+
 
 @dataclass(slots=True)
 class NodeRec:
@@ -78,112 +83,66 @@ class NodeRec:
     drain_reason: str | None = None
     agent_version: str = ""
 
-
-class _Keep:
-    """The value of a change field that leaves its column as it is."""
-
-    _instance: _Keep | None = None
-
-    def __new__(cls) -> _Keep:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self) -> str:
-        return "KEEP"
+    def copy(self) -> NodeRec:
+        return NodeRec(self.name, self.domain, self.gpus, self.last_seq, self.boot_id, self.last_seen, self.connected,
+                       self.drain_deadline, self.drain_reason, self.agent_version)
 
 
-KEEP: Final = _Keep()
+class GpuChange(TypedDict, total=False):
+    """A change to one GPU: the columns it sets (a key left out keeps its column as it is)."""
+
+    health: GpuState
+    health_reason: str
+    health_source: HealthSource
+    health_since: datetime
+    admin: GpuState | None
+    admin_owner: str | None
+    admin_reason: str | None
+    desired_mw: int | None
+    enforced_mw: int | None
+    idx: int
+    tdp_mw: int
+    min_mw: int
+    max_mw: int
+    model: str
+    memory_bytes: int
 
 
-class _Change:
-    """Shared by the typed changes: the fields given, merged and applied by name. The values are
-    collected once, when the change is made (changes are frozen)."""
+class NodeChange(TypedDict, total=False):
+    """A change to one node: the columns it sets."""
 
-    __slots__ = ()
-    _names: tuple[str, ...] = ()  # the dataclass's field names (set below each class)
-    _values: dict[str, Any]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_values", {n: v for n in self._names if (v := getattr(self, n)) is not KEEP})
-
-    def values(self) -> dict[str, Any]:
-        """The columns this change sets, by name: what the row gets and what the record gets.
-        (The same dict each time: do not change it.)"""
-        return self._values
-
-    def apply(self, target: Any) -> None:
-        """Set this change's values on a record (or a row): the same values the row was written."""
-        for name, value in self.values().items():
-            setattr(target, name, value)
-
-    def __bool__(self) -> bool:
-        return bool(self.values())
+    last_seq: int
+    boot_id: str
+    agent_version: str
+    drain_deadline: datetime | None
+    drain_reason: str | None
 
 
-@dataclass(frozen=True, slots=True)
-class GpuChange(_Change):
-    health: GpuState | _Keep = KEEP
-    health_reason: str | _Keep = KEEP
-    health_source: HealthSource | _Keep = KEEP
-    health_since: datetime | _Keep = KEEP
-    admin: GpuState | _Keep | None = KEEP
-    admin_owner: str | _Keep | None = KEEP
-    admin_reason: str | _Keep | None = KEEP
-    desired_mw: int | _Keep | None = KEEP
-    enforced_mw: int | _Keep | None = KEEP
-    idx: int | _Keep = KEEP
-    tdp_mw: int | _Keep = KEEP
-    min_mw: int | _Keep = KEEP
-    max_mw: int | _Keep = KEEP
-    model: str | _Keep = KEEP
-    memory_bytes: int | _Keep = KEEP
-    _values: dict[str, Any] = field(init=False, repr=False, compare=False, default_factory=dict)
-
-    @classmethod
-    def health_to(cls, state: GpuState, reason: str, source: HealthSource, at: datetime) -> GpuChange:
-        return cls(health=state, health_reason=reason, health_source=source, health_since=at)
-
-    @classmethod
-    def admin_to(cls, state: GpuState | None, owner: str | None, reason: str | None) -> GpuChange:
-        """Set (or clear, `state=None`) the operator state; owner and reason go with it."""
-        if state is None:
-            return cls(admin=None, admin_owner=None, admin_reason=None)
-        return cls(admin=state, admin_owner=owner, admin_reason=reason)
-
-    def then(self, later: GpuChange) -> GpuChange:
-        """This change followed by `later` (its fields win)."""
-        return GpuChange(**{**self.values(), **later.values()})
-
-    def differing(self, rec: GpuRec) -> GpuChange:
-        """Only the fields whose value differs from what `rec` holds."""
-        return GpuChange(**{k: v for k, v in self.values().items() if getattr(rec, k) != v})
-
-    @property
-    def touches_state(self) -> bool:
-        return self.health is not KEEP or self.admin is not KEEP
-
-    @property
-    def touches_shape(self) -> bool:
-        """Index or power limits: the planner's snapshot must be rebuilt."""
-        return any(v is not KEEP for v in (self.idx, self.tdp_mw, self.min_mw, self.max_mw))
+STATE_FIELDS = frozenset({"health", "admin"})
+SHAPE_FIELDS = frozenset({"idx", "tdp_mw", "min_mw", "max_mw"})  # the planner's snapshot must be rebuilt
 
 
-@dataclass(frozen=True, slots=True)
-class NodeChange(_Change):
-    last_seq: int | _Keep = KEEP
-    boot_id: str | _Keep = KEEP
-    agent_version: str | _Keep = KEEP
-    drain_deadline: datetime | _Keep | None = KEEP
-    drain_reason: str | _Keep | None = KEEP
-    _values: dict[str, Any] = field(init=False, repr=False, compare=False, default_factory=dict)
-
-    def then(self, later: NodeChange) -> NodeChange:
-        return NodeChange(**{**self.values(), **later.values()})
+def apply(target: Any, change: GpuChange | NodeChange) -> None:
+    """Set a change's values on a record: the same values, by the same names, its row was written
+    (service/kernel.py writes `change` itself as the row's UPDATE parameters)."""
+    for name, value in change.items():
+        setattr(target, name, value)
 
 
-GpuChange._names = tuple(f.name for f in fields(GpuChange) if f.init)
-NodeChange._names = tuple(f.name for f in fields(NodeChange) if f.init)
+def health_to(state: GpuState, reason: str, source: HealthSource, at: datetime) -> GpuChange:
+    return GpuChange(health=state, health_reason=reason, health_source=source, health_since=at)
+
+
+def admin_to(state: GpuState | None, owner: str | None, reason: str | None) -> GpuChange:
+    """Set (or clear, `state=None`) the operator state; owner and reason go with it."""
+    if state is None:
+        return GpuChange(admin=None, admin_owner=None, admin_reason=None)
+    return GpuChange(admin=state, admin_owner=owner, admin_reason=reason)
+
+
+def differing(change: GpuChange, rec: GpuRec) -> GpuChange:
+    """Only the values of `change` that differ from what `rec` holds."""
+    return cast(GpuChange, {k: v for k, v in change.items() if getattr(rec, k) != v})
 
 
 @dataclass

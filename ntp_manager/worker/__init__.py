@@ -24,7 +24,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ntp_manager.worker.checkpoint import Checkpointer, CheckpointError, RestoreInfo, Retention, retention_plan
     from ntp_manager.worker.env import WorkerEnv, worker_env
+    from ntp_manager.worker.pipeline import Pipeline, split_layers, stage_module
     from ntp_manager.worker.plans import ModelPlan, plan_for
     from ntp_manager.worker.reshard import apply_reshard, reshard_moves
     from ntp_manager.worker.runtime import (
@@ -53,14 +55,19 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "CheckpointError",
+    "Checkpointer",
     "ColwiseUnits",
     "GrpcLayoutSource",
     "LayoutSource",
     "ModelPlan",
     "NtpGradSync",
+    "Pipeline",
     "ReconfigurationError",
     "ReplicaGroup",
     "ReplicatedPerUnit",
+    "RestoreInfo",
+    "Retention",
     "RowwiseUnits",
     "Runtime",
     "RuntimeConfig",
@@ -78,13 +85,19 @@ __all__ = [
     "plan_for",
     "publish_layout",
     "reshard_moves",
+    "retention_plan",
+    "split_layers",
+    "stage_module",
     "unit_counts",
     "worker_env",
 ]
 
 _WHERE = {
+    "CheckpointError": "checkpoint", "Checkpointer": "checkpoint", "RestoreInfo": "checkpoint",
+    "Retention": "checkpoint", "retention_plan": "checkpoint",
     "WorkerEnv": "env", "worker_env": "env",
     "ModelPlan": "plans", "plan_for": "plans",
+    "Pipeline": "pipeline", "split_layers": "pipeline", "stage_module": "pipeline",
     "apply_reshard": "reshard", "reshard_moves": "reshard",
     "ReconfigurationError": "runtime", "Runtime": "runtime", "RuntimeConfig": "runtime", "StepResult": "runtime",
     "TimelineEvent": "runtime", "unit_counts": "runtime",

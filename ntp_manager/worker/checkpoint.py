@@ -98,6 +98,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ntp_manager.planner.ntp_map import even_chunks
+from ntp_manager.worker import comm
 from ntp_manager.worker.reshard import STATE_KEYS
 from ntp_manager.worker.sync import SyncLayout
 from ntp_manager.worker.tp import ShardedModule, unit_slice
@@ -519,7 +520,7 @@ class Checkpointer:
         doc = self._manifest_doc(step, entries, optimizer, layout, families, data_state)
         nonce = [attempt or uuid.uuid4().hex[:16]]
         if attempt is None and group is not None:
-            dist.broadcast_object_list(nonce, group=group, group_src=0)
+            comm.broadcast_object_list(nonce, src=dist.get_global_rank(group, 0), group=group)
         if not re.fullmatch(r"[A-Za-z0-9_.]{1,64}", nonce[0]):
             raise ValueError(f"attempt must be 1-64 letters, digits, '_' or '.', not {nonce[0]!r}")
         ranks = tuple(sorted(job_ranks if job_ranks is not None else (r for rep in layout.replicas for r in rep.ranks)))
@@ -728,7 +729,7 @@ class Checkpointer:
         refs = self.complete()
         if group is not None:
             box: list[Any] = [refs]
-            dist.broadcast_object_list(box, group=group, group_src=0)
+            comm.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
             refs = box[0]
         if not refs:
             raise NoCheckpoint(f"no complete checkpoint in {self.root}")
@@ -840,7 +841,7 @@ def _agree(why: str | None, group: Any) -> str | None:
     if group is None:
         return why
     every: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, why, group=group)
+    comm.all_gather_object(every, why, group=group)
     return next((w for w in every if w is not None), None)
 
 

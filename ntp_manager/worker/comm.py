@@ -266,13 +266,18 @@ class Stats:
 stats = Stats()
 
 
-def configure(*, force_staging: bool | None = None, device: torch.device | str | None = None) -> None:
+def configure(*, force_staging: bool | None = None, device: torch.device | str | None = None,
+              pool_bytes: int | None = None) -> None:
     """Process-wide: `force_staging` runs gloo's staged path with CPU tensors too (tests);
-    `device` is where NCCL groups carry CPU tensors."""
+    `device` is where NCCL groups carry CPU tensors; `pool_bytes` caps the staging buffers kept
+    for reuse (a staged sync has its whole gradient chunk in flight at once, so a cap below that
+    re-allocates pinned memory every step)."""
     if force_staging is not None:
         _settings.force_staging = force_staging
     if device is not None:
         _settings.device = torch.device(device)
+    if pool_bytes is not None:
+        _pool.limit = pool_bytes
 
 
 def staging_forced() -> bool:
@@ -326,7 +331,8 @@ _pool = _Pool()
 
 
 def release_buffers() -> None:
-    """Forget the pooled staging buffers (a new layout has new message sizes)."""
+    """Forget the pooled staging buffers (a new layout has new message sizes; stale sizes would
+    fill the pool and keep the new ones out)."""
     _pool.clear()
 
 
@@ -503,15 +509,20 @@ def wait_all(works: Sequence[Any]) -> None:
 def init_default_group(backend: str, store: Any, rank: int, world: int, timeout: Any,
                        device: torch.device | None, features: CommFeatures | None = None) -> None:
     """The version's default group. NCCL: error handling as the runtime needs it (NCCL_ENV, set
-    before the communicator exists) and, where torch supports it, eager initialisation bound to
-    the rank's device -- then every sub-group is split from this communicator (ncclCommSplit)
-    rather than initialised from nothing."""
+    before the communicator exists), communicator creation bounded by `timeout` too (NCCL's
+    non-blocking mode with torch's timeout for it: a peer that dies between the rendezvous and
+    ncclCommInitRank would otherwise hang the others there), unless the user set these
+    variables; and, where torch supports it, eager initialisation bound to the rank's device --
+    then every sub-group is split from this communicator (ncclCommSplit) rather than initialised
+    from nothing."""
     feats = features or detect_features()
     kwargs: dict[str, Any] = {}
     if backend == "nccl":
         check_nccl_env(os.environ)
         for k, v in NCCL_ENV.items():
             os.environ.setdefault(k, v)
+        os.environ.setdefault("TORCH_NCCL_USE_COMM_NONBLOCKING", "1")
+        os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(max(1, int(timeout.total_seconds()))))
         if feats.eager_init and device is not None:
             kwargs["device_id"] = device
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ntp_manager.worker.pipeline import Pipeline
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig, TimelineEvent
 from ntp_manager.worker.sources import GrpcLayoutSource, LayoutSource, StoreLayoutSource, WorkerLayout
 from ntp_manager.worker.tp import ShardStyle
@@ -73,7 +74,7 @@ class ReportingSource:
 
     def report_step(self, layout: WorkerLayout, step: int, step_time_s: float, tokens: int) -> None:
         self.inner.report_step(layout, step, step_time_s, tokens)
-        tp = layout.replicas[layout.replica_of(layout.rank)][0] if layout.rank is not None else 0
+        tp = layout.tp_of(layout.rank) if layout.rank is not None else 0
         self.store.set(self.key, json.dumps({"step": step, "version": layout.version, "tp": tp,
                                              "global_batch": layout.global_batch}))
 
@@ -110,12 +111,14 @@ class WorkerEnv:
         *,
         post_parallelize: Callable[[nn.Module], None] | None = None,
         on_event: Callable[[TimelineEvent], None] | None = None,
+        pipeline: Pipeline | None = None,
         **cfg: Any,
     ) -> Runtime:
         """A Runtime on this environment's store and layout source. `plan` None: `plan_for` of
-        the model; `cfg`: RuntimeConfig fields (timeouts, seed)."""
+        the model; `pipeline`: for layouts of several stages (worker/pipeline.py); `cfg`:
+        RuntimeConfig fields (timeouts, seed)."""
         return Runtime(model_fn, plan, optimizer_fn, self.source, self.store, self.config(**cfg), on_event=on_event,
-                       post_parallelize=post_parallelize)
+                       post_parallelize=post_parallelize, pipeline=pipeline)
 
 
 def worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from rich.table import Table
+from torch import nn
 
 from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan
 
@@ -38,6 +39,8 @@ class TrainSpec:
     step_delay_s: float = 0.0  # slows steps down to a pace people can follow (demo)
     collective_timeout_s: float = 10.0
     reconfigure_timeout_s: float = 120.0
+    stages: int = 1  # pipeline depth the layouts will have (> 1: the ranks run TinyGpt as stages)
+    micro_batches: int = 0  # per replica and step in a pipeline (0: as many as stages)
 
 
 def free_port() -> int:
@@ -112,19 +115,28 @@ def rank_main(train: TrainSpec, rank: RankSpec, q: Any) -> None:
         q.put({"kind": "event", "worker": rank.worker_id, "what": ev.what, "version": ev.version,
                "detail": ev.detail, "at": ev.at})
 
+    pipeline = None
+    if train.stages > 1:
+        from ntp_manager.worker.pipeline import Pipeline
+
+        pipeline = Pipeline(inputs=lambda b: b[0], loss=lambda logits, b: nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), b[1].reshape(-1)), micro_batches=train.micro_batches)
     rt = Runtime(lambda: TinyGpt(train.cfg), tp_plan(train.cfg),
                  lambda p: torch.optim.SGD(p, lr=train.lr, momentum=train.momentum), source, store, cfg,
-                 on_event=on_event)
+                 on_event=on_event, pipeline=pipeline)
     try:
         rt.start()
         stop_key = f"ntp/{train.job}/stop_at"
         while rt.step < train.steps:
             if store.check([stop_key]) and rt.step >= int(store.get(stop_key)):
                 break  # the launcher set a last step; every rank reads the same number
-            r = rt.train_step(lambda s, a, n: batch(train.cfg, s, a, n), lambda m, b: m.loss(*b))
+            if pipeline is None:
+                r = rt.train_step(lambda s, a, n: batch(train.cfg, s, a, n), lambda m, b: m.loss(*b))
+            else:
+                r = rt.train_step(lambda s, a, n: batch(train.cfg, s, a, n))
             q.put({"kind": "step", "worker": rank.worker_id, "step": r.step, "loss": r.loss,
                    "global_batch": r.global_batch, "local_batch": r.local_batch, "version": r.version,
-                   "tp": r.tp, "seconds": r.seconds, "at": time.time()})
+                   "tp": r.tp, "stage": r.stage, "seconds": r.seconds, "at": time.time()})
             if train.step_delay_s:
                 time.sleep(train.step_delay_s)
         q.put({"kind": "done", "worker": rank.worker_id, "step": rt.step})

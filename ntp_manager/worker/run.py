@@ -23,7 +23,8 @@ and watches the processes:
   with no restarts left a dead rank stops the run, as in torchrun. `--fail-at STEP` /
   `--repair-at STEP` inject that failure (SIGKILL of replica 0's last rank once the job has
   completed STEP steps) and its repair, to try the runtime out. On a machine with GPUs rank i
-  sees GPU i only (one rank per GPU; `--device cpu` otherwise).
+  sees GPU i only; with more ranks than GPUs the ranks share them (gloo, staged through host
+  memory: docs/worker.md "Devices and backends"); `--device cpu` runs on the CPU.
 
 Arguments are checked before anything is imported or started (torch is imported only then).
 
@@ -202,7 +203,10 @@ class Launcher:
 
             self.local_gpus = torch.cuda.device_count()
             if 0 < self.local_gpus < o.nproc:
-                raise UsageError(f"{o.nproc} ranks but {self.local_gpus} GPUs here: one rank per GPU, or --device cpu")
+                # more ranks than GPUs: not pinned, the ranks share the GPUs (comm.device_index)
+                # and the backend choice takes gloo staged through host memory (NCCL cannot)
+                say(f"{o.nproc} ranks on {self.local_gpus} GPU(s): ranks share GPUs (gloo, staged through host memory)")
+                self.local_gpus = 0
         self.down: set[str] = set()  # without a manager: ranks left out of the published layout
         self.version = 0
         self.failed_at: int | None = None

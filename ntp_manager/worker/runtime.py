@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ntp_manager.planner.ranks import locate, stage_ranks
 from ntp_manager.worker import comm
 from ntp_manager.worker.checkpoint import (
     Checkpointer,
@@ -57,8 +58,16 @@ from ntp_manager.worker.checkpoint import (
     Retention,
     SaveHandle,
 )
+from ntp_manager.worker.pipeline import (
+    Pipeline,
+    activation_peers,
+    micro_batches,
+    recv_activation,
+    send_activation,
+    stage_plan,
+)
 from ntp_manager.worker.reshard import apply_reshard, reshard_moves
-from ntp_manager.worker.sources import LayoutSource, WorkerLayout
+from ntp_manager.worker.sources import LayoutSource, StepWork, WorkerLayout
 from ntp_manager.worker.sync import NtpGradSync, ReplicaGroup, SyncLayout, families_of
 from ntp_manager.worker.tp import ReplicatedPerUnit, ShardedModule, ShardStyle, parallelize, unit_features
 
@@ -128,8 +137,9 @@ class StepResult:
     global_batch: int
     local_batch: int
     version: int
-    tp: int
+    tp: int  # the TP degree of this rank's group (its stage's, in a pipeline)
     seconds: float
+    stage: int = 0  # this rank's pipeline stage
 
 
 @dataclass
@@ -191,14 +201,26 @@ def unit_counts(model: nn.Module, plan: Mapping[str, ShardStyle]) -> dict[str, i
     return counts
 
 
+@dataclass(frozen=True)
+class _StageInfo:
+    """What the runtime knows of one pipeline stage, read off the whole model once: the part of
+    the TP plan that covers its modules, its families' unit counts, module path -> family."""
+
+    plan: Mapping[str, ShardStyle]
+    units: dict[str, int]
+    families: dict[str, str]
+
+
 @dataclass
 class _State:
     layout: WorkerLayout | None = None  # the version this rank last applied as a member
     sync_layout: SyncLayout | None = None
+    stage: int = 0  # the pipeline stage `model` is
     model: nn.Module | None = None
     opt: torch.optim.Optimizer | None = None
     sync: NtpGradSync | None = None
-    world: Any = None  # every member of the current version: commit votes, regroup exchanges
+    syncs: list[NtpGradSync] = field(default_factory=list)  # every stage's (only ours is active)
+    world: Any = None  # every member of the current version: commit votes, regroup exchanges, activations
     spare: list[torch.Tensor] = field(default_factory=list)  # the last sync's buffers, for the next one
     timeline: list[TimelineEvent] = field(default_factory=list)
 
@@ -214,13 +236,17 @@ class Runtime:
         cfg: RuntimeConfig,
         on_event: Callable[[TimelineEvent], None] | None = None,
         post_parallelize: Callable[[nn.Module], None] | None = None,
+        pipeline: Pipeline | None = None,
     ) -> None:
-        """`plan`: module patterns -> styles, or a `plans.ModelPlan`; None takes
+        """`plan`: module patterns -> styles of the whole model, or a `plans.ModelPlan`; None takes
         `plans.plan_for(model)` of the first model built. `on_event` sees every timeline event as
         it happens (failure detected, layout received, regrouped, reshard done, first step, ...).
         `post_parallelize(model)` runs after the model is sharded and after every reshard (its
         shards were replaced), before the optimizer sees the parameters: fix-ups that depend on
-        the rank's local shapes. After a reshard it must not add, remove or replace parameters."""
+        the rank's local shapes. After a reshard it must not add, remove or replace parameters.
+        `pipeline`: how to cut the model into stages and feed them (pipeline.py); needed for
+        layouts with more than one stage, and then `train_step` takes no `loss_fn`."""
+        self.pipeline = pipeline
         self.on_event = on_event
         self.post_parallelize = post_parallelize
         self._plan = plan
@@ -238,8 +264,8 @@ class Runtime:
         self.s = _State()
         self._groups: list[weakref.ref[Any]] = []  # every group made, to check none outlives a leave
         self.seen: WorkerLayout | None = None  # newest version known, member or not
-        self.units: dict[str, int] = {}
-        self.families: dict[str, str] = {}
+        self._info: dict[int, _StageInfo] = {}  # per stage of the job's pipeline
+        self._depth = 0  # the pipeline depth `_info` was read for
         keep = Retention(cfg.checkpoint_keep_last, cfg.checkpoint_keep_every)
         self.checkpointer = (Checkpointer(cfg.checkpoint_dir, keep,
                                           complete_timeout_s=cfg.checkpoint_complete_timeout_s)
@@ -247,6 +273,16 @@ class Runtime:
         self.data_state_fn: Callable[[], dict[str, Any]] | None = None  # what save_checkpoint stores as data_state
         self.restored: RestoreInfo | None = None  # the last restore from a checkpoint
         self._saved_step = -1
+
+    @property
+    def units(self) -> dict[str, int]:
+        """Family -> unit count of this rank's stage."""
+        return self._info[self.s.stage].units if self._info else {}
+
+    @property
+    def families(self) -> dict[str, str]:
+        """Sharded module path -> family, in this rank's stage."""
+        return self._info[self.s.stage].families if self._info else {}
 
     @property
     def plan(self) -> Mapping[str, ShardStyle]:
@@ -292,8 +328,14 @@ class Runtime:
 
     @property
     def tp(self) -> int:
+        """The TP degree of this rank's group (0 without a place)."""
         lay = self.s.layout
-        return 0 if lay is None or lay.rank is None else lay.replicas[lay.replica_of(lay.rank)][0]
+        return 0 if lay is None or lay.rank is None else lay.tp_of(lay.rank)
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage."""
+        return self.s.stage
 
     def start(self, timeout: float | None = None) -> None:
         """Wait for a layout that includes this worker and join it (as a fresh rank)."""
@@ -302,11 +344,15 @@ class Runtime:
     def train_step(
         self,
         batch_fn: Callable[[int, int, int], Any],
-        loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     ) -> StepResult:
         """One optimizer step. `batch_fn(step, start, count)` returns samples [start, start+count) of
         the step's global batch (the global order must not depend on the layout); `loss_fn(model,
-        batch)` returns the mean loss over those samples. Survives peer failures (see module doc)."""
+        batch)` returns the mean loss over those samples. With a `Pipeline` the loss is the
+        pipeline's (give no `loss_fn`): the first and last stages call `batch_fn` per
+        micro-batch. Survives peer failures (see module doc)."""
+        if (self.pipeline is None) == (loss_fn is None):
+            raise ValueError("give train_step a loss_fn, or the Runtime a pipeline (whose loss is used), not both")
         while True:
             lay = self.s.layout
             if lay is None or lay.rank is None:
@@ -342,22 +388,31 @@ class Runtime:
 
     # ---- the step -------------------------------------------------------------------------------
     def _try_step(self, batch_fn: Callable[[int, int, int], Any],
-                  loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> tuple[StepResult, int]:
+                  loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None) -> tuple[StepResult, int]:
         lay, sl = self.s.layout, self.s.sync_layout
         assert lay is not None and lay.rank is not None and sl is not None
         assert self.s.model is not None and self.s.opt is not None and self.s.sync is not None
         t0 = time.perf_counter()
-        ri = lay.replica_of(lay.rank)
-        tp, lb = lay.replicas[ri]
+        ri, stage, _ = lay.where(lay.rank)
+        tp, lb = lay.degrees[ri][stage], lay.replicas[ri][1]
+        last = stage == lay.n_stages - 1
         start = sum(b for _, b in lay.replicas[:ri])
-        batch = batch_fn(self.step, start, lb)
         self.s.sync.zero_grad()  # in place: the gradients stay views of the sync buffers
-        loss = loss_fn(self.s.model, batch)
-        loss.backward()
+        t_fb = time.perf_counter()
+        batch: Any = None
+        if loss_fn is not None:
+            batch = batch_fn(self.step, start, lb)
+            loss = loss_fn(self.s.model, batch)
+            loss.backward()
+            value = loss.detach().item()
+        else:
+            value = self._pipeline_pass(batch_fn, lay, start, lb)
+        t_fb = time.perf_counter() - t_fb  # real compute only where the host waits for it (CPU)
         self.s.sync.sync()
         newest = self.source.latest()
         seen = newest.version if newest is not None else lay.version
-        mine = torch.tensor([loss.detach().item() * lb / tp, float(seen)], dtype=torch.float64)
+        # the last stage's ranks carry the replica's loss, each local_batch / tp of it
+        mine = torch.tensor([value * lb / tp if last else 0.0, float(seen)], dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(lay.world)]
         comm.all_gather(every, mine, group=self.s.world)  # the commit point
         self.s.opt.step()
@@ -368,9 +423,69 @@ class Runtime:
         agreed = int(stacked[:, 1].max().item())
         secs = time.perf_counter() - t0
         if self.s.timeline and self.s.timeline[-1].what in ("reshard done", "joined", "restored from checkpoint"):
-            self._event("first step", lay.version, f"tp={tp} local_batch={lb}")
-        self.source.report_step(lay, step, secs, lb)
-        return StepResult(step, gloss, lay.global_batch, lb, lay.version, tp, secs), agreed
+            self._event("first step", lay.version, f"tp={tp} local_batch={lb} stage={stage}")
+        lengths = StepWork.lengths_of(batch) if batch is not None else None
+        self.source.report_step(lay, step, secs, lb, StepWork(
+            t_fb if self.choice.device == "cpu" else 0.0, sequence_lengths=lengths))
+        return StepResult(step, gloss, lay.global_batch, lb, lay.version, tp, secs, stage), agreed
+
+    def _pipeline_pass(self, batch_fn: Callable[[int, int, int], Any], lay: WorkerLayout, start: int,
+                       lb: int) -> float:
+        """Forward and backward of this rank's stage over the replica's micro-batches, GPipe order:
+        every forward (input from the previous stage, output to the next), then every backward in
+        reverse (output gradient from the next stage, input gradient to the previous). Gradients
+        accumulate in the sync's buffers; micro-batch k's loss is weighted count_k / local_batch,
+        so the replica's gradient and loss are the means over its samples, as with one pass.
+        Returns that loss on the last stage (0 elsewhere)."""
+        pipe, model = self.pipeline, self.s.model
+        assert pipe is not None and model is not None and lay.rank is not None
+        ri, stage, index = lay.where(lay.rank)
+        degrees = lay.degrees[ri]
+        ranks = lay.group_ranks()[ri]
+        first, last = stage == 0, stage == len(degrees) - 1
+        peers = activation_peers(degrees, stage, index)
+        device = self.device
+        group = self.s.world
+        pending: list[Any] = []
+        inputs: list[torch.Tensor | None] = []
+        outputs: list[torch.Tensor] = []
+        total = 0.0
+        parts = micro_batches(lb, pipe.micro_batches or len(degrees))
+        for off, n in parts:
+            mb = batch_fn(self.step, start + off, n) if first or last else None
+            if first:
+                x, keep = pipe.inputs(mb), None
+            else:
+                assert peers.recv_input is not None
+                keep = recv_activation(ranks[stage - 1][peers.recv_input], group, device).requires_grad_(True)
+                x = keep
+            y = model(x)
+            if last:
+                loss = pipe.loss(y, mb) * (n / lb)
+                total += float(loss.detach().item())
+                outputs.append(loss)
+            else:
+                pending += send_activation(y.detach(), [ranks[stage + 1][k] for k in peers.send_output], group)
+                outputs.append(y)
+            inputs.append(keep)
+        for k in reversed(range(len(parts))):
+            out = outputs.pop()
+            if last:
+                out.backward()
+            else:
+                assert peers.recv_grad is not None
+                grad = torch.empty_like(out)
+                comm.irecv(grad, src=ranks[stage + 1][peers.recv_grad], group=group).wait()
+                out.backward(grad)
+            x_in = inputs.pop()
+            if x_in is not None:
+                g = x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
+                pending += comm.exchange([comm.P2P(True, g, ranks[stage - 1][i]) for i in peers.send_grad], group)
+            del out, x_in
+            assert len(outputs) == k
+        for w in pending:
+            w.wait()
+        return total
 
     # ---- switching layouts ----------------------------------------------------------------------
     def _planned_switch(self, agreed: int) -> None:
@@ -455,6 +570,7 @@ class Runtime:
             self.s.spare = self.s.sync.buffers()
             self.s.sync.release()
         self.s.sync = self.s.world = None
+        self.s.syncs = []
         if self.s.model is not None:
             for m in self.s.model.modules():
                 if isinstance(m, ShardedModule):
@@ -474,6 +590,7 @@ class Runtime:
                 comm.leave(self.choice.backend, self.features)
             except Exception as e:  # a broken group may fail to tear down cleanly; it is dropped either way
                 log.debug("destroying the old process group failed", error=str(e))
+        comm.release_buffers()  # the next layout's messages have other sizes
         self._release_groups()
 
     def _track(self, *groups: Any) -> None:
@@ -537,11 +654,21 @@ class Runtime:
         self._track(self.s.world)
 
     def _apply(self, target: WorkerLayout, planned: bool = False) -> None:
-        """Leave the current group and join `target`'s: regroup, reshard, ack."""
+        """Leave the current group and join `target`'s: regroup, reshard every stage, ack.
+
+        Pipelines: each stage is resharded on its own, from the survivors that held it (in any
+        replica) to the ranks that hold it now. A rank that keeps its stage reshards in place; one
+        whose group moved to another stage builds that stage's model, receives its shards, the
+        replicated parameters and their optimizer state from that stage's survivors (DP peers),
+        and meanwhile serves its old stage's shards to whoever needs them; a fresh rank is the
+        same without the serving. When no survivor holds some stage (or some unit of it), every
+        rank restores the newest checkpoint instead (`_restore_into`), or raises
+        ReconfigurationError naming the stage when there is none; also when the pipeline depth
+        changed."""
         old = self.s.layout
-        if target.n_stages > 1:
-            raise ReconfigurationError(f"layout version {target.version} has {target.n_stages} pipeline stages; "
-                                       "this runtime runs single-stage layouts only")
+        if target.n_stages > 1 and self.pipeline is None:
+            raise ReconfigurationError(f"layout version {target.version} has {target.n_stages} pipeline stages but the "
+                                       "Runtime has no pipeline: give it Runtime(..., pipeline=Pipeline(...))")
         # NCCL on a planned switch: keep the communicator, the next version may shrink it
         self._leave_group(keep=planned and target.rank is not None and self.choice.backend == "nccl"
                           and self.features.shrink_group and comm.can_shrink())
@@ -552,7 +679,7 @@ class Runtime:
             self.source.ack(target, True, "no place")
             return
         self._rendezvous(target)
-        rank, world = target.rank, target.world
+        rank, world, depth = target.rank, target.world, target.n_stages
         # who holds what: (old rank, version it was a member of, committed steps), -1 when fresh
         held = old is not None and old.rank is not None and self.s.model is not None
         mine = torch.tensor([old.rank if held and old else -1, old.version if held and old else -1, self.step],
@@ -573,104 +700,181 @@ class Runtime:
             return self._restore_into(target, "no rank of the new layout holds the model state")
         self.step = steps.pop()
         src = min(survivors)
-        obj: list[Any] = [old.replicas if rank == src and old else None]
+        obj: list[Any] = [(old.replicas, old.degrees) if rank == src and old else None]
         comm.broadcast_object_list(obj, src=src, group=self.s.world)
-        old_replicas: tuple[tuple[int, int], ...] = tuple(tuple(r) for r in obj[0])  # type: ignore[misc]
+        old_replicas: tuple[tuple[int, int], ...] = tuple((int(r[0]), int(r[1])) for r in obj[0][0])
+        old_degrees = tuple(tuple(int(d) for d in st) for st in obj[0][1])
+        if len(old_degrees[0]) != depth:
+            raise ReconfigurationError(f"the pipeline depth changed from {len(old_degrees[0])} to {depth} stages: "
+                                       "stages cannot be re-cut live; restart from a checkpoint")
+        _, stage, _ = target.where(rank)
+        old_stage = locate(old_degrees, survivors[rank])[1] if rank in survivors else None
+        fresh = self._fresh_model(stage, depth) if old_stage != stage else None  # also reads every stage's plan
+        # Each stage: its old layout (new rank numbers for survivors, world + old rank for the
+        # gone), its new one, the survivors that held it. Checked on every rank before any
+        # message moves, so all refuse together.
         inverse = {r: nr for nr, r in survivors.items()}
-        old_ranks, r = [], 0
-        for tp, b in old_replicas:
-            old_ranks.append((tuple(inverse.get(x, world + x) for x in range(r, r + tp)), b))
-            r += tp
-        fresh = self._fresh_model() if rank not in survivors else None  # also learns the unit counts
-        old_sl = SyncLayout(tuple(ReplicaGroup(rs, b) for rs, b in old_ranks), self.units)
-        new_sl = target.sync_layout(self.units)
-        try:
-            reshard_moves(old_sl, new_sl, set(survivors))
-        except ValueError as e:  # every holder of some unit is gone
-            return self._restore_into(target, str(e))
-        joiners = [nr for nr in range(world) if nr not in survivors]
+        old_groups = stage_ranks(old_degrees)
+        old_sl: dict[int, SyncLayout] = {}
+        new_sl: dict[int, SyncLayout] = {}
+        alive: dict[int, set[int]] = {}
+        for s in range(depth):
+            units = self._info[s].units
+            old_sl[s] = SyncLayout(tuple(ReplicaGroup(tuple(inverse.get(x, world + x) for x in old_groups[r][s]), b)
+                                         for r, (_, b) in enumerate(old_replicas)), units)
+            new_sl[s] = target.sync_layout(units, s)
+            alive[s] = {nr for nr, r in survivors.items() if locate(old_degrees, r)[1] == s}
+            if not alive[s]:
+                return self._restore_into(target, f"no surviving rank holds pipeline stage {s}: every rank that held "
+                                          "its layers is gone")
+            try:
+                reshard_moves(old_sl[s], new_sl[s], alive[s])
+            except ValueError as e:  # every holder of some unit of the stage is gone
+                return self._restore_into(target, f"pipeline stage {s}: {e}")
         my_tp = self._tp_groups(target)
-        if rank not in survivors:  # a fresh or stale rank: shapes for the new units, values from peers
+        held_model, held_opt = self.s.model, self.s.opt  # the old stage's, when this rank held one
+        if fresh is not None:  # a fresh or stale rank, or a group that changed stage: values from peers
             model = fresh
-            assert model is not None
-            parallelize(model, self.plan, new_sl.units_of(rank), group=my_tp)
+            parallelize(model, self._info[stage].plan, new_sl[stage].units_of(rank), group=my_tp)
             self._fix(model, resharded=False)
             model.to(self.device)
             opt = self.optimizer_fn(model.parameters())
             if self.step > 0:
                 ensure_optimizer_state(opt)
-            self.s.model, self.s.opt = model, opt
-        assert self.s.model is not None and self.s.opt is not None
-        self.s.opt = apply_reshard(self.s.model, self.s.opt, old_sl, new_sl, set(survivors), rank,
-                                   self.families, my_tp, group=self.s.world)
-        self._fix(self.s.model, resharded=True)
-        if joiners:
-            self._send_replicated(src)
-        self.s.sync = self._new_sync(self.s.model, new_sl, rank)
-        self.s.layout, self.s.sync_layout = target, new_sl
+        else:
+            assert held_model is not None and held_opt is not None
+            model, opt = held_model, held_opt
+        for s in range(depth):  # every rank the same order, so point-to-point pairs match
+            if s == stage:
+                opt = apply_reshard(model, opt, old_sl[s], new_sl[s], alive[s], rank, self._info[s].families, my_tp,
+                                    group=self.s.world)
+            elif s == old_stage:  # a source only: it holds none of this stage any more
+                assert held_model is not None and held_opt is not None
+                apply_reshard(held_model, held_opt, old_sl[s], new_sl[s], alive[s], rank, self._info[s].families,
+                              None, group=self.s.world)
+        self._fix(model, resharded=True)
+        joiners = 0
+        for s in range(depth):
+            members = [r for g in target.group_ranks() for r in g[s]]
+            new_here = [r for r in members if r not in alive[s]]
+            if not new_here:
+                continue
+            joiners += len(new_here)
+            staying = sorted(r for r in alive[s] if r in members)
+            giver = staying[0] if staying else min(alive[s])
+            if rank == giver:
+                gm, go = (model, opt) if stage == s else (held_model, held_opt)
+                assert gm is not None and go is not None
+                self._send_replicated(gm, go, giver, new_here)
+            elif rank in new_here:
+                self._send_replicated(model, opt, giver, [rank])
+        held_model = held_opt = None
+        self.s.model, self.s.opt, self.s.stage = model, opt, stage
+        self.s.sync = self._new_sync(model, target, rank)
+        self.s.layout, self.s.sync_layout = target, new_sl[stage]
         self._event("reshard done", target.version,
-                    f"tp={self.tp} joiners={len(joiners)} survivors={len(survivors)}")
+                    f"tp={self.tp} stage={stage} joiners={joiners} survivors={len(survivors)}"
+                    + (f" stage {old_stage}->{stage}" if old_stage is not None and old_stage != stage else ""))
         self.source.ack(target, True)
 
     def _tp_groups(self, target: WorkerLayout) -> Any:
-        """Create every replica's TP group (collectively, in order, as torch requires); return ours."""
+        """Create every TP group (each stage of each replica; collectively, in order, as torch
+        requires); return ours."""
         assert target.rank is not None
-        groups = [dist.new_group(ranks=rs, timeout=self._timeout) for rs in target.rank_lists()]
-        self._track(*groups)
-        return groups[target.replica_of(target.rank)]
+        ri, si, _ = target.where(target.rank)
+        mine = None
+        for r, rep in enumerate(target.group_ranks()):
+            for s, rs in enumerate(rep):
+                g = dist.new_group(ranks=list(rs), timeout=self._timeout)
+                self._track(g)
+                if (r, s) == (ri, si):
+                    mine = g
+        return mine
 
-    def _new_sync(self, model: nn.Module, sl: SyncLayout, rank: int) -> NtpGradSync:
+    def _new_sync(self, model: nn.Module, target: WorkerLayout, rank: int) -> NtpGradSync:
+        """One NTP sync per stage (each creates its groups on every rank); ours is active."""
         spare, self.s.spare = self.s.spare, []
-        sync = NtpGradSync(model, sl, rank, self.families, timeout=self._timeout, reuse=spare)
-        self._track(*sync.dp_groups, sync.layout_group)
-        return sync
+        _, stage, _ = target.where(rank)
+        own = None
+        self.s.syncs = []
+        for s in range(target.n_stages):
+            here = s == stage
+            info = self._info[s]
+            sync = NtpGradSync(model, target.sync_layout(info.units if here else {}, s), rank,
+                               info.families if here else {}, timeout=self._timeout, reuse=spare if here else ())
+            self._track(*sync.dp_groups, sync.layout_group)
+            self.s.syncs.append(sync)
+            if here:
+                own = sync
+        assert own is not None and own.active
+        return own
 
-    def _fresh_model(self) -> nn.Module:
+    def _fresh_model(self, stage: int = 0, depth: int = 1) -> nn.Module:
+        """Stage `stage` of a freshly built model (the whole model without a pipeline), built
+        under the run's seed so every rank starts from the same values. The first call reads the
+        plan and every stage's units off the whole model."""
         torch.manual_seed(self.cfg.seed)
-        model = self.model_fn()
+        whole = self.model_fn()
         if self._plan is None:
             from ntp_manager.worker.plans import plan_for
 
-            self._plan = plan_for(model)
-        if not self.units:
-            self.units = unit_counts(model, self.plan)
-            self.families = families_of(self.plan, model)
-        return model
+            self._plan = plan_for(whole)
+        if self.pipeline is None:
+            if depth != 1:
+                raise ReconfigurationError(f"a layout of {depth} stages needs a Runtime with a pipeline")
+            if not self._info:
+                self._info = {0: _StageInfo(self.plan, unit_counts(whole, self.plan), families_of(self.plan, whole))}
+                self._depth = 1
+            return whole
+        if self._depth != depth:
+            info = {}
+            for s in range(depth):  # every stage's, so any rank can check and plan any stage's reshard
+                part = self.pipeline.stage(whole, s, depth)
+                plan = stage_plan(self.plan, part)
+                info[s] = _StageInfo(plan, unit_counts(part, plan), families_of(plan, part))
+            self._info, self._depth = info, depth
+        return self.pipeline.stage(whole, stage, depth)
 
     def _build_fresh(self, target: WorkerLayout) -> None:
         assert target.rank is not None
-        model = self._fresh_model()
+        _, stage, _ = target.where(target.rank)
+        model = self._fresh_model(stage, target.n_stages)
         my_tp = self._tp_groups(target)
-        sl = target.sync_layout(self.units)
-        parallelize(model, self.plan, sl.units_of(target.rank), group=my_tp)
+        sl = target.sync_layout(self._info[stage].units, stage)
+        parallelize(model, self._info[stage].plan, sl.units_of(target.rank), group=my_tp)
         self._fix(model, resharded=False)
         model.to(self.device)
-        self.s.model, self.s.opt = model, self.optimizer_fn(model.parameters())
-        self.s.sync = self._new_sync(model, sl, target.rank)
+        self.s.model, self.s.opt, self.s.stage = model, self.optimizer_fn(model.parameters()), stage
+        self.s.sync = self._new_sync(model, target, target.rank)
         self.s.layout, self.s.sync_layout = target, sl
 
-    def _send_replicated(self, src: int) -> None:
-        """Replicated parameters, their optimizer state and the Adam step count, from `src` to all."""
-        assert self.s.model is not None and self.s.opt is not None
-        sharded = {id(p) for m in self.s.model.modules() if isinstance(m, ShardedModule)
-                   for _, p, _ in m.sharded_params()}
-        opt = self.s.opt
+    def _send_replicated(self, model: nn.Module, opt: torch.optim.Optimizer, src: int, dsts: list[int]) -> None:
+        """Replicated parameters of a stage, their optimizer state and the Adam step count, from
+        `src` to each of `dsts` (point-to-point on the world group; `src` calls it with every
+        joiner of the stage, a joiner with itself). Both ends walk the same stage module, so
+        parameters and state keys come in the same order."""
+        sharded = {id(p) for m in model.modules() if isinstance(m, ShardedModule) for _, p, _ in m.sharded_params()}
+        me = dist.get_rank(self.s.world)
+        tensors: list[torch.Tensor] = []
         with torch.no_grad():
-            for p in self.s.model.parameters():
+            for p in model.parameters():
                 if id(p) in sharded:
                     continue
-                comm.broadcast(p.data, src=src, group=self.s.world)
+                tensors.append(p.data)
                 st = opt.state.get(p, {})
-                for k in sorted(st):
-                    if isinstance(st[k], torch.Tensor) and st[k].dim() > 0:
-                        comm.broadcast(st[k], src=src, group=self.s.world)
+                tensors += [st[k] for k in sorted(st) if isinstance(st[k], torch.Tensor) and st[k].dim() > 0]
         step_val = torch.tensor([-1.0], dtype=torch.float64)
-        if dist.get_rank() == src:
+        if me == src:
             s = next((st["step"] for st in opt.state.values() if "step" in st), None)
             if s is not None:
                 step_val[0] = float(s)
-        comm.broadcast(step_val, src=src, group=self.s.world)
-        if step_val.item() >= 0:
+        tensors.append(step_val)
+        if me == src:
+            ops = [comm.P2P(True, t.contiguous(), d) for d in dsts for t in tensors]
+        else:
+            ops = [comm.P2P(False, t, src) for t in tensors]
+        comm.wait_all(comm.exchange(ops, self.s.world))
+        if me != src and step_val.item() >= 0:
             for st in opt.state.values():
                 if "step" in st:
                     st["step"] = torch.tensor(step_val.item())

@@ -109,9 +109,44 @@ class LayoutSource(Protocol):
 
     def ack(self, layout: WorkerLayout, ok: bool, detail: str = "") -> None: ...
 
-    def report_step(self, layout: WorkerLayout, step: int, step_time_s: float, tokens: int) -> None: ...
+    def report_step(self, layout: WorkerLayout, step: int, step_time_s: float, tokens: int,
+                    work: StepWork | None = None) -> None: ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What a step's report says beyond its time (fail-slow detection, issue 21). Only what the
+    worker knows without a GPU sync: 0 / None means "not measured" and the manager treats it so.
+
+    - `compute_s`: host-timed forward + backward; meaningful only where the host waits for the
+      device (CPU training), so the runtime leaves it 0 on GPUs.
+    - `comm_wait_s`: seconds blocked in the TP group's collectives (0: not measured).
+    - `sequence_lengths`: lengths of the step's sequences, from the batch when it says them
+      (`batch.sequence_lengths` or `batch["sequence_lengths"]`); tokens and sum of squares follow.
+    """
+
+    compute_s: float = 0.0
+    comm_wait_s: float = 0.0
+    sequence_lengths: tuple[int, ...] | None = None
+
+    @staticmethod
+    def lengths_of(batch: Any) -> tuple[int, ...] | None:
+        v = batch.get("sequence_lengths") if isinstance(batch, dict) else getattr(batch, "sequence_lengths", None)
+        if v is None:
+            return None
+        out = tuple(int(x) for x in v)
+        if any(x < 0 for x in out):
+            raise ValueError(f"batch sequence_lengths must be >= 0, got {min(out)}")
+        return out
+
+    def fill(self, r: Any) -> None:
+        """Set the fields of an ntp.v1.RankStep."""
+        r.compute_s, r.comm_wait_s = max(0.0, self.compute_s), max(0.0, self.comm_wait_s)
+        if self.sequence_lengths is not None:
+            r.tokens = sum(self.sequence_lengths)
+            r.sequence_sq_sum = sum(x * x for x in self.sequence_lengths)
 
 
 class _History:
@@ -236,7 +271,8 @@ class StoreLayoutSource:
         with self._lock:
             self.store.set(f"ntp/{self.job}/ack/{layout.version}/{self.worker_id}", "ok" if ok else f"failed: {detail}")
 
-    def report_step(self, layout: WorkerLayout, step: int, step_time_s: float, tokens: int) -> None:
+    def report_step(self, layout: WorkerLayout, step: int, step_time_s: float, tokens: int,
+                    work: StepWork | None = None) -> None:
         pass
 
     def close(self) -> None:
@@ -276,6 +312,19 @@ def layout_from_pb(msg: Any, gpu_uuid: str) -> WorkerLayout:
     multi = any(len(d) > 1 for d in degrees)
     return WorkerLayout(int(msg.stamp.version), tuple(reps), rank, msg.reason, int(msg.stamp.leader_epoch),
                         stages=tuple(degrees) if multi else ())
+
+
+def step_report(job: str, worker_id: str, gpu_uuid: str, layout: WorkerLayout, step: int, step_time_s: float,
+                tokens: int, work: StepWork | None = None) -> Any:
+    """One rank's ntp.v1.StepReport (the manager places it by its layout)."""
+    from ntp_manager._proto.ntp.v1 import common_pb2, worker_pb2
+
+    r = worker_pb2.RankStep(rank=layout.rank or 0, gpu_uuid=gpu_uuid, step_time_s=step_time_s, tokens=tokens)
+    if work is not None:
+        work.fill(r)
+    return worker_pb2.StepReport(job=job, worker_id=worker_id, step=step,
+                                 stamp=common_pb2.LayoutStamp(leader_epoch=layout.epoch, version=layout.version),
+                                 ranks=[r])
 
 
 class GrpcLayoutSource:
@@ -356,15 +405,9 @@ class GrpcLayoutSource:
         except Exception as e:  # an ack that cannot be delivered must not stop training
             log.warning("ack failed", version=layout.version, error=str(e))
 
-    def report_step(self, layout: WorkerLayout, step: int, step_time_s: float, tokens: int) -> None:
-        from ntp_manager._proto.ntp.v1 import common_pb2, worker_pb2
-
-        rep = worker_pb2.StepReport(
-            job=self.job, worker_id=self.worker_id, step=step,
-            stamp=common_pb2.LayoutStamp(leader_epoch=layout.epoch, version=layout.version),
-            ranks=[worker_pb2.RankStep(rank=layout.rank or 0, gpu_uuid=self.gpu_uuid, step_time_s=step_time_s,
-                                       tokens=tokens)],
-        )
+    def report_step(self, layout: WorkerLayout, step: int, step_time_s: float, tokens: int,
+                    work: StepWork | None = None) -> None:
+        rep = step_report(self.job, self.worker_id, self.gpu_uuid, layout, step, step_time_s, tokens, work)
         rep.at.GetCurrentTime()
         with self._steps_cond:  # sent from a thread: a step never waits on the manager
             self._steps = [rep]  # only the newest matters

@@ -147,6 +147,13 @@ class Device:
     cluster_uuid: bytes = b""  # non-empty: an NVLink fabric registered the GPU (state COMPLETED)
     clique: int = 0
     enforce_ceiling_mw: int | None = None  # another limit in force: enforced = min(set, ceiling)
+    sm_clock_mhz: int = 1980
+    sm_clock_max_mhz: int = 1980
+    temperature_c: int = 60
+    # (link, counter) -> value of nvmlDeviceGetNvLinkErrorCounter; counters absent answer 0
+    nvlink_errors: dict[tuple[int, int], int] = field(default_factory=dict)
+    nvlink_errors_supported: bool = True
+    throttle_name_only: bool = False  # an old binding: only ...ClocksThrottleReasons exists
 
     @classmethod
     def h100(cls, uuid: str) -> Device:
@@ -315,11 +322,39 @@ def make(devices: list[Device]) -> types.ModuleType:
     def nvmlDeviceGetCurrentClocksEventReasons(handle: _Handle) -> int:
         return dev(handle, "nvmlDeviceGetCurrentClocksEventReasons").clocks_reasons
 
+    def nvmlDeviceGetCurrentClocksThrottleReasons(handle: _Handle) -> int:
+        return dev(handle, "nvmlDeviceGetCurrentClocksThrottleReasons").clocks_reasons
+
+    def clock(handle: _Handle, type: int, fn: str, maximum: bool) -> int:
+        d = dev(handle, fn)
+        kind = uint(type, fn, "type")
+        if kind >= 4:  # NVML_CLOCK_COUNT
+            raise NVMLError_InvalidArgument()
+        if kind != 1:  # only SM clocks are modelled
+            raise NVMLError_NotSupported()
+        return d.sm_clock_max_mhz if maximum else d.sm_clock_mhz
+
+    def nvmlDeviceGetClockInfo(handle: _Handle, type: int) -> int:
+        return clock(handle, type, "nvmlDeviceGetClockInfo", False)
+
+    def nvmlDeviceGetMaxClockInfo(handle: _Handle, type: int) -> int:
+        return clock(handle, type, "nvmlDeviceGetMaxClockInfo", True)
+
+    def nvmlDeviceGetNvLinkErrorCounter(device: _Handle, link: int, counter: int) -> int:
+        d = dev(device, "nvmlDeviceGetNvLinkErrorCounter")
+        i = uint(link, "nvmlDeviceGetNvLinkErrorCounter", "link")
+        c = uint(counter, "nvmlDeviceGetNvLinkErrorCounter", "counter")
+        if not d.nvlink_supported or not d.nvlink_errors_supported:
+            raise NVMLError_NotSupported()
+        if i >= len(d.links) or c >= 5:  # NVML_NVLINK_ERROR_COUNT
+            raise NVMLError_InvalidArgument()
+        return d.nvlink_errors.get((i, c), 0)
+
     def nvmlDeviceGetTemperature(handle: _Handle, sensor: int) -> int:
-        dev(handle, "nvmlDeviceGetTemperature")
+        d = dev(handle, "nvmlDeviceGetTemperature")
         if uint(sensor, "nvmlDeviceGetTemperature", "sensor") != 0:
             raise NVMLError_InvalidArgument()
-        return 60
+        return d.temperature_c
 
     def nvmlDeviceGetNvLinkState(device: _Handle, link: int) -> int:
         d = dev(device, "nvmlDeviceGetNvLinkState")
@@ -380,6 +415,8 @@ def make(devices: list[Device]) -> types.ModuleType:
     for name, value in list(locals().items()):
         if name.startswith("nvml"):
             setattr(m, name, value)
+    if devices and all(d.throttle_name_only for d in devices):
+        del m.nvmlDeviceGetCurrentClocksEventReasons  # as in bindings older than nvidia-ml-py 12.535
     for cls in ERROR_CLASSES:
         setattr(m, cls.__name__, cls)
     m.c_nvmlGpuFabricInfo_v2_t = c_nvmlGpuFabricInfo_v2_t
@@ -394,6 +431,9 @@ def make(devices: list[Device]) -> types.ModuleType:
     m.NVML_TEMPERATURE_GPU = 0
     m.NVML_FEATURE_ENABLED = 1
     m.NVML_NVLINK_MAX_LINKS = 36
+    m.NVML_CLOCK_GRAPHICS, m.NVML_CLOCK_SM, m.NVML_CLOCK_MEM = 0, 1, 2
+    m.NVML_NVLINK_ERROR_DL_REPLAY, m.NVML_NVLINK_ERROR_DL_RECOVERY = 0, 1
+    m.NVML_NVLINK_ERROR_DL_CRC_FLIT, m.NVML_NVLINK_ERROR_DL_CRC_DATA = 2, 3
     m.nvmlEventTypeXidCriticalError = 0x8
     m.nvmlClocksEventReasonSwThermalSlowdown = 0x20
     m.nvmlClocksEventReasonHwThermalSlowdown = 0x40

@@ -55,7 +55,13 @@ async def test_replans_pass_the_previous_layout_and_record_the_moves(sqlite_serv
         assert r.status_code == 200, r.text
         assert r.json()["version"] == 3
         assert layout(svc) is v3
-        assert (await c.get("/v1/jobs/pp/layouts")).json()["total"] == 3
+        history = (await c.get("/v1/jobs/pp/layouts")).json()
+        assert history["total"] == 3
+        latest = history["items"][0]  # the history names each stage's degree and the groups that moved
+        assert latest["moves"] == moves
+        assert sorted(r["stage_tp"] for r in latest["replicas"]) == sorted(
+            [g["tp"] for g in sorted(r["groups"], key=lambda g: g["stage"])] for r in v3.plan["replicas"])
+        assert sum(len(r["moved"]) for r in latest["replicas"]) == moves["moved"]
 
         # The dashboard shows the moves of the current layout.
         snap = (await c.get("/v1/snapshot")).json()

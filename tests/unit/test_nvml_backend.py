@@ -68,6 +68,34 @@ def test_throttle_and_nvlink_and_ecc_readings():
     assert s.throttled is True and s.nvlink_down == 1 and s.sbe_total == 5 and s.dbe_total == 1
 
 
+def test_fail_slow_signals_are_read():
+    dev = Device("GPU-a", clocks_reasons=0x20 | 0x4, sm_clock_mhz=1410, sm_clock_max_mhz=1980, temperature_c=88,
+                 nvlink_errors={(0, 0): 3, (2, 0): 4, (1, 1): 2, (5, 2): 7, (5, 3): 1})
+    dev.links[2] = 0  # an inactive link's counters are not read
+    be, nv = backend(dev)
+    s = be.sample("GPU-a")
+    assert s.clock_event_reasons == 0x24 and s.throttled is True
+    assert (s.sm_clock_mhz, s.sm_clock_max_mhz, s.temperature_c) == (1410, 1980, 88)
+    assert (s.nvlink_replay, s.nvlink_recovery, s.nvlink_crc) == (3, 2, 8)
+    assert s.usage_mw == 800_000 and s.limit_mw == 1_000_000
+    assert nv.state["misuse"] == []
+
+
+def test_fail_slow_signals_are_optional_and_the_old_throttle_name_is_used():
+    dev = Device("GPU-a", throttle_name_only=True, clocks_reasons=0x40, nvlink_errors_supported=False)
+    be, nv = backend(dev)
+    assert not hasattr(nv, "nvmlDeviceGetCurrentClocksEventReasons")
+    s = be.sample("GPU-a")
+    assert s.clock_event_reasons == 0x40 and s.throttled is True
+    assert (s.nvlink_replay, s.nvlink_recovery, s.nvlink_crc) == (None, None, None)
+    assert "nvmlDeviceGetNvLinkErrorCounter" in be.unsupported
+    assert nv.state["calls"]["nvmlDeviceGetCurrentClocksThrottleReasons"] == 1
+    nolinks = Device("GPU-b", nvlink_supported=False)
+    be2, _ = backend(nolinks)
+    s2 = be2.sample("GPU-b")
+    assert s2.nvlink_replay is None and s2.sm_clock_mhz == 1980
+
+
 def test_no_permission_on_set_is_reported():
     be, _ = backend(Device("GPU-a", refuse_set=True))
     st = PowerController(be).set("GPU-a", 1_200_000)
@@ -161,7 +189,9 @@ def test_fake_fabric_struct_has_the_real_layout():
     assert ctypes.sizeof(ours) == ctypes.sizeof(theirs) == real.nvmlGpuFabricInfo_v2 & 0xFFFFFF
     assert make([]).nvmlGpuFabricInfo_v2 == real.nvmlGpuFabricInfo_v2
     for name in ("NVML_NVLINK_MAX_LINKS", "nvmlEventTypeXidCriticalError", "NVML_GPU_FABRIC_STATE_COMPLETED",
-                 "nvmlClocksEventReasonHwThermalSlowdown", "NVML_MEMORY_ERROR_TYPE_UNCORRECTED"):
+                 "nvmlClocksEventReasonHwThermalSlowdown", "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", "NVML_CLOCK_SM",
+                 "NVML_NVLINK_ERROR_DL_REPLAY", "NVML_NVLINK_ERROR_DL_RECOVERY", "NVML_NVLINK_ERROR_DL_CRC_FLIT",
+                 "NVML_NVLINK_ERROR_DL_CRC_DATA"):
         assert getattr(make([]), name) == getattr(real, name), name
 
 

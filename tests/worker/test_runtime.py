@@ -65,6 +65,7 @@ def _worker(wid: str, port: int, kind: str, q: Any, park_at: int | None, device:
     # "cuda": CUDA tensors, gloo (the ranks share the GPUs there are), staged through host memory;
     # "staged": CPU tensors with that staging forced
     dev = {"cuda": dict(device="cuda", backend="gloo", local_rank=index, local_world_size=8),
+           "nccl": dict(device="cuda", backend="nccl", local_rank=index, local_world_size=4),
            "staged": dict(force_staging=True)}.get(device, {})
     cfg = RuntimeConfig(job=JOB, collective_timeout_s=15, rendezvous_timeout_s=90, reconfigure_timeout_s=90,
                         **dev)  # type: ignore[arg-type]
@@ -184,9 +185,11 @@ def kill_and_rejoin(kind: str, device: str, a: list[str], b: list[str], steps: i
     assert any(what == "failure detected" for what, _ in done[first][2])
     # every old group was gone when its rank left (else peers blocked on it wait for their timeout)
     assert not [(w, what) for w, (_, _, tl, _) in done.items() for what, _ in tl if what == "groups outlived leave"]
-    # the transport: gloo everywhere; device tensors (or forced staging) always through host buffers
+    # the transport: gloo with device tensors (or forced staging) always through host buffers;
+    # NCCL carries the device tensors itself and only the CPU commit votes through device copies
     for w, (_, _, _, (backend, where, staged)) in done.items():
-        assert backend == "gloo" and where.startswith(device if device == "cuda" else "cpu"), (w, backend, where)
+        assert backend == ("nccl" if device == "nccl" else "gloo"), (w, backend)
+        assert where.startswith("cuda" if device in ("cuda", "nccl") else "cpu"), (w, where)
         assert (staged > 0) == (device != "cpu"), (w, staged)
 
     ref_losses, ref_params = reference(kind, [gb for _, _, gb, _, _ in ref_rows])
@@ -203,6 +206,15 @@ def test_kill_a_rank_survivors_continue_at_tp3_then_the_repaired_rank_rejoins(ki
     """Two replicas at TP4 -> TP3 + TP4 -> TP4 + TP4. "cuda": CUDA tensors on gloo, the ranks
     sharing the GPUs there are (one GPU runs all eight), every message staged through host memory."""
     kill_and_rejoin(kind, device, A, B, STEPS)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 4 and dist.is_nccl_available()),
+                    reason="the NCCL runtime case needs 4 CUDA GPUs (a GPU per rank) and a torch with NCCL")
+def test_kill_and_rejoin_on_nccl() -> None:
+    """TP2 + TP2 on four GPUs with NCCL: the SIGKILLed rank's peers time out (blocking wait), abort
+    their communicators, regroup on fresh ones, fetch the lost shards and go on; the fresh process
+    rejoins."""
+    kill_and_rejoin("adamw", "nccl", ["w0", "w1"], ["w2", "w3"], STEPS)
 
 
 def test_kill_and_rejoin_with_staged_transport() -> None:
@@ -259,3 +271,47 @@ def _lonely(wid: str, port: int, q: Any) -> None:
     except ReconfigurationError as e:
         events = [f"{ev.what}: {ev.detail}" for ev in rt.timeline]
         q.put((wid, f"ReconfigurationError: {e} | {events}"))
+
+
+class _Recording(StoreLayoutSource):
+    def __init__(self, *a: Any, q: Any) -> None:
+        super().__init__(*a)
+        self.q = q
+
+    def report_step(self, layout: Any, step: int, step_time_s: float, tokens: int, work: Any = None) -> None:
+        self.q.put((step, step_time_s, tokens, work))
+
+
+def test_step_report_carries_cpu_compute_time_and_the_batchs_sequence_lengths() -> None:
+    """Issue 21: the runtime passes a StepWork with the host-timed forward+backward (CPU: real
+    compute) and the sequence lengths the batch names."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=dt.timedelta(seconds=60))
+    publish_layout(store, "solo", 1, [(["s0"], 2)], "start")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_solo, args=(port, q))
+    p.start()
+    try:
+        step, secs, tokens, work = q.get(timeout=120)
+        p.join(timeout=60)
+    finally:
+        if p.is_alive():
+            p.kill()
+    assert (step, tokens) == (0, 2)
+    assert 0 < work.compute_s <= secs and work.comm_wait_s == 0.0
+    assert work.sequence_lengths == (5, 11)
+
+
+def _solo(port: int, q: Any) -> None:
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=dt.timedelta(seconds=60))
+    rt = Runtime(lambda: TinyGpt(CFG), tp_plan(CFG), _opt_fn("sgd"), _Recording(store, "solo", "s0", q=q),
+                 store, RuntimeConfig(job="solo", device="cpu", backend="gloo"))
+    rt.start()
+
+    class Batch(tuple):  # type: ignore[type-arg]
+        sequence_lengths = (5, 11)
+
+    rt.train_step(lambda s, st, n: Batch(batch(s, st, n)), lambda m, b: loss_fn(m, tuple(b)))
+    rt.close()

@@ -95,12 +95,44 @@ class HealthReport(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., observed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[GpuHealth, _Mapping]]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("sent_at", "last_seq")
+    __slots__ = ("sent_at", "last_seq", "gpus")
     SENT_AT_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
     sent_at: _timestamp_pb2.Timestamp
     last_seq: int
-    def __init__(self, sent_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_seq: _Optional[int] = ...) -> None: ...
+    gpus: _containers.RepeatedCompositeFieldContainer[GpuTelemetry]
+    def __init__(self, sent_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_seq: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuTelemetry, _Mapping]]] = ...) -> None: ...
+
+class GpuTelemetry(_message.Message):
+    __slots__ = ("uuid", "clock_event_reasons", "sm_clock_mhz", "sm_clock_max_mhz", "usage_mw", "limit_mw", "temperature_c", "ecc_corrected", "ecc_uncorrected", "nvlink_replay", "nvlink_recovery", "nvlink_crc", "nvlink_down")
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_EVENT_REASONS_FIELD_NUMBER: _ClassVar[int]
+    SM_CLOCK_MHZ_FIELD_NUMBER: _ClassVar[int]
+    SM_CLOCK_MAX_MHZ_FIELD_NUMBER: _ClassVar[int]
+    USAGE_MW_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_MW_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_C_FIELD_NUMBER: _ClassVar[int]
+    ECC_CORRECTED_FIELD_NUMBER: _ClassVar[int]
+    ECC_UNCORRECTED_FIELD_NUMBER: _ClassVar[int]
+    NVLINK_REPLAY_FIELD_NUMBER: _ClassVar[int]
+    NVLINK_RECOVERY_FIELD_NUMBER: _ClassVar[int]
+    NVLINK_CRC_FIELD_NUMBER: _ClassVar[int]
+    NVLINK_DOWN_FIELD_NUMBER: _ClassVar[int]
+    uuid: str
+    clock_event_reasons: int
+    sm_clock_mhz: int
+    sm_clock_max_mhz: int
+    usage_mw: int
+    limit_mw: int
+    temperature_c: int
+    ecc_corrected: int
+    ecc_uncorrected: int
+    nvlink_replay: int
+    nvlink_recovery: int
+    nvlink_crc: int
+    nvlink_down: int
+    def __init__(self, uuid: _Optional[str] = ..., clock_event_reasons: _Optional[int] = ..., sm_clock_mhz: _Optional[int] = ..., sm_clock_max_mhz: _Optional[int] = ..., usage_mw: _Optional[int] = ..., limit_mw: _Optional[int] = ..., temperature_c: _Optional[int] = ..., ecc_corrected: _Optional[int] = ..., ecc_uncorrected: _Optional[int] = ..., nvlink_replay: _Optional[int] = ..., nvlink_recovery: _Optional[int] = ..., nvlink_crc: _Optional[int] = ..., nvlink_down: _Optional[int] = ...) -> None: ...
 
 class CommandResult(_message.Message):
     __slots__ = ("command_id", "ok", "detail", "power", "gpu_uuids")

@@ -1,0 +1,273 @@
+"""Pipeline stages: cutting a model into stages by layer, and moving activations between stages
+whose TP degrees differ.
+
+    pipe = Pipeline(inputs=lambda b: b[0],                                  # stage 0's input
+                    loss=lambda logits, b: cross_entropy(logits, b[1]))     # on the last stage
+    rt = Runtime(model_fn, None, optimizer_fn, source, store, cfg, pipeline=pipe)
+
+A replica is a pipeline of stages; each stage is a TP group of its own degree. `stage_module(model,
+stage, n_stages)` gives stage s of a whole model: the embedding in stage 0, the final norm and the
+LM head in the last stage, the transformer layers cut into contiguous runs (`split_layers`). The
+stage keeps the whole model's module paths (`blocks.5.attn.q` stays `blocks.5.attn.q`, the layers
+in an `nn.ModuleDict` keyed by their index), so the model's TP plan applies unchanged and a stage's
+parameters compare one to one with the whole model's. Known models: `tiny_gpt.TinyGpt` and Hugging
+Face Llama (`LlamaForCausalLM`, built from its config). Tied input and output embeddings are
+refused when the embedding and the head land in different stages: the two stages would hold two
+copies of one weight, each trained with half its gradient.
+
+Activations between stages do not depend on either side's TP degree. After a stage's last row-
+parallel all-reduce every rank of its TP group holds the same (replicated) output, and the input
+gradient of a stage is replicated too (every use of the input enters the sharded layers through
+the all-reduce of Megatron's f operator). So with degrees tp_s and tp_{s+1}:
+
+- forward: rank j of stage s+1 receives the whole activation from rank j mod tp_s of stage s;
+- backward: rank i of stage s receives the whole input gradient from rank i mod tp_{s+1} of
+  stage s+1.
+
+`activation_peers` gives both directions (pure). Every message is a whole tensor (a small header
+with its shape and dtype goes first in the forward direction; a gradient has its activation's
+shape), so a stage whose degree changes needs nothing from its neighbours but the new numbering.
+Messages go through the transport seam (worker/comm.py), like every other message of the runtime.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ntp_manager.worker import comm
+from ntp_manager.worker.tp import ShardStyle
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """How the runtime feeds a model cut into stages. `inputs(micro_batch)` is stage 0's input;
+    `loss(output, micro_batch)` the mean loss over the micro-batch's samples, from the last
+    stage's output; `split(model, stage, n_stages)` the stage module (`stage_module` knows TinyGpt
+    and HF Llama). `micro_batches`: per replica and step (0: as many as stages); a replica whose
+    local batch is smaller runs one sample per micro-batch."""
+
+    inputs: Callable[[Any], Any]
+    loss: Callable[[torch.Tensor, Any], torch.Tensor]
+    split: Callable[[nn.Module, int, int], nn.Module] | None = None
+    micro_batches: int = 0
+
+    def stage(self, model: nn.Module, stage: int, n_stages: int) -> nn.Module:
+        return (self.split or stage_module)(model, stage, n_stages)
+
+
+def split_layers(n_layers: int, n_stages: int) -> list[range]:
+    """Contiguous runs of layers, one per stage, as even as possible; the earlier stages take the
+    remainder (the last stage also holds the LM head). Raises ValueError when there are fewer
+    layers than stages (a stage without layers is not supported)."""
+    if n_stages < 1:
+        raise ValueError(f"a pipeline needs at least one stage, got {n_stages}")
+    if n_layers < n_stages:
+        raise ValueError(f"{n_layers} layers cannot fill {n_stages} pipeline stages (one layer each at least)")
+    base, extra = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        n = base + (1 if s < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def micro_batches(local_batch: int, n: int) -> list[tuple[int, int]]:
+    """(offset, count) of each micro-batch of a replica's local batch: `n` as even runs of
+    consecutive samples (fewer when the batch is smaller). The replica's loss is the sum of the
+    micro-batches' mean losses, each weighted by count / local_batch: the mean over its samples."""
+    if local_batch < 1:
+        raise ValueError(f"local batch must be >= 1, got {local_batch}")
+    n = max(1, min(n, local_batch))
+    base, extra = divmod(local_batch, n)
+    out, off = [], 0
+    for k in range(n):
+        c = base + (1 if k < extra else 0)
+        out.append((off, c))
+        off += c
+    return out
+
+
+@dataclass(frozen=True)
+class Peers:
+    """One rank's neighbours in its replica's pipeline, as TP indices of the adjacent stages."""
+
+    recv_input: int | None  # stage s-1 index sending this rank its input (None on stage 0)
+    send_output: tuple[int, ...]  # stage s+1 indices this rank sends its output to
+    recv_grad: int | None  # stage s+1 index sending this rank its output's gradient (None on the last stage)
+    send_grad: tuple[int, ...]  # stage s-1 indices this rank sends its input's gradient to
+
+
+def activation_peers(degrees: Sequence[int], stage: int, index: int) -> Peers:
+    """Who rank `index` of `stage` exchanges activations with, given the replica's stage degrees
+    (module docstring: forward from j mod tp_{s-1}, backward from i mod tp_{s+1})."""
+    n = len(degrees)
+    if not 0 <= stage < n or not 0 <= index < degrees[stage]:
+        raise ValueError(f"no TP index {index} in stage {stage} of degrees {list(degrees)}")
+    recv_input = index % degrees[stage - 1] if stage > 0 else None
+    send_output = tuple(k for k in range(degrees[stage + 1]) if k % degrees[stage] == index) if stage < n - 1 else ()
+    recv_grad = index % degrees[stage + 1] if stage < n - 1 else None
+    send_grad = tuple(k for k in range(degrees[stage - 1]) if k % degrees[stage] == index) if stage > 0 else ()
+    return Peers(recv_input, send_output, recv_grad, send_grad)
+
+
+def stage_plan(plan: Mapping[str, ShardStyle], stage: nn.Module) -> Mapping[str, ShardStyle]:
+    """The part of a whole model's TP plan that matches modules of `stage` (a middle stage has no
+    vocabulary layers, say), with the plan's fix-up. A `plans.ModelPlan` stays one, with the unit
+    counts of the families the stage uses."""
+    from ntp_manager.worker.plans import ModelPlan
+
+    paths = [p for p, _ in stage.named_modules()]
+    styles = {pat: st for pat, st in plan.items() if any(fnmatch.fnmatchcase(p, pat) for p in paths)}
+    if isinstance(plan, ModelPlan):
+        fams = {st.family for st in styles.values()}
+        return ModelPlan(styles, {f: n for f, n in plan.units.items() if f in fams}, plan.kind, plan.fixup)
+    return styles
+
+
+# ---- stage modules ------------------------------------------------------------------------------
+def stage_module(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
+    """Stage `stage` of `n_stages` of a whole (unsharded) model; shares its modules, so build the
+    model for this purpose. Raises ValueError for a model it does not know, fewer layers than
+    stages, or tied embeddings split over two stages."""
+    from ntp_manager.worker.tiny_gpt import TinyGpt
+
+    if not 0 <= stage < n_stages:
+        raise ValueError(f"stage {stage} is not in a pipeline of {n_stages}")
+    if isinstance(model, TinyGpt):
+        return TinyGptStage(model, stage, n_stages)
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    inner = getattr(model, "model", None)
+    if kind == "llama" and hasattr(model, "lm_head") and hasattr(inner, "layers") and hasattr(inner, "embed_tokens"):
+        return LlamaStage(model, stage, n_stages)
+    raise ValueError(f"no pipeline split for {type(model).__name__} (model_type {kind!r}); splits exist for TinyGpt "
+                     "and HF LlamaForCausalLM. Give Pipeline(split=...) a function (model, stage, n_stages) -> module "
+                     "that keeps the model's module paths")
+
+
+def _refuse_tied_across(first: nn.Parameter, last: nn.Parameter, n_stages: int, what: str) -> None:
+    if n_stages > 1 and first is last:
+        raise ValueError(f"{what}: the input embedding and the LM head are one tied weight, and a pipeline of "
+                         f"{n_stages} stages puts them in different stages, which would train two copies with half "
+                         "the gradient each; untie them (tie_word_embeddings=False) or run one stage")
+
+
+class _Stage(nn.Module):
+    stage: int
+    n_stages: int
+    layer_ids: range
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.n_stages - 1
+
+
+class TinyGptStage(_Stage):
+    """A stage of `TinyGpt`: `tok` and `pos` on stage 0, `blocks.<i>` of its layers, `ln` and
+    `head` on the last stage. Input: token ids on stage 0, hidden states elsewhere; output: the
+    logits on the last stage, hidden states elsewhere."""
+
+    tok: nn.Module
+    pos: nn.Module
+    ln: nn.Module
+    head: nn.Module
+
+    def __init__(self, full: Any, stage: int, n_stages: int) -> None:
+        super().__init__()
+        self.stage, self.n_stages = stage, n_stages
+        self.config = full.config
+        self.layer_ids = split_layers(len(full.blocks), n_stages)[stage]
+        if self.first:
+            self.tok, self.pos = full.tok, full.pos
+        self.blocks = nn.ModuleDict({str(i): full.blocks[i] for i in self.layer_ids})
+        if self.last:
+            self.ln, self.head = full.ln, full.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
+        for blk in self.blocks.values():
+            x = blk(x)
+        out: torch.Tensor = self.head(self.ln(x)) if self.last else x
+        return out
+
+
+class LlamaStage(_Stage):
+    """A stage of a Hugging Face `LlamaForCausalLM`: `model.embed_tokens` on stage 0,
+    `model.layers.<i>` of its layers (with the rotary embedding, which has no parameters, on every
+    stage), `model.norm` and `lm_head` on the last stage. It computes what the whole model's
+    forward computes for input ids without padding (causal mask from the config, positions
+    0..T-1, no cache); the last stage gives the logits."""
+
+    lm_head: nn.Module
+    config: Any
+
+    def __init__(self, full: Any, stage: int, n_stages: int) -> None:
+        super().__init__()
+        inner: Any = full.model
+        _refuse_tied_across(inner.embed_tokens.weight, full.lm_head.weight, n_stages, "llama")
+        self.stage, self.n_stages = stage, n_stages
+        self.config = full.config
+        self.layer_ids = split_layers(len(inner.layers), n_stages)[stage]
+        body = nn.Module()
+        if self.first:
+            body.embed_tokens = inner.embed_tokens
+        body.layers = nn.ModuleDict({str(i): inner.layers[i] for i in self.layer_ids})
+        body.rotary_emb = inner.rotary_emb
+        if self.last:
+            body.norm = inner.norm
+            self.lm_head = full.lm_head
+        self.model = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        body: Any = self.model
+        h = body.embed_tokens(x) if self.first else x
+        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
+                                  position_ids=pos)
+        pe = body.rotary_emb(h, position_ids=pos)
+        for layer in body.layers.values():
+            h = layer(h, attention_mask=mask, position_embeddings=pe, position_ids=pos, past_key_values=None,
+                      use_cache=False)
+        out: torch.Tensor = self.lm_head(body.norm(h)) if self.last else h
+        return out
+
+
+# ---- moving activations -------------------------------------------------------------------------
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_HEADER = 8  # dtype code, ndim, up to 6 sizes
+
+
+def send_activation(t: torch.Tensor, dsts: Sequence[int], group: Any) -> list[Any]:
+    """Send a whole activation (header, then payload) to each of `dsts` (global ranks); returns
+    the pending sends, which keep `t` alive."""
+    if t.dim() > _HEADER - 2 or t.dtype not in _DTYPES:
+        raise ValueError(f"activations between stages must be float tensors of at most {_HEADER - 2} dims, "
+                         f"got {t.dtype} of shape {tuple(t.shape)}")
+    head = torch.zeros(_HEADER, dtype=torch.int64)
+    head[0], head[1] = _DTYPES.index(t.dtype), t.dim()
+    head[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    t = t.contiguous()
+    return comm.exchange([comm.P2P(True, x, d) for d in dsts for x in (head, t)], group)
+
+
+def recv_activation(src: int, group: Any, device: torch.device | str) -> torch.Tensor:
+    """Receive a whole activation sent by `send_activation` from global rank `src`."""
+    head = torch.zeros(_HEADER, dtype=torch.int64)
+    comm.irecv(head, src=src, group=group).wait()
+    dtype, ndim = _DTYPES[int(head[0])], int(head[1])
+    t = torch.empty([int(x) for x in head[2 : 2 + ndim]], dtype=dtype, device=device)
+    comm.irecv(t, src=src, group=group).wait()
+    return t

@@ -1,0 +1,54 @@
+"""Fail-slow evidence (issue 21): the real agent on the NVML backend (driven by the strict fake
+pynvml) sends its GPUs' read-only counters with heartbeats over gRPC; the manager keeps the latest
+per GPU and shows it on GET /v1/gpus/{uuid}."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from agent.backends.nvml import NvmlBackend
+from agent.core import Agent, AgentConfig
+from tests.fakes.fake_pynvml import Device, make
+from tests.integration.conftest import Service, eventually
+
+
+@contextlib.asynccontextmanager
+async def running(agent: Agent) -> AsyncIterator[Agent]:
+    task = asyncio.create_task(agent.run())
+    try:
+        yield agent
+    finally:
+        agent.stopping.set()
+        await asyncio.wait_for(task, 10)
+
+
+async def test_heartbeats_carry_gpu_counters_to_rest(sqlite_service: Service) -> None:
+    svc = sqlite_service
+    hot = Device("GPU-hot", clocks_reasons=0x40, sm_clock_mhz=1200, sm_clock_max_mhz=1980, temperature_c=91,
+                 nvlink_errors={(0, 0): 5, (1, 2): 2})
+    cool = Device("GPU-cool", nvlink_errors_supported=False)
+    nv = make([hot, cool])
+    cfg = AgentConfig(manager=svc.grpc, token=await svc.agent_token("node-t"), node="node-t", domain="nvl-t",
+                      heartbeat_interval_s=0.05, sample_interval_s=0.05, backoff_initial_s=0.05, backoff_max_s=0.5)
+    agent = Agent(NvmlBackend(nvml=nv), cfg)
+    async with running(agent):
+        await eventually(lambda: svc.manager.telemetry.get("GPU-hot") and svc.manager.telemetry.get("GPU-cool"))
+        async with svc.client("viewer") as c:
+            body = (await c.get("/v1/gpus/GPU-hot")).json()
+            t = body["telemetry"]
+            assert t["node"] == "node-t" and t["clock_event_reasons"] == 0x40
+            assert t["throttle_reasons"] == ["hw_thermal_slowdown"]
+            assert (t["sm_clock_mhz"], t["sm_clock_max_mhz"], t["temperature_c"]) == (1200, 1980, 91)
+            assert (t["usage_mw"], t["limit_mw"]) == (800_000, 1_000_000)
+            assert (t["nvlink_replay"], t["nvlink_crc"], t["nvlink_recovery"]) == (5, 2, 0)
+            cool_t = (await c.get("/v1/gpus/GPU-cool")).json()["telemetry"]
+            assert cool_t["nvlink_replay"] is None and cool_t["clock_event_reasons"] == 0  # not supported: unset
+        sig = svc.manager.telemetry.signals("GPU-hot")
+        assert sig is not None and any("SM clock at 61%" in n for n in sig.notes())
+        # a new reading replaces the old one: bounded to one entry per GPU
+        hot.sm_clock_mhz = 1900
+        await eventually(lambda: svc.manager.telemetry.get("GPU-hot").sm_clock_mhz == 1900)
+        assert set(svc.manager.telemetry.latest) == {"GPU-hot", "GPU-cool"}
+    assert nv.state["misuse"] == []

@@ -1,0 +1,104 @@
+"""Jobs for the pipeline runtime tests: tiny TinyGpt and HF Llama models (4 layers, so PP2 and PP4
+fit), their batches and loss, the single-process reference, and layouts made by the real planner.
+
+A job is named `<model>-<optimizer>`: `gpt-sgd`, `gpt-adamw`, `llama-sgd`, `llama-adamw`. Worker ids
+are the planner's GPU UUIDs (`GPU-<domain>-<index>`), so a plan is a layout as it is."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ntp_manager.planner import Plan, PowerModel, Scheme, make_plan
+from ntp_manager.worker.pipeline import Pipeline
+from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt
+from tests.fakes.builders import cluster_from_counts, job
+
+GPT = GptConfig(vocab=32, seq=8, d_model=24, heads=4, mlp=24, layers=4)
+VOCAB, SEQ, MAX_BATCH = 32, 8, 8
+
+
+def build(name: str) -> nn.Module:
+    """The whole model of job `name` (the caller seeds)."""
+    if name.startswith("gpt"):
+        return TinyGpt(GPT)
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
+                         max_position_embeddings=32, bos_token_id=1, eos_token_id=2)
+    return tf.LlamaForCausalLM(cfg)
+
+
+def optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name.endswith("sgd"):
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    # eps 1e-6, as docs/worker.md explains: at 1e-8 AdamW turns fp32 rounding of near-zero
+    # gradients into lr-sized steps. Measured on the TinyGpt here: only cutting the batch into
+    # micro-batches (one process) moves blocks.3.ln1.bias by 4e-5 of its norm at eps 1e-8 and by
+    # 3e-6 at 1e-6
+    return torch.optim.AdamW(params, lr=0.01 if name.startswith("gpt") else 1e-3, eps=1e-6, weight_decay=0.1)
+
+
+def batch(step: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + step)
+    idx = torch.randint(0, VOCAB, (MAX_BATCH, SEQ), generator=g)
+    tgt = torch.randint(0, VOCAB, (MAX_BATCH, SEQ), generator=g)
+    return idx[start : start + count], tgt[start : start + count]
+
+
+def loss_of(logits: torch.Tensor, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Mean cross entropy over the samples' tokens (every sample has SEQ tokens, so the mean of
+    micro-batch means weighted by their sample counts is the mean over the batch)."""
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), b[1].reshape(-1))
+
+
+def pipeline(micro: int = 0) -> Pipeline:
+    return Pipeline(inputs=lambda b: b[0], loss=loss_of, micro_batches=micro)
+
+
+def logits(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    out = model(idx) if isinstance(model, TinyGpt) else model(input_ids=idx).logits
+    return out  # type: ignore[no-any-return]
+
+
+def reference(name: str, global_batches: Sequence[int]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the whole model, the same global batches."""
+    torch.manual_seed(0)
+    m = build(name)
+    opt = optimizer(name, m.parameters())
+    losses = []
+    for s, gb in enumerate(global_batches):
+        opt.zero_grad()
+        b = batch(s, 0, gb)
+        loss = loss_of(logits(m, b[0]), b)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in m.named_parameters()}
+
+
+# ---- layouts from the planner -------------------------------------------------------------------
+def pipeline_job(tp: int, pp: int) -> Any:
+    """ntp-pw with a boost too small to restore a reduced group's speed (max 1.1x): a reduced
+    stage runs at its usable count while the replica's other stages stay at full degree, and the
+    replica's batch shrinks, so a second failure makes the packer regroup."""
+    return job(tp=tp, pp=pp, replicas=2, batch=MAX_BATCH // 2, min_tp=1, scheme=Scheme.NTP_PW, heads=4, mlp=24,
+               power=PowerModel(max_boost=1.1))
+
+
+def plan(tp: int, pp: int, failed: Sequence[tuple[int, int]], previous: Plan | None) -> Plan:
+    return make_plan(cluster_from_counts([tp] * (2 * pp), failed), pipeline_job(tp, pp), previous)
+
+
+def layout_doc(p: Plan) -> list[tuple[list[list[str]], int]]:
+    """What `publish_layout` takes: per replica (in id order) its stages' GPUs, and its batch."""
+    return [([list(g.gpus) for g in sorted(r.groups, key=lambda g: g.stage)], r.local_batch)
+            for r in sorted(p.replicas, key=lambda r: r.replica_id)]
+
+
+def gpu(domain: int, index: int) -> str:
+    return f"GPU-{domain}-{index}"

@@ -1,0 +1,280 @@
+"""Pipeline-parallel NTP, live, with real processes on gloo (issue 18).
+
+Two DP replicas, each a pipeline of stages, each stage a TP group; the layouts come from the real
+planner (ntp-pw with a boost too small to restore speed, tests/worker/pipeline_jobs.py). In one
+process pool per shape, every rank runs several jobs side by side (TinyGpt and a Hugging Face Llama
+built from its config, SGD with momentum and AdamW), interleaving their steps:
+
+  steps 0-1  uniform layout
+  (a)        one rank of replica 0's stage 1 is SIGKILLed while its peers are inside step 2: the
+             planner runs that stage at one rank fewer, the replica's other stages unchanged
+             (and its batch smaller); the survivors reshard that stage and re-run the step
+  (b)        a second rank is SIGKILLed inside step 4: the planner packs the full groups into one
+             replica and the reduced ones into the other; groups change replica, and in the PP2
+             case stage, so their ranks fetch the other stage's shards, replicated parameters and
+             optimizer state from DP peers while serving their old stage to others
+  (c)        both GPUs are repaired: fresh processes join, every stage is back at full degree.
+
+Every step's loss and every rank's final parameters equal a single-process model trained on the
+same global batches (rel. <= 1e-5; AdamW parameters 1e-4, see compare.tolerance)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ntp_manager.worker.runtime import Runtime, RuntimeConfig
+from ntp_manager.worker.sources import StoreLayoutSource, publish_layout, read_acks
+from tests.fakes.procs import free_port
+from tests.worker import pipeline_jobs as pj
+from tests.worker.compare import shard_errors, shard_info, tolerance
+
+STEPS = 8
+PARK_1, PARK_2, GATE = 2, 4, 5  # the first victim parks before step 2, the second before 4; repair before 5
+
+
+def _rank(wid: str, port: int, jobs: list[str], q: Any, park: int | None) -> None:
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=dt.timedelta(seconds=300))
+    cfg = {"collective_timeout_s": 30, "rendezvous_timeout_s": 200, "reconfigure_timeout_s": 200}
+    rts = {n: Runtime(lambda n=n: pj.build(n), None, lambda p, n=n: pj.optimizer(n, p),  # type: ignore[misc]
+                      StoreLayoutSource(store, n, wid), store, RuntimeConfig(job=n, **cfg), pipeline=pj.pipeline())
+           for n in jobs}
+    for rt in rts.values():
+        rt.start()
+    while True:
+        step = min(rt.step for rt in rts.values())
+        if step >= STEPS:
+            break
+        if park is not None and step == park:
+            store.set(f"test/parked/{wid}", "1")
+            time.sleep(3600)  # SIGKILLed here while its peers are inside the step
+        if step == GATE and rts[jobs[0]].step == GATE and not store.check(["test/gate"]):
+            store.wait(["test/gate"], dt.timedelta(seconds=300))
+        for n, rt in rts.items():
+            if rt.step == step:
+                r = rt.train_step(pj.batch)
+                q.put(("step", wid, n, r.step, r.loss, r.global_batch, r.version, r.tp, r.stage))
+    out = {n: ({k: v.detach().numpy().copy() for k, v in rt.model.named_parameters()}, shard_info(rt.model),
+               [(e.what, e.version, e.detail) for e in rt.timeline]) for n, rt in rts.items()}
+    q.put(("done", wid, out))
+    for rt in rts.values():
+        rt.close()
+
+
+def _context(jobs: list[str]) -> Any:
+    """Processes forked from a server that has imported torch (and transformers) once: 16 ranks
+    importing them on their own cost minutes of CPU on this 2-core machine. The server has run
+    nothing but imports (no threads, no process groups), so its children start clean."""
+    ctx = mp.get_context("forkserver")
+    mods = ["torch", "torch.distributed", "ntp_manager.worker.runtime", "tests.worker.pipeline_jobs",
+            "tests.worker.test_pipeline_runtime"]
+    if any(n.startswith("llama") for n in jobs):
+        mods.append("transformers.models.llama.modeling_llama")
+    ctx.set_forkserver_preload(mods)
+    return ctx
+
+
+def run_scenario(tp: int, pp: int, jobs: list[str], kills: list[tuple[int, int]]) -> dict[str, Any]:
+    """Run (a), (b), (c) with `kills` = the two GPUs (domain, index) that fail; returns the
+    records, the plans and the acks."""
+    plans = [pj.plan(tp, pp, [], None)]
+    plans.append(pj.plan(tp, pp, kills[:1], plans[-1]))
+    plans.append(pj.plan(tp, pp, kills, plans[-1]))
+    plans.append(pj.plan(tp, pp, [], plans[-1]))
+    victims = [pj.gpu(*k) for k in kills]
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=dt.timedelta(seconds=300))
+    for n in jobs:
+        publish_layout(store, n, 1, pj.layout_doc(plans[0]), "start")
+    ctx = _context(jobs)
+    q = ctx.Queue()
+    workers = [u for rep in pj.layout_doc(plans[0]) for st in rep[0] for u in st]
+    park = {victims[0]: PARK_1, victims[1]: PARK_2}
+    procs = {w: ctx.Process(target=_rank, args=(w, port, jobs, q, park.get(w))) for w in workers}
+    for p in procs.values():
+        p.start()
+    steps: list[tuple[Any, ...]] = []
+    done: dict[str, Any] = {}
+    deadline = time.monotonic() + 900
+
+    def drain() -> None:
+        while True:
+            try:
+                msg = q.get(timeout=0.05)
+            except Exception:
+                return
+            if msg[0] == "step":
+                steps.append(msg[1:])
+            else:
+                done[msg[1]] = msg[2]
+
+    try:
+        for version, victim in ((2, victims[0]), (3, victims[1])):
+            while not store.check([f"test/parked/{victim}"]):
+                assert time.monotonic() < deadline
+                drain()
+            time.sleep(0.5)  # its peers are inside the step, blocked on it
+            os.kill(procs[victim].pid, signal.SIGKILL)
+            procs[victim].join()
+            for n in jobs:
+                publish_layout(store, n, version, pj.layout_doc(plans[version - 1]), f"{victim} failed")
+        survivors = [w for w in workers if w not in victims]
+        while not all((w, n, PARK_2) in {(r[0], r[1], r[2]) for r in steps} for w in survivors for n in jobs):
+            assert time.monotonic() < deadline, "the survivors did not complete step 4 at version 3"
+            drain()  # then they wait at the gate, before step 5
+        for n in jobs:  # (c) the GPUs are repaired: the layout takes them back, fresh processes start
+            publish_layout(store, n, 4, pj.layout_doc(plans[3]), "repaired")
+        for v in victims:
+            procs[v] = ctx.Process(target=_rank, args=(v, port, jobs, q, None))
+            procs[v].start()
+        store.set("test/gate", "1")
+        while len(done) < len(workers):
+            assert time.monotonic() < deadline, f"only {sorted(done)} finished"
+            drain()
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert all(p.exitcode == 0 for p in procs.values()), {w: p.exitcode for w, p in procs.items()}
+    acks = {(n, v): read_acks(store, n, v, workers) for n in jobs for v in (2, 3, 4)}
+    return {"steps": steps, "done": done, "plans": plans, "acks": acks, "victims": victims, "workers": workers}
+
+
+def check(res: dict[str, Any], tp: int, pp: int, jobs: list[str]) -> None:
+    plans, victims, workers = res["plans"], res["victims"], res["workers"]
+    # what the planner decided: (a) only the hit stage reduced
+    hit = {(r.replica_id, g.stage): g.tp for r in plans[1].replicas for g in r.groups}
+    assert sorted(hit.values()) == [tp - 1] + [tp] * (2 * pp - 1)
+    for n in jobs:
+        rows = sorted((s, loss, gb, v) for w, job, s, loss, gb, v, _, _ in res["steps"] if job == n and w == workers[0])
+        assert [s for s, *_ in rows] == list(range(STEPS)), rows
+        assert [v for *_, v in rows] == [1, 1, 2, 2, 3, 3, 4, 4]
+        by_step = {s: (loss, gb, v) for s, loss, gb, v in rows}
+        for w, job, s, loss, gb, v, _, _ in res["steps"]:  # every rank reports the same global step
+            if job == n:
+                assert (gb, v) == by_step[s][1:] and abs(loss - by_step[s][0]) <= 1e-12 * abs(loss), (w, s)
+        # each rank's stage and TP degree per version are what the plan gave its GPU
+        for w, job, _, _, _, v, tp_seen, stage in res["steps"]:
+            if job == n:
+                g = next(g for r in plans[v - 1].replicas for g in r.groups if w in g.gpus)
+                assert (stage, tp_seen) == (g.stage, g.tp), (w, v, stage, tp_seen)
+        ref_losses, ref_params = pj.reference(n, [gb for _, _, gb, _ in rows])
+        for s, loss, _, _ in rows:
+            assert abs(loss - ref_losses[s]) <= 1e-5 * abs(ref_losses[s]), (n, s, loss, ref_losses[s])
+        kind = n.split("-")[1]
+        for w, per_job in res["done"].items():
+            params, units, timeline = per_job[n]
+            for name, err in shard_errors(params, units, ref_params, kind).items():
+                assert err <= tolerance(kind), (n, w, name, err)
+            assert not [e for e in timeline if e[0] == "groups outlived leave"], (w, timeline)
+        for v in (2, 3, 4):
+            members = [u for rep in pj.layout_doc(plans[v - 1]) for st in rep[0] for u in st]
+            assert {w: res["acks"][n, v].get(w) for w in members} == dict.fromkeys(members, "ok"), (n, v)
+    assert all(v in res["done"] for v in victims)  # the repaired GPUs' fresh processes trained to the end
+
+
+# CI runs one pair per shape (Llama + AdamW through stage changes, TinyGpt + SGD on PP4: 69 s and
+# 31 s here); the other model x optimizer pairs run with NTP_PIPELINE_MATRIX=1 (all 8 passed,
+# 6.5 min on this 2-core machine).
+MATRIX = os.environ.get("NTP_PIPELINE_MATRIX") == "1"
+_MORE = pytest.mark.skipif(not MATRIX, reason="NTP_PIPELINE_MATRIX")
+PP2 = [pytest.param("llama-adamw"), *(pytest.param(n, marks=_MORE) for n in ("gpt-sgd", "gpt-adamw", "llama-sgd"))]
+PP4 = [pytest.param("gpt-sgd"), *(pytest.param(n, marks=_MORE) for n in ("gpt-adamw", "llama-sgd", "llama-adamw"))]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", PP2)
+def test_pp2_tp4_dp2_fail_a_stage_then_pack_with_stage_changes_then_repair(name: str) -> None:
+    """16 ranks. (a) GPU 3 of domain 1 (replica 0, stage 1) fails: that stage runs at TP3;
+    (b) GPU 3 of domain 3 (replica 1, stage 1): the planner puts both full stage-0 groups in one
+    replica, so one of them becomes its stage 1, and one reduced stage-1 group becomes stage 0 of
+    the other replica. (A second failure at replica 1's stage 0 would change no stage: the packer
+    keeps stages whenever the optimum allows; the PP4 case below takes that one.)"""
+    res = run_scenario(4, 2, [name], [(1, 3), (3, 3)])
+    moves = res["plans"][2].moves
+    assert moves is not None and moves.stage_changed == 2
+    check(res, 4, 2, [name])
+    changed = sorted(d.split()[-1] for per in res["done"].values() for what, v, d in per[name][2]
+                     if what == "reshard done" and v == 3 and "->" in d)
+    assert changed == ["0->1"] * 4 + ["1->0"] * 3, changed  # a full group and a reduced one
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", PP4)
+def test_pp4_tp2_dp2_fail_a_stage_then_pack_then_repair(name: str) -> None:
+    """16 ranks. (a) GPU 1 of domain 1 (replica 0, stage 1) fails: that stage runs at TP1, the
+    other three at TP2; (b) GPU 1 of domain 4 (replica 1, stage 0): the planner swaps the full
+    stage-1 group of replica 1 with the reduced one of replica 0 (two groups change replica, none
+    its stage), so replica 0 is whole again and replica 1 runs stages 0 and 1 at TP1."""
+    res = run_scenario(2, 4, [name], [(1, 1), (4, 1)])
+    moves = res["plans"][2].moves
+    assert moves is not None and moves.moved == 2 and moves.stage_changed == 0
+    check(res, 2, 4, [name])
+
+
+def _doomed(wid: str, port: int, q: Any, park: bool) -> None:
+    from ntp_manager.worker.runtime import ReconfigurationError
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=dt.timedelta(seconds=120))
+    rt = Runtime(lambda: pj.build("gpt"), None, lambda p: pj.optimizer("gpt-sgd", p),
+                 StoreLayoutSource(store, "doomed", wid), store,
+                 RuntimeConfig(job="doomed", collective_timeout_s=30, reconfigure_timeout_s=120),
+                 pipeline=pj.pipeline())
+    rt.start()
+    try:
+        while rt.step < 3:
+            if park and rt.step == 1:
+                store.add("test/parked", 1)
+                time.sleep(3600)
+            rt.train_step(pj.batch)
+        q.put((wid, "no error"))
+    except ReconfigurationError as e:
+        q.put((wid, f"ReconfigurationError: {e}"))
+
+
+@pytest.mark.timeout(300)
+def test_a_stage_no_survivor_holds_is_a_clear_error() -> None:
+    """PP2 x TP1 x DP2; both stage-1 ranks die. A layout that makes a surviving stage-0 rank the
+    new stage 1 cannot be served (nobody holds stage 1's layers): every survivor raises
+    ReconfigurationError naming the stage, none trains on made-up weights."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=dt.timedelta(seconds=120))
+    publish_layout(store, "doomed", 1, [([["a0"], ["a1"]], 4), ([["b0"], ["b1"]], 4)], "start")
+    ctx = _context(["gpt"])
+    q = ctx.Queue()
+    procs = {w: ctx.Process(target=_doomed, args=(w, port, q, w.endswith("1"))) for w in ("a0", "a1", "b0", "b1")}
+    for p in procs.values():
+        p.start()
+    try:
+        deadline = time.monotonic() + 240
+        while store.add("test/parked", 0) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        for w in ("a1", "b1"):
+            os.kill(procs[w].pid, signal.SIGKILL)
+        publish_layout(store, "doomed", 2, [([["a0"], ["b0"]], 8)], "both stage-1 GPUs failed")
+        got = dict(q.get(timeout=240) for _ in range(2))
+    finally:
+        for p in procs.values():
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert set(got) == {"a0", "b0"}
+    for w, outcome in got.items():
+        assert outcome.startswith("ReconfigurationError: no surviving rank holds pipeline stage 1"), (w, outcome)
