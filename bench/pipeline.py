@@ -101,7 +101,8 @@ def bench_steady(quick: bool, rounds: int) -> list[tuple[str, ...]]:
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=dt.timedelta(seconds=600))
     publish_layout(store, "bench", 1, uniform, "uniform")
-    total = 2 * rounds * per
+    turns = 2 * rounds + 1  # uniform, reduced, ..., uniform: the rank left out rejoins at the end
+    total = turns * per
     ctx = _ctx()
     q = ctx.Queue()
     workers = [w for rep in n for st in rep for w in st]
@@ -109,7 +110,7 @@ def bench_steady(quick: bool, rounds: int) -> list[tuple[str, ...]]:
     for p in procs:
         p.start()
     # version v runs steps [(v-1) per, v per); the layout for v+1 is published at step v*per - 1
-    for v in range(1, 2 * rounds):
+    for v in range(1, turns):
         store.set(f"bench/gated/{v * per - 1}", "1")
     secs: dict[tuple[int, int], float] = {}
     version_of: dict[int, int] = {}
@@ -124,7 +125,7 @@ def bench_steady(quick: bool, rounds: int) -> list[tuple[str, ...]]:
         secs[step, version] = max(secs.get((step, version), 0.0), s)
         version_of[step] = version
         nxt = step // per + 2  # the version the next turn needs
-        if step % per == per - 2 and nxt > published and nxt <= 2 * rounds:
+        if step % per == per - 2 and nxt > published and nxt <= turns:
             publish_layout(store, "bench", nxt, reduced if nxt % 2 == 0 else uniform, "turn")
             published = nxt
             store.set(f"bench/gate/{(nxt - 1) * per - 1}", "1")
@@ -137,7 +138,8 @@ def bench_steady(quick: bool, rounds: int) -> list[tuple[str, ...]]:
         by["reduced" if version % 2 == 0 else "uniform"].append(s)
     u, r = statistics.median(by["uniform"]), statistics.median(by["reduced"])
     params = sum(p.numel() for p in TinyGpt(cfg).parameters())
-    return [(f"{params / 1e6:.1f}M", str(len(by["uniform"])), f"{u * 1e3:.0f}", f"{r * 1e3:.0f}", f"{r / u:.3f}")]
+    return [(f"{params / 1e6:.1f}M", f"{len(by['uniform'])} / {len(by['reduced'])}", f"{u * 1e3:.0f}",
+             f"{r * 1e3:.0f}", f"{r / u:.3f}")]
 
 
 # ---- 2. failure -> first step -------------------------------------------------------------------
@@ -207,14 +209,15 @@ def main() -> None:
     if "steady" in parts:
         show(console, "Steady step, PP2 x TP4 x DP2 (16 ranks): replica 0's stage 1 at TP3 vs all stages at TP4 "
              "(median of the slowest rank per step; goal <= 1.15x)",
-             ("model", "steps each", "all TP4 ms", "one stage TP3 ms", "ratio"), bench_steady(args.quick, args.rounds))
+             ("model", "steps (TP4 / TP3)", "all TP4 ms", "one stage TP3 ms", "ratio"),
+             bench_steady(args.quick, args.rounds))
     if "failover" not in parts:
         return
     rows = []
     for tp in (4, 2):
         runs = [bench_failover(args.quick, tp) for _ in range(args.repeat)]
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        label = f"{med['params'] / 1e6:.0f}M PP2 x TP{tp} x DP2 ({8 * tp // 2} ranks), TP{tp}->{tp - 1}"
+        label = f"{med['params'] / 1e6:.0f}M PP2xTP{tp}xDP2 ({4 * tp}), TP{tp}->{tp - 1}"
         rows.append((label, *(f"{med[k]:.2f}" for k in ("detection", "regroup", "reshard", "first step", "total",
                                                         "step before")),
                      f"{max(r['total'] for r in runs):.2f}"))
