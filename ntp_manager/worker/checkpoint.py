@@ -27,7 +27,9 @@ replica r that holds a unit of range r writes it. Replicated tensors: the stage'
 snapshot; on a GPU into pinned host memory) and returns; a writer thread saves them with DCP
 (`dcp_save(no_dist=True)` into `r<rank>/` of the checkpoint's temporary directory: the rank's
 own DCP checkpoint, with DCP's fsync of every file), fsyncs the directory, hashes the files
-(SHA-256) and leaves a durable marker `done.r<rank>.json`. The coordinator (the layout's rank 0)
+(SHA-256) and leaves a durable marker `done.r<rank>.json` (its files and its tensors: in a
+pipeline each stage's ranks hold other tensors, and the manifest lists the union). The
+coordinator (the layout's rank 0)
 waits for every rank's marker, merges the ranks' DCP metadata into one global `.metadata` (and
 checks that every tensor's chunks tile it exactly), writes `manifest.json` (every file's hash and
 size, the step, layout, tensors, data position, RNG; and a hash of the manifest itself), fsyncs,
@@ -623,7 +625,9 @@ class Checkpointer:
                 f"r{att.rank}/{p.name}": {"sha256": _sha256(p), "bytes": p.stat().st_size}
                 for p in sorted(rdir.iterdir()) if p.is_file()}
             self._hook("written", att)
-            _write_durable(att.tmp / f"done.r{att.rank}.json", _canonical({"rank": att.rank, "files": files}))
+            # the rank's tensors too: in a pipeline every stage holds others, and the manifest lists them all
+            _write_durable(att.tmp / f"done.r{att.rank}.json", _canonical(
+                {"rank": att.rank, "files": files, "tensors": att.doc["tensors"], "families": att.doc["families"]}))
             att.state = {}  # the snapshot buffers stay in self._buffers for the next save
             return sum(f["bytes"] for f in files.values())
         except Exception as e:
@@ -648,15 +652,23 @@ class Checkpointer:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.25)
             files: dict[str, dict[str, Any]] = {}
-            for p in markers.values():
-                files.update(json.loads(p.read_bytes())["files"])
+            tensors: dict[str, Any] = dict(att.doc["tensors"])
+            families: dict[str, str] = dict(att.doc["families"])
+            for r, p in markers.items():
+                mark = json.loads(p.read_bytes())
+                files.update(mark["files"])
+                for key, meta in mark.get("tensors", {}).items():  # every stage's tensors
+                    if tensors.setdefault(key, meta) != meta:
+                        raise CheckpointError(f"rank {r} saved {key} as {meta}, another rank as {tensors[key]}")
+                families.update(mark.get("families", {}))
             merged = _merge_metadata({r: FileSystemReader(att.tmp / f"r{r}").read_metadata() for r in att.ranks})
             _check_tiling(merged)
             _write_durable(att.tmp / ".metadata", pickle.dumps(merged))
             meta = att.tmp / ".metadata"
             files[".metadata"] = {"sha256": _sha256(meta), "bytes": meta.stat().st_size}
             doc = dict(att.doc, files=files, bytes=sum(int(f["bytes"]) for f in files.values()),
-                       completed_at=time.time())
+                       completed_at=time.time(), tensors=dict(sorted(tensors.items())),
+                       families=dict(sorted(families.items())))
             doc["manifest_sha256"] = hashlib.sha256(_canonical(doc)).hexdigest()
             _write_durable(att.tmp / MANIFEST, json.dumps(doc, indent=1, sort_keys=True).encode())
             self._hook("manifest", att)

@@ -905,7 +905,8 @@ class Runtime:
         if self.checkpointer is None:
             raise RuntimeError("no checkpoint_dir in the RuntimeConfig")
         assert lay is not None and lay.rank is not None and sl is not None, "call start() first"
-        info = self.checkpointer.load(self.model, self.optimizer, sl, lay.rank, self.families, group=self.s.world)
+        info = self.checkpointer.load(self.model, self.optimizer, sl, lay.rank, self.families, group=self.s.world,
+                                      strict=lay.n_stages == 1)  # a stage holds only its part of the checkpoint
         self.step = self._saved_step = info.step
         self.restored = info
         self._event("restored from checkpoint", lay.version, info.describe())
@@ -930,7 +931,7 @@ class Runtime:
         if ck is not None:
             try:
                 info = ck.load(self.model, self.optimizer, self.s.sync_layout, target.rank, self.families,
-                               group=self.s.world)
+                               group=self.s.world, strict=target.n_stages == 1)
             except NoCheckpoint as e:
                 if why is not None:
                     raise ReconfigurationError(f"{why}; and {e}") from e

@@ -226,39 +226,50 @@ def test_pp4_tp2_dp2_fail_a_stage_then_pack_then_repair(name: str) -> None:
     check(res, 2, 4, [name])
 
 
-def _doomed(wid: str, port: int, q: Any, park: bool) -> None:
+def _doomed(wid: str, port: int, q: Any, park: bool, root: str | None) -> None:
     from ntp_manager.worker.runtime import ReconfigurationError
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=dt.timedelta(seconds=120))
-    rt = Runtime(lambda: pj.build("gpt"), None, lambda p: pj.optimizer("gpt-sgd", p),
+    ck: dict[str, Any] = {"checkpoint_dir": root, "checkpoint_interval": 1, "checkpoint_complete_timeout_s": 30} \
+        if root else {}
+    rt = Runtime(lambda: pj.build("gpt"), None, lambda p: pj.optimizer("gpt-adamw", p),
                  StoreLayoutSource(store, "doomed", wid), store,
-                 RuntimeConfig(job="doomed", collective_timeout_s=30, reconfigure_timeout_s=120),
+                 RuntimeConfig(job="doomed", collective_timeout_s=30, reconfigure_timeout_s=120, **ck),
                  pipeline=pj.pipeline())
     rt.start()
+    losses = {}
     try:
-        while rt.step < 3:
-            if park and rt.step == 1:
+        while rt.step < 4:
+            if park and rt.step == 2:
                 store.add("test/parked", 1)
                 time.sleep(3600)
-            rt.train_step(pj.batch)
-        q.put((wid, "no error"))
+            r = rt.train_step(pj.batch)
+            losses[r.step] = (r.loss, r.global_batch, r.stage)
+        q.put((wid, "done", {k: v.detach().numpy().copy() for k, v in rt.model.named_parameters()},
+               shard_info(rt.model), losses, rt.restored.step if rt.restored else None))
+        rt.close()
     except ReconfigurationError as e:
         q.put((wid, f"ReconfigurationError: {e}"))
 
 
 @pytest.mark.timeout(300)
-def test_a_stage_no_survivor_holds_is_a_clear_error() -> None:
-    """PP2 x TP1 x DP2; both stage-1 ranks die. A layout that makes a surviving stage-0 rank the
-    new stage 1 cannot be served (nobody holds stage 1's layers): every survivor raises
-    ReconfigurationError naming the stage, none trains on made-up weights."""
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_a_stage_no_survivor_holds_restores_a_checkpoint_or_is_a_clear_error(checkpoint: bool,
+                                                                              tmp_path: Any) -> None:
+    """PP2 x TP1 x DP2 (TinyGpt, AdamW); both stage-1 ranks die. In the new layout a surviving
+    stage-0 rank becomes stage 1, which nobody holds any more. Without checkpoints every survivor
+    raises ReconfigurationError naming the stage (none trains on made-up weights); with them,
+    every survivor loads the newest complete checkpoint into the new layout (stages and all) and
+    trains on, equal to one process."""
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=dt.timedelta(seconds=120))
     publish_layout(store, "doomed", 1, [([["a0"], ["a1"]], 4), ([["b0"], ["b1"]], 4)], "start")
     ctx = _context(["gpt"])
     q = ctx.Queue()
-    procs = {w: ctx.Process(target=_doomed, args=(w, port, q, w.endswith("1"))) for w in ("a0", "a1", "b0", "b1")}
+    root = str(tmp_path / "ckpt") if checkpoint else None
+    procs = {w: ctx.Process(target=_doomed, args=(w, port, q, w.endswith("1"), root)) for w in ("a0", "a1", "b0", "b1")}
     for p in procs.values():
         p.start()
     try:
@@ -266,15 +277,34 @@ def test_a_stage_no_survivor_holds_is_a_clear_error() -> None:
         while store.add("test/parked", 0) < 2:
             assert time.monotonic() < deadline
             time.sleep(0.05)
+        if root is not None:  # the checkpoint of step 1 (every stage's part) is complete before the failure
+            from ntp_manager.worker.checkpoint import step_dir_name
+
+            while not (tmp_path / "ckpt" / step_dir_name(1)).is_dir():
+                assert time.monotonic() < deadline, "the step-1 checkpoint never completed"
+                time.sleep(0.05)
         for w in ("a1", "b1"):
             os.kill(procs[w].pid, signal.SIGKILL)
         publish_layout(store, "doomed", 2, [([["a0"], ["b0"]], 8)], "both stage-1 GPUs failed")
-        got = dict(q.get(timeout=240) for _ in range(2))
+        got = {m[0]: m[1:] for m in (q.get(timeout=240) for _ in range(2))}
     finally:
         for p in procs.values():
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
     assert set(got) == {"a0", "b0"}
-    for w, outcome in got.items():
-        assert outcome.startswith("ReconfigurationError: no surviving rank holds pipeline stage 1"), (w, outcome)
+    if not checkpoint:
+        for w, (outcome,) in got.items():
+            assert outcome.startswith("ReconfigurationError: no surviving rank holds pipeline stage 1"), (w, outcome)
+        return
+    assert all(v[0] == "done" for v in got.values()), got
+    ref_losses, ref_params = pj.reference("gpt-adamw", [8] * 4)
+    for w, (what, params, units, losses, restored) in got.items():
+        assert what == "done" and restored is not None and restored < 2, (w, restored)
+        assert {s for s, (_, _, stage) in losses.items() if s >= restored} == set(range(restored, 4))
+        assert losses[3][2] == (0 if w == "a0" else 1)  # b0 holds stage 1 now, loaded from the checkpoint
+        for s, (loss, gb, _) in losses.items():
+            if s >= restored:
+                assert gb == 8 and abs(loss - ref_losses[s]) <= 1e-5 * abs(ref_losses[s]), (w, s, loss)
+        for name, err in shard_errors(params, units, ref_params, "adamw").items():
+            assert err <= tolerance("adamw"), (w, name, err)
