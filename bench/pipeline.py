@@ -213,11 +213,21 @@ def main() -> None:
              bench_steady(args.quick, args.rounds))
     if "failover" not in parts:
         return
+    # the shapes take turns (and the single-stage benchmark of bench/worker.py with them), so that
+    # this shared machine's load hits them alike
+    from bench.worker import bench_failover as single_stage
+
+    shapes: dict[str, list[dict[str, float]]] = {"4": [], "2": [], "single": []}
+    for _ in range(args.repeat):
+        shapes["4"].append(bench_failover(args.quick, 4))
+        shapes["2"].append(bench_failover(args.quick, 2))
+        shapes["single"].append(single_stage(args.quick, small_batch=True)[1])
     rows = []
-    for tp in (4, 2):
-        runs = [bench_failover(args.quick, tp) for _ in range(args.repeat)]
+    for key, runs in shapes.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        label = f"{med['params'] / 1e6:.0f}M PP2xTP{tp}xDP2 ({4 * tp}), TP{tp}->{tp - 1}"
+        size = "2M" if args.quick else "118M"
+        label = (f"{size}, 1 stage, TP4xDP2 (8), TP4->3 (bench/worker.py)" if key == "single" else
+                 f"{med['params'] / 1e6:.0f}M PP2xTP{key}xDP2 ({4 * int(key)}), TP{key}->{int(key) - 1}")
         rows.append((label, *(f"{med[k]:.2f}" for k in ("detection", "regroup", "reshard", "first step", "total",
                                                         "step before")),
                      f"{max(r['total'] for r in runs):.2f}"))
