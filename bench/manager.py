@@ -394,7 +394,7 @@ async def report_rate(info: dict[str, Any], tokens: dict[str, str], pid: int, n_
               for i in range(n_nodes)]
     _, tasks = await register_all(agents, 500)
     before = await event_total(info, tokens["operator"])
-    cpu0 = cpu_seconds(pid)
+    cpu0, client0 = cpu_seconds(pid), time.process_time()
     t0 = time.perf_counter()
     for k in range(per_node):  # report k flips GPU k % 8: failed on even rounds, healthy on odd ones
         state = common_pb2.GPU_STATE_FAILED if (k // 8) % 2 == 0 else common_pb2.GPU_STATE_HEALTHY
@@ -404,7 +404,7 @@ async def report_rate(info: dict[str, Any], tokens: dict[str, str], pid: int, n_
     while any(a.acked < want for a in agents):
         await asyncio.sleep(0.002)
     elapsed = time.perf_counter() - t0
-    cpu = cpu_seconds(pid) - cpu0
+    cpu, client = cpu_seconds(pid) - cpu0, time.process_time() - client0
     stored = await event_total(info, tokens["operator"]) - before
     for t in tasks:
         t.cancel()
@@ -412,7 +412,7 @@ async def report_rate(info: dict[str, Any], tokens: dict[str, str], pid: int, n_
         await ch.close()
     total = n_nodes * per_node
     return {"agents": n_nodes, "reports": total, "seconds": elapsed, "per_s": total / elapsed,
-            "stored_events": stored, "manager_cpu_s": cpu, "per_manager_cpu_s": total / cpu}
+            "stored_events": stored, "manager_cpu_s": cpu, "per_manager_cpu_s": total / cpu, "client_cpu_s": client}
 
 
 async def registration(info: dict[str, Any], tokens: dict[str, str], n_nodes: int = 12_500) -> dict[str, Any]:

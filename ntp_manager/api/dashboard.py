@@ -20,11 +20,9 @@ from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
 
-from sqlalchemy import select
 from starlette.requests import Request
 
 from ntp_manager.service.manager import Manager
-from ntp_manager.store.models import HealthEventRow
 
 MAX_DOMAINS = 64
 MAX_REPLICAS = 256  # per job, in full (the rest are counted: `replicas_total`)
@@ -102,10 +100,9 @@ async def dashboard_snapshot(manager: Manager) -> dict[str, Any]:
             {"uuid": g.uuid, "node": g.node, "idx": g.idx, "state": g.state, "reason": g.health_reason,
              "power_ratio": boost.get(g.uuid), "desired_w": (g.desired_mw or 0) // 1000,
              "enforced_w": (g.enforced_mw or 0) // 1000, "tdp_w": g.tdp_mw // 1000} for g in gs]})
-    async with manager.sm() as s:
-        rows = (await s.scalars(select(HealthEventRow).order_by(HealthEventRow.id.desc()).limit(15))).all()
-    events = [{"at": r.at.isoformat(), "gpu": r.gpu_uuid, "node": r.node, "old": r.old_state, "new": r.new_state,
-               "source": r.source, "reasons": list(r.reasons or [])[:2]} for r in rows]
+    events = [{"at": e["at"], "gpu": e["gpu"], "node": e["node"], "old": e["old_state"], "new": e["new_state"],
+               "source": e["source"], "reasons": list(e["reasons"] or [])[:2]}
+              for e in await manager.queries.recent_events(15)]
     return {"epoch": manager.epoch, "gpus_by_state": await manager.gpu_state_counts(), "domains": domains,
             "domains_total": len(nodes_of), "jobs": jobs, "events": events,
             "breaker": {"open": manager.breaker_open, "reason": manager.breaker_reason}}

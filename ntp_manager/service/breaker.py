@@ -46,11 +46,11 @@ class Breaker:
         """Before a commit: open the breaker in the same transaction when its failures trip it."""
         if not tx.newly_failed:
             return
-        now = self.kernel.clock.monotonic()
-        d = policy.breaker(now, self.open, self._failures, len(tx.newly_failed), len(self.kernel.world.gpus),
-                           self.options)
-        while self._failures and self._failures[0] < d.horizon:
+        horizon = self.kernel.clock.monotonic() - self.options.window_s
+        while self._failures and self._failures[0] < horizon:
             self._failures.popleft()
+        d = policy.breaker(self.open, len(self._failures), len(tx.newly_failed), len(self.kernel.world.gpus),
+                           self.options)
         if not d.open:
             return
         await self._write(tx, True, d.reason)

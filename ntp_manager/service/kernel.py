@@ -172,8 +172,8 @@ class Tx:
         if self._new_gpus:
             await s.execute(insert(GPUS), [_gpu_row(g, now) for g in self._new_gpus.values()])
         await s.flush()
-        await _bulk_update(s, NODES, "name", self._nodes)
-        await _bulk_update(s, GPUS, "uuid", self._gpus)
+        await _bulk_update(s, NODES, "name", NODE_COLUMNS, self._nodes, self._node_views)
+        await _bulk_update(s, GPUS, "uuid", GPU_COLUMNS, self._gpus, self._views)
         if self._events:
             await s.execute(insert(EVENTS), self._events)
         if self._audits:
@@ -212,26 +212,30 @@ DOMAINS, NODES, GPUS = _table(DomainRow), _table(NodeRow), _table(GpuRow)
 EVENTS, AUDIT = _table(HealthEventRow), _table(AuditRow)
 
 
-_UPDATES: dict[tuple[str, str, tuple[str, ...]], Any] = {}
+GPU_COLUMNS = tuple(GpuChange.__annotations__)  # every column a change may set
+NODE_COLUMNS = tuple(NodeChange.__annotations__)
+_UPDATES: dict[str, Any] = {}
 
 
-def _update_stmt(table: Table, key: str, cols: tuple[str, ...]) -> Any:
-    """UPDATE table SET cols WHERE key = :pk_ (made once per set of columns)."""
-    stmt = _UPDATES.get((table.name, key, cols))
+async def _bulk_update(s: AsyncSession, table: Table, key: str, columns: tuple[str, ...],
+                       changes: Mapping[str, Any], views: Mapping[str, Any]) -> None:
+    """One UPDATE executemany for every changed row of `table`. Each row gets every changeable
+    column from the transaction's view of its record: the record as it is plus this transaction's
+    changes, which is what the commit then applies to the record itself. (One statement however the
+    changes vary: a group commit's cost does not grow with the kinds of change in it.)"""
+    if not changes:
+        return
+    stmt = _UPDATES.get(table.name)
     if stmt is None:
-        stmt = update(table).where(table.c[key] == bindparam("pk_")).values({c: bindparam(c) for c in cols})
-        _UPDATES[(table.name, key, cols)] = stmt
-    return stmt
-
-
-async def _bulk_update(s: AsyncSession, table: Table, key: str, changes: Mapping[str, Mapping[str, Any]]) -> None:
-    """UPDATE by primary key, one executemany per set of columns changed; the parameters are the
-    changes themselves."""
-    groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
-    for pk, change in changes.items():
-        groups.setdefault(tuple(sorted(change)), []).append({"pk_": pk, **change})
-    for cols, params in groups.items():
-        await s.execute(_update_stmt(table, key, cols), params)
+        stmt = update(table).where(table.c[key] == bindparam("pk_")).values({c: bindparam(c) for c in columns})
+        _UPDATES[table.name] = stmt
+    params = []
+    for pk in changes:
+        view = views[pk]
+        row = {c: getattr(view, c) for c in columns}
+        row["pk_"] = pk
+        params.append(row)
+    await s.execute(stmt, params)
 
 
 @dataclass

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
 
@@ -30,6 +30,7 @@ from ntp_manager.planner import JobSpec
 from ntp_manager.service.agents import Agents, AgentSession
 from ntp_manager.service.breaker import Breaker
 from ntp_manager.service.gauges import Gauges
+from ntp_manager.service.idempotency import Outcome, idempotent
 from ntp_manager.service.inputs import GpuInventory, GpuReport
 from ntp_manager.service.jobs import Jobs
 from ntp_manager.service.kernel import Kernel, Tx
@@ -39,7 +40,7 @@ from ntp_manager.service.maintenance import Maintenance
 from ntp_manager.service.metrics import Metrics
 from ntp_manager.service.operators import Operators
 from ntp_manager.service.power import Power
-from ntp_manager.service.queries import gpu_view
+from ntp_manager.service.queries import Queries, gpu_view
 from ntp_manager.service.state import LayoutRec, World
 from ntp_manager.service.steps import StepWindow
 from ntp_manager.service.telemetry import TelemetryStore
@@ -82,6 +83,7 @@ class Manager:
         self.jobs = Jobs(self.kernel, settings, self.metrics, self.power, self.workers, lambda: self.epoch,
                          lambda: self.breaker.open)
         self.jobs.on_layout.append(self.gauges.mark_stale)
+        self.queries = Queries(self.kernel, self.sm, self.workers, self.telemetry)
         self.sessions = self.agents.sessions
         self.ready = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -171,6 +173,11 @@ class Manager:
     def mutation(self, actor: str, request_id: str = "") -> contextlib.AbstractAsyncContextManager[Tx]:
         """A transaction of its own (service/kernel.py): the edges' way to change state."""
         return self.kernel.exclusive(actor, request_id)
+
+    async def idempotent(self, actor: str, request_id: str, key: str | None, fingerprint: str,
+                         fn: Callable[[Tx], Awaitable[Any]], status: int = 200) -> Outcome:
+        """`fn` in a mutation of its own, made once per idempotency key (service/idempotency.py)."""
+        return await idempotent(lambda: self.mutation(actor, request_id), key, fingerprint, fn, status)
 
     # ---- tokens (service/tokens.py) ------------------------------------------------------------
     async def create_token(self, name: str, scope: str, actor: str = "cli", node: str | None = None,

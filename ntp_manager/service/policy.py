@@ -75,32 +75,26 @@ class BreakerOptions:
 
 @dataclass(frozen=True, slots=True)
 class BreakerDecision:
-    """`open`: the breaker opens now (with `reason`). `horizon`: failures before it are out of the
-    window and may be forgotten."""
-
-    open: bool
+    open: bool  # the breaker opens now (with `reason`)
     reason: str
-    horizon: float
 
 
-def breaker(now: float, is_open: bool, recent: Sequence[float], more: int, gpus: int,
-            options: BreakerOptions) -> BreakerDecision:
-    """Whether `more` failures now, on top of the failures at times `recent` (monotonic), open the
-    breaker: more than max(min_gpus, share x gpus) failures inside `window_s` do. An open breaker
-    stays open (only an operator resets it) and no new failures decide nothing."""
-    horizon = now - options.window_s
+def breaker(is_open: bool, recent: int, more: int, gpus: int, options: BreakerOptions) -> BreakerDecision:
+    """Whether `more` failures now, on top of `recent` failures inside the last `window_s` (the
+    caller counts them: it keeps their times and forgets those older than now - window_s), open the
+    breaker: more than max(min_gpus, share x gpus) failures inside the window do. An open breaker
+    stays open (only an operator resets it), and no new failures decide nothing."""
     if is_open or more <= 0:
-        return BreakerDecision(False, "", horizon)
+        return BreakerDecision(False, "")
     total = max(1, gpus)
     limit = max(options.min_gpus, options.share * total)
-    n = sum(1 for t in recent if t >= horizon) + more
+    n = recent + more
     if n <= limit:
-        return BreakerDecision(False, f"{n} GPUs failed within {options.window_s:g}s, limit {limit:g}", horizon)
+        return BreakerDecision(False, f"{n} GPUs failed within {options.window_s:g}s, limit {limit:g}")
     return BreakerDecision(
         True,
         f"{n} GPUs failed within {options.window_s:g}s (limit {limit:g} of {total}): a systemic fault is likely; "
         "automatic replanning stopped",
-        horizon,
     )
 
 

@@ -1,13 +1,35 @@
-"""Read views of the service's state for the edges (REST, dashboard, CLI): plain dicts and lists,
-built from memory or read from the store. Nothing here changes anything."""
+"""Queries: the read side of the service, for the edges (REST, dashboard, CLI). Plain dicts and
+lists, built from memory or read from the store; nothing here changes anything, and nothing
+outside the service reads the store's tables."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from ntp_manager.service.state import GpuRec
-from ntp_manager.store.models import MaintenanceRow
+from sqlalchemy import Select, func, select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from ntp_manager.service.errors import FailedPrecondition, NotFound
+from ntp_manager.service.kernel import Kernel
+from ntp_manager.service.state import GpuRec, JobRec
+from ntp_manager.service.telemetry import TelemetryStore
+from ntp_manager.service.worker_reports import WorkerReports
+from ntp_manager.store.models import AuditRow, HealthEventRow, LayoutRow, MaintenanceRow
+from ntp_manager.topology import GpuState
+
+
+def page(items: list[Any], total: int, limit: int, offset: int) -> dict[str, Any]:
+    return {"items": items, "total": total, "limit": limit, "offset": offset}
+
+
+def iso(t: datetime) -> str:
+    return aware(t).isoformat()
+
+
+def aware(t: datetime) -> datetime:
+    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
 
 
 def gpu_view(g: GpuRec) -> dict[str, Any]:
@@ -22,13 +44,159 @@ def gpu_view(g: GpuRec) -> dict[str, Any]:
     }
 
 
-def aware(t: datetime) -> datetime:
-    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
-
-
 def maintenance_view(row: MaintenanceRow) -> dict[str, Any]:
     return {
         "id": row.id, "target_kind": row.target_kind, "target": row.target,
         "starts_at": aware(row.starts_at).isoformat(), "ends_at": aware(row.ends_at).isoformat(),
         "reason": row.reason, "owner": row.owner, "cancelled": row.cancelled,
     }
+
+
+def _replicas(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    return [_replica_summary(r) for r in plan["replicas"]]
+
+
+def _replica_summary(r: dict[str, Any]) -> dict[str, Any]:
+    """A replica in a layout's history: its TP degree (the lowest stage's), batch, each stage's TP
+    degree, and the groups that moved into it (replica or stage changed) with where they were."""
+    groups = sorted(r["groups"], key=lambda g: g["stage"])
+    moved = [{"group": g["group"], "stage": g["stage"], "from_replica": g.get("prev_replica"),
+              "from_stage": g.get("prev_stage")}
+             for g in groups if "prev_replica" in g and (g["prev_replica"], g["prev_stage"]) != (r["id"], g["stage"])]
+    return {"id": r["id"], "tp": r["tp"], "local_batch": r["local_batch"], "stage_tp": [g["tp"] for g in groups],
+            "moved": moved}
+
+
+class Queries:
+    def __init__(self, kernel: Kernel, sm: async_sessionmaker[AsyncSession], workers: WorkerReports,
+                 telemetry: TelemetryStore) -> None:
+        self.kernel = kernel
+        self.sm = sm
+        self.workers = workers
+        self.telemetry = telemetry
+
+    # ---- from memory --------------------------------------------------------------------------
+    def domains(self, limit: int, offset: int) -> dict[str, Any]:
+        w = self.kernel.world
+        ids = sorted(w.domains)
+        shown = ids[offset : offset + limit]
+        members: dict[str, list[GpuRec]] = {d: [] for d in shown}
+        for g in w.gpus.values():  # one pass, not one per domain
+            if g.domain in members:
+                members[g.domain].append(g)
+        items = [{"id": did, "power_budget_w": w.domains[did], "gpus": len(members[did]),
+                  "nodes": sorted({g.node for g in members[did]}),
+                  "unusable": sum(1 for g in members[did] if not GpuState(g.state).placeable)} for did in shown]
+        return page(items, len(ids), limit, offset)
+
+    def nodes(self, domain: str | None, limit: int, offset: int) -> dict[str, Any]:
+        w = self.kernel.world
+        names = sorted(n for n, rec in w.nodes.items() if domain is None or rec.domain == domain)
+        items = []
+        for n in names[offset : offset + limit]:
+            rec = w.nodes[n]
+            items.append({"name": n, "domain": rec.domain, "gpus": list(rec.gpus), "connected": rec.connected,
+                          "last_seq": rec.last_seq,
+                          "drain_deadline": rec.drain_deadline.isoformat() if rec.drain_deadline else None,
+                          "drain_reason": rec.drain_reason})
+        return page(items, len(names), limit, offset)
+
+    def gpus(self, state: str | None, node: str | None, domain: str | None, limit: int, offset: int) -> dict[str, Any]:
+        w = self.kernel.world
+        sel = sorted(u for u, g in w.gpus.items()
+                     if (state is None or g.state == state) and (node is None or g.node == node)
+                     and (domain is None or g.domain == domain))
+        return page([gpu_view(w.gpus[u]) for u in sel[offset : offset + limit]], len(sel), limit, offset)
+
+    def gpu(self, uuid: str) -> dict[str, Any]:
+        """One GPU, with its agent's latest counters (issue 21), which come with the heartbeats."""
+        rec = self.kernel.world.gpus.get(uuid)
+        if rec is None:
+            raise NotFound(f"unknown GPU {uuid!r}")
+        t = self.telemetry.get(uuid)
+        return {**gpu_view(rec), "telemetry": None if t is None else t.view()}
+
+    def job_rec(self, name: str) -> JobRec:
+        rec = self.kernel.world.jobs.get(name)
+        if rec is None:
+            raise NotFound(f"unknown job {name!r}")
+        return rec
+
+    def job(self, name: str) -> dict[str, Any]:
+        rec = self.job_rec(name)
+        lay = rec.layout
+        return {
+            "name": name, "spec": rec.raw, "pending_reason": rec.pending_reason,
+            "layout_version": lay.version if lay else None,
+            "acks": {str(v): a for v, a in self.workers.acks.get(name, {}).items()},
+            "replicas": _replicas(lay.plan) if lay else [],
+            "relative_throughput": lay.plan["relative_throughput"] if lay else None,
+        }
+
+    def jobs(self, limit: int, offset: int) -> dict[str, Any]:
+        names = sorted(self.kernel.world.jobs)
+        return page([self.job(n) for n in names[offset : offset + limit]], len(names), limit, offset)
+
+    def layout(self, name: str) -> dict[str, Any]:
+        """The current layout of a job; FailedPrecondition while it has none."""
+        rec = self.job_rec(name)
+        lay = rec.layout
+        if lay is None:
+            raise FailedPrecondition(f"job {name!r} has no layout yet: {rec.pending_reason or 'planning'}")
+        return {"job": name, "version": lay.version, "leader_epoch": lay.leader_epoch,
+                "created_at": lay.created_at.isoformat(), "reason": lay.reason, "plan": lay.plan}
+
+    # ---- from the store -----------------------------------------------------------------------
+    async def _page(self, q: Select[Any], count: Select[Any], view: Callable[[Any], dict[str, Any]],
+                    limit: int, offset: int) -> dict[str, Any]:
+        async with self.sm() as s:
+            total = await s.scalar(count)
+            rows = (await s.scalars(q.limit(limit).offset(offset))).all()
+        return page([view(r) for r in rows], int(total or 0), limit, offset)
+
+    async def layouts(self, name: str, limit: int, offset: int) -> dict[str, Any]:
+        """A job's layout history, newest first (summaries)."""
+        self.job_rec(name)
+        where = LayoutRow.job == name
+        return await self._page(
+            select(LayoutRow).where(where).order_by(LayoutRow.version.desc()),
+            select(func.count()).select_from(LayoutRow).where(where),
+            lambda r: {"version": r.version, "leader_epoch": r.leader_epoch, "created_at": iso(r.created_at),
+                       "reason": r.reason, "relative_throughput": r.plan["relative_throughput"],
+                       "replicas": _replicas(r.plan), "moves": r.plan.get("moves")},
+            limit, offset)
+
+    async def events(self, gpu: str | None, node: str | None, limit: int, offset: int) -> dict[str, Any]:
+        """Health events, newest first, optionally of one GPU or node."""
+        q, cq = select(HealthEventRow), select(func.count()).select_from(HealthEventRow)
+        if gpu:
+            q, cq = q.where(HealthEventRow.gpu_uuid == gpu), cq.where(HealthEventRow.gpu_uuid == gpu)
+        if node:
+            q, cq = q.where(HealthEventRow.node == node), cq.where(HealthEventRow.node == node)
+        return await self._page(q.order_by(HealthEventRow.id.desc()), cq, _event_view, limit, offset)
+
+    async def recent_events(self, n: int) -> list[dict[str, Any]]:
+        async with self.sm() as s:
+            rows = (await s.scalars(select(HealthEventRow).order_by(HealthEventRow.id.desc()).limit(n))).all()
+        return [_event_view(r) for r in rows]
+
+    async def audit(self, action: str | None, target: str | None, limit: int, offset: int) -> dict[str, Any]:
+        q, cq = select(AuditRow), select(func.count()).select_from(AuditRow)
+        if action:
+            q, cq = q.where(AuditRow.action == action), cq.where(AuditRow.action == action)
+        if target:
+            q, cq = q.where(AuditRow.target == target), cq.where(AuditRow.target == target)
+        return await self._page(
+            q.order_by(AuditRow.id.desc()), cq,
+            lambda r: {"id": r.id, "at": iso(r.at), "actor": r.actor, "action": r.action, "target": r.target,
+                       "before": r.before, "after": r.after, "reason": r.reason, "request_id": r.request_id},
+            limit, offset)
+
+    async def maintenance(self, limit: int, offset: int) -> dict[str, Any]:
+        return await self._page(select(MaintenanceRow).order_by(MaintenanceRow.id.desc()),
+                                select(func.count()).select_from(MaintenanceRow), maintenance_view, limit, offset)
+
+
+def _event_view(r: HealthEventRow) -> dict[str, Any]:
+    return {"id": r.id, "at": iso(r.at), "gpu": r.gpu_uuid, "node": r.node, "seq": r.seq, "source": r.source,
+            "old_state": r.old_state, "new_state": r.new_state, "reasons": r.reasons, "xids": r.xids}

@@ -38,7 +38,7 @@ from torch import nn
 
 from ntp_manager.worker.pipeline import Pipeline
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig, TimelineEvent
-from ntp_manager.worker.sources import GrpcLayoutSource, LayoutSource, StoreLayoutSource, WorkerLayout
+from ntp_manager.worker.sources import GrpcLayoutSource, LayoutSource, StepWork, StoreLayoutSource, WorkerLayout
 from ntp_manager.worker.tp import ShardStyle
 
 REQUIRED = ("NTP_STORE", "NTP_JOB", "NTP_WORKER_ID")
@@ -72,8 +72,9 @@ class ReportingSource:
     def ack(self, layout: WorkerLayout, ok: bool, detail: str = "") -> None:
         self.inner.ack(layout, ok, detail)
 
-    def report_step(self, layout: WorkerLayout, step: int, step_time_s: float, tokens: int) -> None:
-        self.inner.report_step(layout, step, step_time_s, tokens)
+    def report_step(self, layout: WorkerLayout, step: int, step_time_s: float, tokens: int,
+                    work: StepWork | None = None) -> None:
+        self.inner.report_step(layout, step, step_time_s, tokens, work)
         tp = layout.tp_of(layout.rank) if layout.rank is not None else 0
         self.store.set(self.key, json.dumps({"step": step, "version": layout.version, "tp": tp,
                                              "global_batch": layout.global_batch}))

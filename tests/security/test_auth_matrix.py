@@ -84,9 +84,18 @@ async def _callers(svc: Service) -> dict[str | None, str | None]:
             **{s: svc.tokens[s] for s in ("viewer", "operator", "admin", "agent", "worker")}}
 
 
+def _routes(routes: list[Any]) -> list[Any]:
+    """Every route, the ones of included routers too (FastAPI keeps those behind their router)."""
+    out = []
+    for r in routes:
+        inner = getattr(r, "original_router", None)
+        out.extend(_routes(inner.routes) if inner is not None else [r])
+    return out
+
+
 def _served_routes(svc: Service) -> set[tuple[str, str]]:
     out = set()
-    for r in create_app(svc.manager).routes:
+    for r in _routes(create_app(svc.manager).routes):
         if isinstance(r, Route):
             for m in r.methods or ():
                 if m != "HEAD":

@@ -35,5 +35,5 @@ def test_ntp_run_trains_hf_llama_through_a_kill_tp3_and_a_rejoin() -> None:
     assert re.findall(r"layout v\d: TP \[([\d, ]+)\]", text) == ["4, 2", "3, 2", "4, 2"], text[-4000:]
     steps = {int(s): int(v) for s, v in re.findall(r"step +(\d+) +layout v(\d)", text)}
     assert sorted(steps) == list(range(7)) and steps[0] == 1 and 2 in steps.values() and steps[6] == 3
-    assert "[r0g3] reshard done (v3) tp=4 joiners=1" in text  # the fresh process joined by resharding
+    assert "[r0g3] reshard done (v3) tp=4 stage=0 joiners=1 " in text  # the fresh process joined by resharding
     assert re.search(r"\[r0g0\] failure detected \(v1\)", text)

@@ -1,0 +1,1 @@
+"""REST routes, one APIRouter per area (cluster, jobs, operations, audit, tokens, dashboard)."""

@@ -1,0 +1,53 @@
+"""Cluster reads: status, domains, nodes, GPUs."""
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query
+
+from ntp_manager import __version__
+from ntp_manager.api.edge import NOT_FOUND, Limit, Offset, require
+from ntp_manager.auth import Principal
+from ntp_manager.service.manager import Manager
+
+
+def router(manager: Manager) -> APIRouter:
+    r = APIRouter(prefix="/v1", tags=["cluster"])
+    Viewer = Annotated[Principal, Depends(require(manager, "read"))]
+    q = manager.queries
+
+    @r.get("/status")
+    async def status(_: Viewer) -> dict[str, Any]:
+        w = manager.world
+        return {
+            "version": __version__, "leader_epoch": manager.epoch, "gpus": len(w.gpus),
+            "gpus_by_state": await manager.gpu_state_counts(),
+            "nodes": len(w.nodes), "nodes_connected": sum(1 for n in w.nodes.values() if n.connected),
+            "domains": len(w.domains), "jobs": len(w.jobs),
+            "breaker": {"open": manager.breaker_open, "reason": manager.breaker_reason},
+        }
+
+    @r.get("/domains")
+    async def domains(_: Viewer, limit: Limit = 100, offset: Offset = 0) -> dict[str, Any]:
+        return q.domains(limit, offset)
+
+    @r.get("/nodes")
+    async def nodes(_: Viewer, domain: Annotated[str | None, Query(max_length=128)] = None, limit: Limit = 100,
+                    offset: Offset = 0) -> dict[str, Any]:
+        return q.nodes(domain, limit, offset)
+
+    @r.get("/gpus")
+    async def gpus(
+        _: Viewer,
+        state: Annotated[str | None, Query(max_length=32)] = None,
+        node: Annotated[str | None, Query(max_length=256)] = None,
+        domain: Annotated[str | None, Query(max_length=128)] = None,
+        limit: Limit = 100,
+        offset: Offset = 0,
+    ) -> dict[str, Any]:
+        return q.gpus(state, node, domain, limit, offset)
+
+    @r.get("/gpus/{uuid}", responses=NOT_FOUND)
+    async def gpu(uuid: str, _: Viewer) -> dict[str, Any]:
+        return q.gpu(uuid)
+
+    return r
