@@ -36,6 +36,9 @@ async def test_dashboard_shows_a_failure_live(sqlite_service: Service, tmp_path:
             await expect(page.locator("#conn")).to_have_text("live", timeout=15_000)
             await expect(page.locator(".gpu[data-state=healthy]")).to_have_count(8)
             await expect(page.locator("td.tp")).to_have_text(["4", "4"])
+            # each replica drawn as its stages, each a TP group with one square per rank
+            await expect(page.locator(".stage")).to_have_count(2)
+            await expect(page.locator(".stage .rank")).to_have_count(8)
             await page.evaluate("window.__notReloaded = true")
 
             victim = a.statics[3].uuid
@@ -43,6 +46,7 @@ async def test_dashboard_shows_a_failure_live(sqlite_service: Service, tmp_path:
             await expect(page.locator(f'.gpu[data-gpu="{victim}"]')).to_have_attribute("data-state", "failed",
                                                                                     timeout=15_000)
             await expect(page.locator('td.tp[data-tp="3"]')).to_have_count(1, timeout=15_000)
+            await expect(page.locator('.stage.reduced[data-stage-tp="3"]')).to_have_count(1)
             await expect(page.locator(".boost")).not_to_have_count(0, timeout=15_000)  # ntp-pw raised caps
             await expect(page.locator("#events")).to_contain_text("failed")
             assert await page.evaluate("window.__notReloaded === true")
