@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench proto lint typecheck venv clean
+.PHONY: demo slow-demo ha-demo test bench proto lint typecheck venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,16 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m ntp_manager.demo
+
+# Two managers on PostgreSQL (a fresh database on NTP_HA_DEMO_POSTGRES, default the local server),
+# the leader SIGKILLed while the demo job trains; no Docker needed (docker-compose.yml: the same
+# with containers, `docker compose up`).
+ha-demo: $(STAMP)
+	$(BIN)/python -m ntp_manager.ha_demo
+
+# Fail-slow (issue 21): one rank made slow, detected, its GPU degraded, the layout changed.
+slow-demo: $(STAMP)
+	$(BIN)/python -m ntp_manager.demo_slow
 
 lint: $(STAMP)
 	$(BIN)/ruff check ntp_manager agent tests bench examples

@@ -8,7 +8,15 @@
   already applied and the rest is renumbered from there (none of it was applied, so renumbering is
   safe) and resent. When the buffer is full, unsent reports are merged (latest state per GPU wins),
   so nothing is lost in effect and nothing is applied twice.
-- Reconnects back off exponentially with full jitter (tenacity's wait strategy).
+- Every per-GPU backend call is bounded in time (agent/guard.py): a GPU that stops answering is
+  failed with that reason within `gpu_call_timeout_s`, and the loop, heartbeats and the other GPUs
+  carry on. Counters are read on a worker thread, so a hung read never stops the loop.
+- Several managers (`manager` = "host:port,host:port", one leads: docs/operations.md): a standby
+  answers UNAVAILABLE naming the leader (trailing metadata `ntp-leader`), and the agent goes there
+  at once; any other failure moves it to the next address. Once every address has failed in a
+  row, reconnects back off exponentially with full jitter (tenacity's wait strategy). A manager
+  whose welcome carries an older leader epoch than one already seen is stale and is left. The
+  buffered reports are re-sent to whichever manager welcomes the agent (idempotent by seq).
 - Commands from the manager: set/release power caps (applied, read back, result sent), drain.
 - Identity: the token speaks for this node only (the manager refuses it for any other); with
   `tls_ca` the channel is TLS, and with `tls_cert` + `tls_key` the agent presents its client
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -30,18 +39,28 @@ import grpc
 import structlog
 from tenacity import RetryCallState, wait_exponential_jitter
 
-from agent.backends.base import BackendError, GpuBackend, GpuLost, GpuSample, NotSupported, XidEvent
+from agent.backends.base import BackendError, BackendEvent, GpuBackend, GpuLost, GpuRepaired, GpuSample, NotSupported
+from agent.guard import GpuHung, GuardedBackend
 from agent.policy import GpuEvidence, HealthPolicy, Verdict, XidAction
 from agent.power import PowerController
 from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+from ntp_manager.topology import GpuState
 
 log = structlog.get_logger("ntp.agent")
 
 STATE_PB = {
-    "healthy": common_pb2.GPU_STATE_HEALTHY,
-    "degraded": common_pb2.GPU_STATE_DEGRADED,
-    "failed": common_pb2.GPU_STATE_FAILED,
+    GpuState.HEALTHY: common_pb2.GPU_STATE_HEALTHY,
+    GpuState.DEGRADED: common_pb2.GPU_STATE_DEGRADED,
+    GpuState.FAILED: common_pb2.GPU_STATE_FAILED,
 }
+
+
+# A manager that hangs (paused, or cut off by the network) keeps the agent's connection open: HTTP/2
+# pings find it out, the stream fails, and the agent moves to another manager (6 + 3 s: the
+# server accepts pings every 5 s at most: rpc/server.py KEEPALIVE).
+CLIENT_KEEPALIVE = [("grpc.keepalive_time_ms", 6_000), ("grpc.keepalive_timeout_ms", 3_000),
+                    ("grpc.http2.ping_timeout_ms", 3_000),  # else a ping waits a minute for its ack
+                    ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
 
 
 @dataclass
@@ -54,6 +73,7 @@ class AgentConfig:
     sample_interval_s: float = 1.0
     power_reconcile_s: float = 30.0
     xid_wait_s: float = 0.2
+    gpu_call_timeout_s: float = 3.0  # a per-GPU backend call taking longer: the GPU is failed as hung
     max_buffer: int = 256
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 10.0
@@ -62,12 +82,19 @@ class AgentConfig:
     tls_cert: Path | None = None  # this node's client certificate and key: mTLS
     tls_key: Path | None = None
 
-    def channel(self) -> grpc.aio.Channel:
+    @property
+    def managers(self) -> list[str]:
+        """The managers' addresses, in the order given ("a:1,b:2")."""
+        return [a.strip() for a in self.manager.split(",") if a.strip()]
+
+    def channel(self, target: str | None = None) -> grpc.aio.Channel:
+        target = target or self.managers[0]
         if self.tls_ca is None and self.tls_cert is None:
-            return grpc.aio.insecure_channel(self.manager)
+            return grpc.aio.insecure_channel(target, options=CLIENT_KEEPALIVE)
         from ntp_manager.rpc.tls import channel_credentials
 
-        return grpc.aio.secure_channel(self.manager, channel_credentials(self.tls_ca, self.tls_cert, self.tls_key))
+        return grpc.aio.secure_channel(target, channel_credentials(self.tls_ca, self.tls_cert, self.tls_key),
+                                       options=CLIENT_KEEPALIVE)
 
 
 @dataclass
@@ -84,11 +111,13 @@ class Agent:
         self.cfg = config
         self.policy = policy or HealthPolicy()
         self.clock = clock
-        self.power = PowerController(backend)
+        # every per-GPU call goes through the guard: a hung GPU costs at most one timeout
+        self.guarded = GuardedBackend(backend, config.gpu_call_timeout_s)
+        self.power = PowerController(self.guarded)
         self.statics = backend.gpus()
         self.evidence = {g.uuid: GpuEvidence(g.uuid) for g in self.statics}
         self.samples: dict[str, GpuSample] = {}  # latest read-only sample per GPU, sent with heartbeats
-        self.verdicts: dict[str, Verdict] = {g.uuid: Verdict("healthy", ()) for g in self.statics}
+        self.verdicts: dict[str, Verdict] = {g.uuid: Verdict(GpuState.HEALTHY, ()) for g in self.statics}
         self.pending: list[PendingReport] = []
         self.next_seq = 1
         self.last_acked = 0
@@ -101,9 +130,11 @@ class Agent:
         self.metrics: dict[str, float] = {"xids": 0, "nvml_errors": 0, "reports": 0, "last_report": 0.0}
         self.xid_counts: dict[int, int] = {}
         self._xid_thread: threading.Thread | None = None
-        self._xid_q: asyncio.Queue[list[XidEvent]] = asyncio.Queue()
+        self._xid_q: asyncio.Queue[list[BackendEvent]] = asyncio.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.reconnects = 0
+        self.target = config.managers[0] if config.managers else config.manager  # the manager tried now
+        self.epoch_seen = 0  # the highest leader epoch a welcome carried
+        self.failovers = 0  # moves to another manager
 
     # ---- evidence ---------------------------------------------------------------------------
     def _start_xid_thread(self) -> None:
@@ -125,13 +156,13 @@ class Agent:
         self._xid_thread = threading.Thread(target=run, name="xid-events", daemon=True)
         self._xid_thread.start()
 
-    def handle_xids(self, events: list[XidEvent]) -> None:
+    def handle_xids(self, events: list[BackendEvent]) -> None:
         now = self.clock()
         xids: dict[str, list[int]] = {}
         for ev in events:
             if ev.uuid not in self.evidence:
                 continue
-            if ev.xid == 0:  # the fake backend's "repaired" marker
+            if isinstance(ev, GpuRepaired):
                 self.policy.clear(self.evidence[ev.uuid])
                 for other in self.evidence.values():  # node-wide verdicts this GPU caused end too
                     other.sticky = [r for r in other.sticky if f"on {ev.uuid}:" not in r]
@@ -147,26 +178,45 @@ class Agent:
             log.info("xid", gpu=ev.uuid, xid=ev.xid, action=action.value)
         self.reevaluate(xids)
 
-    def sample_all(self) -> None:
-        now = self.clock()
+    def read_samples(self) -> dict[str, GpuSample | BackendError]:
+        """One reading per GPU, or the error that took its place. Blocking (up to the guard's
+        timeout per hung GPU): the main loop calls it on a worker thread."""
+        out: dict[str, GpuSample | BackendError] = {}
         for g in self.statics:
-            ev = self.evidence[g.uuid]
             try:
-                s = self.backend.sample(g.uuid)
-            except GpuLost:
+                out[g.uuid] = self.guarded.sample(g.uuid)
+            except BackendError as e:
+                out[g.uuid] = e
+        return out
+
+    def apply_samples(self, readings: dict[str, GpuSample | BackendError]) -> None:
+        now = self.clock()
+        for u, s in readings.items():
+            ev = self.evidence[u]
+            if isinstance(s, GpuHung):
+                reason = f"GPU not answering: {s.what} took over {self.cfg.gpu_call_timeout_s:g}s"
+                if not any(r.startswith("GPU not answering") for r in ev.sticky):
+                    ev.sticky.append(reason)  # a GPU that hung is not trusted again until repaired
+                    log.warning("gpu hung", gpu=u, call=s.what, waited_s=round(s.waited_s, 1))
+                continue
+            if isinstance(s, GpuLost):
                 ev.lost = True
                 continue
-            except NotSupported:
+            if isinstance(s, NotSupported):
                 continue
-            except BackendError as e:
+            if isinstance(s, BackendError):
                 self.metrics["nvml_errors"] += 1
-                log.warning("sample failed", gpu=g.uuid, error=str(e))
+                log.warning("sample failed", gpu=u, error=str(s))
                 continue
-            self.samples[g.uuid] = s
+            self.samples[u] = s
             self.policy.on_sample(ev, now, sbe_total=s.sbe_total, dbe_total=s.dbe_total, throttled=s.throttled,
                                   temp_c=s.temperature_c, nvlink_down=s.nvlink_down, remap_failure=s.remap_failure)
             ev.slow_reason = f"running at {100 * s.slow_factor:.0f}% speed" if s.slow_factor < 0.9 else None
         self.reevaluate({})
+
+    def sample_all(self) -> None:
+        """Read and apply in one go (blocking; tests and tools)."""
+        self.apply_samples(self.read_samples())
 
     def reevaluate(self, xids: dict[str, list[int]]) -> None:
         now = self.clock()
@@ -258,7 +308,7 @@ class Agent:
                     return
                 yield m
 
-        async with self.cfg.channel() as channel:
+        async with self.cfg.channel(self.target) as channel:
             stub = agent_pb2_grpc.AgentServiceStub(channel)  # type: ignore[no-untyped-call]
             call = stub.Connect(requests(), metadata=(("authorization", f"Bearer {self.cfg.token}"),))
             beat = asyncio.create_task(self._heartbeats(outbox))
@@ -266,11 +316,16 @@ class Agent:
                 async for msg in call:
                     kind = msg.WhichOneof("body")
                     if kind == "welcome":
+                        if msg.welcome.leader_epoch < self.epoch_seen:
+                            raise StaleManager(f"{self.target} welcomed at leader epoch {msg.welcome.leader_epoch}, "
+                                               f"older than {self.epoch_seen}")
+                        self.epoch_seen = msg.welcome.leader_epoch
                         for m in self.on_welcome(msg.welcome.last_applied_seq):
                             outbox.put_nowait(m)
                         self.connected.set()
                         self.registered.set()
-                        log.info("connected", manager=self.cfg.manager, last_applied=msg.welcome.last_applied_seq)
+                        log.info("connected", manager=self.target, epoch=msg.welcome.leader_epoch,
+                                 last_applied=msg.welcome.last_applied_seq)
                     elif kind == "ack":
                         self.on_ack(msg.ack.seq)
                     else:
@@ -293,7 +348,8 @@ class Agent:
         """A heartbeat carrying the latest sample of each GPU (GPUs lost or never read: none)."""
         return agent_pb2.AgentMessage(heartbeat=agent_pb2.Heartbeat(
             last_seq=self.next_seq - 1,
-            gpus=[telemetry_pb(s) for u, s in self.samples.items() if not self.evidence[u].lost]))
+            gpus=[telemetry_pb(s) for u, s in self.samples.items()
+                  if not self.evidence[u].lost and self.guarded.stuck(u) is None]))
 
     def on_command(self, msg: agent_pb2.ManagerMessage) -> agent_pb2.AgentMessage | None:
         kind = msg.WhichOneof("body")
@@ -322,23 +378,52 @@ class Agent:
         wait = wait_exponential_jitter(
             multiplier=self.cfg.backoff_initial_s, max=self.cfg.backoff_max_s, jitter=self.cfg.backoff_initial_s
         )
-        attempt = 0
+        attempt = 0  # failed rounds over every address
+        failed_here = 0  # addresses failed in a row in this round
         while not self.stopping.is_set():
+            hint: str | None = None
             try:
                 await self.session()
-                attempt = 0
+                failed_here = attempt = 0
+                self._move(None)  # the stream ended (the manager stopped or stepped down): try the next
             except grpc.aio.AioRpcError as e:
+                hint = leader_hint(e)
                 if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                                 grpc.StatusCode.INVALID_ARGUMENT):
                     log.error("manager rejected the agent", code=e.code().name, detail=e.details())
-                log.info("disconnected", code=e.code().name)
+                log.info("disconnected", manager=self.target, code=e.code().name, leader=hint)
+                failed_here += 1
+                self._move(hint)
+            except StaleManager as e:
+                log.warning("left a stale manager", detail=str(e))
+                failed_here += 1
+                self._move(None)
             if self.stopping.is_set():
                 break
-            attempt += 1
-            self.reconnects += 1
-            delay = wait(cast(RetryCallState, _RetryState(attempt)))
+            if hint is not None or failed_here < len(self.cfg.managers):
+                delay = random.uniform(0, self.cfg.backoff_initial_s)  # another manager: go now (jittered)
+            else:
+                attempt += 1
+                failed_here = 0
+                delay = wait(cast(RetryCallState, _RetryState(attempt)))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), delay)
+
+    def _move(self, hint: str | None) -> None:
+        """Next manager to try: the leader a standby named, else the next address in the list."""
+        addrs = self.cfg.managers
+        plain = self.cfg.tls_ca is None and self.cfg.tls_cert is None
+        if hint and (hint in addrs or plain):  # the leader advertises its plaintext port: TLS agents keep to their list
+            nxt = hint
+        elif len(addrs) > 1:
+            i = addrs.index(self.target) if self.target in addrs else -1
+            nxt = addrs[(i + 1) % len(addrs)]
+        else:
+            return
+        if nxt != self.target:
+            self.failovers += 1
+            log.info("trying another manager", manager=nxt, previous=self.target)
+            self.target = nxt
 
     # ---- main loop ------------------------------------------------------------------------------
     async def run(self, watchdog: Callable[[], None] | None = None) -> None:
@@ -355,7 +440,7 @@ class Agent:
                 now = self.clock()
                 if now - last_sample >= self.cfg.sample_interval_s:
                     last_sample = now
-                    self.sample_all()
+                    self.apply_samples(await asyncio.to_thread(self.read_samples))
                 if now - last_reconcile >= self.cfg.power_reconcile_s:
                     last_reconcile = now
                     self.power.reconcile()
@@ -367,7 +452,20 @@ class Agent:
             conn.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await conn
-            self.backend.close()
+            self.guarded.close()
+
+
+class StaleManager(Exception):
+    """A manager whose leader epoch is older than one the agent has already seen."""
+
+
+def leader_hint(e: grpc.aio.AioRpcError) -> str | None:
+    """The leader's address a standby named in its trailing metadata (`ntp-leader`), if any."""
+    with contextlib.suppress(Exception):
+        for k, v in e.trailing_metadata() or ():
+            if k == "ntp-leader" and isinstance(v, str) and v:
+                return v
+    return None
 
 
 class _RetryState:

@@ -1,6 +1,6 @@
 """`ntp-agent`: the node daemon.
 
-    ntp-agent --manager HOST:PORT --token-file F --backend nvml|fake [--scenario FILE]
+    ntp-agent --manager HOST:PORT[,HOST:PORT...] --token-file F --backend nvml|fake [--scenario FILE]
               [--node NAME] [--domain ID] [--metrics-port N]
               [--tls-ca CA.pem [--tls-cert NODE.pem --tls-key NODE.key]]
 
@@ -55,6 +55,8 @@ class AgentSettings(BaseSettings):
     metrics_port: int = Field(0, ge=0, le=65535)  # 0: no metrics endpoint
     heartbeat_interval_s: float = Field(2.0, gt=0)
     sample_interval_s: float = Field(1.0, gt=0)
+    # a per-GPU NVML call slower than this fails the GPU as hung (the loop and other GPUs go on)
+    gpu_call_timeout_s: float = Field(3.0, gt=0, le=60)
     xid_policy: dict[str, str] = Field(default_factory=dict)  # overrides, e.g. {"94": "fail"}
     log_format: str = Field("console", pattern="^(console|json)$")
     tls_ca: Path | None = None
@@ -116,6 +118,7 @@ def build(settings: AgentSettings) -> Agent:
     cfg = AgentConfig(manager=settings.manager, token=token, node=node, domain=domain,
                       heartbeat_interval_s=settings.heartbeat_interval_s,
                       sample_interval_s=settings.sample_interval_s,
+                      gpu_call_timeout_s=settings.gpu_call_timeout_s,
                       tls_ca=settings.tls_ca, tls_cert=settings.tls_cert, tls_key=settings.tls_key)
     return Agent(backend, cfg, policy)
 
@@ -174,7 +177,8 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 @app.command()
 def main_cmd(
-    manager: Annotated[str | None, typer.Option(help="manager gRPC address HOST:PORT")] = None,
+    manager: Annotated[str | None, typer.Option(
+        help="manager gRPC address HOST:PORT; several managers (one leads): HOST:PORT,HOST:PORT")] = None,
     token_file: Annotated[Path | None, typer.Option(help="file holding an agent-scope token")] = None,
     backend: Annotated[str | None, typer.Option(help="nvml | fake")] = None,
     scenario: Annotated[Path | None, typer.Option(help="scenario YAML for the fake backend")] = None,

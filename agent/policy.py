@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from ntp_manager.topology import GpuState
+
 
 class XidAction(StrEnum):
     IGNORE = "ignore"
@@ -98,7 +100,7 @@ class GpuEvidence:
 
 @dataclass(frozen=True)
 class Verdict:
-    state: str  # healthy | degraded | failed
+    state: GpuState  # HEALTHY, DEGRADED or FAILED: what an agent may report
     reasons: tuple[str, ...]
 
 
@@ -136,12 +138,12 @@ class HealthPolicy:
 
     def verdict(self, ev: GpuEvidence, now: float) -> Verdict:
         if ev.lost:
-            return Verdict("failed", ("GPU is lost (fell off the bus)",))
+            return Verdict(GpuState.FAILED, ("GPU is lost (fell off the bus)",))
         failed = list(ev.sticky)
         if ev.nvlink_down:
             failed.append(f"{ev.nvlink_down} NVLink link(s) down")
         if failed:
-            return Verdict("failed", tuple(failed))
+            return Verdict(GpuState.FAILED, tuple(failed))
         degraded = []
         while ev.watch_times and ev.watch_times[0] < now - self.t.window_s:
             ev.watch_times.popleft()
@@ -163,8 +165,8 @@ class HealthPolicy:
         if ev.slow_reason:
             degraded.append(ev.slow_reason)
         if degraded:
-            return Verdict("degraded", tuple(degraded))
-        return Verdict("healthy", ())
+            return Verdict(GpuState.DEGRADED, tuple(degraded))
+        return Verdict(GpuState.HEALTHY, ())
 
     @staticmethod
     def clear(ev: GpuEvidence) -> None:

@@ -1,16 +1,20 @@
 """Checkpoint benchmarks (worker/checkpoint.py; gloo on CPU, real processes, AdamW):
 
 1. What an asynchronous save costs the training step, for the ~118M TinyGpt at TP4 x DP2 (8 rank
-   processes): the step time without checkpoints (median), the blocking part of a save (the
-   snapshot of the rank's pieces and the attempt's name), the steps that run while the writer
-   threads write, hash and complete the checkpoint, and what that adds per checkpoint: the
+   processes): the step time without checkpoints (median), the blocking part of a save (the save
+   call: what the manifest needs, and the copy of the rank's pieces when it is made on the caller's
+   thread, `--saves sync`; by default the writer thread copies them while the next step runs and
+   that step's optimizer.step() waits for the copy), the steps that run while the writer threads
+   copy, write, hash and complete the checkpoint, and what that adds per checkpoint: the
    overhead on the step at a given interval is (extra seconds per checkpoint) / (interval x step).
+   The attempt's name is agreed before the save, as the Runtime agrees it at the previous step's
+   commit (before issue 22's item 1 was finished, save() broadcast it: one collective more).
 2. The save itself: seconds from the save call to the complete checkpoint (every rank's files
    durable and hashed, metadata merged, manifest written, renamed), and bytes.
 3. A restore of that checkpoint into TP3 + TP4 (7 fresh processes): verification (every file's
    SHA-256, shared among the ranks) and the read, seconds and bytes.
 
-    python bench/checkpoint.py [--quick] [--batch 4x64] [--dir DIR]
+    python bench/checkpoint.py [--quick] [--batch 4x64] [--dir DIR] [--saves background,sync,...]
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +57,8 @@ def _layouts(cfg: GptConfig, lb: int) -> tuple[SyncLayout, SyncLayout]:
     return save, restore
 
 
-def _worker(rank: int, port: int, cfg: GptConfig, lb: int, seq: int, plain: int, root: str, q: Any) -> None:
+def _worker(rank: int, port: int, cfg: GptConfig, lb: int, seq: int, plain: int, root: str, modes: list[str],
+            q: Any) -> None:
     torch.set_num_threads(1)  # 8 ranks share the machine's cores
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=dt.timedelta(seconds=600))
@@ -94,10 +100,18 @@ def _worker(rank: int, port: int, cfg: GptConfig, lb: int, seq: int, plain: int,
         s += 1
     ck = Checkpointer(root, Retention(keep_last=1))
     saves = []
-    for _ in range(2):  # the first save allocates the snapshot buffers; the second reuses them
+    # the first save allocates the snapshot buffers, later ones reuse them; the copy on the caller's
+    # thread (background=False, as before issue 22's item 1 was finished) and on the writer thread
+    # (the default) take turns under the same load
+    for mode in modes:
+        # the attempt's name, agreed before the save as the Runtime does (a random number of rank 0
+        # rides on the previous step's commit all_gather): save() itself runs no collective
+        name = [uuid.uuid4().hex[:16]]
+        dist.broadcast_object_list(name, src=0, group=everyone)
         dist.barrier(everyone)
         t_save = time.perf_counter()
-        h = ck.save(s, model, opt, save_l, rank, fams, group=everyone, data_state={"step": s})
+        h = ck.save(s, model, opt, save_l, rank, fams, data_state={"step": s}, attempt=name[0],
+                    background=mode == "background")
         blocking = time.perf_counter() - t_save
         during = []
         while True:  # steps go on while the writers work, until every rank's part and the completion are done
@@ -112,8 +126,8 @@ def _worker(rank: int, port: int, cfg: GptConfig, lb: int, seq: int, plain: int,
             h.completed.result()
             done[0] = time.perf_counter() - t_save
         dist.all_reduce(done, group=everyone)
-        saves.append({"blocking": blocking, "snapshot_s": h.snapshot_s, "during": during,
-                      "complete_s": float(done[0]), "wrote": h.written.result()})
+        saves.append({"mode": mode, "blocking": blocking, "snapshot_s": h.snapshot_s, "during": during,
+                      "copy_s": h.snapshotted.result(), "complete_s": float(done[0]), "wrote": h.written.result()})
         step(model, opt, sync, save_l, s)  # one step with idle writers between the saves
         s += 1
     out.update(plain=plain_times, saves=saves)
@@ -135,10 +149,10 @@ def _worker(rank: int, port: int, cfg: GptConfig, lb: int, seq: int, plain: int,
     dist.destroy_process_group()
 
 
-def run(cfg: GptConfig, lb: int, seq: int, plain: int, root: Path) -> dict[str, Any]:
+def run(cfg: GptConfig, lb: int, seq: int, plain: int, root: Path, modes: list[str]) -> dict[str, Any]:
     cfg = GptConfig(**{**cfg.__dict__, "seq": max(cfg.seq, seq)})
     q = mp.get_context("spawn").SimpleQueue()
-    ctx = mp.start_processes(_worker, args=(free_port(), cfg, lb, seq, plain, str(root), q), nprocs=WORLD,
+    ctx = mp.start_processes(_worker, args=(free_port(), cfg, lb, seq, plain, str(root), modes, q), nprocs=WORLD,
                              join=False, start_method="spawn")
     got = dict(q.get() for _ in range(WORLD))
     while not ctx.join():
@@ -153,26 +167,30 @@ def report(console: Console, res: dict[str, Any], interval: list[int], label: st
     step_t = statistics.median(r0["plain"])
     t = Table(title=f"Async checkpoint of {res['params'] / 1e6:.0f}M TinyGpt, AdamW, TP4 x DP2, {label} "
                     f"(8 ranks on {os.cpu_count()} CPUs)")
-    for c in ("save", "plain step s", "blocking s (worst rank)", "snapshot s (worst)", "steps during the write",
-              "their times s", "extra s per checkpoint", "save -> complete s", "checkpoint MiB"):
+    for c in ("save", "copy on", "plain step s", "blocking s (worst rank)", "blocking % of step", "copy s (worst)",
+              "steps during the write", "their times s", "extra s per checkpoint", "save -> complete s",
+              "checkpoint MiB"):
         t.add_column(c, justify="right")
     extras = []
     for i in range(len(r0["saves"])):
         blocking = max(r["saves"][i]["blocking"] for r in res["ranks"].values())
-        snap = max(r["saves"][i]["snapshot_s"] for r in res["ranks"].values())
+        copy = max(r["saves"][i]["copy_s"] for r in res["ranks"].values())
         during = r0["saves"][i]["during"]
         extra = blocking + sum(x - step_t for x in during)
-        extras.append(extra)
-        t.add_row("first (fresh buffers)" if i == 0 else "second (buffers reused)", f"{step_t:.2f}",
-                  f"{blocking:.3f}", f"{snap:.3f}", str(len(during)), " ".join(f"{x:.2f}" for x in during),
-                  f"{extra:.2f}", f"{r0['saves'][i]['complete_s']:.1f}", f"{res['bytes'] / 2**20:.0f}")
+        mode = r0["saves"][i]["mode"]
+        extras.append((i, mode, extra))
+        t.add_row(str(i + 1) + (" (fresh buffers)" if i == 0 else ""),
+                  "writer thread" if mode == "background" else "caller", f"{step_t:.2f}",
+                  f"{blocking:.3f}", f"{100 * blocking / step_t:.1f}%", f"{copy:.3f}", str(len(during)),
+                  " ".join(f"{x:.2f}" for x in during), f"{extra:.2f}", f"{r0['saves'][i]['complete_s']:.1f}",
+                  f"{res['bytes'] / 2**20:.0f}")
     console.print(t)
     o = Table(title="Overhead on the step at a checkpoint interval: extra / (interval x plain step)")
     o.add_column("interval (steps)", justify="right")
-    o.add_column("first save", justify="right")
-    o.add_column("later saves", justify="right")
+    for i, mode, _ in extras:
+        o.add_column(f"save {i + 1} ({mode})", justify="right")
     for n in interval:
-        o.add_row(str(n), *(f"{100 * e / (n * step_t):.1f}%" for e in extras))
+        o.add_row(str(n), *(f"{100 * e / (n * step_t):.1f}%" for _, _, e in extras))
     console.print(o)
     rs = [r for r in res["ranks"].values() if "restore_s" in r]
     rt = Table(title="Restore into TP3 + TP4 (7 fresh ranks; verify every file's SHA-256, then read)")
@@ -191,15 +209,20 @@ def main() -> None:
     ap.add_argument("--batch", default="4x64", help="samples x tokens per replica, e.g. 1x16")
     ap.add_argument("--plain", type=int, default=4, help="steps timed without a checkpoint")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    ap.add_argument("--saves", default="background,sync,background,sync",
+                    help="the saves in order: background (copy on the writer thread) or sync (on the caller)")
     args = ap.parse_args()
+    modes = args.saves.split(",")
+    if not modes or any(m not in ("background", "sync") for m in modes):
+        ap.error("--saves: a comma-separated list of background and sync")
     lb, seq = (int(x) for x in args.batch.split("x"))
-    console = Console()
+    console = Console(width=240)
     console.print(f"torch {torch.__version__}, gloo, {os.cpu_count()} CPUs")
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="ntp-ckpt-bench-"))
     root = base / f"run-{int(time.time())}"
     root.mkdir(parents=True)
     try:
-        res = run(SMALL if args.quick else BIG, lb, seq, args.plain, root)
+        res = run(SMALL if args.quick else BIG, lb, seq, args.plain, root, modes)
         report(console, res, [10, 50, 100, 500], f"{lb}x{seq} tokens per replica")
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -172,16 +172,18 @@ def demo(args: argparse.Namespace) -> int:
     import httpx
     import torch.distributed as dist
 
-    from ntp_manager.demo import Agents, create_token, manager_process, wait
+    from agent.local import FakeFleet
+    from ntp_manager.demo import NODES, create_token, manager_process, wait
     from ntp_manager.worker.env import pid_key, progress_key
 
     root = Path(tempfile.mkdtemp(prefix="ntp-llama-"))
-    tokens = {s: create_token(root, s) for s in ("agent", "worker", "operator")}
+    tokens = {s: create_token(root, s) for s in ("worker", "operator")}
+    agent_tokens = {n.name: create_token(root, "agent", n.name) for n in NODES}  # one per node
     (root / "worker.token").write_text(tokens["worker"])
     with manager_process(root) as (_proc, info):
         api = httpx.Client(base_url=f"http://{info['http']}", timeout=20,
                            headers={"Authorization": f"Bearer {tokens['operator']}"})
-        agents = Agents(info["grpc"], tokens["agent"])
+        agents = FakeFleet(info["grpc"], agent_tokens, NODES)
         run = None
         try:
             wait(agents.ready, 30, "the agents to register")

@@ -18,7 +18,3 @@ class SystemClock:
 
     def monotonic(self) -> float:
         return time.monotonic()
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)

@@ -23,7 +23,6 @@ same global batches, then leaves the dashboard up until Ctrl-C.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -31,7 +30,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -43,6 +41,8 @@ import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from agent.local import FakeFleet, FakeNode
 
 console = Console()
 JOB = "demo"
@@ -93,7 +93,7 @@ def manager_process(data: Path) -> Iterator[tuple[subprocess.Popen[str], dict[st
             proc.kill()
 
 
-NODES = (("node-a", "nvl-0"), ("node-b", "nvl-1"), ("node-spare", "nvl-2"))
+NODES = (FakeNode("node-a", "nvl-0"), FakeNode("node-b", "nvl-1"), FakeNode("node-spare", "nvl-2"))
 
 
 def create_token(data: Path, scope: str, node: str | None = None) -> str:
@@ -102,43 +102,6 @@ def create_token(data: Path, scope: str, node: str | None = None) -> str:
            scope, "--json", "--data-dir", str(data)] + (["--node", node] if node else [])
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return str(json.loads(out.stdout)["token"])
-
-
-class Agents:
-    """The three nodes' agents, in a thread with their own event loop; their fake backends take
-    injected faults."""
-
-    def __init__(self, grpc: str, tokens: dict[str, str]) -> None:
-        from agent.backends.fake import FakeBackend, parse_scenario
-        from agent.core import Agent, AgentConfig
-
-        self.agents = {}
-        for node, domain in NODES:
-            backend = FakeBackend(parse_scenario({"seed": 1, "gpus": 4, "faults": []}), node=node)
-            cfg = AgentConfig(manager=grpc, token=tokens[node], node=node, domain=domain, heartbeat_interval_s=1.0,
-                              sample_interval_s=0.2, xid_wait_s=0.05)
-            self.agents[node] = Agent(backend, cfg)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._run, daemon=True, name="agents")
-        self.thread.start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(asyncio.gather(*(a.run() for a in self.agents.values())))
-
-    def ready(self) -> bool:
-        return all(a.registered.is_set() for a in self.agents.values())
-
-    def gpus(self, node: str) -> list[str]:
-        return [g.uuid for g in self.agents[node].statics]
-
-    def inject(self, node: str, kind: str, gpu: int, **kw: Any) -> None:
-        self.agents[node].backend.inject(kind, gpu, **kw)  # type: ignore[attr-defined]
-
-    def stop(self) -> None:
-        for a in self.agents.values():
-            self.loop.call_soon_threadsafe(a.stopping.set)
-        self.thread.join(15)
 
 
 def wait(pred: Any, timeout: float, what: str) -> Any:
@@ -162,17 +125,17 @@ def run_demo(steps_before: int = 6, steps_degraded: int = 6, steps_after: int = 
     root.mkdir(parents=True, exist_ok=True)
     console.rule("[bold]ntp-manager demo")
     tokens = {s: create_token(root, s) for s in ("worker", "operator", "viewer")}
-    agent_tokens = {node: create_token(root, "agent", node) for node, _ in NODES}
+    agent_tokens = {n.name: create_token(root, "agent", n.name) for n in NODES}
     # the ranks train until the demo tells them where to stop (after the repair has been applied)
     train = TrainSpec(job=JOB, steps=1_000_000, step_delay_s=step_delay_s, collective_timeout_s=10, stages=2)
     launcher: Launcher | None = None
-    agents: Agents | None = None
+    agents: FakeFleet | None = None
     with manager_process(root) as (_proc, info):
         http = f"http://{info['http']}"
         api = httpx.Client(base_url=http, headers={"Authorization": f"Bearer {tokens['operator']}"}, timeout=20)
         console.print(f"manager up: REST {http}, gRPC {info['grpc']} (data in {root})")
         try:
-            agents = Agents(info["grpc"], agent_tokens)
+            agents = FakeFleet(info["grpc"], agent_tokens, NODES)
             wait(agents.ready, 30, "the agents to register")
             console.print("agents: node-a (nvl-0), node-b (nvl-1), node-spare (nvl-2), 4 fake GPUs each")
             job = {"name": JOB, "tp": 2, "groups_per_replica": 2, "replicas": 2, "local_batch": 16, "min_tp": 1,
@@ -226,8 +189,13 @@ def run_demo(steps_before: int = 6, steps_degraded: int = 6, steps_after: int = 
             launcher.stop_at(rec["step"] + steps_after)
             _timeline(res, api, launcher, victims[0], t_rep, old, rec["version"], "repair")
             done: set[str] = set()
-            launcher.wait_for(lambda rec: rec["kind"] == "done" and (done.add(rec["worker"]) or len(done) == 8),
-                              600)
+
+            def all_done(rec: dict[str, Any]) -> bool:
+                if rec["kind"] == "done":
+                    done.add(rec["worker"])
+                return len(done) == 8
+
+            launcher.wait_for(all_done, 600)
             time.sleep(0.3)
             launcher.drain()
             rows, table = launcher.loss_report()
@@ -354,6 +322,7 @@ def main(
     no_wait: bool = typer.Option(False, "--no-wait", help="exit after the scenario instead of serving until Ctrl-C"),
     step_delay: float = typer.Option(0.3, help="pause between steps, so the dashboard can be watched"),
 ) -> None:
+    """The failure demo (`make demo`); the fail-slow one is `make slow-demo` (ntp_manager/demo_slow.py)."""
     res = run_demo(keep_up=not no_wait, step_delay_s=step_delay)
     worst = max((abs(a - b) / abs(b) for _, _, a, b in res.losses), default=0.0)
     console.print(f"failure to first step: {res.stall_s:.2f} s (one stage reduced), {res.stall2_s:.2f} s (groups "

@@ -30,7 +30,6 @@ VERSION_TEXT_MAX = 64  # agent version
 REASON_MAX = 2000  # operator reasons, health reasons (each)
 REASONS_PER_GPU = 16  # reasons in one GPU's health entry
 XIDS_PER_GPU = 64  # XID events in one GPU's health entry
-FINGERPRINT_LEN = 64  # SHA-256 of a client certificate, lower-case hex
 
 # ---- counts ------------------------------------------------------------------------------------
 GPUS_PER_NODE_MAX = 128  # a hello's inventory; real nodes hold 4-16

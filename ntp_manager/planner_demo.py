@@ -12,7 +12,7 @@ import random
 from rich.console import Console
 from rich.table import Table
 
-from ntp_manager.cli import render_plan
+from ntp_manager.cli.manager import render_plan
 from ntp_manager.planner import JobSpec, Scheme, make_plan
 from ntp_manager.topology import GpuState, generate_cluster
 

@@ -29,17 +29,29 @@ class Settings(BaseSettings):
     breaker_share: float = Field(0.2, gt=0, le=1)  # more than this share failing within the window...
     breaker_window_s: float = Field(60.0, gt=0)  # ...opens the circuit breaker
     breaker_min_gpus: int = Field(4, ge=1)  # never trip on fewer failures than this
-    unary_deadline_s: float = Field(10.0, gt=0)
     # Fleet base power cap: healthy GPUs run at this share of their maximum limit (never above their
     # default), so that reduced TP groups can be boosted up to the maximum (docs/planner.md).
     power_base_cap: float | None = Field(None, gt=0, le=1)
     log_format: str = Field("console", pattern="^(console|json)$")
-    leader_id: str = Field(default_factory=lambda: f"{os.uname().nodename}:{os.getpid()}")
+    leader_id: str = Field(default_factory=lambda: f"{os.uname().nodename}:{os.getpid()}", min_length=1,
+                           max_length=200)
+    # Several managers on PostgreSQL (service/leader.py, docs/operations.md): the leader renews its
+    # lease every `lease_renew_s`; a standby takes over once `lease_ttl_s` passed without a renewal
+    # (the database's clock). A new leader gives agents `takeover_grace_s` to reconnect before it
+    # counts any node's silence against its GPUs.
+    lease_ttl_s: float = Field(10.0, gt=0, le=3600)
+    lease_renew_s: float = Field(3.0, gt=0)
+    takeover_grace_s: float = Field(30.0, ge=0, le=3600)
+    # what clients of a standby are told (default: the bound host and port, as this manager sees them)
+    advertise_http: str | None = Field(None, max_length=500)
+    advertise_grpc: str | None = Field(None, max_length=500)
     # sizes: what this manager's cluster can hold; larger inventories and jobs are refused
     max_cluster_gpus: int = Field(100_000, ge=1, le=4_194_304)
     max_request_bytes: int = Field(4 * 2**20, ge=1024, le=2**30)  # REST bodies; larger -> 413
     token_poll_s: float = Field(0.25, gt=0, le=5)  # token changes made elsewhere show within this
     loop_warn_ms: float = Field(100.0, gt=0)  # event-loop watchdog warns above this
+    # plan in a process of its own (service/planproc.py); off, or where none can start: a thread
+    plan_process: bool = True
     # group commit: reports, heartbeat transitions and hellos queued while a commit runs go into the
     # next one; an idle committer first waits this long for more (0: commit at once)
     group_commit_window_ms: float = Field(1.0, ge=0, le=5)
@@ -58,6 +70,13 @@ class Settings(BaseSettings):
         if suspect is not None and v <= suspect:
             raise ValueError("fail_after_s must be greater than suspect_after_s")
         return v
+
+    @model_validator(mode="after")
+    def _lease(self) -> Settings:
+        if self.lease_renew_s * 2 > self.lease_ttl_s:
+            raise ValueError(f"lease_renew_s ({self.lease_renew_s}) must be at most half of lease_ttl_s "
+                             f"({self.lease_ttl_s}): a leader must get at least two tries before its lease ends")
+        return self
 
     @model_validator(mode="after")
     def _tls_pair(self) -> Settings:

@@ -234,9 +234,6 @@ class JobFile(_Strict):
             raise ValueError("replicas x local_batch (the global batch) must fit in 32 bits")
         return self
 
-    def gpus_asked(self) -> int:
-        return (self.replicas + self.spares) * self.groups_per_replica * self.tp
-
     def to_job(self) -> JobSpec:
         job = JobSpec(
             name=self.name, tp=self.tp, groups_per_replica=self.groups_per_replica,

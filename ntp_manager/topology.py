@@ -5,9 +5,12 @@ This module is pure: frozen dataclasses, no I/O and no clock. A `Cluster` is an 
 so replanning after one failure costs O(domains + changes), not O(GPUs).
 
 Decisions made here:
-- A GPU is *placeable* (may hold TP work) only when it is healthy or suspect. Suspect means "missed
-  heartbeats, still within grace": we do not cry wolf, so it keeps its work until it is declared
-  failed. Degraded (fail-slow), failed, cordoned, draining and maintenance GPUs take no new work.
+- A GPU is *placeable* (may hold TP work) when it is healthy or suspect, or degraded with a
+  measured speed factor. Suspect means "missed heartbeats, still within grace": we do not cry wolf,
+  so it keeps its work until it is declared failed. A degraded GPU with a `speed` (the fail-slow
+  detector measured it, e.g. 0.8) is usable at that speed: the planner decides whether its group
+  keeps it, drops it or gives way to a spare. Degraded without a speed (an agent's trend verdict),
+  failed, cordoned, draining and maintenance GPUs take no new work.
 - GPUs inside a domain are ordered by (node, local index); that order defines the domain's home TP
   groups, so plans are deterministic and stable across replans.
 """
@@ -115,10 +118,20 @@ class Gpu:
     index: int
     state: GpuState = GpuState.HEALTHY
     power: PowerLimits = DEFAULT_POWER
+    speed: float | None = None  # measured speed factor of a degraded GPU, in (0, 1]; None: full speed
+
+    def __post_init__(self) -> None:
+        if self.speed is not None and not 0 < self.speed <= 1:
+            raise TopologyError(f"GPU {self.uuid}: speed must be in (0, 1], got {self.speed}")
 
     @property
     def placeable(self) -> bool:
-        return self.state.placeable
+        return self.state.placeable or (self.state is GpuState.DEGRADED and self.speed is not None)
+
+    @property
+    def pace(self) -> float:
+        """The speed it computes at when placed (1.0 unless degraded with a measured speed)."""
+        return self.speed if self.speed is not None and self.state is GpuState.DEGRADED else 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,11 +167,12 @@ class Domain:
     @cached_property
     def unplaceable(self) -> frozenset[int]:
         """Positions (within the domain) of GPUs that may not take TP work."""
-        return frozenset(i for i, g in enumerate(self.gpus) if not g.state.placeable)
+        return frozenset(i for i, g in enumerate(self.gpus) if not g.placeable)
 
     @cached_property
-    def tdp_sum_w(self) -> float:
-        return sum(g.power.tdp_w for g in self.gpus)
+    def slow(self) -> Mapping[int, float]:
+        """Positions of placeable GPUs running below full speed (degraded), and their speed."""
+        return {i: g.pace for i, g in enumerate(self.gpus) if g.placeable and g.pace < 1.0}
 
     @cached_property
     def nominal_sum_w(self) -> float:
@@ -189,7 +203,7 @@ class Cluster:
             object.__setattr__(self, "_shape", _Shape.of(self.domains))
         if self._unhealthy is None:
             object.__setattr__(
-                self, "_unhealthy", frozenset(i for i, d in enumerate(self.domains) if d.unplaceable)
+                self, "_unhealthy", frozenset(i for i, d in enumerate(self.domains) if d.unplaceable or d.slow)
             )
 
     @property
@@ -222,7 +236,7 @@ class Cluster:
 
     @property
     def unhealthy_domains(self) -> frozenset[int]:
-        """Positions of the domains that hold at least one unplaceable GPU."""
+        """Positions of the domains that hold at least one unplaceable or slow (degraded) GPU."""
         assert self._unhealthy is not None
         return self._unhealthy
 
@@ -275,17 +289,22 @@ class Cluster:
         return counts
 
     # ---- changes ----------------------------------------------------------------------------
-    def with_states(self, changes: Mapping[str, GpuState]) -> Cluster:
+    def with_states(self, changes: Mapping[str, GpuState],
+                    speeds: Mapping[str, float | None] | None = None) -> Cluster:
         """Return a snapshot with some GPUs' states changed. Untouched domains are shared.
+        With `speeds`, the changed GPUs' speed factors are set too (absent from it: None).
 
-        Raises TopologyError for an unknown UUID (and changes nothing)."""
-        by_domain: dict[int, dict[int, GpuState]] = {}
+        Raises TopologyError for an unknown UUID or a bad speed (and changes nothing)."""
+        by_domain: dict[int, dict[int, tuple[GpuState, float | None, bool]]] = {}
         for uuid, state in changes.items():
             try:
                 d, i = self._index[uuid]
             except KeyError:
                 raise TopologyError(f"unknown GPU {uuid!r}") from None
-            by_domain.setdefault(d, {})[i] = GpuState(state)
+            sp = None if speeds is None else speeds.get(uuid)
+            if sp is not None and not 0 < sp <= 1:
+                raise TopologyError(f"GPU {uuid}: speed must be in (0, 1], got {sp}")
+            by_domain.setdefault(d, {})[i] = (GpuState(state), sp, speeds is not None)
         if not by_domain:
             return self
         domains = list(self.domains)
@@ -293,10 +312,10 @@ class Cluster:
         for d, edits in by_domain.items():
             old = domains[d]
             gpus = list(old.gpus)
-            for i, state in edits.items():
-                gpus[i] = replace(gpus[i], state=state)
+            for i, (state, sp, set_speed) in edits.items():
+                gpus[i] = replace(gpus[i], state=state, speed=sp) if set_speed else replace(gpus[i], state=state)
             domains[d] = Domain(old.id, tuple(gpus), old.power_budget_w)
-            if domains[d].unplaceable:
+            if domains[d].unplaceable or domains[d].slow:
                 unhealthy.add(d)
             else:
                 unhealthy.discard(d)

@@ -64,6 +64,18 @@ class XidEvent:
     detail: str = ""
 
 
+@dataclass(frozen=True)
+class GpuRepaired:
+    """The GPU was serviced: the evidence gathered against it so far no longer holds (NVML has no
+    such event; the fake backend's `repair` fault sends it)."""
+
+    uuid: str
+    detail: str = ""
+
+
+BackendEvent = XidEvent | GpuRepaired
+
+
 class GpuBackend(Protocol):
     name: str
 
@@ -73,8 +85,8 @@ class GpuBackend(Protocol):
         """Current counters of one GPU. Raises GpuLost, NotSupported or BackendError."""
         ...
 
-    def wait_xids(self, timeout_s: float) -> list[XidEvent]:
-        """Block up to timeout_s for XID events (run in a thread); [] when nothing happened."""
+    def wait_xids(self, timeout_s: float) -> list[BackendEvent]:
+        """Block up to timeout_s for XID events (or repairs; run in a thread); [] when nothing happened."""
         ...
 
     def get_limit_mw(self, uuid: str) -> int: ...

@@ -15,6 +15,7 @@
       - {at: 8.0, gpu: 1, kind: lost}
       - {at: 0.0, gpu: 0, kind: power_set_refused}
       - {at: 9.0, gpu: 1, kind: repair}
+      - {at: 10.0, gpu: 3, kind: hang}         # calls about the GPU block until a repair
 
 `gpu` is the local index. Time comes from an injectable clock, so tests can step it. The same
 scenario and seed always produce the same UUIDs and the same event order.
@@ -30,14 +31,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import structlog
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from agent.backends.base import BackendError, GpuLost, GpuSample, GpuStatic, NoPermission, XidEvent
+from agent.backends.base import (
+    BackendError,
+    BackendEvent,
+    GpuLost,
+    GpuRepaired,
+    GpuSample,
+    GpuStatic,
+    NoPermission,
+    XidEvent,
+)
+
+log = structlog.get_logger("ntp.agent.fake")
 
 FaultKind = Literal[
     "xid", "lost", "ecc_uncorrectable", "ecc_correctable", "nvlink_down", "thermal_throttle", "slow",
-    "power_set_refused", "repair",
+    "power_set_refused", "repair", "hang",
 ]
 
 
@@ -124,6 +137,7 @@ class _Gpu:
     throttled: bool = False
     slow: float = 1.0
     refuse_set: bool = False
+    hung: bool = False  # every call about this GPU blocks (a driver hang) until a repair
 
 
 @dataclass
@@ -135,9 +149,10 @@ class FakeBackend:
     _gpus: dict[str, _Gpu] = field(default_factory=dict)
     _order: list[str] = field(default_factory=list)
     _pending: list[FaultSpec] = field(default_factory=list)
-    _xids: list[XidEvent] = field(default_factory=list)
+    _xids: list[BackendEvent] = field(default_factory=list)
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _t0: float = 0.0
+    _closed: bool = False
     set_calls: list[tuple[str, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -161,6 +176,7 @@ class FakeBackend:
     def sample(self, uuid: str) -> GpuSample:
         self._advance()
         g = self._gpus[uuid]
+        self._block_while_hung(g)
         if g.lost:
             raise GpuLost(f"GPU {uuid} is lost")
         return GpuSample(
@@ -172,7 +188,7 @@ class FakeBackend:
             nvlink_replay=0, nvlink_recovery=0, nvlink_crc=0,
         )
 
-    def wait_xids(self, timeout_s: float) -> list[XidEvent]:
+    def wait_xids(self, timeout_s: float) -> list[BackendEvent]:
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
@@ -187,6 +203,7 @@ class FakeBackend:
 
     def get_limit_mw(self, uuid: str) -> int:
         g = self._gpus[uuid]
+        self._block_while_hung(g)
         if g.lost:
             raise GpuLost(f"GPU {uuid} is lost")
         return g.limit_mw
@@ -194,6 +211,7 @@ class FakeBackend:
     def set_limit_mw(self, uuid: str, mw: int) -> None:
         self._advance()
         g = self._gpus[uuid]
+        self._block_while_hung(g)
         if g.lost:
             raise GpuLost(f"GPU {uuid} is lost")
         if g.refuse_set:
@@ -204,7 +222,18 @@ class FakeBackend:
         self.set_calls.append((uuid, mw))
 
     def close(self) -> None:
-        pass
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _block_while_hung(self, g: _Gpu) -> None:
+        """As a hung driver does: the call does not return (until a repair, or the backend closes)."""
+        with self._cond:
+            while True:
+                self._advance_locked()
+                if not g.hung or self._closed:
+                    return
+                self._cond.wait(0.05)
 
     def inject(self, kind: str, gpu: int, **fields: Any) -> None:
         """Apply a fault now, as if the scenario had scheduled it (demos and tests drive faults live)."""
@@ -226,6 +255,7 @@ class FakeBackend:
             f = self._pending.pop(0)
             g = self._gpus[self._order[f.gpu]]
             u = g.static.uuid
+            log.info("fake fault", kind=f.kind, gpu=u, at=f.at)  # when it took effect (benches time from it)
             if f.kind == "xid":
                 assert f.xid is not None
                 self._xids.append(XidEvent(u, f.xid, f"scenario fault at {f.at}s"))
@@ -246,7 +276,10 @@ class FakeBackend:
                 g.slow = f.factor
             elif f.kind == "power_set_refused":
                 g.refuse_set = True
+            elif f.kind == "hang":
+                g.hung = True
             elif f.kind == "repair":
                 g.lost, g.dbe, g.sbe, g.nvlink_down, g.throttled, g.slow = False, 0, 0, 0, False, 1.0
-                self._xids.append(XidEvent(u, 0, "repaired"))  # xid 0: the agent clears evidence
+                g.hung = False
+                self._xids.append(GpuRepaired(u, f"scenario repair at {f.at}s"))
             self._cond.notify_all()

@@ -33,7 +33,16 @@ import threading
 from types import ModuleType
 from typing import Any
 
-from agent.backends.base import BackendError, GpuLost, GpuSample, GpuStatic, NoPermission, NotSupported, XidEvent
+from agent.backends.base import (
+    BackendError,
+    BackendEvent,
+    GpuLost,
+    GpuSample,
+    GpuStatic,
+    NoPermission,
+    NotSupported,
+    XidEvent,
+)
 
 THROTTLE_MASK_NAMES = (
     "nvmlClocksEventReasonSwThermalSlowdown",
@@ -218,7 +227,7 @@ class NvmlBackend:
             if v is not None:
                 acc[i] = (acc[i] or 0) + int(v)
 
-    def wait_xids(self, timeout_s: float) -> list[XidEvent]:
+    def wait_xids(self, timeout_s: float) -> list[BackendEvent]:
         nv = self.nv
         try:
             data = nv.nvmlEventSetWait_v2(self._events, int(timeout_s * 1000))

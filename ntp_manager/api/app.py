@@ -27,7 +27,9 @@ from ntp_manager import __version__
 from ntp_manager.api.edge import Error
 from ntp_manager.api.guard import AuthFirst
 from ntp_manager.api.routes import audit, cluster, dashboard, jobs, operations, tokens
+from ntp_manager.api.standby import LEADER_HEADER, StandbyEdge, leader_doc
 from ntp_manager.service.errors import ServiceError
+from ntp_manager.service.leader import NotLeader
 from ntp_manager.service.manager import Manager
 
 log = structlog.get_logger("ntp.api")
@@ -41,10 +43,15 @@ def create_app(manager: Manager) -> FastAPI:
         responses={400: {"model": Error}, 413: {"model": Error}, 422: {"model": Error}},
     )
     app.add_middleware(AuthFirst, verify=manager.tokens.verify, max_bytes=manager.settings.max_request_bytes)
+    # added last, so it runs first: a manager that does not lead sends clients to the one that does
+    app.add_middleware(StandbyEdge, acting=lambda: manager.acting, leader=lambda: manager.leadership.leader)
 
     # ---- errors: always 4xx with a message for bad input ------------------------------------------
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        if isinstance(exc, NotLeader):  # lost the lease while the request ran: name the new leader
+            headers = {LEADER_HEADER: f"http://{exc.leader.http}"} if exc.leader and exc.leader.http else None
+            return JSONResponse({"detail": exc.message, "leader": leader_doc(exc.leader)}, exc.http_status, headers)
         return JSONResponse({"detail": exc.message}, status_code=exc.http_status)
 
     @app.exception_handler(StarletteHTTPException)
@@ -75,15 +82,25 @@ def create_app(manager: Manager) -> FastAPI:
         return response
 
     # ---- probes and metrics ---------------------------------------------------------------------
-    @app.get("/healthz", tags=["probes"])
-    async def healthz() -> dict[str, Any]:
-        return {"ok": True}
+    @app.get("/healthz", tags=["probes"], responses={503: {"model": Error}})
+    async def healthz() -> JSONResponse:
+        """The process is alive and doing its part: leading, or standing by. A manager that lost
+        its lease is not (it is exiting)."""
+        role = manager.role
+        body = {"ok": role != "lost", "role": role, "epoch": manager.epoch,
+                "leader": leader_doc(manager.leadership.leader)}
+        return JSONResponse(body, 200 if role != "lost" else 503)
 
     @app.get("/readyz", tags=["probes"], responses={503: {"model": Error}})
     async def readyz() -> JSONResponse:
+        """Ready = the leader, serving (a load balancer sends clients only here)."""
         if manager.ready:
-            return JSONResponse({"ready": True, "epoch": manager.epoch})
-        return JSONResponse({"ready": False, "detail": "starting or shutting down"}, 503)
+            return JSONResponse({"ready": True, "role": "leader", "epoch": manager.epoch})
+        role = manager.role
+        detail = {"standby": "a standby: another manager leads", "lost": "lost its lease; exiting",
+                  "leader": "starting or shutting down"}[role]
+        return JSONResponse({"ready": False, "role": role, "detail": detail,
+                             "leader": leader_doc(manager.leadership.leader)}, 503)
 
     @app.get("/metrics", tags=["probes"], response_class=PlainTextResponse)
     async def metrics() -> Response:

@@ -22,44 +22,42 @@ from typing import Any
 
 from starlette.requests import Request
 
+from ntp_manager.planner.layout import GroupDoc, LayoutDoc
+from ntp_manager.service import offloop
 from ntp_manager.service.manager import Manager
 
 MAX_DOMAINS = 64
 MAX_REPLICAS = 256  # per job, in full (the rest are counted: `replicas_total`)
+MAX_SLOW_RANKS = 32  # per job, fail-slow rows: flagged GPUs first, then the highest factors
 POLL_S = 0.5
 
 
 def _job_part(name: str, rec: Any) -> tuple[dict[str, Any], dict[str, float]]:
     """A job's entry (its first MAX_REPLICAS replicas in full) and its boosted GPUs' power ratios.
-    O(the job's GPUs): built once per layout version, in a worker thread (plans never change)."""
+    O(the job's GPUs): built once per layout version, in a worker thread (layouts never change)."""
     lay = rec.layout
+    if lay is None:
+        return ({"name": name, "version": None, "reason": "", "tp": None, "pending_reason": rec.pending_reason,
+                 "replicas": [], "replicas_total": 0, "global_batch": None, "moves": None}, {})
+    doc: LayoutDoc = lay.doc
     reps = []
-    boost: dict[str, float] = {}
-    if lay is not None:
-        for i, r in enumerate(lay.plan["replicas"]):
-            for g in r["groups"]:
-                if g["power_ratio"] > 1.0:
-                    boost.update(dict.fromkeys(g["gpus"], g["power_ratio"]))
-            if i < MAX_REPLICAS:
-                groups = [{"domain": g["domain"], "gpus": g["gpus"], "power_ratio": g["power_ratio"],
-                           "group": g["group"], "stage": g["stage"], "tp": g["tp"],
-                           "moved_from": _moved_from(r["id"], g)}
-                          for g in r["groups"]]
-                reps.append({"id": r["id"], "tp": r["tp"], "local_batch": r["local_batch"], "groups": groups})
-    total = len(lay.plan["replicas"]) if lay else 0
-    return ({"name": name, "version": lay.version if lay else None, "reason": lay.reason if lay else "",
-             "tp": lay.plan.get("tp") if lay else None,  # the healthy degree: a smaller stage is drawn reduced
-             "pending_reason": rec.pending_reason, "replicas": reps, "replicas_total": total,
-             "global_batch": lay.plan.get("global_batch") if lay else None,
-             "moves": lay.plan.get("moves") if lay else None}, boost)
+    for r in doc.replicas[:MAX_REPLICAS]:
+        groups = [{"domain": g.domain, "gpus": list(g.gpus), "power_ratio": g.power_ratio, "group": g.group,
+                   "stage": g.stage, "tp": g.tp, "moved_from": _moved_from(doc, r.id, g)} for g in r.groups]
+        reps.append({"id": r.id, "tp": r.tp, "local_batch": r.local_batch, "groups": groups})
+    return ({"name": name, "version": lay.version, "reason": lay.reason,
+             "tp": doc.tp,  # the healthy degree: a smaller stage is drawn reduced
+             "pending_reason": rec.pending_reason, "replicas": reps, "replicas_total": len(doc.replica_ids),
+             "global_batch": doc.global_batch, "moves": None if doc.moves is None else doc.moves._asdict()},
+            dict(doc.boosted()))
 
 
-def _moved_from(replica: int, g: dict[str, Any]) -> str | None:
+def _moved_from(doc: LayoutDoc, replica: int, g: GroupDoc) -> str | None:
     """Where a group was before this layout ("r3/s1", "new"), or None when it stayed put (or the
-    plan records no previous places)."""
-    if "prev_replica" not in g or (g["prev_replica"], g["prev_stage"]) == (replica, g["stage"]):
+    layout records no previous places)."""
+    if not doc.tracks_moves or (g.prev_replica, g.prev_stage) == (replica, g.stage):
         return None
-    return "new" if g["prev_replica"] is None else f"r{g['prev_replica']}/s{g['prev_stage']}"
+    return "new" if g.prev_replica is None else f"r{g.prev_replica}/s{g.prev_stage}"
 
 
 _parts: weakref.WeakKeyDictionary[Manager, dict[str, tuple[Any, tuple[dict[str, Any], dict[str, float]]]]] = (
@@ -73,14 +71,16 @@ async def _job_parts(manager: Manager) -> tuple[list[dict[str, Any]], dict[str, 
     for name, rec in sorted(manager.world.jobs.items()):
         key = name
         lay = rec.layout
-        stamp = ((lay.leader_epoch, lay.version) if lay else None, rec.pending_reason)
+        stamp = ((lay.leader_epoch, lay.version) if lay else None, rec.pending_reason, lay.reason if lay else "")
         cached = cache.get(key)
         if cached is None or cached[0] != stamp:
-            part = await asyncio.to_thread(_job_part, name, rec) if rec.layout else _job_part(name, rec)
+            part = await offloop.run(_job_part, name, rec) if rec.layout else _job_part(name, rec)
             for gone in set(cache) - set(manager.world.jobs):
                 del cache[gone]
             cached = cache[key] = (stamp, part)
-        jobs.append(cached[1][0])
+        restored = manager.restores.newest(name)  # issue 22: "restored from step S"
+        jobs.append({**cached[1][0], "restored": None if restored is None else {
+            k: restored[k] for k in ("step", "checkpoint", "version", "at", "reason")}})
         boost.update(cached[1][1])
     return jobs, boost
 
@@ -90,6 +90,8 @@ async def dashboard_snapshot(manager: Manager) -> dict[str, Any]:
     shown): per-job parts are cached per layout version, state counts come from the gauges."""
     w = manager.world
     jobs, boost = await _job_parts(manager)
+    # fail-slow (issue 21): changes every step, so not cached with the layout part
+    jobs = [{**j, "slow": manager.failslow_dashboard(j["name"], MAX_SLOW_RANKS)} for j in jobs]
     nodes_of: dict[str, list[Any]] = {}
     for n in w.nodes.values():  # nodes, not GPUs: a tenth of the work
         nodes_of.setdefault(n.domain, []).append(n)

@@ -16,7 +16,7 @@ Counting rules (per trace, then summed over traces):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -142,10 +142,3 @@ def _cause(other: list[Episode], gpu: str, step: int) -> str:
         if gpu in e.gpus and e.start <= step <= e.end + 20:
             return e.kind
     return "noise"
-
-
-def score_many(make: Callable[[], Observer], traces: Iterable[Trace]) -> Score:
-    total = Score()
-    for t in traces:
-        total.add(score(make(), t))
-    return total

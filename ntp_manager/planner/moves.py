@@ -31,6 +31,8 @@ class PreviousLayout:
     assignments: Mapping[str, tuple[int, int]]
     tp: int | None = None
     groups_per_replica: int | None = None
+    # group id -> its GPUs (TP order), where known: whether the group ran its degraded members
+    members: Mapping[str, tuple[str, ...]] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         seen: set[tuple[int, int]] = set()
@@ -48,6 +50,7 @@ class PreviousLayout:
             {g.group_id: (r.replica_id, g.stage) for r in plan.replicas for g in r.groups},
             plan.tp,
             per.pop() if len(per) == 1 else None,
+            {g.group_id: g.gpus for r in plan.replicas for g in r.groups},
         )
 
     @classmethod
@@ -59,9 +62,10 @@ class PreviousLayout:
             }
             per = {len(r["groups"]) for r in doc["replicas"]}
             tp = int(doc["tp"])
+            members = {str(g["group"]): tuple(g.get("gpus", ())) for r in doc["replicas"] for g in r["groups"]}
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"previous plan JSON is malformed: {e!r}") from None
-        return cls(assignments, tp, per.pop() if len(per) == 1 else None)
+        return cls(assignments, tp, per.pop() if len(per) == 1 else None, members)
 
 
 @dataclass(frozen=True)

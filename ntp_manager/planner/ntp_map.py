@@ -59,14 +59,6 @@ class NtpMap:
     def load(self, rank: int) -> int:
         return sum(b - a for a, b in self.assignment[rank])
 
-    @property
-    def max_load(self) -> int:
-        return max(self.load(r) for r in range(self.n_healthy))
-
-    def is_core(self, rank: int) -> bool:
-        return rank < self.n_reduced
-
-
 def even_chunks(units: int, parts: int) -> tuple[Range, ...]:
     """Cut 0..units-1 into `parts` contiguous ranges whose sizes differ by at most one."""
     base, rem = divmod(units, parts)

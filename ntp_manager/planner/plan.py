@@ -36,6 +36,7 @@ from typing import Literal, cast
 from ntp_manager.planner.moves import MoveSummary, PreviousLayout
 from ntp_manager.planner.packing import Item, pack
 from ntp_manager.planner.power import PowerRequest, allocate_domain_power
+from ntp_manager.planner.slow import choose
 from ntp_manager.planner.spec import JobSpec, PlanError, Scheme
 from ntp_manager.topology import Cluster, Domain
 
@@ -57,6 +58,7 @@ class GroupPlan:
     flat_uuids: tuple[str, ...] = field(repr=False, compare=False)
     prev_replica: int | None = None  # where it was in the previous plan (None: not placed, or no previous)
     prev_stage: int | None = None
+    pace: float = 1.0  # speed of its slowest GPU (< 1 when it runs a degraded, fail-slow GPU)
 
     @property
     def domain(self) -> str:
@@ -126,11 +128,6 @@ class Plan:
     def meets_target(self) -> bool:
         return self.global_batch >= self.target_batch
 
-    @property
-    def gpus_in_use(self) -> int:
-        return sum(len(g.gpus) for r in self.replicas for g in r.groups)
-
-
 # ---- internal working records ---------------------------------------------------------------
 
 
@@ -142,6 +139,43 @@ class _Group:
     positions: tuple[int, ...] | None  # usable in-domain positions in TP order; None = home slice
     usable: int
     spare: bool
+    pace: float = 1.0  # speed of its slowest usable member (degraded GPUs run below 1)
+    speeds: tuple[float, ...] | None = None  # per position when some member is slow, else None
+    degraded: bool = False  # it had degraded members (kept or excluded by planner/slow.py)
+
+    def pace_at(self, count: int) -> float:
+        """Pace when it runs `count` members (the fastest ones, see `_Ctx.local_positions`)."""
+        if self.speeds is None:
+            return 1.0
+        if count >= len(self.speeds):
+            return self.pace
+        return sorted(self.speeds, reverse=True)[count - 1]
+
+
+class _History:
+    """What the previous plan did with a group's degraded GPUs (for hysteresis, planner/slow.py):
+    its members are read only when a group with a degraded GPU asks."""
+
+    def __init__(self, previous: Plan | PreviousLayout | None, job: JobSpec) -> None:
+        self.previous = previous
+        self.job = job
+        self._members: Mapping[str, tuple[str, ...]] | None = None
+
+    def excluded(self, gid: str, slow: Sequence[str]) -> bool | None:
+        """True when the previous plan placed group `gid` without one of `slow`, False when with all
+        of them, None when it did not place the group (or there is no usable previous plan)."""
+        prev = self.previous
+        if prev is None or prev.tp != self.job.tp:
+            return None
+        if self._members is None:
+            if isinstance(prev, Plan):
+                self._members = {g.group_id: g.gpus for r in prev.replicas for g in r.groups}
+            else:
+                self._members = prev.members
+        members = self._members.get(gid)
+        if members is None:
+            return None
+        return any(u not in members for u in slow)
 
 
 class _Ctx:
@@ -164,8 +198,14 @@ class _Ctx:
         return self.cluster.domains[g.dpos]
 
     def local_positions(self, g: _Group, count: int) -> range | tuple[int, ...]:
+        """The group's first `count` usable positions; with slow members, its `count` fastest
+        (ties: the earlier rank), in TP order."""
         if g.positions is None:
             return range(g.local * self.tp, g.local * self.tp + count)
+        if g.speeds is not None and count < len(g.positions):
+            sp = g.speeds
+            keep = sorted(sorted(range(len(sp)), key=lambda i: (-sp[i], i))[:count])
+            return tuple(g.positions[i] for i in keep)
         return g.positions[:count]
 
     def global_positions(self, g: _Group, count: int) -> range | tuple[int, ...]:
@@ -173,7 +213,7 @@ class _Ctx:
         if g.positions is None:
             start = off + g.local * self.tp
             return range(start, start + count)
-        return tuple(off + p for p in g.positions[:count])
+        return tuple(off + p for p in self.local_positions(g, count))
 
     def uuids(self, g: _Group, count: int) -> tuple[str, ...]:
         p = self.global_positions(g, count)
@@ -223,7 +263,8 @@ def make_plan(
 
     reasons: list[str] = []
     want = job.primary_groups + job.spares
-    groups = _enumerate_groups(ctx, positions, want, job.primary_groups, reasons)
+    history = _History(previous, job)
+    groups = _enumerate_groups(ctx, job, positions, want, reasons, history)
     if len(groups) < job.primary_groups:
         reasons.append(
             f"the job's domains hold {len(groups)} TP groups of {T}, fewer than the "
@@ -279,7 +320,11 @@ def make_plan(
     ids_in = {id(c) for c, _ in chosen}
     for c in intact + viable:
         if id(c) not in ids_in:
-            idle.extend(ctx.aside(g, "standing by: target batch reached") for g in c.groups)
+            for g in c.groups:
+                idle.append(ctx.aside(g, "standing by: target batch reached"))
+                if g.degraded:
+                    reasons.append(f"group {ctx.gid(g)} (a degraded GPU; alone it runs TP{g.usable} at pace "
+                                   f"{g.pace:.2f}) stands by: groups at full speed (spares) give the target batch")
     selected: list[_Candidate] = []
     for c, used in chosen:
         c.batch = used
@@ -312,9 +357,11 @@ def make_plan(
                     caps[dg[pos].uuid] = min(lim.max_w, math.floor(lim.nominal_w * pr * 1000 + 1e-6) / 1000)
                     capped = capped or lim.base_w is not None
                 base = "base cap" if capped else "TDP"
+                pace = g.pace_at(gtp)
+                slow = f" at pace {pace:.2f} (degraded GPU)" if pace < 1.0 else ""
                 reasons.append(
-                    f"group {ctx.gid(g)}: TP{gtp} boosted to {pr:.3f}x {base} (needs speed "
-                    f"{job.speed_needed(gtp):.3f}x, gets {job.power.speed(pr):.3f}x)"
+                    f"group {ctx.gid(g)}: TP{gtp}{slow} boosted to {pr:.3f}x {base} (needs speed "
+                    f"{job.speed_needed(gtp) / pace:.3f}x, gets {job.power.speed(pr):.3f}x)"
                 )
             if g.spare:
                 spares_used.append(ctx.gid(g))
@@ -322,7 +369,7 @@ def make_plan(
             gps.append(
                 GroupPlan(
                     stage, gtp, g.usable, g.spare, pr, g.dpos, g.local, ctx.global_positions(g, gtp), ids, flat,
-                    None if was is None else was[0], None if was is None else was[1],
+                    None if was is None else was[0], None if was is None else was[1], g.pace_at(gtp),
                 )
             )
             if has_prev:
@@ -464,7 +511,7 @@ def _pack_stable(
     in_intact: set[int] = set()
     for rid in sorted(rows):
         members = rows[rid]
-        if all(g is not None and keep[g.order] and g.usable == T for g in members):
+        if all(g is not None and keep[g.order] and g.usable == T and g.pace == 1.0 for g in members):
             full = [g for g in members if g is not None]
             intact.append(_Candidate(full, rid, P))
             in_intact.update(g.order for g in full)
@@ -476,7 +523,7 @@ def _pack_stable(
     blocks, left = pack(items, P, None if sizes is None else [sizes[s] for s in range(P)])
     repacked = [_Candidate([pool[i] for i in b.slots], b.rid, b.stayers) for b in blocks]
     idle.extend(ctx.aside(pool[i], f"too few usable groups to fill a replica of {P}") for i in left)
-    stale = {pool[i].dpos for i in left if pool[i].usable < T}
+    stale = {pool[i].dpos for i in left if pool[i].usable < T or pool[i].pace < 1.0}
     if stale:
         for order in [o for o in grants if groups[o].dpos in stale]:
             del grants[order]
@@ -544,15 +591,16 @@ def _regrant_selected(ctx: _Ctx, job: JobSpec, selected: list[_Candidate], other
     replicas are recomputed; returns whether any rose. Removing requests from a water-filling never
     lowers what the others get, so no grant and no batch falls."""
     T = job.tp
-    racks = {g.dpos for c in others for g, t in zip(c.groups, c.group_tp, strict=True) if t < T}
+    racks = {g.dpos for c in others for g, t in zip(c.groups, c.group_tp, strict=True) if _boostable(g, t, T)}
     if not racks:
         return False
-    need = {t: job.speed_needed(t) for t in range(job.min_tp, T)}
+    need = {t: job.speed_needed(t) for t in range(job.min_tp, T + 1)}
     requests: dict[int, list[PowerRequest]] = {}
     for ci, c in enumerate(selected):
         for si, (g, t) in enumerate(zip(c.groups, c.group_tp, strict=True)):
-            if t < T and g.dpos in racks:
-                requests.setdefault(g.dpos, []).append(PowerRequest((ci, si), ctx.domain(g), ctx.uuids(g, t), need[t]))
+            if _boostable(g, t, T) and g.dpos in racks:
+                requests.setdefault(g.dpos, []).append(
+                    PowerRequest((ci, si), ctx.domain(g), ctx.uuids(g, t), need[t] / g.pace_at(t)))
     touched: set[int] = set()
     for reqs in requests.values():
         for key, ratio in allocate_domain_power(reqs[0].domain, reqs, job.power).items():
@@ -563,14 +611,26 @@ def _regrant_selected(ctx: _Ctx, job: JobSpec, selected: list[_Candidate], other
     rose = False
     for ci in touched:
         c = selected[ci]
-        batch = job.local_batch
-        for t, pr in zip(c.group_tp, c.group_power, strict=True):
-            if t < T:
-                batch = min(batch, job.reduced_batch(t, job.power.speed(pr)))
+        batch = _pw_batch(job, c)
         if batch > c.batch:
             c.batch = batch
             rose = True
     return rose
+
+
+def _boostable(g: _Group, t: int, T: int) -> bool:
+    """Whether a group running `t` members asks its rack for power (ntp-pw): reduced, or slow."""
+    return t < T or g.pace_at(t) < 1.0
+
+
+def _pw_batch(job: JobSpec, c: _Candidate) -> int:
+    """Local batch of an ntp-pw replica: each group at its own degree, its GPUs at their power's
+    speed times the group's pace (a degraded member slows its group)."""
+    batch = job.local_batch
+    for g, t, pr in zip(c.groups, c.group_tp, c.group_power, strict=True):
+        if _boostable(g, t, job.tp):
+            batch = min(batch, job.reduced_batch(t, job.power.speed(pr) * g.pace_at(t)))
+    return batch
 
 
 def _rack_slack(job: JobSpec, pool: list[_Group]) -> list[int]:
@@ -580,34 +640,39 @@ def _rack_slack(job: JobSpec, pool: list[_Group]) -> list[int]:
         return [1] * len(pool)
     reduced: dict[int, int] = {}
     for g in pool:
-        if g.usable < job.tp:
+        if g.usable < job.tp or g.pace < 1.0:
             reduced[g.dpos] = reduced.get(g.dpos, 0) + 1
-    return [0 if g.usable < job.tp and reduced[g.dpos] > 1 else 1 for g in pool]
+    return [0 if (g.usable < job.tp or g.pace < 1.0) and reduced[g.dpos] > 1 else 1 for g in pool]
 
 
 def _packing_keys(ctx: _Ctx, job: JobSpec, pool: list[_Group], grants: dict[int, float]) -> list[int]:
     """What a replica is worth is the lowest key of its groups: all equal under dp-drop (only full
     groups are kept), the usable count under ntp (the replica runs at its lowest), and under ntp-pw
     the local batch the group's power grant allows (each group runs at its own degree, boosted
-    within its rack's budget; grants here count every reduced group of the pool)."""
+    within its rack's budget; grants here count every reduced group of the pool). A group with a
+    degraded member is worth the local batch its pace allows (under ntp too, where a pool holding
+    one is keyed by batch: a replica runs at its lowest degree and its slowest group's pace)."""
     T = job.tp
     if job.scheme is Scheme.DP_DROP:
         return [0] * len(pool)
     if job.scheme is Scheme.NTP:
-        return [min(g.usable, T) for g in pool]
+        if all(g.pace == 1.0 for g in pool):
+            return [min(g.usable, T) for g in pool]
+        return [job.reduced_batch(min(g.usable, T), g.pace) for g in pool]
     work = {t: job.speed_needed(t) for t in range(job.min_tp, T + 1)}
     requests: dict[int, list[PowerRequest]] = {}
     for i, g in enumerate(pool):
         t = min(g.usable, T)
-        if t < T:
-            requests.setdefault(g.dpos, []).append(PowerRequest(i, ctx.domain(g), ctx.uuids(g, t), work[t]))
+        if _boostable(g, t, T):
+            requests.setdefault(g.dpos, []).append(PowerRequest(i, ctx.domain(g), ctx.uuids(g, t), work[t] / g.pace))
     keys = [job.local_batch] * len(pool)
     for reqs in requests.values():
         granted = allocate_domain_power(reqs[0].domain, reqs, job.power)
         for req in reqs:
             i = cast(int, req.key)
-            keys[i] = job.reduced_batch(min(pool[i].usable, T), job.power.speed(granted[req.key]))
-            grants[pool[i].order] = granted[req.key]
+            g = pool[i]
+            keys[i] = job.reduced_batch(min(g.usable, T), job.power.speed(granted[req.key]) * g.pace)
+            grants[g.order] = granted[req.key]
     return keys
 
 
@@ -623,7 +688,7 @@ def _pack_sorted(
     n_primary = min(len(groups), job.primary_groups)
     for r in range(job.replicas):
         members = groups[r * P : (r + 1) * P] if (r + 1) * P <= n_primary else None
-        if members is not None and all(g.usable == T for g in members):
+        if members is not None and all(g.usable == T and g.pace == 1.0 for g in members):
             intact.append(_Candidate(members, r, P))
         else:
             broken_homes.append(r)
@@ -647,7 +712,7 @@ def _pack_none(
     n_primary = min(len(groups), job.primary_groups)
     for r in range(n_primary // P):
         members = groups[r * P : (r + 1) * P]
-        if all(g.usable == T for g in members):
+        if all(g.usable == T and g.pace == 1.0 for g in members):
             intact.append(_Candidate(members, r, P))
         elif all(keep[g.order] for g in members):
             reduced.append(_Candidate(members, r, P))
@@ -672,9 +737,13 @@ def _job_domain_positions(cluster: Cluster, job: JobSpec) -> Sequence[int]:
 
 
 def _enumerate_groups(
-    ctx: _Ctx, positions: Sequence[int], want: int, n_primary: int, reasons: list[str]
+    ctx: _Ctx, job: JobSpec, positions: Sequence[int], want: int, reasons: list[str], history: _History
 ) -> list[_Group]:
+    """The job's groups in order. A group with degraded (slow) usable members keeps them or drops
+    the slowest, by planner/slow.py; under dp-drop (uniform TP, no batch to shrink) a degraded GPU
+    counts as unusable."""
     T = ctx.tp
+    n_primary = job.primary_groups
     sizes = ctx.cluster.domain_sizes
     unhealthy = ctx.cluster.unhealthy_domains
     groups: list[_Group] = []
@@ -691,13 +760,21 @@ def _enumerate_groups(
                 o = len(groups)
                 groups.append(_Group(o, dpos, j, None, T, o >= n_primary))
             continue
-        bad = ctx.cluster.domains[dpos].unplaceable
+        dom = ctx.cluster.domains[dpos]
+        bad, slow = dom.unplaceable, dom.slow
+        if slow and job.scheme is Scheme.DP_DROP:
+            bad = bad | frozenset(slow)
+            reasons.extend(f"dp-drop: degraded GPU {dom.gpus[p].uuid} (speed {v:.2f}) counts as unusable"
+                           for p, v in slow.items() if p < k * T)
+            slow = {}
         # In-domain spares (positions past the last full group) fill unusable slots in order.
         local_spares = [p for p in range(k * T, size) if p not in bad]
         for j in range(k):
+            if len(groups) >= want:
+                break
             o = len(groups)
             home = range(j * T, (j + 1) * T)
-            if not bad.intersection(home):
+            if not bad.intersection(home) and not any(p in slow for p in home):
                 groups.append(_Group(o, dpos, j, None, T, o >= n_primary))
                 continue
             picked = []
@@ -706,7 +783,22 @@ def _enumerate_groups(
                     picked.append(p)
                 elif local_spares:
                     picked.append(local_spares.pop(0))
-            groups.append(_Group(o, dpos, j, tuple(picked), len(picked), o >= n_primary))
+            speeds = [slow.get(p, 1.0) for p in picked]
+            if not speeds or min(speeds) == 1.0 or len(picked) < job.min_tp:
+                groups.append(_Group(o, dpos, j, tuple(picked), len(picked), o >= n_primary))
+                continue
+            gid = f"{ctx.ids[dpos]}/g{j}"
+            names = [dom.gpus[p].uuid for p in picked]
+            cap = job.power.max_boost
+            if job.scheme is Scheme.NTP_PW:
+                cap = min([cap] + [dom.gpus[p].power.max_w / dom.gpus[p].power.nominal_w for p in picked])
+            slow_names = [u for u, v in zip(names, speeds, strict=True) if v < 1.0]
+            choice = choose(job, gid, names, speeds, boost_cap=cap, was_excluded=history.excluded(gid, slow_names))
+            reasons.append(choice.reason)
+            kept = [picked[i] for i in choice.kept]
+            kept_speeds = tuple(speeds[i] for i in choice.kept)
+            groups.append(_Group(o, dpos, j, tuple(kept), len(kept), o >= n_primary, choice.pace,
+                                 kept_speeds if choice.pace < 1.0 else None, True))
     return groups[:want]
 
 
@@ -727,7 +819,8 @@ def _size_repacked(
         batch_at = {t: job.reduced_batch(t) for t in range(job.min_tp, T + 1)}
         for c in repacked:
             c.tp = min(min(g.usable for g in c.groups), T)
-            c.batch = batch_at[c.tp]
+            pace = min(g.pace_at(c.tp) for g in c.groups)
+            c.batch = batch_at[c.tp] if pace == 1.0 else job.reduced_batch(c.tp, pace)
             c.group_tp = [c.tp] * len(c.groups)
             c.group_power = [1.0] * len(c.groups)
         return
@@ -740,12 +833,12 @@ def _size_repacked(
         c.tp = min(c.group_tp)
         c.group_power = [1.0] * len(c.groups)
         for si, (g, t) in enumerate(zip(c.groups, c.group_tp, strict=True)):
-            if t < T:
+            if _boostable(g, t, T):
                 if known is not None and g.order in known:
                     c.group_power[si] = known[g.order]
                     continue
                 requests.setdefault(g.dpos, []).append(
-                    PowerRequest((ci, si), ctx.domain(g), ctx.uuids(g, t), work[t])
+                    PowerRequest((ci, si), ctx.domain(g), ctx.uuids(g, t), work[t] / g.pace_at(t))
                 )
     for reqs in requests.values():
         grants = allocate_domain_power(reqs[0].domain, reqs, job.power)
@@ -753,8 +846,4 @@ def _size_repacked(
             ci, si = cast(tuple[int, int], req.key)
             repacked[ci].group_power[si] = grants[req.key]
     for c in repacked:
-        batch = B
-        for t, pr in zip(c.group_tp, c.group_power, strict=True):
-            if t < T:
-                batch = min(batch, job.reduced_batch(t, job.power.speed(pr)))
-        c.batch = batch
+        c.batch = _pw_batch(job, c)

@@ -48,7 +48,7 @@ def allocate_domain_power(
         if g.uuid in boosted:
             limits[g.uuid] = g.power
         else:
-            fixed += g.power.nominal_w * (1.0 if g.state.placeable else model.unusable_draw_ratio)
+            fixed += g.power.nominal_w * (1.0 if g.placeable else model.unusable_draw_ratio)
     left = domain_budget_w(domain, model) - fixed
 
     infos = []

@@ -22,6 +22,7 @@ from ntp_manager.auth import Principal, parse_bearer
 from ntp_manager.limits import cap_message
 from ntp_manager.rpc.tls import fingerprint_of_pem
 from ntp_manager.service.errors import ServiceError
+from ntp_manager.service.leader import NotLeader
 
 log = structlog.get_logger("ntp.rpc")
 
@@ -42,11 +43,6 @@ def principal_of(tokens: Any, context: grpc.aio.ServicerContext) -> Principal | 
     token = parse_bearer(header if isinstance(header, str) else None)
     found: Principal | None = tokens.verify(token) if token else None
     return found
-
-
-def bearer_of(context: grpc.aio.ServicerContext) -> str | None:
-    header = dict(context.invocation_metadata() or ()).get("authorization")
-    return parse_bearer(header if isinstance(header, str) else None)
 
 
 def peer_fingerprint(context: grpc.aio.ServicerContext) -> str | None:
@@ -71,6 +67,8 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
 
 async def _fail(context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
+    if isinstance(exc, NotLeader) and exc.leader is not None and exc.leader.grpc:
+        context.set_trailing_metadata((("ntp-leader", exc.leader.grpc),))  # where to go instead
     if isinstance(exc, ServiceError):
         await abort(context, code_of(exc), exc.message)
     log.error("rpc failed", method=method, exc_info=exc)

@@ -32,10 +32,12 @@ from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, wor
 from ntp_manager.auth import parse_bearer
 from ntp_manager.rpc import tls
 from ntp_manager.rpc.guard import GuardInterceptor, abort, code_of, peer_fingerprint, principal_of
+from ntp_manager.rpc.views import LayoutViews, build_views
+from ntp_manager.service import offloop
 from ntp_manager.service.agents import Ack, AgentCommand, Drain, EndStream, ReleasePower, SetPower
-from ntp_manager.service.errors import ServiceError
+from ntp_manager.service.errors import InvalidArgument, ServiceError
 from ntp_manager.service.manager import GpuInventory, GpuReport, Manager
-from ntp_manager.service.views import LayoutViews, build_views
+from ntp_manager.service.restores import RestoreReport
 from ntp_manager.topology import GpuState
 
 log = structlog.get_logger("ntp.rpc")
@@ -54,6 +56,31 @@ SERVICE_PERMISSION = {"ntp.v1.AgentService": "agent", "ntp.v1.WorkerService": "w
 
 
 REVOKED = "the token of this stream was revoked"
+
+
+LEADER_KEY = "ntp-leader"  # trailing metadata: host:port of the leader's gRPC server
+
+
+class StandbyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """A manager that does not lead (a standby, one still loading, one that lost its lease) answers
+    every AgentService / WorkerService call with UNAVAILABLE naming the leader, in the message and
+    in the trailing metadata `ntp-leader` (host:port), before authentication (a standby holds no
+    token table). Clients go there (agent/core.py, worker/sources.py). Health and reflection are
+    served as usual."""
+
+    def __init__(self, manager: Manager) -> None:
+        self.manager = manager
+
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], details: grpc.HandlerCallDetails
+    ) -> Any:
+        handler = await continuation(details)
+        service = details.method.lstrip("/").split("/")[0]
+        if handler is None or service not in SERVICE_PERMISSION or self.manager.acting:
+            return handler
+        err = self.manager.leadership.not_leader()
+        trailer = ((LEADER_KEY, err.leader.grpc),) if err.leader is not None and err.leader.grpc else ()
+        return _deny(handler, grpc.StatusCode.UNAVAILABLE, err.message, trailer)
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -80,11 +107,15 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return _deny(handler, code, msg)
 
 
-def _deny(handler: Any, code: grpc.StatusCode, msg: str) -> Any:
+def _deny(handler: Any, code: grpc.StatusCode, msg: str, trailer: tuple[tuple[str, str], ...] = ()) -> Any:
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if trailer:
+            context.set_trailing_metadata(trailer)
         await abort(context, code, msg)
 
     async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if trailer:
+            context.set_trailing_metadata(trailer)
         await abort(context, code, msg)
         yield None  # pragma: no cover
 
@@ -284,7 +315,7 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
         key = (rec.leader_epoch, rec.version)
         cached = self._views.get(job)
         if cached is None or cached[0] != key:
-            fut = asyncio.ensure_future(asyncio.to_thread(_build_serialized, rec))
+            fut = asyncio.ensure_future(offloop.run(build_views, rec))
             cached = (key, fut)
             self._views[job] = cached
         return await asyncio.shield(cached[1])
@@ -334,10 +365,17 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
     async def AckLayout(
         self, request: worker_pb2.AckLayoutRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.AckLayoutResponse:
-        rec = self.m.ack_layout(
-            request.job, request.worker_id, request.stamp.leader_epoch, request.stamp.version,
-            request.status != worker_pb2.ACK_STATUS_FAILED,
-        )
+        ok = request.status != worker_pb2.ACK_STATUS_FAILED
+        restored = None
+        if request.HasField("restored"):  # checked before the ack is recorded: bad input changes nothing
+            if not ok:
+                raise InvalidArgument("restored: a failed ack cannot report a restore")
+            r = request.restored
+            restored = RestoreReport(int(r.step), r.checkpoint, r.reason, tuple(r.skipped)).check()
+        rec = self.m.ack_layout(request.job, request.worker_id, request.stamp.leader_epoch, request.stamp.version, ok)
+        if restored is not None:
+            await self.m.record_restore(request.job, request.worker_id, request.stamp.leader_epoch,
+                                        request.stamp.version, restored)
         return worker_pb2.AckLayoutResponse(
             current=common_pb2.LayoutStamp(leader_epoch=rec.leader_epoch, version=rec.version)
         )
@@ -347,12 +385,6 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
     ) -> worker_pb2.StepReportResponse:
         await self.m.record_steps(request.job, request.worker_id, request)
         return worker_pb2.StepReportResponse(accepted=True)
-
-
-def _build_serialized(rec: Any) -> LayoutViews:
-    views = build_views(rec)
-    views.bytes_for_gpu("")  # serializes the shared parts once, here in the worker thread
-    return views
 
 
 def _pass_bytes(msg: Any) -> bytes:
@@ -390,7 +422,8 @@ KEEPALIVE = [
 class RpcServer:
     def __init__(self, manager: Manager) -> None:
         self.manager = manager
-        self.server = grpc.aio.server(interceptors=[GuardInterceptor(), AuthInterceptor(manager)], options=KEEPALIVE)
+        interceptors = [StandbyInterceptor(manager), GuardInterceptor(), AuthInterceptor(manager)]
+        self.server = grpc.aio.server(interceptors=interceptors, options=KEEPALIVE)
         self.health = health_aio.HealthServicer()
         agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentService(manager), self.server)  # type: ignore[no-untyped-call]
         self.server.add_generic_rpc_handlers((_worker_handler(WorkerService(manager)),))

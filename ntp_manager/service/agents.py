@@ -302,12 +302,13 @@ class Agents:
             tx.change_node(node, NodeChange(last_seq=seq))
             for g in gpus:
                 gr = tx.gpu(g.uuid)
-                tx.event(gr, g.state, g.reasons, source="agent", seq=seq, xids=g.xids)
+                state = GpuState(g.state)  # one of HEALTH_STATES (checked above)
+                tx.event(gr, state, g.reasons, source="agent", seq=seq, xids=g.xids)
                 change = GpuChange()
                 if g.enforced_mw is not None and g.enforced_mw != gr.enforced_mw:
                     change["enforced_mw"] = g.enforced_mw
-                if g.state != gr.health:
-                    change.update(health_to(GpuState(g.state), "; ".join(g.reasons), HealthSource.AGENT, tx.now))
+                if state != gr.health and not _detector_stands(gr, state):
+                    change.update(health_to(state, "; ".join(g.reasons), HealthSource.AGENT, tx.now))
                 tx.change_gpu(g.uuid, change)
             tx.after.append(lambda: self.heartbeat(node))
             return seq
@@ -333,3 +334,10 @@ class Agents:
                 tx.change_gpu(u, GpuChange(enforced_mw=mw))
 
         await self.kernel.submit(f"agent:{node}", write)
+
+
+def _detector_stands(rec: GpuRec, reported: GpuState) -> bool:
+    """An agent's "healthy" does not undo the fail-slow detector's verdict: the agent sees counters,
+    the detector saw the GPU run slow (its own `Recovered`, or an operator, clears it)."""
+    return (reported == GpuState.HEALTHY and rec.health == GpuState.DEGRADED
+            and rec.health_source == HealthSource.DETECTOR)

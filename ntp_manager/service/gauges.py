@@ -1,17 +1,19 @@
 """Gauges: owns the Prometheus gauges that summarise the world (GPUs per state, each job's
 replicas, throughput and layout version) and the GPU state counts the API shows.
 
-Counting is O(GPUs), so a change only marks the gauges stale; they are recounted at most once per
-monitor tick and on a scrape, in a worker thread over a copy of the record list.
+Counting is O(GPUs + replicas), so a change only marks the gauges stale; they are recounted at most
+once per monitor tick and on a scrape, in a worker thread over a copy of the record list.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
+from dataclasses import dataclass
 
 from ntp_manager.service.kernel import Kernel, Tx
 from ntp_manager.service.metrics import Metrics
-from ntp_manager.service.state import GpuRec
+from ntp_manager.service.state import GpuRec, LayoutRec
 from ntp_manager.topology import GpuState
 
 
@@ -35,37 +37,45 @@ class Gauges:
         if not self.stale:
             return
         self.stale = False
-        self._set(await asyncio.to_thread(count_states, list(self.kernel.world.gpus.values())))
-
-    def refresh(self) -> None:
-        if not self.stale:
-            return
-        self.stale = False
-        self._set(count_states(list(self.kernel.world.gpus.values())))
+        self._set(*await asyncio.to_thread(count, list(self.kernel.world.gpus.values()), self._layouts()))
 
     async def state_counts(self) -> dict[str, int]:
         """GPUs per effective state (states with none left out)."""
         await self.refresh_async()
         return {k: v for k, v in self.counts.items() if v}
 
-    def _set(self, counts: dict[str, int]) -> None:
+    def _layouts(self) -> list[tuple[str, LayoutRec]]:
+        return [(j.name, j.layout) for j in self.kernel.world.jobs.values() if j.layout is not None]
+
+    def _set(self, counts: dict[str, int], jobs: list[JobStats]) -> None:
         m = self.metrics
         self.counts = counts
         for state, n in counts.items():
             m.gpus.labels(state).set(n)
-        for job in self.kernel.world.jobs.values():
-            lay = job.layout
-            if lay is None:
-                continue
-            reps = lay.plan["replicas"]
-            m.replicas.labels(job.name).set(len(reps))
-            m.throughput.labels(job.name).set(lay.plan["relative_throughput"])
-            m.layout_version.labels(job.name).set(lay.version)
-            by_tp: dict[int, int] = {}
-            for r in reps:
-                by_tp[r["tp"]] = by_tp.get(r["tp"], 0) + 1
-            for tp, n in by_tp.items():
-                m.replicas_by_tp.labels(job.name, str(tp)).set(n)
+        for st in jobs:
+            m.replicas.labels(st.job).set(st.replicas)
+            m.throughput.labels(st.job).set(st.relative_throughput)
+            m.layout_version.labels(st.job).set(st.version)
+            for tp, n in st.by_tp.items():
+                m.replicas_by_tp.labels(st.job, str(tp)).set(n)
+
+
+@dataclass(frozen=True)
+class JobStats:
+    job: str
+    version: int
+    replicas: int
+    relative_throughput: float
+    by_tp: dict[int, int]
+
+
+def count(gpus: list[GpuRec], layouts: list[tuple[str, LayoutRec]]) -> tuple[dict[str, int], list[JobStats]]:
+    """GPUs per state and each job's replicas per TP degree: O(GPUs + replicas), for a thread."""
+    jobs = []
+    for name, lay in layouts:
+        by_tp = dict(Counter(lay.doc.replica_tps))
+        jobs.append(JobStats(name, lay.version, len(lay.doc.replica_ids), lay.doc.relative_throughput, by_tp))
+    return count_states(gpus), jobs
 
 
 def count_states(gpus: list[GpuRec]) -> dict[str, int]:

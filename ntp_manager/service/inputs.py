@@ -16,7 +16,7 @@ class GpuReport:
     """One GPU's health from an agent report."""
 
     uuid: str
-    state: str
+    state: str  # as received; only HEALTH_STATES values are accepted (service/agents.py)
     reasons: list[str]
     xids: list[int]
     enforced_mw: int | None = None

@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
 
 from ntp_manager.planner import JobSpec, PlanError
-from ntp_manager.service import planning
+from ntp_manager.planner.layout import LayoutDoc
+from ntp_manager.service import offloop, planning, planproc
 from ntp_manager.service.errors import Conflict, InvalidArgument, NotFound
 from ntp_manager.service.kernel import Kernel, Tx
 from ntp_manager.service.metrics import Metrics
 from ntp_manager.service.power import Power
 from ntp_manager.service.state import JobRec, LayoutRec
+from ntp_manager.service.steps import StepSample
 from ntp_manager.service.worker_reports import WorkerReports
 from ntp_manager.settings import Settings
 from ntp_manager.specfile import SpecError, job_from_dict
@@ -45,6 +47,10 @@ class Jobs:
         self.layout_changed = asyncio.Condition()
         self.stopping = False
         self.on_layout: list[Callable[[], None]] = []  # told after a new version is in memory
+        self.planner = planproc.shared(settings.plan_process)  # planning off the loop, in a process
+        # the newest verified checkpoint step of a job, read when a new plan leaves some unit with no
+        # surviving holder (service/checkpoints.py; None: unknown)
+        self.known_checkpoint: Callable[[str], Awaitable[int | None]] | None = None
 
     # ---- jobs ---------------------------------------------------------------------------------
     def parse(self, spec: dict[str, Any]) -> JobSpec:
@@ -94,20 +100,19 @@ class Jobs:
         tx.after.append(deleted)
         return {"name": name, "deleted": True}
 
-    async def dry_run(self, spec: JobSpec, fail: list[str]) -> dict[str, Any]:
-        """The plan `spec` would get now, with the GPUs in `fail` failed; planned off the loop."""
+    async def dry_run(self, spec: JobSpec, fail: list[str]) -> LayoutDoc:
+        """The layout `spec` would get now, with the GPUs in `fail` failed; planned off the loop."""
         w = self.kernel.world
         for u in fail:
             if u not in w.gpus:
                 raise NotFound(f"fail: unknown GPU {u[:200]!r}")
         cluster = await w.cluster_async()
         try:
-            d = await asyncio.to_thread(planning.draft, cluster, spec, tuple(fail))
+            return await self.planner.plan(cluster, spec, w.pos_of, tuple(fail))
         except PlanError as e:
             raise InvalidArgument(str(e)) from None
         except TopologyError as e:  # a GPU in `fail` registered after the snapshot was taken
             raise NotFound(f"fail: {e}") from None
-        return d.doc
 
     # ---- replanning ---------------------------------------------------------------------------
     async def control_loop(self) -> None:
@@ -126,54 +131,63 @@ class Jobs:
                     log.exception("replan failed", job=name)
 
     async def replan(self, name: str, actor: str, reason: str = "", tx: Tx | None = None) -> LayoutRec | None:
-        """Replan one job; persist and push a new version when the layout changed."""
-        job = self.kernel.world.jobs.get(name)
+        """Replan one job; persist and push a new version when the layout changed. Planning,
+        comparing and encoding run in a worker thread (service/planning.py)."""
+        w = self.kernel.world
+        job = w.jobs.get(name)
         if job is None:
             return None
         t0 = time.perf_counter()
+        base = job.layout
         try:
-            # off the event loop: snapshot build, planning, document, fingerprint, JSON text
-            previous = job.layout.plan if job.layout is not None else None
-            d = await asyncio.to_thread(planning.draft, await self.kernel.world.cluster_async(), job.spec, (),
-                                        previous)
+            cluster = await w.cluster_async()
+            d = await self.planner.draft(cluster, job.spec, base, w.pos_of, reason)
+            if d.restore and self.known_checkpoint is not None:  # rare: no survivor holds some unit: read
+                step = await self.known_checkpoint(name)  # the checkpoints (issue 22), plan again with the step
+                if step is not None:
+                    d = await self.planner.draft(cluster, job.spec, base, w.pos_of, reason, step)
         except PlanError as e:
             job.pending_reason = str(e)
             return None
         finally:
             self.metrics.plan_seconds.observe(time.perf_counter() - t0)
-        if self.kernel.world.jobs.get(name) is not job:
-            return None  # deleted or replaced while planning
         job.pending_reason = None
-        if job.layout is not None:
-            if not job.layout.fingerprint:
-                job.layout.fingerprint = await asyncio.to_thread(planning.fingerprint, job.layout.plan)
-            if job.layout.fingerprint == d.fingerprint:
-                return job.layout
-        why = planning.why(job.layout.plan if job.layout else None, d.doc, reason)
+        while w.jobs.get(name) is job:  # else deleted or replaced while planning
+            if job.layout is not base:  # another replan published meanwhile: follow that one
+                base = job.layout
+                d = await offloop.run(planning.follow, d.doc, base, w.pos_of, reason)
+            if d.unchanged:
+                return base
+            if tx is not None:  # the caller's transaction holds the write lock: nothing publishes meanwhile
+                return self._persist(tx, job, d, base)
+            async with self.kernel.exclusive(actor) as t:
+                if job.layout is base and w.jobs.get(name) is job:
+                    return self._persist(t, job, d, base)
+        return None
 
-        async def persist(t: Tx) -> LayoutRec:
-            version = (job.layout.version if job.layout else 0) + 1
-            t.session.add(LayoutRow(job=name, version=version, leader_epoch=self.epoch(), plan=d.doc, reason=why,
-                                    created_at=t.now))
-            t.audit(t.now, "layout.update", name, before={"version": version - 1} if version > 1 else None,
-                    after={"version": version, **d.summary}, reason=why)
-            rec = LayoutRec(name, version, self.epoch(), d.doc, why, t.now, self.kernel.clock.monotonic(),
-                            d.fingerprint)
-            self.power.stage(t, {name: d.doc})
+    def _persist(self, t: Tx, job: JobRec, d: planning.Draft, base: LayoutRec | None) -> LayoutRec:
+        """Write version+1 of `job` (its body, audit record and power caps) in `t`; it is published
+        (memory, watchers) after the commit."""
+        assert d.encoded is not None
+        version = (base.version if base else 0) + 1
+        t.session.add(LayoutRow(job=job.name, version=version, leader_epoch=self.epoch(), plan=None,
+                                body=d.encoded.body, base_version=d.encoded.base_version, reason=d.why,
+                                created_at=t.now))
+        t.audit(t.now, "layout.update", job.name, before={"version": version - 1} if version > 1 else None,
+                after={"version": version, **d.summary}, reason=d.why)
+        rec = LayoutRec(job.name, version, self.epoch(), d.doc, d.why, t.now, self.kernel.clock.monotonic(),
+                        d.encoded.chain)
+        # only GPUs capped by the old or the new layout can change cap
+        self.power.stage(t, {job.name: d.doc}, set(d.doc.power_caps_w).union(base.doc.power_caps_w) if base else None)
 
-            def published() -> None:
-                job.layout = rec
-                for fn in self.on_layout:
-                    fn()
-                self.wake_watchers()
+        def published() -> None:
+            job.layout = rec
+            for fn in self.on_layout:
+                fn()
+            self.wake_watchers()
 
-            t.after.append(published)
-            return rec
-
-        if tx is not None:
-            return await persist(tx)
-        async with self.kernel.exclusive(actor) as t:
-            return await persist(t)
+        t.after.append(published)
+        return rec
 
     # ---- watchers -----------------------------------------------------------------------------
     def wake_watchers(self) -> None:
@@ -215,16 +229,20 @@ class Jobs:
         log.info("layout ack", job=job, worker=worker, version=version, ok=ok)
         return lay
 
-    async def record_steps(self, job: str, worker_id: str, report: Any) -> None:
+    async def record_steps(self, job: str, worker_id: str, report: Any) -> tuple[JobRec, list[StepSample]]:
         """Keep a worker's step report (an ntp.v1.StepReport) in its job's window
-        (service/steps.py). NotFound for an unknown job, InvalidArgument for a bad field."""
+        (service/steps.py); returns the job and the samples kept (none if the job was deleted
+        meanwhile). NotFound for an unknown job, InvalidArgument for a bad field."""
         self.workers.check_ids(job, worker_id)
         rec = self.kernel.world.jobs.get(job)
         if rec is None:
             raise NotFound(f"job: unknown job {job!r}")
-        await self.workers.record_steps(job, rec.layout, worker_id, report, self.kernel.clock.now().timestamp())
+        samples = await self.workers.record_steps(job, rec.layout, worker_id, report,
+                                                  self.kernel.clock.now().timestamp())
         if self.kernel.world.jobs.get(job) is not rec:  # deleted while the layout's places were built
             self.workers.forget(job)
+            return rec, []
+        return rec, samples
 
     def step_summary(self, job: str, recent: int) -> dict[str, Any]:
         """Step times of `job` per replica and per stage over its window (current layout), and the

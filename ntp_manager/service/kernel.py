@@ -18,6 +18,10 @@ Two ways in:
   back and each of its functions is run again in a transaction of its own, so one bad item never
   takes the others with it.
 
+Fencing: every transaction first runs `fence` (service/leader.py), which reads the leader epoch in
+that same transaction and refuses to commit unless this manager still leads at it; a group commit
+refused that way fails all its callers at once (none of them could commit here).
+
 The manager is the only writer of GPUs and nodes, so the in-memory world plus a transaction's
 pending changes is exactly what the store holds: nothing on the hot paths reads rows back.
 """
@@ -37,6 +41,7 @@ from sqlalchemy import Table, bindparam, insert, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from ntp_manager.clock import Clock
+from ntp_manager.service.leader import NotLeader
 from ntp_manager.service.state import SHAPE_FIELDS, GpuChange, GpuRec, NodeChange, NodeRec, World, apply
 from ntp_manager.store.models import AuditRow, DomainRow, GpuRow, HealthEventRow, NodeRow
 from ntp_manager.topology import GpuState
@@ -101,7 +106,7 @@ class Tx:
         if not change:
             return
         before = self.gpu(uuid)
-        old_state, old_health = before.state, before.health
+        old_state, old_health, old_speed = before.state, before.health, before.planned_speed
         new = self._new_gpus.get(uuid)
         if new is not None:  # added in this transaction: the insert carries it
             apply(new, change)
@@ -112,7 +117,7 @@ class Tx:
             self._views[uuid] = view
             prior = self._gpus.get(uuid)
             self._gpus[uuid] = change if prior is None else {**prior, **change}
-        if view.state != old_state:
+        if view.state != old_state or view.planned_speed != old_speed:  # what the planner sees changes
             self.state_changed[uuid] = None
         if view.health == GpuState.FAILED and old_health != GpuState.FAILED:
             self.newly_failed.append(uuid)
@@ -141,11 +146,13 @@ class Tx:
         self._new_nodes[rec.name] = rec
 
     def add_gpu(self, rec: GpuRec) -> None:
-        """A new GPU of a node known to this transaction."""
+        """A new GPU of a node known to this transaction; it gets its position here."""
+        if rec.pos < 0:
+            rec.pos = self.kernel.world.take_pos()
         self._new_gpus[rec.uuid] = rec
         self.shape_changed = True
 
-    def event(self, gpu: GpuRec, new_state: str, reasons: list[str], source: str, seq: int | None = None,
+    def event(self, gpu: GpuRec, new_state: GpuState, reasons: list[str], source: str, seq: int | None = None,
               xids: list[int] | None = None) -> None:
         """A health event of `gpu` (its state before this change is read from `gpu`)."""
         self._events.append({"at": self.now, "gpu_uuid": gpu.uuid, "node": gpu.node, "seq": seq, "source": source,
@@ -188,17 +195,19 @@ class Tx:
             apply(world.nodes[name], nch)
         for uuid, rec in self._new_gpus.items():
             world.gpus[uuid] = rec
+            world.by_pos[rec.pos] = uuid
             world.nodes[rec.node].gpus.append(uuid)
         for uuid, gch in self._gpus.items():
             apply(world.gpus[uuid], gch)
 
 
 def _gpu_row(g: GpuRec, now: datetime) -> dict[str, Any]:
-    return {"uuid": g.uuid, "node": g.node, "domain_id": g.domain, "idx": g.idx, "model": g.model,
+    return {"uuid": g.uuid, "pos": g.pos, "node": g.node, "domain_id": g.domain, "idx": g.idx, "model": g.model,
             "memory_bytes": g.memory_bytes, "tdp_mw": g.tdp_mw, "min_mw": g.min_mw, "max_mw": g.max_mw,
             "health": g.health, "health_reason": g.health_reason, "health_source": g.health_source,
             "health_since": g.health_since or now, "admin": g.admin, "admin_owner": g.admin_owner,
-            "admin_reason": g.admin_reason, "desired_mw": g.desired_mw, "enforced_mw": g.enforced_mw}
+            "admin_reason": g.admin_reason, "desired_mw": g.desired_mw, "enforced_mw": g.enforced_mw,
+            "speed": g.speed}
 
 
 # Core tables: bulk statements with no ORM bookkeeping (the identity map never holds these rows).
@@ -263,8 +272,10 @@ class Kernel:
         self.wake = asyncio.Event()
         self.before_commit: list[Hook] = []  # run inside every transaction, after its work
         self.after_commit: list[Reaction] = []  # run after every commit, once memory is updated
+        # run first in every transaction's commit: refuses it (NotLeader) unless this manager leads
+        # at the epoch the database holds (service/leader.py); None: no check (a CLI, a test)
+        self.fence: Callable[[AsyncSession], Awaitable[None]] | None = None
         self.batches = 0  # group commits made (for tests and metrics)
-        self.batched_items = 0
         self.split = 0  # failed group commits whose items were run again one by one
         self._queue: deque[_Item] = deque()
         self._kick = asyncio.Event()
@@ -356,6 +367,11 @@ class Kernel:
                 if not item.fut.done():
                     item.fut.cancel()
             raise
+        except NotLeader as e:  # no item of it can commit here: none is tried again
+            for item in items:
+                if not item.fut.done():
+                    item.fut.set_exception(e)
+            return
         except Exception as e:
             if len(items) == 1:
                 if not items[0].fut.done():
@@ -367,12 +383,13 @@ class Kernel:
                 await self._run([item])
             return
         self.batches += 1
-        self.batched_items += len(items)
         for item, result in zip(items, results, strict=True):
             if not item.fut.done():
                 item.fut.set_result(result)
 
     async def _finish(self, tx: Tx) -> None:
+        if self.fence is not None:
+            await self.fence(tx.session)
         for hook in self.before_commit:
             await hook(tx)
         await tx.flush()

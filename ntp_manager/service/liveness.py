@@ -4,6 +4,12 @@ Each monitor pass asks `policy.liveness` about every GPU of every node not heard
 `suspect_after_s`, and submits the transitions as one group-committed transaction (a report that
 lands in the same batch is taken into account: the decision is made again on the transaction's
 view). A returning agent's GPUs are healed at registration (`policy.reconnect`, service/agents.py).
+
+A manager that has just become the leader (a start, a failover) loads every node as seen
+`takeover_grace_s` from now: agents are reconnecting to it then, and their silence says nothing
+about their GPUs. So a failover fails no GPU by silence, and never trips the breaker, before
+`takeover_grace_s + fail_after_s`, nor makes one suspect before `takeover_grace_s +
+suspect_after_s`; an agent that registers with the new leader is judged from then on, as always.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ class Liveness:
     def __init__(self, kernel: Kernel, settings: Settings) -> None:
         self.kernel = kernel
         self.options = policy.LivenessOptions(settings.suspect_after_s, settings.fail_after_s)
+        self.quiet_until = 0.0  # monotonic; nodes loaded at a takeover count as seen at this time
 
     async def check(self) -> int:
         """One monitor pass; returns how many GPUs changed health."""

@@ -5,14 +5,18 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from ntp_manager.service.state import GpuRec, JobRec, LayoutRec, NodeRec, World
+from ntp_manager.service import offloop
+from ntp_manager.service.state import GpuRec, HealthSource, JobRec, LayoutRec, NodeRec, World
 from ntp_manager.specfile import job_from_dict
-from ntp_manager.store.models import DomainRow, GpuRow, JobRow, LayoutRow, NodeRow
+from ntp_manager.store.layouts import chain_length, decode_rows, newest_rows
+from ntp_manager.store.models import DomainRow, GpuRow, JobRow, NodeRow
+from ntp_manager.topology import GpuState
 
 
 async def load_world(s: AsyncSession, base_cap: float | None, now_mono: float) -> World:
     """Domains, nodes, GPUs, jobs and each job's newest layout. Nodes get a full grace period from
-    `now_mono` before they count as silent."""
+    `now_mono` before they count as silent. Raises CodecError when a stored layout cannot be read
+    (the manager does not start on a layout it would have to guess)."""
     w = World(base_cap=base_cap)
     for d in (await s.scalars(select(DomainRow))).all():
         w.domains[d.id] = d.power_budget_w
@@ -21,20 +25,21 @@ async def load_world(s: AsyncSession, base_cap: float | None, now_mono: float) -
                                   n.drain_reason, n.agent_version)
     for g in (await s.scalars(select(GpuRow))).all():
         w.gpus[g.uuid] = GpuRec(
-            g.uuid, g.node, g.domain_id, g.idx, g.tdp_mw, g.min_mw, g.max_mw, g.health, g.health_reason,
-            g.health_source, g.health_since, g.admin, g.admin_owner, g.admin_reason, g.desired_mw, g.enforced_mw,
-            g.model, g.memory_bytes,
+            g.uuid, g.node, g.domain_id, g.idx, g.tdp_mw, g.min_mw, g.max_mw, GpuState(g.health), g.health_reason,
+            HealthSource(g.health_source), g.health_since, None if g.admin is None else GpuState(g.admin),
+            g.admin_owner, g.admin_reason, g.desired_mw, g.enforced_mw,
+            g.model, g.memory_bytes, g.pos, g.speed,
         )
+        w.by_pos[g.pos] = g.uuid
         w.nodes[g.node].gpus.append(g.uuid)
+    w.next_pos = max(w.by_pos, default=-1) + 1
     for j in (await s.scalars(select(JobRow))).all():
         w.jobs[j.name] = JobRec(j.name, job_from_dict(j.spec), j.spec)
     for job in w.jobs.values():
-        row = (
-            await s.scalars(
-                select(LayoutRow).where(LayoutRow.job == job.name).order_by(LayoutRow.version.desc()).limit(1)
-            )
-        ).first()
-        if row is not None:
-            job.layout = LayoutRec(row.job, row.version, row.leader_epoch, row.plan, row.reason, row.created_at,
-                                   now_mono)
+        rows = await newest_rows(s, job.name)
+        if rows:
+            doc = (await offloop.run(decode_rows, rows, w.uuid_at))[-1]
+            row = rows[-1]
+            job.layout = LayoutRec(row.job, row.version, row.leader_epoch, doc, row.reason, row.created_at, now_mono,
+                                   chain_length(rows))
     return w

@@ -1,14 +1,19 @@
 """The manager: composes the kernel and the components, runs their loops, and is what the edges
 (REST, gRPC, CLI) call.
 
-Owns nothing of its own but the life cycle (start: migrate, take the leader epoch, load the world;
-stop: stop taking work, commit what is queued, close the store). Everything else lives in one
+Owns nothing of its own but the life cycle (start: migrate, then lead or stand by; leading: take the
+lease and its epoch, load the world, give agents `takeover_grace_s` to reconnect, replan every job;
+stop: stop taking work, commit what is queued, give the lease up, close the store). Who leads is
+service/leader.py's: with PostgreSQL several managers run and one leads; a standby serves nothing
+but probes and tells clients where the leader is. Everything else lives in one
 component each, around the kernel (service/kernel.py: the world, its lock, the transaction, the
 dirty set):
 
-    tokens.py       API tokens and the live table         agents.py       agent sessions, hellos, reports
+    leader.py       the lease, the epoch and the fence    tokens.py       API tokens and the live table
+    agents.py       agent sessions, hellos, reports
     operators.py    cordon, drain, mark-healthy           maintenance.py  windows and drain deadlines
     jobs.py         jobs, replanning, layout watchers     liveness.py     silence -> suspect -> failed
+    failslow.py     fail-slow detectors, their verdicts   telemetry.py    agents' GPU counters
     power.py        desired caps and sending them         breaker.py      the circuit breaker
     gauges.py       Prometheus gauges of the world        worker_reports.py  acks and step reports
     policy.py       the pure decisions (tested like functions, with made-up times)
@@ -27,13 +32,17 @@ import structlog
 from ntp_manager.auth import Principal, TokenTable
 from ntp_manager.clock import Clock, SystemClock
 from ntp_manager.planner import JobSpec
+from ntp_manager.planner.layout import LayoutDoc
 from ntp_manager.service.agents import Agents, AgentSession
 from ntp_manager.service.breaker import Breaker
+from ntp_manager.service.checkpoints import Checkpoints
+from ntp_manager.service.failslow import FailSlow
 from ntp_manager.service.gauges import Gauges
 from ntp_manager.service.idempotency import Outcome, idempotent
 from ntp_manager.service.inputs import GpuInventory, GpuReport
 from ntp_manager.service.jobs import Jobs
 from ntp_manager.service.kernel import Kernel, Tx
+from ntp_manager.service.leader import Leadership, application_name
 from ntp_manager.service.liveness import Liveness
 from ntp_manager.service.loading import load_world
 from ntp_manager.service.maintenance import Maintenance
@@ -41,6 +50,7 @@ from ntp_manager.service.metrics import Metrics
 from ntp_manager.service.operators import Operators
 from ntp_manager.service.power import Power
 from ntp_manager.service.queries import Queries, gpu_view
+from ntp_manager.service.restores import RestoreReport, Restores
 from ntp_manager.service.state import LayoutRec, World
 from ntp_manager.service.steps import StepWindow
 from ntp_manager.service.telemetry import TelemetryStore
@@ -49,7 +59,6 @@ from ntp_manager.service.watchdog import LoopWatchdog
 from ntp_manager.service.worker_reports import WorkerReports
 from ntp_manager.settings import Settings
 from ntp_manager.store import db
-from ntp_manager.store.models import LeaderRow
 
 __all__ = ["AgentSession", "GpuInventory", "GpuReport", "Manager", "Mut"]
 
@@ -62,7 +71,8 @@ class Manager:
     def __init__(self, settings: Settings, clock: Clock | None = None) -> None:
         self.settings = settings
         self.clock = clock or SystemClock()
-        self.engine = db.make_engine(settings.effective_database_url)
+        self.engine = db.make_engine(settings.effective_database_url, application_name(settings.leader_id),
+                                     settings.lease_ttl_s)
         self.sm = db.sessionmaker(self.engine)
         self.kernel = Kernel(self.sm, self.clock, World(base_cap=settings.power_base_cap),
                              window_s=settings.group_commit_window_ms / 1000)
@@ -73,6 +83,7 @@ class Manager:
         self.token_service = Tokens(self)
         self.watchdog = LoopWatchdog(self.metrics.registry, warn_s=settings.loop_warn_ms / 1000)
         self.epoch = 0
+        self.leadership = Leadership(settings, self.engine)
         self.breaker = Breaker(self.kernel, settings, self.metrics)
         self.agents = Agents(self.kernel, settings, self.metrics)
         self.power = Power(self.kernel, settings, self.agents)
@@ -83,31 +94,76 @@ class Manager:
         self.jobs = Jobs(self.kernel, settings, self.metrics, self.power, self.workers, lambda: self.epoch,
                          lambda: self.breaker.open)
         self.jobs.on_layout.append(self.gauges.mark_stale)
-        self.queries = Queries(self.kernel, self.sm, self.workers, self.telemetry)
+        self.restores = Restores(self.kernel, self.metrics)
+        self.checkpoints = Checkpoints(self.kernel)
+        self.jobs.known_checkpoint = self.checkpoints.newest_verified
+        self.failslow = FailSlow(self.kernel, self.telemetry)
+        self.queries = Queries(self.kernel, self.sm, self.workers, self.telemetry, self.restores)
         self.sessions = self.agents.sessions
         self.ready = False
         self._tasks: list[asyncio.Task[None]] = []
+        self._standby: asyncio.Task[None] | None = None
+        self._loaded = False  # the world is loaded (once leading)
 
     # ---- life cycle -----------------------------------------------------------------------------
     async def start(self, migrate: bool = True) -> None:
+        """Migrate, then lead at once when the lease is free (always with SQLite, whose second
+        manager is refused: AnotherManager), else stand by until it is (`wait_leading`)."""
         if self.settings.effective_database_url.startswith("sqlite"):
             self.settings.data_dir.mkdir(parents=True, exist_ok=True)
+        self.leadership.lock_sqlite()
+        # from now on every write checks the lease (a Manager that is never started, the CLI's
+        # token commands, writes unfenced: they touch no state a leader owns in memory)
+        self.kernel.fence = self.leadership.fence
         if migrate:
             await db.upgrade(self.engine)
-        async with db.transaction(self.sm) as s:
-            row = await s.get(LeaderRow, 1)
-            now = self.clock.now()
-            if row is None:
-                row = LeaderRow(id=1, epoch=1, holder=self.settings.leader_id, since=now)
-                s.add(row)
-            else:
-                row.epoch += 1
-                row.holder = self.settings.leader_id
-                row.since = now
-            self.epoch = row.epoch
+        if await self.leadership.try_acquire():
+            await self._lead()
+        else:
+            await self.leadership.refresh()  # who leads, for the clients sent there from now on
+            log.info("standing by", leader=self.leadership.leader)
+            self._standby = asyncio.create_task(self._stand_by(), name="standby")
+
+    async def _stand_by(self) -> None:
+        await self.leadership.wait_for_turn()
+        await self._lead()
+
+    async def wait_leading(self) -> None:
+        """Until this manager leads (returns at once when it does)."""
+        while not self.ready:
+            if self._standby is not None and self._standby.done():
+                self._standby.result()  # its error, if any
+            await asyncio.sleep(0.02)
+
+    @property
+    def leading(self) -> bool:
+        return self.leadership.leading
+
+    @property
+    def acting(self) -> bool:
+        """Leading with the world loaded: the edges serve clients (else they send them to the leader)."""
+        return self.leadership.leading and self._loaded
+
+    @property
+    def role(self) -> str:
+        """leader | standby | lost (led, and lost the lease: the process is stopping)."""
+        if self.leadership.lost.is_set():
+            return "lost"
+        return "leader" if self.leadership.leading else "standby"
+
+    @property
+    def lost(self) -> asyncio.Event:
+        """Set when this manager led and lost its lease (it must stop: service/leader.py)."""
+        return self.leadership.lost
+
+    async def _lead(self) -> None:
+        """Become the leader: load the world the database holds after the takeover, replan."""
+        self.epoch = self.leadership.epoch
+        self.liveness.quiet_until = self.clock.monotonic() + self.settings.takeover_grace_s
         async with self.sm() as s:
-            self.kernel.world = await load_world(s, self.settings.power_base_cap, self.clock.monotonic())
+            self.kernel.world = await load_world(s, self.settings.power_base_cap, self.liveness.quiet_until)
             await self.breaker.load(s)
+            await self.failslow.load(s)
         await self.token_service.reload()
         self.gauges.mark_stale()
         self.kernel.mark_all_dirty()
@@ -117,9 +173,12 @@ class Manager:
             asyncio.create_task(self._monitor_loop(), name="monitor"),
             asyncio.create_task(self.token_service.poll_forever(), name="token-poll"),
             asyncio.create_task(self.watchdog.run(), name="loop-watchdog"),
+            asyncio.create_task(self.leadership.keep(), name="lease"),
+            asyncio.create_task(self._on_lost(), name="lease-lost"),
         ]
         if self.settings.power_base_cap is not None or any(g.desired_mw is not None for g in self.world.gpus.values()):
             self.power.recompute_later()  # the base cap may have been set, changed or removed since
+        self._loaded = True
         self.ready = True
         log.info("manager started", epoch=self.epoch, gpus=len(self.world.gpus), jobs=len(self.world.jobs))
 
@@ -131,14 +190,27 @@ class Manager:
         async with self.jobs.layout_changed:
             self.jobs.layout_changed.notify_all()
 
+    async def _on_lost(self) -> None:
+        """The lease was taken over: stop acting at once (the fence refuses every write already);
+        the edges end their streams and the process exits (server.py)."""
+        await self.lost.wait()
+        await self.begin_shutdown()
+
     async def stop(self) -> None:
         await self.begin_shutdown()
+        if self._standby is not None:
+            self._standby.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._standby
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        self.jobs.planner.stop()  # a plan still running in the planner process must not hold the exit
         await self.kernel.stop()
+        await self.leadership.release()
+        await self.leadership.close()
         await self.engine.dispose()
 
     async def _monitor_loop(self) -> None:
@@ -252,9 +324,26 @@ class Manager:
         return await self.jobs.create(m, spec)
 
     async def delete_job(self, m: Tx, name: str) -> dict[str, Any]:
-        return await self.jobs.delete(m, name)
+        out = await self.jobs.delete(m, name)
+        m.after.append(lambda: self.failslow.forget(name))
+        return out
 
-    async def dry_run(self, spec: JobSpec, fail: list[str]) -> dict[str, Any]:
+    # ---- fail-slow (service/failslow.py) -------------------------------------------------------
+    def failslow_view(self, job: str) -> dict[str, Any]:
+        return self.failslow.view(job, self.world.jobs.get(job))
+
+    def failslow_dashboard(self, job: str, limit: int) -> dict[str, Any] | None:
+        """The dashboard's fail-slow part of a job: per-rank factor, compute and step time (from the
+        newest reports of its current layout), the newest verdicts; None before any step."""
+        rec = self.world.jobs.get(job)
+        w = self.workers.steps.get(job)
+        times = w.last_step_times(rec.layout.version, 4 * limit) if w is not None and rec and rec.layout else {}
+        return self.failslow.dashboard(job, times, limit)
+
+    async def set_failslow_options(self, m: Tx, scope: str, changes: dict[str, Any], reset: bool) -> dict[str, Any]:
+        return await self.failslow.set_options(m, scope, changes, reset)
+
+    async def dry_run(self, spec: JobSpec, fail: list[str]) -> LayoutDoc:
         return await self.jobs.dry_run(spec, fail)
 
     async def replan(self, name: str, actor: str, reason: str = "", m: Tx | None = None) -> LayoutRec | None:
@@ -270,8 +359,14 @@ class Manager:
     def ack_layout(self, job: str, worker: str, epoch: int, version: int, ok: bool) -> LayoutRec:
         return self.jobs.ack(job, worker, epoch, version, ok)
 
+    async def record_restore(self, job: str, worker: str, epoch: int, version: int, report: RestoreReport) -> bool:
+        """A restore from a checkpoint that workers made to apply (epoch, version) of `job`, recorded
+        once per version (service/restores.py). Call it after the worker's ack was accepted."""
+        return await self.restores.record(job, worker, epoch, version, report)
+
     async def record_steps(self, job: str, worker_id: str, report: Any) -> None:
-        await self.jobs.record_steps(job, worker_id, report)
+        rec, samples = await self.jobs.record_steps(job, worker_id, report)
+        self.failslow.offer(job, rec, samples)  # the fail-slow detector's steps (service/failslow.py)
 
     def step_summary(self, job: str, recent: int) -> dict[str, Any]:
         return self.jobs.step_summary(job, recent)
@@ -289,6 +384,3 @@ class Manager:
 
     async def refresh_gauges_async(self) -> None:
         await self.gauges.refresh_async()
-
-    def refresh_gauges(self) -> None:
-        self.gauges.refresh()

@@ -68,6 +68,8 @@ class Metrics:
         self.heartbeats = Counter("ntp_agent_heartbeats_total", "heartbeats received", registry=r)
         self.breaker = Gauge("ntp_circuit_breaker_open", "1 while automatic replanning is stopped", registry=r)
         self.watchers = Gauge("ntp_layout_watchers", "open layout watch streams", registry=r)
+        self.restores = Counter("ntp_checkpoint_restores_total",
+                                "layout versions the workers applied by restoring a checkpoint", ["job"], registry=r)
         self.agents = Gauge("ntp_agents_connected", "connected agent streams", registry=r)
         if steps is not None:
             r.register(StepCollector(steps))

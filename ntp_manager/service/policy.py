@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 
-from ntp_manager.service.state import SILENCE_SOURCES
+from ntp_manager.service.state import SILENCE_SOURCES, HealthSource
 from ntp_manager.topology import GpuState
 
 
@@ -39,7 +39,7 @@ class HealthDecision:
 KEEP_HEALTH = HealthDecision(None, "")
 
 
-def liveness(now: float, last_seen: float, node: str, health: str, options: LivenessOptions) -> HealthDecision:
+def liveness(now: float, last_seen: float, node: str, health: GpuState, options: LivenessOptions) -> HealthDecision:
     """A GPU of a node last heard from at `last_seen` (monotonic seconds, like `now`).
 
     Silent past `fail_after_s`: failed, unless it already is. Silent past `suspect_after_s` only:
@@ -58,7 +58,7 @@ def liveness(now: float, last_seen: float, node: str, health: str, options: Live
     return KEEP_HEALTH
 
 
-def reconnect(health: str, source: str) -> HealthDecision:
+def reconnect(health: GpuState, source: HealthSource) -> HealthDecision:
     """An agent is back with a GPU. When silence (or absence from its inventory) was the only
     evidence against the GPU, it is healthy again; an agent's own verdict stands."""
     if source in SILENCE_SOURCES and health != GpuState.HEALTHY:

@@ -10,11 +10,11 @@ Agents that are not connected get every cap when they reconnect (service/agents.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
 
 import structlog
 
+from ntp_manager.planner.layout import LayoutDoc
 from ntp_manager.service.agents import Agents, ReleasePower, SetPower
 from ntp_manager.service.kernel import Kernel, Tx
 from ntp_manager.service.state import GpuChange
@@ -32,18 +32,22 @@ class Power:
         self._tasks: set[asyncio.Task[None]] = set()
         kernel.after_commit.append(self.react)
 
-    def stage(self, tx: Tx, pending: Mapping[str, Mapping[str, Any]] | None = None) -> int:
+    def stage(self, tx: Tx, pending: Mapping[str, LayoutDoc] | None = None,
+              touched: Iterable[str] | None = None) -> int:
         """Write every GPU's desired cap that differs from what it holds; `pending` maps a job to
-        the plan being persisted in `tx`. Returns how many changed."""
+        the layout being persisted in `tx`. With `touched`, only those GPUs are looked at (a new
+        layout of one job: the GPUs capped by it or by the layout it replaces; every other GPU's
+        cap is unchanged), else every GPU (O(GPUs)). Returns how many changed."""
         w = self.kernel.world
         caps: dict[str, int] = {}
         for job in w.jobs.values():
-            plan = (pending or {}).get(job.name) or (job.layout.plan if job.layout else None)
-            if plan:
-                for u, watts in plan.get("power_caps_w", {}).items():
+            doc = (pending or {}).get(job.name) or (job.layout.doc if job.layout else None)
+            if doc is not None:
+                for u, watts in doc.power_caps_w.items():
                     caps[u] = int(watts * 1000)
         changed = 0
-        for u, rec in w.gpus.items():
+        gpus = w.gpus.items() if touched is None else ((u, w.gpus[u]) for u in touched)
+        for u, rec in gpus:
             want = caps.get(u)
             if want is None and self.base_cap is not None:  # under a base cap every other GPU runs at its base
                 want = int(base_cap_w(rec.min_mw, rec.tdp_mw, rec.max_mw, self.base_cap))

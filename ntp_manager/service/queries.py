@@ -4,18 +4,23 @@ outside the service reads the store's tables."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import Select, func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from ntp_manager.planner.layout import LayoutDoc
+from ntp_manager.service import offloop
 from ntp_manager.service.errors import FailedPrecondition, NotFound
 from ntp_manager.service.kernel import Kernel
+from ntp_manager.service.restores import Restores
 from ntp_manager.service.state import GpuRec, JobRec
 from ntp_manager.service.telemetry import TelemetryStore
 from ntp_manager.service.worker_reports import WorkerReports
+from ntp_manager.store.layout_codec import UuidAt
+from ntp_manager.store.layouts import decode_rows, rows_for
 from ntp_manager.store.models import AuditRow, HealthEventRow, LayoutRow, MaintenanceRow
 from ntp_manager.topology import GpuState
 
@@ -36,6 +41,8 @@ def gpu_view(g: GpuRec) -> dict[str, Any]:
     return {
         "uuid": g.uuid, "node": g.node, "domain": g.domain, "index": g.idx,
         "state": g.state, "health": g.health, "health_reason": g.health_reason,
+        "health_since": iso(g.health_since) if g.health_since is not None else None,
+        "speed": g.planned_speed,  # measured speed factor while degraded by the fail-slow detector
         "admin": g.admin, "admin_owner": g.admin_owner if g.admin else None,
         "admin_reason": g.admin_reason if g.admin else None,
         "tdp_w": g.tdp_mw / 1000, "min_w": g.min_mw / 1000, "max_w": g.max_mw / 1000,
@@ -52,25 +59,32 @@ def maintenance_view(row: MaintenanceRow) -> dict[str, Any]:
     }
 
 
-def _replicas(plan: dict[str, Any]) -> list[dict[str, Any]]:
-    return [_replica_summary(r) for r in plan["replicas"]]
+def replica_summaries(doc: LayoutDoc) -> list[dict[str, Any]]:
+    """Each replica of a layout as a job and its history show it: its TP degree (the lowest
+    stage's), batch, each stage's TP degree, and the groups that moved into it (replica or stage
+    changed) with where they were."""
+    return [{"id": r.id, "tp": r.tp, "local_batch": r.local_batch, "stage_tp": list(r.stage_tp),
+             "moved": [m._asdict() for m in doc.moved_into(r)]} for r in doc.replicas]
 
 
-def _replica_summary(r: dict[str, Any]) -> dict[str, Any]:
-    """A replica in a layout's history: its TP degree (the lowest stage's), batch, each stage's TP
-    degree, and the groups that moved into it (replica or stage changed) with where they were."""
-    groups = sorted(r["groups"], key=lambda g: g["stage"])
-    moved = [{"group": g["group"], "stage": g["stage"], "from_replica": g.get("prev_replica"),
-              "from_stage": g.get("prev_stage")}
-             for g in groups if "prev_replica" in g and (g["prev_replica"], g["prev_stage"]) != (r["id"], g["stage"])]
-    return {"id": r["id"], "tp": r["tp"], "local_batch": r["local_batch"], "stage_tp": [g["tp"] for g in groups],
-            "moved": moved}
+def history(rows: Sequence[LayoutRow], shown: Container[int], uuid_at: UuidAt) -> list[dict[str, Any]]:
+    """The versions of `rows` whose number is in `shown`, newest first, summarised. `rows` start
+    at a keyframe (store/layouts.py). O(their GPUs): call it in a worker thread."""
+    out = []
+    for row, doc in zip(rows, decode_rows(rows, uuid_at), strict=True):
+        if row.version in shown:
+            out.append({"version": row.version, "leader_epoch": row.leader_epoch, "created_at": iso(row.created_at),
+                        "reason": row.reason, "relative_throughput": doc.relative_throughput,
+                        "replicas": replica_summaries(doc),
+                        "moves": None if doc.moves is None else doc.moves._asdict()})
+    return out[::-1]
 
 
 class Queries:
     def __init__(self, kernel: Kernel, sm: async_sessionmaker[AsyncSession], workers: WorkerReports,
-                 telemetry: TelemetryStore) -> None:
+                 telemetry: TelemetryStore, restores: Restores | None = None) -> None:
         self.kernel = kernel
+        self.restores = restores
         self.sm = sm
         self.workers = workers
         self.telemetry = telemetry
@@ -101,7 +115,8 @@ class Queries:
                           "drain_reason": rec.drain_reason})
         return page(items, len(names), limit, offset)
 
-    def gpus(self, state: str | None, node: str | None, domain: str | None, limit: int, offset: int) -> dict[str, Any]:
+    def gpus(self, state: GpuState | None, node: str | None, domain: str | None, limit: int,
+             offset: int) -> dict[str, Any]:
         w = self.kernel.world
         sel = sorted(u for u, g in w.gpus.items()
                      if (state is None or g.state == state) and (node is None or g.node == node)
@@ -122,29 +137,33 @@ class Queries:
             raise NotFound(f"unknown job {name!r}")
         return rec
 
-    def job(self, name: str) -> dict[str, Any]:
+    async def job(self, name: str) -> dict[str, Any]:
+        """A job, its current layout's replicas summarised (in a worker thread: O(replicas))."""
         rec = self.job_rec(name)
         lay = rec.layout
         return {
             "name": name, "spec": rec.raw, "pending_reason": rec.pending_reason,
             "layout_version": lay.version if lay else None,
             "acks": {str(v): a for v, a in self.workers.acks.get(name, {}).items()},
-            "replicas": _replicas(lay.plan) if lay else [],
-            "relative_throughput": lay.plan["relative_throughput"] if lay else None,
+            "replicas": await offloop.run(replica_summaries, lay.doc) if lay else [],
+            "relative_throughput": lay.doc.relative_throughput if lay else None,
+            "restored": self.restores.newest(name) if self.restores is not None else None,  # issue 22
         }
 
-    def jobs(self, limit: int, offset: int) -> dict[str, Any]:
+    async def jobs(self, limit: int, offset: int) -> dict[str, Any]:
         names = sorted(self.kernel.world.jobs)
-        return page([self.job(n) for n in names[offset : offset + limit]], len(names), limit, offset)
+        return page([await self.job(n) for n in names[offset : offset + limit]], len(names), limit, offset)
 
-    def layout(self, name: str) -> dict[str, Any]:
-        """The current layout of a job; FailedPrecondition while it has none."""
+    async def layout(self, name: str) -> dict[str, Any]:
+        """The current layout of a job, its plan in the documented JSON shape (docs/plan-json.md,
+        made in a worker thread: O(GPUs)); FailedPrecondition while it has none."""
         rec = self.job_rec(name)
         lay = rec.layout
         if lay is None:
             raise FailedPrecondition(f"job {name!r} has no layout yet: {rec.pending_reason or 'planning'}")
         return {"job": name, "version": lay.version, "leader_epoch": lay.leader_epoch,
-                "created_at": lay.created_at.isoformat(), "reason": lay.reason, "plan": lay.plan}
+                "created_at": lay.created_at.isoformat(), "reason": lay.reason,
+                "plan": await offloop.run(lay.doc.to_dict)}
 
     # ---- from the store -----------------------------------------------------------------------
     async def _page(self, q: Select[Any], count: Select[Any], view: Callable[[Any], dict[str, Any]],
@@ -155,16 +174,17 @@ class Queries:
         return page([view(r) for r in rows], int(total or 0), limit, offset)
 
     async def layouts(self, name: str, limit: int, offset: int) -> dict[str, Any]:
-        """A job's layout history, newest first (summaries)."""
+        """A job's layout history, newest first (summaries). The versions of the page are read
+        from their keyframe on and decoded in a worker thread."""
         self.job_rec(name)
         where = LayoutRow.job == name
-        return await self._page(
-            select(LayoutRow).where(where).order_by(LayoutRow.version.desc()),
-            select(func.count()).select_from(LayoutRow).where(where),
-            lambda r: {"version": r.version, "leader_epoch": r.leader_epoch, "created_at": iso(r.created_at),
-                       "reason": r.reason, "relative_throughput": r.plan["relative_throughput"],
-                       "replicas": _replicas(r.plan), "moves": r.plan.get("moves")},
-            limit, offset)
+        async with self.sm() as s:
+            total = int(await s.scalar(select(func.count()).select_from(LayoutRow).where(where)) or 0)
+            shown = list((await s.scalars(select(LayoutRow.version).where(where).order_by(LayoutRow.version.desc())
+                                          .limit(limit).offset(offset))).all())
+            rows = await rows_for(s, name, min(shown), max(shown)) if shown else []
+        items = await offloop.run(history, rows, set(shown), self.kernel.world.uuid_at)
+        return page(items, total, limit, offset)
 
     async def events(self, gpu: str | None, node: str | None, limit: int, offset: int) -> dict[str, Any]:
         """Health events, newest first, optionally of one GPU or node."""

@@ -20,10 +20,10 @@ from enum import StrEnum
 from typing import Any, TypedDict, cast
 
 from ntp_manager.planner import JobSpec
+from ntp_manager.planner.layout import LayoutDoc
 from ntp_manager.topology import Cluster, Domain, Gpu, GpuState, PowerLimits
 
 HEALTH_STATES = frozenset({GpuState.HEALTHY, GpuState.SUSPECT, GpuState.DEGRADED, GpuState.FAILED})
-ADMIN_STATES = frozenset({GpuState.CORDONED, GpuState.DRAINING, GpuState.MAINTENANCE})
 
 
 class HealthSource(StrEnum):
@@ -33,7 +33,7 @@ class HealthSource(StrEnum):
     HEARTBEAT = "heartbeat"  # the node went silent
     INVENTORY = "inventory"  # the node's hello left the GPU out
     OPERATOR = "operator"  # mark-healthy
-    REGISTERED = "registered"  # new, no report yet
+    DETECTOR = "detector"  # the fail-slow detector (degraded at a measured speed, or recovered)
 
 
 SILENCE_SOURCES = frozenset({HealthSource.HEARTBEAT, HealthSource.INVENTORY})
@@ -48,26 +48,34 @@ class GpuRec:
     tdp_mw: int
     min_mw: int
     max_mw: int
-    health: str = GpuState.HEALTHY
+    health: GpuState = GpuState.HEALTHY  # one of HEALTH_STATES
     health_reason: str = ""
-    health_source: str = HealthSource.AGENT
+    health_source: HealthSource = HealthSource.AGENT
     health_since: datetime | None = None
-    admin: str | None = None
+    admin: GpuState | None = None  # CORDONED, DRAINING or MAINTENANCE (operator states)
     admin_owner: str | None = None
     admin_reason: str | None = None
     desired_mw: int | None = None
     enforced_mw: int | None = None
     model: str = ""
     memory_bytes: int = 0
+    pos: int = -1  # the GPU's stable number (gpus.pos), given when it is added; layouts name GPUs by it
+    speed: float | None = None  # measured speed factor while degraded by the fail-slow detector
 
     @property
-    def state(self) -> str:
+    def state(self) -> GpuState:
         return self.admin or self.health
+
+    @property
+    def planned_speed(self) -> float | None:
+        """The speed the planner runs this GPU at: its measured factor while degraded, else None."""
+        return self.speed if self.health == GpuState.DEGRADED else None
 
     def copy(self) -> GpuRec:
         return GpuRec(self.uuid, self.node, self.domain, self.idx, self.tdp_mw, self.min_mw, self.max_mw, self.health,
                       self.health_reason, self.health_source, self.health_since, self.admin, self.admin_owner,
-                      self.admin_reason, self.desired_mw, self.enforced_mw, self.model, self.memory_bytes)
+                      self.admin_reason, self.desired_mw, self.enforced_mw, self.model, self.memory_bytes, self.pos,
+                      self.speed)
 
 
 @dataclass(slots=True)
@@ -106,6 +114,7 @@ class GpuChange(TypedDict, total=False):
     max_mw: int
     model: str
     memory_bytes: int
+    speed: float | None
 
 
 class NodeChange(TypedDict, total=False):
@@ -118,7 +127,6 @@ class NodeChange(TypedDict, total=False):
     drain_reason: str | None
 
 
-STATE_FIELDS = frozenset({"health", "admin"})
 SHAPE_FIELDS = frozenset({"idx", "tdp_mw", "min_mw", "max_mw"})  # the planner's snapshot must be rebuilt
 
 
@@ -147,14 +155,17 @@ def differing(change: GpuChange, rec: GpuRec) -> GpuChange:
 
 @dataclass
 class LayoutRec:
+    """A job's current layout version: the typed layout, its stamp, and how many deltas its
+    stored body is from a keyframe (store/layout_codec.py)."""
+
     job: str
     version: int
     leader_epoch: int
-    plan: dict[str, Any]
+    doc: LayoutDoc
     reason: str
     created_at: datetime
     created_mono: float = 0.0
-    fingerprint: str = ""  # what a replan compares to decide whether anything changed
+    chain: int = 0
 
 
 @dataclass
@@ -173,10 +184,25 @@ class World:
     domains: dict[str, float | None] = field(default_factory=dict)  # id -> power budget
     jobs: dict[str, JobRec] = field(default_factory=dict)
     base_cap: float | None = None  # fleet base power cap (settings.power_base_cap)
+    by_pos: dict[int, str] = field(default_factory=dict)  # gpus.pos -> UUID
+    next_pos: int = 0  # the position the next new GPU gets (never reused, gaps allowed)
     _cluster: Cluster | None = None
     _shape_gen: int = 0  # bumped whenever GPUs are added or change place or limits
     _changed_while_building: set[str] | None = None
     _building: asyncio.Future[Cluster] | None = None
+
+    def take_pos(self) -> int:
+        """A position for a new GPU. One that a rolled-back transaction took is not given again."""
+        self.next_pos += 1
+        return self.next_pos - 1
+
+    def pos_of(self, uuid: str) -> int:
+        """The position of a known GPU (KeyError otherwise); safe to call from a worker thread."""
+        return self.gpus[uuid].pos
+
+    def uuid_at(self, pos: int) -> str:
+        """The GPU at a position (KeyError when none); safe to call from a worker thread."""
+        return self.by_pos[pos]
 
     def invalidate(self) -> None:
         self._cluster = None
@@ -208,7 +234,8 @@ class World:
                     changed, self._changed_while_building = self._changed_while_building, None
                     if gen == self._shape_gen:  # else GPUs were added meanwhile: build again
                         if changed:
-                            built = built.with_states({u: GpuState(self.gpus[u].state) for u in changed})
+                            built = built.with_states({u: GpuState(self.gpus[u].state) for u in changed},
+                                                      {u: self.gpus[u].planned_speed for u in changed})
                         self._cluster = built
                     building.set_result(built)
                 except BaseException as e:
@@ -227,7 +254,8 @@ class World:
         if self._changed_while_building is not None:
             self._changed_while_building.update(uuids)
         if self._cluster is not None and uuids:
-            self._cluster = self._cluster.with_states({u: GpuState(self.gpus[u].state) for u in uuids})
+            self._cluster = self._cluster.with_states({u: GpuState(self.gpus[u].state) for u in uuids},
+                                                      {u: self.gpus[u].planned_speed for u in uuids})
 
 
 def _build_cluster(recs: Iterable[GpuRec], budgets: dict[str, float | None], base_cap: float | None) -> Cluster:
@@ -244,6 +272,7 @@ def _build_cluster(recs: Iterable[GpuRec], budgets: dict[str, float | None], bas
                     Gpu(
                         r.uuid, r.node, did, r.idx, GpuState(r.state),
                         PowerLimits(r.tdp_mw / 1000, r.min_mw / 1000, r.max_mw / 1000).with_base_cap(base_cap),
+                        r.planned_speed,
                     )
                     for r in group
                 ),

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ntp_manager import limits
+from ntp_manager.planner.layout import LayoutDoc
 from ntp_manager.service.errors import InvalidArgument
 
 STEP_BYTES_PER_JOB = 16 * 2**20
@@ -41,14 +42,13 @@ class Place:
     tp: int
 
 
-def places_of(plan: Mapping[str, Any]) -> dict[str, Place]:
-    """GPU UUID -> its place in a stored plan. O(the plan's GPUs): call it off the event loop."""
+def places_of(doc: LayoutDoc) -> dict[str, Place]:
+    """GPU UUID -> its place in a layout. O(the layout's GPUs): call it off the event loop."""
     out: dict[str, Place] = {}
-    for r in plan["replicas"]:
-        rid = int(r["id"])
-        for g in r["groups"]:
-            place = Place(rid, int(g["stage"]), str(g["group"]), int(g["tp"]))
-            for u in g["gpus"]:
+    for r in doc.replicas:
+        for g in r.groups:
+            place = Place(r.id, g.stage, g.group, g.tp)
+            for u in g.gpus:
                 out[u] = place
     return out
 
@@ -158,6 +158,17 @@ class StepWindow:
 
     def per_stage(self, version: int) -> dict[int, dict[str, Any]]:
         return {st: v.view() for (ver, st), v in sorted(self.by_stage.items()) if ver == version}
+
+    def last_step_times(self, version: int, limit: int) -> dict[str, float]:
+        """GPU -> step time of its newest sample at layout `version`, reading at most `limit` of the
+        newest samples (the dashboard's per-rank step time; bounded whatever the window holds)."""
+        out: dict[str, float] = {}
+        for i, s in enumerate(reversed(self.samples)):
+            if i >= limit:
+                break
+            if s.version == version and s.gpu not in out:
+                out[s.gpu] = s.step_time_s
+        return out
 
     def summary(self, version: int, recent: int) -> dict[str, Any]:
         newest = list(self.samples)[-recent:] if recent > 0 else []

@@ -16,6 +16,7 @@ Three parts:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import gc
 import sys
@@ -46,6 +47,7 @@ class LoopWatchdog:
         self.max_lag_s = 0.0
         self.window_max_s = 0.0  # largest lag since the last `take_window_max()`
         self.samples = 0
+        self.stall_stacks: collections.deque[str] = collections.deque(maxlen=32)  # where the loop was held
         self._beat = time.monotonic()
         self._loop_thread: int | None = None
         self._stop = threading.Event()
@@ -104,7 +106,9 @@ class LoopWatchdog:
             held = time.monotonic() - beat - self.interval_s
             if held > self.warn_s and beat != warned_for:
                 warned_for = beat
-                log.warning("event loop is blocked", blocked_ms=round(held * 1000, 1), where=self._stack())
+                where = self._stack()
+                self.stall_stacks.append(where)
+                log.warning("event loop is blocked", blocked_ms=round(held * 1000, 1), where=where)
 
     def _stack(self) -> str:
         if self._loop_thread is None:

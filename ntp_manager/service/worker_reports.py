@@ -20,7 +20,7 @@ from ntp_manager import limits
 from ntp_manager.service import steps
 from ntp_manager.service.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from ntp_manager.service.state import LayoutRec
-from ntp_manager.service.steps import STEP_BYTES_PER_JOB, Place, StepWindow
+from ntp_manager.service.steps import STEP_BYTES_PER_JOB, Place, StepSample, StepWindow
 
 __all__ = ["ACK_VERSIONS_KEPT", "STEP_BYTES_PER_JOB", "WorkerReports", "workers_cap"]
 
@@ -28,7 +28,7 @@ ACK_VERSIONS_KEPT = 4
 
 
 def workers_cap(layout: LayoutRec) -> int:
-    gpus = sum(len(g["gpus"]) for r in layout.plan["replicas"] for g in r["groups"])
+    gpus = layout.doc.world_size
     return max(64, 2 * gpus)
 
 
@@ -71,9 +71,9 @@ class WorkerReports:
             del per_job[old]
 
     async def record_steps(self, job: str, layout: LayoutRec | None, worker_id: str, report: Any,
-                           now: float) -> int:
+                           now: float) -> list[StepSample]:
         """Keep the ranks of `report` (an ntp.v1.StepReport of `job`, whose current layout is
-        `layout`) in the job's window; returns how many samples were kept. Raises InvalidArgument
+        `layout`) in the job's window; returns the samples kept. Raises InvalidArgument
         (nothing kept) for a bad field or a stamp newer than the current layout."""
         self.check_ids(job, worker_id)
         steps.check_report(report)
@@ -86,7 +86,7 @@ class WorkerReports:
                 places = await self.places(job, layout)
         samples = steps.samples_of(report, now, places)
         self.window(job).add(samples)
-        return len(samples)
+        return samples
 
     def window(self, job: str) -> StepWindow:
         w = self.steps.get(job)
@@ -99,7 +99,7 @@ class WorkerReports:
         key = (layout.leader_epoch, layout.version)
         cached = self._places.get(job)
         if cached is None or cached[0] != key:
-            cached = (key, asyncio.ensure_future(asyncio.to_thread(steps.places_of, layout.plan)))
+            cached = (key, asyncio.ensure_future(asyncio.to_thread(steps.places_of, layout.doc)))
             self._places[job] = cached
         return await asyncio.shield(cached[1])
 

@@ -341,12 +341,6 @@ class TraceStats:
     stalled_share: float = 0.0  # share of the time training stood still for reconfiguration
     effective_throughput: float = 0.0  # time-averaged throughput with stalls counted as zero
 
-    @property
-    def effective_per_gpu(self) -> float:
-        if not self.mean_throughput:
-            return 0.0
-        return self.effective_throughput * self.per_gpu_throughput / self.mean_throughput
-
 
 def layout_key(plan: Plan) -> tuple[tuple[int, int, tuple[tuple[int, int, int, int], ...]], ...]:
     """What a running job sees of a plan: replicas, their batches, and each group's place and degree."""

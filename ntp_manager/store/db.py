@@ -16,7 +16,7 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import event
+from sqlalchemy import event, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
@@ -70,7 +70,11 @@ def json_text(obj: Any) -> str:
     return json.dumps(obj, allow_nan=False)
 
 
-def make_engine(url: str) -> AsyncEngine:
+def make_engine(url: str, application_name: str | None = None, idle_tx_timeout_s: float | None = None,
+                pool_size: int = 10) -> AsyncEngine:
+    """An engine for `url`. PostgreSQL sessions can be named (`application_name`: a new leader ends
+    the sessions of the one it replaced by that name) and given an idle-in-transaction timeout (a
+    manager paused in the middle of a transaction loses it and its row locks)."""
     if url.startswith("sqlite"):
         engine = create_async_engine(url, connect_args={"timeout": 30}, json_serializer=json_text)
 
@@ -84,7 +88,14 @@ def make_engine(url: str) -> AsyncEngine:
             cur.close()
 
         return engine
-    return create_async_engine(url, pool_size=10, max_overflow=10, pool_pre_ping=True, json_serializer=json_text)
+    server_settings: dict[str, str] = {}
+    if application_name:
+        server_settings["application_name"] = application_name[:63]
+    if idle_tx_timeout_s is not None:
+        server_settings["idle_in_transaction_session_timeout"] = str(max(1, int(idle_tx_timeout_s * 1000)))
+    connect_args: dict[str, Any] = {"server_settings": server_settings} if server_settings else {}
+    return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True,
+                               json_serializer=json_text, connect_args=connect_args)
 
 
 def sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
@@ -107,8 +118,15 @@ def _run(conn: Connection, url: str, target: str, down: bool) -> None:
         command.upgrade(cfg, target)
 
 
+MIGRATION_LOCK = 0x6E74706D  # PostgreSQL advisory lock key: one migration at a time ("ntpm")
+
+
 async def upgrade(engine: AsyncEngine, target: str = "head") -> None:
+    """Migrate to `target`. On PostgreSQL under a transaction-scoped advisory lock: managers that
+    start together migrate one after the other (the later ones find nothing left to do)."""
     async with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            await conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": MIGRATION_LOCK})
         await conn.run_sync(_run, str(engine.url), target, False)
 
 

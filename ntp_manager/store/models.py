@@ -11,7 +11,19 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -66,6 +78,8 @@ class NodeRow(Base):
 class GpuRow(Base):
     __tablename__ = "gpus"
     uuid: Mapped[str] = mapped_column(String(128), primary_key=True)
+    # a stable number given at registration and never reused: layouts name GPUs by it
+    pos: Mapped[int] = mapped_column(Integer, unique=True, index=True)
     node: Mapped[str] = mapped_column(ForeignKey("nodes.name"), index=True)
     domain_id: Mapped[str] = mapped_column(ForeignKey("domains.id"), index=True)
     idx: Mapped[int] = mapped_column(Integer)
@@ -83,6 +97,8 @@ class GpuRow(Base):
     admin_reason: Mapped[str | None] = mapped_column(Text)
     desired_mw: Mapped[int | None] = mapped_column(Integer)
     enforced_mw: Mapped[int | None] = mapped_column(Integer)
+    # a degraded GPU's measured speed factor (fail-slow detector), in (0, 1]; None: not measured
+    speed: Mapped[float | None] = mapped_column(Float)
 
     @property
     def state(self) -> str:
@@ -112,13 +128,20 @@ class JobRow(Base):
 
 
 class LayoutRow(Base):
+    """One layout version. `body` is its compact encoding (store/layout_codec.py): a keyframe when
+    `base_version` is None, else a delta on version `base_version`. Rows written before the compact
+    encoding that the migration could not convert keep their plan JSON in `plan` (no body); they
+    read as keyframes."""
+
     __tablename__ = "layouts"
     __table_args__ = (UniqueConstraint("job", "version", name="uq_layout_job_version"),)
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
     job: Mapped[str] = mapped_column(String(128), index=True)
     version: Mapped[int] = mapped_column(BigInteger)
     leader_epoch: Mapped[int] = mapped_column(BigInteger)
-    plan: Mapped[dict[str, Any]] = mapped_column(JSON)
+    plan: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    body: Mapped[bytes | None] = mapped_column(LargeBinary)
+    base_version: Mapped[int | None] = mapped_column(BigInteger)
     reason: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime)
 
@@ -134,6 +157,16 @@ class AuditRow(Base):
     after: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     reason: Mapped[str] = mapped_column(Text, default="")
     request_id: Mapped[str] = mapped_column(String(64), default="")
+
+
+class FailSlowOptionsRow(Base):
+    """Fail-slow detector options an operator set: per job (`scope` = its name) or for all ("*")."""
+
+    __tablename__ = "failslow_options"
+    scope: Mapped[str] = mapped_column(String(128), primary_key=True)
+    options: Mapped[dict[str, Any]] = mapped_column(JSON)
+    updated_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    updated_by: Mapped[str] = mapped_column(String(128))
 
 
 class TokenRow(Base):
@@ -174,13 +207,18 @@ class MaintenanceRow(Base):
 
 
 class LeaderRow(Base):
-    """One row: the leader epoch (fencing token), bumped by every manager start."""
+    """One row: the leader lease. `epoch` is the fencing token, bumped by every takeover and checked
+    by every write transaction; the lease is held while `expires_at` (the database's clock) lies
+    ahead (service/leader.py). The addresses tell clients of a standby where the leader is."""
 
     __tablename__ = "leader"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     epoch: Mapped[int] = mapped_column(BigInteger)
     holder: Mapped[str] = mapped_column(String(256))
     since: Mapped[datetime] = mapped_column(UtcDateTime)
+    expires_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    http_address: Mapped[str] = mapped_column(String(512), default="", server_default="")
+    grpc_address: Mapped[str] = mapped_column(String(512), default="", server_default="")
 
 
 class BreakerRow(Base):

@@ -35,7 +35,6 @@ if TYPE_CHECKING:
         RuntimeConfig,
         StepResult,
         TimelineEvent,
-        unit_counts,
     )
     from ntp_manager.worker.sources import (
         GrpcLayoutSource,
@@ -100,12 +99,12 @@ _WHERE = {
     "Pipeline": "pipeline", "split_layers": "pipeline", "stage_module": "pipeline",
     "apply_reshard": "reshard", "reshard_moves": "reshard",
     "ReconfigurationError": "runtime", "Runtime": "runtime", "RuntimeConfig": "runtime", "StepResult": "runtime",
-    "TimelineEvent": "runtime", "unit_counts": "runtime",
+    "TimelineEvent": "runtime",
     "GrpcLayoutSource": "sources", "LayoutSource": "sources", "StoreLayoutSource": "sources",
     "WorkerLayout": "sources", "publish_layout": "sources",
     "NtpGradSync": "sync", "ReplicaGroup": "sync", "SyncLayout": "sync", "families_of": "sync",
     "ColwiseUnits": "tp", "ReplicatedPerUnit": "tp", "RowwiseUnits": "tp", "ShardedModule": "tp",
-    "ShardStyle": "tp", "parallelize": "tp",
+    "ShardStyle": "tp", "parallelize": "tp", "unit_counts": "tp",
 }
 
 

@@ -2,7 +2,8 @@
 
     ckpt = Checkpointer("/shared/ckpt/llm", Retention(keep_last=3, keep_every=1000))
     ckpt.save(step, model, optimizer, layout, rank, families, group=world, data_state={...})
-    ...                                          # training goes on while the shards are written
+    ...                 # training goes on while the shards are copied (optimizer.step() waits for
+                        # the copy) and written
     info = ckpt.load(model, optimizer, new_layout, rank, families, group=world)
 
 **What is stored.** Every sharded tensor (weights, column-wise biases, and their optimizer state:
@@ -23,8 +24,12 @@ change nothing: tensors are keyed by their module path in the whole model.
 written once: a family's units are cut into one contiguous range per replica, and the rank of
 replica r that holds a unit of range r writes it. Replicated tensors: the stage's first rank.
 
-**Asynchronous, without collectives in the background.** `save` copies the rank's pieces (a
-snapshot; on a GPU into pinned host memory) and returns; a writer thread saves them with DCP
+**Asynchronous, without collectives in the background.** `save` takes what must be taken at
+once (the manifest's contents, the RNG state, the persistent buffers, the attempt's name) and
+returns; the writer thread copies the rank's pieces (the snapshot, into host memory reused across
+saves; on a GPU pinned, on a side stream) while the next step's forward and backward run -- they
+only read parameters and optimizer state -- and `optimizer.step()` waits for the copy through a
+one-shot pre-step hook (`fence()` for anything else that changes them). Then it saves them with DCP
 (`dcp_save(no_dist=True)` into `r<rank>/` of the checkpoint's temporary directory: the rank's
 own DCP checkpoint, with DCP's fsync of every file), fsyncs the directory, hashes the files
 (SHA-256) and leaves a durable marker `done.r<rank>.json` (its files and its tensors: in a
@@ -99,6 +104,15 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from ntp_manager.checkpoint_format import (
+    FORMAT,
+    MANIFEST,
+    STEP_DIR,
+    TMP_PREFIX,
+    canonical,
+    manifest_problem,
+    step_dir_name,
+)
 from ntp_manager.planner.ntp_map import even_chunks
 from ntp_manager.worker import comm
 from ntp_manager.worker.reshard import STATE_KEYS
@@ -107,10 +121,7 @@ from ntp_manager.worker.tp import ShardedModule, unit_slice
 
 log = structlog.get_logger("ntp.worker.checkpoint")
 
-FORMAT = "ntp-checkpoint/1"
-MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"^step-(\d{12})$")
-_TMP_PREFIX = ".tmp-step-"
+_STEP_DIR, _TMP_PREFIX = STEP_DIR, TMP_PREFIX  # the names on disk: ntp_manager/checkpoint_format.py
 DATA_STATE_MAX_BYTES = 1 << 20  # the data-loader position is a small JSON document
 # dcp_save(no_dist=True) warns on every call that it saves "in a single process": intended here
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -220,6 +231,7 @@ class _Entry:
 def _shards(model: nn.Module, units: Mapping[str, int], families: Mapping[str, str]) -> dict[int, _Shard]:
     """id(parameter) -> how it is sharded, for every sharded parameter of `model`."""
     out: dict[int, _Shard] = {}
+    same: dict[tuple[int, ...], tuple[int, ...]] = {}
     for path, mod in model.named_modules():
         if not isinstance(mod, ShardedModule):
             continue
@@ -230,7 +242,9 @@ def _shards(model: nn.Module, units: Mapping[str, int], families: Mapping[str, s
             if p.dim() > 2 or udim not in (0, 1) or (udim == 1 and p.dim() != 2):
                 raise ValueError(f"{path}.{_name}: checkpoints store 1-D and 2-D shards (units along dim 0 or 1), "
                                  f"not shape {tuple(p.shape)} with units along dim {udim}")
-            out.setdefault(id(p), _Shard(fam, mod.unit_size, udim, tuple(mod.units), units[fam]))
+            us = tuple(mod.units)
+            us = same.setdefault(us, us)  # one tuple per distinct unit list: `_pieces` caches by identity
+            out.setdefault(id(p), _Shard(fam, mod.unit_size, udim, us, units[fam]))
     return out
 
 
@@ -371,12 +385,7 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _canonical(doc: Mapping[str, Any]) -> bytes:
-    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:012d}"
+_canonical = canonical
 
 
 def _rng_state() -> dict[str, Any]:
@@ -456,6 +465,9 @@ class SaveHandle:
     completed: Future[Path] | None = None
     snapshot_s: float = 0.0  # what save() cost the caller
     pieces: int = 0
+    # the rank's pieces are copied: from here on the model and optimizer may change (the seconds the
+    # copy took on the writer thread)
+    snapshotted: Future[float] = field(default_factory=Future)
 
 
 @dataclass
@@ -485,6 +497,7 @@ class Checkpointer:
         self._pending: dict[str, Future[Path]] = {}  # coordinator: attempts not complete yet
         self._lock = threading.Lock()
         self._buffers: dict[str, torch.Tensor] = {}  # snapshot memory, reused across saves
+        self._step_hook: Any = None  # the optimizer's pre-step hook that waits for the last copy
         self.failures: list[str] = []
         self._bad: set[int] = set()  # steps a load found corrupt (retention does not count them)
         self.test_hook: Any = None  # tests: called by the writer thread with (stage, attempt)
@@ -504,10 +517,20 @@ class Checkpointer:
     # ---- saving ----------------------------------------------------------------------------------
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, layout: SyncLayout,
              rank: int, families: Mapping[str, str], *, group: Any = None, data_state: Mapping[str, Any] | None = None,
-             job_ranks: Sequence[int] | None = None, attempt: str | None = None) -> SaveHandle:
-        """Start saving the state after `step` committed steps; returns once this rank's pieces
-        are copied (the snapshot), while a thread writes them. Every rank of the layout calls it
-        at the same step. `group`: a process group over those ranks, for the attempt's name (one
+             job_ranks: Sequence[int] | None = None, attempt: str | None = None,
+             background: bool = True) -> SaveHandle:
+        """Start saving the state after `step` committed steps; returns at once, while the writer
+        thread copies this rank's pieces (the snapshot, into host memory reused across saves) and
+        writes them. Every rank of the layout calls it at the same step.
+
+        `background` (default): the copy of the parameters and optimizer state runs on the writer
+        thread, overlapping the next step's forward and backward, which only read them. Until it
+        is done (`handle.snapshotted`) nothing may change them: `optimizer.step()` waits for it by
+        itself (a pre-step hook this call registers, removed once the copy is done), and anything
+        else that changes them in place must call `fence()` first (the Runtime does, before a
+        reshard or restore). Persistent buffers (a forward pass may update them) are copied here.
+        `background=False`: everything is copied before the call returns.
+ `group`: a process group over those ranks, for the attempt's name (one
         broadcast); without one (a single process) the name is drawn here. `data_state`: a JSON
         document of where the data loader is (the coordinator's is stored; it should describe the
         global position). `job_ranks`: every rank that saves (all stages; default: the layout's).
@@ -527,14 +550,27 @@ class Checkpointer:
             raise ValueError(f"attempt must be 1-64 letters, digits, '_' or '.', not {nonce[0]!r}")
         ranks = tuple(sorted(job_ranks if job_ranks is not None else (r for rep in layout.replicas for r in rep.ranks)))
         att = _Attempt(step, self.root / f"{_TMP_PREFIX}{step:012d}-{nonce[0]}", rank, ranks, rank == ranks[0], doc)
-        self._snapshot(att, entries, layout, rank)
-        handle = SaveHandle(step, att.tmp.name, self._writer.submit(self._write, att),
-                            snapshot_s=time.perf_counter() - t0, pieces=len(att.state))
+        views, now = self._pieces(att, entries, layout, rank)
+        wanted = {n for n, _ in views + now}  # the last write is done: its host copies are free
+        self._buffers = {n: b for n, b in self._buffers.items() if n in wanted}
+        snapshotted: Future[float] = Future()
+        if background:
+            self._copy(att, now, None)  # buffers (a forward pass may change them): here, they are small
+            ready = _after_current_stream(views)
+            written = self._writer.submit(self._snapshot_then_write, att, views, ready, snapshotted)
+            if optimizer is not None:
+                self._fence_step(optimizer, snapshotted)
+        else:
+            self._copy(att, now + views, snapshotted)
+            written = self._writer.submit(self._write, att)
+        handle = SaveHandle(step, att.tmp.name, written, snapshot_s=time.perf_counter() - t0,
+                            pieces=len(views) + len(now), snapshotted=snapshotted)
         if att.coordinator:
             done: Future[Path] = Future()
             with self._lock:
                 self._pending[att.tmp.name] = done
-            threading.Thread(target=self._complete, args=(att, done), name="ntp-ckpt-complete", daemon=True).start()
+            threading.Thread(target=self._complete, args=(att, done, written), name="ntp-ckpt-complete",
+                             daemon=True).start()
             handle.completed = done
         self._last = handle
         return handle
@@ -566,37 +602,107 @@ class Checkpointer:
             "rng": _rng_state(),
         }
 
-    def _snapshot(self, att: _Attempt, entries: list[_Entry], layout: SyncLayout, rank: int) -> None:
-        """Copy the pieces this rank writes (host memory, reused across saves when shapes match)."""
+    def _pieces(self, att: _Attempt, entries: list[_Entry], layout: SyncLayout,
+                rank: int) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+        """The live tensors (views) this rank writes: (parameters and optimizer state, buffers).
+        Records each piece's chunk of its global tensor in `att.chunks`."""
         ranges = write_ranges(layout, rank)
         replicated_writer = rank == layout.replicas[0].ranks[0]
         views: list[tuple[str, torch.Tensor]] = []
+        bufs: list[tuple[str, torch.Tensor]] = []
+        # stretches per distinct unit list (by identity: `_shards` makes equal lists one tuple), as a
+        # parameter's optimizer state and the layers' shards of a family share them
+        runs: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}
         for e in entries:
             sh = e.shard
             if sh is None:
                 if replicated_writer:
-                    views.append((e.key, e.tensor))
+                    (bufs if e.key.startswith("buffer/") else views).append((e.key, e.tensor))
                 continue
             lo, hi = ranges[sh.family]
             us = sh.unit_size
             size = e.global_shape()
-            for u, pos, n in stretches(sh.units, lo, hi):
+            key = (id(sh.units), lo, hi)  # `entries` keeps every tuple alive meanwhile
+            if key not in runs:
+                runs[key] = stretches(sh.units, lo, hi)
+            for u, pos, n in runs[key]:
                 name = f"{e.key}#{u}"
                 views.append((name, unit_slice(e.tensor, sh.udim, pos * us, n * us)))
                 att.chunks[name] = _Chunk(e.key, (u * us,) + (0,) * (len(size) - 1), size)
+        return views, bufs
+
+    def _copy(self, att: _Attempt, views: list[tuple[str, torch.Tensor]], done: Future[float] | None,
+              stream: Any = None) -> None:
+        """Copy `views` into host memory (pinned on a GPU; reused across saves when shapes match)
+        and put the copies in `att.state`; sets `done` to the seconds it took."""
+        t0 = time.perf_counter()
         pin = torch.cuda.is_available()
         cuda = False
-        with torch.no_grad():
+        with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
             for name, v in views:
                 buf = self._buffers.get(name)
                 if buf is None or buf.shape != v.shape or buf.dtype != v.dtype:
                     buf = torch.empty(v.shape, dtype=v.dtype, device="cpu", pin_memory=pin and v.is_cuda)
+                    self._buffers[name] = buf
                 buf.copy_(v, non_blocking=v.is_cuda)
                 cuda |= v.is_cuda
                 att.state[name] = buf
         if cuda:
-            torch.cuda.synchronize()
-        self._buffers = dict(att.state)
+            if stream is not None:
+                stream.synchronize()
+            else:
+                torch.cuda.synchronize()
+        if done is not None:
+            done.set_result(time.perf_counter() - t0)
+
+    def _snapshot_then_write(self, att: _Attempt, views: list[tuple[str, torch.Tensor]], ready: Any,
+                             done: Future[float]) -> int:
+        """The writer thread: the background copy (released to the caller as soon as it is done),
+        then the write."""
+        try:
+            self._hook("snapshot", att)
+            stream = None
+            if ready is not None:  # a GPU: copy on a side stream, after what the caller queued before save()
+                event, device = ready
+                stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+                stream.wait_event(event)
+            self._copy(att, views, done, stream)
+        except BaseException as e:
+            if not done.done():
+                done.set_exception(e)
+            msg = f"step {att.step}: rank {att.rank} could not copy its part: {type(e).__name__}: {e}"
+            log.error("checkpoint snapshot failed", step=att.step, rank=att.rank, error=str(e))
+            self.failures.append(msg)
+            raise
+        return self._write(att)
+
+    def _fence_step(self, optimizer: torch.optim.Optimizer, snapshotted: Future[float]) -> None:
+        """Make `optimizer.step()` wait until the background copy is done. The hook stays until
+        the next save or fence (removing it from inside the step would change the optimizer's
+        hook table while the step goes through it); once the copy is done it costs a check."""
+        self._unhook()
+
+        def wait(*_: Any) -> None:
+            if not snapshotted.done():
+                with contextlib.suppress(Exception):  # a failed copy was logged; the step goes on
+                    snapshotted.result()
+
+        self._step_hook = optimizer.register_step_pre_hook(wait)
+
+    def _unhook(self) -> None:
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+
+    def fence(self, timeout: float | None = None) -> None:
+        """Wait until the last save's background copy is done: call before changing the model's
+        parameters or the optimizer's state other than by `optimizer.step()` (which waits by
+        itself). A failed copy does not raise here (the writer logged it in `failures`)."""
+        if self._last is not None:
+            with contextlib.suppress(Exception):
+                self._last.snapshotted.result(timeout)
+            if self._last.snapshotted.done():
+                self._unhook()
 
     def _hook(self, stage: str, att: _Attempt) -> None:
         if self.test_hook is not None:
@@ -636,9 +742,11 @@ class Checkpointer:
             self.failures.append(msg)
             raise
 
-    def _complete(self, att: _Attempt, done: Future[Path]) -> None:
-        """The coordinator: wait for every rank's marker, then merge, manifest, rename, retention."""
+    def _complete(self, att: _Attempt, done: Future[Path], own: Future[int]) -> None:
+        """The coordinator: wait for its own part (copy and write: it fails or ends), then up to
+        `complete_timeout_s` for every other rank's marker; then merge, manifest, rename, retention."""
         try:
+            own.result()  # raises when this rank's part failed: the attempt cannot complete
             deadline = time.monotonic() + self.complete_timeout_s
             markers = {r: att.tmp / f"done.r{r}.json" for r in att.ranks}
             delay = 0.01
@@ -731,11 +839,12 @@ class Checkpointer:
     # ---- loading ---------------------------------------------------------------------------------
     def load(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, layout: SyncLayout, rank: int,
              families: Mapping[str, str], *, group: Any = None, strict: bool = True,
-             restore_rng: bool = True) -> RestoreInfo:
+             restore_rng: bool = True, max_step: int | None = None) -> RestoreInfo:
         """Fill `model` (sharded for `rank` of `layout`) and `optimizer` (fresh or not: its state
         is made to match the checkpoint's) from the newest complete checkpoint that verifies.
         Every rank of `group` calls it; they agree on the checkpoint. `strict`: every tensor the
         checkpoint holds must be in the model too (a pipeline stage's model holds a part: False).
+        `max_step`: only checkpoints of this step or older (the manager's `Layout.restore_step`).
         Raises CheckpointError when no checkpoint verifies, or when one does not fit the model."""
         t0 = time.perf_counter()
         refs = self.complete()
@@ -743,6 +852,15 @@ class Checkpointer:
             box: list[Any] = [refs]
             comm.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
             refs = box[0]
+        if max_step is not None and refs:
+            newer = [r.step for r in refs if r.step > max_step]
+            if newer:
+                log.info("checkpoints newer than the layout's restore step passed over", restore_step=max_step,
+                         steps=newer)
+            refs = [r for r in refs if r.step <= max_step]
+            if not refs:
+                raise CheckpointError(f"no complete checkpoint at or before step {max_step} (the layout's "
+                                      f"restore step) in {self.root}; newer: {newer}")
         if not refs:
             raise NoCheckpoint(f"no complete checkpoint in {self.root}")
         skipped: list[tuple[str, str]] = []
@@ -771,11 +889,7 @@ class Checkpointer:
         why: str | None = None
         try:
             doc = json.loads((ref.path / MANIFEST).read_bytes())
-            claimed = doc.pop("manifest_sha256", None)
-            if claimed != hashlib.sha256(_canonical(doc)).hexdigest():
-                why = "manifest.json does not match its own hash"
-            elif doc.get("format") != FORMAT or doc.get("step") != ref.step:
-                why = f"manifest format {doc.get('format')!r} step {doc.get('step')!r} (expected {FORMAT}, {ref.step})"
+            why = manifest_problem(doc, ref.step)  # its own hash, format and step
         except (OSError, ValueError, AttributeError) as e:
             why = f"manifest.json unreadable: {type(e).__name__}: {e}"
         if why is None:
@@ -846,6 +960,18 @@ class Checkpointer:
         except Exception as e:  # an unreadable file after a good hash: still the data's fault
             why = f"reading failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         return _agree(why, group), nbytes
+
+
+def _after_current_stream(views: Sequence[tuple[str, torch.Tensor]]) -> Any:
+    """(a CUDA event recorded on the current stream, its device) when some view is on a GPU (the
+    background copy starts after the work queued so far: the optimizer step that made these
+    values), else None."""
+    dev = next((v.device for _, v in views if v.is_cuda), None)
+    if dev is None:
+        return None
+    ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    ev.record(torch.cuda.current_stream(dev))
+    return ev, dev
 
 
 def _agree(why: str | None, group: Any) -> str | None:

@@ -206,9 +206,20 @@ def shrink_plan(old_world: Mapping[str, int], arrivals: Mapping[int, tuple[str, 
 
 def publish_held(store: Any, prefix: str, rank: int, held: tuple[str, int, int] | None, backend: str) -> None:
     """Before counting itself in at a version's `prefix`: which old communicator this rank (new
-    rank `rank`) still holds -- (version key, old rank, old world) or None -- and its backend."""
+    rank `rank`) still holds -- (version key, old rank, old world) or None -- and its backend.
+    Keyed by rank, so a rank that comes to the same prefix twice (a restarted process that read
+    the same version again) overwrites its record instead of being counted twice."""
     store.set(f"{prefix}/held/{rank}", json.dumps(list(held) if held is not None else None))
-    store.add(f"{prefix}/backend/{backend}", 1)
+    store.set(f"{prefix}/backend/{rank}", backend)
+
+
+def arrival_keys(prefix: str, world: int) -> list[str]:
+    """The keys whose presence says each of `world` ranks counted itself in at `prefix`."""
+    return [f"{prefix}/in/{r}" for r in range(world)]
+
+
+def _text(v: Any) -> str:
+    return v if isinstance(v, str) else bytes(v).decode()
 
 
 def agree(store: Any, prefix: str, world: int, backend: str, shrinkable: bool) -> CommPlan:
@@ -216,7 +227,10 @@ def agree(store: Any, prefix: str, world: int, backend: str, shrinkable: bool) -
     check every rank chose this backend (BackendError otherwise: mixed hosts would hang in the
     first collective) and, when `shrinkable`, read every rank's record and decide with
     `shrink_plan`. Every rank reads the same entries, so every rank decides alike."""
-    same = int(store.add(f"{prefix}/backend/{backend}", 0))
+    keys = [f"{prefix}/backend/{r}" for r in range(world)]
+    raw = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
+    chosen = [_text(v) for v in raw]
+    same = sum(c == backend for c in chosen)
     if same != world:
         raise BackendError(f"only {same} of {world} ranks chose backend {backend!r}: the hosts of this job differ "
                            "(GPUs per rank, CUDA or NCCL); set RuntimeConfig.backend explicitly on every rank")
@@ -227,7 +241,7 @@ def agree(store: Any, prefix: str, world: int, backend: str, shrinkable: bool) -
     arrivals: dict[int, tuple[str, int] | None] = {}
     old_world: dict[str, int] = {}
     for r, v in enumerate(raw):
-        h = json.loads(bytes(v).decode() if not isinstance(v, str) else v)
+        h = json.loads(_text(v))
         arrivals[r] = None if h is None else (str(h[0]), int(h[1]))
         if h is not None:
             old_world[str(h[0])] = int(h[2])

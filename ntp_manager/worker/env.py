@@ -38,7 +38,14 @@ from torch import nn
 
 from ntp_manager.worker.pipeline import Pipeline
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig, TimelineEvent
-from ntp_manager.worker.sources import GrpcLayoutSource, LayoutSource, StepWork, StoreLayoutSource, WorkerLayout
+from ntp_manager.worker.sources import (
+    GrpcLayoutSource,
+    LayoutSource,
+    RestoreNote,
+    StepWork,
+    StoreLayoutSource,
+    WorkerLayout,
+)
 from ntp_manager.worker.tp import ShardStyle
 
 REQUIRED = ("NTP_STORE", "NTP_JOB", "NTP_WORKER_ID")
@@ -69,8 +76,8 @@ class ReportingSource:
     def wait_newer(self, version: int, timeout: float) -> WorkerLayout | None:
         return self.inner.wait_newer(version, timeout)
 
-    def ack(self, layout: WorkerLayout, ok: bool, detail: str = "") -> None:
-        self.inner.ack(layout, ok, detail)
+    def ack(self, layout: WorkerLayout, ok: bool, detail: str = "", restored: RestoreNote | None = None) -> None:
+        self.inner.ack(layout, ok, detail, restored)
 
     def report_step(self, layout: WorkerLayout, step: int, step_time_s: float, tokens: int,
                     work: StepWork | None = None) -> None:

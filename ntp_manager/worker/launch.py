@@ -14,8 +14,9 @@ import os
 import queue
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ import torch.multiprocessing as mp
 from rich.table import Table
 from torch import nn
 
-from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan
+from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tiny_loss, tp_plan
 
 MAX_BATCH = 64
 DEMO_MODEL = GptConfig(vocab=64, seq=16, d_model=48, heads=6, mlp=96, layers=2)
@@ -56,7 +57,20 @@ def bigram_table(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (vocab,), generator=g)
 
 
-def batch(cfg: GptConfig, step: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+class Batch(NamedTuple):
+    """Inputs and next-token targets of some samples. It names its sequences' lengths, so the
+    runtime's step reports carry tokens and the sum of squared lengths (the fail-slow detector's
+    measure of the work, issue 21). The synthetic stream has no padding: every sequence is full."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+
+    @property
+    def sequence_lengths(self) -> tuple[int, ...]:
+        return (int(self.inputs.shape[1]),) * int(self.inputs.shape[0])
+
+
+def batch(cfg: GptConfig, step: int, start: int, count: int) -> Batch:
     """Samples [start, start+count) of step `step`'s global batch."""
     g = torch.Generator().manual_seed(10_000 + step)
     nxt = bigram_table(cfg.vocab)
@@ -66,7 +80,69 @@ def batch(cfg: GptConfig, step: int, start: int, count: int) -> tuple[torch.Tens
     rand = torch.randint(0, cfg.vocab, (MAX_BATCH, cfg.seq), generator=g)
     for i in range(cfg.seq):
         seq[:, i + 1] = torch.where(noise[:, i], rand[:, i], nxt[seq[:, i]])
-    return seq[start : start + count, :-1], seq[start : start + count, 1:]
+    return Batch(seq[start : start + count, :-1], seq[start : start + count, 1:])
+
+
+SLOW_ENV = "NTP_DEMO_SLOW_RANK"
+BACKWARD_PER_FORWARD = 2.0  # a backward pass costs about twice its forward
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class SlowRank:
+    """A rank made slow on purpose (the fail-slow demo, issue 21): from step `from_step` on, the
+    worker `worker` runs its forward and backward `factor` times slower, as a throttled GPU would.
+    Set by the environment variable NTP_DEMO_SLOW_RANK="<worker id>:<factor>[@<from step>]"
+    (e.g. "GPU-1234:3@6"), read by each rank process when it starts.
+
+    How: after the forward (inside the runtime's timed forward + backward), the rank sleeps
+    (factor - 1) x (1 + BACKWARD_PER_FORWARD) x its forward's own time (TP waits left out), so its
+    measured compute rises about `factor` x with the work. Nothing waits on a device: on CPU the
+    host's time is the compute. Its TP peers then wait for it in their all-reduces (their
+    communication wait rises, their compute does not), which is what a slow GPU looks like."""
+
+    worker: str
+    factor: float
+    from_step: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> SlowRank:
+        """`<worker id>:<factor>[@<from step>]`; ValueError naming the variable and what is wrong."""
+        head, _, frm = text.strip().partition("@")
+        worker, sep, fac = head.rpartition(":")
+        if not sep or not worker:
+            raise ValueError(f"{SLOW_ENV}={text!r}: expected <worker id>:<factor>[@<from step>]")
+        try:
+            factor = float(fac)
+            from_step = int(frm) if frm else 0
+        except ValueError:
+            raise ValueError(f"{SLOW_ENV}={text!r}: factor must be a number and the step an integer") from None
+        if not 1.0 <= factor <= 100.0:  # NaN fails too
+            raise ValueError(f"{SLOW_ENV}={text!r}: factor must be in [1, 100], got {factor}")
+        if from_step < 0:
+            raise ValueError(f"{SLOW_ENV}={text!r}: from step must be >= 0, got {from_step}")
+        return cls(worker, factor, from_step)
+
+    @classmethod
+    def from_env(cls, worker: str) -> SlowRank | None:
+        """The slowdown the environment asks of `worker` (None: none, or another worker's)."""
+        text = os.environ.get(SLOW_ENV, "")
+        if not text.strip():
+            return None
+        slow = cls.parse(text)
+        return slow if slow.worker == worker else None
+
+    def run(self, step: int, fn: Callable[[], T]) -> T:
+        """`fn()` (a forward), then the sleep that makes this step's compute `factor` x slower."""
+        if step < self.from_step or self.factor <= 1.0:
+            return fn()
+        from ntp_manager.worker import tp as tp_mod
+
+        t0, w0 = time.perf_counter(), tp_mod.TP_WAIT.seconds
+        out = fn()
+        busy = max(0.0, time.perf_counter() - t0 - (tp_mod.TP_WAIT.seconds - w0))
+        time.sleep((self.factor - 1.0) * (1.0 + BACKWARD_PER_FORWARD) * busy)
+        return out
 
 
 def reference_losses(spec: TrainSpec, global_batches: list[int], seed: int = 0) -> list[float]:
@@ -78,7 +154,7 @@ def reference_losses(spec: TrainSpec, global_batches: list[int], seed: int = 0) 
     for s, gb in enumerate(global_batches):
         opt.zero_grad()
         loss = m.loss(*batch(spec.cfg, s, 0, gb))
-        loss.backward()
+        torch.autograd.backward(loss)  # Tensor.backward is unannotated in torch 2.13
         opt.step()
         out.append(loss.item())
     return out
@@ -100,8 +176,18 @@ def rank_main(train: TrainSpec, rank: RankSpec, q: Any) -> None:
     from ntp_manager.worker.sources import GrpcLayoutSource, LayoutSource, StoreLayoutSource
 
     torch.set_num_threads(1)
+    try:  # a bad value stops the rank here, saying why
+        slow = SlowRank.from_env(rank.worker_id)
+        if slow is not None and train.stages > 1:
+            raise ValueError(f"{SLOW_ENV} slows single-stage runs only (stage 1 of a pipeline would wait for "
+                             f"stage 0 inside its compute); this run has {train.stages} stages")
+    except ValueError as e:
+        q.put({"kind": "error", "worker": rank.worker_id, "error": f"ValueError: {e}"})
+        raise
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    store = dist.TCPStore("127.0.0.1", rank.store_port, is_master=False, timeout=dt.timedelta(seconds=300))
+    # torch.distributed imports TCPStore without re-exporting it to type checkers (no `as`)
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", rank.store_port, is_master=False, timeout=dt.timedelta(seconds=300))
     source: LayoutSource
     if rank.source == "grpc":
         source = GrpcLayoutSource(rank.manager, rank.token, train.job, rank.gpu_uuid, rank.worker_id)
@@ -130,8 +216,11 @@ def rank_main(train: TrainSpec, rank: RankSpec, q: Any) -> None:
         while rt.step < train.steps:
             if store.check([stop_key]) and rt.step >= int(store.get(stop_key)):
                 break  # the launcher set a last step; every rank reads the same number
-            if pipeline is None:
-                r = rt.train_step(lambda s, a, n: batch(train.cfg, s, a, n), lambda m, b: m.loss(*b))
+            if pipeline is None and slow is not None:
+                r = rt.train_step(lambda s, a, n: batch(train.cfg, s, a, n),
+                                  lambda m, b: slow.run(rt.step, lambda: tiny_loss(m, b)))
+            elif pipeline is None:
+                r = rt.train_step(lambda s, a, n: batch(train.cfg, s, a, n), tiny_loss)
             else:
                 r = rt.train_step(lambda s, a, n: batch(train.cfg, s, a, n))
             q.put({"kind": "step", "worker": rank.worker_id, "step": r.step, "loss": r.loss,
@@ -158,8 +247,8 @@ class Launcher:
 
     def __post_init__(self) -> None:
         self.port = self.port or free_port()
-        self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False,
-                                   timeout=dt.timedelta(seconds=300))
+        self.store = dist.TCPStore(  # type: ignore[attr-defined]  # (see rank_main)
+            "127.0.0.1", self.port, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=300))
         self.ctx = mp.get_context("spawn")
         # one queue per rank: a rank SIGKILLed while writing can wedge only its own queue's lock
         self.queues: dict[str, Any] = {}
@@ -252,7 +341,3 @@ class Launcher:
         for s, v, gb, loss, rv in rows:
             t.add_row(str(s), f"v{v}", str(gb), f"{loss:.5f}", f"{rv:.5f}", f"{abs(loss - rv) / abs(rv):.1e}")
         return rows, t
-
-    def steps_of(self, worker_id: str) -> list[dict[str, Any]]:
-        return sorted((r for r in self.records if r["kind"] == "step" and r["worker"] == worker_id),
-                      key=lambda r: r["step"])

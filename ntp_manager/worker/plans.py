@@ -48,6 +48,7 @@ from ntp_manager.worker.tp import (
     ShardedModule,
     ShardStyle,
     is_conv1d,
+    unit_counts,
     unit_features,
 )
 
@@ -196,8 +197,6 @@ def _checked(model: nn.Module, plan: ModelPlan, replicated: tuple[str, ...] = ()
     """Every weight-bearing layer covered (or replicated on purpose), nothing with parameters
     beside a sharded layer that the plan does not know, and every family's unit count what the
     config said."""
-    from ntp_manager.worker.runtime import unit_counts
-
     if any(isinstance(m, ShardedModule) for m in model.modules()):
         raise ValueError(f"{type(model).__name__} is sharded already: plan_for takes the whole model")
     # modules whose direct children include a layer with sharded input or output: anything else

@@ -219,7 +219,7 @@ def apply_reshard(
     # the same optimizer object: its one parameter group now lists the rebuilt parameters;
     # replicated parameters keep their state, sharded ones get the moved state
     params = list(model.parameters())
-    moved: defaultdict[nn.Parameter, dict[str, Any]] = defaultdict(dict)
+    moved: defaultdict[torch.Tensor, Any] = defaultdict(dict)  # the type of torch's Optimizer.state
     for p in params:
         if p in new_state:
             moved[p] = new_state[p]

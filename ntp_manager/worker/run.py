@@ -43,7 +43,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +82,6 @@ class Options:
     restart_delay: float
     device: str
     pin_gpus: bool
-    extra_env: dict[str, str] = field(default_factory=dict)
 
 
 def parse(argv: Sequence[str]) -> Options:

@@ -34,9 +34,9 @@ of training on diverged replicas (restore from a checkpoint).
 from __future__ import annotations
 
 import datetime as dt
-import fnmatch
 import gc
 import os
+import secrets
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -50,6 +50,7 @@ from torch import nn
 
 from ntp_manager.planner.ranks import locate, stage_ranks
 from ntp_manager.worker import comm
+from ntp_manager.worker import tp as tp_mod
 from ntp_manager.worker.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -67,9 +68,9 @@ from ntp_manager.worker.pipeline import (
     stage_plan,
 )
 from ntp_manager.worker.reshard import apply_reshard, reshard_moves
-from ntp_manager.worker.sources import LayoutSource, StepWork, WorkerLayout
+from ntp_manager.worker.sources import LayoutSource, RestoreNote, StepWork, WorkerLayout
 from ntp_manager.worker.sync import NtpGradSync, ReplicaGroup, SyncLayout, families_of
-from ntp_manager.worker.tp import ReplicatedPerUnit, ShardedModule, ShardStyle, parallelize, unit_features
+from ntp_manager.worker.tp import ShardedModule, ShardStyle, parallelize, unit_counts
 
 log = structlog.get_logger("ntp.worker")
 
@@ -186,21 +187,6 @@ def ensure_optimizer_state(opt: torch.optim.Optimizer) -> None:
                 raise ValueError(f"resharding supports SGD, Adam and AdamW, not {type(opt).__name__}")
 
 
-def unit_counts(model: nn.Module, plan: Mapping[str, ShardStyle]) -> dict[str, int]:
-    """Family -> unit count, read off the unsharded model."""
-    counts: dict[str, int] = {}
-    for path, mod in model.named_modules():
-        for pattern, style in plan.items():
-            if fnmatch.fnmatchcase(path, pattern):
-                if isinstance(style, ReplicatedPerUnit):
-                    break  # nothing cut: its family's count comes from the cut modules
-                n = unit_features(path, mod, style) // style.unit_size
-                if counts.setdefault(style.family, n) != n:
-                    raise ValueError(f"family {style.family!r}: {counts[style.family]} units elsewhere, {n} at {path}")
-                break
-    return counts
-
-
 @dataclass(frozen=True)
 class _StageInfo:
     """What the runtime knows of one pipeline stage, read off the whole model once: the part of
@@ -263,7 +249,6 @@ class Runtime:
         self.step = 0  # committed optimizer steps
         self.s = _State()
         self._groups: list[weakref.ref[Any]] = []  # every group made, to check none outlives a leave
-        self.seen: WorkerLayout | None = None  # newest version known, member or not
         self._info: dict[int, _StageInfo] = {}  # per stage of the job's pipeline
         self._depth = 0  # the pipeline depth `_info` was read for
         keep = Retention(cfg.checkpoint_keep_last, cfg.checkpoint_keep_every)
@@ -273,6 +258,7 @@ class Runtime:
         self.data_state_fn: Callable[[], dict[str, Any]] | None = None  # what save_checkpoint stores as data_state
         self.restored: RestoreInfo | None = None  # the last restore from a checkpoint
         self._saved_step = -1
+        self._attempt_nonce: int | None = None  # agreed at the last commit of this layout version
 
     @property
     def units(self) -> dict[str, int]:
@@ -399,22 +385,28 @@ class Runtime:
         start = sum(b for _, b in lay.replicas[:ri])
         self.s.sync.zero_grad()  # in place: the gradients stay views of the sync buffers
         t_fb = time.perf_counter()
+        tp_mod.TP_WAIT.seconds = 0.0
         batch: Any = None
         if loss_fn is not None:
             batch = batch_fn(self.step, start, lb)
             loss = loss_fn(self.s.model, batch)
-            loss.backward()
+            torch.autograd.backward(loss)  # Tensor.backward is unannotated in torch 2.13
             value = loss.detach().item()
         else:
             value = self._pipeline_pass(batch_fn, lay, start, lb)
         t_fb = time.perf_counter() - t_fb  # real compute only where the host waits for it (CPU)
+        tp_wait = tp_mod.TP_WAIT.seconds  # blocked in the TP group's all-reduces (CPU tensors only)
         self.s.sync.sync()
         newest = self.source.latest()
         seen = newest.version if newest is not None else lay.version
         # the last stage's ranks carry the replica's loss, each local_batch / tp of it
-        mine = torch.tensor([value * lb / tp if last else 0.0, float(seen)], dtype=torch.float64)
+        # the third value: a random number of each rank; rank 0's names the next checkpoint attempt
+        # (save_checkpoint), so a save needs no collective of its own (52 bits: exact in a float64)
+        mine = torch.tensor([value * lb / tp if last else 0.0, float(seen), float(secrets.randbits(52))],
+                            dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(lay.world)]
         comm.all_gather(every, mine, group=self.s.world)  # the commit point
+        self._attempt_nonce = int(every[0][2].item())
         self.s.opt.step()
         step = self.step
         self.step += 1
@@ -425,8 +417,9 @@ class Runtime:
         if self.s.timeline and self.s.timeline[-1].what in ("reshard done", "joined", "restored from checkpoint"):
             self._event("first step", lay.version, f"tp={tp} local_batch={lb} stage={stage}")
         lengths = StepWork.lengths_of(batch) if batch is not None else None
+        on_cpu = self.choice.device == "cpu"
         self.source.report_step(lay, step, secs, lb, StepWork(
-            t_fb if self.choice.device == "cpu" else 0.0, sequence_lengths=lengths))
+            max(0.0, t_fb - tp_wait) if on_cpu else 0.0, tp_wait if on_cpu else 0.0, sequence_lengths=lengths))
         return StepResult(step, gloss, lay.global_batch, lb, lay.version, tp, secs, stage), agreed
 
     def _pipeline_pass(self, batch_fn: Callable[[int, int, int], Any], lay: WorkerLayout, start: int,
@@ -471,12 +464,12 @@ class Runtime:
         for k in reversed(range(len(parts))):
             out = outputs.pop()
             if last:
-                out.backward()
+                torch.autograd.backward(out)
             else:
                 assert peers.recv_grad is not None
                 grad = torch.empty_like(out)
                 comm.irecv(grad, src=ranks[stage + 1][peers.recv_grad], group=group).wait()
-                out.backward(grad)
+                torch.autograd.backward(out, grad)
             x_in = inputs.pop()
             if x_in is not None:
                 g = x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
@@ -621,15 +614,17 @@ class Runtime:
         assert target.rank is not None
         prefix = f"ntp/{self.cfg.job}/pg/v{target.epoch}.{target.version}"
         comm.publish_held(self.store, prefix, target.rank, self._held, self.choice.backend)
-        self.store.add(f"{prefix}/arrived", 1)
+        arrivals = comm.arrival_keys(prefix, target.world)
+        self.store.set(arrivals[target.rank], "1")  # by rank: a rank that comes twice is counted once
         deadline = time.monotonic() + self.cfg.rendezvous_timeout_s
-        while self.store.add(f"{prefix}/arrived", 0) < target.world:
+        while not self.store.check(arrivals):
             newest = self.source.latest()
             if newest is not None and newest.version > target.version:
                 raise _Superseded(newest)
             if time.monotonic() > deadline:
+                here = sum(bool(self.store.check([k])) for k in arrivals)
                 raise ReconfigurationError(f"rendezvous for version {target.version} timed out: "
-                                           f"{self.store.add(f'{prefix}/arrived', 0)} of {target.world} arrived")
+                                           f"{here} of {target.world} arrived")
             time.sleep(0.005)
         shrinkable = self.choice.backend == "nccl" and self.features.shrink_group
         plan = comm.agree(self.store, prefix, target.world, self.choice.backend, shrinkable)
@@ -644,9 +639,10 @@ class Runtime:
             if self._held is not None:
                 self._held = None
                 comm.leave(self.choice.backend, self.features)
-            comm.init_default_group(self.choice.backend, dist.PrefixStore(prefix, self.store), target.rank,
-                                    target.world, self._timeout, self.device if self.device.type == "cuda" else None,
-                                    self.features)
+            # torch.distributed imports PrefixStore without re-exporting it to type checkers (no `as`)
+            comm.init_default_group(self.choice.backend, dist.PrefixStore(prefix, self.store),  # type: ignore[attr-defined]
+                                    target.rank, target.world, self._timeout,
+                                    self.device if self.device.type == "cuda" else None, self.features)
         # Nothing runs on the default group: after a failed collective torch 2.13 keeps a reference
         # to it that no collection frees, so its connections stay open after we leave, and a peer
         # blocked in a collective on it would wait for its timeout. Our own groups are released.
@@ -666,6 +662,9 @@ class Runtime:
         ReconfigurationError naming the stage when there is none; also when the pipeline depth
         changed."""
         old = self.s.layout
+        self._attempt_nonce = None  # every rank of the new layout, fresh or not, starts without one
+        if self.checkpointer is not None:  # a checkpoint's background copy reads the state a reshard changes
+            self.checkpointer.fence()
         if target.n_stages > 1 and self.pipeline is None:
             raise ReconfigurationError(f"layout version {target.version} has {target.n_stages} pipeline stages but the "
                                        "Runtime has no pipeline: give it Runtime(..., pipeline=Pipeline(...))")
@@ -891,8 +890,11 @@ class Runtime:
         assert lay is not None and lay.rank is not None and sl is not None, "call start() first"
         if data_state is None and self.data_state_fn is not None:
             data_state = self.data_state_fn()
+        nonce = self._attempt_nonce  # the attempt's name: agreed at the last commit, else one broadcast
         handle = self.checkpointer.save(self.step, self.model, self.optimizer, sl, lay.rank, self.families,
-                                        group=self.s.world, data_state=data_state, job_ranks=range(lay.world))
+                                        group=self.s.world, data_state=data_state, job_ranks=range(lay.world),
+                                        attempt=None if nonce is None else f"c{nonce:013x}s{self.step}")
+        self._attempt_nonce = None  # one attempt per commit
         self._saved_step = self.step
         log.info("checkpoint started", step=self.step, version=lay.version, snapshot_s=round(handle.snapshot_s, 4))
         return handle
@@ -905,6 +907,7 @@ class Runtime:
         if self.checkpointer is None:
             raise RuntimeError("no checkpoint_dir in the RuntimeConfig")
         assert lay is not None and lay.rank is not None and sl is not None, "call start() first"
+        self.checkpointer.fence()
         info = self.checkpointer.load(self.model, self.optimizer, sl, lay.rank, self.families, group=self.s.world,
                                       strict=lay.n_stages == 1)  # a stage holds only its part of the checkpoint
         self.step = self._saved_step = info.step
@@ -931,7 +934,7 @@ class Runtime:
         if ck is not None:
             try:
                 info = ck.load(self.model, self.optimizer, self.s.sync_layout, target.rank, self.families,
-                               group=self.s.world, strict=target.n_stages == 1)
+                               group=self.s.world, strict=target.n_stages == 1, max_step=target.restore_step)
             except NoCheckpoint as e:
                 if why is not None:
                     raise ReconfigurationError(f"{why}; and {e}") from e
@@ -944,7 +947,8 @@ class Runtime:
         self.step = self._saved_step = info.step
         self.restored = info
         self._event("restored from checkpoint", target.version, info.describe() + (f" ({why})" if why else ""))
-        self.source.ack(target, True, f"restored from step {info.step}")
+        self.source.ack(target, True, f"restored from step {info.step}",
+                        RestoreNote(info.step, info.path.name, why or "", tuple(f"{n}: {w}" for n, w in info.skipped)))
 
     def _event(self, what: str, version: int, detail: str = "") -> None:
         ev = TimelineEvent(time.time(), what, version, detail)

@@ -38,6 +38,9 @@ class WorkerLayout:
     epoch: int = 0
     # per replica, the TP degree of each pipeline stage; () for single-stage replicas of degree replicas[i][0]
     stages: tuple[tuple[int, ...], ...] = ()
+    # the manager's word that no survivor holds some unit: restore the checkpoint of this step (or
+    # the newest older one that verifies); None: the workers choose (the newest that verifies)
+    restore_step: int | None = None
 
     def __post_init__(self) -> None:
         if self.stages:
@@ -68,10 +71,6 @@ class WorkerLayout:
     def group_ranks(self) -> list[list[range]]:
         """[replica][stage] -> that TP group's global ranks."""
         return stage_ranks(self.degrees) if self.replicas else []
-
-    def rank_lists(self) -> list[list[int]]:
-        """Per replica, all its ranks (every stage's)."""
-        return [[r for g in rep for r in g] for rep in self.group_ranks()]
 
     def where(self, rank: int) -> tuple[int, int, int]:
         """(replica, stage, TP index) of a global rank."""
@@ -107,12 +106,30 @@ class LayoutSource(Protocol):
 
     def wait_newer(self, version: int, timeout: float) -> WorkerLayout | None: ...
 
-    def ack(self, layout: WorkerLayout, ok: bool, detail: str = "") -> None: ...
+    def ack(self, layout: WorkerLayout, ok: bool, detail: str = "", restored: RestoreNote | None = None) -> None: ...
 
     def report_step(self, layout: WorkerLayout, step: int, step_time_s: float, tokens: int,
                     work: StepWork | None = None) -> None: ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class RestoreNote:
+    """What an ack says when the worker applied the layout by restoring a checkpoint (issue 22):
+    the checkpoint's step and directory name, why no survivor could give the state ("" when the
+    job resumed), and the newer checkpoints passed over ("name: why"). The manager records it once
+    per layout version (service/restores.py)."""
+
+    step: int
+    checkpoint: str
+    reason: str = ""
+    skipped: tuple[str, ...] = ()
+
+    def fill(self, r: Any) -> None:
+        """Set the fields of an ntp.v1.CheckpointRestore (texts cut to what the manager takes)."""
+        r.step, r.checkpoint, r.reason = self.step, self.checkpoint[:64], self.reason[:2000]
+        r.skipped.extend(s[:2000] for s in self.skipped[:16])
 
 
 @dataclass(frozen=True)
@@ -187,17 +204,20 @@ class _History:
 # ---- store-backed source (tests, launchers) ---------------------------------------------------
 def publish_layout(
     store: Any, job: str, version: int, replicas: Sequence[tuple[Sequence[str] | Sequence[Sequence[str]], int]],
-    reason: str = "",
+    reason: str = "", restore_step: int | None = None,
 ) -> None:
     """Publish a layout for `job`: `replicas` lists (workers, local batch), where workers are the
-    worker ids in TP order (one stage) or, for pipelines, one such list per stage."""
+    worker ids in TP order (one stage) or, for pipelines, one such list per stage. `restore_step`:
+    as the manager's `Layout.restore_step`."""
     reps: list[dict[str, Any]] = []
     for ws, b in replicas:
         if ws and not isinstance(ws[0], str):
             reps.append({"stages": [list(st) for st in ws], "local_batch": b})
         else:
             reps.append({"workers": list(ws), "local_batch": b})
-    doc = {"version": version, "reason": reason, "replicas": reps}
+    doc: dict[str, Any] = {"version": version, "reason": reason, "replicas": reps}
+    if restore_step is not None:
+        doc["restore_step"] = restore_step
     store.set(f"ntp/{job}/layout/{version}", json.dumps(doc))
     store.set(f"ntp/{job}/layout/latest", str(version))
 
@@ -219,8 +239,9 @@ def layout_from_doc(doc: dict[str, Any], worker_id: str) -> WorkerLayout:
         reps.append((min(degrees[-1]), int(rep["local_batch"])))
     rank = global_rank(degrees, *where) if where is not None else None
     multi = any(len(d) > 1 for d in degrees)
+    restore = doc.get("restore_step")
     return WorkerLayout(int(doc["version"]), tuple(reps), rank, doc.get("reason", ""),
-                        stages=tuple(degrees) if multi else ())
+                        stages=tuple(degrees) if multi else (), restore_step=None if restore is None else int(restore))
 
 
 class StoreLayoutSource:
@@ -267,7 +288,7 @@ class StoreLayoutSource:
     def wait_newer(self, version: int, timeout: float) -> WorkerLayout | None:
         return self.history.wait_newer(version, timeout, poll=self._poll)
 
-    def ack(self, layout: WorkerLayout, ok: bool, detail: str = "") -> None:
+    def ack(self, layout: WorkerLayout, ok: bool, detail: str = "", restored: RestoreNote | None = None) -> None:
         with self._lock:
             self.store.set(f"ntp/{self.job}/ack/{layout.version}/{self.worker_id}", "ok" if ok else f"failed: {detail}")
 
@@ -280,6 +301,30 @@ class StoreLayoutSource:
 
 
 # ---- the manager's gRPC watch stream ------------------------------------------------------------
+# A manager that hangs keeps the watch's connection open: HTTP/2 pings find it out and the watch
+# moves on (the server accepts a ping every 5 s at most).
+CLIENT_KEEPALIVE = [("grpc.keepalive_time_ms", 6_000), ("grpc.keepalive_timeout_ms", 3_000),
+                    ("grpc.http2.ping_timeout_ms", 3_000),  # else a ping waits a minute for its ack
+                    ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+
+
+def manager_addresses(target: str | Sequence[str]) -> list[str]:
+    """One address or several ("a:1,b:2" or a list) -> the list, blanks dropped."""
+    parts = target.split(",") if isinstance(target, str) else list(target)
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _leader_hint(e: Any) -> str | None:
+    """The leader's address a standby named (trailing metadata `ntp-leader`), if any."""
+    try:
+        for k, v in e.trailing_metadata() or ():
+            if k == "ntp-leader" and isinstance(v, str) and v:
+                return v
+    except Exception:
+        return None
+    return None
+
+
 def layout_from_pb(msg: Any, gpu_uuid: str) -> WorkerLayout:
     """`ntp.v1.Layout` (one worker's view) -> WorkerLayout. Pipelines need each replica's stage
     degrees (`ReplicaSummary.stage_tp_degrees`); a summary without them is one stage. The
@@ -311,7 +356,8 @@ def layout_from_pb(msg: Any, gpu_uuid: str) -> WorkerLayout:
                              f"numbering gives {expected} (replica {ri}, stage {stage}, TP index {index})")
     multi = any(len(d) > 1 for d in degrees)
     return WorkerLayout(int(msg.stamp.version), tuple(reps), rank, msg.reason, int(msg.stamp.leader_epoch),
-                        stages=tuple(degrees) if multi else ())
+                        stages=tuple(degrees) if multi else (),
+                        restore_step=int(msg.restore_step) if msg.HasField("restore_step") else None)
 
 
 def step_report(job: str, worker_id: str, gpu_uuid: str, layout: WorkerLayout, step: int, step_time_s: float,
@@ -329,18 +375,31 @@ def step_report(job: str, worker_id: str, gpu_uuid: str, layout: WorkerLayout, s
 
 class GrpcLayoutSource:
     """Watches `WorkerService.WatchLayout` on a background thread (reconnecting with backoff), and
-    sends acks and step reports. Thread-safe."""
+    sends acks and step reports. Thread-safe.
 
-    def __init__(self, target: str, token: str, job: str, gpu_uuid: str, worker_id: str | None = None,
-                 connect_timeout_s: float = 30.0) -> None:
+    `target` is one manager's address or several ("a:1,b:2", or a list) when managers run as a
+    leader and standbys: a standby answers UNAVAILABLE naming the leader (trailing metadata
+    `ntp-leader`) and the watch goes there at once; any other failure moves it to the next address,
+    with exponential backoff and full jitter once every address has failed in a row. Training goes
+    on with the layout in hand meanwhile: nothing waits for the watch but the next version."""
+
+    def __init__(self, target: str | Sequence[str], token: str, job: str, gpu_uuid: str,
+                 worker_id: str | None = None, connect_timeout_s: float = 30.0) -> None:
         import grpc
 
         from ntp_manager._proto.ntp.v1 import worker_pb2_grpc
 
+        self.targets = manager_addresses(target)
+        if not self.targets:
+            raise ValueError("target: give at least one manager address (host:port)")
         self.job, self.gpu_uuid, self.worker_id = job, gpu_uuid, worker_id or gpu_uuid
         self._md = (("authorization", f"Bearer {token}"),)
-        self._channel = grpc.insecure_channel(target)
-        self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
+        self._grpc, self._stubs = grpc, worker_pb2_grpc
+        self.target = self.targets[0]
+        self._channel = grpc.insecure_channel(self.target, options=CLIENT_KEEPALIVE)
+        self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)  # type: ignore[no-untyped-call]  # generated
+        self._switch_lock = threading.Lock()
+        self.failovers = 0
         self.history = _History()
         self._stop = threading.Event()
         self._call: Any = None
@@ -353,13 +412,36 @@ class GrpcLayoutSource:
         if self.history.wait_newer(-1, connect_timeout_s) is None and self.history.error:
             raise RuntimeError(f"cannot watch the layout of {job!r}: {self.history.error}")
 
+    def _move(self, hint: str | None) -> None:
+        """Watch, ack and report through the leader a standby named, else the next address."""
+        if hint:
+            nxt = hint
+        elif len(self.targets) > 1:
+            i = self.targets.index(self.target) if self.target in self.targets else -1
+            nxt = self.targets[(i + 1) % len(self.targets)]
+        else:
+            return
+        if nxt == self.target:
+            return
+        with self._switch_lock:
+            old = self._channel
+            self.target = nxt
+            self._channel = self._grpc.insecure_channel(nxt, options=CLIENT_KEEPALIVE)
+            self._stub = self._stubs.WorkerServiceStub(self._channel)  # type: ignore[no-untyped-call]  # generated
+            self.failovers += 1
+        log.info("layout watch moves to another manager", manager=nxt)
+        old.close()
+
     def _watch(self) -> None:
+        import random
+
         import grpc
 
         from ntp_manager._proto.ntp.v1 import worker_pb2
 
-        delay = 0.1
+        delay, failed_here = 0.1, 0
         while not self._stop.is_set():
+            hint = None
             try:
                 self._call = self._stub.WatchLayout(
                     worker_pb2.WatchLayoutRequest(job=self.job, worker_id=self.worker_id, gpu_uuid=self.gpu_uuid),
@@ -367,7 +449,8 @@ class GrpcLayoutSource:
                 )
                 for msg in self._call:
                     self.history.add(layout_from_pb(msg, self.gpu_uuid))
-                    delay = 0.1
+                    delay, failed_here = 0.1, 0
+                self._move(None)  # the stream ended: that manager stopped or stepped down
             except grpc.RpcError as e:
                 if self._stop.is_set():
                     return
@@ -379,8 +462,15 @@ class GrpcLayoutSource:
                     with self.history.cond:
                         self.history.cond.notify_all()
                     return
-                log.warning("layout watch lost; reconnecting", error=self.history.error, retry_in=delay)
-            self._stop.wait(delay)
+                hint = _leader_hint(e)
+                failed_here += 1
+                log.warning("layout watch lost; reconnecting", error=self.history.error, leader=hint)
+                self._move(hint)
+            if hint is not None or failed_here < len(self.targets):
+                self._stop.wait(random.uniform(0, 0.1))  # another manager: go now (jittered)
+                continue
+            failed_here = 0
+            self._stop.wait(random.uniform(0, delay))  # every address failed: full jitter
             delay = min(delay * 2, 5.0)
 
     def latest(self) -> WorkerLayout | None:
@@ -392,7 +482,7 @@ class GrpcLayoutSource:
     def wait_newer(self, version: int, timeout: float) -> WorkerLayout | None:
         return self.history.wait_newer(version, timeout)
 
-    def ack(self, layout: WorkerLayout, ok: bool, detail: str = "") -> None:
+    def ack(self, layout: WorkerLayout, ok: bool, detail: str = "", restored: RestoreNote | None = None) -> None:
         from ntp_manager._proto.ntp.v1 import common_pb2, worker_pb2
 
         req = worker_pb2.AckLayoutRequest(
@@ -400,6 +490,8 @@ class GrpcLayoutSource:
             stamp=common_pb2.LayoutStamp(leader_epoch=layout.epoch, version=layout.version),
             status=worker_pb2.ACK_STATUS_APPLIED if ok else worker_pb2.ACK_STATUS_FAILED, detail=detail,
         )
+        if restored is not None and ok:
+            restored.fill(req.restored)
         try:
             self._stub.AckLayout(req, metadata=self._md, timeout=10)
         except Exception as e:  # an ack that cannot be delivered must not stop training

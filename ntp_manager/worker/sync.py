@@ -420,7 +420,7 @@ class NtpGradSync:
                 self._copies.append(copies)
             return
         self._flags = {c: torch.zeros(1) for c in self._shm_peers}
-        pos = {f: self._positions(f, j) for f in self.maps}
+        places = {f: self._positions(f, j) for f in self.maps}
         cores = sorted({t.core for m in self.maps.values() for t in m.transfers if t.extra == j}
                        - {my.index(c) for c in self._shm_peers})
         msgs: list[_Msg] = []
@@ -430,7 +430,7 @@ class NtpGradSync:
                 for f, s, _ in members:
                     for t in self.maps[f].transfers:
                         if t.core == c and t.extra == j:
-                            i0 = pos[f][t.start]
+                            i0 = places[f][t.start]
                             slices.append((s.message(s.home, i0, i0 + t.count), my[c]))
                 msgs += _coalesce(slices, self.pack_bytes)
         self._msgs.append(msgs)

@@ -44,7 +44,8 @@ class Attention(nn.Module):
         k = self.k(x).view(b, t, -1, self.hd).transpose(1, 2)
         v = self.v(x).view(b, t, -1, self.hd).transpose(1, 2)
         y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+        out: torch.Tensor = self.o(y.transpose(1, 2).reshape(b, t, -1))
+        return out
 
 
 class Mlp(nn.Module):
@@ -54,7 +55,8 @@ class Mlp(nn.Module):
         self.down = nn.Linear(c.mlp, c.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(nn.functional.gelu(self.up(x)))
+        out: torch.Tensor = self.down(nn.functional.gelu(self.up(x)))
+        return out
 
 
 class Block(nn.Module):
@@ -67,7 +69,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
 
 
 class TinyGpt(nn.Module):
@@ -85,11 +88,19 @@ class TinyGpt(nn.Module):
         x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
         for blk in self.blocks:
             x = blk(x)
-        return self.head(self.ln(x))
+        logits: torch.Tensor = self.head(self.ln(x))
+        return logits
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.forward(idx)
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def tiny_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """`Runtime.train_step`'s loss for a TinyGpt (sharded in place, so still a TinyGpt)."""
+    if not isinstance(model, TinyGpt):
+        raise TypeError(f"tiny_loss takes a TinyGpt, not a {type(model).__name__}")
+    return model.loss(*batch)
 
 
 def tp_plan(c: GptConfig) -> dict[str, ShardStyle]:

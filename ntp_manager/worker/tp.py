@@ -54,7 +54,9 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -94,6 +96,29 @@ class ReplicatedPerUnit:
 ShardStyle = ColwiseUnits | RowwiseUnits | ReplicatedPerUnit
 
 
+class _TpWait(threading.local):
+    """Seconds this thread spent blocked in TP all-reduces of CPU tensors since the last reset."""
+
+    seconds = 0.0
+
+
+TP_WAIT = _TpWait()
+
+
+def _tp_all_reduce(t: torch.Tensor, group: Any) -> None:
+    """The TP group's all-reduce. On CPU tensors (gloo) the call blocks until every member has
+    contributed and the sum is in, so its host time is the rank's TP communication wait (waiting
+    for slower members plus the transfer); it is added to `TP_WAIT` (fail-slow evidence, issue 21).
+    Device tensors are not timed: their all-reduce is queued on a stream and timing it would need a
+    sync."""
+    if t.device.type != "cpu":
+        comm.all_reduce(t, group=group)
+        return
+    t0 = time.perf_counter()
+    comm.all_reduce(t, group=group)
+    TP_WAIT.seconds += time.perf_counter() - t0
+
+
 class _CopyToTP(torch.autograd.Function):
     """Identity forward; all-reduce the gradient over the TP group in backward."""
 
@@ -106,7 +131,7 @@ class _CopyToTP(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous()
         if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
-            comm.all_reduce(grad, group=ctx.group)
+            _tp_all_reduce(grad, ctx.group)
         return grad, None
 
 
@@ -122,7 +147,7 @@ class _GatherFromTP(torch.autograd.Function):
         full = y.new_zeros(*y.shape[:-1], features)
         full.index_copy_(-1, index, y)
         if group is not None and dist.get_world_size(group) > 1:
-            comm.all_reduce(full, group=group)
+            _tp_all_reduce(full, group)
         return full
 
     @staticmethod
@@ -138,12 +163,26 @@ class _ReduceFromTP(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         x = x.contiguous()
         if group is not None and dist.get_world_size(group) > 1:
-            comm.all_reduce(x, group=group)
+            _tp_all_reduce(x, group)
         return x
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
+
+
+# Typed entry points of the three functions (torch leaves `Function.apply` unannotated).
+copy_to_tp: Callable[[torch.Tensor, Any], torch.Tensor] = _CopyToTP.apply
+gather_from_tp: Callable[[torch.Tensor, torch.Tensor, int, Any], torch.Tensor] = _GatherFromTP.apply
+reduce_from_tp: Callable[[torch.Tensor, Any], torch.Tensor] = _ReduceFromTP.apply
+
+
+def _weight_and_bias(full: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight of a linear layer (nn.Linear or Conv1D), detached, and its bias (None without)."""
+    w, b = full.weight, full.bias
+    if not isinstance(w, torch.Tensor) or not (b is None or isinstance(b, torch.Tensor)):
+        raise ValueError(f"{type(full).__name__}: expected tensors for weight and bias")
+    return w.detach(), b
 
 
 def feature_index(units: Sequence[int], unit_size: int) -> torch.Tensor:
@@ -248,7 +287,8 @@ class PerUnitReplicated(ShardedModule):
         try:
             for name, p in saved.items():
                 if p is not None and p.requires_grad and torch.is_grad_enabled():
-                    self._parameters[name] = _CopyToTP.apply(p, group)
+                    # the forward reads the identity's output in the parameter's place (not a Parameter)
+                    self._parameters[name] = copy_to_tp(p, group)  # type: ignore[assignment]
             return self._forward_of(self, *args, **kwargs)
         finally:
             self._parameters.clear()
@@ -273,13 +313,14 @@ class ColwiseLinear(ShardedModule):
     (weight [in, out]) keeps weight columns, stored column-major so its units stay contiguous."""
 
     UNIT_DIMS = {"weight": 0, "bias": 0}
+    out_index: torch.Tensor  # a buffer (see _set_units)
 
     def __init__(self, full: nn.Module, units: Sequence[int], unit_size: int, group: Any,
                  gather_output: bool = False) -> None:
         super().__init__()
         idx = feature_index(units, unit_size)
         self.conv = is_conv1d(full)
-        w, b = full.weight.detach(), full.bias
+        w, b = _weight_and_bias(full)
         self.weight = nn.Parameter(_columns_major(w[:, idx]) if self.conv else w[idx].clone())
         self.bias = nn.Parameter(b.detach()[idx].clone()) if b is not None else None
         if self.conv:
@@ -295,10 +336,10 @@ class ColwiseLinear(ShardedModule):
                              persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _CopyToTP.apply(x, self.group)
+        x = copy_to_tp(x, self.group)
         y = nn.functional.linear(x, self.weight.t() if self.conv else self.weight, self.bias)
         if self.gather_output:
-            y = _GatherFromTP.apply(y, self.out_index, self.out_features, self.group)
+            y = gather_from_tp(y, self.out_index, self.out_features, self.group)
         return y
 
 
@@ -312,7 +353,7 @@ class ColwiseFused(ShardedModule):
     def __init__(self, full: nn.Module, units: Sequence[int], unit_size: int, group: Any, parts: int) -> None:
         super().__init__()
         self.conv = is_conv1d(full)
-        w, b = full.weight.detach(), full.bias
+        w, b = _weight_and_bias(full)
         block = int(w.shape[1] if self.conv else w.shape[0]) // parts
         idx = feature_index(units, unit_size)
         dims: dict[str, int] = {}
@@ -330,7 +371,7 @@ class ColwiseFused(ShardedModule):
         self._set_units(units, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _CopyToTP.apply(x, self.group)
+        x = copy_to_tp(x, self.group)
         outs = []
         for i in range(self.parts):
             w = getattr(self, f"weight_{i}")
@@ -350,7 +391,7 @@ class RowwiseLinear(ShardedModule):
         super().__init__()
         idx = feature_index(units, unit_size)
         self.conv = is_conv1d(full)
-        w, b = full.weight.detach(), full.bias
+        w, b = _weight_and_bias(full)
         # nn.Linear: column-major, the transpose of a contiguous [in, out] tensor (module docstring)
         self.weight = nn.Parameter(w[idx].clone() if self.conv else _columns_major(w[:, idx]))
         self.bias = nn.Parameter(b.detach().clone()) if b is not None else None
@@ -361,7 +402,7 @@ class RowwiseLinear(ShardedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = nn.functional.linear(x, self.weight.t() if self.conv else self.weight)
-        y = _ReduceFromTP.apply(y, self.group)
+        y = reduce_from_tp(y, self.group)
         return y + self.bias if self.bias is not None else y
 
 
@@ -373,6 +414,7 @@ class VocabEmbedding(ShardedModule):
     other, and its lookups add nothing to its gradient (on the rank that holds it)."""
 
     UNIT_DIMS = {"weight": 0}
+    local_row: torch.Tensor  # a buffer (see _set_units)
 
     def __init__(self, full: nn.Embedding, units: Sequence[int], unit_size: int, group: Any) -> None:
         super().__init__()
@@ -400,7 +442,7 @@ class VocabEmbedding(ShardedModule):
         here = (rows >= 0).unsqueeze(-1)
         # tokens held elsewhere read row 0 and are zeroed: no value and no gradient from them
         y = nn.functional.embedding(rows.clamp(min=0), self.weight, padding_idx=self.local_padding_idx) * here
-        return _ReduceFromTP.apply(y, self.group)
+        return reduce_from_tp(y, self.group)
 
 
 _LINEAR_KINDS = "nn.Linear or Conv1D"
@@ -425,7 +467,7 @@ def unit_features(path: str, module: nn.Module, style: ShardStyle) -> int:
         if isinstance(module, nn.Linear) and not _plain(module, nn.Linear):
             raise ValueError(f"{path} ({type(module).__name__}) overrides nn.Linear.forward: its shard would "
                              "compute a plain linear layer; write a shard for it or leave it out of the plan")
-        shape = tuple(module.weight.shape)  # type: ignore[union-attr, arg-type]
+        shape = tuple(_weight_and_bias(module)[0].shape)
         out_f, in_f = (int(shape[1]), int(shape[0])) if is_conv1d(module) else (int(shape[0]), int(shape[1]))
         feats = out_f if col else in_f
         parts = style.parts if isinstance(style, ColwiseUnits) else 1
@@ -441,6 +483,21 @@ def unit_features(path: str, module: nn.Module, style: ShardStyle) -> int:
         return module.num_embeddings
     kinds = _LINEAR_KINDS if col else f"{_LINEAR_KINDS} or nn.Embedding"
     raise ValueError(f"{path} ({type(module).__name__}): {type(style).__name__} shards only {kinds}")
+
+
+def unit_counts(model: nn.Module, plan: Mapping[str, ShardStyle]) -> dict[str, int]:
+    """Family -> unit count, read off the unsharded model."""
+    counts: dict[str, int] = {}
+    for path, mod in model.named_modules():
+        for pattern, style in plan.items():
+            if fnmatch.fnmatchcase(path, pattern):
+                if isinstance(style, ReplicatedPerUnit):
+                    break  # nothing cut: its family's count comes from the cut modules
+                n = unit_features(path, mod, style) // style.unit_size
+                if counts.setdefault(style.family, n) != n:
+                    raise ValueError(f"family {style.family!r}: {counts[style.family]} units elsewhere, {n} at {path}")
+                break
+    return counts
 
 
 def _make_shard(module: nn.Module, style: ShardStyle, own: Sequence[int], group: Any) -> ShardedModule:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from agent.backends.fake import FakeBackend, parse_scenario
 from agent.core import Agent, AgentConfig
+from agent.local import FakeFleet, FakeNode
 from tests.fakes.procs import free_port
 from tests.integration.conftest import Service, eventually, running_service
 
@@ -74,6 +75,28 @@ async def test_power_cap_reaches_the_fake_gpu_and_is_read_back(sqlite_service: S
                                      for u in survivors))
     # clean shutdown restores the limits the agent found
     assert all(a.backend.get_limit_mw(u) == 1_000_000 for u in survivors)
+
+
+async def test_fake_fleet_fails_a_gpu_live_and_its_repair_clears_it(sqlite_service: Service):
+    # agent.local.FakeFleet, the agent's in-process entry point (the demo's agents): an injected
+    # XID 48 fails the GPU at the manager; an injected repair (a GpuRepaired event, not an XID)
+    # clears the agent's evidence, and its healthy verdict reaches the manager
+    svc = sqlite_service
+    tokens = {n: await svc.agent_token(n) for n in ("node-a", "node-b")}
+    fleet = FakeFleet(svc.grpc, tokens, [FakeNode("node-a", "nvl-0"), FakeNode("node-b", "nvl-1", gpus=2)])
+    try:
+        await eventually(fleet.ready)
+        assert len(fleet.gpus("node-a")) == 4 and len(fleet.gpus("node-b")) == 2
+        bad = fleet.gpus("node-a")[3]
+        world = svc.manager.world
+        await eventually(lambda: bad in world.gpus)
+        fleet.inject("node-a", "xid", 3, xid=48)
+        await eventually(lambda: world.gpus[bad].health == "failed")
+        assert all(world.gpus[u].health == "healthy" for u in fleet.gpus("node-a")[:3])
+        fleet.inject("node-a", "repair", 3)
+        await eventually(lambda: world.gpus[bad].health == "healthy")
+    finally:
+        await asyncio.to_thread(fleet.stop)
 
 
 

@@ -46,6 +46,7 @@ async def test_sigkill_loses_nothing_acknowledged(tmp_path: Path):
             assert (await c.post("/v1/jobs", json=JOB)).status_code == 201
 
             seen: list[tuple[int, int]] = []
+            shown: dict[int, list[tuple[int, int, list[int]]]] = {}  # version -> replicas as pushed
 
             async def watch() -> None:
                 while True:
@@ -57,6 +58,8 @@ async def test_sigkill_loses_nothing_acknowledged(tmp_path: Path):
                                 metadata=(("authorization", f"Bearer {tokens['worker']}"),))
                             async for msg in call:
                                 seen.append((msg.stamp.leader_epoch, msg.stamp.version))
+                                shown[msg.stamp.version] = [(r.replica_id, r.tp_degree, list(r.stage_tp_degrees))
+                                                            for r in msg.replicas]
                     except grpc.aio.AioRpcError:
                         await asyncio.sleep(0.2)  # manager gone: retry
 
@@ -127,6 +130,12 @@ async def test_sigkill_loses_nothing_acknowledged(tmp_path: Path):
                 await a.close()
             r = await c.get("/v1/jobs/llm/layout")
             assert r.status_code == 200 and r.json()["version"] >= versions[-1]
+            # every stored version (a keyframe, then deltas) reads back as the layout that was pushed
+            # when it was current (tests/integration/test_layout_store.py crosses keyframes)
+            history = (await c.get("/v1/jobs/llm/layouts", params={"limit": 1000})).json()["items"]
+            read = {h["version"]: [(x["id"], x["tp"], x["stage_tp"]) for x in h["replicas"]] for h in history}
+            assert set(versions) <= set(read)
+            assert all(read[v] == shown[v] for v in shown), "a stored version reads back differently"
             watcher.cancel()
     finally:
         if proc.poll() is None:

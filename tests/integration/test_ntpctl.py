@@ -22,7 +22,7 @@ async def ctl(svc_http: str, *args: str, token: str | None = None, token_file: P
     if token is not None:
         env["NTP_TOKEN"] = token
     pre = ["--token-file", str(token_file)] if token_file else []
-    p = await asyncio.create_subprocess_exec(sys.executable, "-m", "ntp_manager.ctl", *pre, *args, env=env,
+    p = await asyncio.create_subprocess_exec(sys.executable, "-m", "ntp_manager.cli.ctl", *pre, *args, env=env,
                                              stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(p.communicate(), 60)
     assert p.returncode is not None
@@ -37,17 +37,19 @@ async def cj(svc: Service, *args: str, scope: str = "operator") -> Any:
 
 async def test_reading_and_changing_commands(sqlite_service: Service, tmp_path: Path) -> None:
     svc = sqlite_service
-    a = make_agent(svc.grpc, await svc.agent_token("node-a"), "node-a", "nvl-0",
-                   [{"at": 0.5, "gpu": 3, "kind": "xid", "xid": 48}])
+    a = make_agent(svc.grpc, await svc.agent_token("node-a"), "node-a", "nvl-0", [])
     b = make_agent(svc.grpc, await svc.agent_token("node-b"), "node-b", "nvl-1", [])
     async with running(a), running(b):
         await eventually(lambda: a.registered.is_set() and b.registered.is_set())
         async with svc.client() as c:
             assert (await c.post("/v1/jobs", json=dict(JOB, scheme="ntp"))).status_code == 201
+        await eventually(lambda: svc.manager.world.jobs["llm"].layout is not None)
+        # the fault comes after the first layout, whatever the load: the history has two versions
+        a.backend.inject("xid", 3, xid=48)
         bad = a.statics[3].uuid
         await eventually(lambda: svc.manager.world.gpus[bad].health == "failed")
         await eventually(lambda: svc.manager.world.jobs["llm"].layout is not None
-                         and any(r["tp"] == 3 for r in svc.manager.world.jobs["llm"].layout.plan["replicas"]))
+                         and any(r.tp == 3 for r in svc.manager.world.jobs["llm"].layout.doc.replicas))
 
         st = await cj(svc, "status", scope="viewer")
         assert st["gpus"] == 8 and st["gpus_by_state"]["failed"] == 1 and st["jobs"] == 1
@@ -78,8 +80,21 @@ async def test_reading_and_changing_commands(sqlite_service: Service, tmp_path: 
         assert nodes["node-b"]["drain_deadline"] and nodes["node-b"]["drain_reason"] == "kernel update"
         await cj(svc, "undrain", "node-b", "--reason", "postponed")
         await cj(svc, "mark-healthy", bad, "--reason", "swapped the board")
+        # fail-slow: thresholds and dry run at runtime, then the job's view
+        got = await cj(svc, "slow", "set", "llm", "--set", "enter_margin=0.2", "--set", "exit_margin=0.1", "--dry-run")
+        assert got["changed"] == {"enter_margin": 0.2, "exit_margin": 0.1, "dry_run": True}
+        view = await cj(svc, "slow", "show", "llm", scope="viewer")
+        assert view["options"]["enter_margin"] == 0.2 and view["dry_run"] is True
+        rc, _, err = await ctl(svc.http, "slow", "set", "llm", "--set", "exit_margin=0.3", token=svc.tokens["operator"])
+        assert rc == 1 and "exit_margin" in err  # above enter_margin: refused, named
+        rc, _, err = await ctl(svc.http, "slow", "set", "llm", "--set", "enter_margin=0.3", token=svc.tokens["viewer"])
+        assert rc == 1 and "403" in err
+        rc, out, _ = await ctl(svc.http, "slow", "show", "llm", token=svc.tokens["viewer"])
+        assert rc == 0 and "dry run" in out
+        assert (await cj(svc, "slow", "set", "--defaults", "--set", "enter_count=3"))["scope"] == "*"
         actions = [x["action"] for x in (await cj(svc, "audit", "--limit", "50"))["items"]]
-        assert {"gpu.cordon", "gpu.uncordon", "node.drain", "node.undrain", "gpu.mark_healthy"} <= set(actions)
+        assert {"gpu.cordon", "gpu.uncordon", "node.drain", "node.undrain", "gpu.mark_healthy",
+                "failslow.options"} <= set(actions)
 
         # tokens: admin scope only; the file form of the token
         admin = await svc.manager.create_token("test-admin", "admin")

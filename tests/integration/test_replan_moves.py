@@ -27,13 +27,13 @@ async def test_replans_pass_the_previous_layout_and_record_the_moves(sqlite_serv
         assert (await c.post("/v1/jobs", json=JOB)).status_code == 201
         await eventually(lambda: layout(svc) is not None)
         v1 = layout(svc)
-        assert v1.version == 1 and v1.plan["moves"] is None and "moves:" not in v1.reason
+        assert v1.version == 1 and v1.doc.moves is None and "moves:" not in v1.reason
 
         # One GPU of replica 0 fails: r0 runs at TP3 (its groups stay where they are).
         await agents[0].report({"GPU-node-0-3": "failed"})
         await eventually(lambda: layout(svc).version == 2)
         v2 = layout(svc)
-        assert v2.plan["moves"] is not None, "the replan was not given the previous layout"
+        assert v2.doc.moves is not None, "the replan was not given the previous layout"
         assert "; moves: " in v2.reason
 
         # A GPU of replica 1 fails too: two replicas at TP3 (3 + 3) lose to one at TP3 and one at
@@ -41,11 +41,11 @@ async def test_replans_pass_the_previous_layout_and_record_the_moves(sqlite_serv
         await agents[2].report({"GPU-node-2-3": "failed"})
         await eventually(lambda: layout(svc).version == 3)
         v3 = layout(svc)
-        assert sorted(r["tp"] for r in v3.plan["replicas"]) == [3, 4]
-        moves = v3.plan["moves"]
+        assert sorted(r.tp for r in v3.doc.replicas) == [3, 4]
+        assert v3.doc.moves is not None
+        moves = v3.doc.moves._asdict()
         assert moves["moved"] >= 1 and moves["bytes"] is not None
-        moved_here = [g for r in v3.plan["replicas"] for g in r["groups"]
-                      if (g["prev_replica"], g["prev_stage"]) != (r["id"], g["stage"])]
+        moved_here = [g for r in v3.doc.replicas for g in r.groups if (g.prev_replica, g.prev_stage) != (r.id, g.stage)]
         assert len(moved_here) == moves["moved"]
         assert f"{moves['moved']} group(s) moved" in v3.reason and "to load" in v3.reason
 
@@ -59,9 +59,16 @@ async def test_replans_pass_the_previous_layout_and_record_the_moves(sqlite_serv
         assert history["total"] == 3
         latest = history["items"][0]  # the history names each stage's degree and the groups that moved
         assert latest["moves"] == moves
-        assert sorted(r["stage_tp"] for r in latest["replicas"]) == sorted(
-            [g["tp"] for g in sorted(r["groups"], key=lambda g: g["stage"])] for r in v3.plan["replicas"])
+        assert sorted(r["stage_tp"] for r in latest["replicas"]) == sorted([g.tp for g in r.groups]
+                                                                           for r in v3.doc.replicas)
         assert sum(len(r["moved"]) for r in latest["replicas"]) == moves["moved"]
+        # every moved group is named with where it was: the history says the same as the layout
+        assert sorted((m["group"], m["from_replica"], m["from_stage"]) for r in latest["replicas"]
+                      for m in r["moved"]) == sorted((g.group, g.prev_replica, g.prev_stage) for g in moved_here)
+        # and every version reads back from its stored body (keyframe, then deltas) as it was
+        older = history["items"][1]
+        assert [r["stage_tp"] for r in older["replicas"]] == [list(r.stage_tp) for r in v2.doc.replicas]
+        assert older["moves"] == v2.doc.moves._asdict() and older["reason"] == v2.reason
 
         # The dashboard shows the moves of the current layout.
         snap = (await c.get("/v1/snapshot")).json()

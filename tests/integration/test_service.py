@@ -122,7 +122,7 @@ async def test_worker_ack_and_step_reports(sqlite_service: Service):
     # Step reports stamped with the current layout are placed by it: per replica, per stage.
     lay = svc.manager.world.jobs["llm"].layout
     stamp = common_pb2.LayoutStamp(leader_epoch=lay.leader_epoch, version=lay.version)
-    first_of = {r["id"]: r["groups"][0]["gpus"] for r in lay.plan["replicas"]}  # replica -> its GPUs
+    first_of = {r.id: r.groups[0].gpus for r in lay.doc.replicas}  # replica -> its GPUs
     for step in range(3):
         for rid, gpus in first_of.items():
             # replica 0 steps in 1.0 s, replica 1 in 2.0 s; every rank waits 0.1 s on its group
@@ -219,8 +219,8 @@ async def test_cordon_is_never_undone_by_automation(service: Service):
         assert r.status_code == 200, r.text
         assert r.json()["state"] == "cordoned" and r.json()["admin_owner"] == "test-operator"
         await eventually(lambda: uuid not in {
-            u for rep in service.manager.world.jobs["llm"].layout.plan["replicas"]
-            for g in rep["groups"] for u in g["gpus"]} if service.manager.world.jobs["llm"].layout else False)
+            u for rep in service.manager.world.jobs["llm"].layout.doc.replicas
+            for g in rep.groups for u in g.gpus} if service.manager.world.jobs["llm"].layout else False)
         # the agent says the GPU is healthy: evidence changes health, never the cordon
         await agents[0].report({uuid: "failed"})
         await agents[0].report({uuid: "healthy"})
@@ -254,13 +254,17 @@ async def test_drain_with_deadline_then_maintenance(service: Service):
         assert r.status_code == 200, r.text
         g = (await c.get("/v1/gpus", params={"node": "node-1"})).json()["items"]
         assert {x["state"] for x in g} == {"draining"}
-        await eventually(lambda: sorted(r["tp"] for r in service.manager.world.jobs["llm"].layout.plan["replicas"])
+        by_state = (await c.get("/v1/gpus", params={"state": "draining"})).json()["items"]
+        assert {x["uuid"] for x in by_state} == {x["uuid"] for x in g}
+        r = await c.get("/v1/gpus", params={"state": "drained"})  # not a state: refused, not an empty page
+        assert r.status_code == 422 and r.json()["detail"].startswith("query.state:")
+        await eventually(lambda: sorted(r.tp for r in service.manager.world.jobs["llm"].layout.doc.replicas)
                          == [4])
         await eventually(lambda: all(service.manager.world.gpus[u].admin == "maintenance"
                                      for u in gpu_uuids("node-1", 4)), timeout=10)
         r = await c.post("/v1/nodes/node-1/undrain", json={"reason": "done"})
         assert r.status_code == 200
-        await eventually(lambda: len(service.manager.world.jobs["llm"].layout.plan["replicas"]) == 2)
+        await eventually(lambda: len(service.manager.world.jobs["llm"].layout.doc.replicas) == 2)
         actions = [a["action"] for a in (await c.get("/v1/audit")).json()["items"]]
         assert {"node.drain", "node.drain_done", "node.undrain", "gpu.drain"} <= set(actions)
     for a in agents:
@@ -355,7 +359,7 @@ async def test_heartbeat_loss_suspect_then_failed_then_back(tmp_path):
         await eventually(lambda: svc.manager.world.gpus["GPU-node-1-0"].health == "suspect", timeout=5)
         assert svc.manager.world.gpus["GPU-node-0-0"].health == "healthy"
         await eventually(lambda: svc.manager.world.gpus["GPU-node-1-0"].health == "failed", timeout=5)
-        await eventually(lambda: len(svc.manager.world.jobs["llm"].layout.plan["replicas"]) == 1)
+        await eventually(lambda: len(svc.manager.world.jobs["llm"].layout.doc.replicas) == 1)
         # the agent comes back: silence was the only evidence, so its GPUs are healthy again
         await agents[1].close()
         back = ScriptedAgent(svc.grpc, await svc.agent_token("node-1"), "node-1", "nvl-1", gpu_uuids("node-1", 4))

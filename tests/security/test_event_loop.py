@@ -69,9 +69,14 @@ async def test_largest_spec_and_hello_keep_healthz_answering(sqlite_service: Ser
     lag = svc.manager.watchdog.take_window_max()
     print(f"largest inputs: healthz max {1000 * max(latencies):.0f} ms over {len(latencies)} probes, "
           f"loop lag max {1000 * lag:.0f} ms")
-    # generous bounds (the goal is 100 ms, measured in bench/); planning on the loop took seconds here
-    assert lag < 0.5, lag
-    assert max(latencies) < 1.0, max(latencies)
+    # What held the loop, when something did: never our heavy work (planning, layout encoding,
+    # protobuf views, which held it for seconds at this size when they ran on it). A loaded machine
+    # can delay the loop anywhere, so the bounds on time are coarse (the goal, 100 ms, is in bench/).
+    heavy = ("ntp_manager/planner/", "layout_codec", "service/planning", "rpc/views", "store/layouts")
+    ours = [w for w in svc.manager.watchdog.stall_stacks if any(h in w for h in heavy)]
+    assert not ours, ours[0]
+    assert lag < 3.0, lag
+    assert max(latencies) < 5.0, max(latencies)
     metrics = (await httpx.AsyncClient(base_url=svc.http).get("/metrics")).text
     assert "ntp_event_loop_lag_seconds_bucket" in metrics and "ntp_event_loop_lag_max_seconds" in metrics
     for a in agents:

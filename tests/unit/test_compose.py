@@ -24,16 +24,21 @@ def compose() -> dict:
 def test_services_and_start_order() -> None:
     c = compose()
     s = c["services"]
-    assert set(s) == {"postgres", "bootstrap", "manager", "agent-a", "agent-b", "job"}
+    assert set(s) == {"postgres", "bootstrap", "manager", "manager-b", "agent-a", "agent-b", "job"}
     assert s["postgres"]["image"].startswith("postgres:") and "healthcheck" in s["postgres"]
     assert s["bootstrap"]["depends_on"]["postgres"]["condition"] == "service_healthy"
-    assert s["manager"]["depends_on"] == {"postgres": {"condition": "service_healthy"},
-                                          "bootstrap": {"condition": "service_completed_successfully"}}
+    for m in ("manager", "manager-b"):  # two managers: one leads, the other stands by
+        assert s[m]["depends_on"] == {"postgres": {"condition": "service_healthy"},
+                                      "bootstrap": {"condition": "service_completed_successfully"}}
+        assert s[m]["restart"] == "unless-stopped"  # a manager that lost its lease exits, to stand by
+        env = s[m]["environment"]
+        assert env["NTP_ADVERTISE_GRPC"] == f"{m}:50051" and env["NTP_ADVERTISE_HTTP"] == f"{m}:8080"
+    assert s["job"]["environment"]["NTP_URL"] == "http://manager:8080,http://manager-b:8080"
     for a in ("agent-a", "agent-b"):
         assert s[a]["depends_on"]["manager"]["condition"] == "service_healthy"
     assert {"manager", "agent-a", "agent-b"} <= set(s["job"]["depends_on"])
     assert set(c["volumes"]) == {"pgdata", "tokens"}
-    for name in ("bootstrap", "manager", "agent-a", "agent-b", "job"):  # the shared app settings
+    for name in ("bootstrap", "manager", "manager-b", "agent-a", "agent-b", "job"):  # the shared app settings
         assert s[name]["build"] == "." and "tokens:/tokens" in s[name]["volumes"]
         url = s[name]["environment"]["NTP_DATABASE_URL"]
         assert url.startswith("postgresql+asyncpg://") and "@postgres:5432/" in url
@@ -42,19 +47,20 @@ def test_services_and_start_order() -> None:
 
 def test_commands_name_real_options_and_files() -> None:
     from agent.main import app as agent_app
-    from ntp_manager.cli import app as manager_app
+    from ntp_manager.cli.manager import app as manager_app
 
     s = compose()["services"]
-    serve = s["manager"]["command"]
-    assert serve[:2] == ["ntp-manager", "serve"]
     params = {o for p in get_command(manager_app).commands["serve"].params for o in p.opts}  # type: ignore[attr-defined]
-    assert {a for a in serve[2:] if a.startswith("--")} <= params
+    for m in ("manager", "manager-b"):
+        serve = s[m]["command"]
+        assert serve[:2] == ["ntp-manager", "serve"]
+        assert {a for a in serve[2:] if a.startswith("--")} <= params
     agent_params = {o for p in get_command(agent_app).params for o in p.opts}
     for name, node, domain in (("agent-a", "node-a", "nvl-0"), ("agent-b", "node-b", "nvl-1")):
         cmd = s[name]["command"]
         assert cmd[0] == "ntp-agent" and {a for a in cmd[1:] if a.startswith("--")} <= agent_params
         opts = dict(zip(cmd[1::2], cmd[2::2], strict=True))
-        assert opts["--manager"] == "manager:50051" and opts["--backend"] == "fake"
+        assert opts["--manager"] == "manager:50051,manager-b:50051" and opts["--backend"] == "fake"
         sc = load_scenario(ROOT / opts["--scenario"])
         assert (sc.node, sc.domain, opts["--node"], opts["--domain"]) == (node, domain, node, domain)
     for script in ("deploy/bootstrap-tokens.sh", "deploy/run-job.sh"):

@@ -11,7 +11,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from ntp_manager.cli import app as cli_app
+from ntp_manager.cli.manager import app as cli_app
 from ntp_manager.planner import PAPER_POWER_CURVE, JobSpec, PreviousLayout, Scheme, make_plan
 from ntp_manager.sim import FailureModel, SimError, SimSetup, make_trace, preset, preset_cluster, replay, static_sweep
 from ntp_manager.sim.engine import Event, Trace, job_pool_size, min_spares_never_pause, placement

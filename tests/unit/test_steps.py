@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import tracemalloc
+from types import SimpleNamespace
 
 import pytest
 
@@ -69,9 +70,10 @@ def report(ranks: list[worker_pb2.RankStep], version: int = 3) -> worker_pb2.Ste
 
 
 def test_the_layout_places_ranks_and_a_report_that_disagrees_is_refused() -> None:
-    plan = {"replicas": [{"id": 5, "groups": [{"group": "d0/g0", "stage": 0, "tp": 2, "gpus": ["a", "b"]},
-                                              {"group": "d1/g0", "stage": 1, "tp": 2, "gpus": ["c", "d"]}]}]}
-    places = places_of(plan)
+    # the fields of a LayoutDoc that places_of reads: one replica of two stages
+    g0 = SimpleNamespace(group="d0/g0", stage=0, tp=2, gpus=("a", "b"))
+    g1 = SimpleNamespace(group="d1/g0", stage=1, tp=2, gpus=("c", "d"))
+    places = places_of(SimpleNamespace(replicas=[SimpleNamespace(id=5, groups=(g0, g1))]))  # type: ignore[arg-type]
     assert places["c"] == Place(5, 1, "d1/g0", 2)
     got = samples_of(report([worker_pb2.RankStep(gpu_uuid="c", step_time_s=0.5)]), 10.0, places)
     assert (got[0].replica, got[0].stage, got[0].group, got[0].tp, got[0].version) == (5, 1, "d1/g0", 2, 3)

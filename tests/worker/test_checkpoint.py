@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from ntp_manager.checkpoint_format import list_checkpoints
 from ntp_manager.worker.checkpoint import (
     MANIFEST,
     Checkpointer,
@@ -291,3 +294,75 @@ def test_state_it_cannot_store_is_refused_at_save(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="attempt must be"):
         ck.save(2, m, opt, TARGETS["TP1"], 0, fams, attempt="../escape")
     assert not list(tmp_path.iterdir())
+
+
+def test_the_layouts_restore_step_bounds_the_checkpoint_loaded(tmp_path: Path) -> None:
+    """`Layout.restore_step` (the manager's choice): newer checkpoints are passed over."""
+    ref1, opt1 = reference("sgd", steps=1)
+    ref2, opt2 = reference("sgd", steps=2)
+    save_all(tmp_path, 1, "sgd", ref1, opt1, TARGETS["TP1"])
+    save_all(tmp_path, 2, "sgd", ref2, opt2, TARGETS["TP1"])
+    m, opt, fams = fresh("sgd", TARGETS["TP1"], 0)
+    assert Checkpointer(tmp_path).load(m, opt, TARGETS["TP1"], 0, fams, max_step=1).step == 1
+    assert mismatches(m, opt, ref1, opt1) == []
+    with pytest.raises(CheckpointError, match=r"no complete checkpoint at or before step 0 .*newer: \[2, 1\]"):
+        Checkpointer(tmp_path).load(m, opt, TARGETS["TP1"], 0, fams, max_step=0)
+
+
+def test_the_managers_listing_reads_what_the_workers_wrote(tmp_path: Path) -> None:
+    """ntp_manager/checkpoint_format.py (no torch): complete, verified (manifest hash, sizes), the
+    reason one does not verify, an attempt that never completed."""
+    ref1, opt1 = reference("sgd", steps=1)
+    save_all(tmp_path, 1, "sgd", ref1, opt1, TARGETS["TP1"])
+    bad = save_all(tmp_path, 2, "sgd", ref1, opt1, TARGETS["TP1"])
+    good = save_all(tmp_path, 3, "sgd", ref1, opt1, TARGETS["TP1"])
+    victim = _shard_file(bad)
+    victim.write_bytes(victim.read_bytes()[:-10])
+    (tmp_path / ".tmp-step-000000000004-abc").mkdir()
+    listing = list_checkpoints(tmp_path, limit=3)
+    assert listing.exists and listing.total == 4 and not listing.truncated
+    assert [(c.step, c.complete, c.verified) for c in listing.items] == [(4, False, False), (3, True, True),
+                                                                        (2, True, False)]
+    doc = json.loads((good / MANIFEST).read_text())
+    assert listing.items[1].bytes == doc["bytes"] > 0 and listing.items[1].at == doc["completed_at"]
+    assert listing.items[2].problem == f"r0/{victim.name}: {victim.stat().st_size} bytes, the manifest says " \
+                                      f"{victim.stat().st_size + 10}"
+    assert "never completed" in listing.items[0].problem
+    assert list_checkpoints(tmp_path, verified_only=True).newest_verified() == 3
+    (tmp_path / "step-000000000009").mkdir()  # a manifest that is a FIFO is refused, not waited on
+    os.mkfifo(tmp_path / "step-000000000009" / MANIFEST)
+    (top,) = list_checkpoints(tmp_path, limit=1).items
+    assert (top.step, top.verified, top.problem) == (9, False, "manifest.json unreadable: ValueError")
+    assert not list_checkpoints(tmp_path / "nothing-yet").exists
+
+
+def test_the_optimizer_step_waits_for_the_background_copy(tmp_path: Path) -> None:
+    """The copy of the parameters and optimizer state runs on the writer thread while the next
+    step's forward and backward run; optimizer.step() waits for it, so the checkpoint holds the
+    state at save() even when the step comes at once."""
+    ref, ref_opt = reference("adamw", steps=1)
+    m, opt, fams = shard(ref, ref_opt, "adamw", TARGETS["TP1"], 0)
+    ck = Checkpointer(tmp_path)
+    gate = threading.Event()
+    ck.test_hook = lambda stage, att: gate.wait(60) if stage == "snapshot" else None
+    h = ck.save(1, m, opt, TARGETS["TP1"], 0, fams, attempt="bg")
+    assert not h.snapshotted.done()  # save() returned before the copy
+    opt.zero_grad()
+    m.loss(*batch(1, 8)).backward()  # the next step's forward and backward go on meanwhile
+    stepping = threading.Thread(target=opt.step)
+    stepping.start()
+    stepping.join(0.5)
+    assert stepping.is_alive() and not h.snapshotted.done()  # held by the pre-step hook
+    gate.set()
+    stepping.join(60)
+    assert not stepping.is_alive() and h.snapshotted.done()
+    assert h.completed is not None
+    h.completed.result(60)
+    assert mismatches(m, opt, ref, ref_opt) != []  # the step did change the live state ...
+    m2, opt2, fams2 = fresh("adamw", TARGETS["TP1"], 0)
+    Checkpointer(tmp_path).load(m2, opt2, TARGETS["TP1"], 0, fams2)
+    assert mismatches(m2, opt2, ref, ref_opt) == []  # ... and the checkpoint holds the state at save()
+    other = opt.register_step_pre_hook(lambda *_: None)  # another hook after ours
+    opt.step()  # a later step: the hook lets it through (and the table is not changed under the step)
+    ck.fence()  # removes the hook
+    assert list(opt._optimizer_step_pre_hooks) == [other.id]

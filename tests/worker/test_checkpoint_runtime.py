@@ -3,11 +3,11 @@ is gone, the survivors restore the newest verified checkpoint into the new layou
 
 Two replicas at TP2 train with a checkpoint every 2 steps. Both ranks at TP index 1 (the only
 holders of the upper half of every unit family) are SIGKILLed while their peers are inside step 5;
-the "manager" publishes TP1 x DP2. No survivor holds the lost units, so instead of stopping
-(ReconfigurationError) both survivors load the newest complete checkpoint into TP1 and train on
-from its step. Every loss after the restore and the final parameters equal one process trained
-straight through on the same global batches (rel. <= 1e-5): nothing of the lost steps leaks in,
-and the optimizer state (AdamW moments and step) came back."""
+the "manager" publishes TP1 x DP2 with the step to restore from (2). No survivor holds the lost
+units, so instead of stopping (ReconfigurationError) both survivors load that checkpoint into TP1
+(passing over a newer one) and train on from its step. Every loss after the restore and the final
+parameters equal one process trained straight through on the same global batches (rel. <= 1e-5):
+nothing of the lost steps leaks in, and the optimizer state (AdamW moments and step) came back."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig
-from ntp_manager.worker.sources import StoreLayoutSource, publish_layout, read_acks
+from ntp_manager.worker.sources import RestoreNote, StoreLayoutSource, publish_layout, read_acks
 from ntp_manager.worker.tiny_gpt import TinyGpt, tp_plan
 from tests.fakes.procs import free_port
 from tests.worker.ckpt_cases import CFG, make_opt
@@ -50,6 +50,20 @@ def loss_fn(model: Any, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return model.loss(*b)
 
 
+class _Acks(StoreLayoutSource):
+    """The store source, telling the test what each ack says about a restore (the manager's
+    record of it: tests/integration/test_checkpoint_restore.py)."""
+
+    def __init__(self, *a: Any, q: Any) -> None:
+        super().__init__(*a)
+        self.q = q
+
+    def ack(self, layout: Any, ok: bool, detail: str = "", restored: RestoreNote | None = None) -> None:
+        super().ack(layout, ok, detail, restored)
+        if restored is not None:
+            self.q.put(("restore note", self.worker_id, layout.version, restored))
+
+
 def _worker(wid: str, port: int, root: str, q: Any) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=dt.timedelta(seconds=120))
@@ -57,7 +71,7 @@ def _worker(wid: str, port: int, root: str, q: Any) -> None:
                         checkpoint_dir=root, checkpoint_interval=2, checkpoint_keep_last=2,
                         checkpoint_complete_timeout_s=30)
     rt = Runtime(lambda: TinyGpt(CFG), tp_plan(CFG), lambda ps: make_opt("adamw", ps),
-                 StoreLayoutSource(store, JOB, wid), store, cfg)
+                 _Acks(store, JOB, wid, q=q), store, cfg)
     rt.data_state_fn = lambda: {"next_step": rt.step}
     rt.start()
     while rt.step < STEPS:
@@ -100,6 +114,7 @@ def test_losing_every_holder_of_a_unit_restores_the_checkpoint_into_the_new_layo
         p.start()
     steps: dict[str, list[tuple[int, float, int, int]]] = {w: [] for w in A + B}
     done: dict[str, Any] = {}
+    notes: dict[str, Any] = {}
     deadline = time.monotonic() + 240
     try:
         while store.add("test/parked", 0) < 2:
@@ -109,11 +124,15 @@ def test_losing_every_holder_of_a_unit_restores_the_checkpoint_into_the_new_layo
         for w in ("w1", "w3"):
             os.kill(procs[w].pid, signal.SIGKILL)  # type: ignore[arg-type]
             procs[w].join()
-        publish_layout(store, JOB, 2, [(["w0"], 4), (["w2"], 4)], "w1 and w3 failed")
+        # the manager's layout names the step to restore from (Layout.restore_step): step 2, though
+        # step 4's checkpoint may be complete too
+        publish_layout(store, JOB, 2, [(["w0"], 4), (["w2"], 4)], "w1 and w3 failed", restore_step=2)
         while len(done) < 2:
             msg = q.get(timeout=max(deadline - time.monotonic(), 1))
             if msg[0] == "step":
                 steps[msg[1]].append(tuple(msg[2:]))
+            elif msg[0] == "restore note":
+                notes[msg[1]] = msg[2:]
             else:
                 done[msg[1]] = msg[2:]
     finally:
@@ -128,8 +147,11 @@ def test_losing_every_holder_of_a_unit_restores_the_checkpoint_into_the_new_layo
     ref_losses, ref_params = reference()
     for w in ("w0", "w2"):
         params, units, timeline, restored_step, data_state = done[w]
-        assert restored_step in (2, 4), restored_step  # 4 unless its completion lost the race with the restore
+        assert restored_step == 2, restored_step
         assert data_state == {"next_step": restored_step}
+        version, note = notes[w]  # what the ack tells the manager
+        assert version == 2 and note.step == restored_step and note.checkpoint == f"step-{restored_step:012d}"
+        assert "has no surviving holder" in note.reason, note
         (ev,) = [(v, d) for what, v, d in timeline if what == "restored from checkpoint"]
         assert ev[0] == 2 and ev[1].startswith(f"restored from step {restored_step} ")
         assert "has no surviving holder" in ev[1], ev

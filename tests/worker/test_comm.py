@@ -165,6 +165,26 @@ def test_agree_reads_every_record_and_checks_backends():
         comm.agree(store, "q", 2, "nccl", shrinkable=True)
 
 
+def test_a_rank_counted_in_twice_counts_once() -> None:
+    """A rank that comes to the same version twice (a restarted process reading the same layout,
+    or a retry) overwrites its records: the backend check and the arrival keys count ranks, not
+    calls (a counter once read 'only 10 of 6 ranks chose gloo' here)."""
+    store = dist.HashStore()
+    for _ in range(3):
+        comm.publish_held(store, "r", 0, None, "gloo")
+    keys = comm.arrival_keys("r", 2)
+    store.set(keys[0], "1")
+    store.set(keys[0], "1")
+    assert not store.check(keys)  # rank 1 has not arrived, however often rank 0 did
+    comm.publish_held(store, "r", 1, None, "gloo")
+    store.set(keys[1], "1")
+    assert store.check(keys)
+    assert comm.agree(store, "r", 2, "gloo", shrinkable=False).kind == "fresh"
+    comm.publish_held(store, "r", 0, None, "nccl")  # a rank's newest record is the one that counts
+    with pytest.raises(BackendError, match="only 1 of 2 ranks chose backend 'gloo'"):
+        comm.agree(store, "r", 2, "gloo", shrinkable=False)
+
+
 # ---- the staged path, real gloo processes ------------------------------------------------------
 def _staged_worker(rank: int, world: int, port: int, q: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

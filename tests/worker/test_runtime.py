@@ -315,3 +315,58 @@ def _solo(port: int, q: Any) -> None:
 
     rt.train_step(lambda s, st, n: Batch(batch(s, st, n)), lambda m, b: loss_fn(m, tuple(b)))
     rt.close()
+
+
+def test_tp_wait_is_measured_per_rank_and_a_slow_rank_makes_its_peer_wait() -> None:
+    """Issue 21: on CPU the runtime times each rank's blocking TP all-reduces (comm_wait_s) and
+    reports the forward+backward without them (compute_s). Rank "b" sleeps 2 s before its
+    forward on step 1 (after step 0's commit point lined the two up): it reports the sleep as
+    compute, and "a", whose first TP all-reduce cannot finish before "b" joins it, reports it as
+    communication wait. (The sleep is long, 2 s, and only lower bounds are checked: on a loaded
+    machine both ranks also wait for each other by a second or more, so "a waited more than b"
+    would be a race.)"""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=dt.timedelta(seconds=60))
+    publish_layout(store, "pair", 1, [(["a", "b"], 2)], "start")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_pair, args=(port, wid, q)) for wid in ("a", "b")]
+    for p in procs:
+        p.start()
+    try:
+        got = {}
+        for _ in range(2):
+            wid, work = q.get(timeout=120)
+            got[wid] = work
+        for p in procs:
+            p.join(timeout=60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    a, b = got["a"], got["b"]
+    assert b.compute_s >= 2.0, (a, b)  # the sleep is the slow rank's own time
+    assert a.comm_wait_s >= 1.0, (a, b)  # its peer waited for it in the TP collectives
+
+
+def _pair(port: int, wid: str, q: Any) -> None:
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=dt.timedelta(seconds=60))
+    reports: Any = []
+
+    class Keep(StoreLayoutSource):
+        def report_step(self, layout: Any, step: int, step_time_s: float, tokens: int, work: Any = None) -> None:
+            reports.append(work)
+
+    rt = Runtime(lambda: TinyGpt(CFG), tp_plan(CFG), _opt_fn("sgd"), Keep(store, "pair", wid), store,
+                 RuntimeConfig(job="pair", device="cpu", backend="gloo"))
+    rt.start()
+    for step in range(2):
+        def slow_loss(m: Any, b: Any, step: int = step) -> torch.Tensor:
+            if wid == "b" and step == 1:
+                time.sleep(2.0)
+            return loss_fn(m, b)
+
+        rt.train_step(batch, slow_loss)
+    q.put((wid, reports[1]))
+    rt.close()

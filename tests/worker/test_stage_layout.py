@@ -10,20 +10,20 @@ import pytest
 
 from ntp_manager._proto.ntp.v1 import common_pb2 as pb
 from ntp_manager.planner import PowerModel, Scheme, make_plan
-from ntp_manager.planner.export import plan_to_dict
+from ntp_manager.planner.layout import LayoutDoc
 from ntp_manager.planner.ranks import global_rank
+from ntp_manager.rpc.views import build_views
 from ntp_manager.service.state import LayoutRec
-from ntp_manager.service.views import build_views
 from ntp_manager.worker.sources import layout_from_doc, layout_from_pb
 from tests.fakes.builders import cluster_from_counts, job
 
 
-def _plan_pp2_r0s1_failed() -> dict:  # type: ignore[type-arg]
+def _plan_pp2_r0s1_failed() -> LayoutDoc:
     j = job(tp=4, pp=2, replicas=2, batch=4, min_tp=2, scheme=Scheme.NTP_PW, heads=6, mlp=96,
             power=PowerModel(max_boost=1.1))
     p0 = make_plan(cluster_from_counts([4] * 4), j)
     # GPU 3 of domain d1 (replica 0, stage 1) fails: that stage runs at TP3, stage 0 stays at TP4
-    return plan_to_dict(make_plan(cluster_from_counts([4] * 4, [(1, 3)]), j, p0))
+    return LayoutDoc.of(make_plan(cluster_from_counts([4] * 4, [(1, 3)]), j, p0))
 
 
 def test_views_carry_stage_degrees_and_every_gpu_finds_its_rank() -> None:
@@ -31,10 +31,10 @@ def test_views_carry_stage_degrees_and_every_gpu_finds_its_rank() -> None:
     rec = LayoutRec("llm", 7, 1, plan, "GPU-1-3 failed", dt.datetime.now(dt.UTC))
     views = build_views(rec)
     expect = {}  # GPU -> (replica, stage, TP index) in the plan
-    for ri, r in enumerate(sorted(plan["replicas"], key=lambda r: r["id"])):
-        for g in r["groups"]:
-            for j, u in enumerate(g["gpus"]):
-                expect[u] = (ri, g["stage"], j)
+    for ri, r in enumerate(plan.replicas):
+        for g in r.groups:
+            for j, u in enumerate(g.gpus):
+                expect[u] = (ri, g.stage, j)
     assert len(expect) == 15
     for u, (ri, si, j) in expect.items():
         lay = layout_from_pb(pb.Layout.FromString(views.bytes_for_gpu(u)), u)

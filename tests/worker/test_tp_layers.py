@@ -12,9 +12,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ntp_manager.planner import ntp_map
-from ntp_manager.worker import runtime
 from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan, unit_counts
 from ntp_manager.worker.tp import ColwiseUnits, RowwiseUnits, parallelize, unit_major_view, unit_slice
+from ntp_manager.worker.tp import unit_counts as counts_of_model
 from tests.fakes.procs import free_port
 from tests.worker import devices
 from tests.worker.compare import ref_part, shard_info
@@ -151,4 +151,4 @@ def test_tiny_gpt_unit_counts_match_the_plan():
     """tiny_gpt.unit_counts is written out by hand (no 118M model built to count); it must say what
     the runtime derives from the model and its plan."""
     cfg = GptConfig(vocab=96, seq=8, d_model=48, heads=6, mlp=72, layers=2)
-    assert unit_counts(cfg) == runtime.unit_counts(TinyGpt(cfg), tp_plan(cfg))
+    assert unit_counts(cfg) == counts_of_model(TinyGpt(cfg), tp_plan(cfg))

@@ -8,6 +8,7 @@ from ntp_manager import __version__
 from ntp_manager.api.edge import NOT_FOUND, Limit, Offset, require
 from ntp_manager.auth import Principal
 from ntp_manager.service.manager import Manager
+from ntp_manager.topology import GpuState
 
 
 def router(manager: Manager) -> APIRouter:
@@ -38,7 +39,7 @@ def router(manager: Manager) -> APIRouter:
     @r.get("/gpus")
     async def gpus(
         _: Viewer,
-        state: Annotated[str | None, Query(max_length=32)] = None,
+        state: GpuState | None = None,  # anything else: 422 naming the parameter, not an empty page
         node: Annotated[str | None, Query(max_length=256)] = None,
         domain: Annotated[str | None, Query(max_length=128)] = None,
         limit: Limit = 100,

@@ -1,7 +1,6 @@
 """Jobs: listing, layouts and their history, step reports, plans (dry runs and replans), create and
 delete."""
 
-import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -11,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from ntp_manager import limits
 from ntp_manager.api.edge import E4, NOT_FOUND, Error, GpuId, IdemKey, Limit, Offset, json_reply, mutate, require
 from ntp_manager.auth import Principal
+from ntp_manager.planner.layout import LayoutDoc
+from ntp_manager.service import offloop
 from ntp_manager.service.errors import FailedPrecondition, InvalidArgument, NotFound
 from ntp_manager.service.manager import Manager, Mut
 from ntp_manager.specfile import JobFile
@@ -26,6 +27,14 @@ class PlanBody(BaseModel):
     fail: list[GpuId] = Field(default_factory=list, max_length=100_000, description="GPUs to treat as failed")
 
 
+class FailSlowBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    options: dict[str, bool | int | float] = Field(
+        default_factory=dict, max_length=64,
+        description="detector options to change (docs/failslow.md), e.g. {\"enter_margin\": 0.15, \"dry_run\": true}")
+    reset: bool = Field(False, description="start from the defaults; with no options, drop the job's own options")
+
+
 def router(manager: Manager) -> APIRouter:
     r = APIRouter(prefix="/v1", tags=["jobs"])
     Viewer = Annotated[Principal, Depends(require(manager, "read"))]
@@ -34,16 +43,16 @@ def router(manager: Manager) -> APIRouter:
 
     @r.get("/jobs", response_model=dict[str, Any])
     async def jobs(_: Viewer, limit: Limit = 100, offset: Offset = 0) -> Response:
-        return await json_reply(q.jobs(limit, offset))
+        return await json_reply(await q.jobs(limit, offset))
 
     @r.get("/jobs/{name}", responses=NOT_FOUND, response_model=dict[str, Any])
     async def job(name: str, _: Viewer) -> Response:
-        return await json_reply(q.job(name))
+        return await json_reply(await q.job(name))
 
     @r.get("/jobs/{name}/layout", responses={404: {"model": Error}, 409: {"model": Error}},
            response_model=dict[str, Any])
     async def layout(name: str, _: Viewer) -> Response:
-        return await json_reply(q.layout(name))
+        return await json_reply(await q.layout(name))
 
     @r.get("/jobs/{name}/steps", responses=NOT_FOUND)
     async def steps(
@@ -53,9 +62,46 @@ def router(manager: Manager) -> APIRouter:
         stage of the current layout, over the job's bounded window, and the newest samples."""
         return manager.step_summary(name, recent)
 
-    @r.get("/jobs/{name}/layouts", responses=NOT_FOUND)
-    async def layouts(name: str, _: Viewer, limit: Limit = 100, offset: Offset = 0) -> dict[str, Any]:
-        return await q.layouts(name, limit, offset)
+    @r.get("/jobs/{name}/checkpoints", responses={404: {"model": Error}, 409: {"model": Error}})
+    async def checkpoints(
+        name: str, _: Viewer, limit: Annotated[int, Query(ge=1, le=1000, description="newest N listed")] = 100,
+    ) -> dict[str, Any]:
+        """The job's checkpoints, newest first (step, completion time, complete, verified, bytes),
+        read from its spec's checkpoint.dir off the event loop; 409 when the job has no checkpoint
+        block or the directory cannot be read in time."""
+        return await manager.checkpoints.list(name, limit)
+
+    @r.get("/jobs/{name}/slow", responses=NOT_FOUND)
+    async def slow(name: str, _: Viewer) -> dict[str, Any]:
+        """Fail-slow: the job's detector options, each GPU's step factor and verdict, the groups
+        called imbalanced or network-slow, and the newest verdicts (docs/failslow.md)."""
+        return manager.failslow_view(name)
+
+    @r.patch("/jobs/{name}/slow/options", responses=E4)
+    async def slow_options(request: Request, name: str, body: FailSlowBody, who: Operator,
+                           key: IdemKey = None) -> Response:
+        """Change the job's fail-slow thresholds, windows or dry run; they apply from the next step."""
+        return await mutate(manager, request, who, key,
+                            lambda m: manager.set_failslow_options(m, name, dict(body.options), body.reset))
+
+    @r.get("/failslow/options")
+    async def slow_defaults(_: Viewer) -> dict[str, Any]:
+        """The fail-slow options of jobs without options of their own, and the jobs with some."""
+        fs = manager.failslow
+        return {"defaults": fs.options_for("*").as_dict(),
+                "jobs": {k: v.as_dict() for k, v in sorted(fs.options.items()) if k != "*"}}
+
+    @r.patch("/failslow/options", responses=E4)
+    async def slow_defaults_set(request: Request, body: FailSlowBody, who: Operator, key: IdemKey = None) -> Response:
+        """Change the fail-slow options of every job without options of its own."""
+        return await mutate(manager, request, who, key,
+                            lambda m: manager.set_failslow_options(m, "*", dict(body.options), body.reset))
+
+    @r.get("/jobs/{name}/layouts", responses=NOT_FOUND, response_model=dict[str, Any])
+    async def layouts(name: str, _: Viewer, limit: Limit = 100, offset: Offset = 0) -> Response:
+        """A job's layout versions, newest first: each replica's TP degree, batch, stage degrees
+        (`stage_tp`) and the groups that moved into it (`moved`), and the version's `moves`."""
+        return await json_reply(await q.layouts(name, limit, offset))
 
     @r.post("/jobs", status_code=201, responses=E4)
     async def create_job(request: Request, body: JobFile, who: Operator, key: IdemKey = None) -> Response:
@@ -82,12 +128,12 @@ def router(manager: Manager) -> APIRouter:
             raise InvalidArgument("dry_run: a real replan needs an existing job and no simulated failures")
         # planned and encoded off the event loop, before the transaction (which then holds only the audit)
         planned = await manager.dry_run(spec, body.fail) if body.dry_run else None
-        answer = await asyncio.to_thread(StoredJson, {"dry_run": True, "plan": planned}) if planned else None
+        answer = await offloop.run(_answer, planned, {"dry_run": True}) if planned else None
 
         async def run(m: Mut) -> Any:
             if planned is not None:
                 m.audit(m.now, "plan.dry_run", spec.name,
-                        after={"relative_throughput": planned["relative_throughput"], "fail": body.fail[:100]})
+                        after={"relative_throughput": planned.relative_throughput, "fail": body.fail[:100]})
                 return answer
             assert body.job is not None
             if manager.breaker_open:
@@ -96,8 +142,13 @@ def router(manager: Manager) -> APIRouter:
             if lay is None:
                 why = manager.world.jobs[body.job].pending_reason
                 raise InvalidArgument(f"job {body.job!r} cannot be planned: {why}")
-            return await asyncio.to_thread(StoredJson, {"dry_run": False, "version": lay.version, "plan": lay.plan})
+            return await offloop.run(_answer, lay.doc, {"dry_run": False, "version": lay.version})
 
         return await mutate(manager, request, who, key, run)
 
     return r
+
+
+def _answer(doc: LayoutDoc, head: dict[str, Any]) -> StoredJson:
+    """A plan answer with its JSON text made here (in a worker thread: O(GPUs))."""
+    return StoredJson({**head, "plan": doc.to_dict()})

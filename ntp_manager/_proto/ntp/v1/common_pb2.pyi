@@ -104,7 +104,7 @@ class ReplicaDetail(_message.Message):
     def __init__(self, replica_id: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[TpGroup, _Mapping]]] = ...) -> None: ...
 
 class Layout(_message.Message):
-    __slots__ = ("job", "stamp", "healthy_tp_degree", "target_batch", "global_batch", "replicas", "own", "peers", "world_size", "rendezvous", "reason")
+    __slots__ = ("job", "stamp", "healthy_tp_degree", "target_batch", "global_batch", "replicas", "own", "peers", "world_size", "rendezvous", "reason", "restore_step")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAMP_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_TP_DEGREE_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class Layout(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_STEP_FIELD_NUMBER: _ClassVar[int]
     job: str
     stamp: LayoutStamp
     healthy_tp_degree: int
@@ -127,4 +128,5 @@ class Layout(_message.Message):
     world_size: int
     rendezvous: str
     reason: str
-    def __init__(self, job: _Optional[str] = ..., stamp: _Optional[_Union[LayoutStamp, _Mapping]] = ..., healthy_tp_degree: _Optional[int] = ..., target_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaSummary, _Mapping]]] = ..., own: _Optional[_Union[ReplicaDetail, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[ReplicaDetail, _Mapping]]] = ..., world_size: _Optional[int] = ..., rendezvous: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    restore_step: int
+    def __init__(self, job: _Optional[str] = ..., stamp: _Optional[_Union[LayoutStamp, _Mapping]] = ..., healthy_tp_degree: _Optional[int] = ..., target_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaSummary, _Mapping]]] = ..., own: _Optional[_Union[ReplicaDetail, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[ReplicaDetail, _Mapping]]] = ..., world_size: _Optional[int] = ..., rendezvous: _Optional[str] = ..., reason: _Optional[str] = ..., restore_step: _Optional[int] = ...) -> None: ...

@@ -33,18 +33,32 @@ class WatchLayoutRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., worker_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., known: _Optional[_Union[_common_pb2.LayoutStamp, _Mapping]] = ...) -> None: ...
 
 class AckLayoutRequest(_message.Message):
-    __slots__ = ("job", "worker_id", "stamp", "status", "detail")
+    __slots__ = ("job", "worker_id", "stamp", "status", "detail", "restored")
     JOB_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STAMP_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FIELD_NUMBER: _ClassVar[int]
     job: str
     worker_id: str
     stamp: _common_pb2.LayoutStamp
     status: AckStatus
     detail: str
-    def __init__(self, job: _Optional[str] = ..., worker_id: _Optional[str] = ..., stamp: _Optional[_Union[_common_pb2.LayoutStamp, _Mapping]] = ..., status: _Optional[_Union[AckStatus, str]] = ..., detail: _Optional[str] = ...) -> None: ...
+    restored: CheckpointRestore
+    def __init__(self, job: _Optional[str] = ..., worker_id: _Optional[str] = ..., stamp: _Optional[_Union[_common_pb2.LayoutStamp, _Mapping]] = ..., status: _Optional[_Union[AckStatus, str]] = ..., detail: _Optional[str] = ..., restored: _Optional[_Union[CheckpointRestore, _Mapping]] = ...) -> None: ...
+
+class CheckpointRestore(_message.Message):
+    __slots__ = ("step", "checkpoint", "reason", "skipped")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    checkpoint: str
+    reason: str
+    skipped: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., checkpoint: _Optional[str] = ..., reason: _Optional[str] = ..., skipped: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AckLayoutResponse(_message.Message):
     __slots__ = ("current",)

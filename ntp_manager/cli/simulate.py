@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ntp_manager.cli.common import fail
 from ntp_manager.planner import PAPER_POWER_CURVE, PlanError, Scheme
 from ntp_manager.sim import (
     PRESETS,
@@ -239,8 +240,6 @@ def simulate(
 
     An option that would do nothing with the others given (a trace option in a static sweep, a
     preset option with a custom cluster) is refused, not ignored."""
-    from ntp_manager.cli import fail
-
     console = Console(stderr=as_json)
     given = dict(locals())
     trace_mode = days is not None

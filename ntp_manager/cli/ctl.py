@@ -4,9 +4,15 @@
     ntpctl status
     ntpctl gpus --state failed
     ntpctl layout llm --history
+    ntpctl checkpoints llm
     ntpctl cordon GPU-... --reason "flaky NVLink"
     ntpctl drain node-7 --in 30m --reason "kernel update"
     ntpctl plan llm --dry-run --fail GPU-a --fail GPU-b
+    ntpctl slow show llm
+    ntpctl slow set llm --set enter_margin=0.15 --set exit_margin=0.08 --dry-run
+
+With several managers (one leads, the others stand by), give every address:
+NTP_URL=http://a:8080,http://b:8080; each request goes to whichever leads.
 
 Every command takes `--json` (machine-readable output, the API's own JSON). Errors are one line on
 stderr and a non-zero exit: 2 for usage and missing tokens, 1 for requests the manager refused
@@ -18,25 +24,34 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn, cast
 
 import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
+from tenacity import RetryCallState, wait_exponential_jitter
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Operate an ntp-manager cluster.")
 token_app = typer.Typer(no_args_is_help=True, help="Manage API tokens (admin scope).")
 app.add_typer(token_app, name="token")
+slow_app = typer.Typer(no_args_is_help=True, help="Fail-slow detection: verdicts and thresholds.")
+app.add_typer(slow_app, name="slow")
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
 
 
+ROUNDS = 3  # passes over the managers' addresses before giving up (a failover takes a few seconds)
+
+
 class Ctx:
     def __init__(self, url: str, token_file: Path | None, as_json: bool, timeout: float) -> None:
-        self.url, self.token_file, self.as_json, self.timeout = url.rstrip("/"), token_file, as_json, timeout
+        self.urls = [u.strip().rstrip("/") for u in url.split(",") if u.strip()] or ["http://127.0.0.1:8080"]
+        self.url = self.urls[0]
+        self.token_file, self.as_json, self.timeout = token_file, as_json, timeout
 
     def token(self) -> str:
         if self.token_file is not None:
@@ -53,11 +68,7 @@ class Ctx:
         return tok
 
     def call(self, method: str, path: str, **kw: Any) -> Any:
-        headers = {"Authorization": f"Bearer {self.token()}"}
-        try:
-            r = httpx.request(method, f"{self.url}{path}", headers=headers, timeout=self.timeout, **kw)
-        except httpx.HTTPError as e:
-            fail(f"cannot reach the manager at {self.url} ({type(e).__name__}: {e})", 3)
+        r = self._send(method, path, {"Authorization": f"Bearer {self.token()}"}, **kw)
         if r.status_code >= 400:
             try:
                 detail = r.json().get("detail", r.text)
@@ -67,6 +78,59 @@ class Ctx:
                 detail = "; ".join(f"{'.'.join(str(x) for x in d.get('loc', []))}: {d.get('msg')}" for d in detail)
             fail(f"{r.status_code}: {detail}", 1)
         return r.json()
+
+    def _send(self, method: str, path: str, headers: dict[str, str], **kw: Any) -> httpx.Response:
+        """The request, made to the manager that leads. With several addresses (NTP_URL=a,b): a
+        standby names the leader (307 for reads, 503 for writes, header X-NTP-Leader) and the
+        request goes there; an address that does not answer is skipped; after a pass over all of
+        them with no leader found, wait (exponential backoff, full jitter) and pass again."""
+        wait = wait_exponential_jitter(multiplier=0.2, max=2.0, jitter=0.5)
+        last: httpx.Response | None = None
+        errors: list[str] = []
+        for attempt in range(1, ROUNDS + 1):
+            todo, tried = list(self.urls), set()
+            while todo:
+                url = todo.pop(0)
+                if url in tried:
+                    continue
+                tried.add(url)
+                try:
+                    r = httpx.request(method, f"{url}{path}", headers=headers, timeout=self.timeout, **kw)
+                except httpx.HTTPError as e:
+                    errors.append(f"{url} ({type(e).__name__}: {e})")
+                    continue
+                leader = r.headers.get("x-ntp-leader")
+                if r.status_code in (307, 503) and (leader or "leader" in _json_keys(r)):
+                    last = r
+                    if leader and leader not in tried:
+                        todo.insert(0, leader.rstrip("/"))
+                    continue
+                self.url = url
+                return r
+            if attempt < ROUNDS:
+                time.sleep(wait(cast(RetryCallState, _Attempt(attempt))))
+        if last is not None:
+            try:
+                detail = last.json().get("detail", last.text)
+            except ValueError:
+                detail = last.text
+            fail(f"no manager leads now ({detail})", 3)
+        fail(f"cannot reach the manager at {', '.join(self.urls)} ({'; '.join(errors[-len(self.urls):])})", 3)
+
+
+class _Attempt:
+    """The bit of tenacity's RetryCallState its wait strategies read."""
+
+    def __init__(self, n: int) -> None:
+        self.attempt_number = n
+
+
+def _json_keys(r: httpx.Response) -> set[str]:
+    try:
+        doc = r.json()
+    except ValueError:
+        return set()
+    return set(doc) if isinstance(doc, dict) else set()
 
 
 def fail(msg: str, code: int = 1) -> NoReturn:
@@ -86,7 +150,8 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="print the API's JSON")]
 @app.callback()
 def root(
     c: typer.Context,
-    url: Annotated[str, typer.Option(envvar="NTP_URL", help="manager REST address")] = "http://127.0.0.1:8080",
+    url: Annotated[str, typer.Option(
+        envvar="NTP_URL", help="manager REST address; several managers (one leads): URL,URL")] = "http://127.0.0.1:8080",
     token_file: Annotated[Path | None, typer.Option(envvar="NTP_TOKEN_FILE", help="file holding the token "
                                                     "(else NTP_TOKEN)")] = None,
     as_json: JsonOpt = False,
@@ -192,6 +257,34 @@ def layout(c: typer.Context, job: str, history: Annotated[bool, typer.Option(hel
     if not (as_json or cx.as_json):
         out.print(f"reason: {d.get('reason', '')}", highlight=False)
         out.print(_moves_line(plan.get("moves")), highlight=False)
+
+
+@app.command()
+def checkpoints(c: typer.Context, job: str,
+                limit: Annotated[int, typer.Option(min=1, max=1000, help="newest N listed")] = 20,
+                as_json: JsonOpt = False) -> None:
+    """A job's checkpoints, newest first: step, time, complete / verified, size (read by the
+    manager from the spec's checkpoint.dir; "verified": manifest intact and every file present at
+    its recorded size, the workers hash the contents when they load)."""
+    d = ctx_of(c).call("GET", f"/v1/jobs/{job}/checkpoints", params={"limit": limit})
+    rows = [[x["step"], _when(x["at"]), "yes" if x["complete"] else "no", "yes" if x["verified"] else "no",
+             _size(x["bytes"]), x["name"], x["problem"]] for x in d["items"]]
+    more = f" (newest {len(rows)} of {d['total']})" if d["total"] > len(rows) else ""
+    emit(c, d, as_json, table(f"checkpoints of {job} in {d['root']}{more}",
+                              ["step", "time", "complete", "verified", "size", "directory", "problem"], rows))
+
+
+def _when(at: float | None) -> str:
+    return "" if at is None else datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _size(n: int) -> str:
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if x < 1024 or unit == "TiB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return str(n)
 
 
 def _moved_from(replica: dict[str, Any]) -> str:
@@ -336,6 +429,69 @@ def delete_job(c: typer.Context, job: str, as_json: JsonOpt = False) -> None:
     """Delete a job (its workers lose their place)."""
     d = ctx_of(c).call("DELETE", f"/v1/jobs/{job}")
     emit(c, d, as_json, text=f"job {job} deleted")
+
+
+# ---- fail-slow ---------------------------------------------------------------------------------
+@slow_app.command("show")
+def slow_show(c: typer.Context, job: str, as_json: JsonOpt = False) -> None:
+    """Each GPU's step factor (observed / predicted, against its peers) and the newest verdicts."""
+    cx = ctx_of(c)
+    d = cx.call("GET", f"/v1/jobs/{job}/slow")
+    rows = [[r["gpu"], r["stage"], r["tp_group"], "" if r["factor"] is None else f"{r['factor']:.3f}",
+             "[red]slow[/]" if r["slow"] else "", "" if r["since_step"] is None else r["since_step"],
+             f"{r['compute_s']:.4f}", "" if r["predicted_s"] is None else f"{r['predicted_s']:.4f}"]
+            for r in d["ranks"]]
+    mode = " (dry run: verdicts are reported, not acted on)" if d["dry_run"] else ""
+    emit(c, d, as_json, table(f"{job}: fail-slow at step {d['step']}{mode}",
+                              ["GPU", "stage", "TP group", "factor", "verdict", "since", "compute s", "predicted s"],
+                              rows))
+    if not (as_json or cx.as_json):
+        for v in d["verdicts"][:10]:
+            out.print(f"step {v['step']} {v['kind']}{' (dry run)' if v['dry_run'] else ''}: {v['reason']}",
+                      highlight=False)
+
+
+def _option_value(text: str) -> bool | int | float:
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    try:
+        return int(low)
+    except ValueError:
+        pass
+    try:
+        return float(low)
+    except ValueError:
+        fail(f"--set: {text!r} is not a number, true or false", 2)
+
+
+@slow_app.command("set")
+def slow_set(c: typer.Context,
+             job: Annotated[str | None, typer.Argument(help="the job (omit with --defaults)")] = None,
+             option: Annotated[list[str] | None,
+                               typer.Option("--set", help="NAME=VALUE, e.g. enter_margin=0.15")] = None,
+             dry_run: Annotated[bool | None,
+                                typer.Option("--dry-run/--act", help="only report verdicts, or act")] = None,
+             defaults: Annotated[bool, typer.Option("--defaults", help="change the defaults of every job")] = False,
+             reset: Annotated[bool, typer.Option("--reset", help="start from the defaults")] = False,
+             as_json: JsonOpt = False) -> None:
+    """Change fail-slow thresholds, windows or dry run at runtime (operator scope; audited)."""
+    if (job is None) == (not defaults):
+        fail("give a job, or --defaults", 2)
+    changes: dict[str, Any] = {}
+    for item in option or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            fail(f"--set: expected NAME=VALUE, got {item!r}", 2)
+        changes[name.strip()] = _option_value(value)
+    if dry_run is not None:
+        changes["dry_run"] = dry_run
+    if not changes and not reset:
+        fail("nothing to change: give --set, --dry-run/--act or --reset", 2)
+    path = "/v1/failslow/options" if defaults else f"/v1/jobs/{job}/slow/options"
+    d = ctx_of(c).call("PATCH", path, json={"options": changes, "reset": reset})
+    changed = ", ".join(f"{k}={v}" for k, v in d["changed"].items()) or "nothing changed"
+    emit(c, d, as_json, text=f"fail-slow options of {job or 'every job'}: {changed}")
 
 
 # ---- tokens ------------------------------------------------------------------------------------

@@ -11,13 +11,15 @@ import random
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import typer
 import yaml
 from rich.console import Console
 from rich.table import Table
 
+from ntp_manager.cli.common import err_console, fail
+from ntp_manager.cli.simulate import simulate
 from ntp_manager.planner import GroupPlan, Plan, PlanError, PreviousLayout, ReplicaPlan, make_plan
 from ntp_manager.planner.export import plan_to_dict
 from ntp_manager.settings import Settings
@@ -33,14 +35,6 @@ app = typer.Typer(
 )
 cluster_app = typer.Typer(help="Cluster spec files.", no_args_is_help=True)
 app.add_typer(cluster_app, name="cluster")
-
-err_console = Console(stderr=True)
-
-
-def fail(message: str, code: int = 2) -> NoReturn:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
-
 
 def apply_failures(cluster: Cluster, fail_uuids: list[str], fail_random: int, seed: int) -> Cluster:
     changes: dict[str, GpuState] = {}
@@ -225,16 +219,22 @@ def serve(
     """Run the manager: REST API, gRPC for agents and workers, and the control loop."""
     import asyncio
 
-    from ntp_manager.service.app import run_service
+    from ntp_manager.server import run_service
 
     settings = _settings(data_dir=data_dir, database_url=database_url, http_host=http_host, http_port=http_port,
                          grpc_host=grpc_host, grpc_port=grpc_port, grpc_tls_port=grpc_tls_port,
                          grpc_tls_cert=grpc_tls_cert, grpc_tls_key=grpc_tls_key,
                          grpc_tls_client_ca=grpc_tls_client_ca)
+    from ntp_manager.service.leader import AnotherManager
+
     try:
-        asyncio.run(run_service(settings))
+        code = asyncio.run(run_service(settings))
     except OSError as e:
         fail(f"cannot start: {e}")
+    except AnotherManager as e:
+        fail(str(e))
+    if code:
+        raise typer.Exit(code)
 
 
 @db_app.command("upgrade")
@@ -346,13 +346,7 @@ def token_revoke(
         print(f"revoked {tid}")
 
 
-def _register_simulate() -> None:
-    from ntp_manager.cli_sim import simulate
-
-    app.command("simulate")(simulate)
-
-
-_register_simulate()
+app.command("simulate")(simulate)
 
 
 def main() -> None:

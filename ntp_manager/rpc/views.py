@@ -1,0 +1,97 @@
+"""A layout version -> the `ntp.v1.Layout` each worker watches.
+
+Each worker's view holds every replica's summary plus the full rank lists of its own replica and of
+one peer it can fetch state from: O(replicas + TP), never the job's whole GPU list. The shared part
+(summaries, stamp) is built and serialized once per version, in a worker thread, with the GPU ->
+replica map; a replica's detail is built and serialized the first time a watcher of it asks, and
+kept: a push to a watcher is a few dict look-ups and a byte concatenation (protobuf concatenation
+merges messages), so the per-version work does not grow with the number of watchers.
+
+Global ranks number GPUs replica by replica (ascending id), stage by stage, TP rank by TP rank
+(`LayoutDoc.ranks`, which is `planner.ranks.stage_ranks`, the function the workers number them
+with). Every summary carries each stage's TP degree, so a worker can find its stage's peers in
+every replica.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from ntp_manager._proto.ntp.v1 import common_pb2 as pb
+from ntp_manager.planner.layout import LayoutDoc
+from ntp_manager.service.state import LayoutRec
+
+
+@dataclass
+class LayoutViews:
+    doc: LayoutDoc
+    base: bytes  # the serialized shared part
+    replica_of: dict[str, int]  # GPU UUID -> its replica's index in doc.replicas
+    full: tuple[int, ...]  # indexes of (up to two) full-degree replicas: donors of state
+    _own: dict[int, bytes] = field(default_factory=dict)
+    _peer: dict[int, bytes] = field(default_factory=dict)
+
+    def bytes_for_gpu(self, gpu_uuid: str) -> bytes:
+        """The serialized `ntp.v1.Layout` of the worker on `gpu_uuid`: the shared part, its own
+        replica's detail and a full-degree peer's (none for a GPU with no place in the layout)."""
+        i = self.replica_of.get(gpu_uuid)
+        if i is None:
+            return self.base
+        own = self._own.get(i)
+        if own is None:
+            own = self._own[i] = pb.Layout(own=self.detail(i)).SerializeToString()
+        donor = next((f for f in self.full if f != i), None)
+        if donor is None:
+            return self.base + own
+        peer = self._peer.get(donor)
+        if peer is None:
+            peer = self._peer[donor] = pb.Layout(peers=[self.detail(donor)]).SerializeToString()
+        return self.base + own + peer
+
+    def detail(self, i: int) -> pb.ReplicaDetail:
+        """Replica `i`'s groups with their GPUs and global ranks. O(its GPUs)."""
+        doc = self.doc
+        r, first = doc.replica(i), doc.group_starts[i]
+        return pb.ReplicaDetail(replica_id=r.id, groups=[
+            pb.TpGroup(group_id=g.group, domain=g.domain, stage=g.stage, tp_degree=g.tp, gpu_uuids=g.gpus,
+                       global_ranks=list(doc.group_ranks(first + g.stage)), power_ratio=g.power_ratio)
+            for g in r.groups])
+
+
+CHUNK = 4096  # replica summaries per protobuf call (each call holds the GIL throughout)
+
+
+def build_views(rec: LayoutRec, rendezvous: str = "") -> LayoutViews:
+    """The views of one layout version. O(GPUs): call it in a worker thread. The shared part is
+    serialized in pieces (protobuf concatenation appends repeated fields), so no single C call
+    spans 100K replica summaries."""
+    doc = rec.doc
+    ts = Timestamp()
+    ts.FromDatetime(rec.created_at)
+    head = pb.Layout(
+        job=rec.job,
+        stamp=pb.LayoutStamp(leader_epoch=rec.leader_epoch, version=rec.version, created_at=ts),
+        healthy_tp_degree=doc.tp,
+        target_batch=doc.target_batch,
+        global_batch=doc.global_batch,
+        rendezvous=rendezvous,
+        reason=rec.reason,
+        world_size=doc.world_size,
+    )
+    if doc.restore_step is not None:  # issue 22: no survivor holds some unit
+        head.restore_step = doc.restore_step
+    parts = [head.SerializeToString()]
+    ids, tps, batches, degrees = doc.replica_ids, doc.replica_tps, doc.local_batches, doc.degrees
+    for lo in range(0, len(ids), CHUNK):
+        parts.append(pb.Layout(replicas=[
+            pb.ReplicaSummary(replica_id=ids[i], tp_degree=tps[i], local_batch=batches[i],
+                              stage_tp_degrees=degrees[i]) for i in range(lo, min(lo + CHUNK, len(ids)))
+        ]).SerializeToString())
+    replica_of: dict[str, int] = {}
+    gs, us = doc.group_starts, doc.gpu_starts
+    for i in range(len(ids)):
+        replica_of.update(dict.fromkeys(doc.gpus[us[gs[i]] : us[gs[i + 1]]], i))
+    full = tuple(i for i, t in enumerate(tps) if t == doc.tp)[:2]
+    return LayoutViews(doc, b"".join(parts), replica_of, full)

@@ -1,0 +1,130 @@
+"""`ntp-manager serve`: FastAPI, the gRPC server and the control loop on one event loop.
+
+The composition root: the one place that builds the service (the manager) and the transports
+around it (api/, rpc/), so that service/ never imports the layers above it.
+
+A manager that loses its lease (service/leader.py) shuts down the same way and exits with status 75
+for its supervisor to start it again as a standby.
+
+Shutdown (SIGTERM/SIGINT): readiness and gRPC health flip to NOT_SERVING, the gRPC server stops
+accepting and gives open streams a grace period, HTTP stops, then the manager stops its loops and
+closes the database. Every acknowledged write was committed before its acknowledgement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import json
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+
+import structlog
+import uvicorn
+
+from ntp_manager.api.app import create_app
+from ntp_manager.logs import configure_logging
+from ntp_manager.rpc.server import RpcServer
+from ntp_manager.service.manager import Manager
+from ntp_manager.settings import Settings
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:  # the service handles signals itself
+        yield
+
+
+LOST_LEASE_EXIT = 75  # EX_TEMPFAIL: the supervisor restarts the process, which stands by
+
+
+async def run_service(settings: Settings, stop: asyncio.Event | None = None) -> int:
+    """Serve until SIGTERM/SIGINT (or `stop`), or until this manager, having led, lost its lease.
+    Returns the exit status: 0, or LOST_LEASE_EXIT. A standby (PostgreSQL, another manager leads)
+    serves its probes and tells clients where the leader is until it takes the lease over."""
+    configure_logging(settings.log_format)
+    log = structlog.get_logger("ntp.serve")
+    manager = Manager(settings)
+    # Listen first: the lease row carries this manager's addresses, and a standby answers its
+    # clients (with the leader's address) while it waits.
+    rpc = RpcServer(manager)
+    grpc_port = await rpc.start(settings.grpc_host, settings.grpc_port)
+    sock = socket.socket(socket.AF_INET6 if ":" in settings.http_host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((settings.http_host, settings.http_port))
+    http_port = sock.getsockname()[1]
+    manager.leadership.advertise(f"{_reachable(settings.http_host)}:{http_port}",
+                                 f"{_reachable(settings.grpc_host)}:{grpc_port}")
+    # built before the lease is taken: building the routes holds the event loop for a while, and a
+    # leader's loop must be free to renew its lease
+    config = uvicorn.Config(create_app(manager), log_level="warning", lifespan="off", access_log=False)
+    try:
+        await manager.start()
+    except BaseException:
+        await rpc.stop(grace=0)
+        sock.close()
+        await manager.leadership.close()
+        raise
+    # A long-lived service with many small objects: keep what start-up loaded out of the cyclic GC
+    # and collect the young generation less often, so collections do not stall layout pushes.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
+    # Work that grows with the cluster runs in worker threads; a thread that computes holds the GIL
+    # for up to the switch interval each time the loop's thread gives it up (every syscall), so a
+    # short interval keeps the loop's callbacks from waiting 5 ms per system call.
+    sys.setswitchinterval(0.0005)
+    server = _Server(config)
+    serve_task = asyncio.create_task(server.serve(sockets=[sock]))
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    info: dict[str, object] = {"http": f"{settings.http_host}:{http_port}",
+                               "grpc": f"{settings.grpc_host}:{grpc_port}", "epoch": manager.epoch,
+                               "role": "leader" if manager.leading else "standby"}
+    if rpc.tls_port is not None:
+        info["grpc_tls"] = f"{settings.grpc_tls_host or settings.grpc_host}:{rpc.tls_port}"
+    print(f"NTP-MANAGER READY {json.dumps(info)}", flush=True)
+    log.info("serving", **info)
+    led = asyncio.create_task(_announce_leading(manager, log))
+    stopped = asyncio.create_task(stop.wait())
+    lost = asyncio.create_task(manager.lost.wait())
+    try:
+        await asyncio.wait([stopped, lost], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        led.cancel()
+        stopped.cancel()
+        lost.cancel()
+        log.info("shutting down", lost_lease=manager.lost.is_set())
+        await manager.begin_shutdown()
+        await rpc.stop(grace=3.0 if not manager.lost.is_set() else 0.5)
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(serve_task, 10)
+        await manager.stop()
+        log.info("stopped")
+    if manager.lost.is_set():
+        log.error("exiting: this manager lost its lease; start it again to stand by",
+                  reason=manager.leadership.lost_reason, status=LOST_LEASE_EXIT)
+        return LOST_LEASE_EXIT
+    return 0
+
+
+def _reachable(host: str) -> str:
+    """The host part to tell clients: a wildcard bind is reachable by this machine's name."""
+    return socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+
+
+async def _announce_leading(manager: Manager, log: structlog.stdlib.BoundLogger) -> None:
+    """A standby prints one line when it takes over (the fault tests and the demo wait for it)."""
+    if manager.leading:
+        return
+    await manager.wait_leading()
+    print(f"NTP-MANAGER LEADING {json.dumps({'epoch': manager.epoch})}", flush=True)
+    log.info("took over", epoch=manager.epoch)

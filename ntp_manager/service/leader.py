@@ -1,0 +1,258 @@
+"""Leadership: which manager acts, at which epoch, and where the others send their clients.
+
+PostgreSQL: any number of managers run against one database; one leads through the lease row
+(store/lease.py). The leader renews every `lease_renew_s` on a connection pool of its own (a busy
+main pool never delays a renewal); a standby reads the row, learns who leads and where (clients of
+the standby are sent there), and tries to take the lease over when it has expired, bumping the
+epoch. Every write transaction runs `fence` (kernel.py): it reads the epoch in that transaction and
+refuses to commit unless it is this manager's, so a leader that was paused (SIGSTOP, a long GC, a
+partition from the database) and wakes up after a takeover commits nothing. Its sessions carry an
+idle-in-transaction timeout of one lease, and a new leader that finds the row lock held by the
+manager it replaces ends that manager's sessions, so a leader paused inside a transaction cannot
+hold the lease row forever.
+
+A leader that finds its lease gone (the row has another epoch, or no renewal got through for a
+whole lease) stops: `lost` is set and the process exits for its supervisor to start it again as a
+standby, as Kubernetes' controllers do. Leading again in the same process would mean resetting
+every component's memory; a fresh process is simpler and certain.
+
+SQLite: one manager. A lock file next to the database (flock: released by the kernel however the
+process ends) keeps a second one out with a clear error; the lease row still records the epoch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import structlog
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+
+from ntp_manager.service.errors import ServiceError
+from ntp_manager.settings import Settings
+from ntp_manager.store import db, lease
+
+log = structlog.get_logger("ntp.leader")
+
+
+@dataclass(frozen=True)
+class LeaderInfo:
+    epoch: int
+    holder: str
+    http: str  # host:port of its REST API ("" when it did not say)
+    grpc: str  # host:port of its gRPC server
+
+
+class NotLeader(ServiceError):
+    """This manager does not lead (a standby, or a leader whose lease was taken over): the request
+    goes to the leader, named in the message when known."""
+
+    http_status = 503
+    grpc_code = "UNAVAILABLE"
+
+    def __init__(self, message: str, leader: LeaderInfo | None = None) -> None:
+        super().__init__(message)
+        self.leader = leader
+
+
+class AnotherManager(RuntimeError):
+    """A second manager on a SQLite database."""
+
+
+def application_name(leader_id: str) -> str:
+    return f"ntp-manager {leader_id}"[:63]
+
+
+class Leadership:
+    def __init__(self, settings: Settings, engine: AsyncEngine) -> None:
+        self.settings = settings
+        self.me = settings.leader_id
+        url = settings.effective_database_url
+        self.postgres = url.startswith("postgresql")
+        # the lease has a small pool of its own on PostgreSQL; SQLite shares the manager's engine
+        self.engine = (db.make_engine(url, application_name(self.me) + " lease", settings.lease_ttl_s, pool_size=2)
+                       if self.postgres else engine)
+        self.epoch = 0
+        self.leading = False
+        self.leader: LeaderInfo | None = None  # who leads, as last read (self when leading)
+        self.view: lease.LeaseView | None = None  # the lease row as last read
+        self.http = settings.advertise_http or ""
+        self.grpc = settings.advertise_grpc or ""
+        self.lost = asyncio.Event()
+        self.lost_reason = ""
+        self.refused = 0  # write transactions the fence refused (tests and metrics)
+        self.renewed_mono = 0.0  # when the last renewal that got through was sent
+        self._lock_file: IO[str] | None = None
+
+    # ---- start ------------------------------------------------------------------------------
+    def advertise(self, http: str, grpc: str) -> None:
+        """The addresses clients of a standby are sent to (the settings' advertise_* win)."""
+        self.http = self.settings.advertise_http or http
+        self.grpc = self.settings.advertise_grpc or grpc
+
+    def lock_sqlite(self) -> None:
+        """SQLite: take the database's lock file, or raise AnotherManager naming who holds it."""
+        if self.postgres:
+            return
+        path = make_url(self.settings.effective_database_url).database
+        if not path or path == ":memory:":
+            return
+        lock_path = Path(path).with_name(Path(path).name + ".lock")
+        f = open(lock_path, "a+")  # noqa: SIM115 (held until close())
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            f.close()
+            raise AnotherManager(
+                f"another manager ({holder}) is running on the SQLite database {path}; SQLite holds one manager. "
+                "To run several managers (one leads, the others stand by), use PostgreSQL (NTP_DATABASE_URL)"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{self.me} pid {os.getpid()}\n")
+        f.flush()
+        self._lock_file = f
+
+    async def try_acquire(self) -> bool:
+        """Take the lease when it is free (always on SQLite); True when this manager now leads."""
+        try:
+            async with self.engine.begin() as conn:
+                if self.postgres:  # a paused old leader inside a transaction must not block this forever
+                    ms = max(1, int(self.settings.lease_renew_s * 1000))
+                    await conn.exec_driver_sql(f"SET LOCAL lock_timeout = {ms}")
+                sent = time.monotonic()
+                epoch = await lease.acquire(conn, self.me, self.settings.lease_ttl_s, self.http, self.grpc)
+        except (OperationalError, DBAPIError) as e:
+            old = self.view.holder if self.view is not None else ""
+            if self.postgres and _lock_timeout(e) and old and old != self.me:
+                # the lease is free but its row is locked: the manager that held it is paused in a
+                # transaction; end its sessions (its transactions roll back) and try again next time
+                async with self.engine.begin() as conn:
+                    ended = await lease.terminate_sessions(conn, application_name(old))
+                log.warning("the lease row is locked by the manager that held it; ended its sessions",
+                            holder=old, sessions=ended)
+                return False
+            raise
+        if epoch is None:
+            return False
+        self.epoch, self.leading, self.renewed_mono = epoch, True, sent
+        self.leader = LeaderInfo(epoch, self.me, self.http, self.grpc)
+        log.info("leading", epoch=epoch, holder=self.me)
+        return True
+
+    async def refresh(self) -> lease.LeaseView | None:
+        """Read the lease; remember who leads (for redirects)."""
+        async with self.engine.connect() as conn:
+            view = await lease.read(conn)
+        self.view = view
+        if view is not None and view.live and not self.leading:
+            self.leader = LeaderInfo(view.epoch, view.holder, view.http, view.grpc)
+        elif view is not None and not view.live and not self.leading:
+            self.leader = None
+        return view
+
+    async def wait_for_turn(self) -> None:
+        """Stand by until this manager takes the lease: read it every `lease_renew_s` (or sooner,
+        when it is about to expire) and try to take it once it has expired."""
+        ttl, period = self.settings.lease_ttl_s, self.settings.lease_renew_s
+        while True:
+            wait = period
+            try:
+                view = await self.refresh()
+                if view is None or not view.live:
+                    if await self.try_acquire():
+                        return
+                elif view.remaining_s is not None:
+                    wait = min(period, max(0.02, view.remaining_s + 0.01))
+            except (OSError, OperationalError, DBAPIError) as e:
+                log.warning("cannot read the lease", error=str(e).splitlines()[0][:200])
+            await asyncio.sleep(min(wait, ttl))
+
+    # ---- leading ----------------------------------------------------------------------------
+    async def keep(self) -> None:
+        """Renew the lease every `lease_renew_s` while leading; set `lost` when it is gone."""
+        ttl, period = self.settings.lease_ttl_s, self.settings.lease_renew_s
+        while self.leading:
+            await asyncio.sleep(period)
+            if not self.leading:
+                return
+            sent = time.monotonic()
+            try:
+                async with self.engine.begin() as conn:
+                    ok = await lease.renew(conn, self.me, self.epoch, ttl)
+            except (OSError, OperationalError, DBAPIError) as e:
+                log.warning("lease renewal failed", error=str(e).splitlines()[0][:200])
+                if time.monotonic() - self.renewed_mono >= ttl:
+                    self.lose(f"no renewal got through for {ttl:g} s (lease_ttl_s): another manager may lead now")
+                    return
+                continue
+            if not ok:
+                self.lose(f"the lease of epoch {self.epoch} was taken over")
+                return
+            if sent - self.renewed_mono >= ttl:  # paused past the lease, but nobody took it: still ours
+                log.warning("renewed a lease that had expired", epoch=self.epoch,
+                            late_s=round(sent - self.renewed_mono, 3))
+            self.renewed_mono = sent
+
+    def lose(self, reason: str) -> None:
+        if not self.leading:
+            return
+        self.leading = False
+        self.leader = None
+        self.lost_reason = reason
+        log.error("lost the lease; this manager stops acting", epoch=self.epoch, reason=reason)
+        self.lost.set()
+
+    async def fence(self, session: AsyncSession) -> None:
+        """Inside a write transaction: refuse it unless this manager leads at the epoch the
+        database holds (store/lease.py: the epoch stays share-locked until the commit)."""
+        if not self.leading:
+            self.refused += 1
+            raise self.not_leader()
+        current = await lease.fence(session)
+        if current != self.epoch:
+            self.refused += 1
+            self.lose(f"a write found epoch {current} in the database, not this manager's {self.epoch}")
+            raise self.not_leader()
+
+    def not_leader(self) -> NotLeader:
+        who = self.leader
+        if self.leading:  # it has just taken the lease and is loading: no address to go to, back off
+            return NotLeader(f"this manager has just become the leader (epoch {self.epoch}) and is loading "
+                             "the state; try again shortly")
+        if who is None:
+            return NotLeader("this manager is not the leader and no leader is known yet; try again shortly")
+        return NotLeader(f"this manager is a standby; the leader is {who.holder} (epoch {who.epoch}) "
+                         f"at http {who.http or '?'}, grpc {who.grpc or '?'}", who)
+
+    async def release(self) -> None:
+        """Give the lease up now (a clean stop): a standby takes over without waiting for it to expire."""
+        if not self.leading:
+            return
+        self.leading = False
+        with contextlib.suppress(OSError, OperationalError, DBAPIError):
+            async with self.engine.begin() as conn:
+                await lease.release(conn, self.me, self.epoch)
+            log.info("released the lease", epoch=self.epoch)
+
+    async def close(self) -> None:
+        if self.postgres:
+            await self.engine.dispose()
+        if self._lock_file is not None:
+            self._lock_file.close()  # the flock goes with it
+            self._lock_file = None
+
+
+def _lock_timeout(e: Exception) -> bool:
+    orig = getattr(e, "orig", None)
+    return "LockNotAvailable" in type(orig).__name__ or "lock timeout" in str(e).lower()

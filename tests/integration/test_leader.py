@@ -1,0 +1,248 @@
+"""Leader election and fencing, in process: two managers on one PostgreSQL database (one leads, the
+other stands by and takes over), a write that finds another epoch in the database commits nothing,
+and SQLite refuses a second manager. The subprocess fault tests are in test_ha.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+import uvicorn
+from pydantic import ValidationError
+from sqlalchemy import func, select, text
+
+from ntp_manager._proto.ntp.v1 import worker_pb2, worker_pb2_grpc
+from ntp_manager.api.app import create_app
+from ntp_manager.rpc.server import RpcServer
+from ntp_manager.service.leader import AnotherManager, NotLeader
+from ntp_manager.service.manager import GpuInventory, GpuReport, Manager
+from ntp_manager.settings import Settings
+from ntp_manager.store.models import AuditRow, HealthEventRow, LeaderRow
+from ntp_manager.topology import GpuState
+from tests.fakes.clock import FakeClock
+from tests.integration.conftest import PG, _Server, database
+
+needs_pg = pytest.mark.skipif(not PG, reason="NTP_TEST_POSTGRES_URL is not set (no PostgreSQL server to test against)")
+SHORT = {"lease_ttl_s": 6.0, "lease_renew_s": 0.5, "takeover_grace_s": 0.0}  # a clean stop hands over at once
+
+
+@contextlib.asynccontextmanager
+async def pg_url(tmp_path: Path) -> AsyncIterator[str]:
+    async with database("postgres", tmp_path) as url:
+        yield url
+
+
+def settings(tmp_path: Path, url: str, name: str, **kw: Any) -> Settings:
+    return Settings(data_dir=tmp_path / name, database_url=url, leader_id=name, **{**SHORT, **kw})
+
+
+async def lease_row(m: Manager) -> tuple[int, str]:
+    async with m.sm() as s:
+        row = await s.get(LeaderRow, 1)
+        assert row is not None
+        return row.epoch, row.holder
+
+
+@needs_pg
+async def test_one_leads_the_other_stands_by_and_takes_over_when_it_stops(tmp_path: Path) -> None:
+    async with pg_url(tmp_path) as url:
+        a, b = Manager(settings(tmp_path, url, "a")), Manager(settings(tmp_path, url, "b"))
+        await asyncio.gather(a.start(), b.start())  # both at once: exactly one leads
+        leaders = [m for m in (a, b) if m.leading]
+        assert len(leaders) == 1
+        first, standby = leaders[0], (b if leaders[0] is a else a)
+        assert first.ready and not standby.ready
+        epoch, holder = await lease_row(first)
+        assert (epoch, holder) == (first.epoch, first.settings.leader_id)
+        # the standby knows who leads, and refuses writes naming it
+        await asyncio.sleep(0.3)
+        assert standby.leadership.leader is not None and standby.leadership.leader.holder == holder
+        with pytest.raises(NotLeader, match=f"the leader is {holder}"):
+            async with standby.mutation("t") as tx:
+                tx.audit(tx.now, "test.write", "x")
+        await first.stop()  # a clean stop gives the lease up: no waiting for it to expire
+        await asyncio.wait_for(standby.wait_leading(), 10)
+        assert standby.epoch == epoch + 1
+        assert await lease_row(standby) == (epoch + 1, standby.settings.leader_id)
+        await standby.stop()
+
+
+@needs_pg
+async def test_a_write_that_finds_another_epoch_commits_nothing(tmp_path: Path) -> None:
+    """A leader is overtaken while a transaction of its own is open (it was paused, say): that
+    transaction and every later one are refused, its memory is untouched, and it knows it lost."""
+    async with pg_url(tmp_path) as url:
+        a = Manager(settings(tmp_path, url, "a", lease_ttl_s=30.0, lease_renew_s=10.0))
+        await a.start()
+        try:
+            await a.register_agent("n0", "d0", [GpuInventory("G0", 0), GpuInventory("G1", 1)], "boot", "v")
+            refused = a.leadership.refused
+            with pytest.raises(NotLeader):
+                async with a.mutation("t") as tx:
+                    tx.audit(tx.now, "test.write", "G0")
+                    # another manager takes over while this transaction is open (its own connection)
+                    async with a.leadership.engine.begin() as conn:
+                        await conn.execute(text("UPDATE leader SET epoch = epoch + 1, holder = 'b' WHERE id = 1"))
+            assert a.lost.is_set() and not a.leading
+            # later writes are refused without even asking: a report, and an operator action
+            with pytest.raises(NotLeader):
+                await a.apply_report("n0", 1, [GpuReport("G0", "failed", ["XID 79"], [79])])
+            assert a.leadership.refused == refused + 2
+            assert a.world.gpus["G0"].health == GpuState.HEALTHY and a.world.nodes["n0"].last_seq == 0
+            async with a.sm() as s:
+                audits = await s.scalar(select(func.count()).select_from(AuditRow)
+                                        .where(AuditRow.action == "test.write"))
+                events = await s.scalar(select(func.count()).select_from(HealthEventRow)
+                                        .where(HealthEventRow.gpu_uuid == "G0"))
+                node_seq = (await s.execute(text("SELECT last_seq FROM nodes WHERE name = 'n0'"))).scalar_one()
+            assert (audits, events, node_seq) == (0, 0, 0)
+        finally:
+            await a.stop()
+        assert await lease_row(a) == (a.epoch + 1, "b")  # its stop did not release another's lease
+
+
+@needs_pg
+async def test_a_leader_whose_renewals_find_another_epoch_stops(tmp_path: Path) -> None:
+    async with pg_url(tmp_path) as url:
+        a = Manager(settings(tmp_path, url, "a"))
+        await a.start()
+        try:
+            async with a.leadership.engine.begin() as conn:
+                await conn.execute(text("UPDATE leader SET epoch = epoch + 1, holder = 'b' WHERE id = 1"))
+            await asyncio.wait_for(a.lost.wait(), 10)  # the next renewal finds the lease taken over
+            assert not a.ready and "taken over" in a.leadership.lost_reason
+        finally:
+            await a.stop()
+
+
+async def test_sqlite_refuses_a_second_manager(tmp_path: Path) -> None:
+    s = Settings(data_dir=tmp_path)
+    a = Manager(s)
+    await a.start()
+    b = Manager(Settings(data_dir=tmp_path))
+    try:
+        with pytest.raises(AnotherManager, match=r"SQLite holds one manager.*PostgreSQL"):
+            await b.start()
+        assert a.leading and a.ready
+    finally:
+        await b.engine.dispose()
+        await a.stop()
+    c = Manager(Settings(data_dir=tmp_path))  # the lock goes with the manager that held it
+    await c.start()
+    assert c.leading and c.epoch == a.epoch + 1
+    await c.stop()
+
+
+def test_the_lease_settings_are_checked() -> None:
+    with pytest.raises(ValidationError, match=r"lease_renew_s .* at most half of lease_ttl_s"):
+        Settings(lease_ttl_s=2, lease_renew_s=1.5)
+    with pytest.raises(ValidationError, match="lease_ttl_s"):
+        Settings(lease_ttl_s=0)
+
+
+@contextlib.asynccontextmanager
+async def serving(s: Settings) -> AsyncIterator[tuple[Manager, str, str]]:
+    """A manager with its gRPC and REST servers on loopback, leading or standing by."""
+    m = Manager(s)
+    rpc = RpcServer(m)
+    gport = await rpc.start("127.0.0.1", 0)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    http, grpc_addr = f"127.0.0.1:{sock.getsockname()[1]}", f"127.0.0.1:{gport}"
+    m.leadership.advertise(http, grpc_addr)
+    server = _Server(uvicorn.Config(create_app(m), log_level="warning", lifespan="off"))  # before the lease
+    await m.start()
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield m, http, grpc_addr
+    finally:
+        await m.begin_shutdown()
+        await rpc.stop(0.2)
+        server.should_exit = True
+        await task
+        await m.stop()
+
+
+@needs_pg
+async def test_a_standby_sends_rest_and_grpc_clients_to_the_leader(tmp_path: Path) -> None:
+    async with pg_url(tmp_path) as url, serving(settings(tmp_path, url, "a")) as (a, a_http, a_grpc):
+        token = await a.create_token("op", "operator")
+        worker = await a.create_token("w", "worker")
+        async with serving(settings(tmp_path, url, "b")) as (b, b_http, b_grpc):
+            assert a.leading and not b.leading
+            hdr = {"Authorization": f"Bearer {token}"}
+            async with httpx.AsyncClient(base_url=f"http://{b_http}", timeout=10) as c:
+                health, ready = (await c.get("/healthz")), (await c.get("/readyz"))
+                assert (health.status_code, health.json()["role"]) == (200, "standby")
+                assert (ready.status_code, ready.json()["role"]) == (503, "standby")
+                assert ready.json()["leader"] == {"epoch": a.epoch, "holder": "a", "http": a_http, "grpc": a_grpc}
+                r = await c.get("/v1/gpus?limit=5", headers=hdr)  # a read: redirected, query kept
+                assert r.status_code == 307 and r.headers["location"] == f"http://{a_http}/v1/gpus?limit=5"
+                r = await c.post("/v1/jobs", json={"name": "j", "tp": 1, "replicas": 1, "local_batch": 1,
+                                                   "heads": 1}, headers=hdr)  # a write: refused, naming a
+                assert r.status_code == 503 and r.headers["x-ntp-leader"] == f"http://{a_http}"
+                assert r.json()["leader"]["http"] == a_http and "standby" in r.json()["detail"]
+            async with httpx.AsyncClient(base_url=f"http://{a_http}", timeout=10) as c:
+                assert (await c.get("/readyz")).json() == {"ready": True, "role": "leader", "epoch": a.epoch}
+                assert (await c.get("/v1/status", headers=hdr)).status_code == 200
+            async with grpc.aio.insecure_channel(b_grpc) as ch:
+                stub = worker_pb2_grpc.WorkerServiceStub(ch)  # type: ignore[no-untyped-call]
+                call = stub.WatchLayout(worker_pb2.WatchLayoutRequest(job="j", worker_id="w"),
+                                        metadata=(("authorization", f"Bearer {worker}"),))
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call.read()
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "the leader is a" in err.value.details()
+                assert ("ntp-leader", a_grpc) in tuple(err.value.trailing_metadata() or ())
+            # the leader goes: the standby takes over and serves (the token is in the database)
+            await a.stop()
+            await asyncio.wait_for(b.wait_leading(), 10)
+            async with httpx.AsyncClient(base_url=f"http://{b_http}", timeout=10) as c:
+                assert (await c.get("/readyz")).json()["role"] == "leader"
+                assert (await c.get("/v1/status", headers=hdr)).json()["leader_epoch"] == a.epoch + 1
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=needs_pg)])
+async def test_a_new_leader_gives_agents_the_grace_to_reconnect(kind: str, tmp_path: Path) -> None:
+    """A takeover loads every node as seen `takeover_grace_s` from then: with suspect 6 s, fail 20 s
+    and a grace of 30 s, no GPU of a silent node is suspect before 36 s or failed before 50 s
+    (without the grace they would be failed at 21 s: a failover would look like a mass failure and
+    trip the breaker, whose minimum here is 2 GPUs). A node whose agent comes back is judged from
+    its hello on; one that never does is failed on schedule after the grace."""
+    clock = FakeClock()
+    async with database(kind, tmp_path) as url:
+        opts = {"data_dir": tmp_path, "database_url": url, "suspect_after_s": 6, "fail_after_s": 20,
+                "breaker_min_gpus": 2, "breaker_share": 0.1, **SHORT, "takeover_grace_s": 30}
+        a = Manager(Settings(**opts, leader_id="a"), clock)
+        await a.start()
+        for n in range(2):
+            await a.register_agent(f"n{n}", "d0", [GpuInventory(f"G{n}-{i}", i) for i in range(4)], "boot", "v")
+        await a.stop()
+        b = Manager(Settings(**opts, leader_id="b"), clock)
+        await b.start()
+        try:
+            assert b.leading and b.epoch == a.epoch + 1
+            health = lambda: {u: g.health for u, g in b.world.gpus.items()}  # noqa: E731
+            for _ in range(35):  # one monitor pass a second, as the monitor loop does
+                clock.advance(1)
+                await b.check_heartbeats()
+            assert set(health().values()) == {GpuState.HEALTHY}  # 35 s: within grace + suspect
+            assert not b.breaker_open
+            await b.register_agent("n0", "d0", [GpuInventory(f"G0-{i}", i) for i in range(4)], "boot", "v")
+            for _ in range(16):  # to 51 s: n1 never came back
+                clock.advance(1)
+                b.heartbeat("n0")
+                await b.check_heartbeats()
+            h = health()
+            assert {h[f"G0-{i}"] for i in range(4)} == {GpuState.HEALTHY}
+            assert {h[f"G1-{i}"] for i in range(4)} == {GpuState.FAILED}
+        finally:
+            await b.stop()

@@ -1,0 +1,153 @@
+"""Imports point downward (docs: DESIGN.md, "Layers") and no module imports itself in a circle.
+
+Read from the source, not from sys.modules, so an import inside a function counts as much as one
+at the top of a module (a lazy import hides a cycle, it does not remove it); imports under
+`if TYPE_CHECKING:` are annotations only and do not count.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for top in ("ntp_manager", "agent"):
+        for path in (ROOT / top).rglob("*.py"):
+            rel = path.relative_to(ROOT).with_suffix("")
+            if "_proto" in rel.parts:
+                continue
+            parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+            out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _imported(name: str, path: Path) -> set[str]:
+    """The package's modules that `name` imports (the longest known prefix of each imported name;
+    `from pkg import sub` is an import of pkg.sub, not of pkg's __init__)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def known(n: str) -> str | None:
+        while n and n not in MODULES:
+            n = n.rpartition(".")[0]
+        return n or None
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES]
+            targets = subs or [base]
+        else:
+            targets = []
+        for t in targets:
+            m = known(t)
+            if m is not None and m != name:
+                found.add(m)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return found
+
+
+GRAPH = {name: _imported(name, path) for name, path in MODULES.items()}
+
+
+def _under(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def test_the_graph_is_read() -> None:
+    # a broken reader would pass every rule below; these edges exist and must be seen
+    assert "ntp_manager.cli.common" in GRAPH["ntp_manager.cli.simulate"]
+    assert "ntp_manager.service.manager" in GRAPH["ntp_manager.server"]
+    assert "ntp_manager.planner.plan" not in GRAPH["ntp_manager.planner.moves"]  # under TYPE_CHECKING
+
+
+def test_no_import_cycles() -> None:
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def connect(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(GRAPH[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            connect(v)
+    assert cycles == []
+
+
+PURE = ("ntp_manager.topology", "ntp_manager.planner", "ntp_manager.detect", "ntp_manager.sim")
+ABOVE_STORE = ("ntp_manager.service", "ntp_manager.api", "ntp_manager.rpc", "ntp_manager.cli", "ntp_manager.server",
+               "ntp_manager.demo", "ntp_manager.demo_slow", "ntp_manager.planner_demo", "ntp_manager.worker", "agent")
+
+# (layer, what it must not import)
+RULES = [
+    (PURE, ("ntp_manager.store", *ABOVE_STORE)),
+    (("ntp_manager.store",), ABOVE_STORE),
+    (("ntp_manager.service",), ABOVE_STORE[1:]),
+    (("ntp_manager.api", "ntp_manager.rpc"), ("ntp_manager.cli", "ntp_manager.server", "ntp_manager.demo",
+                                              "ntp_manager.worker", "agent")),
+    (("ntp_manager.worker",), ("ntp_manager.store", "ntp_manager.service", "ntp_manager.api", "ntp_manager.cli",
+                               "ntp_manager.server", "ntp_manager.demo", "agent")),
+    (("agent",), ("ntp_manager.store", "ntp_manager.service", "ntp_manager.api", "ntp_manager.cli",
+                  "ntp_manager.server", "ntp_manager.demo", "ntp_manager.worker")),
+]
+
+
+@pytest.mark.parametrize(("layer", "banned"), RULES, ids=[r[0][0] for r in RULES])
+def test_imports_point_downward(layer: tuple[str, ...], banned: tuple[str, ...]) -> None:
+    bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items() if _under(m, layer) for t in ts if _under(t, banned))
+    assert bad == []
+
+
+@pytest.mark.parametrize("demo", ["ntp_manager.demo", "ntp_manager.demo_slow"])
+def test_the_demo_uses_only_the_agents_entry_point(demo: str) -> None:
+    # agent.local is the agent's public in-process entry point; its internals stay its own
+    used = {t for t in GRAPH[demo] if _under(t, ("agent",))}
+    assert used == {"agent.local"}

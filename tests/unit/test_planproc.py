@@ -1,0 +1,140 @@
+"""service/planproc.py: a replan made in the planner process is the one a thread makes (layout,
+stored body, summary, reason), through failures, a degraded GPU, a worker that lost what it was
+sent and a worker that died; planner errors reach the caller; without a process, a thread plans."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import os
+import signal
+
+import pytest
+
+from ntp_manager.planner import PlanError
+from ntp_manager.service import planning, planproc
+from ntp_manager.service.state import LayoutRec
+from ntp_manager.topology import Cluster, GpuState, TopologyError
+from tests.fakes.builders import cluster_from_counts, job
+
+
+def pos_map(cluster: Cluster) -> dict[str, int]:
+    # positions deliberately not the flat order: the codec must use the manager's
+    return {u: 1000 - i for i, u in enumerate(cluster.flat_uuids)}
+
+
+def rec(d: planning.Draft, version: int, chain: int) -> LayoutRec:
+    return LayoutRec("t", version, 1, d.doc, d.why, dt.datetime.now(dt.UTC), 0.0, chain)
+
+
+def same(a: planning.Draft, b: planning.Draft) -> None:
+    assert a.doc == b.doc and a.unchanged == b.unchanged and a.encoded == b.encoded
+    assert a.summary == b.summary and a.why == b.why
+
+
+@pytest.fixture(scope="module")
+def pp() -> planproc.PlanProcess:
+    p = planproc.PlanProcess(True)
+    yield p  # type: ignore[misc]
+    p.close()
+
+
+def test_replans_in_the_process_equal_the_thread_path_through_failures_and_a_degraded_gpu(
+        pp: planproc.PlanProcess) -> None:
+    cluster = cluster_from_counts([8, 8, 8, 8, 8, 8])
+    pos = pos_map(cluster)
+    spec = job(tp=4, pp=2, replicas=6, min_tp=2)
+
+    async def main() -> None:
+        prev: LayoutRec | None = None
+        c = cluster
+        steps = [{}, {c.domains[0].gpus[1].uuid: GpuState.FAILED}, {c.domains[3].gpus[5].uuid: GpuState.FAILED},
+                 {}, {c.domains[0].gpus[1].uuid: GpuState.HEALTHY}]
+        for k, change in enumerate(steps):
+            c = c.with_states(change) if change else c
+            if k == 3:  # a degraded GPU with a measured speed: a state, power and speed the worker must mirror
+                c = c.with_states({c.domains[2].gpus[0].uuid: GpuState.DEGRADED}, {c.domains[2].gpus[0].uuid: 0.5})
+            got = await pp.draft(c, spec, prev, pos.__getitem__, "")
+            same(got, planning.draft(c, spec, prev, pos.__getitem__, ""))
+            assert got.doc.gpus and all(u in pos for u in got.doc.gpus)
+            if not got.unchanged:
+                assert got.encoded is not None
+                prev = rec(got, (prev.version if prev else 0) + 1, got.encoded.chain)
+        assert prev is not None and prev.version >= 4 and prev.chain >= 3  # deltas, each on the last
+        dry = await pp.plan(c, spec, pos.__getitem__, (c.domains[5].gpus[2].uuid,))
+        assert dry == planning.plan_layout(c, spec, (c.domains[5].gpus[2].uuid,))
+
+    asyncio.run(main())
+
+
+def test_a_worker_that_lost_or_died_is_sent_everything_again(pp: planproc.PlanProcess) -> None:
+    cluster = cluster_from_counts([8, 8, 8, 8])
+    pos = pos_map(cluster)
+    spec = job(tp=4, pp=1, replicas=8, min_tp=2)
+    down = cluster.with_states({cluster.domains[1].gpus[0].uuid: GpuState.FAILED})
+
+    async def main() -> None:
+        first = await pp.draft(cluster, spec, None, pos.__getitem__)
+        v1 = rec(first, 1, 0)
+        # a new worker holds neither the shape nor the layout this side believes it sent
+        pp.close()
+        after = await pp.draft(down, spec, v1, pos.__getitem__)
+        same(after, planning.draft(down, spec, v1, pos.__getitem__))
+        assert after.encoded is not None and after.encoded.base_version == 1
+        # the worker is killed: a new one is started and sent everything
+        pool = pp._executor()
+        assert pool is not None
+        await pp.plan(cluster, spec, pos.__getitem__)  # make sure it runs
+        for p in list(pool._processes.values()):
+            assert p.pid is not None
+            os.kill(p.pid, signal.SIGKILL)
+        await asyncio.sleep(0.2)
+        again = await pp.draft(down, spec, v1, pos.__getitem__)
+        same(again, after)
+
+    asyncio.run(main())
+
+
+def test_planner_errors_reach_the_caller_and_without_a_process_a_thread_plans(pp: planproc.PlanProcess) -> None:
+    cluster = cluster_from_counts([4, 4])
+    pos = pos_map(cluster)
+
+    async def main() -> None:
+        with pytest.raises(PlanError):
+            await pp.draft(cluster, job(tp=8, pp=1, replicas=1), None, pos.__getitem__)
+        with pytest.raises(TopologyError):
+            await pp.plan(cluster, job(tp=4, pp=1, replicas=2), pos.__getitem__, ("no-such-gpu",))
+        threaded = planproc.PlanProcess(False)
+        spec = job(tp=4, pp=1, replicas=2)
+        same(await threaded.draft(cluster, spec, None, pos.__getitem__),
+             await pp.draft(cluster, spec, None, pos.__getitem__))
+        assert threaded._pool is None
+
+    asyncio.run(main())
+
+
+def test_stop_kills_a_worker_mid_plan_and_the_caller_still_gets_its_layout(pp: planproc.PlanProcess) -> None:
+    # a manager's shutdown must not wait for a long plan: the worker is killed; a caller still
+    # waiting (another manager of this process) is served by a new worker
+    cluster = cluster_from_counts([72] * 60)
+    pos = pos_map(cluster)
+    spec = job(tp=1, pp=1, replicas=72 * 60, batch=1)
+
+    async def main() -> None:
+        pp.stop()  # idle: nothing to kill
+        pool = pp._executor()
+        assert pool is not None
+        task = asyncio.ensure_future(pp.draft(cluster, spec, None, pos.__getitem__))
+        for _ in range(500):
+            if pp._running:
+                break
+            await asyncio.sleep(0.01)
+        procs = list(pool._processes.values())
+        pp.stop()
+        got = await task
+        for p in procs:
+            p.join(5)
+            assert p.exitcode is not None and p.exitcode != 0  # killed, not finished
+        same(got, planning.draft(cluster, spec, None, pos.__getitem__))
+
+    asyncio.run(main())
