@@ -416,8 +416,11 @@ async def report_rate(info: dict[str, Any], tokens: dict[str, str], pid: int, n_
 
 
 async def registration(info: dict[str, Any], tokens: dict[str, str], n_nodes: int = 12_500) -> dict[str, Any]:
-    channels = channels_for(info, 50)
-    agents = [Agent(channels[i % 50], tokens[f"ing-{i:05d}"], f"ing-{i:05d}", f"ing-nvl-{i // 9:04d}", 8)
+    # gRPC runs at most 100 streams at once on one connection (the client keeps the rest waiting):
+    # 50 agents per connection, as if many hosts sat behind one load balancer address
+    n_ch = -(-n_nodes // 50)
+    channels = channels_for(info, n_ch)
+    agents = [Agent(channels[i % n_ch], tokens[f"ing-{i:05d}"], f"ing-{i:05d}", f"ing-nvl-{i // 9:04d}", 8)
               for i in range(n_nodes)]
     reg_s, tasks = await register_all(agents, 2500)
     for t in tasks:
@@ -430,8 +433,8 @@ async def registration(info: dict[str, Any], tokens: dict[str, str], n_nodes: in
 async def mass_failure(info: dict[str, Any], tokens: dict[str, str], rounds: int) -> dict[str, Any]:
     """125 nodes x 8 GPUs fail at once; until every one of 1,000 watchers holds the new layout."""
     n_nodes, hit = 1000, 125
-    channels = channels_for(info, 20)
-    agents = [Agent(channels[i % 20], tokens[f"node-{i:04d}"], f"node-{i:04d}", f"nvl-{i // 2:03d}", 8)
+    channels = channels_for(info, 40)
+    agents = [Agent(channels[i % 40], tokens[f"node-{i:04d}"], f"node-{i:04d}", f"nvl-{i // 2:03d}", 8)
               for i in range(n_nodes)]
     reg_s, tasks = await register_all(agents, 500)
     async with httpx.AsyncClient(base_url=f"http://{info['http']}",
@@ -442,7 +445,7 @@ async def mass_failure(info: dict[str, Any], tokens: dict[str, str], rounds: int
     wmd = (("authorization", f"Bearer {tokens['worker']}"),)
 
     async def watch(i: int) -> None:
-        stub = worker_pb2_grpc.WorkerServiceStub(channels[i % 20])
+        stub = worker_pb2_grpc.WorkerServiceStub(channels[i % 40])
         req = worker_pb2.WatchLayoutRequest(job="mass", worker_id=f"w{i}", gpu_uuid=agents[i].uuids[0])
         async for msg in stub.WatchLayout(req, metadata=wmd):
             replicas[i] = len(msg.replicas)
