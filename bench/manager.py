@@ -463,19 +463,22 @@ async def report_rate(info: dict[str, Any], tokens: dict[str, str], pid: int, n_
             "stored_events": stored, "manager_cpu_s": cpu, "per_manager_cpu_s": total / cpu, "client_cpu_s": client}
 
 
-async def registration(info: dict[str, Any], tokens: dict[str, str], n_nodes: int = 12_500) -> dict[str, Any]:
+async def registration(info: dict[str, Any], tokens: dict[str, str], pid: int, n_nodes: int = 12_500) -> dict[str, Any]:
     # gRPC runs at most 100 streams at once on one connection (the client keeps the rest waiting):
     # 50 agents per connection, as if many hosts sat behind one load balancer address
     n_ch = -(-n_nodes // 50)
     channels = channels_for(info, n_ch)
     agents = [Agent(channels[i % n_ch], tokens[f"ing-{i:05d}"], f"ing-{i:05d}", f"ing-nvl-{i // 9:04d}", 8)
               for i in range(n_nodes)]
+    cpu0, client0 = cpu_seconds(pid), time.process_time()
     reg_s, tasks = await register_all(agents, 2500)
+    cpu, client = cpu_seconds(pid) - cpu0, time.process_time() - client0
     for t in tasks:
         t.cancel()
     for ch in channels:
         await ch.close()
-    return {"nodes": n_nodes, "gpus": 8 * n_nodes, "seconds": reg_s}
+    return {"nodes": n_nodes, "gpus": 8 * n_nodes, "seconds": reg_s, "manager_cpu_s": cpu,
+            "manager_cpu_ms_per_node": 1e3 * cpu / n_nodes, "client_cpu_s": client}
 
 
 async def mass_failure(info: dict[str, Any], tokens: dict[str, str], rounds: int) -> dict[str, Any]:
@@ -575,7 +578,7 @@ async def group_commit(args: argparse.Namespace, console: Console) -> dict[str, 
                             if part == "reports":
                                 res[part] = await report_rate(info, tokens, proc.pid)
                             elif part == "registration":
-                                res[part] = await registration(info, tokens)
+                                res[part] = await registration(info, tokens, proc.pid)
                             else:
                                 res[part] = await mass_failure(info, tokens, args.rounds)
                         console.print(f"{store} {part}: {json.dumps(res[part])}")
