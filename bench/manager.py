@@ -109,7 +109,8 @@ class Agent:
         self.uuids = [f"GPU-{node}-{i}" for i in range(gpus)]
         self.q: asyncio.Queue[Any] = asyncio.Queue()
         self.welcome = asyncio.Event()
-        self.acked = 0
+        self.acked = 0  # the highest seq acknowledged
+        self.acks = 0  # ack messages received (one acknowledges every report up to its seq)
         self.seq = 0
 
     async def run(self) -> None:
@@ -133,6 +134,7 @@ class Agent:
                 self.welcome.set()
             elif kind == "ack":
                 self.acked = msg.ack.seq
+                self.acks += 1
 
     def report(self, uuid: str, state: common_pb2.GpuState) -> None:
         self.report_many([uuid], state)
@@ -459,7 +461,8 @@ async def report_rate(info: dict[str, Any], tokens: dict[str, str], pid: int, n_
     for ch in channels:
         await ch.close()
     total = n_nodes * per_node
-    return {"agents": n_nodes, "reports": total, "seconds": elapsed, "per_s": total / elapsed,
+    return {"agents": n_nodes, "reports": total, "acks": sum(a.acks for a in agents), "seconds": elapsed,
+            "per_s": total / elapsed,
             "stored_events": stored, "manager_cpu_s": cpu, "per_manager_cpu_s": total / cpu, "client_cpu_s": client}
 
 
