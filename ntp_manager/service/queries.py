@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Sequence
 from datetime import UTC, datetime
+from operator import itemgetter
 from typing import Any
 
 from sqlalchemy import Select, func, select
@@ -17,7 +18,7 @@ from ntp_manager.service import offloop
 from ntp_manager.service.errors import FailedPrecondition, NotFound
 from ntp_manager.service.kernel import Kernel
 from ntp_manager.service.restores import Restores
-from ntp_manager.service.state import GpuRec, JobRec
+from ntp_manager.service.state import GpuRec, JobRec, NodeRec
 from ntp_manager.service.telemetry import TelemetryStore
 from ntp_manager.service.worker_reports import WorkerReports
 from ntp_manager.store.layout_codec import UuidAt
@@ -104,38 +105,18 @@ class Queries:
         self.telemetry = telemetry
 
     # ---- from memory --------------------------------------------------------------------------
-    def domains(self, limit: int, offset: int) -> dict[str, Any]:
+    # Listings of domains, nodes and GPUs look at every one of them (100K GPUs): they are made in
+    # a worker thread from C-level copies of the world's tables (records are only read there).
+    async def domains(self, limit: int, offset: int) -> dict[str, Any]:
         w = self.kernel.world
-        ids = sorted(w.domains)
-        shown = ids[offset : offset + limit]
-        members: dict[str, list[GpuRec]] = {d: [] for d in shown}
-        for g in w.gpus.values():  # one pass, not one per domain
-            if g.domain in members:
-                members[g.domain].append(g)
-        items = [{"id": did, "power_budget_w": w.domains[did], "gpus": len(members[did]),
-                  "nodes": sorted({g.node for g in members[did]}),
-                  "unusable": sum(1 for g in members[did] if not GpuState(g.state).placeable)} for did in shown]
-        return page(items, len(ids), limit, offset)
+        return await offloop.run(_domains, dict(w.domains), list(w.gpus.values()), limit, offset)
 
-    def nodes(self, domain: str | None, limit: int, offset: int) -> dict[str, Any]:
-        w = self.kernel.world
-        names = sorted(n for n, rec in w.nodes.items() if domain is None or rec.domain == domain)
-        items = []
-        for n in names[offset : offset + limit]:
-            rec = w.nodes[n]
-            items.append({"name": n, "domain": rec.domain, "gpus": list(rec.gpus), "connected": rec.connected,
-                          "last_seq": rec.last_seq,
-                          "drain_deadline": rec.drain_deadline.isoformat() if rec.drain_deadline else None,
-                          "drain_reason": rec.drain_reason})
-        return page(items, len(names), limit, offset)
+    async def nodes(self, domain: str | None, limit: int, offset: int) -> dict[str, Any]:
+        return await offloop.run(_nodes, list(self.kernel.world.nodes.items()), domain, limit, offset)
 
-    def gpus(self, state: GpuState | None, node: str | None, domain: str | None, limit: int,
-             offset: int) -> dict[str, Any]:
-        w = self.kernel.world
-        sel = sorted(u for u, g in w.gpus.items()
-                     if (state is None or g.state == state) and (node is None or g.node == node)
-                     and (domain is None or g.domain == domain))
-        return page([gpu_view(w.gpus[u]) for u in sel[offset : offset + limit]], len(sel), limit, offset)
+    async def gpus(self, state: GpuState | None, node: str | None, domain: str | None, limit: int,
+                   offset: int) -> dict[str, Any]:
+        return await offloop.run(_gpus, list(self.kernel.world.gpus.items()), state, node, domain, limit, offset)
 
     def gpu(self, uuid: str) -> dict[str, Any]:
         """One GPU, with its agent's latest counters (issue 21), which come with the heartbeats."""
@@ -262,6 +243,35 @@ class Queries:
     async def maintenance(self, limit: int, offset: int) -> dict[str, Any]:
         return await self._page(select(MaintenanceRow).order_by(MaintenanceRow.id.desc()),
                                 select(func.count()).select_from(MaintenanceRow), maintenance_view, limit, offset)
+
+
+def _domains(budgets: dict[str, float | None], gpus: list[GpuRec], limit: int, offset: int) -> dict[str, Any]:
+    ids = sorted(budgets)
+    shown = ids[offset : offset + limit]
+    members: dict[str, list[GpuRec]] = {d: [] for d in shown}
+    for g in gpus:  # one pass, not one per domain
+        if g.domain in members:
+            members[g.domain].append(g)
+    items = [{"id": did, "power_budget_w": budgets[did], "gpus": len(members[did]),
+              "nodes": sorted({g.node for g in members[did]}),
+              "unusable": sum(1 for g in members[did] if not GpuState(g.state).placeable)} for did in shown]
+    return page(items, len(ids), limit, offset)
+
+
+def _nodes(nodes: list[tuple[str, NodeRec]], domain: str | None, limit: int, offset: int) -> dict[str, Any]:
+    chosen = sorted(((n, rec) for n, rec in nodes if domain is None or rec.domain == domain), key=itemgetter(0))
+    items = [{"name": n, "domain": rec.domain, "gpus": list(rec.gpus), "connected": rec.connected,
+              "last_seq": rec.last_seq,
+              "drain_deadline": rec.drain_deadline.isoformat() if rec.drain_deadline else None,
+              "drain_reason": rec.drain_reason} for n, rec in chosen[offset : offset + limit]]
+    return page(items, len(chosen), limit, offset)
+
+
+def _gpus(gpus: list[tuple[str, GpuRec]], state: GpuState | None, node: str | None, domain: str | None,
+          limit: int, offset: int) -> dict[str, Any]:
+    sel = sorted(((u, g) for u, g in gpus if (state is None or g.state == state) and (node is None or g.node == node)
+                  and (domain is None or g.domain == domain)), key=itemgetter(0))
+    return page([gpu_view(g) for _, g in sel[offset : offset + limit]], len(sel), limit, offset)
 
 
 def _event_view(r: HealthEventRow) -> dict[str, Any]:
