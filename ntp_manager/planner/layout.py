@@ -326,8 +326,8 @@ class LayoutDoc:
         their GPUs, and with `list_max` at most that many entries of `dropped`, `idle`,
         `spares_used` and `reasons` (the first ones). O(the page's GPUs + list_max)."""
         n = len(self.replica_ids)
-        end = n if stop is None else max(start, min(stop, n))
         start = min(start, n)
+        end = n if stop is None else max(start, min(stop, n))
         track = self.tracks_moves
         caps = self.power_caps_w
         if start == 0 and end == n:

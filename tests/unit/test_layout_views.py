@@ -46,9 +46,11 @@ def test_counts_and_the_page_envelope() -> None:
     # TP 3, 4, 3, 4, 4: two replicas at TP3, three at TP4
     assert p["counts"] == {"replicas": 5, "groups": 5, "gpus": 18, "tp_counts": {"3": 2, "4": 3}, "dropped": 0,
                            "idle": 0, "spares_used": 0, "power_caps": 6, "reasons": len(doc.reasons)}
-    past = views.plan_page(doc, 100, 5)  # past the end: no replica, no cap, the totals still there
-    assert past["plan"]["replicas"] == [] and past["plan"]["power_caps_w"] == {}
-    assert past["counts"]["replicas"] == 5
+    for off in (5, 7, 10_000_000):  # at or past the end: no replica, no cap, the totals still there
+        past = views.plan_page(doc, 100, off)
+        assert past["plan"]["replicas"] == [] and past["plan"]["power_caps_w"] == {}
+        assert past["counts"]["replicas"] == 5
+        assert views.replica_summaries(doc, off, off + 100) == []
 
 
 def test_lists_that_grow_with_the_cluster_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
