@@ -419,6 +419,9 @@ KEEPALIVE = [
 ]
 
 
+HEALTH_SERVICES = ("", "ntp.v1.AgentService", "ntp.v1.WorkerService")
+
+
 class RpcServer:
     def __init__(self, manager: Manager) -> None:
         self.manager = manager
@@ -437,6 +440,7 @@ class RpcServer:
         reflection.enable_server_reflection(names, self.server)
         self.port = 0
         self.tls_port: int | None = None
+        self._role: asyncio.Task[None] | None = None
 
     async def start(self, host: str, port: int, tls_port: int | None = None) -> int:
         """Listen on `port` (plaintext) and, when the settings carry a certificate, on `tls_port`
@@ -452,11 +456,36 @@ class RpcServer:
             if self.tls_port == 0:
                 raise OSError(f"cannot bind gRPC TLS to {tls_host}:{want}")
         await self.server.start()
-        for svc in ("", "ntp.v1.AgentService", "ntp.v1.WorkerService"):
-            await self.health.set(svc, health_pb2.HealthCheckResponse.SERVING)
+        await self.set_serving(self.manager.acting)
+        self._role = asyncio.create_task(self._follow_role(), name="grpc-health")
         return self.port
 
+    async def _follow_role(self) -> None:
+        """Health follows the role: SERVING once this manager leads (a standby's takeover), and
+        NOT_SERVING from the moment it loses its lease."""
+        m = self.manager
+        if not m.acting:
+            with contextlib.suppress(Exception):
+                await m.wait_leading()
+            if m.acting:
+                await self.set_serving(True)
+        await m.lost.wait()
+        await self.set_serving(False)
+
+    async def set_serving(self, serving: bool) -> None:
+        """The standard gRPC health (grpc.health.v1, for the server as a whole and for each ntp.v1
+        service): SERVING only while this manager leads with its world loaded, so a load balancer
+        or probe that checks gRPC health finds the leader; a standby, a manager still loading and
+        one that lost its lease or is stopping answer NOT_SERVING. server.py flips it."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for svc in HEALTH_SERVICES:
+            await self.health.set(svc, status)
+
     async def stop(self, grace: float = 5.0) -> None:
-        for svc in ("", "ntp.v1.AgentService", "ntp.v1.WorkerService"):
-            await self.health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._role is not None:
+            self._role.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._role
+            self._role = None
+        await self.set_serving(False)
         await self.server.stop(grace)

@@ -42,7 +42,7 @@ from ntp_manager.service.idempotency import Outcome, idempotent
 from ntp_manager.service.inputs import GpuInventory, GpuReport
 from ntp_manager.service.jobs import Jobs
 from ntp_manager.service.kernel import Kernel, Tx
-from ntp_manager.service.leader import Leadership, application_name
+from ntp_manager.service.leader import Leadership
 from ntp_manager.service.liveness import Liveness
 from ntp_manager.service.loading import load_world
 from ntp_manager.service.maintenance import Maintenance
@@ -71,7 +71,7 @@ class Manager:
     def __init__(self, settings: Settings, clock: Clock | None = None) -> None:
         self.settings = settings
         self.clock = clock or SystemClock()
-        self.engine = db.make_engine(settings.effective_database_url, application_name(settings.leader_id),
+        self.engine = db.make_engine(settings.effective_database_url, db.application_name(settings.leader_id),
                                      settings.lease_ttl_s)
         self.sm = db.sessionmaker(self.engine)
         self.kernel = Kernel(self.sm, self.clock, World(base_cap=settings.power_base_cap),
