@@ -218,6 +218,10 @@ class Watcher:
             await asyncio.sleep(pause(self, hint, got))
 
 
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f} s"
+
+
 def pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
@@ -301,6 +305,22 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
             t_kill = time.perf_counter()
             leader.proc.send_signal(signal.SIGKILL if mode == "SIGKILL" else signal.SIGSTOP)
             victim.report([(victim.uuids[0], FAILED, f"bench round {rnd}")])
+            failing_seq = victim.next_seq - 1
+            marks: dict[str, float] = {}
+
+            async def follow_victim(v: SimAgent = victim, seq: int = failing_seq,
+                                    marks: dict[str, float] = marks) -> None:
+                """When the victim's agent was welcomed by the new leader, and when its report was acked."""
+                was = v.connected.is_set()
+                while "acked" not in marks:
+                    if v.connected.is_set() and not was and "welcomed" not in marks:
+                        marks["welcomed"] = time.perf_counter()
+                    was = was and v.connected.is_set()
+                    if v.acked >= seq:
+                        marks["acked"] = time.perf_counter()
+                    await asyncio.sleep(0.005)
+
+            follower = asyncio.create_task(follow_victim())
             took = await standby.leading(120)
             t_took = time.perf_counter()
             new_epoch = int(took["epoch"])
@@ -315,6 +335,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
             while len(arrivals()) < len(watchers) and time.perf_counter() - t_kill < 120:
                 await asyncio.sleep(0.02)
             got = arrivals()
+            follower.cancel()
             load_stop.set()
             await loader
             exit_code = None
@@ -334,11 +355,14 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
             rounds.append({"round": rnd, "mode": mode, "exit": exit_code, "since": since,
                            "epoch": (epoch_before, new_epoch), "killed": old.name,
                            "takeover_s": t_took - t_kill, "first_layout_s": min(got) - t_kill if got else None,
+                           "victim_welcomed_s": marks["welcomed"] - t_kill if "welcomed" in marks else None,
+                           "victim_acked_s": marks["acked"] - t_kill if "acked" in marks else None,
                            "all_watchers_s": max(got) - t_kill if len(got) == len(watchers) else None,
                            "watchers_with_it": len(got), "breaker_open": status["breaker"]["open"]})
             r0 = rounds[-1]
             console.print(f"round {rnd}: {mode} {old.name} (exit {exit_code}); takeover {r0['takeover_s']:.2f} s, "
-                          f"first layout {r0['first_layout_s']} s, all watchers {r0['all_watchers_s']} s")
+                          f"victim welcomed {_s(r0['victim_welcomed_s'])}, acked {_s(r0['victim_acked_s'])}, "
+                          f"first layout {_s(r0['first_layout_s'])}, all watchers {_s(r0['all_watchers_s'])}")
             await asyncio.sleep(1.0)
         # settle: every agent's reports acknowledged
         end = time.perf_counter() + 120

@@ -4,7 +4,9 @@ The composition root: the one place that builds the service (the manager) and th
 around it (api/, rpc/), so that service/ never imports the layers above it.
 
 A manager that loses its lease (service/leader.py) shuts down the same way and exits with status 75
-for its supervisor to start it again as a standby.
+for its supervisor to start it again as a standby; when that takes longer than one lease (its
+database unreachable: calls hang), it exits at once. gRPC health is SERVING only while this
+manager leads with its world loaded (rpc/server.py follows the role).
 
 Shutdown (SIGTERM/SIGINT): readiness and gRPC health flip to NOT_SERVING, the gRPC server stops
 accepting and gives open streams a grace period, HTTP stops, then the manager stops its loops and
