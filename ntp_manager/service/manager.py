@@ -125,8 +125,14 @@ class Manager:
             self._standby = asyncio.create_task(self._stand_by(), name="standby")
 
     async def _stand_by(self) -> None:
-        await self.leadership.wait_for_turn()
-        await self._lead()
+        # the planner's process starts now rather than in the takeover's first replan
+        warm = asyncio.create_task(self.jobs.planner.warm(), name="warm-planner")
+        try:
+            await self.leadership.wait_for_turn()
+            await self._lead()
+        finally:
+            if not warm.done():
+                warm.cancel()
 
     async def wait_leading(self) -> None:
         """Until this manager leads (returns at once when it does)."""
