@@ -66,7 +66,8 @@ class StandbyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     every AgentService / WorkerService call with UNAVAILABLE naming the leader, in the message and
     in the trailing metadata `ntp-leader` (host:port), before authentication (a standby holds no
     token table). Clients go there (agent/core.py, worker/sources.py). Health and reflection are
-    served as usual."""
+    served as usual. While a takeover is due (the leader missed its renewals) or under way, calls
+    are held until this manager leads instead (`_hold`)."""
 
     def __init__(self, manager: Manager) -> None:
         self.manager = manager
@@ -74,13 +75,26 @@ class StandbyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     async def intercept_service(
         self, continuation: Callable[[Any], Awaitable[Any]], details: grpc.HandlerCallDetails
     ) -> Any:
-        handler = await continuation(details)
         service = details.method.lstrip("/").split("/")[0]
+        if service in SERVICE_PERMISSION and not self.manager.acting:
+            await self._hold(self.manager.leadership.takeover_due_in())
+        handler = await continuation(details)
         if handler is None or service not in SERVICE_PERMISSION or self.manager.acting:
             return handler
         err = self.manager.leadership.not_leader()
         trailer = ((LEADER_KEY, err.leader.grpc),) if err.leader is not None and err.leader.grpc else ()
         return _deny(handler, grpc.StatusCode.UNAVAILABLE, err.message, trailer)
+
+    async def _hold(self, due: float | None) -> None:
+        """When the leader has missed its renewals (`due`: seconds until this standby may take the
+        lease), a call is held until this manager leads, for up to `due` plus one lease (the
+        takeover and the load of the state), instead of being sent to a leader that is likely gone:
+        its client would bounce between the managers and back off, and come to the new leader
+        seconds after it is ready. Then it goes on as usual: served here, or sent to the leader."""
+        if due is None:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.manager.acting_event.wait(), due + self.manager.settings.lease_ttl_s)
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]

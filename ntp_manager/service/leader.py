@@ -81,6 +81,7 @@ class Leadership:
         self.leading = False
         self.leader: LeaderInfo | None = None  # who leads, as last read (self when leading)
         self.view: lease.LeaseView | None = None  # the lease row as last read
+        self.view_mono = 0.0  # when
         self.http = settings.advertise_http or ""
         self.grpc = settings.advertise_grpc or ""
         self.lost = asyncio.Event()
@@ -151,12 +152,36 @@ class Leadership:
         """Read the lease; remember who leads (for redirects)."""
         async with self.engine.connect() as conn:
             view = await lease.read(conn)
-        self.view = view
+        self.view, self.view_mono = view, time.monotonic()
         if view is not None and view.live and not self.leading:
             self.leader = LeaderInfo(view.epoch, view.holder, view.http, view.grpc)
         elif view is not None and not view.live and not self.leading:
             self.leader = None
         return view
+
+    def takeover_due_in(self) -> float | None:
+        """On a standby whose leader looks gone: about how many seconds until this manager may take
+        the lease over (0: it is free now, or taken and the state loading); None while the leader
+        renews as it should, and on a manager that lost its lease.
+
+        A leader renews every `lease_renew_s` and this standby reads the lease as often, so the lease
+        it last read has more than `lease_ttl_s - 2 * lease_renew_s` left unless the leader missed
+        renewals; half a period more is allowed for a late read or a slow database."""
+        if self.lost.is_set():
+            return None
+        if self.leading:  # taken: the state is loading
+            return 0.0
+        v = self.view
+        if v is None:
+            return None
+        if not v.live:
+            return 0.0
+        assert v.remaining_s is not None
+        left = v.remaining_s - (time.monotonic() - self.view_mono)
+        ttl, period = self.settings.lease_ttl_s, self.settings.lease_renew_s
+        if left > ttl - 2.5 * period:
+            return None
+        return max(0.0, left)
 
     async def wait_for_turn(self) -> None:
         """Stand by until this manager takes the lease: read it every `lease_renew_s` (or sooner,
@@ -199,10 +224,13 @@ class Leadership:
             if left <= 0:
                 left = min(period, ttl / 4)
             call = asyncio.ensure_future(self._renew(ttl))
-            done, _ = await asyncio.wait({call}, timeout=left)
+            try:
+                done, _ = await asyncio.wait({call}, timeout=left)
+            finally:
+                if not call.done():  # given up on (or this loop cancelled: the manager stops)
+                    call.cancel()
+                    call.add_done_callback(_consume)
             if not done:
-                call.cancel()
-                call.add_done_callback(_consume)
                 self.lose(f"no renewal got through for {ttl:g} s (lease_ttl_s; the last one has been waiting "
                           f"{time.monotonic() - sent:.1f} s): another manager may lead now")
                 return

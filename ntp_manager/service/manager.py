@@ -104,6 +104,7 @@ class Manager:
         self._tasks: list[asyncio.Task[None]] = []
         self._standby: asyncio.Task[None] | None = None
         self._loaded = False  # the world is loaded (once leading)
+        self.acting_event = asyncio.Event()  # set once this manager acts as the leader
 
     # ---- life cycle -----------------------------------------------------------------------------
     async def start(self, migrate: bool = True) -> None:
@@ -186,6 +187,7 @@ class Manager:
             self.power.recompute_later()  # the base cap may have been set, changed or removed since
         self._loaded = True
         self.ready = True
+        self.acting_event.set()
         log.info("manager started", epoch=self.epoch, gpus=len(self.world.gpus), jobs=len(self.world.jobs))
 
     async def begin_shutdown(self) -> None:

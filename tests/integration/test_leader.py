@@ -290,3 +290,38 @@ async def test_a_new_leader_gives_agents_the_grace_to_reconnect(kind: str, tmp_p
             assert {h[f"G1-{i}"] for i in range(4)} == {GpuState.FAILED}
         finally:
             await b.stop()
+
+
+@needs_pg
+async def test_a_standby_holds_calls_while_a_takeover_is_due(tmp_path: Path) -> None:
+    """The leader stops renewing (cut off from the database): a call that reaches the standby then
+    is held until the standby has taken over and is served there, instead of being sent back to
+    the leader that is gone (its client would bounce and back off)."""
+    async with pg_url(tmp_path) as url:
+        proxy = Partition.to(url)
+        await proxy.start()
+        fast = {"lease_ttl_s": 2.0, "lease_renew_s": 0.4}
+        try:
+            async with serving(settings(tmp_path, proxy.url(url), "a", **fast)) as (a, _, _), \
+                    serving(settings(tmp_path, url, "b", **fast)) as (b, _, b_grpc):
+                worker = await a.create_token("w", "worker")
+                assert a.leading and b.leadership.takeover_due_in() is None  # a renews: nothing held
+                proxy.cut()
+                for _ in range(200):
+                    if b.leadership.takeover_due_in() is not None:
+                        break
+                    await asyncio.sleep(0.05)
+                assert not b.leading and b.leadership.takeover_due_in() is not None
+                async with grpc.aio.insecure_channel(b_grpc) as ch:
+                    stub = worker_pb2_grpc.WorkerServiceStub(ch)  # type: ignore[no-untyped-call]
+                    call = stub.WatchLayout(worker_pb2.WatchLayoutRequest(job="j", worker_id="w"),
+                                            metadata=(("authorization", f"Bearer {worker}"),))
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await call.read()
+                # answered by b as the leader (no such job), not sent away to a
+                assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value.details()
+                assert b.leading and a.lost.is_set()
+                proxy.heal()
+        finally:
+            proxy.heal()
+            await proxy.stop()
