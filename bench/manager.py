@@ -40,13 +40,10 @@ import argparse
 import asyncio
 import json
 import os
-import platform
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -56,15 +53,20 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import (
+    HealthzProbe,
+    cpu_seconds,
+    create_tokens,
+    lag_buckets,
+    machine_line,
+    percentiles_ms,
+    serve,
+    stop,
+    worst_bucket,
+)
 from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
-
-CLK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK
-
 
 BIG_NODE = "big-node"
 MAX_GPUS = 100_000 + 128  # the ingest cluster plus one largest hello
@@ -72,32 +74,13 @@ MAX_GPUS = 100_000 + 128  # the ingest cluster plus one largest hello
 
 def start_manager(data: Path, nodes: list[str], db_url: str | None = None
                   ) -> tuple[subprocess.Popen[str], dict[str, Any], dict[str, str]]:
-    tokens = {}
     base_env = dict(os.environ, **({"NTP_DATABASE_URL": db_url} if db_url else {}))
-    for scope in ("operator", "worker"):
-        out = subprocess.run(
-            [sys.executable, "-m", "ntp_manager.cli", "token", "create", "--scope", scope, "--json",
-             "--data-dir", str(data)], capture_output=True, text=True, check=True, env=base_env).stdout
-        tokens[scope] = json.loads(out)["token"]
-    out = subprocess.run(
-        [sys.executable, "-m", "ntp_manager.cli", "token", "create", "--scope", "agent", "--nodes-from", "-",
-         "--data-dir", str(data)], input="\n".join(nodes), capture_output=True, text=True, check=True,
-        env=base_env).stdout
-    for line in out.splitlines():
-        d = json.loads(line)
-        tokens[d["node"]] = d["token"]
+    tokens = create_tokens(data, nodes, base_env)
     env = dict(base_env, NTP_SUSPECT_AFTER_S="600", NTP_FAIL_AFTER_S="1200", NTP_BREAKER_MIN_GPUS="100000",
                NTP_MAX_CLUSTER_GPUS=str(MAX_GPUS), NTP_LOG_FORMAT="json")
-    log = open(data / "manager.log", "w")  # noqa: SIM115 - the manager writes it until it ends
     prof = ["-m", "cProfile", "-o", os.environ["BENCH_PROFILE"]] if os.environ.get("BENCH_PROFILE") else []
-    proc = subprocess.Popen(
-        [sys.executable, *prof, "-m", "ntp_manager.cli", "serve", "--data-dir", str(data), "--http-port", "0",
-         "--grpc-port", "0"], stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("NTP-MANAGER READY"):
-            return proc, json.loads(line.split(" ", 2)[2]), tokens
-    raise RuntimeError("manager did not start")
+    proc, info = serve(data, env, prof)
+    return proc, info, tokens
 
 
 class Agent:
@@ -147,15 +130,9 @@ class Agent:
 
 async def latency(info: dict[str, Any], tokens: dict[str, str], rounds: int, console: Console) -> dict[str, Any]:
     n_agents = 1000
-    channels = [grpc.aio.insecure_channel(info["grpc"], options=[("grpc.use_local_subchannel_pool", 1)])
-                for _ in range(20)]
-    agents = [Agent(channels[i % 20], tokens[f"node-{i:04d}"], f"node-{i:04d}", f"nvl-{i // 2:03d}", 4)
-              for i in range(n_agents)]
-    tasks = [asyncio.create_task(a.run()) for a in agents]
-    t0 = time.perf_counter()
-    for a in agents:
-        await asyncio.wait_for(a.welcome.wait(), 120)
-    reg_s = time.perf_counter() - t0
+    channels = channels_for(info, 20)
+    agents = agents_on(channels, tokens, NODE, n_agents, 4)
+    reg_s, tasks = await register_all(agents, n_agents, timeout=120)  # all at once
     async with httpx.AsyncClient(base_url=f"http://{info['http']}",
                                  headers={"Authorization": f"Bearer {tokens['operator']}"}, timeout=60) as c:
         r = await c.post("/v1/jobs", json={"name": "bench", "tp": 8, "replicas": 500, "local_batch": 8,
@@ -193,33 +170,16 @@ async def latency(info: dict[str, Any], tokens: dict[str, str], rounds: int, con
         while len(arrived.get(version, ())) < n_agents:
             await asyncio.sleep(0.001)
         await asyncio.sleep(0.05)
-    for t in watchers + tasks:
-        t.cancel()
-    for ch in channels:
-        await ch.close()
-    samples.sort()
-    return {
-        "agents": n_agents, "watchers": n_agents, "rounds": rounds, "register_s": reg_s,
-        "p50_ms": 1e3 * statistics.median(samples), "p99_ms": 1e3 * samples[min(len(samples) - 1,
-                                                                                 int(0.99 * len(samples)))],
-        "max_ms": 1e3 * samples[-1],
-    }
+    await close_all(watchers + tasks, channels)
+    return {"agents": n_agents, "watchers": n_agents, "rounds": rounds, "register_s": reg_s,
+            **percentiles_ms(samples)}
 
 
 async def ingest(info: dict[str, Any], tokens: dict[str, str], seconds: float, pid: int) -> dict[str, Any]:
     n_nodes, per_node = 12_500, 8
-    # one connection per channel (as separate agents would have), not one shared HTTP/2 connection
-    channels = [grpc.aio.insecure_channel(info["grpc"], options=[("grpc.use_local_subchannel_pool", 1)])
-                for _ in range(50)]
-    agents = [Agent(channels[i % 50], tokens[f"ing-{i:05d}"], f"ing-{i:05d}", f"ing-nvl-{i // 9:04d}", per_node)
-              for i in range(n_nodes)]
-    tasks = []
-    t0 = time.perf_counter()
-    for i in range(0, n_nodes, 500):  # register in waves
-        tasks += [asyncio.create_task(a.run()) for a in agents[i : i + 500]]
-        for a in agents[i : i + 500]:
-            await asyncio.wait_for(a.welcome.wait(), 300)
-    reg_s = time.perf_counter() - t0
+    channels = channels_for(info, 50)
+    agents = agents_on(channels, tokens, ING, n_nodes, per_node)
+    reg_s, tasks = await register_all(agents, 500, timeout=300)  # register in waves
 
     async def count() -> float:
         async with httpx.AsyncClient(timeout=30) as c:
@@ -247,56 +207,27 @@ async def ingest(info: dict[str, Any], tokens: dict[str, str], seconds: float, p
         "gpus_per_s": processed * per_node / elapsed, "manager_cpu": (cpu1 - cpu0) / elapsed,
     }
     res["loop"] = await largest_inputs(info, tokens, channels[0])
-    for t in tasks:
-        t.cancel()
-    for ch in channels:
-        await ch.close()
+    await close_all(tasks, channels)
     return res
-
-
-def _lag(text: str) -> tuple[dict[float, float], float]:
-    """The watchdog's histogram buckets (le -> count) and stall counter from a /metrics page."""
-    buckets, stalls = {}, 0.0
-    for line in text.splitlines():
-        if line.startswith("ntp_event_loop_lag_seconds_bucket"):
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            buckets[float("inf") if le == "+Inf" else float(le)] = float(line.split()[-1])
-        elif line.startswith("ntp_event_loop_stalls_total "):
-            stalls = float(line.split()[-1])
-    return buckets, stalls
 
 
 async def largest_inputs(info: dict[str, Any], tokens: dict[str, str], channel: grpc.aio.Channel) -> dict[str, Any]:
     """Each step's largest /healthz latency and the loop lag the watchdog measured during it."""
     base = f"http://{info['http']}"
-    probes: list[tuple[float, float]] = []  # (when, latency)
-    stop = threading.Event()
-
-    def probe() -> None:
-        with httpx.Client(base_url=base, timeout=60) as c:
-            while not stop.is_set():
-                t0 = time.perf_counter()
-                c.get("/healthz")
-                probes.append((t0, time.perf_counter() - t0))
-                time.sleep(0.02)
-
-    thread = threading.Thread(target=probe, daemon=True)
-    thread.start()
+    probe = HealthzProbe(base)
+    probe.start()
     steps: list[dict[str, Any]] = []
     op = httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {tokens['operator']}"}, timeout=300)
 
     async def step(name: str, coro: Any) -> None:
-        m0 = _lag((await op.get("/metrics")).text)
+        m0 = lag_buckets((await op.get("/metrics")).text)
         t0 = time.perf_counter()
         await coro
         t1 = time.perf_counter()
         await asyncio.sleep(0.2)
-        m1 = _lag((await op.get("/metrics")).text)
-        # cumulative buckets: the smallest bound that holds every lag measured during the step
-        delta = {le: n - m0[0].get(le, 0) for le, n in m1[0].items()}
-        total = delta.get(float("inf"), 0.0)
-        worst = min((le for le, n in delta.items() if n >= total), default=0.0)
-        during = [lat for t, lat in probes if t0 - 0.05 <= t <= t1 + 0.2]
+        m1 = lag_buckets((await op.get("/metrics")).text)
+        worst = worst_bucket(m0, m1)
+        during = probe.during(t0 - 0.05, t1 + 0.2)
         steps.append({"step": name, "seconds": t1 - t0, "healthz_max_ms": 1e3 * max(during, default=0.0),
                       "probes": len(during), "lag_max_bucket_s": worst, "stalls": m1[1] - m0[1]})
 
@@ -324,10 +255,9 @@ async def largest_inputs(info: dict[str, Any], tokens: dict[str, str], channel: 
     await step("largest job (every GPU) planned and stored", job())
     await step("dry run, one replica per GPU", dry_run())
     await step("layout, snapshot, status, listings", reads())
-    stop.set()
-    thread.join(5)
+    probe.stop(join_s=5)
     await op.aclose()
-    return {"steps": steps, "healthz_max_ms": 1e3 * max(lat for _, lat in probes), "probes": len(probes)}
+    return {"steps": steps, "healthz_max_ms": 1e3 * max(lat for _, lat in probe.probes), "probes": len(probe.probes)}
 
 
 async def token_changes(data: Path, info: dict[str, Any], tokens: dict[str, str], rounds: int = 5) -> dict[str, Any]:
@@ -370,14 +300,44 @@ def channels_for(info: dict[str, Any], n: int) -> list[grpc.aio.Channel]:
             for _ in range(n)]
 
 
-async def register_all(agents: list[Agent], wave: int) -> tuple[float, list[asyncio.Task[None]]]:
+# how the simulated nodes of each part are named: node i's name, its domain's name, nodes per domain
+Naming = tuple[str, str, int]
+NODE: Naming = ("node-{:04d}", "nvl-{:03d}", 2)  # latency, mass failure
+ING: Naming = ("ing-{:05d}", "ing-nvl-{:04d}", 9)  # ingest, registration (NVL72 domains)
+REP: Naming = ("rep-{:04d}", "rep-nvl-{:03d}", 2)  # report rate
+
+
+def node_names(naming: Naming, n: int) -> list[str]:
+    return [naming[0].format(i) for i in range(n)]
+
+
+def agents_on(channels: list[grpc.aio.Channel], tokens: dict[str, str], naming: Naming, n: int,
+              gpus: int) -> list[Agent]:
+    """`n` agents of `gpus` GPUs each, named by `naming`, spread over `channels` in turn; each with
+    the token made for its node."""
+    node, domain, per_domain = naming
+    return [Agent(channels[i % len(channels)], tokens[node.format(i)], node.format(i), domain.format(i // per_domain),
+                  gpus) for i in range(n)]
+
+
+async def register_all(agents: list[Agent], wave: int, timeout: float = 600
+                       ) -> tuple[float, list[asyncio.Task[None]]]:
+    """Connects the agents `wave` at a time, each wave welcomed before the next starts; returns
+    the seconds it took and the agents' tasks."""
     tasks: list[asyncio.Task[None]] = []
     t0 = time.perf_counter()
     for i in range(0, len(agents), wave):
         tasks += [asyncio.create_task(a.run()) for a in agents[i : i + wave]]
         for a in agents[i : i + wave]:
-            await asyncio.wait_for(a.welcome.wait(), 600)
+            await asyncio.wait_for(a.welcome.wait(), timeout)
     return time.perf_counter() - t0, tasks
+
+
+async def close_all(tasks: list[asyncio.Task[None]], channels: list[grpc.aio.Channel]) -> None:
+    for t in tasks:
+        t.cancel()
+    for ch in channels:
+        await ch.close()
 
 
 async def event_total(info: dict[str, Any], token: str) -> int:
@@ -390,8 +350,7 @@ async def report_rate(info: dict[str, Any], tokens: dict[str, str], pid: int, n_
                       per_node: int = 40) -> dict[str, Any]:
     """State-changing reports, pipelined by every agent, acknowledged only once durable."""
     channels = channels_for(info, 20)
-    agents = [Agent(channels[i % 20], tokens[f"rep-{i:04d}"], f"rep-{i:04d}", f"rep-nvl-{i // 2:03d}", 8)
-              for i in range(n_nodes)]
+    agents = agents_on(channels, tokens, REP, n_nodes, 8)
     _, tasks = await register_all(agents, 500)
     before = await event_total(info, tokens["operator"])
     cpu0, client0 = cpu_seconds(pid), time.process_time()
@@ -406,10 +365,7 @@ async def report_rate(info: dict[str, Any], tokens: dict[str, str], pid: int, n_
     elapsed = time.perf_counter() - t0
     cpu, client = cpu_seconds(pid) - cpu0, time.process_time() - client0
     stored = await event_total(info, tokens["operator"]) - before
-    for t in tasks:
-        t.cancel()
-    for ch in channels:
-        await ch.close()
+    await close_all(tasks, channels)
     total = n_nodes * per_node
     return {"agents": n_nodes, "reports": total, "seconds": elapsed, "per_s": total / elapsed,
             "stored_events": stored, "manager_cpu_s": cpu, "per_manager_cpu_s": total / cpu, "client_cpu_s": client}
@@ -417,13 +373,9 @@ async def report_rate(info: dict[str, Any], tokens: dict[str, str], pid: int, n_
 
 async def registration(info: dict[str, Any], tokens: dict[str, str], n_nodes: int = 12_500) -> dict[str, Any]:
     channels = channels_for(info, 50)
-    agents = [Agent(channels[i % 50], tokens[f"ing-{i:05d}"], f"ing-{i:05d}", f"ing-nvl-{i // 9:04d}", 8)
-              for i in range(n_nodes)]
+    agents = agents_on(channels, tokens, ING, n_nodes, 8)
     reg_s, tasks = await register_all(agents, 2500)
-    for t in tasks:
-        t.cancel()
-    for ch in channels:
-        await ch.close()
+    await close_all(tasks, channels)
     return {"nodes": n_nodes, "gpus": 8 * n_nodes, "seconds": reg_s}
 
 
@@ -431,8 +383,7 @@ async def mass_failure(info: dict[str, Any], tokens: dict[str, str], rounds: int
     """125 nodes x 8 GPUs fail at once; until every one of 1,000 watchers holds the new layout."""
     n_nodes, hit = 1000, 125
     channels = channels_for(info, 20)
-    agents = [Agent(channels[i % 20], tokens[f"node-{i:04d}"], f"node-{i:04d}", f"nvl-{i // 2:03d}", 8)
-              for i in range(n_nodes)]
+    agents = agents_on(channels, tokens, NODE, n_nodes, 8)
     reg_s, tasks = await register_all(agents, 500)
     async with httpx.AsyncClient(base_url=f"http://{info['http']}",
                                  headers={"Authorization": f"Bearer {tokens['operator']}"}, timeout=60) as c:
@@ -466,14 +417,9 @@ async def mass_failure(info: dict[str, Any], tokens: dict[str, str], rounds: int
             a.report_many(a.uuids, common_pb2.GPU_STATE_HEALTHY)
         await all_hold(n_nodes)
         await asyncio.sleep(0.2)
-    for t in watchers + tasks:
-        t.cancel()
-    for ch in channels:
-        await ch.close()
-    samples.sort()
+    await close_all(watchers + tasks, channels)
     return {"nodes": n_nodes, "failed_gpus": 8 * hit, "watchers": n_nodes, "rounds": rounds, "register_s": reg_s,
-            "p50_ms": 1e3 * statistics.median(samples),
-            "p99_ms": 1e3 * samples[min(len(samples) - 1, int(0.99 * len(samples)))], "max_ms": 1e3 * samples[-1]}
+            **percentiles_ms(samples)}
 
 
 async def fresh_postgres(url: str) -> str:
@@ -507,9 +453,8 @@ async def group_commit(args: argparse.Namespace, console: Console) -> dict[str, 
             db_url = await fresh_postgres(admin) if admin else None
             try:
                 with tempfile.TemporaryDirectory() as tmp:
-                    nodes = {"reports": [f"rep-{i:04d}" for i in range(500)],
-                             "registration": [f"ing-{i:05d}" for i in range(12_500)],
-                             "mass_failure": [f"node-{i:04d}" for i in range(1000)]}[part]
+                    nodes = {"reports": node_names(REP, 500), "registration": node_names(ING, 12_500),
+                             "mass_failure": node_names(NODE, 1000)}[part]
                     proc, info, tokens = start_manager(Path(tmp), nodes, db_url)
                     try:
                         with console.status(f"{store}: {part}"):
@@ -521,8 +466,7 @@ async def group_commit(args: argparse.Namespace, console: Console) -> dict[str, 
                                 res[part] = await mass_failure(info, tokens, args.rounds)
                         console.print(f"{store} {part}: {json.dumps(res[part])}")
                     finally:
-                        proc.send_signal(signal.SIGTERM)
-                        proc.wait(120)
+                        stop(proc, 120)
             finally:
                 if admin and db_url:
                     await drop_postgres(admin, db_url)
@@ -554,7 +498,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
     if args.skip_latency:
         return await ingest_only(args, console, out)
     with tempfile.TemporaryDirectory() as tmp:
-        proc, info, tokens = start_manager(Path(tmp), [f"node-{i:04d}" for i in range(1000)])
+        proc, info, tokens = start_manager(Path(tmp), node_names(NODE, 1000))
         try:
             cpu0 = cpu_seconds(proc.pid)
             t0 = time.perf_counter()
@@ -565,20 +509,18 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
             out["tokens"] = await token_changes(Path(tmp), info, tokens)
             console.print(f"token changes: {json.dumps(out['tokens'])}")
         finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
+            stop(proc)
     return await ingest_only(args, console, out) if not args.skip_ingest else out
 
 
 async def ingest_only(args: argparse.Namespace, console: Console, out: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        proc, info, tokens = start_manager(Path(tmp), [f"ing-{i:05d}" for i in range(12_500)] + [BIG_NODE])
+        proc, info, tokens = start_manager(Path(tmp), [*node_names(ING, 12_500), BIG_NODE])
         try:
             with console.status("health ingest: 100,000 GPUs, then the largest inputs"):
                 out["ingest"] = await ingest(info, tokens, args.ingest_seconds, proc.pid)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
+            stop(proc)
             out["stall_sites"] = stall_sites(Path(tmp) / "manager.log")
     return out
 
@@ -645,8 +587,7 @@ def main() -> None:
             t4.add_row(f"{r['failed_gpus']:,} GPUs fail -> layout on {r['watchers']:,} watchers ({r['rounds']} rounds)",
                        f"p50 {r['p50_ms']:.0f} ms, p99 {r['p99_ms']:.0f} ms", "p99 <= 1,000 ms")
         console.print(t4)
-    console.print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, "
-                  f"load average {os.getloadavg()[0]:.1f}")
+    console.print(machine_line())
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(res, indent=2))

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
-import signal
 import statistics
 import sys
 import time
@@ -29,11 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from rich.console import Console
-from rich.table import Table
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import failover_row, kill_parked, last_event, show
 from ntp_manager.worker.launch import free_port
 from ntp_manager.worker.pipeline import Pipeline
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig
@@ -158,11 +157,7 @@ def bench_failover(quick: bool, tp: int) -> dict[str, float]:
     procs = {w: ctx.Process(target=_worker, args=(w, port, cfg, 16, 5, 3, victim, q)) for w in workers}
     for p in procs.values():
         p.start()
-    while not store.check(["bench/parked"]):
-        time.sleep(0.05)
-    time.sleep(1.0)  # the peers are inside step 3, blocked on the victim
-    t_kill = time.time()
-    os.kill(procs[victim].pid, signal.SIGKILL)
+    t_kill = kill_parked(store, procs[victim].pid)  # the peers are inside step 3, blocked on it
     publish_layout(store, "bench", 2, [([n[0][0], n[0][1][:-1]], lb), (n[1], lb)], f"{victim} failed")
     timelines: dict[str, list[tuple[str, int, float]]] = {}
     before: dict[int, float] = {}
@@ -175,25 +170,13 @@ def bench_failover(quick: bool, tp: int) -> dict[str, float]:
     for p in procs.values():
         p.join(timeout=60)
 
-    def last(what: str) -> float:
-        return max(next(t for w, v, t in tl if w == what and (v == 2 or what == "failure detected"))
-                   for tl in timelines.values())
-
-    detect = last("failure detected")
-    regroup, reshard, first = last("regrouped"), last("reshard done"), last("first step")
+    detect = last_event(timelines, "failure detected")
+    regroup, reshard = last_event(timelines, "regrouped"), last_event(timelines, "reshard done")
+    first = last_event(timelines, "first step")
     return {"detection": detect - t_kill, "regroup": regroup - detect, "reshard": reshard - regroup,
             "first step": first - reshard, "total": first - t_kill,
             "step before": statistics.median(before.values()) if before else float("nan"),
             "params": float(sum(p.numel() for p in TinyGpt(cfg).parameters()))}
-
-
-def show(console: Console, title: str, cols: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
-    t = Table(title=title)
-    for c in cols:
-        t.add_column(c, justify="right")
-    for r in rows:
-        t.add_row(*r)
-    console.print(t)
 
 
 def main() -> None:
@@ -224,13 +207,11 @@ def main() -> None:
         shapes["single"].append(single_stage(args.quick, small_batch=True)[1])
     rows = []
     for key, runs in shapes.items():
-        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         size = "2M" if args.quick else "118M"
+        params = statistics.median(r["params"] for r in runs) if key != "single" else 0.0
         label = (f"{size}, 1 stage, TP4xDP2 (8), TP4->3 (bench/worker.py)" if key == "single" else
-                 f"{med['params'] / 1e6:.0f}M PP2xTP{key}xDP2 ({4 * int(key)}), TP{key}->{int(key) - 1}")
-        rows.append((label, *(f"{med[k]:.2f}" for k in ("detection", "regroup", "reshard", "first step", "total",
-                                                        "step before")),
-                     f"{max(r['total'] for r in runs):.2f}"))
+                 f"{params / 1e6:.0f}M PP2xTP{key}xDP2 ({4 * int(key)}), TP{key}->{int(key) - 1}")
+        rows.append(failover_row(label, runs))
     show(console, f"Rank killed -> first step at the new layout, 2 stages, 1x16 tokens per replica (s, median of "
          f"{args.repeat}; goal <= 2 s)",
          ("job", "detection", "regroup", "reshard", "first step", "total", "step before", "worst total"), rows)
