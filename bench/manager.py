@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -55,17 +57,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (
-    HealthzProbe,
-    cpu_seconds,
-    create_tokens,
-    lag_buckets,
-    machine_line,
-    percentiles_ms,
-    serve,
-    stop,
-    worst_bucket,
-)
+from bench.common import HealthzProbe, cpu_seconds, create_tokens, lag_buckets, machine_line, serve, worst_bucket
 from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 
 BIG_NODE = "big-node"
@@ -116,10 +108,10 @@ class Agent:
             elif kind == "ack":
                 self.acked = msg.ack.seq
 
-    def report(self, uuid: str, state: int) -> None:
+    def report(self, uuid: str, state: common_pb2.GpuState) -> None:
         self.report_many([uuid], state)
 
-    def report_many(self, uuids: list[str], state: int) -> None:
+    def report_many(self, uuids: list[str], state: common_pb2.GpuState) -> None:
         self.seq += 1
         self.q.put_nowait(agent_pb2.AgentMessage(report=agent_pb2.HealthReport(
             seq=self.seq, gpus=[agent_pb2.GpuHealth(uuid=u, state=state, reasons=["bench"]) for u in uuids])))
@@ -130,9 +122,15 @@ class Agent:
 
 async def latency(info: dict[str, Any], tokens: dict[str, str], rounds: int, console: Console) -> dict[str, Any]:
     n_agents = 1000
-    channels = channels_for(info, 20)
-    agents = agents_on(channels, tokens, NODE, n_agents, 4)
-    reg_s, tasks = await register_all(agents, n_agents, timeout=120)  # all at once
+    channels = [grpc.aio.insecure_channel(info["grpc"], options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(20)]
+    agents = [Agent(channels[i % 20], tokens[f"node-{i:04d}"], f"node-{i:04d}", f"nvl-{i // 2:03d}", 4)
+              for i in range(n_agents)]
+    tasks = [asyncio.create_task(a.run()) for a in agents]
+    t0 = time.perf_counter()
+    for a in agents:
+        await asyncio.wait_for(a.welcome.wait(), 120)
+    reg_s = time.perf_counter() - t0
     async with httpx.AsyncClient(base_url=f"http://{info['http']}",
                                  headers={"Authorization": f"Bearer {tokens['operator']}"}, timeout=60) as c:
         r = await c.post("/v1/jobs", json={"name": "bench", "tp": 8, "replicas": 500, "local_batch": 8,
@@ -170,16 +168,33 @@ async def latency(info: dict[str, Any], tokens: dict[str, str], rounds: int, con
         while len(arrived.get(version, ())) < n_agents:
             await asyncio.sleep(0.001)
         await asyncio.sleep(0.05)
-    await close_all(watchers + tasks, channels)
-    return {"agents": n_agents, "watchers": n_agents, "rounds": rounds, "register_s": reg_s,
-            **percentiles_ms(samples)}
+    for t in watchers + tasks:
+        t.cancel()
+    for ch in channels:
+        await ch.close()
+    samples.sort()
+    return {
+        "agents": n_agents, "watchers": n_agents, "rounds": rounds, "register_s": reg_s,
+        "p50_ms": 1e3 * statistics.median(samples), "p99_ms": 1e3 * samples[min(len(samples) - 1,
+                                                                                 int(0.99 * len(samples)))],
+        "max_ms": 1e3 * samples[-1],
+    }
 
 
 async def ingest(info: dict[str, Any], tokens: dict[str, str], seconds: float, pid: int) -> dict[str, Any]:
     n_nodes, per_node = 12_500, 8
-    channels = channels_for(info, 50)
-    agents = agents_on(channels, tokens, ING, n_nodes, per_node)
-    reg_s, tasks = await register_all(agents, 500, timeout=300)  # register in waves
+    # one connection per channel (as separate agents would have), not one shared HTTP/2 connection
+    channels = [grpc.aio.insecure_channel(info["grpc"], options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(50)]
+    agents = [Agent(channels[i % 50], tokens[f"ing-{i:05d}"], f"ing-{i:05d}", f"ing-nvl-{i // 9:04d}", per_node)
+              for i in range(n_nodes)]
+    tasks = []
+    t0 = time.perf_counter()
+    for i in range(0, n_nodes, 500):  # register in waves
+        tasks += [asyncio.create_task(a.run()) for a in agents[i : i + 500]]
+        for a in agents[i : i + 500]:
+            await asyncio.wait_for(a.welcome.wait(), 300)
+    reg_s = time.perf_counter() - t0
 
     async def count() -> float:
         async with httpx.AsyncClient(timeout=30) as c:
@@ -207,7 +222,10 @@ async def ingest(info: dict[str, Any], tokens: dict[str, str], seconds: float, p
         "gpus_per_s": processed * per_node / elapsed, "manager_cpu": (cpu1 - cpu0) / elapsed,
     }
     res["loop"] = await largest_inputs(info, tokens, channels[0])
-    await close_all(tasks, channels)
+    for t in tasks:
+        t.cancel()
+    for ch in channels:
+        await ch.close()
     return res
 
 
@@ -300,44 +318,60 @@ def channels_for(info: dict[str, Any], n: int) -> list[grpc.aio.Channel]:
             for _ in range(n)]
 
 
-# how the simulated nodes of each part are named: node i's name, its domain's name, nodes per domain
-Naming = tuple[str, str, int]
-NODE: Naming = ("node-{:04d}", "nvl-{:03d}", 2)  # latency, mass failure
-ING: Naming = ("ing-{:05d}", "ing-nvl-{:04d}", 9)  # ingest, registration (NVL72 domains)
-REP: Naming = ("rep-{:04d}", "rep-nvl-{:03d}", 2)  # report rate
+class AgentEnded(RuntimeError):
+    """An agent's stream ended while the benchmark needed it (the manager refused or closed it)."""
 
 
-def node_names(naming: Naming, n: int) -> list[str]:
-    return [naming[0].format(i) for i in range(n)]
-
-
-def agents_on(channels: list[grpc.aio.Channel], tokens: dict[str, str], naming: Naming, n: int,
-              gpus: int) -> list[Agent]:
-    """`n` agents of `gpus` GPUs each, named by `naming`, spread over `channels` in turn; each with
-    the token made for its node."""
-    node, domain, per_domain = naming
-    return [Agent(channels[i % len(channels)], tokens[node.format(i)], node.format(i), domain.format(i // per_domain),
-                  gpus) for i in range(n)]
-
-
-async def register_all(agents: list[Agent], wave: int, timeout: float = 600
+async def register_all(agents: list[Agent], wave: int, timeout_s: float = 300.0
                        ) -> tuple[float, list[asyncio.Task[None]]]:
-    """Connects the agents `wave` at a time, each wave welcomed before the next starts; returns
-    the seconds it took and the agents' tasks."""
+    """Start the agents `wave` at a time; each wave until every agent of it is welcomed. An agent
+    whose stream ends (an error from the manager, a dropped connection) stops the benchmark at once
+    with that error (`ended` raises it later too), and so does a wave not welcomed in `timeout_s`."""
+    loop = asyncio.get_running_loop()
+    failed: asyncio.Future[None] = loop.create_future()
+
+    def on_end(a: Agent, t: asyncio.Task[None]) -> None:
+        if t.cancelled() or failed.done():
+            return
+        err = t.exception()
+        failed.set_exception(AgentEnded(f"agent {a.node}'s stream ended "
+                                        f"({'after' if a.welcome.is_set() else 'before'} its welcome): {err!r}"))
+
     tasks: list[asyncio.Task[None]] = []
     t0 = time.perf_counter()
-    for i in range(0, len(agents), wave):
-        tasks += [asyncio.create_task(a.run()) for a in agents[i : i + wave]]
-        for a in agents[i : i + wave]:
-            await asyncio.wait_for(a.welcome.wait(), timeout)
+    try:
+        for i in range(0, len(agents), wave):
+            group = agents[i : i + wave]
+            for a in group:
+                t = asyncio.create_task(a.run())
+                t.add_done_callback(functools.partial(on_end, a))
+                tasks.append(t)
+            welcomed: asyncio.Future[Any] = asyncio.ensure_future(asyncio.gather(*(a.welcome.wait() for a in group)))
+            either: list[asyncio.Future[Any]] = [welcomed, failed]
+            done, _ = await asyncio.wait(either, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if failed in done:
+                welcomed.cancel()
+                failed.result()
+            if welcomed not in done:
+                welcomed.cancel()
+                raise RuntimeError(f"registration stalled: the wave of agents {i}..{i + len(group) - 1} not welcomed "
+                                   f"in {timeout_s:g} s ({sum(a.welcome.is_set() for a in agents)} welcomed in all)")
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        raise
+    ENDED.append(failed)
     return time.perf_counter() - t0, tasks
 
 
-async def close_all(tasks: list[asyncio.Task[None]], channels: list[grpc.aio.Channel]) -> None:
-    for t in tasks:
-        t.cancel()
-    for ch in channels:
-        await ch.close()
+ENDED: list[asyncio.Future[None]] = []  # one per register_all: fails when an agent's stream ends
+
+
+def ended() -> None:
+    """Raise AgentEnded when an agent's stream has ended since its registration."""
+    for f in ENDED:
+        if f.done():
+            f.result()
 
 
 async def event_total(info: dict[str, Any], token: str) -> int:
@@ -350,7 +384,8 @@ async def report_rate(info: dict[str, Any], tokens: dict[str, str], pid: int, n_
                       per_node: int = 40) -> dict[str, Any]:
     """State-changing reports, pipelined by every agent, acknowledged only once durable."""
     channels = channels_for(info, 20)
-    agents = agents_on(channels, tokens, REP, n_nodes, 8)
+    agents = [Agent(channels[i % 20], tokens[f"rep-{i:04d}"], f"rep-{i:04d}", f"rep-nvl-{i // 2:03d}", 8)
+              for i in range(n_nodes)]
     _, tasks = await register_all(agents, 500)
     before = await event_total(info, tokens["operator"])
     cpu0, client0 = cpu_seconds(pid), time.process_time()
@@ -361,29 +396,44 @@ async def report_rate(info: dict[str, Any], tokens: dict[str, str], pid: int, n_
             a.report(a.uuids[k % 8], state)
     want = per_node
     while any(a.acked < want for a in agents):
+        ended()
         await asyncio.sleep(0.002)
     elapsed = time.perf_counter() - t0
     cpu, client = cpu_seconds(pid) - cpu0, time.process_time() - client0
     stored = await event_total(info, tokens["operator"]) - before
-    await close_all(tasks, channels)
+    for t in tasks:
+        t.cancel()
+    for ch in channels:
+        await ch.close()
     total = n_nodes * per_node
     return {"agents": n_nodes, "reports": total, "seconds": elapsed, "per_s": total / elapsed,
             "stored_events": stored, "manager_cpu_s": cpu, "per_manager_cpu_s": total / cpu, "client_cpu_s": client}
 
 
-async def registration(info: dict[str, Any], tokens: dict[str, str], n_nodes: int = 12_500) -> dict[str, Any]:
-    channels = channels_for(info, 50)
-    agents = agents_on(channels, tokens, ING, n_nodes, 8)
+async def registration(info: dict[str, Any], tokens: dict[str, str], pid: int, n_nodes: int = 12_500) -> dict[str, Any]:
+    # gRPC runs at most 100 streams at once on one connection (the client keeps the rest waiting):
+    # 50 agents per connection, as if many hosts sat behind one load balancer address
+    n_ch = -(-n_nodes // 50)
+    channels = channels_for(info, n_ch)
+    agents = [Agent(channels[i % n_ch], tokens[f"ing-{i:05d}"], f"ing-{i:05d}", f"ing-nvl-{i // 9:04d}", 8)
+              for i in range(n_nodes)]
+    cpu0, client0 = cpu_seconds(pid), time.process_time()
     reg_s, tasks = await register_all(agents, 2500)
-    await close_all(tasks, channels)
-    return {"nodes": n_nodes, "gpus": 8 * n_nodes, "seconds": reg_s}
+    cpu, client = cpu_seconds(pid) - cpu0, time.process_time() - client0
+    for t in tasks:
+        t.cancel()
+    for ch in channels:
+        await ch.close()
+    return {"nodes": n_nodes, "gpus": 8 * n_nodes, "seconds": reg_s, "manager_cpu_s": cpu,
+            "manager_cpu_ms_per_node": 1e3 * cpu / n_nodes, "client_cpu_s": client}
 
 
 async def mass_failure(info: dict[str, Any], tokens: dict[str, str], rounds: int) -> dict[str, Any]:
     """125 nodes x 8 GPUs fail at once; until every one of 1,000 watchers holds the new layout."""
     n_nodes, hit = 1000, 125
-    channels = channels_for(info, 20)
-    agents = agents_on(channels, tokens, NODE, n_nodes, 8)
+    channels = channels_for(info, 40)
+    agents = [Agent(channels[i % 40], tokens[f"node-{i:04d}"], f"node-{i:04d}", f"nvl-{i // 2:03d}", 8)
+              for i in range(n_nodes)]
     reg_s, tasks = await register_all(agents, 500)
     async with httpx.AsyncClient(base_url=f"http://{info['http']}",
                                  headers={"Authorization": f"Bearer {tokens['operator']}"}, timeout=60) as c:
@@ -393,17 +443,25 @@ async def mass_failure(info: dict[str, Any], tokens: dict[str, str], rounds: int
     wmd = (("authorization", f"Bearer {tokens['worker']}"),)
 
     async def watch(i: int) -> None:
-        stub = worker_pb2_grpc.WorkerServiceStub(channels[i % 20])
+        stub = worker_pb2_grpc.WorkerServiceStub(channels[i % 40])
         req = worker_pb2.WatchLayoutRequest(job="mass", worker_id=f"w{i}", gpu_uuid=agents[i].uuids[0])
         async for msg in stub.WatchLayout(req, metadata=wmd):
             replicas[i] = len(msg.replicas)
 
+    stopped: list[asyncio.Task[None]] = []  # watches that ended (the manager closed or refused them)
+
     async def all_hold(n: int) -> float:
         while len(replicas) < n_nodes or any(v != n for v in replicas.values()):
+            ended()
+            if stopped:
+                err = stopped[0].exception() if not stopped[0].cancelled() else None
+                raise RuntimeError(f"{len(stopped)} layout watches ended: {err!r}")
             await asyncio.sleep(0.001)
         return time.perf_counter()
 
     watchers = [asyncio.create_task(watch(i)) for i in range(n_nodes)]
+    for w in watchers:
+        w.add_done_callback(lambda t: None if t.cancelled() else stopped.append(t))
     await all_hold(n_nodes)
     samples = []
     for k in range(rounds):
@@ -417,9 +475,14 @@ async def mass_failure(info: dict[str, Any], tokens: dict[str, str], rounds: int
             a.report_many(a.uuids, common_pb2.GPU_STATE_HEALTHY)
         await all_hold(n_nodes)
         await asyncio.sleep(0.2)
-    await close_all(watchers + tasks, channels)
+    for t in watchers + tasks:
+        t.cancel()
+    for ch in channels:
+        await ch.close()
+    samples.sort()
     return {"nodes": n_nodes, "failed_gpus": 8 * hit, "watchers": n_nodes, "rounds": rounds, "register_s": reg_s,
-            **percentiles_ms(samples)}
+            "p50_ms": 1e3 * statistics.median(samples),
+            "p99_ms": 1e3 * samples[min(len(samples) - 1, int(0.99 * len(samples)))], "max_ms": 1e3 * samples[-1]}
 
 
 async def fresh_postgres(url: str) -> str:
@@ -453,20 +516,22 @@ async def group_commit(args: argparse.Namespace, console: Console) -> dict[str, 
             db_url = await fresh_postgres(admin) if admin else None
             try:
                 with tempfile.TemporaryDirectory() as tmp:
-                    nodes = {"reports": node_names(REP, 500), "registration": node_names(ING, 12_500),
-                             "mass_failure": node_names(NODE, 1000)}[part]
+                    nodes = {"reports": [f"rep-{i:04d}" for i in range(500)],
+                             "registration": [f"ing-{i:05d}" for i in range(12_500)],
+                             "mass_failure": [f"node-{i:04d}" for i in range(1000)]}[part]
                     proc, info, tokens = start_manager(Path(tmp), nodes, db_url)
                     try:
                         with console.status(f"{store}: {part}"):
                             if part == "reports":
                                 res[part] = await report_rate(info, tokens, proc.pid)
                             elif part == "registration":
-                                res[part] = await registration(info, tokens)
+                                res[part] = await registration(info, tokens, proc.pid)
                             else:
                                 res[part] = await mass_failure(info, tokens, args.rounds)
                         console.print(f"{store} {part}: {json.dumps(res[part])}")
                     finally:
-                        stop(proc, 120)
+                        proc.send_signal(signal.SIGTERM)
+                        proc.wait(120)
             finally:
                 if admin and db_url:
                     await drop_postgres(admin, db_url)
@@ -498,7 +563,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
     if args.skip_latency:
         return await ingest_only(args, console, out)
     with tempfile.TemporaryDirectory() as tmp:
-        proc, info, tokens = start_manager(Path(tmp), node_names(NODE, 1000))
+        proc, info, tokens = start_manager(Path(tmp), [f"node-{i:04d}" for i in range(1000)])
         try:
             cpu0 = cpu_seconds(proc.pid)
             t0 = time.perf_counter()
@@ -509,18 +574,20 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
             out["tokens"] = await token_changes(Path(tmp), info, tokens)
             console.print(f"token changes: {json.dumps(out['tokens'])}")
         finally:
-            stop(proc)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
     return await ingest_only(args, console, out) if not args.skip_ingest else out
 
 
 async def ingest_only(args: argparse.Namespace, console: Console, out: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        proc, info, tokens = start_manager(Path(tmp), [*node_names(ING, 12_500), BIG_NODE])
+        proc, info, tokens = start_manager(Path(tmp), [f"ing-{i:05d}" for i in range(12_500)] + [BIG_NODE])
         try:
             with console.status("health ingest: 100,000 GPUs, then the largest inputs"):
                 out["ingest"] = await ingest(info, tokens, args.ingest_seconds, proc.pid)
         finally:
-            stop(proc)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
             out["stall_sites"] = stall_sites(Path(tmp) / "manager.log")
     return out
 
