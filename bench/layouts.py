@@ -288,11 +288,19 @@ async def push(shape: str, rounds: int, n_watchers: int, console: Console) -> di
             tasks.append(asyncio.create_task(agent_run()))
             await asyncio.wait_for(welcome.wait(), 120)
 
-            t1 = time.perf_counter()
+            m0 = lag_buckets((await op.get("/metrics")).text)
+            wall0, t1 = time.time(), time.perf_counter()
             (await op.post("/v1/jobs", json=SHAPES[shape])).raise_for_status()
-            while (await op.get("/v1/jobs/all", params={})).json()["layout_version"] is None:
+            while (await op.get("/v1/jobs/all", params={"limit": 1})).json()["layout_version"] is None:
                 await asyncio.sleep(0.05)
             first_s = time.perf_counter() - t1
+            await asyncio.sleep(0.3)
+            m1 = lag_buckets((await op.get("/metrics")).text)
+            first = {"lag_bucket_s": worst_bucket(m0, m1), "stalls": m1[1] - m0[1],
+                     "stall_ms": logged_stalls(data / "manager.log", wall0),
+                     "control_ms": 1e3 * control_lag(data / "control.lag", wall0, time.time())}
+            console.print(f"{shape} first layout (its power staged over every GPU): {json.dumps(first)}",
+                          highlight=False)
 
             held: dict[int, int] = {}  # watcher -> newest version it holds
             worker = worker_pb2_grpc.WorkerServiceStub(channel)
@@ -343,25 +351,26 @@ async def push(shape: str, rounds: int, n_watchers: int, console: Console) -> di
                 await asyncio.sleep(0.5)
                 m0 = lag_buckets((await op.get("/metrics")).text)
                 wall0, t0 = time.time(), time.perf_counter()
-                await coro
+                size = await coro
                 t1 = time.perf_counter()
                 await asyncio.sleep(0.3)
                 m1 = lag_buckets((await op.get("/metrics")).text)
                 during = [lat for t, lat in probes if t0 - 0.05 <= t <= t1 + 0.3]
-                steps.append({"step": name, "s": t1 - t0, "lag_bucket_s": worst_bucket(m0, m1), "stalls": m1[1] - m0[1],
+                steps.append({"step": name, "s": t1 - t0, "bytes": size, "lag_bucket_s": worst_bucket(m0, m1),
+                              "stalls": m1[1] - m0[1],
                               "control_ms": 1e3 * control_lag(data / "control.lag", wall0, time.time()),
                               "stall_ms": logged_stalls(data / "manager.log", wall0),
                               "healthz_max_ms": 1e3 * max(during, default=0.0)})
                 console.print(f"{shape} {json.dumps(steps[-1])}", highlight=False)
             ms = sorted(s["ms"] for s in samples)
             return {"shape": shape, "gpus": NODES * PER_NODE, "watchers": n_watchers, "rounds": rounds,
-                    "start_s": started_s, "first_layout_s": first_s, "samples": samples,
-                    "p50_ms": statistics.median(ms), "max_ms": ms[-1],
-                    "lag_bucket_max_s": max(s["lag_bucket_s"] for s in samples),
+                    "start_s": started_s, "first_layout_s": first_s, "first_layout": first, "samples": samples,
+                    "p50_ms": statistics.median(ms) if ms else 0.0, "max_ms": ms[-1] if ms else 0.0,
+                    "lag_bucket_max_s": max((s["lag_bucket_s"] for s in samples), default=0.0),
                     "stalls": sum(s["stalls"] for s in samples),
                     "stall_max_ms": max((x for s in samples for x in s["stall_ms"]), default=0.0),
-                    "control_max_ms": max(s["control_ms"] for s in samples),
-                    "healthz_max_ms": max(s["healthz_max_ms"] for s in samples), "steps": steps}
+                    "control_max_ms": max((s["control_ms"] for s in samples), default=0.0),
+                    "healthz_max_ms": max((s["healthz_max_ms"] for s in samples), default=0.0), "steps": steps}
         finally:
             stop.set()
             control.kill()
@@ -376,23 +385,33 @@ async def push(shape: str, rounds: int, n_watchers: int, console: Console) -> di
 
 
 def reads_and_dry_run(op: httpx.AsyncClient, shape: str) -> list[tuple[str, Any]]:
-    """What an operator may ask of a 100K-GPU job, each measured like a replan."""
-    async def get(path: str, **params: Any) -> None:
-        (await op.get(path, params=params)).raise_for_status()
+    """What an operator may ask of a 100K-GPU job, each measured like a replan; each answers its
+    size in bytes (a manager from before the replica pages answers every replica, whatever the
+    paging parameters; one without `/layouts/{version}` answers 404 there, and the bench goes on)."""
+    async def get(path: str, **params: Any) -> int:
+        r = await op.get(path, params=params)
+        if r.status_code != 404:
+            r.raise_for_status()
+        return len(r.content)
 
-    async def dry_run() -> None:
-        (await op.post("/v1/plans", json={"spec": {**SHAPES[shape], "name": "dry"}})).raise_for_status()
+    async def dry_run() -> int:
+        r = await op.post("/v1/plans", json={"spec": {**SHAPES[shape], "name": "dry"}})
+        r.raise_for_status()
+        return len(r.content)
 
-    return [("GET the layout (plan JSON of every GPU)", get("/v1/jobs/all/layout")),
+    last = NODES * PER_NODE if shape == "tp1" else NODES
+    return [("GET the layout (default page)", get("/v1/jobs/all/layout")),
+            ("GET the layout's last 1,000 replicas", get("/v1/jobs/all/layout", limit=1000, offset=last - 1000)),
+            ("GET version 1's last 1,000 replicas", get("/v1/jobs/all/layouts/1", limit=1000, offset=last - 1000)),
             ("GET the history (20 versions)", get("/v1/jobs/all/layouts", limit=20)),
-            ("GET the job (replica summaries)", get("/v1/jobs/all")),
+            ("GET the job", get("/v1/jobs/all")),
             ("GET the dashboard snapshot", get("/v1/snapshot")),
             ("dry run of the same spec", dry_run())]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5, help="failure + repair rounds (0: the first layout and reads)")
     ap.add_argument("--watchers", type=int, default=20)
     ap.add_argument("--shapes", default="tp8,tp1")
     ap.add_argument("--skip-storage", action="store_true")
@@ -433,12 +452,13 @@ def main() -> None:
                       f"{x['first_layout_s']:.1f}")
         console.print(t)
         t = Table(title="reads and a dry run of the 100,000-GPU job (same manager, after the replans)")
-        for col in ("job", "step", "s", "loop lag max (bucket)", "stalls > 100 ms", "longest stall ms",
+        for col in ("job", "step", "s", "bytes", "loop lag max (bucket)", "stalls > 100 ms", "longest stall ms",
                     "idle loop's max lag ms", "/healthz max ms"):
             t.add_column(col, justify="right")
         for x in res["push"]:
             for st in x["steps"]:
-                t.add_row(x["shape"], st["step"], f"{st['s']:.2f}", f"<= {1e3 * st['lag_bucket_s']:.0f} ms",
+                t.add_row(x["shape"], st["step"], f"{st['s']:.2f}", f"{st['bytes']:,}",
+                          f"<= {1e3 * st['lag_bucket_s']:.0f} ms",
                           f"{st['stalls']:.0f}", f"{max(st['stall_ms'], default=0):.0f}", f"{st['control_ms']:.0f}",
                           f"{st['healthz_max_ms']:.0f}")
         console.print(t)

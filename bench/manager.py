@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -133,10 +134,10 @@ class Agent:
             elif kind == "ack":
                 self.acked = msg.ack.seq
 
-    def report(self, uuid: str, state: int) -> None:
+    def report(self, uuid: str, state: common_pb2.GpuState) -> None:
         self.report_many([uuid], state)
 
-    def report_many(self, uuids: list[str], state: int) -> None:
+    def report_many(self, uuids: list[str], state: common_pb2.GpuState) -> None:
         self.seq += 1
         self.q.put_nowait(agent_pb2.AgentMessage(report=agent_pb2.HealthReport(
             seq=self.seq, gpus=[agent_pb2.GpuHealth(uuid=u, state=state, reasons=["bench"]) for u in uuids])))
@@ -370,14 +371,60 @@ def channels_for(info: dict[str, Any], n: int) -> list[grpc.aio.Channel]:
             for _ in range(n)]
 
 
-async def register_all(agents: list[Agent], wave: int) -> tuple[float, list[asyncio.Task[None]]]:
+class AgentEnded(RuntimeError):
+    """An agent's stream ended while the benchmark needed it (the manager refused or closed it)."""
+
+
+async def register_all(agents: list[Agent], wave: int, timeout_s: float = 300.0
+                       ) -> tuple[float, list[asyncio.Task[None]]]:
+    """Start the agents `wave` at a time; each wave until every agent of it is welcomed. An agent
+    whose stream ends (an error from the manager, a dropped connection) stops the benchmark at once
+    with that error (`ended` raises it later too), and so does a wave not welcomed in `timeout_s`."""
+    loop = asyncio.get_running_loop()
+    failed: asyncio.Future[None] = loop.create_future()
+
+    def on_end(a: Agent, t: asyncio.Task[None]) -> None:
+        if t.cancelled() or failed.done():
+            return
+        err = t.exception()
+        failed.set_exception(AgentEnded(f"agent {a.node}'s stream ended "
+                                        f"({'after' if a.welcome.is_set() else 'before'} its welcome): {err!r}"))
+
     tasks: list[asyncio.Task[None]] = []
     t0 = time.perf_counter()
-    for i in range(0, len(agents), wave):
-        tasks += [asyncio.create_task(a.run()) for a in agents[i : i + wave]]
-        for a in agents[i : i + wave]:
-            await asyncio.wait_for(a.welcome.wait(), 600)
+    try:
+        for i in range(0, len(agents), wave):
+            group = agents[i : i + wave]
+            for a in group:
+                t = asyncio.create_task(a.run())
+                t.add_done_callback(functools.partial(on_end, a))
+                tasks.append(t)
+            welcomed: asyncio.Future[Any] = asyncio.ensure_future(asyncio.gather(*(a.welcome.wait() for a in group)))
+            either: list[asyncio.Future[Any]] = [welcomed, failed]
+            done, _ = await asyncio.wait(either, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if failed in done:
+                welcomed.cancel()
+                failed.result()
+            if welcomed not in done:
+                welcomed.cancel()
+                raise RuntimeError(f"registration stalled: the wave of agents {i}..{i + len(group) - 1} not welcomed "
+                                   f"in {timeout_s:g} s ({sum(a.welcome.is_set() for a in agents)} welcomed in all)")
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        raise
+    ENDED.append(failed)
     return time.perf_counter() - t0, tasks
+
+
+ENDED: list[asyncio.Future[None]] = []  # one per register_all: fails when an agent's stream ends
+
+
+def ended() -> None:
+    """Raise AgentEnded when an agent's stream has ended since its registration."""
+    for f in ENDED:
+        if f.done():
+            f.result()
 
 
 async def event_total(info: dict[str, Any], token: str) -> int:
@@ -402,6 +449,7 @@ async def report_rate(info: dict[str, Any], tokens: dict[str, str], pid: int, n_
             a.report(a.uuids[k % 8], state)
     want = per_node
     while any(a.acked < want for a in agents):
+        ended()
         await asyncio.sleep(0.002)
     elapsed = time.perf_counter() - t0
     cpu, client = cpu_seconds(pid) - cpu0, time.process_time() - client0
@@ -415,19 +463,22 @@ async def report_rate(info: dict[str, Any], tokens: dict[str, str], pid: int, n_
             "stored_events": stored, "manager_cpu_s": cpu, "per_manager_cpu_s": total / cpu, "client_cpu_s": client}
 
 
-async def registration(info: dict[str, Any], tokens: dict[str, str], n_nodes: int = 12_500) -> dict[str, Any]:
+async def registration(info: dict[str, Any], tokens: dict[str, str], pid: int, n_nodes: int = 12_500) -> dict[str, Any]:
     # gRPC runs at most 100 streams at once on one connection (the client keeps the rest waiting):
     # 50 agents per connection, as if many hosts sat behind one load balancer address
     n_ch = -(-n_nodes // 50)
     channels = channels_for(info, n_ch)
     agents = [Agent(channels[i % n_ch], tokens[f"ing-{i:05d}"], f"ing-{i:05d}", f"ing-nvl-{i // 9:04d}", 8)
               for i in range(n_nodes)]
+    cpu0, client0 = cpu_seconds(pid), time.process_time()
     reg_s, tasks = await register_all(agents, 2500)
+    cpu, client = cpu_seconds(pid) - cpu0, time.process_time() - client0
     for t in tasks:
         t.cancel()
     for ch in channels:
         await ch.close()
-    return {"nodes": n_nodes, "gpus": 8 * n_nodes, "seconds": reg_s}
+    return {"nodes": n_nodes, "gpus": 8 * n_nodes, "seconds": reg_s, "manager_cpu_s": cpu,
+            "manager_cpu_ms_per_node": 1e3 * cpu / n_nodes, "client_cpu_s": client}
 
 
 async def mass_failure(info: dict[str, Any], tokens: dict[str, str], rounds: int) -> dict[str, Any]:
@@ -450,12 +501,20 @@ async def mass_failure(info: dict[str, Any], tokens: dict[str, str], rounds: int
         async for msg in stub.WatchLayout(req, metadata=wmd):
             replicas[i] = len(msg.replicas)
 
+    stopped: list[asyncio.Task[None]] = []  # watches that ended (the manager closed or refused them)
+
     async def all_hold(n: int) -> float:
         while len(replicas) < n_nodes or any(v != n for v in replicas.values()):
+            ended()
+            if stopped:
+                err = stopped[0].exception() if not stopped[0].cancelled() else None
+                raise RuntimeError(f"{len(stopped)} layout watches ended: {err!r}")
             await asyncio.sleep(0.001)
         return time.perf_counter()
 
     watchers = [asyncio.create_task(watch(i)) for i in range(n_nodes)]
+    for w in watchers:
+        w.add_done_callback(lambda t: None if t.cancelled() else stopped.append(t))
     await all_hold(n_nodes)
     samples = []
     for k in range(rounds):
@@ -519,7 +578,7 @@ async def group_commit(args: argparse.Namespace, console: Console) -> dict[str, 
                             if part == "reports":
                                 res[part] = await report_rate(info, tokens, proc.pid)
                             elif part == "registration":
-                                res[part] = await registration(info, tokens)
+                                res[part] = await registration(info, tokens, proc.pid)
                             else:
                                 res[part] = await mass_failure(info, tokens, args.rounds)
                         console.print(f"{store} {part}: {json.dumps(res[part])}")

@@ -409,6 +409,15 @@ def _worker_handler(svc: WorkerService) -> grpc.GenericRpcHandler:
     )
 
 
+# Calls that have arrived but that the server has not taken up yet. grpc.aio takes up one new call
+# per turn of the event loop, so while the loop is busy (a fleet saying hello at once, after a
+# restart or a failover) the new calls queue in gRPC core; past its default backlog (1,000, then
+# refused at random up to 3,000) it ends them with CANCELLED, before any handler sees them. Agents
+# and workers would retry after a back-off, but the fleet's reconnection would then take rounds of
+# back-offs, and a client that does not retry is simply dropped. A waiting call costs a few KB.
+PENDING_CALLS_MAX = 200_000  # about two calls (an agent's stream, a worker's watch) per GPU at 100K GPUs
+PENDING_CALL_WAIT_S = 60  # one that waits longer is ended (CANCELLED) for its client to retry
+
 KEEPALIVE = [
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
@@ -416,6 +425,9 @@ KEEPALIVE = [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_concurrent_streams", 10_000),
+    ("grpc.server.max_pending_requests", PENDING_CALLS_MAX),
+    ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS_MAX),
+    ("grpc.server_max_unrequested_time_in_server", PENDING_CALL_WAIT_S),
 ]
 
 

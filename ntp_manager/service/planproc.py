@@ -163,8 +163,8 @@ class PlanProcess:
         (`pos_of`: the manager's GPU positions, sent with a new cluster shape for later drafts.)"""
         if self._executor() is None:
             return await offloop.run(planning.plan_layout, cluster, spec, fail)
-        if fail:
-            cluster = cluster.with_states(dict.fromkeys(fail, GpuState.FAILED))
+        if fail:  # up to 100K GPUs, a record each: in a thread
+            cluster = await offloop.run(cluster.with_states, dict.fromkeys(fail, GpuState.FAILED))
         out = await self._run(cluster, spec, None, "", pos_of, drafting=False)
         return out[0]
 

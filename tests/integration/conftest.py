@@ -17,6 +17,7 @@ import pytest
 import uvicorn
 
 from ntp_manager.api.app import create_app
+from ntp_manager.clock import Clock
 from ntp_manager.rpc.server import RpcServer
 from ntp_manager.service.manager import Manager
 from ntp_manager.settings import Settings
@@ -81,14 +82,16 @@ class Service:
 
 
 @contextlib.asynccontextmanager
-async def running_service(url: str, tmp_path: Path, **overrides: Any) -> AsyncIterator[Service]:
+async def running_service(url: str, tmp_path: Path, clock: Clock | None = None,
+                          **overrides: Any) -> AsyncIterator[Service]:
+    """A manager (with `clock`, default the system's) serving REST and gRPC on loopback."""
     opts: dict[str, Any] = {
         "data_dir": tmp_path, "database_url": url, "http_port": 0, "grpc_port": 0,
         "heartbeat_interval_s": 0.2, "suspect_after_s": 60.0, "fail_after_s": 120.0,
     }
     opts.update(overrides)
     settings = Settings(**opts)
-    manager = Manager(settings)
+    manager = Manager(settings, clock)
     await manager.start()
     rpc = RpcServer(manager)
     gport = await rpc.start("127.0.0.1", int(opts.get("grpc_port", 0)))

@@ -341,33 +341,42 @@ async def test_idempotency_keys(service: Service):
 
 
 async def test_heartbeat_loss_suspect_then_failed_then_back(tmp_path):
+    # The manager's clock is a fake one that only the test moves, so silence is measured in steps
+    # the test takes, not in wall time: a loaded machine that stalls the event loop can neither
+    # make node-0 (which beats at every step) look silent nor skip node-1's suspect state. The
+    # manager's own monitor loop (every 0.1 s of real time) makes every transition.
+    from tests.fakes.clock import FakeClock
     from tests.integration.conftest import running_service
 
-    async with running_service(f"sqlite+aiosqlite:///{tmp_path / 'hb.db'}", tmp_path,
+    clock = FakeClock()
+    async with running_service(f"sqlite+aiosqlite:///{tmp_path / 'hb.db'}", tmp_path, clock=clock,
                                suspect_after_s=0.6, fail_after_s=1.5, breaker_min_gpus=100) as svc:
+        m = svc.manager  # its `world` is read afresh each time
         agents = await start_agents(svc)
         async with svc.client() as c:
             assert (await c.post("/v1/jobs", json=JOB)).status_code == 201
 
-        async def beat(a: ScriptedAgent, stop: asyncio.Event) -> None:
-            while not stop.is_set():
-                await a.heartbeat()
-                await asyncio.sleep(0.1)
+        async def tick(seconds: float) -> None:
+            """Time moves on; node-0 beats and the manager has taken its beat in; node-1 stays silent."""
+            clock.advance(seconds)
+            await agents[0].heartbeat()
+            await eventually(lambda: m.world.nodes["node-0"].last_seen == clock.monotonic())
 
-        stop = asyncio.Event()
-        beater = asyncio.create_task(beat(agents[0], stop))  # node-1 stays silent
-        await eventually(lambda: svc.manager.world.gpus["GPU-node-1-0"].health == "suspect", timeout=5)
-        assert svc.manager.world.gpus["GPU-node-0-0"].health == "healthy"
-        await eventually(lambda: svc.manager.world.gpus["GPU-node-1-0"].health == "failed", timeout=5)
-        await eventually(lambda: len(svc.manager.world.jobs["llm"].layout.doc.replicas) == 1)
+        for _ in range(3):  # 0.9 s of silence: past suspect_after_s (0.6), not fail_after_s (1.5)
+            await tick(0.3)
+        await eventually(lambda: m.world.gpus["GPU-node-1-0"].health == "suspect")
+        assert m.world.gpus["GPU-node-0-0"].health == "healthy"
+        for _ in range(3):  # 1.8 s of silence: past fail_after_s
+            await tick(0.3)
+        await eventually(lambda: m.world.gpus["GPU-node-1-0"].health == "failed")
+        assert m.world.gpus["GPU-node-0-0"].health == "healthy"
+        await eventually(lambda: len(m.world.jobs["llm"].layout.doc.replicas) == 1, timeout=30)  # a replan
         # the agent comes back: silence was the only evidence, so its GPUs are healthy again
         await agents[1].close()
         back = ScriptedAgent(svc.grpc, await svc.agent_token("node-1"), "node-1", "nvl-1", gpu_uuids("node-1", 4))
         await back.connect()
         await back.wait_for(lambda: back.welcome is not None)
-        await eventually(lambda: svc.manager.world.gpus["GPU-node-1-0"].health == "healthy")
-        stop.set()
-        await beater
+        await eventually(lambda: m.world.gpus["GPU-node-1-0"].health == "healthy")
         for a in (agents[0], back):
             await a.close()
 

@@ -7,7 +7,7 @@ import itertools
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ntp_manager.planner import PlanError, PreviousLayout, Scheme, diff_assignments, make_plan
@@ -134,12 +134,27 @@ def test_one_more_failure_never_moves_a_group_of_a_replica_that_stays_healthy(sc
         assert all((g.prev_replica, g.prev_stage) == (r.replica_id, g.stage) for g in same.groups)
 
 
+# Found by hypothesis: TP8, one stage, 2 replicas + 2 spares, batch 8, groups at 8, 7, 6 and 7
+# usable; the hint held d0, d1 and d2 in replicas 0-2. Under ntp (16 heads, 64 columns) TP7 and TP6
+# both allow a local batch of 5 (floor(8 / 1.35) = floor(8 / 1.425) = 5), and the target is 16, so
+# the plan runs 8 + 5 + 3. The sorted packer fills the trimmed third replica with the second TP7
+# group (d3); the moves-aware packer keeps d2 (TP6) in its slot: the same batches, no group moved.
+# The selected TP degrees differ ([8, 7, 6] vs [8, 7, 7]) while every replica's batch is the same.
+_TIE = (
+    cluster_from_counts([8, 8, 8, 8], [(1, 7), (2, 6), (2, 7), (3, 7)]),
+    job(tp=8, pp=1, replicas=2, spares=2, batch=8, min_tp=4),
+)
+
+
 @settings(max_examples=200, deadline=None)
 @given(scenarios(), scenarios())
+@example(_TIE, (cluster_from_counts([8, 8, 8]), job(tp=8, pp=1, replicas=3, batch=8)))
 def test_same_totals_as_the_sorted_packer_whatever_the_previous_plan(sc, other):
     # The plan's quality never depends on the previous plan: dp-drop and ntp give the sorted
-    # packer's global batch exactly; ntp-pw (packed by the batch each group's power grant allows,
-    # not by usable count) at least as much.
+    # packer's replica batches exactly (so its global batch); ntp-pw (packed by the batch each
+    # group's power grant allows, not by usable count) at least its global batch. The TP degrees
+    # need not match: replicas of different degrees may allow the same batch, and among those the
+    # planner keeps the ones whose groups stay where they were.
     cluster, spec = sc
     prev = make_plan(other[0], other[1])  # a plan of another cluster and job: a meaningless hint
     for hint in (None, prev):
@@ -150,8 +165,24 @@ def test_same_totals_as_the_sorted_packer_whatever_the_previous_plan(sc, other):
             assert new.global_batch >= old.global_batch
         else:
             assert new.global_batch == old.global_batch
-            assert sorted(r.tp for r in new.replicas) == sorted(r.tp for r in old.replicas)
+            assert sorted(r.local_batch for r in new.replicas) == sorted(r.local_batch for r in old.replicas)
+            # what each selected replica could run untrimmed: the packings are equally good
+            assert sorted(spec.reduced_batch(r.tp) for r in new.replicas) == sorted(
+                spec.reduced_batch(r.tp) for r in old.replicas)
         assert make_plan(cluster, spec, hint) == new  # deterministic
+
+
+def test_equal_batches_keep_the_group_in_place_rather_than_the_higher_degree():
+    # The hypothesis example above, spelled out: the previous plan ran d0, d1, d2 as replicas 0-2.
+    cluster, spec = _TIE
+    prev = make_plan(cluster_from_counts([8, 8, 8]), job(tp=8, pp=1, replicas=3, batch=8))
+    new = make_plan(cluster, spec, prev)
+    old = make_plan(cluster, spec, packing="sorted")
+    assert [(r.tp, r.local_batch) for r in old.replicas] == [(8, 8), (7, 5), (7, 3)]  # d3 joins, d2 left
+    assert [(r.tp, r.local_batch) for r in new.replicas] == [(8, 8), (7, 5), (6, 3)]
+    assert [g.group_id for r in new.replicas for g in r.groups] == ["d0/g0", "d1/g0", "d2/g0"]
+    assert new.moves is not None and (new.moves.moved, new.moves.joined, new.moves.left) == (0, 0, 0)
+    assert new.global_batch == old.global_batch == 16
 
 
 # ---- the paper's shape: one failure, one swap ------------------------------------------------------

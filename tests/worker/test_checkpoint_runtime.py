@@ -117,10 +117,15 @@ def test_losing_every_holder_of_a_unit_restores_the_checkpoint_into_the_new_layo
     notes: dict[str, Any] = {}
     deadline = time.monotonic() + 240
     try:
+        # the kill waits until both survivors have finished step 4 (its commit point included), so
+        # that they are at or inside step 5 (waiting for their peers), never still inside step 4
+        while not all(any(row[0] == KILL_AT - 1 for row in steps[w]) for w in ("w0", "w2")):
+            msg = q.get(timeout=max(deadline - time.monotonic(), 1))
+            assert msg[0] == "step", msg
+            steps[msg[1]].append(tuple(msg[2:]))
         while store.add("test/parked", 0) < 2:
             assert time.monotonic() < deadline, "the victims never reached step 5"
             time.sleep(0.05)
-        time.sleep(0.5)  # the survivors are inside step 5, waiting for their peers
         for w in ("w1", "w3"):
             os.kill(procs[w].pid, signal.SIGKILL)  # type: ignore[arg-type]
             procs[w].join()

@@ -119,11 +119,15 @@ def run_scenario(tp: int, pp: int, jobs: list[str], kills: list[tuple[int, int]]
                 done[msg[1]] = msg[2]
 
     try:
-        for version, victim in ((2, victims[0]), (3, victims[1])):
-            while not store.check([f"test/parked/{victim}"]):
-                assert time.monotonic() < deadline
+        for k, (version, victim) in enumerate(((2, victims[0]), (3, victims[1]))):
+            # the victim parks before step `park`; the kill waits until every other live rank has
+            # finished step `park - 1` in every job (commit point included), so its peers are at or
+            # inside step `park`, blocked on it, never still inside the step before
+            before, alive = park[victim] - 1, [w for w in workers if w not in victims[: k + 1]]
+            while not (store.check([f"test/parked/{victim}"])
+                       and {(w, n, before) for w in alive for n in jobs} <= {(r[0], r[1], r[2]) for r in steps}):
+                assert time.monotonic() < deadline, f"{victim} or its peers never reached step {before + 1}"
                 drain()
-            time.sleep(0.5)  # its peers are inside the step, blocked on it
             os.kill(procs[victim].pid, signal.SIGKILL)
             procs[victim].join()
             for n in jobs:
