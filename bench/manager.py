@@ -41,13 +41,11 @@ import asyncio
 import functools
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -57,15 +55,10 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import HealthzProbe, cpu_seconds, create_tokens, lag_buckets, machine_line, serve, worst_bucket
 from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
-
-CLK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK
-
 
 BIG_NODE = "big-node"
 MAX_GPUS = 100_000 + 128  # the ingest cluster plus one largest hello
@@ -73,32 +66,13 @@ MAX_GPUS = 100_000 + 128  # the ingest cluster plus one largest hello
 
 def start_manager(data: Path, nodes: list[str], db_url: str | None = None
                   ) -> tuple[subprocess.Popen[str], dict[str, Any], dict[str, str]]:
-    tokens = {}
     base_env = dict(os.environ, **({"NTP_DATABASE_URL": db_url} if db_url else {}))
-    for scope in ("operator", "worker"):
-        out = subprocess.run(
-            [sys.executable, "-m", "ntp_manager.cli", "token", "create", "--scope", scope, "--json",
-             "--data-dir", str(data)], capture_output=True, text=True, check=True, env=base_env).stdout
-        tokens[scope] = json.loads(out)["token"]
-    out = subprocess.run(
-        [sys.executable, "-m", "ntp_manager.cli", "token", "create", "--scope", "agent", "--nodes-from", "-",
-         "--data-dir", str(data)], input="\n".join(nodes), capture_output=True, text=True, check=True,
-        env=base_env).stdout
-    for line in out.splitlines():
-        d = json.loads(line)
-        tokens[d["node"]] = d["token"]
+    tokens = create_tokens(data, nodes, base_env)
     env = dict(base_env, NTP_SUSPECT_AFTER_S="600", NTP_FAIL_AFTER_S="1200", NTP_BREAKER_MIN_GPUS="100000",
                NTP_MAX_CLUSTER_GPUS=str(MAX_GPUS), NTP_LOG_FORMAT="json")
-    log = open(data / "manager.log", "w")  # noqa: SIM115 - the manager writes it until it ends
     prof = ["-m", "cProfile", "-o", os.environ["BENCH_PROFILE"]] if os.environ.get("BENCH_PROFILE") else []
-    proc = subprocess.Popen(
-        [sys.executable, *prof, "-m", "ntp_manager.cli", "serve", "--data-dir", str(data), "--http-port", "0",
-         "--grpc-port", "0"], stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("NTP-MANAGER READY"):
-            return proc, json.loads(line.split(" ", 2)[2]), tokens
-    raise RuntimeError("manager did not start")
+    proc, info = serve(data, env, prof)
+    return proc, info, tokens
 
 
 class Agent:
@@ -257,49 +231,23 @@ async def ingest(info: dict[str, Any], tokens: dict[str, str], seconds: float, p
     return res
 
 
-def _lag(text: str) -> tuple[dict[float, float], float]:
-    """The watchdog's histogram buckets (le -> count) and stall counter from a /metrics page."""
-    buckets, stalls = {}, 0.0
-    for line in text.splitlines():
-        if line.startswith("ntp_event_loop_lag_seconds_bucket"):
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            buckets[float("inf") if le == "+Inf" else float(le)] = float(line.split()[-1])
-        elif line.startswith("ntp_event_loop_stalls_total "):
-            stalls = float(line.split()[-1])
-    return buckets, stalls
-
-
 async def largest_inputs(info: dict[str, Any], tokens: dict[str, str], channel: grpc.aio.Channel) -> dict[str, Any]:
     """Each step's largest /healthz latency and the loop lag the watchdog measured during it."""
     base = f"http://{info['http']}"
-    probes: list[tuple[float, float]] = []  # (when, latency)
-    stop = threading.Event()
-
-    def probe() -> None:
-        with httpx.Client(base_url=base, timeout=60) as c:
-            while not stop.is_set():
-                t0 = time.perf_counter()
-                c.get("/healthz")
-                probes.append((t0, time.perf_counter() - t0))
-                time.sleep(0.02)
-
-    thread = threading.Thread(target=probe, daemon=True)
-    thread.start()
+    probe = HealthzProbe(base)
+    probe.start()
     steps: list[dict[str, Any]] = []
     op = httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {tokens['operator']}"}, timeout=300)
 
     async def step(name: str, coro: Any) -> None:
-        m0 = _lag((await op.get("/metrics")).text)
+        m0 = lag_buckets((await op.get("/metrics")).text)
         t0 = time.perf_counter()
         await coro
         t1 = time.perf_counter()
         await asyncio.sleep(0.2)
-        m1 = _lag((await op.get("/metrics")).text)
-        # cumulative buckets: the smallest bound that holds every lag measured during the step
-        delta = {le: n - m0[0].get(le, 0) for le, n in m1[0].items()}
-        total = delta.get(float("inf"), 0.0)
-        worst = min((le for le, n in delta.items() if n >= total), default=0.0)
-        during = [lat for t, lat in probes if t0 - 0.05 <= t <= t1 + 0.2]
+        m1 = lag_buckets((await op.get("/metrics")).text)
+        worst = worst_bucket(m0, m1)
+        during = probe.during(t0 - 0.05, t1 + 0.2)
         steps.append({"step": name, "seconds": t1 - t0, "healthz_max_ms": 1e3 * max(during, default=0.0),
                       "probes": len(during), "lag_max_bucket_s": worst, "stalls": m1[1] - m0[1]})
 
@@ -327,10 +275,9 @@ async def largest_inputs(info: dict[str, Any], tokens: dict[str, str], channel: 
     await step("largest job (every GPU) planned and stored", job())
     await step("dry run, one replica per GPU", dry_run())
     await step("layout, snapshot, status, listings", reads())
-    stop.set()
-    thread.join(5)
+    probe.stop(join_s=5)
     await op.aclose()
-    return {"steps": steps, "healthz_max_ms": 1e3 * max(lat for _, lat in probes), "probes": len(probes)}
+    return {"steps": steps, "healthz_max_ms": 1e3 * max(lat for _, lat in probe.probes), "probes": len(probe.probes)}
 
 
 async def token_changes(data: Path, info: dict[str, Any], tokens: dict[str, str], rounds: int = 5) -> dict[str, Any]:
@@ -733,8 +680,7 @@ def main() -> None:
                 t4.add_row("  of which: on the first watcher",
                            f"p50 {r['first_watcher_p50_ms']:.0f} ms, p99 {r['first_watcher_p99_ms']:.0f} ms", "")
         console.print(t4)
-    console.print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, "
-                  f"load average {os.getloadavg()[0]:.1f}")
+    console.print(machine_line())
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(res, indent=2))

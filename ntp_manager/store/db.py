@@ -76,6 +76,12 @@ def json_text(obj: Any) -> str:
     return _ENCODER.encode(obj)
 
 
+def application_name(leader_id: str) -> str:
+    """The name a manager's database sessions carry (PostgreSQL's `application_name`): a new
+    leader ends its predecessor's sessions by it, and tests tell whose session wrote a row."""
+    return f"ntp-manager {leader_id}"[:63]
+
+
 def make_engine(url: str, application_name: str | None = None, idle_tx_timeout_s: float | None = None,
                 pool_size: int = 10) -> AsyncEngine:
     """An engine for `url`. PostgreSQL sessions can be named (`application_name`: a new leader ends
