@@ -33,6 +33,7 @@ from ntp_manager.auth import Principal, TokenTable
 from ntp_manager.clock import Clock, SystemClock
 from ntp_manager.planner import JobSpec
 from ntp_manager.planner.layout import LayoutDoc
+from ntp_manager.service import offloop
 from ntp_manager.service.agents import Agents, AgentSession
 from ntp_manager.service.breaker import Breaker
 from ntp_manager.service.checkpoints import Checkpoints
@@ -112,6 +113,7 @@ class Manager:
         manager is refused: AnotherManager), else stand by until it is (`wait_leading`)."""
         if self.settings.effective_database_url.startswith("sqlite"):
             self.settings.data_dir.mkdir(parents=True, exist_ok=True)
+        await offloop.warm()  # worker threads started now, not while serving (service/offloop.py)
         self.leadership.lock_sqlite()
         # from now on every write checks the lease (a Manager that is never started, the CLI's
         # token commands, writes unfenced: they touch no state a leader owns in memory)
