@@ -21,12 +21,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig
 from ntp_manager.worker.sources import RestoreNote, StoreLayoutSource, publish_layout, read_acks
 from ntp_manager.worker.tiny_gpt import TinyGpt, tp_plan
-from tests.fakes.procs import free_port
+from tests.fakes.procs import free_port, worker_context
 from tests.worker.ckpt_cases import CFG, make_opt
 from tests.worker.compare import shard_errors, shard_info
 
@@ -107,7 +106,7 @@ def test_losing_every_holder_of_a_unit_restores_the_checkpoint_into_the_new_layo
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=dt.timedelta(seconds=120))
     publish_layout(store, JOB, 1, [(A, 4), (B, 4)], "start")
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     q = ctx.Queue()
     procs = {w: ctx.Process(target=_worker, args=(w, port, str(tmp_path), q)) for w in A + B}
     for p in procs.values():

@@ -18,13 +18,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ntp_manager.worker import comm
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig
 from ntp_manager.worker.sources import StoreLayoutSource, publish_layout, read_acks
 from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan
-from tests.fakes.procs import free_port
+from tests.fakes.procs import free_port, worker_context
 from tests.worker import devices
 from tests.worker.compare import shard_errors, shard_info, tolerance
 
@@ -115,7 +114,7 @@ def kill_and_rejoin(kind: str, device: str, a: list[str], b: list[str], steps: i
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=dt.timedelta(seconds=120))
     publish_layout(store, JOB, 1, [(a, len(a)), (b, len(b))], "start")
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     q = ctx.Queue()
     index = {w: i for i, w in enumerate(a + b)}
 
@@ -239,7 +238,7 @@ def test_a_hung_peer_times_out_and_no_new_layout_is_a_clear_error() -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=dt.timedelta(seconds=60))
     publish_layout(store, "lonely", 1, [(["x0", "x1"], 2)], "start")
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     q = ctx.Queue()
     procs = [ctx.Process(target=_lonely, args=(w, port, q)) for w in ("x0", "x1")]
     for p in procs:
@@ -295,7 +294,7 @@ def test_step_report_carries_cpu_compute_time_and_the_batchs_sequence_lengths() 
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=dt.timedelta(seconds=60))
     publish_layout(store, "solo", 1, [(["s0"], 2)], "start")
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     q = ctx.Queue()
     p = ctx.Process(target=_solo, args=(port, q))
     p.start()
@@ -335,7 +334,7 @@ def test_tp_wait_is_measured_per_rank_and_a_slow_rank_makes_its_peer_wait() -> N
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=dt.timedelta(seconds=60))
     publish_layout(store, "pair", 1, [(["a", "b"], 2)], "start")
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     q = ctx.Queue()
     procs = [ctx.Process(target=_pair, args=(port, wid, q)) for wid in ("a", "b")]
     for p in procs:
