@@ -86,7 +86,7 @@ def _worker(wid: str, port: int, cfg: GptConfig, seq: int, steps: int, park_at: 
             store.wait([gate], dt.timedelta(seconds=600))
         r = rt.train_step(batch)
         q.put(("step", wid, r.step, r.version, r.tp, r.seconds))
-    q.put(("timeline", wid, [(e.what, e.version, e.at) for e in rt.timeline]))
+    q.put(("timeline", wid, [(e.what, e.version, e.at) for e in rt.timeline], rt.switch_marks))
     rt.close()
 
 
@@ -165,11 +165,13 @@ def bench_failover(quick: bool, tp: int) -> dict[str, float]:
     os.kill(procs[victim].pid, signal.SIGKILL)
     publish_layout(store, "bench", 2, [([n[0][0], n[0][1][:-1]], lb), (n[1], lb)], f"{victim} failed")
     timelines: dict[str, list[tuple[str, int, float]]] = {}
+    marks: dict[str, list[tuple[str, float]]] = {}
     before: dict[int, float] = {}
     while len(timelines) < len(workers) - 1:
         msg = q.get(timeout=1800)
         if msg[0] == "timeline":
             timelines[msg[1]] = msg[2]
+            marks[msg[1]] = msg[3]
         elif msg[3] == 1 and msg[2] in (1, 2):
             before[msg[2]] = max(before.get(msg[2], 0.0), msg[5])
     for p in procs.values():
@@ -181,10 +183,16 @@ def bench_failover(quick: bool, tp: int) -> dict[str, float]:
 
     detect = last("failure detected")
     regroup, reshard, first = last("regrouped"), last("reshard done"), last("first step")
+    # inside the switch: by when the last rank had finished each phase (s after the kill)
+    phases: dict[str, float] = {}
+    for ms in marks.values():
+        for name, at in ms:
+            phases[name] = max(phases.get(name, 0.0), at - t_kill)
     return {"detection": detect - t_kill, "regroup": regroup - detect, "reshard": reshard - regroup,
             "first step": first - reshard, "total": first - t_kill,
             "step before": statistics.median(before.values()) if before else float("nan"),
-            "params": float(sum(p.numel() for p in TinyGpt(cfg).parameters()))}
+            "params": float(sum(p.numel() for p in TinyGpt(cfg).parameters())),
+            **{f"@{k}": v for k, v in phases.items()}}
 
 
 def show(console: Console, title: str, cols: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
@@ -224,13 +232,18 @@ def main() -> None:
         shapes["single"].append(single_stage(args.quick, small_batch=True)[1])
     rows = []
     for key, runs in shapes.items():
-        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        med = {k: statistics.median(r.get(k, float("nan")) for r in runs) for k in runs[0]}
         size = "2M" if args.quick else "118M"
         label = (f"{size}, 1 stage, TP4xDP2 (8), TP4->3 (bench/worker.py)" if key == "single" else
                  f"{med['params'] / 1e6:.0f}M PP2xTP{key}xDP2 ({4 * int(key)}), TP{key}->{int(key) - 1}")
         rows.append((label, *(f"{med[k]:.2f}" for k in ("detection", "regroup", "reshard", "first step", "total",
                                                         "step before")),
                      f"{max(r['total'] for r in runs):.2f}"))
+    names = [k for k in shapes["4"][0] if k.startswith("@")]
+    show(console, "Inside the switch: by when the last rank had finished each phase (s after the kill, median)",
+         ("phase", *(f"PP2xTP{k}xDP2" for k in ("4", "2"))),
+         [(n[1:], *(f"{statistics.median(r.get(n, float('nan')) for r in shapes[k]):.3f}" for k in ("4", "2")))
+          for n in names])
     show(console, f"Rank killed -> first step at the new layout, 2 stages, 1x16 tokens per replica (s, median of "
          f"{args.repeat}; goal <= 2 s)",
          ("job", "detection", "regroup", "reshard", "first step", "total", "step before", "worst total"), rows)

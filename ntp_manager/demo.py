@@ -31,11 +31,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import typer
@@ -43,6 +43,9 @@ from rich.console import Console
 from rich.table import Table
 
 from agent.local import FakeFleet, FakeNode
+
+if TYPE_CHECKING:
+    from ntp_manager.worker.launch import Launcher
 
 console = Console()
 JOB = "demo"
@@ -114,117 +117,181 @@ def wait(pred: Any, timeout: float, what: str) -> Any:
     raise TimeoutError(f"timed out waiting for {what}")
 
 
-def run_demo(steps_before: int = 6, steps_degraded: int = 6, steps_after: int = 6, data: Path | None = None,
-             keep_up: bool = True, step_delay_s: float = 0.0) -> DemoResult:
-    from ntp_manager.worker.launch import Launcher, RankSpec, TrainSpec
+def first_layout(api: httpx.Client, job: str, timeout: float = 30) -> int:
+    """Waits until the manager has made job `job`'s first layout; returns its version."""
+    return int(wait(lambda: api.get(f"/v1/jobs/{job}").json()["layout_version"], timeout, "the first layout"))
 
-    res = DemoResult()
-    tmp = tempfile.TemporaryDirectory(prefix="ntp-demo-") if data is None else None
+
+def layout_of(api: httpx.Client, job: str, version: int) -> dict[str, Any]:
+    """Layout `version` of job `job` from its history (one of the newest ten)."""
+    items = api.get(f"/v1/jobs/{job}/layouts", params={"limit": 10}).json()["items"]
+    return dict(next(x for x in items if x["version"] == version))
+
+
+def start_ranks(launcher: Launcher, gpus: Sequence[str], grpc: str, worker_token: str) -> None:
+    """One rank process per GPU, named by its GPU's UUID, watching its layout at `grpc` (one or
+    more manager addresses, comma-separated)."""
+    from ntp_manager.worker.launch import RankSpec
+
+    for u in gpus:
+        launcher.start(RankSpec(u, launcher.port, "grpc", grpc, worker_token, u))
+
+
+def serve_until_interrupted() -> None:
+    """Keeps everything up until Ctrl-C."""
+    console.print("Ctrl-C stops everything.")
+    with contextlib.suppress(KeyboardInterrupt):
+        while True:
+            time.sleep(1)
+
+
+@dataclass
+class DemoEnv:
+    """What a demo runs on: a manager process on its own data directory, a token per scope, an
+    operator's REST client and the fake-backend agents. A launcher the demo sets here is stopped
+    first when the demo ends."""
+
+    root: Path
+    info: dict[str, Any]  # the manager's READY line: its REST and gRPC addresses
+    tokens: dict[str, str]  # worker, operator, viewer
+    api: httpx.Client
+    agents: FakeFleet
+    launcher: Launcher | None = None
+
+    @property
+    def http(self) -> str:
+        return f"http://{self.info['http']}"
+
+    def results(self, launcher: Launcher, job: str) -> tuple[list[tuple[int, int, float, float]], list[dict[str, Any]]]:
+        """Every step's loss beside the single-process reference (step, version, loss, reference),
+        printed as a table, and the job's layout history (the newest 100 versions)."""
+        launcher.drain()
+        rows, table = launcher.loss_report()
+        console.print(table)
+        hist = self.api.get(f"/v1/jobs/{job}/layouts", params={"limit": 100}).json()["items"]
+        return [(st, v, loss, ref) for st, v, _, loss, ref in rows], list(hist)
+
+    def show_access(self, ntpctl: str, keep_up: bool) -> str:
+        """Prints where the dashboard is and an `ntpctl` command line to try, then serves until
+        Ctrl-C when `keep_up`; returns the dashboard's address."""
+        dashboard = f"{self.http}/?token={self.tokens['viewer']}"
+        console.rule()
+        console.print(f"dashboard: [bold]{dashboard}[/]")
+        console.print(f"ntpctl:    NTP_URL={self.http} NTP_TOKEN={self.tokens['operator']} {ntpctl}")
+        if keep_up:
+            serve_until_interrupted()
+        return dashboard
+
+
+@contextlib.contextmanager
+def demo_env(data: Path | None, prefix: str, title: str, nodes: Sequence[FakeNode], agents_what: str
+             ) -> Iterator[DemoEnv]:
+    """Sets a demo up: its data directory (`data`, else a temporary one named `prefix`...), the
+    tokens, the manager process and the agents of `nodes` (waited for, as `agents_what`); tears it
+    all down in reverse order when the demo ends, removing a temporary directory on a clean end."""
+    tmp = tempfile.TemporaryDirectory(prefix=prefix) if data is None else None
     root = Path(tmp.name) if tmp else data
     assert root is not None
     root.mkdir(parents=True, exist_ok=True)
-    console.rule("[bold]ntp-manager demo")
+    console.rule(title)
     tokens = {s: create_token(root, s) for s in ("worker", "operator", "viewer")}
-    agent_tokens = {n.name: create_token(root, "agent", n.name) for n in NODES}
-    # the ranks train until the demo tells them where to stop (after the repair has been applied)
-    train = TrainSpec(job=JOB, steps=1_000_000, step_delay_s=step_delay_s, collective_timeout_s=10, stages=2)
-    launcher: Launcher | None = None
+    agent_tokens = {n.name: create_token(root, "agent", n.name) for n in nodes}
+    env: DemoEnv | None = None
     agents: FakeFleet | None = None
     with manager_process(root) as (_proc, info):
         http = f"http://{info['http']}"
         api = httpx.Client(base_url=http, headers={"Authorization": f"Bearer {tokens['operator']}"}, timeout=20)
         console.print(f"manager up: REST {http}, gRPC {info['grpc']} (data in {root})")
         try:
-            agents = FakeFleet(info["grpc"], agent_tokens, NODES)
-            wait(agents.ready, 30, "the agents to register")
-            console.print("agents: node-a (nvl-0), node-b (nvl-1), node-spare (nvl-2), 4 fake GPUs each")
-            job = {"name": JOB, "tp": 2, "groups_per_replica": 2, "replicas": 2, "local_batch": 16, "min_tp": 1,
-                   "heads": 6, "mlp_columns": 96, "scheme": "ntp-pw", "power": {"max_boost": 1.1},
-                   "domains": ["nvl-0", "nvl-1"]}
-            r = api.post("/v1/jobs", json=job)
-            r.raise_for_status()
-            wait(lambda: api.get(f"/v1/jobs/{JOB}").json()["layout_version"], 30, "the first layout")
-            launcher = Launcher(train)
-            gpus = agents.gpus("node-a") + agents.gpus("node-b")
-            for u in gpus:
-                launcher.start(RankSpec(u, launcher.port, "grpc", info["grpc"], tokens["worker"], u))
-            console.print(f"training: 8 rank processes (2 replicas x 2 stages x TP2), TinyGpt, store on port "
-                          f"{launcher.port}")
-
-            def step_at_least(n: int, version: int | None = None) -> Any:
-                return lambda rec: rec["kind"] == "step" and rec["step"] >= n and (
-                    version is None or rec["version"] == version)
-
-            launcher.wait_for(step_at_least(steps_before - 1), 300)
-            old = api.get(f"/v1/jobs/{JOB}").json()["layout_version"]
-            victims = []
-            for k, (node, idx) in enumerate(HITS):  # ---- the failures -----------------------------
-                victim = agents.gpus(node)[idx]
-                victims.append(victim)
-                label = "failure" if k == 0 else "second failure"
-                console.rule(f"[red]GPU {node}/{idx} fails (XID 48)")
-                t_fail = time.time()
-                agents.inject(node, "xid", idx, xid=48)
-                launcher.kill(victim)  # the process on a dead GPU dies with it
-                rec = launcher.wait_for(lambda rec, old=old: rec["kind"] == "step" and rec["version"] > old, 300)
-                new = rec["version"]
-                launcher.wait_for(step_at_least(rec["step"] + steps_degraded - 1, new), 300)
-                _timeline(res, api, launcher, victim, t_fail, old, new, label)
-                _layout_now(api, new)
-                old = new
-            # ---- the repair ------------------------------------------------------------------------
-            console.rule("[green]both GPUs repaired")
-            t_rep = time.time()
-            for (node, idx), victim in zip(HITS, victims, strict=True):
-                launcher.start(RankSpec(victim, launcher.port, "grpc", info["grpc"], tokens["worker"], victim))
-                agents.inject(node, "repair", idx)
-            back: set[str] = set()
-
-            def both_back(rec: dict[str, Any]) -> bool:
-                if rec["kind"] == "step" and rec["worker"] in victims:
-                    back.add(rec["worker"])
-                return len(back) == len(victims)
-
-            rec = launcher.wait_for(both_back, 300)
-            launcher.stop_at(rec["step"] + steps_after)
-            _timeline(res, api, launcher, victims[0], t_rep, old, rec["version"], "repair")
-            done: set[str] = set()
-
-            def all_done(rec: dict[str, Any]) -> bool:
-                if rec["kind"] == "done":
-                    done.add(rec["worker"])
-                return len(done) == 8
-
-            launcher.wait_for(all_done, 600)
-            time.sleep(0.3)
-            launcher.drain()
-            rows, table = launcher.loss_report()
-            res.losses = [(st, v, loss, ref) for st, v, _, loss, ref in rows]
-            console.print(table)
-            hist = api.get(f"/v1/jobs/{JOB}/layouts", params={"limit": 100}).json()["items"]
-            res.versions = sorted(x["version"] for x in hist)
-            res.tp_by_version = {x["version"]: sorted(r["tp"] for r in x["replicas"]) for x in hist}
-            res.stages_by_version = {x["version"]: _stage_tps(x) for x in hist}
-            res.stage_changes = {x["version"]: (x.get("moves") or {}).get("stage_changed", 0) for x in hist}
-            _layouts_table(hist)
-            res.dashboard = f"{http}/?token={tokens['viewer']}"
-            console.rule()
-            console.print(f"dashboard: [bold]{res.dashboard}[/]")
-            console.print(f"ntpctl:    NTP_URL={http} NTP_TOKEN={tokens['operator']} ntpctl status")
-            if keep_up:
-                console.print("Ctrl-C stops everything.")
-                with contextlib.suppress(KeyboardInterrupt):
-                    while True:
-                        time.sleep(1)
+            agents = FakeFleet(info["grpc"], agent_tokens, nodes)
+            wait(agents.ready, 30, agents_what)
+            env = DemoEnv(root, info, tokens, api, agents)
+            yield env
         finally:
-            if launcher is not None:
-                launcher.stop()
+            if env is not None and env.launcher is not None:
+                env.launcher.stop()
             if agents is not None:
                 agents.stop()
             api.close()
     if tmp is not None:
         tmp.cleanup()
     console.print("stopped cleanly")
+
+
+def run_demo(steps_before: int = 6, steps_degraded: int = 6, steps_after: int = 6, data: Path | None = None,
+             keep_up: bool = True, step_delay_s: float = 0.0) -> DemoResult:
+    from ntp_manager.worker.launch import Launcher, RankSpec, TrainSpec
+
+    res = DemoResult()
+    # the ranks train until the demo tells them where to stop (after the repair has been applied)
+    train = TrainSpec(job=JOB, steps=1_000_000, step_delay_s=step_delay_s, collective_timeout_s=10, stages=2)
+    with demo_env(data, "ntp-demo-", "[bold]ntp-manager demo", NODES, "the agents to register") as env:
+        api, agents, info, tokens = env.api, env.agents, env.info, env.tokens
+        console.print("agents: node-a (nvl-0), node-b (nvl-1), node-spare (nvl-2), 4 fake GPUs each")
+        job = {"name": JOB, "tp": 2, "groups_per_replica": 2, "replicas": 2, "local_batch": 16, "min_tp": 1,
+               "heads": 6, "mlp_columns": 96, "scheme": "ntp-pw", "power": {"max_boost": 1.1},
+               "domains": ["nvl-0", "nvl-1"]}
+        r = api.post("/v1/jobs", json=job)
+        r.raise_for_status()
+        first_layout(api, JOB)
+        env.launcher = launcher = Launcher(train)
+        start_ranks(launcher, agents.gpus("node-a") + agents.gpus("node-b"), info["grpc"], tokens["worker"])
+        console.print(f"training: 8 rank processes (2 replicas x 2 stages x TP2), TinyGpt, store on port "
+                      f"{launcher.port}")
+
+        def step_at_least(n: int, version: int | None = None) -> Any:
+            return lambda rec: rec["kind"] == "step" and rec["step"] >= n and (
+                version is None or rec["version"] == version)
+
+        launcher.wait_for(step_at_least(steps_before - 1), 300)
+        old = api.get(f"/v1/jobs/{JOB}").json()["layout_version"]
+        victims = []
+        for k, (node, idx) in enumerate(HITS):  # ---- the failures -----------------------------
+            victim = agents.gpus(node)[idx]
+            victims.append(victim)
+            label = "failure" if k == 0 else "second failure"
+            console.rule(f"[red]GPU {node}/{idx} fails (XID 48)")
+            t_fail = time.time()
+            agents.inject(node, "xid", idx, xid=48)
+            launcher.kill(victim)  # the process on a dead GPU dies with it
+            rec = launcher.wait_for(lambda rec, old=old: rec["kind"] == "step" and rec["version"] > old, 300)
+            new = rec["version"]
+            launcher.wait_for(step_at_least(rec["step"] + steps_degraded - 1, new), 300)
+            _timeline(res, api, launcher, victim, t_fail, old, new, label)
+            _layout_now(api, new)
+            old = new
+        # ---- the repair ------------------------------------------------------------------------
+        console.rule("[green]both GPUs repaired")
+        t_rep = time.time()
+        for (node, idx), victim in zip(HITS, victims, strict=True):
+            launcher.start(RankSpec(victim, launcher.port, "grpc", info["grpc"], tokens["worker"], victim))
+            agents.inject(node, "repair", idx)
+        back: set[str] = set()
+
+        def both_back(rec: dict[str, Any]) -> bool:
+            if rec["kind"] == "step" and rec["worker"] in victims:
+                back.add(rec["worker"])
+            return len(back) == len(victims)
+
+        rec = launcher.wait_for(both_back, 300)
+        launcher.stop_at(rec["step"] + steps_after)
+        _timeline(res, api, launcher, victims[0], t_rep, old, rec["version"], "repair")
+        done: set[str] = set()
+
+        def all_done(rec: dict[str, Any]) -> bool:
+            if rec["kind"] == "done":
+                done.add(rec["worker"])
+            return len(done) == 8
+
+        launcher.wait_for(all_done, 600)
+        time.sleep(0.3)
+        res.losses, hist = env.results(launcher, JOB)
+        res.versions = sorted(x["version"] for x in hist)
+        res.tp_by_version = {x["version"]: sorted(r["tp"] for r in x["replicas"]) for x in hist}
+        res.stages_by_version = {x["version"]: _stage_tps(x) for x in hist}
+        res.stage_changes = {x["version"]: (x.get("moves") or {}).get("stage_changed", 0) for x in hist}
+        _layouts_table(hist)
+        res.dashboard = env.show_access("ntpctl status", keep_up)
     return res
 
 
@@ -232,8 +299,7 @@ def _timeline(res: DemoResult, api: httpx.Client, launcher: Any, victim: str, t0
               label: str) -> None:
     ev = api.get("/v1/events", params={"gpu": victim, "limit": 5}).json()["items"]
     report = min((_ts(e["at"]) for e in ev if e["source"] == "agent" and _ts(e["at"]) >= t0 - 1), default=None)
-    lay = next(x for x in api.get(f"/v1/jobs/{JOB}/layouts", params={"limit": 10}).json()["items"]
-               if x["version"] == new)
+    lay = layout_of(api, JOB, new)
     acks = api.get(f"/v1/jobs/{JOB}").json()["acks"].get(str(new), {})
     evs = [r for r in launcher.records if r["kind"] == "event" and r["at"] >= t0]
 
@@ -297,8 +363,7 @@ def _replicas_text(lay: dict[str, Any]) -> str:
 
 def _layout_now(api: httpx.Client, version: int) -> None:
     """The replicas as stages x TP groups, and which groups moved (replica or stage)."""
-    lay = next(x for x in api.get(f"/v1/jobs/{JOB}/layouts", params={"limit": 10}).json()["items"]
-               if x["version"] == version)
+    lay = layout_of(api, JOB, version)
     console.print(f"layout v{version}: {_replicas_text(lay)}")
     for r in lay["replicas"]:
         for g in r["moved"]:

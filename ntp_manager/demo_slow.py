@@ -26,10 +26,8 @@ and the verdict are on the dashboard (Jobs: "fail-slow") and at GET /v1/jobs/slo
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,8 +37,8 @@ import httpx
 import typer
 from rich.table import Table
 
-from agent.local import FakeFleet, FakeNode
-from ntp_manager.demo import console, create_token, manager_process, wait
+from agent.local import FakeNode
+from ntp_manager.demo import console, demo_env, first_layout, layout_of, start_ranks
 
 JOB = "slow"
 NODES = (FakeNode("node-a", "nvl-0"),)  # one NVLink domain of 4 fake GPUs
@@ -69,28 +67,15 @@ class SlowDemoResult:
 
 def run_slow_demo(factor: float = 3.0, slow_from: int = 6, steps_after: int = 3, data: Path | None = None,
                   keep_up: bool = True, step_delay_s: float = 0.0, timeout_s: float = 300.0) -> SlowDemoResult:
-    from ntp_manager.worker.launch import SLOW_ENV, Launcher, RankSpec, TrainSpec
+    from ntp_manager.worker.launch import SLOW_ENV, Launcher, TrainSpec
 
     res = SlowDemoResult()
-    tmp = tempfile.TemporaryDirectory(prefix="ntp-slow-demo-") if data is None else None
-    root = Path(tmp.name) if tmp else data
-    assert root is not None
-    root.mkdir(parents=True, exist_ok=True)
-    console.rule("[bold]ntp-manager fail-slow demo")
-    tokens = {s: create_token(root, s) for s in ("worker", "operator", "viewer")}
-    agent_tokens = {n.name: create_token(root, "agent", n.name) for n in NODES}
     train = TrainSpec(job=JOB, steps=1_000_000, step_delay_s=step_delay_s, collective_timeout_s=10, stages=1)
-    launcher: Launcher | None = None
-    agents: FakeFleet | None = None
     env_before = os.environ.get(SLOW_ENV)
-    with manager_process(root) as (_proc, info):
-        http = f"http://{info['http']}"
-        api = httpx.Client(base_url=http, headers={"Authorization": f"Bearer {tokens['operator']}"}, timeout=20)
-        console.print(f"manager up: REST {http}, gRPC {info['grpc']} (data in {root})")
+    with demo_env(data, "ntp-slow-demo-", "[bold]ntp-manager fail-slow demo", NODES, "the agent to register") as env:
+        api, info, tokens = env.api, env.info, env.tokens
         try:
-            agents = FakeFleet(info["grpc"], agent_tokens, NODES)
-            wait(agents.ready, 30, "the agent to register")
-            gpus = agents.gpus("node-a")
+            gpus = env.agents.gpus("node-a")
             res.labels = {u: f"node-a/{i}" for i, u in enumerate(gpus)}
             res.victim = victim = gpus[VICTIM[1]]
             job = {"name": JOB, "tp": 2, "groups_per_replica": 1, "replicas": 2, "local_batch": 16, "min_tp": 1,
@@ -101,13 +86,12 @@ def run_slow_demo(factor: float = 3.0, slow_from: int = 6, steps_after: int = 3,
             r.raise_for_status()
             console.print(f"detector options for job {JOB!r} (set at runtime): "
                           + ", ".join(f"{k}={v}" for k, v in r.json()["changed"].items()))
-            first = wait(lambda: api.get(f"/v1/jobs/{JOB}").json()["layout_version"], 30, "the first layout")
+            first = first_layout(api, JOB)
             _print_layout(api, first, res)
-            launcher = Launcher(train)
+            env.launcher = launcher = Launcher(train)
             os.environ[SLOW_ENV] = f"{victim}:{factor:g}@{slow_from}"  # the spawned ranks read it at start
             try:
-                for u in gpus:
-                    launcher.start(RankSpec(u, launcher.port, "grpc", info["grpc"], tokens["worker"], u))
+                start_ranks(launcher, gpus, info["grpc"], tokens["worker"])
             finally:
                 _restore_env(SLOW_ENV, env_before)
             console.print(f"training: 4 rank processes (2 replicas x TP2, one stage), TinyGpt; "
@@ -121,7 +105,7 @@ def run_slow_demo(factor: float = 3.0, slow_from: int = 6, steps_after: int = 3,
             res.steps_after = last["step"] - rec["step"] + 1
             console.print(f"training goes on at layout v{new} without {res.labels[victim]} "
                           f"(step {last['step']})")
-            res.dashboard_slow = _dashboard_slow(http, tokens["viewer"], timeout_s)
+            res.dashboard_slow = _dashboard_slow(env.http, tokens["viewer"], timeout_s)
             if res.dashboard_slow is not None:
                 flagged = ", ".join(res.labels.get(u, u) for u in res.dashboard_slow["flagged"])
                 console.print(f"dashboard (fail-slow part of the job): flagged {flagged or 'none'}; "
@@ -129,36 +113,16 @@ def run_slow_demo(factor: float = 3.0, slow_from: int = 6, steps_after: int = 3,
                                           f"{_ms(r['step_time_s'])}, factor {_fmt(r['factor']).strip()}"
                                           for r in res.dashboard_slow["ranks"]))
             launcher.stop()
-            launcher.drain()
-            rows, table = launcher.loss_report()
-            res.losses = [(st, v, loss, ref) for st, v, _, loss, ref in rows]
-            console.print(table)
-            hist = api.get(f"/v1/jobs/{JOB}/layouts", params={"limit": 100}).json()["items"]
+            res.losses, hist = env.results(launcher, JOB)
             res.versions = sorted(x["version"] for x in hist)
             for x in hist:
                 reps = sorted(x["replicas"], key=lambda r: r["id"])
                 res.tp_by_version[x["version"]] = [r["tp"] for r in reps]
                 res.reasons[x["version"]] = x["reason"]
             _layouts_table(hist)
-            res.dashboard = f"{http}/?token={tokens['viewer']}"
-            console.rule()
-            console.print(f"dashboard: [bold]{res.dashboard}[/]")
-            console.print(f"ntpctl:    NTP_URL={http} NTP_TOKEN={tokens['operator']} ntpctl slow show {JOB}")
-            if keep_up:
-                console.print("Ctrl-C stops everything.")
-                with contextlib.suppress(KeyboardInterrupt):
-                    while True:
-                        time.sleep(1)
+            res.dashboard = env.show_access(f"ntpctl slow show {JOB}", keep_up)
         finally:
             _restore_env(SLOW_ENV, env_before)
-            if launcher is not None:
-                launcher.stop()
-            if agents is not None:
-                agents.stop()
-            api.close()
-    if tmp is not None:
-        tmp.cleanup()
-    console.print("stopped cleanly")
     return res
 
 
@@ -205,7 +169,7 @@ def _watch(api: httpx.Client, launcher: Any, res: SlowDemoResult, old: int, time
                           + (f" ({g.get('health_reason')})" if g.get("health_reason") else ""))
         version = int(api.get(f"/v1/jobs/{JOB}").json()["layout_version"] or 0)
         if version and version > old:
-            reason = _layout(api, version)["reason"]
+            reason = layout_of(api, JOB, version)["reason"]
             console.rule(f"[bold]layout v{version}")
             console.print(reason)
             _print_layout(api, version, res)
@@ -254,11 +218,6 @@ def _check_ranks(launcher: Any) -> None:
 
 def _fmt(x: float | None) -> str:
     return "  -  " if x is None else f"{x:5.2f}"
-
-
-def _layout(api: httpx.Client, version: int) -> dict[str, Any]:
-    items = api.get(f"/v1/jobs/{JOB}/layouts", params={"limit": 10}).json()["items"]
-    return dict(next(x for x in items if x["version"] == version))
 
 
 def _print_layout(api: httpx.Client, version: int, res: SlowDemoResult) -> None:

@@ -65,8 +65,8 @@ _parts: weakref.WeakKeyDictionary[Manager, dict[str, tuple[Any, tuple[dict[str, 
 )
 
 
-async def _job_parts(manager: Manager) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    jobs, boost = [], {}
+async def _job_parts(manager: Manager) -> tuple[list[dict[str, Any]], list[dict[str, float]]]:
+    jobs, boosts = [], []
     cache = _parts.setdefault(manager, {})
     for name, rec in sorted(manager.world.jobs.items()):
         key = name
@@ -81,32 +81,41 @@ async def _job_parts(manager: Manager) -> tuple[list[dict[str, Any]], dict[str, 
         restored = manager.restores.newest(name)  # issue 22: "restored from step S"
         jobs.append({**cached[1][0], "restored": None if restored is None else {
             k: restored[k] for k in ("step", "checkpoint", "version", "at", "reason")}})
-        boost.update(cached[1][1])
-    return jobs, boost
+        boosts.append(cached[1][1])  # looked up for the GPUs shown only: a job may boost 100K GPUs
+    return jobs, boosts
 
 
-async def dashboard_snapshot(manager: Manager) -> dict[str, Any]:
-    """What the dashboard shows. Its cost on the event loop is O(nodes + the GPUs of the domains
-    shown): per-job parts are cached per layout version, state counts come from the gauges."""
-    w = manager.world
-    jobs, boost = await _job_parts(manager)
-    # fail-slow (issue 21): changes every step, so not cached with the layout part
-    jobs = [{**j, "slow": manager.failslow_dashboard(j["name"], MAX_SLOW_RANKS)} for j in jobs]
+def _domains(nodes: list[Any], gpus: Any, boosts: list[dict[str, float]]) -> tuple[list[dict[str, Any]], int]:
+    """The first MAX_DOMAINS domains with their GPUs, and how many domains there are. O(nodes +
+    the GPUs shown): run it in a worker thread (`nodes` is a copy; `gpus` is only read)."""
     nodes_of: dict[str, list[Any]] = {}
-    for n in w.nodes.values():  # nodes, not GPUs: a tenth of the work
+    for n in nodes:  # nodes, not GPUs: a tenth of the work
         nodes_of.setdefault(n.domain, []).append(n)
     domains = []
     for did in sorted(nodes_of)[:MAX_DOMAINS]:
-        gs = sorted((w.gpus[u] for n in nodes_of[did] for u in n.gpus), key=lambda g: (g.node, g.idx))
+        gs = sorted((gpus[u] for n in nodes_of[did] for u in n.gpus), key=lambda g: (g.node, g.idx))
         domains.append({"id": did, "gpus": [
             {"uuid": g.uuid, "node": g.node, "idx": g.idx, "state": g.state, "reason": g.health_reason,
-             "power_ratio": boost.get(g.uuid), "desired_w": (g.desired_mw or 0) // 1000,
-             "enforced_w": (g.enforced_mw or 0) // 1000, "tdp_w": g.tdp_mw // 1000} for g in gs]})
+             "power_ratio": next((b[g.uuid] for b in boosts if g.uuid in b), None),
+             "desired_w": (g.desired_mw or 0) // 1000, "enforced_w": (g.enforced_mw or 0) // 1000,
+             "tdp_w": g.tdp_mw // 1000} for g in gs]})
+    return domains, len(nodes_of)
+
+
+async def dashboard_snapshot(manager: Manager) -> dict[str, Any]:
+    """What the dashboard shows. Per-job parts are cached per layout version and the domains are
+    drawn in a worker thread, so its cost on the event loop is a copy of the node list; state
+    counts come from the gauges."""
+    w = manager.world
+    jobs, boosts = await _job_parts(manager)
+    # fail-slow (issue 21): changes every step, so not cached with the layout part
+    jobs = [{**j, "slow": manager.failslow_dashboard(j["name"], MAX_SLOW_RANKS)} for j in jobs]
+    domains, domains_total = await offloop.run(_domains, list(w.nodes.values()), w.gpus, boosts)
     events = [{"at": e["at"], "gpu": e["gpu"], "node": e["node"], "old": e["old_state"], "new": e["new_state"],
                "source": e["source"], "reasons": list(e["reasons"] or [])[:2]}
               for e in await manager.queries.recent_events(15)]
     return {"epoch": manager.epoch, "gpus_by_state": await manager.gpu_state_counts(), "domains": domains,
-            "domains_total": len(nodes_of), "jobs": jobs, "events": events,
+            "domains_total": domains_total, "jobs": jobs, "events": events,
             "breaker": {"open": manager.breaker_open, "reason": manager.breaker_reason}}
 
 
@@ -118,8 +127,7 @@ async def snapshot_events(manager: Manager, request: Request, token_id: str) -> 
         yield b"retry: 2000\n\n"
         while not await request.is_disconnected() and not revoked.is_set():
             snap = await dashboard_snapshot(manager)
-            body = json.dumps(snap, separators=(",", ":"))
-            digest = hashlib.sha256(body.encode()).hexdigest()
+            body, digest = await asyncio.to_thread(_encoded, snap)
             if digest != last:
                 last = digest
                 yield f"event: snapshot\ndata: {body}\n\n".encode()
@@ -129,6 +137,12 @@ async def snapshot_events(manager: Manager, request: Request, token_id: str) -> 
             yield b"event: revoked\ndata: {}\n\n"
     finally:
         unwatch()
+
+
+def _encoded(snap: dict[str, Any]) -> tuple[str, str]:
+    """A snapshot's JSON and its digest (in a worker thread: it is O(the GPUs shown))."""
+    body = json.dumps(snap, separators=(",", ":"))
+    return body, hashlib.sha256(body.encode()).hexdigest()
 
 
 DASHBOARD_HTML = (resources.files("ntp_manager.api") / "static" / "dashboard.html").read_text(encoding="utf-8")

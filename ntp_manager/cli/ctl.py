@@ -231,29 +231,52 @@ def domains(c: typer.Context, as_json: JsonOpt = False) -> None:
 @app.command()
 def jobs(c: typer.Context, as_json: JsonOpt = False) -> None:
     """Jobs and their current layout versions."""
-    d = ctx_of(c).call("GET", "/v1/jobs", params={"limit": 1000})
-    rows = [[j["name"], j["layout_version"], " ".join(f"TP{r['tp']}" for r in j["replicas"]),
-             sum(r["local_batch"] for r in j["replicas"]), j.get("pending_reason") or ""] for j in d["items"]]
+    d = ctx_of(c).call("GET", "/v1/jobs", params={"limit": 1000, "replicas_limit": 0})
+    rows = [[j["name"], j["layout_version"], _tp_counts(j.get("counts")), j.get("global_batch"),
+             j.get("pending_reason") or ""] for j in d["items"]]
     emit(c, d, as_json, table("jobs", ["job", "layout", "replicas", "global batch", "pending"], rows))
+
+
+ReplicaLimit = Annotated[int, typer.Option(min=1, max=1000, help="replicas listed (a page)")]
+ReplicaOffset = Annotated[int, typer.Option(min=0, help="replicas skipped (in id order)")]
+
+
+def _tp_counts(counts: dict[str, Any] | None) -> str:
+    """Replicas per TP degree ("TP7 x 1, TP8 x 12499"), from an answer's `counts`."""
+    if not counts:
+        return ""
+    return ", ".join(f"TP{t} x {n}" for t, n in sorted(counts["tp_counts"].items(), key=lambda kv: int(kv[0])))
+
+
+def _page_note(d: dict[str, Any], shown: int) -> str:
+    """"replicas 101-200 of 12500" when a page does not show every replica ("" when it does)."""
+    total = (d.get("counts") or {}).get("replicas", shown)
+    if shown >= total:
+        return ""
+    first = int(d.get("offset", 0))
+    return f" (replicas {first + 1}-{first + shown} of {total}: --offset / --limit page them)" if shown else \
+        f" (no replica at offset {first}: the layout has {total})"
 
 
 @app.command()
 def layout(c: typer.Context, job: str, history: Annotated[bool, typer.Option(help="every version")] = False,
-           as_json: JsonOpt = False) -> None:
-    """A job's current layout (replicas, TP degrees, local batches, power), or its history."""
+           version: Annotated[int | None, typer.Option(min=1, help="a stored version instead of the current")] = None,
+           limit: ReplicaLimit = 100, offset: ReplicaOffset = 0, as_json: JsonOpt = False) -> None:
+    """A job's current layout (replicas, TP degrees, local batches, power), a stored version of
+    it, or its history (replicas per TP degree of each version)."""
     cx = ctx_of(c)
     if history:
-        d = cx.call("GET", f"/v1/jobs/{job}/layouts", params={"limit": 1000})
-        rows = [[x["version"], x["created_at"][:19], x["reason"], " ".join(f"TP{r['tp']}" for r in x["replicas"])]
-                for x in d["items"]]
+        d = cx.call("GET", f"/v1/jobs/{job}/layouts", params={"limit": 1000, "replicas_limit": 0})
+        rows = [[x["version"], x["created_at"][:19], x["reason"], _tp_counts(x.get("counts"))] for x in d["items"]]
         emit(c, d, as_json, table(f"layouts of {job}", ["version", "created", "reason", "replicas"], rows))
         return
-    d = cx.call("GET", f"/v1/jobs/{job}/layout")
+    path = f"/v1/jobs/{job}/layout" if version is None else f"/v1/jobs/{job}/layouts/{version}"
+    d = cx.call("GET", path, params={"limit": limit, "offset": offset})
     plan = d.get("plan", d)
     rows = [[r["id"], r["tp"], r["local_batch"], ", ".join(g["domain"] for g in r["groups"]),
              ", ".join(f"{g['power_ratio']:.2f}" for g in r["groups"]), _moved_from(r)] for r in plan["replicas"]]
-    emit(c, d, as_json, table(f"{job} layout v{d.get('version', '?')}", ["replica", "TP", "local batch", "domains",
-                                                                     "power ratio", "moved here"], rows))
+    title = f"{job} layout v{d.get('version', '?')}{_page_note(d, len(rows))}"
+    emit(c, d, as_json, table(title, ["replica", "TP", "local batch", "domains", "power ratio", "moved here"], rows))
     if not (as_json or cx.as_json):
         out.print(f"reason: {d.get('reason', '')}", highlight=False)
         out.print(_moves_line(plan.get("moves")), highlight=False)
@@ -393,15 +416,17 @@ def undrain(c: typer.Context, node: str, reason: Reason, as_json: JsonOpt = Fals
 def plan(c: typer.Context, job: str,
          dry_run: Annotated[bool, typer.Option("--dry-run/--apply", help="only show (default) or replan now")] = True,
          fail_gpu: Annotated[list[str] | None, typer.Option("--fail", help="treat this GPU as failed")] = None,
-         as_json: JsonOpt = False) -> None:
+         limit: ReplicaLimit = 100, offset: ReplicaOffset = 0, as_json: JsonOpt = False) -> None:
     """Show what the planner would do for a job (optionally with GPUs failed), or replan it now."""
-    d = ctx_of(c).call("POST", "/v1/plans", json={"job": job, "dry_run": dry_run, "fail": fail_gpu or []})
+    d = ctx_of(c).call("POST", "/v1/plans", json={"job": job, "dry_run": dry_run, "fail": fail_gpu or [],
+                                                  "limit": limit, "offset": offset})
     p = d["plan"]
     rows = [[r["id"], r["tp"], r["local_batch"], ", ".join(f"{g['power_ratio']:.2f}" for g in r["groups"])]
             for r in p["replicas"]]
     title = f"{job}: {'dry run' if dry_run else 'new layout v' + str(d.get('version'))}"
     if "relative_throughput" in p:
         title += f", relative throughput {p['relative_throughput']:.4f}"
+    title += _page_note(d, len(rows))
     emit(c, d, as_json, table(title, ["replica", "TP", "local batch", "power ratio"], rows))
 
 

@@ -318,9 +318,26 @@ class LayoutDoc:
         )
 
     # ---- the documented plan JSON (docs/plan-json.md) -------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        """The plan JSON shape of docs/plan-json.md (what REST and `ntp-manager plan --json` show)."""
+    def to_dict(self, start: int = 0, stop: int | None = None, list_max: int | None = None) -> dict[str, Any]:
+        """The plan JSON shape of docs/plan-json.md (what REST and `ntp-manager plan --json` show).
+
+        A page of it, for answers that must not grow with the job: only the replicas at indices
+        `start` .. `stop` - 1 (ascending id order; `stop` None: to the end), `power_caps_w` only for
+        their GPUs, and with `list_max` at most that many entries of `dropped`, `idle`,
+        `spares_used` and `reasons` (the first ones). O(the page's GPUs + list_max)."""
+        n = len(self.replica_ids)
+        start = min(start, n)
+        end = n if stop is None else max(start, min(stop, n))
         track = self.tracks_moves
+        caps = self.power_caps_w
+        if start == 0 and end == n:
+            page_caps = dict(caps)
+        elif caps:
+            shown = self.gpus[self.gpu_starts[self.group_starts[start]] : self.gpu_starts[self.group_starts[end]]]
+            page_caps = {u: caps[u] for u in shown if u in caps}
+        else:
+            page_caps = {}
+        cut = slice(None) if list_max is None else slice(0, list_max)
         return {
             "schema": PLAN_SCHEMA_VERSION,
             "job": self.job,
@@ -330,16 +347,12 @@ class LayoutDoc:
             "target_batch": self.target_batch,
             "relative_throughput": self.relative_throughput,
             "meets_target": self.meets_target,
-            "replicas": [
-                {"id": r.id, "tp": r.tp, "local_batch": r.local_batch, "relative_throughput": r.relative_throughput,
-                 "groups": [_group_dict(g, track) for g in r.groups]}
-                for r in self.replicas
-            ],
-            "dropped": [a._asdict() for a in self.dropped],
-            "idle": [a._asdict() for a in self.idle],
-            "spares_used": list(self.spares_used),
-            "power_caps_w": dict(self.power_caps_w),
-            "reasons": list(self.reasons),
+            "replicas": [_replica_dict(self.replica(i), track) for i in range(start, end)],
+            "dropped": [a._asdict() for a in self.dropped[cut]],
+            "idle": [a._asdict() for a in self.idle[cut]],
+            "spares_used": list(self.spares_used[cut]),
+            "power_caps_w": page_caps,
+            "reasons": list(self.reasons[cut]),
             "moves": None if self.moves is None else self.moves._asdict(),
             "restore_step": self.restore_step,
         }
@@ -376,6 +389,11 @@ class LayoutDoc:
 
 def _aside(s: SetAside) -> AsideDoc:
     return AsideDoc(s.group_id, s.domain, s.usable, s.spare, s.reason)
+
+
+def _replica_dict(r: ReplicaDoc, track: bool) -> dict[str, Any]:
+    return {"id": r.id, "tp": r.tp, "local_batch": r.local_batch, "relative_throughput": r.relative_throughput,
+            "groups": [_group_dict(g, track) for g in r.groups]}
 
 
 def _group_dict(g: GroupDoc, track: bool) -> dict[str, Any]:

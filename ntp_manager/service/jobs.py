@@ -103,9 +103,10 @@ class Jobs:
     async def dry_run(self, spec: JobSpec, fail: list[str]) -> LayoutDoc:
         """The layout `spec` would get now, with the GPUs in `fail` failed; planned off the loop."""
         w = self.kernel.world
-        for u in fail:
-            if u not in w.gpus:
-                raise NotFound(f"fail: unknown GPU {u[:200]!r}")
+        if fail:  # up to 100K names: looked up in a thread
+            unknown = await offloop.run(lambda: next((u for u in fail if u not in w.gpus), None))
+            if unknown is not None:
+                raise NotFound(f"fail: unknown GPU {unknown[:200]!r}")
         cluster = await w.cluster_async()
         try:
             return await self.planner.plan(cluster, spec, w.pos_of, tuple(fail))
@@ -159,13 +160,13 @@ class Jobs:
             if d.unchanged:
                 return base
             if tx is not None:  # the caller's transaction holds the write lock: nothing publishes meanwhile
-                return self._persist(tx, job, d, base)
+                return await self._persist(tx, job, d, base)
             async with self.kernel.exclusive(actor) as t:
                 if job.layout is base and w.jobs.get(name) is job:
-                    return self._persist(t, job, d, base)
+                    return await self._persist(t, job, d, base)
         return None
 
-    def _persist(self, t: Tx, job: JobRec, d: planning.Draft, base: LayoutRec | None) -> LayoutRec:
+    async def _persist(self, t: Tx, job: JobRec, d: planning.Draft, base: LayoutRec | None) -> LayoutRec:
         """Write version+1 of `job` (its body, audit record and power caps) in `t`; it is published
         (memory, watchers) after the commit."""
         assert d.encoded is not None
@@ -178,7 +179,7 @@ class Jobs:
         rec = LayoutRec(job.name, version, self.epoch(), d.doc, d.why, t.now, self.kernel.clock.monotonic(),
                         d.encoded.chain)
         # only GPUs capped by the old or the new layout can change cap
-        self.power.stage(t, {job.name: d.doc}, set(d.doc.power_caps_w).union(base.doc.power_caps_w) if base else None)
+        await self.power.stage(t, {job.name: d.doc}, (d.doc, base.doc) if base else None)
 
         def published() -> None:
             job.layout = rec

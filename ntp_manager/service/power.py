@@ -10,11 +10,12 @@ Agents that are not connected get every cap when they reconnect (service/agents.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import structlog
 
 from ntp_manager.planner.layout import LayoutDoc
+from ntp_manager.service import offloop
 from ntp_manager.service.agents import Agents, ReleasePower, SetPower
 from ntp_manager.service.kernel import Kernel, Tx
 from ntp_manager.service.state import GpuChange
@@ -22,6 +23,8 @@ from ntp_manager.settings import Settings
 from ntp_manager.topology import base_cap_w
 
 log = structlog.get_logger("ntp.power")
+
+STAGE_SLICE = 2000  # cap changes written into a transaction between two turns of the event loop
 
 
 class Power:
@@ -32,29 +35,50 @@ class Power:
         self._tasks: set[asyncio.Task[None]] = set()
         kernel.after_commit.append(self.react)
 
-    def stage(self, tx: Tx, pending: Mapping[str, LayoutDoc] | None = None,
-              touched: Iterable[str] | None = None) -> int:
+    async def stage(self, tx: Tx, pending: Mapping[str, LayoutDoc] | None = None,
+                    capped_by: Sequence[LayoutDoc] | None = None) -> int:
         """Write every GPU's desired cap that differs from what it holds; `pending` maps a job to
-        the layout being persisted in `tx`. With `touched`, only those GPUs are looked at (a new
-        layout of one job: the GPUs capped by it or by the layout it replaces; every other GPU's
-        cap is unchanged), else every GPU (O(GPUs)). Returns how many changed."""
+        the layout being persisted in `tx`. With `capped_by`, only the GPUs those layouts cap are
+        looked at (a new layout of one job and the one it replaces: every other GPU's cap is
+        unchanged), else every GPU. Returns how many changed.
+
+        Which caps differ is worked out in a worker thread (O(the GPUs looked at + every job's
+        capped GPUs): 100K GPUs for a job's first layout or a recompute); the loop then writes the
+        changes into `tx`, yielding every STAGE_SLICE of them. The caller holds `tx`, so nothing
+        else changes a GPU's cap meanwhile."""
         w = self.kernel.world
-        caps: dict[str, int] = {}
-        for job in w.jobs.values():
+        docs = []
+        for job in list(w.jobs.values()):
             doc = (pending or {}).get(job.name) or (job.layout.doc if job.layout else None)
             if doc is not None:
-                for u, watts in doc.power_caps_w.items():
-                    caps[u] = int(watts * 1000)
-        changed = 0
-        gpus = w.gpus.items() if touched is None else ((u, w.gpus[u]) for u in touched)
-        for u, rec in gpus:
+                docs.append(doc)
+        every = list(w.gpus) if capped_by is None else None  # a C-level copy of the keys
+        changes = await offloop.run(self._differing, tx, docs, every, capped_by)
+        for i, (u, want) in enumerate(changes):
+            tx.change_gpu(u, GpuChange(desired_mw=want))
+            if i % STAGE_SLICE == STAGE_SLICE - 1:
+                await asyncio.sleep(0)
+        return len(changes)
+
+    def _differing(self, tx: Tx, docs: list[LayoutDoc], every: list[str] | None,
+                   capped_by: Sequence[LayoutDoc] | None) -> list[tuple[str, int | None]]:
+        """(GPU, the cap it should hold) for each GPU looked at (`every`, else those `capped_by`
+        cap) that holds another."""
+        looked_at: Iterable[str] = (every if every is not None
+                                    else set().union(*(d.power_caps_w for d in capped_by or ())))
+        caps: dict[str, int] = {}
+        for doc in docs:
+            for u, watts in doc.power_caps_w.items():
+                caps[u] = int(watts * 1000)
+        out: list[tuple[str, int | None]] = []
+        for u in looked_at:
+            rec = tx.gpu(u)
             want = caps.get(u)
             if want is None and self.base_cap is not None:  # under a base cap every other GPU runs at its base
                 want = int(base_cap_w(rec.min_mw, rec.tdp_mw, rec.max_mw, self.base_cap))
-            if want != tx.gpu(u).desired_mw:
-                tx.change_gpu(u, GpuChange(desired_mw=want))
-                changed += 1
-        return changed
+            if want != rec.desired_mw:
+                out.append((u, want))
+        return out
 
     def react(self, tx: Tx) -> None:
         """After a commit: send the caps it changed; new GPUs under a base cap get theirs."""
@@ -77,7 +101,7 @@ class Power:
         async def run() -> None:
             try:
                 async with self.kernel.exclusive("control-loop") as tx:
-                    self.stage(tx)
+                    await self.stage(tx)
             except Exception:
                 log.exception("power recompute failed")
 

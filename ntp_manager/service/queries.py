@@ -6,17 +6,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Sequence
 from datetime import UTC, datetime
+from operator import itemgetter
 from typing import Any
 
 from sqlalchemy import Select, func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from ntp_manager.planner.layout import LayoutDoc
+from ntp_manager.service import layout_views as views
 from ntp_manager.service import offloop
 from ntp_manager.service.errors import FailedPrecondition, NotFound
 from ntp_manager.service.kernel import Kernel
 from ntp_manager.service.restores import Restores
-from ntp_manager.service.state import GpuRec, JobRec
+from ntp_manager.service.state import GpuRec, JobRec, NodeRec
 from ntp_manager.service.telemetry import TelemetryStore
 from ntp_manager.service.worker_reports import WorkerReports
 from ntp_manager.store.layout_codec import UuidAt
@@ -59,25 +61,38 @@ def maintenance_view(row: MaintenanceRow) -> dict[str, Any]:
     }
 
 
-def replica_summaries(doc: LayoutDoc) -> list[dict[str, Any]]:
-    """Each replica of a layout as a job and its history show it: its TP degree (the lowest
-    stage's), batch, each stage's TP degree, and the groups that moved into it (replica or stage
-    changed) with where they were."""
-    return [{"id": r.id, "tp": r.tp, "local_batch": r.local_batch, "stage_tp": list(r.stage_tp),
-             "moved": [m._asdict() for m in doc.moved_into(r)]} for r in doc.replicas]
-
-
-def history(rows: Sequence[LayoutRow], shown: Container[int], uuid_at: UuidAt) -> list[dict[str, Any]]:
-    """The versions of `rows` whose number is in `shown`, newest first, summarised. `rows` start
-    at a keyframe (store/layouts.py). O(their GPUs): call it in a worker thread."""
+def history(rows: Sequence[LayoutRow], shown: Container[int], uuid_at: UuidAt,
+            replicas_limit: int) -> list[dict[str, Any]]:
+    """The versions of `rows` whose number is in `shown`, newest first, summarised with their
+    first `replicas_limit` replicas (service/layout_views.py). `rows` start at a keyframe
+    (store/layouts.py). O(their GPUs): call it in a worker thread."""
     out = []
     for row, doc in zip(rows, decode_rows(rows, uuid_at), strict=True):
         if row.version in shown:
             out.append({"version": row.version, "leader_epoch": row.leader_epoch, "created_at": iso(row.created_at),
-                        "reason": row.reason, "relative_throughput": doc.relative_throughput,
-                        "replicas": replica_summaries(doc),
-                        "moves": None if doc.moves is None else doc.moves._asdict()})
+                        "reason": row.reason, **views.summary(doc, replicas_limit)})
     return out[::-1]
+
+
+def acks_view(acks: Sequence[tuple[int, Sequence[tuple[str, dict[str, Any]]]]]) -> dict[str, Any]:
+    """Per layout version, how many workers acked it and how many of those failed to apply it,
+    with the first ACKS_LISTED failed workers named (a job may have 100K workers)."""
+    out = {}
+    for version, per in acks:
+        failed = [w for w, a in per if not a["ok"]]
+        out[str(version)] = {"workers": len(per), "ok": len(per) - len(failed), "failed": len(failed),
+                             "failed_workers": failed[:ACKS_LISTED]}
+    return out
+
+
+ACKS_LISTED = 16
+
+
+def job_part(doc: LayoutDoc | None, limit: int, offset: int, acks: Any) -> dict[str, Any]:
+    """The parts of a job's view that grow with it: a page of its replicas, its counts, its acks."""
+    return {"counts": views.counts(doc) if doc is not None else None,
+            "replicas": views.replica_summaries(doc, offset, offset + limit) if doc is not None else [],
+            "acks": acks_view(acks)}
 
 
 class Queries:
@@ -90,38 +105,18 @@ class Queries:
         self.telemetry = telemetry
 
     # ---- from memory --------------------------------------------------------------------------
-    def domains(self, limit: int, offset: int) -> dict[str, Any]:
+    # Listings of domains, nodes and GPUs look at every one of them (100K GPUs): they are made in
+    # a worker thread from C-level copies of the world's tables (records are only read there).
+    async def domains(self, limit: int, offset: int) -> dict[str, Any]:
         w = self.kernel.world
-        ids = sorted(w.domains)
-        shown = ids[offset : offset + limit]
-        members: dict[str, list[GpuRec]] = {d: [] for d in shown}
-        for g in w.gpus.values():  # one pass, not one per domain
-            if g.domain in members:
-                members[g.domain].append(g)
-        items = [{"id": did, "power_budget_w": w.domains[did], "gpus": len(members[did]),
-                  "nodes": sorted({g.node for g in members[did]}),
-                  "unusable": sum(1 for g in members[did] if not GpuState(g.state).placeable)} for did in shown]
-        return page(items, len(ids), limit, offset)
+        return await offloop.run(_domains, dict(w.domains), list(w.gpus.values()), limit, offset)
 
-    def nodes(self, domain: str | None, limit: int, offset: int) -> dict[str, Any]:
-        w = self.kernel.world
-        names = sorted(n for n, rec in w.nodes.items() if domain is None or rec.domain == domain)
-        items = []
-        for n in names[offset : offset + limit]:
-            rec = w.nodes[n]
-            items.append({"name": n, "domain": rec.domain, "gpus": list(rec.gpus), "connected": rec.connected,
-                          "last_seq": rec.last_seq,
-                          "drain_deadline": rec.drain_deadline.isoformat() if rec.drain_deadline else None,
-                          "drain_reason": rec.drain_reason})
-        return page(items, len(names), limit, offset)
+    async def nodes(self, domain: str | None, limit: int, offset: int) -> dict[str, Any]:
+        return await offloop.run(_nodes, list(self.kernel.world.nodes.items()), domain, limit, offset)
 
-    def gpus(self, state: GpuState | None, node: str | None, domain: str | None, limit: int,
-             offset: int) -> dict[str, Any]:
-        w = self.kernel.world
-        sel = sorted(u for u, g in w.gpus.items()
-                     if (state is None or g.state == state) and (node is None or g.node == node)
-                     and (domain is None or g.domain == domain))
-        return page([gpu_view(w.gpus[u]) for u in sel[offset : offset + limit]], len(sel), limit, offset)
+    async def gpus(self, state: GpuState | None, node: str | None, domain: str | None, limit: int,
+                   offset: int) -> dict[str, Any]:
+        return await offloop.run(_gpus, list(self.kernel.world.gpus.items()), state, node, domain, limit, offset)
 
     def gpu(self, uuid: str) -> dict[str, Any]:
         """One GPU, with its agent's latest counters (issue 21), which come with the heartbeats."""
@@ -137,33 +132,44 @@ class Queries:
             raise NotFound(f"unknown job {name!r}")
         return rec
 
-    async def job(self, name: str) -> dict[str, Any]:
-        """A job, its current layout's replicas summarised (in a worker thread: O(replicas))."""
+    async def job(self, name: str, limit: int = views.REPLICAS_DEFAULT, offset: int = 0) -> dict[str, Any]:
+        """A job: its spec, its current layout's counts and the replicas at indices offset ..
+        offset + limit - 1 summarised, and per version how many workers acked it (made in a worker
+        thread: O(the page + the acks kept))."""
         rec = self.job_rec(name)
         lay = rec.layout
+        # the acks as they are now: C-level copies (a few versions of up to 2 x GPUs each), as the
+        # loop may add some while the thread counts them
+        acks = [(v, list(per.items())) for v, per in list(self.workers.acks.get(name, {}).items())]
+        part = await offloop.run(job_part, lay.doc if lay else None, limit, offset, acks)
         return {
             "name": name, "spec": rec.raw, "pending_reason": rec.pending_reason,
             "layout_version": lay.version if lay else None,
-            "acks": {str(v): a for v, a in self.workers.acks.get(name, {}).items()},
-            "replicas": await offloop.run(replica_summaries, lay.doc) if lay else [],
+            "global_batch": lay.doc.global_batch if lay else None,
             "relative_throughput": lay.doc.relative_throughput if lay else None,
+            **part,
             "restored": self.restores.newest(name) if self.restores is not None else None,  # issue 22
         }
 
-    async def jobs(self, limit: int, offset: int) -> dict[str, Any]:
+    async def jobs(self, limit: int, offset: int, replicas_limit: int = views.SUMMARY_REPLICAS) -> dict[str, Any]:
+        """Jobs by name, each with its first `replicas_limit` replicas (InvalidArgument when the
+        page could list more than layout_views.SUMMARY_ENTRIES_MAX of them)."""
+        views.check_summary_page(limit, replicas_limit)
         names = sorted(self.kernel.world.jobs)
-        return page([await self.job(n) for n in names[offset : offset + limit]], len(names), limit, offset)
+        return page([await self.job(n, replicas_limit, 0) for n in names[offset : offset + limit]], len(names),
+                    limit, offset)
 
-    async def layout(self, name: str) -> dict[str, Any]:
-        """The current layout of a job, its plan in the documented JSON shape (docs/plan-json.md,
-        made in a worker thread: O(GPUs)); FailedPrecondition while it has none."""
+    async def layout(self, name: str, limit: int = views.REPLICAS_DEFAULT, offset: int = 0) -> dict[str, Any]:
+        """The current layout of a job: its plan in the documented JSON shape (docs/plan-json.md)
+        with a page of its replicas, and its counts (service/layout_views.py; made in a worker
+        thread); FailedPrecondition while it has none."""
         rec = self.job_rec(name)
         lay = rec.layout
         if lay is None:
             raise FailedPrecondition(f"job {name!r} has no layout yet: {rec.pending_reason or 'planning'}")
         return {"job": name, "version": lay.version, "leader_epoch": lay.leader_epoch,
                 "created_at": lay.created_at.isoformat(), "reason": lay.reason,
-                "plan": await offloop.run(lay.doc.to_dict)}
+                **await offloop.run(views.plan_page, lay.doc, limit, offset)}
 
     # ---- from the store -----------------------------------------------------------------------
     async def _page(self, q: Select[Any], count: Select[Any], view: Callable[[Any], dict[str, Any]],
@@ -173,18 +179,40 @@ class Queries:
             rows = (await s.scalars(q.limit(limit).offset(offset))).all()
         return page([view(r) for r in rows], int(total or 0), limit, offset)
 
-    async def layouts(self, name: str, limit: int, offset: int) -> dict[str, Any]:
-        """A job's layout history, newest first (summaries). The versions of the page are read
-        from their keyframe on and decoded in a worker thread."""
+    async def layouts(self, name: str, limit: int, offset: int,
+                      replicas_limit: int = views.SUMMARY_REPLICAS) -> dict[str, Any]:
+        """A job's layout history, newest first: a summary of each version with its first
+        `replicas_limit` replicas (InvalidArgument when the page could list more than
+        layout_views.SUMMARY_ENTRIES_MAX). The versions of the page are read from their keyframe
+        on and decoded in a worker thread."""
         self.job_rec(name)
+        views.check_summary_page(limit, replicas_limit)
         where = LayoutRow.job == name
         async with self.sm() as s:
             total = int(await s.scalar(select(func.count()).select_from(LayoutRow).where(where)) or 0)
             shown = list((await s.scalars(select(LayoutRow.version).where(where).order_by(LayoutRow.version.desc())
                                           .limit(limit).offset(offset))).all())
             rows = await rows_for(s, name, min(shown), max(shown)) if shown else []
-        items = await offloop.run(history, rows, set(shown), self.kernel.world.uuid_at)
+        items = await offloop.run(history, rows, set(shown), self.kernel.world.uuid_at, replicas_limit)
         return page(items, total, limit, offset)
+
+    async def layout_version(self, name: str, version: int, limit: int = views.REPLICAS_DEFAULT,
+                             offset: int = 0) -> dict[str, Any]:
+        """One stored version of a job's layout, as `layout` shows the current one (a page of its
+        replicas, its counts). NotFound for an unknown job or version."""
+        self.job_rec(name)
+        async with self.sm() as s:
+            rows = await rows_for(s, name, version, version)
+        if not rows or rows[-1].version != version:
+            raise NotFound(f"version: job {name!r} has no layout version {version}")
+        row = rows[-1]
+
+        def read() -> dict[str, Any]:
+            doc = decode_rows(rows, self.kernel.world.uuid_at)[-1]
+            return views.plan_page(doc, limit, offset)
+
+        return {"job": name, "version": row.version, "leader_epoch": row.leader_epoch,
+                "created_at": iso(row.created_at), "reason": row.reason, **await offloop.run(read)}
 
     async def events(self, gpu: str | None, node: str | None, limit: int, offset: int) -> dict[str, Any]:
         """Health events, newest first, optionally of one GPU or node."""
@@ -215,6 +243,35 @@ class Queries:
     async def maintenance(self, limit: int, offset: int) -> dict[str, Any]:
         return await self._page(select(MaintenanceRow).order_by(MaintenanceRow.id.desc()),
                                 select(func.count()).select_from(MaintenanceRow), maintenance_view, limit, offset)
+
+
+def _domains(budgets: dict[str, float | None], gpus: list[GpuRec], limit: int, offset: int) -> dict[str, Any]:
+    ids = sorted(budgets)
+    shown = ids[offset : offset + limit]
+    members: dict[str, list[GpuRec]] = {d: [] for d in shown}
+    for g in gpus:  # one pass, not one per domain
+        if g.domain in members:
+            members[g.domain].append(g)
+    items = [{"id": did, "power_budget_w": budgets[did], "gpus": len(members[did]),
+              "nodes": sorted({g.node for g in members[did]}),
+              "unusable": sum(1 for g in members[did] if not GpuState(g.state).placeable)} for did in shown]
+    return page(items, len(ids), limit, offset)
+
+
+def _nodes(nodes: list[tuple[str, NodeRec]], domain: str | None, limit: int, offset: int) -> dict[str, Any]:
+    chosen = sorted(((n, rec) for n, rec in nodes if domain is None or rec.domain == domain), key=itemgetter(0))
+    items = [{"name": n, "domain": rec.domain, "gpus": list(rec.gpus), "connected": rec.connected,
+              "last_seq": rec.last_seq,
+              "drain_deadline": rec.drain_deadline.isoformat() if rec.drain_deadline else None,
+              "drain_reason": rec.drain_reason} for n, rec in chosen[offset : offset + limit]]
+    return page(items, len(chosen), limit, offset)
+
+
+def _gpus(gpus: list[tuple[str, GpuRec]], state: GpuState | None, node: str | None, domain: str | None,
+          limit: int, offset: int) -> dict[str, Any]:
+    sel = sorted(((u, g) for u, g in gpus if (state is None or g.state == state) and (node is None or g.node == node)
+                  and (domain is None or g.domain == domain)), key=itemgetter(0))
+    return page([gpu_view(g) for _, g in sel[offset : offset + limit]], len(sel), limit, offset)
 
 
 def _event_view(r: HealthEventRow) -> dict[str, Any]:

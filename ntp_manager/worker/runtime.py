@@ -67,7 +67,7 @@ from ntp_manager.worker.pipeline import (
     send_activation,
     stage_plan,
 )
-from ntp_manager.worker.reshard import apply_reshard, reshard_moves
+from ntp_manager.worker.reshard import Move, apply_reshard, reshard_moves
 from ntp_manager.worker.sources import LayoutSource, RestoreNote, StepWork, WorkerLayout
 from ntp_manager.worker.sync import NtpGradSync, ReplicaGroup, SyncLayout, families_of
 from ntp_manager.worker.tp import ShardedModule, ShardStyle, parallelize, unit_counts
@@ -259,6 +259,9 @@ class Runtime:
         self.restored: RestoreInfo | None = None  # the last restore from a checkpoint
         self._saved_step = -1
         self._attempt_nonce: int | None = None  # agreed at the last commit of this layout version
+        # where the last layout switch spent its time: (phase, time.time() at its end), from the
+        # failure or the agreement on; diagnostics for bench/pipeline.py (not timeline events)
+        self.switch_marks: list[tuple[str, float]] = []
 
     @property
     def units(self) -> dict[str, int]:
@@ -500,6 +503,7 @@ class Runtime:
         target = self.source.get(agreed)
         assert target is not None
         self._event("layout agreed", target.version, target.reason)
+        self.switch_marks = [("layout agreed", time.time())]
         try:
             self._apply(target, planned=True)
         except _Superseded as e:
@@ -520,9 +524,11 @@ class Runtime:
         lay = self.s.layout
         assert lay is not None
         self._event("failure detected", lay.version, err)
+        self.switch_marks = [("failure detected", time.time())]
         log.warning("collective failed; waiting for a new layout", version=lay.version, error=err)
         t = time.perf_counter()
         self._leave_group()
+        self._mark("left old group")
         self._event("left old group", lay.version, f"{time.perf_counter() - t:.3f} s")
         self._join_next(lay.version, self.cfg.reconfigure_timeout_s)
 
@@ -531,6 +537,7 @@ class Runtime:
         if nxt is None:
             raise ReconfigurationError(f"no layout newer than version {after} arrived within {timeout:.0f} s")
         self._event("layout received", nxt.version, nxt.reason)
+        self._mark("layout received")
         self._join_chain(nxt)
 
     def _join_chain(self, target: WorkerLayout) -> None:
@@ -626,8 +633,10 @@ class Runtime:
                 raise ReconfigurationError(f"rendezvous for version {target.version} timed out: "
                                            f"{here} of {target.world} arrived")
             time.sleep(0.005)
+        self._mark("all arrived")
         shrinkable = self.choice.backend == "nccl" and self.features.shrink_group
         plan = comm.agree(self.store, prefix, target.world, self.choice.backend, shrinkable)
+        self._mark("agreed")
         if plan.kind == "shrink" and self._held is not None and self._held[0] == plan.old_version:
             comm.shrink_default_group(plan.exclude)  # ncclCommShrink: no new communicator from nothing
             self._held = None
@@ -643,11 +652,13 @@ class Runtime:
             comm.init_default_group(self.choice.backend, dist.PrefixStore(prefix, self.store),  # type: ignore[attr-defined]
                                     target.rank, target.world, self._timeout,
                                     self.device if self.device.type == "cuda" else None, self.features)
+        self._mark("default group")
         # Nothing runs on the default group: after a failed collective torch 2.13 keeps a reference
         # to it that no collection frees, so its connections stay open after we leave, and a peer
         # blocked in a collective on it would wait for its timeout. Our own groups are released.
         self.s.world = dist.new_group(list(range(target.world)), timeout=self._timeout)
         self._track(self.s.world)
+        self._mark("world group")
 
     def _apply(self, target: WorkerLayout, planned: bool = False) -> None:
         """Leave the current group and join `target`'s: regroup, reshard every stage, ack.
@@ -686,6 +697,7 @@ class Runtime:
         every = [torch.zeros_like(mine) for _ in range(world)]
         comm.all_gather(every, mine, group=self.s.world)
         info = [tuple(int(x) for x in t.tolist()) for t in every]
+        self._mark("exchanged ranks")
         self._event("regrouped", target.version, f"world={world}")
         src_version = max((v for r, v, _ in info if r >= 0), default=-1)
         survivors = {nr: r for nr, (r, v, _) in enumerate(info) if r >= 0 and v == src_version}
@@ -701,6 +713,7 @@ class Runtime:
         src = min(survivors)
         obj: list[Any] = [(old.replicas, old.degrees) if rank == src and old else None]
         comm.broadcast_object_list(obj, src=src, group=self.s.world)
+        self._mark("old layout")
         old_replicas: tuple[tuple[int, int], ...] = tuple((int(r[0]), int(r[1])) for r in obj[0][0])
         old_degrees = tuple(tuple(int(d) for d in st) for st in obj[0][1])
         if len(old_degrees[0]) != depth:
@@ -717,6 +730,7 @@ class Runtime:
         old_sl: dict[int, SyncLayout] = {}
         new_sl: dict[int, SyncLayout] = {}
         alive: dict[int, set[int]] = {}
+        moves: dict[int, list[Move]] = {}
         for s in range(depth):
             units = self._info[s].units
             old_sl[s] = SyncLayout(tuple(ReplicaGroup(tuple(inverse.get(x, world + x) for x in old_groups[r][s]), b)
@@ -727,10 +741,12 @@ class Runtime:
                 return self._restore_into(target, f"no surviving rank holds pipeline stage {s}: every rank that held "
                                           "its layers is gone")
             try:
-                reshard_moves(old_sl[s], new_sl[s], alive[s])
+                moves[s] = reshard_moves(old_sl[s], new_sl[s], alive[s])
             except ValueError as e:  # every holder of some unit of the stage is gone
                 return self._restore_into(target, f"pipeline stage {s}: {e}")
+        self._mark("checked")
         my_tp = self._tp_groups(target)
+        self._mark("tp groups")
         held_model, held_opt = self.s.model, self.s.opt  # the old stage's, when this rank held one
         if fresh is not None:  # a fresh or stale rank, or a group that changed stage: values from peers
             model = fresh
@@ -746,11 +762,12 @@ class Runtime:
         for s in range(depth):  # every rank the same order, so point-to-point pairs match
             if s == stage:
                 opt = apply_reshard(model, opt, old_sl[s], new_sl[s], alive[s], rank, self._info[s].families, my_tp,
-                                    group=self.s.world)
+                                    group=self.s.world, moves=moves[s])
             elif s == old_stage:  # a source only: it holds none of this stage any more
                 assert held_model is not None and held_opt is not None
                 apply_reshard(held_model, held_opt, old_sl[s], new_sl[s], alive[s], rank, self._info[s].families,
-                              None, group=self.s.world)
+                              None, group=self.s.world, moves=moves[s])
+        self._mark("reshard moves")
         self._fix(model, resharded=True)
         joiners = 0
         for s in range(depth):
@@ -768,8 +785,10 @@ class Runtime:
             elif rank in new_here:
                 self._send_replicated(model, opt, giver, [rank])
         held_model = held_opt = None
+        self._mark("replicated")
         self.s.model, self.s.opt, self.s.stage = model, opt, stage
         self.s.sync = self._new_sync(model, target, rank)
+        self._mark("sync")
         self.s.layout, self.s.sync_layout = target, new_sl[stage]
         self._event("reshard done", target.version,
                     f"tp={self.tp} stage={stage} joiners={joiners} survivors={len(survivors)}"
@@ -803,6 +822,7 @@ class Runtime:
                                info.families if here else {}, timeout=self._timeout, reuse=spare if here else ())
             self._track(*sync.dp_groups, sync.layout_group)
             self.s.syncs.append(sync)
+            self._mark(f"sync stage {s}")
             if here:
                 own = sync
         assert own is not None and own.active
@@ -949,6 +969,9 @@ class Runtime:
         self._event("restored from checkpoint", target.version, info.describe() + (f" ({why})" if why else ""))
         self.source.ack(target, True, f"restored from step {info.step}",
                         RestoreNote(info.step, info.path.name, why or "", tuple(f"{n}: {w}" for n, w in info.skipped)))
+
+    def _mark(self, phase: str) -> None:
+        self.switch_marks.append((phase, time.time()))
 
     def _event(self, what: str, version: int, detail: str = "") -> None:
         ev = TimelineEvent(time.time(), what, version, detail)

@@ -62,6 +62,8 @@ async def test_reading_and_changing_commands(sqlite_service: Service, tmp_path: 
         assert sorted(r["tp"] for r in lay["plan"]["replicas"]) == [3, 4]
         hist = await cj(svc, "layout", "llm", "--history")
         assert len(hist["items"]) >= 2
+        v1 = await cj(svc, "layout", "llm", "--version", "1", "--limit", "1", "--offset", "1")  # a page of one
+        assert v1["version"] == 1 and v1["counts"]["replicas"] == 2 and [r["id"] for r in v1["plan"]["replicas"]] == [1]
         ev = await cj(svc, "events", "--gpu", bad)
         assert ev["items"][0]["new_state"] == "failed"
 

@@ -50,6 +50,7 @@ REST: dict[tuple[str, str], tuple[str, str, Any]] = {
     ("GET", "/v1/jobs/{name}"): ("read", "/v1/jobs/llm", None),
     ("GET", "/v1/jobs/{name}/layout"): ("read", "/v1/jobs/llm/layout", None),
     ("GET", "/v1/jobs/{name}/layouts"): ("read", "/v1/jobs/llm/layouts", None),
+    ("GET", "/v1/jobs/{name}/layouts/{version}"): ("read", "/v1/jobs/llm/layouts/1", None),
     ("GET", "/v1/jobs/{name}/steps"): ("read", "/v1/jobs/llm/steps", None),
     ("GET", "/v1/jobs/{name}/checkpoints"): ("read", "/v1/jobs/llm/checkpoints", None),
     ("GET", "/v1/jobs/{name}/slow"): ("read", "/v1/jobs/llm/slow", None),

@@ -29,12 +29,12 @@ def router(manager: Manager) -> APIRouter:
 
     @r.get("/domains")
     async def domains(_: Viewer, limit: Limit = 100, offset: Offset = 0) -> dict[str, Any]:
-        return q.domains(limit, offset)
+        return await q.domains(limit, offset)
 
     @r.get("/nodes")
     async def nodes(_: Viewer, domain: Annotated[str | None, Query(max_length=128)] = None, limit: Limit = 100,
                     offset: Offset = 0) -> dict[str, Any]:
-        return q.nodes(domain, limit, offset)
+        return await q.nodes(domain, limit, offset)
 
     @r.get("/gpus")
     async def gpus(
@@ -45,7 +45,7 @@ def router(manager: Manager) -> APIRouter:
         limit: Limit = 100,
         offset: Offset = 0,
     ) -> dict[str, Any]:
-        return q.gpus(state, node, domain, limit, offset)
+        return await q.gpus(state, node, domain, limit, offset)
 
     @r.get("/gpus/{uuid}", responses=NOT_FOUND)
     async def gpu(uuid: str, _: Viewer) -> dict[str, Any]:

@@ -3,7 +3,7 @@ delete."""
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -11,6 +11,7 @@ from ntp_manager import limits
 from ntp_manager.api.edge import E4, NOT_FOUND, Error, GpuId, IdemKey, Limit, Offset, json_reply, mutate, require
 from ntp_manager.auth import Principal
 from ntp_manager.planner.layout import LayoutDoc
+from ntp_manager.service import layout_views as views
 from ntp_manager.service import offloop
 from ntp_manager.service.errors import FailedPrecondition, InvalidArgument, NotFound
 from ntp_manager.service.manager import Manager, Mut
@@ -25,6 +26,9 @@ class PlanBody(BaseModel):
     spec: JobFile | None = Field(None, description="... or this job spec")
     dry_run: bool = True
     fail: list[GpuId] = Field(default_factory=list, max_length=100_000, description="GPUs to treat as failed")
+    limit: int = Field(views.REPLICAS_DEFAULT, ge=1, le=views.REPLICAS_MAX,
+                       description="replicas of the plan listed (a page; `counts` has the totals)")
+    offset: int = Field(0, ge=0, le=10_000_000, description="replicas of the plan skipped (in id order)")
 
 
 class FailSlowBody(BaseModel):
@@ -35,6 +39,14 @@ class FailSlowBody(BaseModel):
     reset: bool = Field(False, description="start from the defaults; with no options, drop the job's own options")
 
 
+ReplicaPage = Annotated[int, Query(ge=1, le=views.REPLICAS_MAX, description="replicas listed (a page; `counts` "
+                                                                            "has the totals)")]
+ReplicaOffset = Annotated[int, Query(ge=0, le=10_000_000, description="replicas skipped (in id order)")]
+ReplicasLimit = Annotated[int, Query(ge=0, le=views.REPLICAS_MAX,
+                                     description="replicas listed per item (limit x replicas_limit <= "
+                                                 f"{views.SUMMARY_ENTRIES_MAX:,})")]
+
+
 def router(manager: Manager) -> APIRouter:
     r = APIRouter(prefix="/v1", tags=["jobs"])
     Viewer = Annotated[Principal, Depends(require(manager, "read"))]
@@ -42,17 +54,25 @@ def router(manager: Manager) -> APIRouter:
     q = manager.queries
 
     @r.get("/jobs", response_model=dict[str, Any])
-    async def jobs(_: Viewer, limit: Limit = 100, offset: Offset = 0) -> Response:
-        return await json_reply(await q.jobs(limit, offset))
+    async def jobs(_: Viewer, limit: Limit = 100, offset: Offset = 0,
+                   replicas_limit: ReplicasLimit = views.SUMMARY_REPLICAS) -> Response:
+        """Jobs by name; each lists its first `replicas_limit` replicas (`counts` has the totals)."""
+        return await json_reply(await q.jobs(limit, offset, replicas_limit))
 
     @r.get("/jobs/{name}", responses=NOT_FOUND, response_model=dict[str, Any])
-    async def job(name: str, _: Viewer) -> Response:
-        return await json_reply(await q.job(name))
+    async def job(name: str, _: Viewer, limit: ReplicaPage = views.REPLICAS_DEFAULT,
+                  offset: ReplicaOffset = 0) -> Response:
+        """A job: spec, layout version, `counts` (replicas per TP degree, GPUs, ...), a page of its
+        replicas summarised, and per layout version how many workers acked it."""
+        return await json_reply(await q.job(name, limit, offset))
 
     @r.get("/jobs/{name}/layout", responses={404: {"model": Error}, 409: {"model": Error}},
            response_model=dict[str, Any])
-    async def layout(name: str, _: Viewer) -> Response:
-        return await json_reply(await q.layout(name))
+    async def layout(name: str, _: Viewer, limit: ReplicaPage = views.REPLICAS_DEFAULT,
+                     offset: ReplicaOffset = 0) -> Response:
+        """The current layout: the plan JSON (docs/plan-json.md) with a page of its replicas (and
+        their GPUs' power caps), and `counts` with every total."""
+        return await json_reply(await q.layout(name, limit, offset))
 
     @r.get("/jobs/{name}/steps", responses=NOT_FOUND)
     async def steps(
@@ -98,10 +118,19 @@ def router(manager: Manager) -> APIRouter:
                             lambda m: manager.set_failslow_options(m, "*", dict(body.options), body.reset))
 
     @r.get("/jobs/{name}/layouts", responses=NOT_FOUND, response_model=dict[str, Any])
-    async def layouts(name: str, _: Viewer, limit: Limit = 100, offset: Offset = 0) -> Response:
-        """A job's layout versions, newest first: each replica's TP degree, batch, stage degrees
-        (`stage_tp`) and the groups that moved into it (`moved`), and the version's `moves`."""
-        return await json_reply(await q.layouts(name, limit, offset))
+    async def layouts(name: str, _: Viewer, limit: Limit = 100, offset: Offset = 0,
+                      replicas_limit: ReplicasLimit = views.SUMMARY_REPLICAS) -> Response:
+        """A job's layout versions, newest first, summarised: throughput, batch, `moves`, `counts`
+        (replicas per TP degree, GPUs, ...), and its first `replicas_limit` replicas: TP degree,
+        batch, stage degrees (`stage_tp`) and the groups that moved into it (`moved`). Every
+        replica of one version: `GET /v1/jobs/{name}/layouts/{version}`, a page at a time."""
+        return await json_reply(await q.layouts(name, limit, offset, replicas_limit))
+
+    @r.get("/jobs/{name}/layouts/{version}", responses=NOT_FOUND, response_model=dict[str, Any])
+    async def layout_version(name: str, version: Annotated[int, Path(ge=1, le=limits.INT64_MAX)], _: Viewer,
+                             limit: ReplicaPage = views.REPLICAS_DEFAULT, offset: ReplicaOffset = 0) -> Response:
+        """One stored version of the layout, as `GET /v1/jobs/{name}/layout` shows the current one."""
+        return await json_reply(await q.layout_version(name, version, limit, offset))
 
     @r.post("/jobs", status_code=201, responses=E4)
     async def create_job(request: Request, body: JobFile, who: Operator, key: IdemKey = None) -> Response:
@@ -128,7 +157,7 @@ def router(manager: Manager) -> APIRouter:
             raise InvalidArgument("dry_run: a real replan needs an existing job and no simulated failures")
         # planned and encoded off the event loop, before the transaction (which then holds only the audit)
         planned = await manager.dry_run(spec, body.fail) if body.dry_run else None
-        answer = await offloop.run(_answer, planned, {"dry_run": True}) if planned else None
+        answer = await offloop.run(_answer, planned, {"dry_run": True}, body.limit, body.offset) if planned else None
 
         async def run(m: Mut) -> Any:
             if planned is not None:
@@ -142,13 +171,15 @@ def router(manager: Manager) -> APIRouter:
             if lay is None:
                 why = manager.world.jobs[body.job].pending_reason
                 raise InvalidArgument(f"job {body.job!r} cannot be planned: {why}")
-            return await offloop.run(_answer, lay.doc, {"dry_run": False, "version": lay.version})
+            return await offloop.run(_answer, lay.doc, {"dry_run": False, "version": lay.version}, body.limit,
+                                     body.offset)
 
         return await mutate(manager, request, who, key, run)
 
     return r
 
 
-def _answer(doc: LayoutDoc, head: dict[str, Any]) -> StoredJson:
-    """A plan answer with its JSON text made here (in a worker thread: O(GPUs))."""
-    return StoredJson({**head, "plan": doc.to_dict()})
+def _answer(doc: LayoutDoc, head: dict[str, Any], limit: int, offset: int) -> StoredJson:
+    """A plan answer (a page of its replicas, service/layout_views.py) with its JSON text made
+    here, in a worker thread."""
+    return StoredJson({**head, **views.plan_page(doc, limit, offset)})
