@@ -47,7 +47,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -433,9 +432,8 @@ async def registration(info: dict[str, Any], tokens: dict[str, str], pid: int, n
 
 
 async def mass_failure(info: dict[str, Any], tokens: dict[str, str], rounds: int, pid: int) -> dict[str, Any]:
-    """125 nodes x 8 GPUs fail at once; until every one of 1,000 watchers holds the new layout. Per
-    round also: until the new layout was committed (its created_at, the manager's clock: replanned
-    and durable) and until the first watcher held it (the rest is the fan-out to 1,000 streams)."""
+    """125 nodes x 8 GPUs fail at once; until every one of 1,000 watchers holds the new layout, and
+    until the first one does (the rest is the fan-out to 1,000 streams)."""
     n_nodes, hit = 1000, 125
     channels = channels_for(info, 40)
     agents = [Agent(channels[i % 40], tokens[f"node-{i:04d}"], f"node-{i:04d}", f"nvl-{i // 2:03d}", 8)
@@ -473,13 +471,12 @@ async def mass_failure(info: dict[str, Any], tokens: dict[str, str], rounds: int
     for w in watchers:
         w.add_done_callback(lambda t: None if t.cancelled() else stopped.append(t))
     await all_hold(n_nodes)
-    samples, first_ms, sent_wall = [], [], []
+    samples, first_ms = [], []
     cpu0, client0, t0 = cpu_seconds(pid), time.process_time(), time.perf_counter()
     for k in range(rounds):
         first = (k * 250) % n_nodes  # 125 consecutive nodes: 62.5 NVL16 domains, a rack's worth
         group = agents[first : first + hit]
         target[1] = 0.0
-        sent_wall.append(time.time())
         t_send = time.perf_counter()
         for a in group:
             a.report_many(a.uuids, common_pb2.GPU_STATE_FAILED)
@@ -495,17 +492,6 @@ async def mass_failure(info: dict[str, Any], tokens: dict[str, str], rounds: int
         t.cancel()
     for ch in channels:
         await ch.close()
-    async with httpx.AsyncClient(base_url=f"http://{info['http']}",
-                                 headers={"Authorization": f"Bearer {tokens['operator']}"}, timeout=60) as c:
-        r = await c.get("/v1/jobs/mass/layouts", params={"limit": 4 * rounds + 10})
-        r.raise_for_status()
-    made = sorted((datetime.fromisoformat(v["created_at"]).timestamp(), len(v["replicas"])) for v in r.json()["items"])
-    stored_ms = []  # report sent -> the first layout without the failed nodes committed
-    for sent in sent_wall:
-        at = next((t for t, n in made if t >= sent and n == n_nodes - hit), None)
-        if at is not None:
-            stored_ms.append(1e3 * (at - sent))
-
     def pct(xs: list[float], q: float) -> float:
         xs = sorted(xs)
         return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
@@ -514,7 +500,6 @@ async def mass_failure(info: dict[str, Any], tokens: dict[str, str], rounds: int
     return {"nodes": n_nodes, "failed_gpus": 8 * hit, "watchers": n_nodes, "rounds": rounds, "register_s": reg_s,
             "p50_ms": 1e3 * statistics.median(samples),
             "p99_ms": 1e3 * samples[min(len(samples) - 1, int(0.99 * len(samples)))], "max_ms": 1e3 * samples[-1],
-            "stored_p50_ms": pct(stored_ms, 0.5), "stored_p99_ms": pct(stored_ms, 0.99),
             "first_watcher_p50_ms": pct(first_ms, 0.5), "first_watcher_p99_ms": pct(first_ms, 0.99),
             "manager_cpu_share": cpu / busy, "client_cpu_share": client / busy}
 
@@ -691,9 +676,7 @@ def main() -> None:
             r = gc_res["mass_failure"]
             t4.add_row(f"{r['failed_gpus']:,} GPUs fail -> layout on {r['watchers']:,} watchers ({r['rounds']} rounds)",
                        f"p50 {r['p50_ms']:.0f} ms, p99 {r['p99_ms']:.0f} ms", "p99 <= 1,000 ms")
-            if "stored_p50_ms" in r:
-                t4.add_row("  of which: new layout committed (replanned, durable)",
-                           f"p50 {r['stored_p50_ms']:.0f} ms, p99 {r['stored_p99_ms']:.0f} ms", "")
+            if "first_watcher_p50_ms" in r:
                 t4.add_row("  of which: on the first watcher",
                            f"p50 {r['first_watcher_p50_ms']:.0f} ms, p99 {r['first_watcher_p99_ms']:.0f} ms", "")
         console.print(t4)

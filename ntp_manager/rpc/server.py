@@ -52,10 +52,6 @@ STATE_NAMES: dict[int, str] = {
     common_pb2.GPU_STATE_MAINTENANCE: GpuState.MAINTENANCE,
 }
 PIPELINE = 64  # reports of one agent stream in flight at once
-# An agent stream's reports that commit within this time of its previous ack share one ack while
-# more of its reports are still in flight (an ack is cumulative and is only sent once the reports
-# it covers are durable); a stream with nothing more in flight is acknowledged at once.
-ACK_COALESCE_S = 0.02
 SERVICE_PERMISSION = {"ntp.v1.AgentService": "agent", "ntp.v1.WorkerService": "worker"}
 
 
@@ -209,20 +205,13 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
 
         async def acks() -> None:
             held: list[asyncio.Future[int] | None] = []  # taken from the queue, not done yet
-            unacked = 0  # applied (durable) but not acknowledged yet
-            sent_at = 0.0
-            clock = asyncio.get_running_loop().time
             while True:
                 fut = held.pop() if held else await pending.get()
                 if fut is None:
-                    if unacked:
-                        session.outbox.put_nowait(Ack(unacked))
                     return
                 try:
                     seq = await fut
                 except Exception as e:
-                    if unacked:
-                        session.outbox.put_nowait(Ack(unacked))
                     session.outbox.put_nowait(failed(e))
                     return
                 while not pending.empty():  # the next reports that are already applied
@@ -235,13 +224,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                         session.outbox.put_nowait(failed(nxt.exception()))  # type: ignore[arg-type]
                         return
                     seq = nxt.result()
-                # More of this stream's reports are on their way into a commit: their ack will
-                # cover this one too, unless this stream's last ack is ACK_COALESCE_S old.
-                if held and held[0] is not None and clock() - sent_at < ACK_COALESCE_S:
-                    unacked = seq
-                    continue
                 session.outbox.put_nowait(Ack(seq))
-                unacked, sent_at = 0, clock()
 
         acker = asyncio.create_task(acks())
 
