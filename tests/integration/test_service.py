@@ -370,7 +370,8 @@ async def test_heartbeat_loss_suspect_then_failed_then_back(tmp_path):
             await tick(0.3)
         await eventually(lambda: m.world.gpus["GPU-node-1-0"].health == "failed")
         assert m.world.gpus["GPU-node-0-0"].health == "healthy"
-        await eventually(lambda: len(m.world.jobs["llm"].layout.doc.replicas) == 1, timeout=30)  # a replan
+        await eventually(lambda: (lay := m.world.jobs["llm"].layout) is not None and len(lay.doc.replicas) == 1,
+                         timeout=30)  # a replan (the job may have no layout yet when its first plan is slow)
         # the agent comes back: silence was the only evidence, so its GPUs are healthy again
         await agents[1].close()
         back = ScriptedAgent(svc.grpc, await svc.agent_token("node-1"), "node-1", "nvl-1", gpu_uuids("node-1", 4))

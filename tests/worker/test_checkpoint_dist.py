@@ -33,7 +33,7 @@ from ntp_manager.worker.checkpoint import Checkpointer
 from ntp_manager.worker.sync import NtpGradSync, SyncLayout, families_of
 from ntp_manager.worker.tiny_gpt import TinyGpt, tp_plan
 from ntp_manager.worker.tp import parallelize
-from tests.fakes.procs import free_port
+from tests.fakes.procs import free_port, worker_context
 from tests.worker.ckpt_cases import CFG, TARGETS, TP4x2, batch, layout, make_opt, mismatches
 from tests.worker.compare import ref_part, shard_info
 
@@ -198,9 +198,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
     root = tmp_path_factory.mktemp("ckpt")
-    q = mp.get_context("spawn").SimpleQueue()
+    q = worker_context().SimpleQueue()
     ctx = mp.start_processes(_worker, args=(free_port(), str(root), q), nprocs=WORLD, join=False,
-                             start_method="spawn")
+                             start_method="forkserver")
     got = [q.get() for _ in range(WORLD)]
     while not ctx.join():
         pass
@@ -280,7 +280,7 @@ def _killed_writer(rank: int, port: int, root: str, flag: str, q: Any) -> None:
 
 def test_a_writer_killed_mid_save_leaves_a_checkpoint_that_is_never_loaded(tmp_path: Path) -> None:
     root, flag = tmp_path / "ckpt", tmp_path / "parked"
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     q = ctx.SimpleQueue()
     port = free_port()
     procs = [ctx.Process(target=_killed_writer, args=(r, port, str(root), str(flag), q)) for r in range(2)]

@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig
 from ntp_manager.worker.sources import RestoreNote, StoreLayoutSource, publish_layout, read_acks
 from ntp_manager.worker.tiny_gpt import TinyGpt, tp_plan
+from tests.fakes.procs import worker_context
 from tests.worker.ckpt_cases import CFG, make_opt
 from tests.worker.compare import random_batches, shard_errors, shard_info, train_reference
 from tests.worker.ranks import reap, store_with_layout
@@ -93,7 +93,7 @@ def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
 
 def test_losing_every_holder_of_a_unit_restores_the_checkpoint_into_the_new_layout(tmp_path: Path) -> None:
     port, store = store_with_layout(JOB, [(A, 4), (B, 4)], 120)
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     q = ctx.Queue()
     procs = {w: ctx.Process(target=_worker, args=(w, port, str(tmp_path), q)) for w in A + B}
     for p in procs.values():

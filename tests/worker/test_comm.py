@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 from ntp_manager.worker import comm
 from ntp_manager.worker.comm import P2P, BackendError, CommFeatures, choose_backend, shrink_plan
-from tests.fakes.procs import free_port
+from tests.fakes.procs import free_port, worker_context
 
 CPU_ONLY = CommFeatures(gloo=True, nccl=False, cuda_devices=0)
 ONE_GPU = CommFeatures(gloo=True, nccl=True, cuda_devices=1, eager_init=True)
@@ -229,8 +229,8 @@ def _staged_worker(rank: int, world: int, port: int, q: Any) -> None:
 
 
 def test_forced_staging_on_gloo_moves_the_right_bytes():
-    q = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_staged_worker, args=(2, free_port(), q), nprocs=2, join=True, start_method="spawn")
+    q = worker_context().SimpleQueue()
+    mp.start_processes(_staged_worker, args=(2, free_port(), q), nprocs=2, join=True, start_method="forkserver")
     res = dict(q.get() for _ in range(2))
     full = [[3.0 * x for x in range(r * 4, r * 4 + 4)] for r in range(3)]  # rank 0's x1 plus rank 1's x2
     for rank, out in res.items():

@@ -35,7 +35,7 @@ from ntp_manager.worker.reshard import apply_reshard
 from ntp_manager.worker.runtime import ensure_optimizer_state
 from ntp_manager.worker.sync import NtpGradSync, SyncLayout, families_of, replicas_from
 from ntp_manager.worker.tp import ShardedModule, parallelize
-from tests.fakes.procs import free_port
+from tests.fakes.procs import free_port, worker_context
 from tests.worker.hf_models import (
     SPECS,
     build,
@@ -278,8 +278,8 @@ def _worker(rank: int, port: int, q: Any) -> None:
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, list[dict[str, float]]]:
-    q = mp.get_context("spawn").SimpleQueue()
-    ctx = mp.start_processes(_worker, args=(free_port(), q), nprocs=WORLD, join=False, start_method="spawn")
+    q = worker_context().SimpleQueue()
+    ctx = mp.start_processes(_worker, args=(free_port(), q), nprocs=WORLD, join=False, start_method="forkserver")
     got = [q.get() for _ in range(WORLD)]  # every rank answers, with its results or its traceback
     while not ctx.join():
         pass

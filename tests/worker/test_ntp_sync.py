@@ -18,7 +18,7 @@ from ntp_manager.worker import sync as sync_mod
 from ntp_manager.worker.sync import NtpGradSync, SyncLayout, families_of, replicas_from
 from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan, unit_counts
 from ntp_manager.worker.tp import parallelize
-from tests.fakes.procs import free_port
+from tests.fakes.procs import free_port, worker_context
 from tests.worker import devices
 from tests.worker.compare import ref_part, shard_info
 
@@ -73,9 +73,9 @@ def run(replicas: list[list[int]], batches: list[int], **opts: Any) -> dict[int,
     """rank -> (worst tensor, its relative error, point-to-point messages per sync, shared-memory
     copies per sync (core) or cores copying for it (extra), operations through staging buffers)"""
     world = sum(len(r) for r in replicas)
-    q = mp.get_context("spawn").SimpleQueue()
+    q = worker_context().SimpleQueue()
     mp.start_processes(_worker, args=(world, free_port(), replicas, batches, opts, q), nprocs=world, join=True,
-                       start_method="spawn")
+                       start_method="forkserver")
     return {rank: (name, err, n, c, st) for rank, (name, err), n, c, st in (q.get() for _ in range(world))}
 
 

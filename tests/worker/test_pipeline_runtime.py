@@ -29,10 +29,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig
 from ntp_manager.worker.sources import StoreLayoutSource, publish_layout, read_acks
+from tests.fakes.procs import worker_context
 from tests.worker import pipeline_jobs as pj
 from tests.worker.compare import shard_errors, shard_info, tolerance
 from tests.worker.ranks import reap, store_with_layout
@@ -71,16 +71,10 @@ def _rank(wid: str, port: int, jobs: list[str], q: Any, park: int | None) -> Non
 
 
 def _context(jobs: list[str]) -> Any:
-    """Processes forked from a server that has imported torch (and transformers) once: 16 ranks
-    importing them on their own cost minutes of CPU on this 2-core machine. The server has run
-    nothing but imports (no threads, no process groups), so its children start clean."""
-    ctx = mp.get_context("forkserver")
-    mods = ["torch", "torch.distributed", "ntp_manager.worker.runtime", "tests.worker.pipeline_jobs",
-            "tests.worker.test_pipeline_runtime"]
-    if any(n.startswith("llama") for n in jobs):
-        mods.append("transformers.models.llama.modeling_llama")
-    ctx.set_forkserver_preload(mods)
-    return ctx
+    """Processes forked from a server that has imported torch and transformers once
+    (tests/fakes/procs.worker_context): 16 ranks importing them on their own cost minutes of CPU
+    on this 2-core machine."""
+    return worker_context()
 
 
 def run_scenario(tp: int, pp: int, jobs: list[str], kills: list[tuple[int, int]]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from ntp_manager.worker.reshard import apply_reshard, reshard_moves
 from ntp_manager.worker.sync import NtpGradSync, SyncLayout, families_of, replicas_from
 from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan, unit_counts
 from ntp_manager.worker.tp import RowwiseLinear, parallelize
-from tests.fakes.procs import free_port
+from tests.fakes.procs import free_port, worker_context
 from tests.worker import devices
 from tests.worker.compare import shard_errors, shard_info, tolerance, train_reference
 
@@ -131,9 +131,9 @@ def test_failure_reshard_continue_matches_reference(kind: str, device: str):
     """Also with the moves through comm.py's staging buffers ("staged": forced, CPU tensors) and
     with CUDA tensors on gloo (staged: gloo's point-to-point cannot read device memory)."""
     ref_losses, ref_params = reference(kind)
-    q = mp.get_context("spawn").SimpleQueue()
+    q = worker_context().SimpleQueue()
     ctx = mp.start_processes(_worker, args=(8, free_port(), kind, q, device), nprocs=8, join=False,
-                             start_method="spawn")
+                             start_method="forkserver")
     results = sorted((q.get() for _ in range(8)), key=lambda r: r[0])  # read before joining: big payloads
     while not ctx.join():
         pass

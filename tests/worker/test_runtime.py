@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ntp_manager.worker import comm
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig
 from ntp_manager.worker.sources import StoreLayoutSource, publish_layout, read_acks
 from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan
+from tests.fakes.procs import worker_context
 from tests.worker import devices
 from tests.worker.compare import random_batches, shard_errors, shard_info, tolerance, train_reference
 from tests.worker.ranks import reap, store_with_layout
@@ -101,7 +101,7 @@ def kill_and_rejoin(kind: str, device: str, a: list[str], b: list[str], steps: i
     parameters equal a single-process reference on the same global batches."""
     victim = a[-1]
     port, store = store_with_layout(JOB, [(a, len(a)), (b, len(b))], 120)
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     q = ctx.Queue()
     index = {w: i for i, w in enumerate(a + b)}
 
@@ -218,7 +218,7 @@ def test_a_hung_peer_times_out_and_no_new_layout_is_a_clear_error() -> None:
     it times out after `collective_timeout_s` and surfaces as a reconfiguration. When the manager
     publishes no new layout, the survivor raises ReconfigurationError instead of hanging."""
     port, _store = store_with_layout("lonely", [(["x0", "x1"], 2)], 60)
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     q = ctx.Queue()
     procs = [ctx.Process(target=_lonely, args=(w, port, q)) for w in ("x0", "x1")]
     for p in procs:
@@ -271,7 +271,7 @@ def test_step_report_carries_cpu_compute_time_and_the_batchs_sequence_lengths() 
     """Issue 21: the runtime passes a StepWork with the host-timed forward+backward (CPU: real
     compute) and the sequence lengths the batch names."""
     port, _store = store_with_layout("solo", [(["s0"], 2)], 60)
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     q = ctx.Queue()
     p = ctx.Process(target=_solo, args=(port, q))
     p.start()
@@ -308,7 +308,7 @@ def test_tp_wait_is_measured_per_rank_and_a_slow_rank_makes_its_peer_wait() -> N
     machine both ranks also wait for each other by a second or more, so "a waited more than b"
     would be a race.)"""
     port, _store = store_with_layout("pair", [(["a", "b"], 2)], 60)
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     q = ctx.Queue()
     procs = [ctx.Process(target=_pair, args=(port, wid, q)) for wid in ("a", "b")]
     for p in procs:

@@ -15,7 +15,7 @@ from torch import nn
 
 from ntp_manager.worker import ReconfigurationError, Runtime, RuntimeConfig, StoreLayoutSource, publish_layout
 from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt
-from tests.fakes.procs import free_port
+from tests.fakes.procs import free_port, worker_context
 
 CFG = GptConfig(vocab=32, seq=8, d_model=24, heads=4, mlp=40, layers=1)
 
@@ -70,8 +70,8 @@ def _rank(_index: int, port: int, q: Any) -> None:
 
 
 def test_post_parallelize_runs_after_sharding_and_after_every_reshard() -> None:
-    q = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_rank, args=(free_port(), q), nprocs=1, join=True, start_method="spawn")
+    q = worker_context().SimpleQueue()
+    mp.start_processes(_rank, args=(free_port(), q), nprocs=1, join=True, start_method="forkserver")
     out = q.get()
     assert out["plan"] == "tiny_gpt"  # plan None: plan_for(model)
     assert out["after start"] == [("ColwiseLinear", 4)]

@@ -15,7 +15,7 @@ from ntp_manager.planner import ntp_map
 from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan, unit_counts
 from ntp_manager.worker.tp import ColwiseUnits, RowwiseUnits, parallelize, unit_major_view, unit_slice
 from ntp_manager.worker.tp import unit_counts as counts_of_model
-from tests.fakes.procs import free_port
+from tests.fakes.procs import free_port, worker_context
 from tests.worker import devices
 from tests.worker.compare import ref_part, shard_info
 
@@ -81,9 +81,10 @@ def _worker(rank: int, world: int, port: int, mode: str, q: Any, device: str = "
 def test_sharded_model_matches_unsharded(tp: int, mode: str, device: str):
     if tp == 1 and mode == "non-contiguous":
         pytest.skip("one rank holds every unit")
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     q = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(tp, free_port(), mode, q, device), nprocs=tp, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(tp, free_port(), mode, q, device), nprocs=tp, join=True,
+                       start_method="forkserver")
     results = [q.get() for _ in range(tp)]
     heads_total = 0
     for _rank, errs, (local_heads, staged) in results:
@@ -103,9 +104,9 @@ def test_sharded_model_matches_unsharded(tp: int, mode: str, device: str):
 def test_sharded_model_with_staged_transport():
     """The TP all-reduces through comm.py's staging buffers (forced, CPU): what gloo on a GPU
     runs, exact all the same."""
-    q = mp.get_context("spawn").SimpleQueue()
+    q = worker_context().SimpleQueue()
     mp.start_processes(_worker, args=(3, free_port(), "non-contiguous", q, "staged"), nprocs=3, join=True,
-                       start_method="spawn")
+                       start_method="forkserver")
     for _rank, errs, (_, staged) in (q.get() for _ in range(3)):
         worst = max(errs.items(), key=lambda kv: kv[1])
         assert worst[1] <= 1e-5, worst
