@@ -14,6 +14,7 @@ for the new unit lists. Replicated parameters and their state are untouched.
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ntp_manager.planner.ntp_map import Range
 from ntp_manager.worker import comm
 from ntp_manager.worker.comm import P2P
 from ntp_manager.worker.sync import SyncLayout
@@ -39,32 +41,80 @@ class Move:
 
 
 def reshard_moves(old: SyncLayout, new: SyncLayout, alive: set[int]) -> list[Move]:
-    """Raises ValueError when some unit has no surviving holder."""
-    holders: dict[str, dict[int, list[tuple[int, int]]]] = {f: {} for f in new.units}  # unit -> [(replica, rank)]
-    for ri, rep in enumerate(old.replicas):
-        for rank in rep.ranks:
-            if rank not in alive:
+    """Raises ValueError when some unit has no surviving holder.
+
+    Worked on ranges of units, not unit by unit: every rank of every stage computes this (a
+    job's vocabulary alone is tens of thousands of units), and on a host whose ranks share few
+    cores that work adds up. Same result as the unit-by-unit rule: per unit, the rank itself,
+    else the survivor of its old replica holding it, else the lowest-numbered survivor holding
+    it; units of each move ascending."""
+    moves: dict[tuple[int, int, str], list[Range]] = {}
+    # the survivors' ranges of each family: per old replica, and all of them
+    held: dict[str, list[list[tuple[int, int, int]]]] = {}
+    for f in new.units:
+        held[f] = [sorted((a, b, r) for j, r in enumerate(rep.ranks) if r in alive
+                          for a, b in old.unit_map(f, ri).assignment[j]) if f in old.units else []
+                   for ri, rep in enumerate(old.replicas)]
+    everyone = {f: sorted(h for per in held[f] for h in per) for f in new.units}
+    for nri, rep in enumerate(new.replicas):
+        for j, rank in enumerate(rep.ranks):
+            in_old = _in(old, rank)
+            ori, oj = old.locate(rank) if in_old else (-1, -1)
+            for f in new.units:
+                own = list(old.unit_map(f, ori).assignment[oj]) if in_old and rank in alive and f in old.units else []
+                same = held[f][ori] if in_old else []
+                for a, b in _subtract(list(new.unit_map(f, nri).assignment[j]), own):
+                    got = _cover(a, b, same, lowest=False)
+                    for x, y in _subtract([(a, b)], [(c, d) for c, d, _ in got]):
+                        more = _cover(x, y, everyone[f], lowest=True)
+                        gap = _subtract([(x, y)], [(c, d) for c, d, _ in more])
+                        if gap:
+                            raise ValueError(f"unit {gap[0][0]} of {f!r} has no surviving holder")
+                        got += more
+                    for x, y, src in got:
+                        moves.setdefault((src, rank, f), []).append((x, y))
+    return [Move(s, d, f, tuple(u for a, b in sorted(rs) for u in range(a, b)))
+            for (s, d, f), rs in sorted(moves.items())]
+
+
+def _subtract(ranges: list[Range], minus: list[Range]) -> list[Range]:
+    """The parts of `ranges` (sorted, disjoint) outside every range of `minus`, in order."""
+    out: list[Range] = []
+    cuts = sorted(minus)
+    for a, b in ranges:
+        pos = a
+        for c, d in cuts:
+            if d <= pos or c >= b:
                 continue
-            for f, units in old.units_of(rank).items():
-                for u in units:
-                    holders[f].setdefault(u, []).append((ri, rank))
-    moves: dict[tuple[int, int, str], list[int]] = {}
-    for rep in new.replicas:
-        for rank in rep.ranks:
-            mine_old = old.units_of(rank) if _in(old, rank) and rank in alive else {}
-            old_replica = old.locate(rank)[0] if _in(old, rank) else -1
-            for f, units in new.units_of(rank).items():
-                have = set(mine_old.get(f, ()))
-                for u in units:
-                    if u in have:
-                        continue
-                    cands = holders[f].get(u)
-                    if not cands:
-                        raise ValueError(f"unit {u} of {f!r} has no surviving holder")
-                    same = [r for ri, r in cands if ri == old_replica]
-                    src = same[0] if same else min(r for _, r in cands)
-                    moves.setdefault((src, rank, f), []).append(u)
-    return [Move(s, d, f, tuple(us)) for (s, d, f), us in sorted(moves.items())]
+            if c > pos:
+                out.append((pos, c))
+            pos = max(pos, d)
+            if pos >= b:
+                break
+        if pos < b:
+            out.append((pos, b))
+    return out
+
+
+def _cover(a: int, b: int, holders: list[tuple[int, int, int]], lowest: bool) -> list[tuple[int, int, int]]:
+    """Pieces (start, stop, rank) of [a, b) that `holders` (start, stop, rank) hold. `lowest`:
+    holders may overlap, and each piece goes to the lowest rank holding it; else they are
+    disjoint (one replica's ranks)."""
+    hits = [(max(a, x), min(b, y), r) for x, y, r in holders if x < b and y > a]
+    if not lowest:
+        return sorted(hits)
+    edges = sorted({e for x, y, _ in hits for e in (x, y)})
+    out: list[tuple[int, int, int]] = []
+    for x, y in itertools.pairwise(edges):
+        ranks = [r for c, d, r in hits if c <= x and d >= y]
+        if not ranks:
+            continue
+        r = min(ranks)
+        if out and out[-1][1] == x and out[-1][2] == r:
+            out[-1] = (out[-1][0], y, r)
+        else:
+            out.append((x, y, r))
+    return out
 
 
 def _in(layout: SyncLayout, rank: int) -> bool:
@@ -86,10 +136,10 @@ def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def _copy_units(dst: torch.Tensor, src: torch.Tensor, dim: int, usize: int, src_pos: list[int],
-                dst_pos: list[int]) -> None:
-    """dst's units at `dst_pos` = src's units at `src_pos`, one slice copy per contiguous stretch."""
-    for a, b, n in _runs(src_pos, dst_pos):
+def _copy_stretches(dst: torch.Tensor, src: torch.Tensor, dim: int, usize: int,
+                    stretches: list[tuple[int, int, int]]) -> None:
+    """For each (src start, dst start, length) stretch of units, dst's units = src's, one slice copy each."""
+    for a, b, n in stretches:
         dst.narrow(dim, b * usize, n * usize).copy_(src.narrow(dim, a * usize, n * usize))
 
 
@@ -103,6 +153,7 @@ def apply_reshard(
     families: Mapping[str, str],
     tp_group: Any,
     group: Any = None,
+    moves: list[Move] | None = None,
 ) -> torch.optim.Optimizer:
     """Move shards and optimizer state to the new layout; returns a new optimizer (same class and
     hyperparameters) over the rebuilt parameters. Every rank of `group` (the process group the
@@ -111,10 +162,12 @@ def apply_reshard(
     Moved: every tensor of a unit family (weights, column-wise biases, their optimizer state).
     Tensors whose unit list does not change stay where they are; the others are rebuilt with slice
     copies (one per stretch of consecutive units), and messages go straight from and into the
-    tensors: new tensors are unit-major like the shards (tp.py), so every slice is contiguous."""
+    tensors: new tensors are unit-major like the shards (tp.py), so every slice is contiguous.
+    `moves`: `reshard_moves(old, new, alive)` when the caller has it already."""
     if len(optimizer.param_groups) != 1:
         raise ValueError("resharding supports optimizers with one parameter group")
-    moves = reshard_moves(old, new, alive)
+    if moves is None:
+        moves = reshard_moves(old, new, alive)
     mods = _sharded_modules(model, families)
     state = optimizer.state
     # a tied weight (one Parameter in two shards) moves with its first holder only
@@ -178,12 +231,16 @@ def apply_reshard(
     if in_new and rank in alive:
         for f, entries in fam_tensors.items():
             tpos = {u: i for i, u in enumerate(new_units[f])}
+            stretches: dict[tuple[int, ...], list[tuple[int, int, int]]] = {}  # a family's modules share units
             for (mod, _, t, dim), nt in zip(entries, new_tensors[f], strict=True):
                 if nt is t:
                     continue
-                pos = {u: i for i, u in enumerate(mod.units)}
-                kept = [u for u in new_units[f] if u in pos]
-                _copy_units(nt, t, dim, mod.unit_size, [pos[u] for u in kept], [tpos[u] for u in kept])
+                key = tuple(mod.units)
+                if key not in stretches:
+                    pos = {u: i for i, u in enumerate(key)}
+                    kept = [u for u in new_units[f] if u in pos]
+                    stretches[key] = _runs([pos[u] for u in kept], [tpos[u] for u in kept])
+                _copy_stretches(nt, t, dim, mod.unit_size, stretches[key])
     for r in reqs:
         r.wait()
 

@@ -67,7 +67,7 @@ from ntp_manager.worker.pipeline import (
     send_activation,
     stage_plan,
 )
-from ntp_manager.worker.reshard import apply_reshard, reshard_moves
+from ntp_manager.worker.reshard import Move, apply_reshard, reshard_moves
 from ntp_manager.worker.sources import LayoutSource, RestoreNote, StepWork, WorkerLayout
 from ntp_manager.worker.sync import NtpGradSync, ReplicaGroup, SyncLayout, families_of
 from ntp_manager.worker.tp import ShardedModule, ShardStyle, parallelize, unit_counts
@@ -730,6 +730,7 @@ class Runtime:
         old_sl: dict[int, SyncLayout] = {}
         new_sl: dict[int, SyncLayout] = {}
         alive: dict[int, set[int]] = {}
+        moves: dict[int, list[Move]] = {}
         for s in range(depth):
             units = self._info[s].units
             old_sl[s] = SyncLayout(tuple(ReplicaGroup(tuple(inverse.get(x, world + x) for x in old_groups[r][s]), b)
@@ -740,7 +741,7 @@ class Runtime:
                 return self._restore_into(target, f"no surviving rank holds pipeline stage {s}: every rank that held "
                                           "its layers is gone")
             try:
-                reshard_moves(old_sl[s], new_sl[s], alive[s])
+                moves[s] = reshard_moves(old_sl[s], new_sl[s], alive[s])
             except ValueError as e:  # every holder of some unit of the stage is gone
                 return self._restore_into(target, f"pipeline stage {s}: {e}")
         self._mark("checked")
@@ -761,11 +762,11 @@ class Runtime:
         for s in range(depth):  # every rank the same order, so point-to-point pairs match
             if s == stage:
                 opt = apply_reshard(model, opt, old_sl[s], new_sl[s], alive[s], rank, self._info[s].families, my_tp,
-                                    group=self.s.world)
+                                    group=self.s.world, moves=moves[s])
             elif s == old_stage:  # a source only: it holds none of this stage any more
                 assert held_model is not None and held_opt is not None
                 apply_reshard(held_model, held_opt, old_sl[s], new_sl[s], alive[s], rank, self._info[s].families,
-                              None, group=self.s.world)
+                              None, group=self.s.world, moves=moves[s])
         self._mark("reshard moves")
         self._fix(model, resharded=True)
         joiners = 0
