@@ -37,10 +37,8 @@ import random
 import secrets
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -55,20 +53,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agent.core import CLIENT_KEEPALIVE
 from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
+from ntp_manager.manager_process import ManagerProcess
 from ntp_manager.service.manager import Manager
 from ntp_manager.settings import Settings
-from ntp_manager.store import db
+from ntp_manager.store import db, write_log
 
-WRITE_LOG = """
-CREATE TABLE ha_write_log (id bigserial PRIMARY KEY, app text NOT NULL, tbl text NOT NULL,
-                           at timestamptz NOT NULL DEFAULT clock_timestamp());
-CREATE FUNCTION ha_log_write() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-  INSERT INTO ha_write_log (app, tbl) VALUES (current_setting('application_name'), TG_TABLE_NAME);
-  RETURN NULL;
-END $$;
-"""
-LOGGED = ("nodes", "gpus", "domains", "health_events", "audit_log", "layouts", "jobs", "breaker")
 HEALTHY, FAILED = common_pb2.GPU_STATE_HEALTHY, common_pb2.GPU_STATE_FAILED
 
 
@@ -229,34 +218,8 @@ class Watcher:
             await asyncio.sleep(pause(self, hint, got))
 
 
-class Proc:
-    def __init__(self, name: str, url: str, env: dict[str, str], log: Path) -> None:
-        self.name = name
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ntp_manager.cli", "serve", "--http-port", "0", "--grpc-port", "0"],
-            stdout=subprocess.PIPE, stderr=log.open("a"), text=True,
-            env=dict(os.environ, NTP_DATABASE_URL=url, NTP_LEADER_ID=name, **env))
-        self.lines: list[str] = []
-        self.cond = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self.cond:
-                self.lines.append(line)
-                self.cond.notify_all()
-
-    def wait(self, prefix: str, timeout: float = 300) -> dict[str, Any]:
-        end = time.monotonic() + timeout
-        with self.cond:
-            while True:
-                for line in self.lines:
-                    if line.startswith(prefix):
-                        return dict(json.loads(line[len(prefix):]))
-                if time.monotonic() > end or self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name}: no {prefix} (rc={self.proc.poll()})")
-                self.cond.wait(0.1)
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f} s"
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -273,7 +236,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
     url = f"{args.postgres.rsplit('/', 1)[0]}/{name}"
     pg = url.replace("postgresql+asyncpg://", "postgresql://")
     tmp = Path(tempfile.mkdtemp(prefix="ntp-ha-bench-"))
-    procs: list[Proc] = []
+    procs: list[ManagerProcess] = []
     stop = asyncio.Event()
     try:
         n = args.agents
@@ -283,27 +246,22 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
         tokens = await m.token_service.create_agents(nodes, "bench")
         op, wtok = await m.create_token("bench-op", "operator"), await m.create_token("bench-w", "worker")
         await m.engine.dispose()
-        c = await asyncpg.connect(pg)
-        await c.execute(WRITE_LOG)
-        for t in LOGGED:
-            await c.execute(f"CREATE TRIGGER ha_log AFTER INSERT OR UPDATE OR DELETE ON {t} "
-                            "FOR EACH ROW EXECUTE FUNCTION ha_log_write()")
-        await c.close()
+        await write_log.install(url)
         env = {"NTP_LEASE_TTL_S": str(args.lease_ttl), "NTP_LEASE_RENEW_S": str(args.renew),
                "NTP_TAKEOVER_GRACE_S": "30", "NTP_SUSPECT_AFTER_S": "30", "NTP_FAIL_AFTER_S": "60",
                "NTP_LOG_FORMAT": "json"}
         names = iter(f"m{k}" for k in range(1000))
         log = tmp / "managers.log"
 
-        def start() -> Proc:
-            p = Proc(next(names), url, env, log)
+        def start() -> ManagerProcess:
+            p = ManagerProcess(next(names), url, log, env)
             procs.append(p)
             return p
 
         leader = start()
-        info_l = await asyncio.to_thread(leader.wait, "NTP-MANAGER READY ")
+        info_l = await leader.ready_async(300)
         standby = start()
-        info_s = await asyncio.to_thread(standby.wait, "NTP-MANAGER READY ")
+        info_s = await standby.ready_async(300)
         grpc_of = {leader.name: info_l["grpc"], standby.name: info_s["grpc"]}
         http_of = {leader.name: info_l["http"], standby.name: info_s["http"]}
         addrs = Addresses()
@@ -347,7 +305,23 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
             t_kill = time.perf_counter()
             leader.proc.send_signal(signal.SIGKILL if mode == "SIGKILL" else signal.SIGSTOP)
             victim.report([(victim.uuids[0], FAILED, f"bench round {rnd}")])
-            took = await asyncio.to_thread(standby.wait, "NTP-MANAGER LEADING ", 120)
+            failing_seq = victim.next_seq - 1
+            marks: dict[str, float] = {}
+
+            async def follow_victim(v: SimAgent = victim, seq: int = failing_seq,
+                                    marks: dict[str, float] = marks) -> None:
+                """When the victim's agent was welcomed by the new leader, and when its report was acked."""
+                was = v.connected.is_set()
+                while "acked" not in marks:
+                    if v.connected.is_set() and not was and "welcomed" not in marks:
+                        marks["welcomed"] = time.perf_counter()
+                    was = was and v.connected.is_set()
+                    if v.acked >= seq:
+                        marks["acked"] = time.perf_counter()
+                    await asyncio.sleep(0.005)
+
+            follower = asyncio.create_task(follow_victim())
+            took = await standby.leading(120)
             t_took = time.perf_counter()
             new_epoch = int(took["epoch"])
             c = await asyncpg.connect(pg)
@@ -361,6 +335,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
             while len(arrivals()) < len(watchers) and time.perf_counter() - t_kill < 120:
                 await asyncio.sleep(0.02)
             got = arrivals()
+            follower.cancel()
             load_stop.set()
             await loader
             exit_code = None
@@ -369,7 +344,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
                 exit_code = await asyncio.to_thread(leader.proc.wait, 120)
             old = leader
             leader, standby = standby, start()
-            info_n = await asyncio.to_thread(standby.wait, "NTP-MANAGER READY ")
+            info_n = await standby.ready_async(300)
             grpc_of[standby.name], http_of[standby.name] = info_n["grpc"], info_n["http"]
             addrs.set([grpc_of[leader.name], info_n["grpc"]])
             async with httpx.AsyncClient(base_url=f"http://{http_of[leader.name]}", timeout=60,
@@ -380,11 +355,14 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
             rounds.append({"round": rnd, "mode": mode, "exit": exit_code, "since": since,
                            "epoch": (epoch_before, new_epoch), "killed": old.name,
                            "takeover_s": t_took - t_kill, "first_layout_s": min(got) - t_kill if got else None,
+                           "victim_welcomed_s": marks["welcomed"] - t_kill if "welcomed" in marks else None,
+                           "victim_acked_s": marks["acked"] - t_kill if "acked" in marks else None,
                            "all_watchers_s": max(got) - t_kill if len(got) == len(watchers) else None,
                            "watchers_with_it": len(got), "breaker_open": status["breaker"]["open"]})
             r0 = rounds[-1]
             console.print(f"round {rnd}: {mode} {old.name} (exit {exit_code}); takeover {r0['takeover_s']:.2f} s, "
-                          f"first layout {r0['first_layout_s']} s, all watchers {r0['all_watchers_s']} s")
+                          f"victim welcomed {_s(r0['victim_welcomed_s'])}, acked {_s(r0['victim_acked_s'])}, "
+                          f"first layout {_s(r0['first_layout_s'])}, all watchers {_s(r0['all_watchers_s'])}")
             await asyncio.sleep(1.0)
         # settle: every agent's reports acknowledged
         end = time.perf_counter() + 120
@@ -398,13 +376,12 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
             stored = {r["name"]: r["last_seq"] for r in await c.fetch("SELECT name, last_seq FROM nodes")}
             dup = await c.fetchval("SELECT count(*) FROM (SELECT node, seq, gpu_uuid FROM health_events "
                                    "WHERE seq IS NOT NULL GROUP BY node, seq, gpu_uuid HAVING count(*) > 1) d")
-            zombie = 0
-            for rr in rounds:  # rows written by the old leader's sessions after its successor took over
-                zombie += int(await c.fetchval("SELECT count(*) FROM ha_write_log WHERE app = $1 AND at >= $2",
-                                               f"ntp-manager {rr['killed']}", rr["since"]))
             events = await c.fetchval("SELECT count(*) FROM health_events")
         finally:
             await c.close()
+        zombie = 0
+        for rr in rounds:  # rows written by the old leader's sessions after its successor took over
+            zombie += await write_log.writes_since(url, rr["killed"], rr["since"])
         lost = sum(1 for a in agents if a.acked > stored.get(a.node, 0))
         unacked = sum(len(a.pending) for a in agents)
         firsts = [r["first_layout_s"] for r in rounds if r["first_layout_s"] is not None and r["mode"] == "SIGKILL"]
@@ -433,9 +410,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
     finally:
         stop.set()
         for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                p.proc.send_signal(signal.SIGKILL)
-            p.proc.wait()
+            p.stop(graceful=False)
         conn = await asyncpg.connect(admin)
         await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         await conn.close()

@@ -28,13 +28,10 @@ import argparse
 import asyncio
 import json
 import os
-import platform
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -46,6 +43,9 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy import create_engine, insert
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import HealthzProbe, create_tokens, lag_buckets, machine_line, serve, stop, worst_bucket
 from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from ntp_manager.planner import make_plan
 from ntp_manager.planner.export import plan_to_dict
@@ -147,44 +147,13 @@ def seed(url: str) -> None:
 
 
 def start_manager(data: Path) -> tuple[subprocess.Popen[str], dict[str, Any], dict[str, str]]:
-    cli = [sys.executable, "-m", "ntp_manager.cli"]
-    tokens = {}
-    for scope in ("operator", "worker"):
-        out = subprocess.run([*cli, "token", "create", "--scope", scope, "--json", "--data-dir", str(data)],
-                             capture_output=True, text=True, check=True).stdout
-        tokens[scope] = json.loads(out)["token"]
-    out = subprocess.run([*cli, "token", "create", "--scope", "agent", "--nodes-from", "-", "--data-dir", str(data)],
-                         input=node(0), capture_output=True, text=True, check=True).stdout
-    tokens["agent"] = json.loads(out.splitlines()[0])["token"]
+    tokens = create_tokens(data, [node(0)])
+    tokens["agent"] = tokens[node(0)]
     seed(f"sqlite:///{data / 'ntp-manager.db'}")
     env = dict(os.environ, NTP_SUSPECT_AFTER_S="3600", NTP_FAIL_AFTER_S="7200", NTP_BREAKER_MIN_GPUS="100000",
                NTP_MAX_CLUSTER_GPUS=str(NODES * PER_NODE), NTP_LOG_FORMAT="json")
-    log = open(data / "manager.log", "w")  # noqa: SIM115 - the manager writes it until it ends
-    proc = subprocess.Popen([*cli, "serve", "--data-dir", str(data), "--http-port", "0", "--grpc-port", "0"],
-                            stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("NTP-MANAGER READY"):
-            return proc, json.loads(line.split(" ", 2)[2]), tokens
-    raise RuntimeError("manager did not start")
-
-
-def lag_buckets(text: str) -> tuple[dict[float, float], float]:
-    """The watchdog's histogram buckets (le -> count) and stall counter from a /metrics page."""
-    buckets, stalls = {}, 0.0
-    for line in text.splitlines():
-        if line.startswith("ntp_event_loop_lag_seconds_bucket"):
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            buckets[float("inf") if le == "+Inf" else float(le)] = float(line.split()[-1])
-        elif line.startswith("ntp_event_loop_stalls_total "):
-            stalls = float(line.split()[-1])
-    return buckets, stalls
-
-
-def worst_bucket(m0: tuple[dict[float, float], float], m1: tuple[dict[float, float], float]) -> float:
-    delta = {le: n - m0[0].get(le, 0) for le, n in m1[0].items()}
-    total = delta.get(float("inf"), 0.0)
-    return min((le for le, n in delta.items() if n >= total), default=0.0)
+    proc, info = serve(data, env)
+    return proc, info, tokens
 
 
 def logged_stalls(log: Path, since: float) -> list[float]:
@@ -251,18 +220,7 @@ async def push(shape: str, rounds: int, n_watchers: int, console: Console) -> di
         proc, info, tokens = start_manager(data)
         started_s = time.perf_counter() - t0
         base = f"http://{info['http']}"
-        probes: list[tuple[float, float]] = []
-        stop = threading.Event()
-
-        def probe() -> None:
-            with httpx.Client(base_url=base, timeout=60) as c:
-                while not stop.is_set():
-                    t = time.perf_counter()
-                    c.get("/healthz")
-                    probes.append((t, time.perf_counter() - t))
-                    time.sleep(0.02)
-
-        prober = threading.Thread(target=probe, daemon=True)
+        prober = HealthzProbe(base)
         control = subprocess.Popen([sys.executable, "-c", CONTROL, str(data / "control.lag")])
         channel = grpc.aio.insecure_channel(info["grpc"])
         op = httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {tokens['operator']}"}, timeout=600)
@@ -338,7 +296,7 @@ async def push(shape: str, rounds: int, n_watchers: int, console: Console) -> di
                     t_done = await all_hold(version)
                     await asyncio.sleep(0.3)
                     m1 = lag_buckets((await op.get("/metrics")).text)
-                    during = [lat for t, lat in probes if t_send - 0.05 <= t <= t_done + 0.3]
+                    during = prober.during(t_send - 0.05, t_done + 0.3)
                     wall1 = time.time()
                     samples.append({"round": r, "what": what, "ms": 1e3 * (t_done - t_send),
                                     "control_ms": 1e3 * control_lag(data / "control.lag", wall0, wall1),
@@ -355,7 +313,7 @@ async def push(shape: str, rounds: int, n_watchers: int, console: Console) -> di
                 t1 = time.perf_counter()
                 await asyncio.sleep(0.3)
                 m1 = lag_buckets((await op.get("/metrics")).text)
-                during = [lat for t, lat in probes if t0 - 0.05 <= t <= t1 + 0.3]
+                during = prober.during(t0 - 0.05, t1 + 0.3)
                 steps.append({"step": name, "s": t1 - t0, "bytes": size, "lag_bucket_s": worst_bucket(m0, m1),
                               "stalls": m1[1] - m0[1],
                               "control_ms": 1e3 * control_lag(data / "control.lag", wall0, time.time()),
@@ -372,14 +330,13 @@ async def push(shape: str, rounds: int, n_watchers: int, console: Console) -> di
                     "control_max_ms": max((s["control_ms"] for s in samples), default=0.0),
                     "healthz_max_ms": max((s["healthz_max_ms"] for s in samples), default=0.0), "steps": steps}
         finally:
-            stop.set()
+            prober.stop()
             control.kill()
             for t in tasks:
                 t.cancel()
             await op.aclose()
             await channel.close()
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
+            stop(proc)
             for n, where in stall_sites(data / "manager.log"):
                 console.print(f"{shape}: held the loop {n}x: {where}", highlight=False)
 
@@ -462,8 +419,7 @@ def main() -> None:
                           f"{st['stalls']:.0f}", f"{max(st['stall_ms'], default=0):.0f}", f"{st['control_ms']:.0f}",
                           f"{st['healthz_max_ms']:.0f}")
         console.print(t)
-    console.print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, "
-                  f"load average {os.getloadavg()[0]:.1f}")
+    console.print(machine_line())
     if args.json:
         args.json.write_text(json.dumps(res, indent=2))
 

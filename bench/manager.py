@@ -41,14 +41,13 @@ import asyncio
 import functools
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -57,15 +56,10 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import HealthzProbe, cpu_seconds, create_tokens, lag_buckets, machine_line, serve, worst_bucket
 from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
-
-CLK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK
-
 
 BIG_NODE = "big-node"
 MAX_GPUS = 100_000 + 128  # the ingest cluster plus one largest hello
@@ -73,32 +67,13 @@ MAX_GPUS = 100_000 + 128  # the ingest cluster plus one largest hello
 
 def start_manager(data: Path, nodes: list[str], db_url: str | None = None
                   ) -> tuple[subprocess.Popen[str], dict[str, Any], dict[str, str]]:
-    tokens = {}
     base_env = dict(os.environ, **({"NTP_DATABASE_URL": db_url} if db_url else {}))
-    for scope in ("operator", "worker"):
-        out = subprocess.run(
-            [sys.executable, "-m", "ntp_manager.cli", "token", "create", "--scope", scope, "--json",
-             "--data-dir", str(data)], capture_output=True, text=True, check=True, env=base_env).stdout
-        tokens[scope] = json.loads(out)["token"]
-    out = subprocess.run(
-        [sys.executable, "-m", "ntp_manager.cli", "token", "create", "--scope", "agent", "--nodes-from", "-",
-         "--data-dir", str(data)], input="\n".join(nodes), capture_output=True, text=True, check=True,
-        env=base_env).stdout
-    for line in out.splitlines():
-        d = json.loads(line)
-        tokens[d["node"]] = d["token"]
+    tokens = create_tokens(data, nodes, base_env)
     env = dict(base_env, NTP_SUSPECT_AFTER_S="600", NTP_FAIL_AFTER_S="1200", NTP_BREAKER_MIN_GPUS="100000",
                NTP_MAX_CLUSTER_GPUS=str(MAX_GPUS), NTP_LOG_FORMAT="json")
-    log = open(data / "manager.log", "w")  # noqa: SIM115 - the manager writes it until it ends
     prof = ["-m", "cProfile", "-o", os.environ["BENCH_PROFILE"]] if os.environ.get("BENCH_PROFILE") else []
-    proc = subprocess.Popen(
-        [sys.executable, *prof, "-m", "ntp_manager.cli", "serve", "--data-dir", str(data), "--http-port", "0",
-         "--grpc-port", "0"], stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("NTP-MANAGER READY"):
-            return proc, json.loads(line.split(" ", 2)[2]), tokens
-    raise RuntimeError("manager did not start")
+    proc, info = serve(data, env, prof)
+    return proc, info, tokens
 
 
 class Agent:
@@ -109,7 +84,8 @@ class Agent:
         self.uuids = [f"GPU-{node}-{i}" for i in range(gpus)]
         self.q: asyncio.Queue[Any] = asyncio.Queue()
         self.welcome = asyncio.Event()
-        self.acked = 0
+        self.acked = 0  # the highest seq acknowledged
+        self.acks = 0  # ack messages received (one acknowledges every report up to its seq)
         self.seq = 0
 
     async def run(self) -> None:
@@ -133,6 +109,7 @@ class Agent:
                 self.welcome.set()
             elif kind == "ack":
                 self.acked = msg.ack.seq
+                self.acks += 1
 
     def report(self, uuid: str, state: common_pb2.GpuState) -> None:
         self.report_many([uuid], state)
@@ -255,49 +232,23 @@ async def ingest(info: dict[str, Any], tokens: dict[str, str], seconds: float, p
     return res
 
 
-def _lag(text: str) -> tuple[dict[float, float], float]:
-    """The watchdog's histogram buckets (le -> count) and stall counter from a /metrics page."""
-    buckets, stalls = {}, 0.0
-    for line in text.splitlines():
-        if line.startswith("ntp_event_loop_lag_seconds_bucket"):
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            buckets[float("inf") if le == "+Inf" else float(le)] = float(line.split()[-1])
-        elif line.startswith("ntp_event_loop_stalls_total "):
-            stalls = float(line.split()[-1])
-    return buckets, stalls
-
-
 async def largest_inputs(info: dict[str, Any], tokens: dict[str, str], channel: grpc.aio.Channel) -> dict[str, Any]:
     """Each step's largest /healthz latency and the loop lag the watchdog measured during it."""
     base = f"http://{info['http']}"
-    probes: list[tuple[float, float]] = []  # (when, latency)
-    stop = threading.Event()
-
-    def probe() -> None:
-        with httpx.Client(base_url=base, timeout=60) as c:
-            while not stop.is_set():
-                t0 = time.perf_counter()
-                c.get("/healthz")
-                probes.append((t0, time.perf_counter() - t0))
-                time.sleep(0.02)
-
-    thread = threading.Thread(target=probe, daemon=True)
-    thread.start()
+    probe = HealthzProbe(base)
+    probe.start()
     steps: list[dict[str, Any]] = []
     op = httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {tokens['operator']}"}, timeout=300)
 
     async def step(name: str, coro: Any) -> None:
-        m0 = _lag((await op.get("/metrics")).text)
+        m0 = lag_buckets((await op.get("/metrics")).text)
         t0 = time.perf_counter()
         await coro
         t1 = time.perf_counter()
         await asyncio.sleep(0.2)
-        m1 = _lag((await op.get("/metrics")).text)
-        # cumulative buckets: the smallest bound that holds every lag measured during the step
-        delta = {le: n - m0[0].get(le, 0) for le, n in m1[0].items()}
-        total = delta.get(float("inf"), 0.0)
-        worst = min((le for le, n in delta.items() if n >= total), default=0.0)
-        during = [lat for t, lat in probes if t0 - 0.05 <= t <= t1 + 0.2]
+        m1 = lag_buckets((await op.get("/metrics")).text)
+        worst = worst_bucket(m0, m1)
+        during = probe.during(t0 - 0.05, t1 + 0.2)
         steps.append({"step": name, "seconds": t1 - t0, "healthz_max_ms": 1e3 * max(during, default=0.0),
                       "probes": len(during), "lag_max_bucket_s": worst, "stalls": m1[1] - m0[1]})
 
@@ -325,10 +276,9 @@ async def largest_inputs(info: dict[str, Any], tokens: dict[str, str], channel: 
     await step("largest job (every GPU) planned and stored", job())
     await step("dry run, one replica per GPU", dry_run())
     await step("layout, snapshot, status, listings", reads())
-    stop.set()
-    thread.join(5)
+    probe.stop(join_s=5)
     await op.aclose()
-    return {"steps": steps, "healthz_max_ms": 1e3 * max(lat for _, lat in probes), "probes": len(probes)}
+    return {"steps": steps, "healthz_max_ms": 1e3 * max(lat for _, lat in probe.probes), "probes": len(probe.probes)}
 
 
 async def token_changes(data: Path, info: dict[str, Any], tokens: dict[str, str], rounds: int = 5) -> dict[str, Any]:
@@ -459,7 +409,8 @@ async def report_rate(info: dict[str, Any], tokens: dict[str, str], pid: int, n_
     for ch in channels:
         await ch.close()
     total = n_nodes * per_node
-    return {"agents": n_nodes, "reports": total, "seconds": elapsed, "per_s": total / elapsed,
+    return {"agents": n_nodes, "reports": total, "acks": sum(a.acks for a in agents), "seconds": elapsed,
+            "per_s": total / elapsed,
             "stored_events": stored, "manager_cpu_s": cpu, "per_manager_cpu_s": total / cpu, "client_cpu_s": client}
 
 
@@ -481,8 +432,10 @@ async def registration(info: dict[str, Any], tokens: dict[str, str], pid: int, n
             "manager_cpu_ms_per_node": 1e3 * cpu / n_nodes, "client_cpu_s": client}
 
 
-async def mass_failure(info: dict[str, Any], tokens: dict[str, str], rounds: int) -> dict[str, Any]:
-    """125 nodes x 8 GPUs fail at once; until every one of 1,000 watchers holds the new layout."""
+async def mass_failure(info: dict[str, Any], tokens: dict[str, str], rounds: int, pid: int) -> dict[str, Any]:
+    """125 nodes x 8 GPUs fail at once; until every one of 1,000 watchers holds the new layout. Per
+    round also: until the new layout was committed (its created_at, the manager's clock: replanned
+    and durable) and until the first watcher held it (the rest is the fan-out to 1,000 streams)."""
     n_nodes, hit = 1000, 125
     channels = channels_for(info, 40)
     agents = [Agent(channels[i % 40], tokens[f"node-{i:04d}"], f"node-{i:04d}", f"nvl-{i // 2:03d}", 8)
@@ -495,11 +448,15 @@ async def mass_failure(info: dict[str, Any], tokens: dict[str, str], rounds: int
     replicas: dict[int, int] = {}  # watcher -> replicas in the newest layout it holds
     wmd = (("authorization", f"Bearer {tokens['worker']}"),)
 
+    target = [n_nodes - hit, 0.0]  # replicas of the layout a round waits for; when a watcher first held it
+
     async def watch(i: int) -> None:
         stub = worker_pb2_grpc.WorkerServiceStub(channels[i % 40])
         req = worker_pb2.WatchLayoutRequest(job="mass", worker_id=f"w{i}", gpu_uuid=agents[i].uuids[0])
         async for msg in stub.WatchLayout(req, metadata=wmd):
             replicas[i] = len(msg.replicas)
+            if replicas[i] == target[0] and not target[1]:
+                target[1] = time.perf_counter()
 
     stopped: list[asyncio.Task[None]] = []  # watches that ended (the manager closed or refused them)
 
@@ -516,26 +473,50 @@ async def mass_failure(info: dict[str, Any], tokens: dict[str, str], rounds: int
     for w in watchers:
         w.add_done_callback(lambda t: None if t.cancelled() else stopped.append(t))
     await all_hold(n_nodes)
-    samples = []
+    samples, first_ms, sent_wall = [], [], []
+    cpu0, client0, t0 = cpu_seconds(pid), time.process_time(), time.perf_counter()
     for k in range(rounds):
         first = (k * 250) % n_nodes  # 125 consecutive nodes: 62.5 NVL16 domains, a rack's worth
         group = agents[first : first + hit]
+        target[1] = 0.0
+        sent_wall.append(time.time())
         t_send = time.perf_counter()
         for a in group:
             a.report_many(a.uuids, common_pb2.GPU_STATE_FAILED)
         samples.append(await all_hold(n_nodes - hit) - t_send)
+        first_ms.append(1e3 * (target[1] - t_send))
         for a in group:  # repaired (not timed)
             a.report_many(a.uuids, common_pb2.GPU_STATE_HEALTHY)
         await all_hold(n_nodes)
         await asyncio.sleep(0.2)
+    busy = time.perf_counter() - t0
+    cpu, client = cpu_seconds(pid) - cpu0, time.process_time() - client0
     for t in watchers + tasks:
         t.cancel()
     for ch in channels:
         await ch.close()
+    async with httpx.AsyncClient(base_url=f"http://{info['http']}",
+                                 headers={"Authorization": f"Bearer {tokens['operator']}"}, timeout=60) as c:
+        r = await c.get("/v1/jobs/mass/layouts", params={"limit": 4 * rounds + 10})
+        r.raise_for_status()
+    made = sorted((datetime.fromisoformat(v["created_at"]).timestamp(), len(v["replicas"])) for v in r.json()["items"])
+    stored_ms = []  # report sent -> the first layout without the failed nodes committed
+    for sent in sent_wall:
+        at = next((t for t, n in made if t >= sent and n == n_nodes - hit), None)
+        if at is not None:
+            stored_ms.append(1e3 * (at - sent))
+
+    def pct(xs: list[float], q: float) -> float:
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
     samples.sort()
     return {"nodes": n_nodes, "failed_gpus": 8 * hit, "watchers": n_nodes, "rounds": rounds, "register_s": reg_s,
             "p50_ms": 1e3 * statistics.median(samples),
-            "p99_ms": 1e3 * samples[min(len(samples) - 1, int(0.99 * len(samples)))], "max_ms": 1e3 * samples[-1]}
+            "p99_ms": 1e3 * samples[min(len(samples) - 1, int(0.99 * len(samples)))], "max_ms": 1e3 * samples[-1],
+            "stored_p50_ms": pct(stored_ms, 0.5), "stored_p99_ms": pct(stored_ms, 0.99),
+            "first_watcher_p50_ms": pct(first_ms, 0.5), "first_watcher_p99_ms": pct(first_ms, 0.99),
+            "manager_cpu_share": cpu / busy, "client_cpu_share": client / busy}
 
 
 async def fresh_postgres(url: str) -> str:
@@ -580,7 +561,7 @@ async def group_commit(args: argparse.Namespace, console: Console) -> dict[str, 
                             elif part == "registration":
                                 res[part] = await registration(info, tokens, proc.pid)
                             else:
-                                res[part] = await mass_failure(info, tokens, args.rounds)
+                                res[part] = await mass_failure(info, tokens, args.rounds, proc.pid)
                         console.print(f"{store} {part}: {json.dumps(res[part])}")
                     finally:
                         proc.send_signal(signal.SIGTERM)
@@ -699,16 +680,24 @@ def main() -> None:
             r = gc_res["reports"]
             t4.add_row(f"state-changing reports ({r['reports']:,} from {r['agents']} agents; {r['stored_events']:,} "
                        "stored)", f"{r['per_s']:,.0f} /s", ">= 5,000 /s")
+            t4.add_row("  per second of manager CPU", f"{r['per_manager_cpu_s']:,.0f} /s", "")
         if "registration" in gc_res:
             r = gc_res["registration"]
             t4.add_row(f"registration of {r['nodes']:,} nodes ({r['gpus']:,} GPUs)", f"{r['seconds']:.1f} s", "<= 10 s")
+            if "manager_cpu_s" in r:
+                cpus = f"{r['manager_cpu_s']:.1f} s / {r['client_cpu_s']:.1f} s"
+                t4.add_row("  manager CPU / bench client CPU", cpus, "")
         if "mass_failure" in gc_res:
             r = gc_res["mass_failure"]
             t4.add_row(f"{r['failed_gpus']:,} GPUs fail -> layout on {r['watchers']:,} watchers ({r['rounds']} rounds)",
                        f"p50 {r['p50_ms']:.0f} ms, p99 {r['p99_ms']:.0f} ms", "p99 <= 1,000 ms")
+            if "stored_p50_ms" in r:
+                t4.add_row("  of which: new layout committed (replanned, durable)",
+                           f"p50 {r['stored_p50_ms']:.0f} ms, p99 {r['stored_p99_ms']:.0f} ms", "")
+                t4.add_row("  of which: on the first watcher",
+                           f"p50 {r['first_watcher_p50_ms']:.0f} ms, p99 {r['first_watcher_p99_ms']:.0f} ms", "")
         console.print(t4)
-    console.print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, "
-                  f"load average {os.getloadavg()[0]:.1f}")
+    console.print(machine_line())
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(res, indent=2))

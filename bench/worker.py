@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
-import signal
 import statistics
 import sys
 import time
@@ -28,10 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from rich.console import Console
-from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import FAILOVER_PARTS, failover_row, kill_parked, last_event, show
 from ntp_manager.worker.launch import free_port
 from ntp_manager.worker.reshard import apply_reshard, reshard_moves
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig
@@ -220,11 +219,7 @@ def bench_failover(quick: bool, small_batch: bool = False) -> tuple[list[tuple[s
     procs = {w: ctx.Process(target=_rt_worker, args=(w, port, cfg, 3, "w3", 5, q)) for w in a + b}
     for p in procs.values():
         p.start()
-    while not store.check(["bench/parked"]):
-        time.sleep(0.05)
-    time.sleep(1.0)  # the peers are inside step 3, blocked on the victim
-    t_kill = time.time()
-    os.kill(procs["w3"].pid, signal.SIGKILL)
+    t_kill = kill_parked(store, procs["w3"].pid)  # the peers are inside step 3, blocked on it
     # the manager's part (detection, planning) is measured end to end in bench/e2e.py
     publish_layout(store, "bench", 2, [(a[:3], max(1, 3 * lb // 4)), (b, lb)], "w3 failed")
     timelines: dict[str, list[tuple[str, int, float]]] = {}
@@ -238,27 +233,14 @@ def bench_failover(quick: bool, small_batch: bool = False) -> tuple[list[tuple[s
     for p in procs.values():
         p.join(timeout=60)
 
-    def last(what: str) -> float:
-        return max(next(t for w, v, t in tl if w == what and v == 2) if what != "failure detected" else
-                   next(t for w, v, t in tl if w == what) for tl in timelines.values())
-
-    detect, received = last("failure detected"), last("layout received")
-    regroup, reshard, first = last("regrouped"), last("reshard done"), last("first step")
+    detect, received = last_event(timelines, "failure detected"), last_event(timelines, "layout received")
+    regroup, reshard = last_event(timelines, "regrouped"), last_event(timelines, "reshard done")
+    first = last_event(timelines, "first step")
     split = {"detection": detect - t_kill, "regroup": regroup - detect, "layout wait": received - detect,
              "reshard": reshard - regroup, "first step": first - reshard, "total": first - t_kill,
              "step before": statistics.median(step_secs) if step_secs else float("nan")}
-    keys = ("detection", "regroup", "reshard", "first step", "total", "step before")
-    rows = [(f"{params / 1e6:.0f}M", *(f"{split[k]:.2f}" for k in keys))]
+    rows = [(f"{params / 1e6:.0f}M", *(f"{split[k]:.2f}" for k in FAILOVER_PARTS))]
     return rows, split
-
-
-def show(console: Console, title: str, cols: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
-    t = Table(title=title)
-    for c in cols:
-        t.add_column(c, justify="right")
-    for r in rows:
-        t.add_row(*r)
-    console.print(t)
 
 
 def main() -> None:
@@ -287,13 +269,10 @@ def main() -> None:
     rows = []
     for small in (False, True):
         runs = [bench_failover(args.quick, small_batch=small)[1] for _ in range(args.repeat)]
-        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         params = sum(p.numel() for p in TinyGpt(BIG).parameters()) if not args.quick else None
         label = f"{params / 1e6:.0f}M" if params else "quick"
         label += " (1x16 tokens/replica)" if small else " (4x64 tokens/replica)"
-        rows.append((label, *(f"{med[k]:.2f}" for k in ("detection", "regroup", "reshard", "first step", "total",
-                                                        "step before")),
-                     f"{max(r['total'] for r in runs):.2f}"))
+        rows.append(failover_row(label, runs))
     show(console, f"Rank killed -> first step at TP3 (s, median of {args.repeat}; 8 ranks on {os.cpu_count()} CPUs)",
          ("model", "detection", "regroup", "reshard", "first step", "total", "step before", "worst total"), rows)
 

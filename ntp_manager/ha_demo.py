@@ -20,17 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import secrets
-import signal
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import typer
@@ -39,49 +33,17 @@ from rich.table import Table
 
 from agent.local import FakeFleet
 from ntp_manager.demo import JOB, NODES, wait
+from ntp_manager.manager_process import LEADING, ManagerProcess
 
 console = Console()
 LEASE = {"NTP_LEASE_TTL_S": "3", "NTP_LEASE_RENEW_S": "0.5", "NTP_TAKEOVER_GRACE_S": "15",
          "NTP_HEARTBEAT_INTERVAL_S": "1"}
 
 
-class ManagerProc:
-    def __init__(self, name: str, url: str, log: Path) -> None:
-        self.name = name
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ntp_manager.cli", "serve", "--http-port", "0", "--grpc-port", "0"],
-            stdout=subprocess.PIPE, stderr=log.open("a"), text=True,
-            env=dict(os.environ, NTP_DATABASE_URL=url, NTP_LEADER_ID=name, **LEASE))
-        self.lines: list[str] = []
-        self.cond = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-        self.info = self.wait("NTP-MANAGER READY ")
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self.cond:
-                self.lines.append(line)
-                self.cond.notify_all()
-
-    def wait(self, prefix: str, timeout: float = 120) -> dict[str, Any]:
-        end = time.monotonic() + timeout
-        with self.cond:
-            while True:
-                for line in self.lines:
-                    if line.startswith(prefix):
-                        return dict(json.loads(line[len(prefix):]))
-                if time.monotonic() > end or self.proc.poll() is not None:
-                    raise RuntimeError(f"manager {self.name}: no {prefix.strip()} (exit {self.proc.poll()})")
-                self.cond.wait(0.1)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+def _manager(name: str, url: str, log: Path) -> ManagerProcess:
+    p = ManagerProcess(name, url, log, LEASE)
+    p.ready()
+    return p
 
 
 async def _database(admin: str) -> tuple[str, dict[str, str]]:
@@ -129,15 +91,15 @@ def run(admin: str, keep_up: bool, steps: int) -> dict[str, float]:
                       "set NTP_HA_DEMO_POSTGRES to an admin URL of a PostgreSQL server")
         raise typer.Exit(2) from None
     log_dir = Path(tempfile.mkdtemp(prefix="ntp-ha-demo-"))
-    procs: list[ManagerProc] = []
+    procs: list[ManagerProcess] = []
     times: dict[str, float] = {}
     launcher: Launcher | None = None
     agents: FakeFleet | None = None
     console.rule("[bold]ntp-manager: two managers, one leads")
     try:
-        a = ManagerProc("a", url, log_dir / "managers.log")
+        a = _manager("a", url, log_dir / "managers.log")
         procs.append(a)
-        b = ManagerProc("b", url, log_dir / "managers.log")
+        b = _manager("b", url, log_dir / "managers.log")
         procs.append(b)
         grpcs = f"{a.info['grpc']},{b.info['grpc']}"
         for p in (a, b):
@@ -164,7 +126,7 @@ def run(admin: str, keep_up: bool, steps: int) -> dict[str, float]:
         a.proc.kill()
         during = launcher.wait_for(lambda r: r["kind"] == "step" and r["step"] > step_at_kill, 120)
         times[f"no leader, training goes on (step {during['step']} done)"] = time.time() - t0
-        took = b.wait("NTP-MANAGER LEADING ", 120)
+        took = b.wait_line(LEADING, 120)
         times["b leads (lease expired, state loaded)"] = time.time() - t0
         api.close()
         api = httpx.Client(base_url=f"http://{b.info['http']}",
@@ -183,7 +145,7 @@ def run(admin: str, keep_up: bool, steps: int) -> dict[str, float]:
         lay = api.get(f"/v1/jobs/{JOB}/layout").json()
         console.print(f"layout v{lay['version']} at epoch {lay['leader_epoch']} (b's: {took['epoch']}); training at "
                       f"step {rec['step']}")
-        a2 = ManagerProc("a", url, log_dir / "managers.log")  # back, as a standby
+        a2 = _manager("a", url, log_dir / "managers.log")  # back, as a standby
         procs.append(a2)
         t = Table(title="failover timeline (seconds since the kill / the failure)")
         t.add_column("what")

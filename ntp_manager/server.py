@@ -4,7 +4,9 @@ The composition root: the one place that builds the service (the manager) and th
 around it (api/, rpc/), so that service/ never imports the layers above it.
 
 A manager that loses its lease (service/leader.py) shuts down the same way and exits with status 75
-for its supervisor to start it again as a standby.
+for its supervisor to start it again as a standby; when that takes longer than one lease (its
+database unreachable: calls hang), it exits at once. gRPC health is SERVING only while this
+manager leads with its world loaded (rpc/server.py follows the role).
 
 Shutdown (SIGTERM/SIGINT): readiness and gRPC health flip to NOT_SERVING, the gRPC server stops
 accepting and gives open streams a grace period, HTTP stops, then the manager stops its loops and
@@ -17,6 +19,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import os
 import signal
 import socket
 import sys
@@ -27,6 +30,7 @@ import uvicorn
 
 from ntp_manager.api.app import create_app
 from ntp_manager.logs import configure_logging
+from ntp_manager.manager_process import LEADING, READY
 from ntp_manager.rpc.server import RpcServer
 from ntp_manager.service.manager import Manager
 from ntp_manager.settings import Settings
@@ -90,7 +94,8 @@ async def run_service(settings: Settings, stop: asyncio.Event | None = None) -> 
                                "role": "leader" if manager.leading else "standby"}
     if rpc.tls_port is not None:
         info["grpc_tls"] = f"{settings.grpc_tls_host or settings.grpc_host}:{rpc.tls_port}"
-    print(f"NTP-MANAGER READY {json.dumps(info)}", flush=True)
+    await rpc.set_serving(manager.acting)
+    print(f"{READY} {json.dumps(info)}", flush=True)
     log.info("serving", **info)
     led = asyncio.create_task(_announce_leading(manager, log))
     stopped = asyncio.create_task(stop.wait())
@@ -101,19 +106,39 @@ async def run_service(settings: Settings, stop: asyncio.Event | None = None) -> 
         led.cancel()
         stopped.cancel()
         lost.cancel()
-        log.info("shutting down", lost_lease=manager.lost.is_set())
-        await manager.begin_shutdown()
-        await rpc.stop(grace=3.0 if not manager.lost.is_set() else 0.5)
-        server.should_exit = True
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(serve_task, 10)
-        await manager.stop()
+        was_lost = manager.lost.is_set()
+        log.info("shutting down", lost_lease=was_lost)
+        await rpc.set_serving(False)
+        down = asyncio.ensure_future(_shut_down(manager, rpc, server, serve_task, 0.5 if was_lost else 3.0))
+        if was_lost:
+            # a manager that lost its lease has nothing left to commit (the fence refuses it all),
+            # and when the database is cut off its connections may hang for minutes: one lease of
+            # time to stop in order, then out at once (its supervisor starts it again as a standby)
+            done, _ = await asyncio.wait({down}, timeout=settings.lease_ttl_s)
+            if not done:
+                log.error("exiting now: this manager lost its lease and did not stop within lease_ttl_s "
+                          "(its database unreachable?); start it again to stand by",
+                          reason=manager.leadership.lost_reason, status=LOST_LEASE_EXIT)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(LOST_LEASE_EXIT)
+        await down
         log.info("stopped")
     if manager.lost.is_set():
         log.error("exiting: this manager lost its lease; start it again to stand by",
                   reason=manager.leadership.lost_reason, status=LOST_LEASE_EXIT)
         return LOST_LEASE_EXIT
     return 0
+
+
+async def _shut_down(manager: Manager, rpc: RpcServer, server: uvicorn.Server, serve_task: asyncio.Task[None],
+                     grace: float) -> None:
+    await manager.begin_shutdown()
+    await rpc.stop(grace=grace)
+    server.should_exit = True
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(serve_task, 10)
+    await manager.stop()
 
 
 def _reachable(host: str) -> str:
@@ -126,5 +151,5 @@ async def _announce_leading(manager: Manager, log: structlog.stdlib.BoundLogger)
     if manager.leading:
         return
     await manager.wait_leading()
-    print(f"NTP-MANAGER LEADING {json.dumps({'epoch': manager.epoch})}", flush=True)
+    print(f"{LEADING} {json.dumps({'epoch': manager.epoch})}", flush=True)
     log.info("took over", epoch=manager.epoch)

@@ -66,7 +66,24 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return _wrap(handler, details.method)
 
 
+def _over(context: grpc.aio.ServicerContext, exc: BaseException) -> bool:
+    """The call has ended already: the client went away, or a status could not be sent any more
+    (grpc then raises its own errors from `abort`)."""
+    try:
+        if context.cancelled() or context.done():
+            return True
+    except Exception:  # a context that cannot say: treat the call as live
+        return False
+    return type(exc).__name__ in ("ExecuteBatchError", "UsageError")
+
+
 async def _fail(context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
+    if _over(context, exc):
+        # nobody is left to answer: end quietly (no second abort, no traceback). A storm of these
+        # (a manager losing its lease with a thousand calls queued, clients gone) once held the
+        # event loop for seconds just formatting tracebacks.
+        log.info("rpc ended before its error could be sent", method=method, error=type(exc).__name__)
+        raise asyncio.CancelledError
     if isinstance(exc, NotLeader) and exc.leader is not None and exc.leader.grpc:
         context.set_trailing_metadata((("ntp-leader", exc.leader.grpc),))  # where to go instead
     if isinstance(exc, ServiceError):

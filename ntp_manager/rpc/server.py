@@ -52,6 +52,10 @@ STATE_NAMES: dict[int, str] = {
     common_pb2.GPU_STATE_MAINTENANCE: GpuState.MAINTENANCE,
 }
 PIPELINE = 64  # reports of one agent stream in flight at once
+# An agent stream's reports that commit within this time of its previous ack share one ack while
+# more of its reports are still in flight (an ack is cumulative and is only sent once the reports
+# it covers are durable); a stream with nothing more in flight is acknowledged at once.
+ACK_COALESCE_S = 0.02
 SERVICE_PERMISSION = {"ntp.v1.AgentService": "agent", "ntp.v1.WorkerService": "worker"}
 
 
@@ -66,7 +70,8 @@ class StandbyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     every AgentService / WorkerService call with UNAVAILABLE naming the leader, in the message and
     in the trailing metadata `ntp-leader` (host:port), before authentication (a standby holds no
     token table). Clients go there (agent/core.py, worker/sources.py). Health and reflection are
-    served as usual."""
+    served as usual. While a takeover is due (the leader missed its renewals) or under way, calls
+    are held until this manager leads instead (`_hold`)."""
 
     def __init__(self, manager: Manager) -> None:
         self.manager = manager
@@ -74,13 +79,26 @@ class StandbyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     async def intercept_service(
         self, continuation: Callable[[Any], Awaitable[Any]], details: grpc.HandlerCallDetails
     ) -> Any:
-        handler = await continuation(details)
         service = details.method.lstrip("/").split("/")[0]
+        if service in SERVICE_PERMISSION and not self.manager.acting:
+            await self._hold(self.manager.leadership.takeover_due_in())
+        handler = await continuation(details)
         if handler is None or service not in SERVICE_PERMISSION or self.manager.acting:
             return handler
         err = self.manager.leadership.not_leader()
         trailer = ((LEADER_KEY, err.leader.grpc),) if err.leader is not None and err.leader.grpc else ()
         return _deny(handler, grpc.StatusCode.UNAVAILABLE, err.message, trailer)
+
+    async def _hold(self, due: float | None) -> None:
+        """When the leader has missed its renewals (`due`: seconds until this standby may take the
+        lease), a call is held until this manager leads, for up to `due` plus one lease (the
+        takeover and the load of the state), instead of being sent to a leader that is likely gone:
+        its client would bounce between the managers and back off, and come to the new leader
+        seconds after it is ready. Then it goes on as usual: served here, or sent to the leader."""
+        if due is None:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.manager.acting_event.wait(), due + self.manager.settings.lease_ttl_s)
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -191,13 +209,20 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
 
         async def acks() -> None:
             held: list[asyncio.Future[int] | None] = []  # taken from the queue, not done yet
+            unacked = 0  # applied (durable) but not acknowledged yet
+            sent_at = 0.0
+            clock = asyncio.get_running_loop().time
             while True:
                 fut = held.pop() if held else await pending.get()
                 if fut is None:
+                    if unacked:
+                        session.outbox.put_nowait(Ack(unacked))
                     return
                 try:
                     seq = await fut
                 except Exception as e:
+                    if unacked:
+                        session.outbox.put_nowait(Ack(unacked))
                     session.outbox.put_nowait(failed(e))
                     return
                 while not pending.empty():  # the next reports that are already applied
@@ -210,7 +235,13 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                         session.outbox.put_nowait(failed(nxt.exception()))  # type: ignore[arg-type]
                         return
                     seq = nxt.result()
+                # More of this stream's reports are on their way into a commit: their ack will
+                # cover this one too, unless this stream's last ack is ACK_COALESCE_S old.
+                if held and held[0] is not None and clock() - sent_at < ACK_COALESCE_S:
+                    unacked = seq
+                    continue
                 session.outbox.put_nowait(Ack(seq))
+                unacked, sent_at = 0, clock()
 
         acker = asyncio.create_task(acks())
 
@@ -431,6 +462,9 @@ KEEPALIVE = [
 ]
 
 
+HEALTH_SERVICES = ("", "ntp.v1.AgentService", "ntp.v1.WorkerService")
+
+
 class RpcServer:
     def __init__(self, manager: Manager) -> None:
         self.manager = manager
@@ -449,6 +483,7 @@ class RpcServer:
         reflection.enable_server_reflection(names, self.server)
         self.port = 0
         self.tls_port: int | None = None
+        self._role: asyncio.Task[None] | None = None
 
     async def start(self, host: str, port: int, tls_port: int | None = None) -> int:
         """Listen on `port` (plaintext) and, when the settings carry a certificate, on `tls_port`
@@ -464,11 +499,36 @@ class RpcServer:
             if self.tls_port == 0:
                 raise OSError(f"cannot bind gRPC TLS to {tls_host}:{want}")
         await self.server.start()
-        for svc in ("", "ntp.v1.AgentService", "ntp.v1.WorkerService"):
-            await self.health.set(svc, health_pb2.HealthCheckResponse.SERVING)
+        await self.set_serving(self.manager.acting)
+        self._role = asyncio.create_task(self._follow_role(), name="grpc-health")
         return self.port
 
+    async def _follow_role(self) -> None:
+        """Health follows the role: SERVING once this manager leads (a standby's takeover), and
+        NOT_SERVING from the moment it loses its lease."""
+        m = self.manager
+        if not m.acting:
+            with contextlib.suppress(Exception):
+                await m.wait_leading()
+            if m.acting:
+                await self.set_serving(True)
+        await m.lost.wait()
+        await self.set_serving(False)
+
+    async def set_serving(self, serving: bool) -> None:
+        """The standard gRPC health (grpc.health.v1, for the server as a whole and for each ntp.v1
+        service): SERVING only while this manager leads with its world loaded, so a load balancer
+        or probe that checks gRPC health finds the leader; a standby, a manager still loading and
+        one that lost its lease or is stopping answer NOT_SERVING. server.py flips it."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for svc in HEALTH_SERVICES:
+            await self.health.set(svc, status)
+
     async def stop(self, grace: float = 5.0) -> None:
-        for svc in ("", "ntp.v1.AgentService", "ntp.v1.WorkerService"):
-            await self.health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._role is not None:
+            self._role.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._role
+            self._role = None
+        await self.set_serving(False)
         await self.server.stop(grace)

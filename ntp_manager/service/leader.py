@@ -33,12 +33,13 @@ from typing import IO
 
 import structlog
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from ntp_manager.service.errors import ServiceError
 from ntp_manager.settings import Settings
 from ntp_manager.store import db, lease
+from ntp_manager.store.db import application_name
 
 log = structlog.get_logger("ntp.leader")
 
@@ -67,10 +68,6 @@ class AnotherManager(RuntimeError):
     """A second manager on a SQLite database."""
 
 
-def application_name(leader_id: str) -> str:
-    return f"ntp-manager {leader_id}"[:63]
-
-
 class Leadership:
     def __init__(self, settings: Settings, engine: AsyncEngine) -> None:
         self.settings = settings
@@ -84,6 +81,7 @@ class Leadership:
         self.leading = False
         self.leader: LeaderInfo | None = None  # who leads, as last read (self when leading)
         self.view: lease.LeaseView | None = None  # the lease row as last read
+        self.view_mono = 0.0  # when
         self.http = settings.advertise_http or ""
         self.grpc = settings.advertise_grpc or ""
         self.lost = asyncio.Event()
@@ -154,12 +152,36 @@ class Leadership:
         """Read the lease; remember who leads (for redirects)."""
         async with self.engine.connect() as conn:
             view = await lease.read(conn)
-        self.view = view
+        self.view, self.view_mono = view, time.monotonic()
         if view is not None and view.live and not self.leading:
             self.leader = LeaderInfo(view.epoch, view.holder, view.http, view.grpc)
         elif view is not None and not view.live and not self.leading:
             self.leader = None
         return view
+
+    def takeover_due_in(self) -> float | None:
+        """On a standby whose leader looks gone: about how many seconds until this manager may take
+        the lease over (0: it is free now, or taken and the state loading); None while the leader
+        renews as it should, and on a manager that lost its lease.
+
+        A leader renews every `lease_renew_s` and this standby reads the lease as often, so the lease
+        it last read has more than `lease_ttl_s - 2 * lease_renew_s` left unless the leader missed
+        renewals; half a period more is allowed for a late read or a slow database."""
+        if self.lost.is_set():
+            return None
+        if self.leading:  # taken: the state is loading
+            return 0.0
+        v = self.view
+        if v is None:
+            return None
+        if not v.live:
+            return 0.0
+        assert v.remaining_s is not None
+        left = v.remaining_s - (time.monotonic() - self.view_mono)
+        ttl, period = self.settings.lease_ttl_s, self.settings.lease_renew_s
+        if left > ttl - 2.5 * period:
+            return None
+        return max(0.0, left)
 
     async def wait_for_turn(self) -> None:
         """Stand by until this manager takes the lease: read it every `lease_renew_s` (or sooner,
@@ -180,17 +202,41 @@ class Leadership:
 
     # ---- leading ----------------------------------------------------------------------------
     async def keep(self) -> None:
-        """Renew the lease every `lease_renew_s` while leading; set `lost` when it is gone."""
+        """Renew the lease every `lease_renew_s` while leading; set `lost` when it is gone: a
+        renewal finds another epoch, or none got through for a whole lease.
+
+        A renewal is never waited on past the end of the lease it would extend: when the database
+        is cut off by a partition that drops packets (rather than refusing them), the call hangs
+        for as long as TCP retries, while a standby takes the lease over as soon as it expires. A
+        leader that waited for it would go on holding its agents' streams and its watchers as if
+        it led, and they would never move to the new leader. The call is left to end on its own
+        (cancelled, not awaited: a call on a dead connection may not end soon)."""
         ttl, period = self.settings.lease_ttl_s, self.settings.lease_renew_s
         while self.leading:
             await asyncio.sleep(period)
             if not self.leading:
                 return
             sent = time.monotonic()
+            # until the lease ends as this manager reckons it (it counts from when the last renewal
+            # that got through was sent, so it ends here no later than in the database); a loop held
+            # past it still gets one short try: nobody may have taken the lease meanwhile
+            left = self.renewed_mono + ttl - sent
+            if left <= 0:
+                left = min(period, ttl / 4)
+            call = asyncio.ensure_future(self._renew(ttl))
             try:
-                async with self.engine.begin() as conn:
-                    ok = await lease.renew(conn, self.me, self.epoch, ttl)
-            except (OSError, OperationalError, DBAPIError) as e:
+                done, _ = await asyncio.wait({call}, timeout=left)
+            finally:
+                if not call.done():  # given up on (or this loop cancelled: the manager stops)
+                    call.cancel()
+                    call.add_done_callback(_consume)
+            if not done:
+                self.lose(f"no renewal got through for {ttl:g} s (lease_ttl_s; the last one has been waiting "
+                          f"{time.monotonic() - sent:.1f} s): another manager may lead now")
+                return
+            try:
+                ok = call.result()
+            except (OSError, SQLAlchemyError) as e:
                 log.warning("lease renewal failed", error=str(e).splitlines()[0][:200])
                 if time.monotonic() - self.renewed_mono >= ttl:
                     self.lose(f"no renewal got through for {ttl:g} s (lease_ttl_s): another manager may lead now")
@@ -203,6 +249,10 @@ class Leadership:
                 log.warning("renewed a lease that had expired", epoch=self.epoch,
                             late_s=round(sent - self.renewed_mono, 3))
             self.renewed_mono = sent
+
+    async def _renew(self, ttl: float) -> bool:
+        async with self.engine.begin() as conn:
+            return await lease.renew(conn, self.me, self.epoch, ttl)
 
     def lose(self, reason: str) -> None:
         if not self.leading:
@@ -251,6 +301,12 @@ class Leadership:
         if self._lock_file is not None:
             self._lock_file.close()  # the flock goes with it
             self._lock_file = None
+
+
+def _consume(task: asyncio.Future[bool]) -> None:
+    """Retrieve the outcome of a renewal given up on, so that its error is not reported as lost."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _lock_timeout(e: Exception) -> bool:

@@ -23,15 +23,23 @@ async def load_world(s: AsyncSession, base_cap: float | None, now_mono: float) -
     for n in (await s.scalars(select(NodeRow))).all():
         w.nodes[n.name] = NodeRec(n.name, n.domain_id, [], n.last_seq, n.boot_id, now_mono, False, n.drain_deadline,
                                   n.drain_reason, n.agent_version)
-    for g in (await s.scalars(select(GpuRow))).all():
-        w.gpus[g.uuid] = GpuRec(
-            g.uuid, g.node, g.domain_id, g.idx, g.tdp_mw, g.min_mw, g.max_mw, GpuState(g.health), g.health_reason,
-            HealthSource(g.health_source), g.health_since, None if g.admin is None else GpuState(g.admin),
-            g.admin_owner, g.admin_reason, g.desired_mw, g.enforced_mw,
-            g.model, g.memory_bytes, g.pos, g.speed,
+    # plain rows, not ORM objects: a new leader loads every GPU on its way to serving (a failover
+    # waits for it), and the ORM's per-object bookkeeping tripled the cost
+    gpu_cols = (GpuRow.uuid, GpuRow.node, GpuRow.domain_id, GpuRow.idx, GpuRow.tdp_mw, GpuRow.min_mw,
+                GpuRow.max_mw, GpuRow.health, GpuRow.health_reason, GpuRow.health_source, GpuRow.health_since,
+                GpuRow.admin, GpuRow.admin_owner, GpuRow.admin_reason, GpuRow.desired_mw, GpuRow.enforced_mw,
+                GpuRow.model, GpuRow.memory_bytes, GpuRow.pos, GpuRow.speed)
+    states = {st.value: st for st in GpuState}
+    sources = {src.value: src for src in HealthSource}
+    for (uuid, node, domain, idx, tdp, lo, hi, health, reason, source, since, admin, owner, admin_reason,
+         desired, enforced, model, memory, pos, speed) in (await s.execute(select(*gpu_cols))).all():
+        w.gpus[uuid] = GpuRec(
+            uuid, node, domain, idx, tdp, lo, hi, states[health], reason, sources[source], since,
+            None if admin is None else states[admin], owner, admin_reason, desired, enforced, model, memory, pos,
+            speed,
         )
-        w.by_pos[g.pos] = g.uuid
-        w.nodes[g.node].gpus.append(g.uuid)
+        w.by_pos[pos] = uuid
+        w.nodes[node].gpus.append(uuid)
     w.next_pos = max(w.by_pos, default=-1) + 1
     for j in (await s.scalars(select(JobRow))).all():
         w.jobs[j.name] = JobRec(j.name, job_from_dict(j.spec), j.spec)

@@ -33,6 +33,7 @@ from ntp_manager.auth import Principal, TokenTable
 from ntp_manager.clock import Clock, SystemClock
 from ntp_manager.planner import JobSpec
 from ntp_manager.planner.layout import LayoutDoc
+from ntp_manager.service import offloop
 from ntp_manager.service.agents import Agents, AgentSession
 from ntp_manager.service.breaker import Breaker
 from ntp_manager.service.checkpoints import Checkpoints
@@ -42,7 +43,7 @@ from ntp_manager.service.idempotency import Outcome, idempotent
 from ntp_manager.service.inputs import GpuInventory, GpuReport
 from ntp_manager.service.jobs import Jobs
 from ntp_manager.service.kernel import Kernel, Tx
-from ntp_manager.service.leader import Leadership, application_name
+from ntp_manager.service.leader import Leadership
 from ntp_manager.service.liveness import Liveness
 from ntp_manager.service.loading import load_world
 from ntp_manager.service.maintenance import Maintenance
@@ -71,7 +72,7 @@ class Manager:
     def __init__(self, settings: Settings, clock: Clock | None = None) -> None:
         self.settings = settings
         self.clock = clock or SystemClock()
-        self.engine = db.make_engine(settings.effective_database_url, application_name(settings.leader_id),
+        self.engine = db.make_engine(settings.effective_database_url, db.application_name(settings.leader_id),
                                      settings.lease_ttl_s)
         self.sm = db.sessionmaker(self.engine)
         self.kernel = Kernel(self.sm, self.clock, World(base_cap=settings.power_base_cap),
@@ -104,6 +105,7 @@ class Manager:
         self._tasks: list[asyncio.Task[None]] = []
         self._standby: asyncio.Task[None] | None = None
         self._loaded = False  # the world is loaded (once leading)
+        self.acting_event = asyncio.Event()  # set once this manager acts as the leader
 
     # ---- life cycle -----------------------------------------------------------------------------
     async def start(self, migrate: bool = True) -> None:
@@ -111,6 +113,7 @@ class Manager:
         manager is refused: AnotherManager), else stand by until it is (`wait_leading`)."""
         if self.settings.effective_database_url.startswith("sqlite"):
             self.settings.data_dir.mkdir(parents=True, exist_ok=True)
+        await offloop.warm()  # worker threads started now, not while serving (service/offloop.py)
         self.leadership.lock_sqlite()
         # from now on every write checks the lease (a Manager that is never started, the CLI's
         # token commands, writes unfenced: they touch no state a leader owns in memory)
@@ -125,8 +128,14 @@ class Manager:
             self._standby = asyncio.create_task(self._stand_by(), name="standby")
 
     async def _stand_by(self) -> None:
-        await self.leadership.wait_for_turn()
-        await self._lead()
+        # the planner's process starts now rather than in the takeover's first replan
+        warm = asyncio.create_task(self.jobs.planner.warm(), name="warm-planner")
+        try:
+            await self.leadership.wait_for_turn()
+            await self._lead()
+        finally:
+            if not warm.done():
+                warm.cancel()
 
     async def wait_leading(self) -> None:
         """Until this manager leads (returns at once when it does)."""
@@ -180,6 +189,7 @@ class Manager:
             self.power.recompute_later()  # the base cap may have been set, changed or removed since
         self._loaded = True
         self.ready = True
+        self.acting_event.set()
         log.info("manager started", epoch=self.epoch, gpus=len(self.world.gpus), jobs=len(self.world.jobs))
 
     async def begin_shutdown(self) -> None:

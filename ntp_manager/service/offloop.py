@@ -15,10 +15,14 @@ it was on); what the loop allocates meanwhile is collected after.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import gc
+import os
 import threading
+import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import ParamSpec, TypeVar
 
 P = ParamSpec("P")
@@ -49,3 +53,27 @@ def paused(fn: Callable[[], T]) -> T:
 async def run(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     """`fn(*args, **kwargs)` in a worker thread, garbage collection paused (see the module)."""
     return await asyncio.to_thread(paused, functools.partial(fn, *args, **kwargs))
+
+
+WORKERS = min(32, (os.cpu_count() or 1) + 4)  # the size asyncio's default executor would have
+_warmed: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+
+
+async def warm() -> None:
+    """Give the running loop a default executor whose WORKERS threads already run. The default
+    one starts a thread the first time it has no idle one, and `Thread.start` waits until the new
+    thread is scheduled: on a loaded machine that wait, on the loop's thread, was a stall of its
+    own (seen in bench/layouts.py's stall sites). Done once per loop, here, at start-up."""
+    loop = asyncio.get_running_loop()
+    if loop in _warmed:
+        return
+    _warmed.add(loop)
+    pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="offloop")
+    loop.set_default_executor(pool)
+    everyone = threading.Barrier(WORKERS)
+
+    def arrive() -> None:  # each blocks until all have started: one thread per task
+        with contextlib.suppress(threading.BrokenBarrierError):
+            everyone.wait(timeout=30)
+
+    await asyncio.gather(*(loop.run_in_executor(pool, arrive) for _ in range(WORKERS)))

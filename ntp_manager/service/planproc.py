@@ -157,6 +157,16 @@ class PlanProcess:
             self._sent = _Sent()
             raise Missing("restarted") from None
 
+    async def warm(self) -> None:
+        """Start the worker process now, ahead of the first plan (a standby does, so that its first
+        replans as the new leader do not wait for a process to start and import the planner)."""
+        if self._executor() is None:
+            return
+        try:
+            await self._call(_ready)
+        except Exception as e:  # it is started again on first use
+            log.warning("could not start the planner process ahead of use", error=repr(e))
+
     # -- the work --
     async def plan(self, cluster: Cluster, spec: JobSpec, pos_of: codec.PosOf, fail: tuple[str, ...] = ()) -> LayoutDoc:
         """`planning.plan_layout(cluster, spec, fail)`: PlanError or TopologyError as it raises.
@@ -336,6 +346,10 @@ def _worker_init() -> None:
     import gc
 
     gc.freeze()  # the imported modules are never garbage; later collections skip them
+
+
+def _ready() -> None:
+    """In the worker: nothing (`warm` waits for the worker to have started and imported this)."""
 
 
 def _keep(table: OrderedDict[int, Any], tok: int, value: Any, keep: int = KEEP) -> None:

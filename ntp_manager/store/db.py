@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from json.encoder import encode_basestring_ascii
 from pathlib import Path
 from typing import Any
 
@@ -62,12 +63,23 @@ class StoredJson(dict[str, Any]):
         self.text = dumps_in_pieces(doc)
 
 
+_ENCODER = json.JSONEncoder(allow_nan=False)  # one for all (json.dumps builds one per call given allow_nan)
+
+
 def json_text(obj: Any) -> str:
     """The store's JSON serializer. Non-finite numbers are refused (PostgreSQL cannot hold them
     and JSON has no spelling for them); the edge rejects them first, this is the last guard."""
     if isinstance(obj, StoredJson):
         return obj.text
-    return json.dumps(obj, allow_nan=False)
+    if type(obj) is list and all(type(x) is str for x in obj):  # a health event's reasons (or no XIDs)
+        return "[" + ", ".join(map(encode_basestring_ascii, obj)) + "]"  # as json.dumps spells it
+    return _ENCODER.encode(obj)
+
+
+def application_name(leader_id: str) -> str:
+    """The name a manager's database sessions carry (PostgreSQL's `application_name`): a new
+    leader ends its predecessor's sessions by it, and tests tell whose session wrote a row."""
+    return f"ntp-manager {leader_id}"[:63]
 
 
 def make_engine(url: str, application_name: str | None = None, idle_tx_timeout_s: float | None = None,

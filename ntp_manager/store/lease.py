@@ -133,5 +133,6 @@ async def terminate_sessions(conn: AsyncConnection, application_name: str) -> in
         return 0
     rows = (await conn.execute(text(
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-        "WHERE application_name = :app AND pid <> pg_backend_pid()"), {"app": application_name})).all()
+        "WHERE (application_name = :app OR starts_with(application_name, :pool)) AND pid <> pg_backend_pid()"),
+        {"app": application_name, "pool": application_name + " "})).all()  # its lease pool's too
     return sum(1 for r in rows if r[0])

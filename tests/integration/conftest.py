@@ -15,12 +15,14 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from sqlalchemy import select
 
 from ntp_manager.api.app import create_app
 from ntp_manager.clock import Clock
 from ntp_manager.rpc.server import RpcServer
 from ntp_manager.service.manager import Manager
 from ntp_manager.settings import Settings
+from ntp_manager.store.models import AuditRow
 
 PG = os.environ.get("NTP_TEST_POSTGRES_URL")
 BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.skipif(
@@ -139,3 +141,17 @@ async def eventually(pred: Any, timeout: float = 10.0, interval: float = 0.02) -
         if loop.time() > end:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(interval)
+
+
+async def submit_job(svc: Service, job: dict[str, Any]) -> None:
+    """Submits `job` as the operator (201 expected) and waits until its first layout is made."""
+    async with svc.client() as c:
+        assert (await c.post("/v1/jobs", json=job)).status_code == 201
+    await eventually(lambda: svc.manager.world.jobs[job["name"]].layout is not None)
+
+
+async def audit_rows(svc: Service, prefix: str) -> list[AuditRow]:
+    """The audit records whose action starts with `prefix`, oldest first."""
+    async with svc.manager.sm() as s:
+        return list((await s.scalars(select(AuditRow).where(AuditRow.action.startswith(prefix))
+                                     .order_by(AuditRow.id))).all())

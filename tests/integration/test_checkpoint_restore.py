@@ -10,12 +10,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from sqlalchemy import select
 
 from ntp_manager._proto.ntp.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from ntp_manager.store.models import AuditRow
 from ntp_manager.worker.sources import GrpcLayoutSource, RestoreNote
-from tests.integration.conftest import Service, eventually
+from tests.integration.conftest import Service, audit_rows, eventually, submit_job
 from tests.integration.test_ntpctl import cj, ctl
 from tests.integration.test_service import JOB, start_agents, watch
 from tests.worker.ckpt_cases import TARGETS
@@ -23,17 +22,13 @@ from tests.worker.test_checkpoint import _shard_file, reference, save_all
 
 
 async def restore_audits(svc: Service) -> list[AuditRow]:
-    async with svc.manager.sm() as s:
-        return list((await s.scalars(select(AuditRow).where(AuditRow.action == "job.restore")
-                                     .order_by(AuditRow.id))).all())
+    return await audit_rows(svc, "job.restore")  # the only action of that name
 
 
 async def test_a_restore_reported_by_every_rank_is_recorded_once(service: Service) -> None:
     svc = service
     agents = await start_agents(svc)
-    async with svc.client() as c:
-        assert (await c.post("/v1/jobs", json=JOB)).status_code == 201
-    await eventually(lambda: svc.manager.world.jobs["llm"].layout is not None)
+    await submit_job(svc, JOB)
     lay = svc.manager.world.jobs["llm"].layout
     gpus = list(lay.doc.gpus)
     # every worker of the layout watches it and acks it with the same restore, all at once
@@ -113,9 +108,7 @@ BAD = [  # (the report, the ack's status, the field the refusal names)
 async def test_a_bad_restore_report_is_refused_and_changes_nothing(sqlite_service: Service) -> None:
     svc = sqlite_service
     agents = await start_agents(svc)
-    async with svc.client() as c:
-        assert (await c.post("/v1/jobs", json=JOB)).status_code == 201
-    await eventually(lambda: svc.manager.world.jobs["llm"].layout is not None)
+    await submit_job(svc, JOB)
     async with grpc.aio.insecure_channel(svc.grpc) as channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
         md = (("authorization", f"Bearer {svc.tokens['worker']}"),)

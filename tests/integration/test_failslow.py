@@ -8,15 +8,12 @@ import random
 from typing import Any
 
 import grpc
-from sqlalchemy import select
 
 from ntp_manager._proto.ntp.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from ntp_manager.api.dashboard import dashboard_snapshot
-from ntp_manager.store.models import AuditRow, FailSlowOptionsRow
-from tests.integration.conftest import Service, eventually
-from tests.integration.test_service import start_agents
-
-JOB = {"name": "llm", "tp": 4, "replicas": 2, "local_batch": 8, "min_tp": 2, "heads": 16, "mlp_columns": 64}
+from ntp_manager.store.models import FailSlowOptionsRow
+from tests.integration.conftest import Service, audit_rows, eventually, submit_job
+from tests.integration.test_service import JOB, start_agents
 
 
 class Workers:
@@ -57,18 +54,11 @@ class Workers:
         await self.channel.close()
 
 
-async def audits(svc: Service, prefix: str) -> list[AuditRow]:
-    async with svc.manager.sm() as s:
-        return list((await s.scalars(select(AuditRow).where(AuditRow.action.startswith(prefix))
-                                     .order_by(AuditRow.id))).all())
-
-
 async def test_options_at_runtime_and_a_dry_run_verdict_changes_nothing(sqlite_service: Service) -> None:
     svc = sqlite_service
     agents = await start_agents(svc)
+    await submit_job(svc, JOB)
     async with svc.client() as c:
-        assert (await c.post("/v1/jobs", json=JOB)).status_code == 201
-        await eventually(lambda: svc.manager.world.jobs["llm"].layout is not None)
         # bad values are refused naming the field, and change nothing
         for body, field in (({"options": {"enter_margin": -1}}, "enter_margin"),
                             ({"options": {"exit_margin": 0.5}}, "exit_margin"),  # above enter_margin
@@ -81,12 +71,12 @@ async def test_options_at_runtime_and_a_dry_run_verdict_changes_nothing(sqlite_s
         async with svc.client("viewer") as v:  # a viewer reads, never changes
             assert (await v.patch("/v1/jobs/llm/slow/options", json={"options": {"dry_run": True}})).status_code == 403
             assert (await v.get("/v1/jobs/llm/slow")).json()["options"]["dry_run"] is False
-        assert await audits(svc, "failslow.options") == []
+        assert await audit_rows(svc, "failslow.options") == []
 
         r = await c.patch("/v1/jobs/llm/slow/options", json={"options": {"dry_run": True, "enter_margin": 0.2}})
         assert r.status_code == 200, r.text
         assert r.json()["changed"] == {"dry_run": True, "enter_margin": 0.2}
-        (rec,) = await audits(svc, "failslow.options")
+        (rec,) = await audit_rows(svc, "failslow.options")
         assert rec.target == "llm" and rec.before == {"dry_run": False, "enter_margin": 0.1}
         async with svc.manager.sm() as s:
             row = await s.get(FailSlowOptionsRow, "llm")
@@ -108,7 +98,7 @@ async def test_options_at_runtime_and_a_dry_run_verdict_changes_nothing(sqlite_s
     by_gpu = {r["gpu"]: r for r in view["ranks"]}
     assert by_gpu[victim]["slow"] and 1.8 < by_gpu[victim]["factor"] < 2.2
     assert all(not r["slow"] and 0.9 < r["factor"] < 1.1 for g, r in by_gpu.items() if g != victim)
-    (audit,) = await audits(svc, "failslow.slow")
+    (audit,) = await audit_rows(svc, "failslow.slow")
     assert audit.target == victim and audit.after["dry_run"] and audit.after["action"] == "none"
     assert svc.manager.world.gpus[victim].health == "healthy"
     assert svc.manager.world.jobs["llm"].layout.version == 1  # type: ignore[union-attr]
@@ -130,9 +120,7 @@ async def test_a_slow_rank_becomes_a_degraded_gpu_and_a_new_layout_says_why(sqli
     svc = sqlite_service
     m = svc.manager
     agents = await start_agents(svc)
-    async with svc.client() as c:
-        assert (await c.post("/v1/jobs", json=JOB)).status_code == 201
-    await eventually(lambda: m.world.jobs["llm"].layout is not None)
+    await submit_job(svc, JOB)
     lay = m.world.jobs["llm"].layout
     assert lay is not None
     victim = lay.doc.replicas[1].groups[0].gpus[2]
@@ -149,9 +137,9 @@ async def test_a_slow_rank_becomes_a_degraded_gpu_and_a_new_layout_says_why(sqli
     assert sorted((r.tp, r.local_batch) for r in new.doc.replicas) == [(3, 5), (4, 8)]
     assert victim not in set(new.doc.gpus)
     assert "fail-slow" in new.reason and f"degraded {victim} at 0.5" in new.reason and ": exclude (" in new.reason
-    (slow,) = await audits(svc, "failslow.slow")
+    (slow,) = await audit_rows(svc, "failslow.slow")
     assert slow.target == victim and slow.after["action"].startswith("degraded at speed 0.5")
-    layout_audits = await audits(svc, "layout.update")
+    layout_audits = await audit_rows(svc, "layout.update")
     assert "exclude" in layout_audits[-1].reason
     async with svc.client("viewer") as c:
         gpu = (await c.get(f"/v1/gpus/{victim}")).json()
@@ -186,7 +174,7 @@ async def test_a_slow_rank_becomes_a_degraded_gpu_and_a_new_layout_says_why(sqli
     # still slow after all: judged afresh (the detector forgot it), found again
     await w.run(8, slow={victim: 2.0})
     await eventually(lambda: m.world.gpus[victim].health == "degraded")
-    assert len(await audits(svc, "failslow.slow")) == 2
+    assert len(await audit_rows(svc, "failslow.slow")) == 2
     await w.close()
     for a in agents:
         await a.close()

@@ -8,6 +8,10 @@ real agents (fake GPU backend) and a real worker layout source that know both ma
 - SIGSTOP the leader for longer than its lease, then SIGCONT: it commits nothing (a trigger in
   the database records which manager's session wrote each row: none of the old leader's after the
   takeover), it exits with status 75, and the report it was holding lands on the new leader.
+- A partition between the leader and the database (a proxy that stops moving bytes): the leader
+  stops acting at the end of its lease and exits 75 by itself; the standby takes over and acts on
+  the report sent meanwhile; once the partition heals nothing the old leader had in flight
+  commits; reports neither lost nor applied twice, the breaker closed.
 
 Leases are short (3 s) to keep the time small; bench/ha.py runs the heavy version.
 """
@@ -17,14 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import json
-import os
 import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +34,12 @@ import pytest
 
 from agent.backends.fake import FakeBackend, parse_scenario
 from agent.core import Agent, AgentConfig
+from ntp_manager.manager_process import ManagerProcess
 from ntp_manager.service.manager import Manager
 from ntp_manager.settings import Settings
-from ntp_manager.store import db
+from ntp_manager.store import db, write_log
 from ntp_manager.worker.sources import GrpcLayoutSource
+from tests.fakes.partition import Partition
 from tests.integration.conftest import PG, database
 
 pytestmark = pytest.mark.skipif(not PG, reason="NTP_TEST_POSTGRES_URL is not set (no PostgreSQL server to test with)")
@@ -46,78 +48,6 @@ LEASE = {"NTP_LEASE_TTL_S": "3", "NTP_LEASE_RENEW_S": "0.5", "NTP_TAKEOVER_GRACE
          "NTP_HEARTBEAT_INTERVAL_S": "0.5", "NTP_SUSPECT_AFTER_S": "30", "NTP_FAIL_AFTER_S": "60",
          "NTP_LOG_FORMAT": "json"}
 JOB = {"name": "llm", "tp": 4, "replicas": 2, "local_batch": 8, "min_tp": 2, "heads": 16, "mlp_columns": 64}
-
-# Which manager's session committed each row: a trigger on every table the manager writes records
-# the session's application_name (service/leader.py names them "ntp-manager <leader id>"). Rows of
-# a refused transaction roll back with it, so this counts committed writes only.
-WRITE_LOG = """
-CREATE TABLE ha_write_log (id bigserial PRIMARY KEY, app text NOT NULL, tbl text NOT NULL,
-                           at timestamptz NOT NULL DEFAULT clock_timestamp());
-CREATE FUNCTION ha_log_write() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-  INSERT INTO ha_write_log (app, tbl) VALUES (current_setting('application_name'), TG_TABLE_NAME);
-  RETURN NULL;
-END $$;
-"""
-LOGGED = ("nodes", "gpus", "domains", "health_events", "audit_log", "layouts", "jobs", "breaker", "idempotency_keys")
-
-
-class ManagerProc:
-    """One `ntp-manager serve` process; its stdout lines are collected by a thread."""
-
-    def __init__(self, name: str, url: str, log_dir: Path, extra: dict[str, str] | None = None) -> None:
-        env = dict(os.environ, NTP_DATABASE_URL=url, NTP_LEADER_ID=name, **LEASE, **(extra or {}))
-        self.name = name
-        self.log = log_dir / f"manager-{name}.log"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ntp_manager.cli", "serve", "--http-port", "0", "--grpc-port", "0"],
-            stdout=subprocess.PIPE, stderr=self.log.open("w"), text=True, env=env)
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-        self.info: dict[str, Any] = {}
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self._cond:
-                self.lines.append(line.rstrip("\n"))
-                self._cond.notify_all()
-
-    def wait_line(self, prefix: str, timeout: float = 60) -> dict[str, Any]:
-        end = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                for line in self.lines:
-                    if line.startswith(prefix):
-                        return dict(json.loads(line[len(prefix):].strip()))
-                left = end - time.monotonic()
-                if left <= 0 or self.proc.poll() is not None:
-                    raise AssertionError(f"manager {self.name}: no {prefix!r} line (rc={self.proc.poll()}); "
-                                         f"log: {self.log.read_text()[-3000:]}")
-                self._cond.wait(min(left, 0.1))
-
-    async def ready(self) -> dict[str, Any]:
-        self.info = await asyncio.to_thread(self.wait_line, "NTP-MANAGER READY")
-        return self.info
-
-    async def leading(self, timeout: float = 60) -> dict[str, Any]:
-        return await asyncio.to_thread(self.wait_line, "NTP-MANAGER LEADING", timeout)
-
-    @property
-    def http(self) -> str:
-        return f"http://{self.info['http']}"
-
-    @property
-    def grpc(self) -> str:
-        return str(self.info["grpc"])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGCONT)
-                self.proc.kill()
-        self.proc.wait(30)
 
 
 async def prepare(url: str) -> dict[str, str]:
@@ -140,27 +70,21 @@ async def cluster(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
     (`start(name)`) and all killed at the end."""
     async with database("postgres", tmp_path) as url:
         tokens = await prepare(url)
-        plain = url.replace("postgresql+asyncpg://", "postgresql://")
-        conn = await asyncpg.connect(plain)
-        try:
-            await conn.execute(WRITE_LOG)
-            for t in LOGGED:
-                await conn.execute(f"CREATE TRIGGER ha_log AFTER INSERT OR UPDATE OR DELETE ON {t} "
-                                   "FOR EACH ROW EXECUTE FUNCTION ha_log_write()")
-        finally:
-            await conn.close()
-        procs: list[ManagerProc] = []
+        await write_log.install(url)
+        procs: list[ManagerProcess] = []
 
-        def start(name: str, **extra: str) -> ManagerProc:
-            p = ManagerProc(name, url, tmp_path, extra)
+        def start(name: str, via: str | None = None, **extra: str) -> ManagerProcess:
+            """Manager `name` on the database (`via`: the database's URL through a proxy)."""
+            p = ManagerProcess(name, via or url, tmp_path / f"manager-{name}.log", {**LEASE, **extra})
             procs.append(p)
             return p
 
         try:
-            yield {"url": url, "pg": plain, "tokens": tokens, "start": start}
+            yield {"url": url, "pg": url.replace("postgresql+asyncpg://", "postgresql://"), "tokens": tokens,
+                   "start": start}
         finally:
             for p in procs:
-                p.stop()
+                p.stop(graceful=False)
 
 
 def make_agent(node: str, domain: str, tok: str, managers: list[str]) -> tuple[Agent, FakeBackend]:
@@ -195,15 +119,15 @@ async def get(base: str, tok: str, path: str) -> Any:
         return r.json()
 
 
-async def writes_by(pg: str, app_prefix: str, since_epoch_of: str) -> int:
-    """Rows committed by sessions of `app_prefix` after the manager `since_epoch_of` took the lease."""
+async def lease_since(pg: str, holder: str) -> datetime:
+    """When `holder` took the lease it holds now (the database's clock)."""
     conn = await asyncpg.connect(pg)
     try:
-        return int(await conn.fetchval(
-            "SELECT count(*) FROM ha_write_log WHERE app LIKE $1 AND at >= "
-            "(SELECT since FROM leader WHERE id = 1 AND holder = $2)", app_prefix + "%", since_epoch_of))
+        since = await conn.fetchval("SELECT since FROM leader WHERE id = 1 AND holder = $1", holder)
     finally:
         await conn.close()
+    assert isinstance(since, datetime), f"{holder} does not hold the lease"
+    return since
 
 
 async def run_agents(c: dict[str, Any], managers: list[str]) -> tuple[list[Agent], list[FakeBackend], list[Any]]:
@@ -224,10 +148,27 @@ async def stop_agents(agents: list[Agent], tasks: list[Any]) -> None:
             await asyncio.wait_for(t, 10)
 
 
+async def check_reports(pg: str, agent: Agent) -> None:
+    """Nothing lost, nothing applied twice: no report seq of the agent's node applied twice to a GPU,
+    every GPU of the node failed by a report, and the node's stored seq is exactly what the agent
+    had acknowledged."""
+    conn = await asyncpg.connect(pg)
+    try:
+        events = await conn.fetch("SELECT gpu_uuid, seq, old_state, new_state FROM health_events "
+                                  "WHERE node = $1 AND source = 'agent' ORDER BY id", agent.cfg.node)
+        last_seq = await conn.fetchval("SELECT last_seq FROM nodes WHERE name = $1", agent.cfg.node)
+    finally:
+        await conn.close()
+    applied = [(e["gpu_uuid"], e["seq"]) for e in events]
+    assert len(applied) == len(set(applied)), events
+    assert {e["gpu_uuid"] for e in events if e["new_state"] == "failed"} == {g.uuid for g in agent.statics}
+    assert last_seq == agent.last_acked >= max(seq for _, seq in applied)
+
+
 async def test_started_together_one_leads_and_when_it_is_killed_the_other_takes_over(tmp_path: Path) -> None:
     async with cluster(tmp_path) as c:
         procs = [c["start"](n) for n in ("a", "b")]  # both at the same moment: exactly one leads
-        roles = {p.name: (await p.ready())["role"] for p in procs}
+        roles = {p.name: (await p.ready_async())["role"] for p in procs}
         assert sorted(roles.values()) == ["leader", "standby"]
         a, b = sorted(procs, key=lambda p: roles[p.name] != "leader")  # a: the leader
         conn = await asyncpg.connect(c["pg"])
@@ -262,19 +203,7 @@ async def test_started_together_one_leads_and_when_it_is_killed_the_other_takes_
                 assert {g["uuid"] for g in failed["items"]} == {g.uuid for g in agents[1].statics}
             finally:
                 await asyncio.to_thread(source.close)
-            # nothing double-applied: no report seq of the node applied twice to a GPU, every GPU
-            # failed by a report, and the node's seq is exactly what the agent had acknowledged
-            conn = await asyncpg.connect(c["pg"])
-            try:
-                events = await conn.fetch("SELECT gpu_uuid, seq, old_state, new_state FROM health_events "
-                                          "WHERE node = 'node-1' AND source = 'agent' ORDER BY id")
-                last_seq = await conn.fetchval("SELECT last_seq FROM nodes WHERE name = 'node-1'")
-            finally:
-                await conn.close()
-            applied = [(e["gpu_uuid"], e["seq"]) for e in events]
-            assert len(applied) == len(set(applied)), events
-            assert {e["gpu_uuid"] for e in events if e["new_state"] == "failed"} == {g.uuid for g in agents[1].statics}
-            assert last_seq == agents[1].last_acked >= max(seq for _, seq in applied)
+            await check_reports(c["pg"], agents[1])
         finally:
             await stop_agents(agents, tasks)
 
@@ -282,9 +211,9 @@ async def test_started_together_one_leads_and_when_it_is_killed_the_other_takes_
 async def test_a_leader_paused_past_its_lease_commits_nothing_when_it_wakes(tmp_path: Path) -> None:
     async with cluster(tmp_path) as c:
         a = c["start"]("a")
-        await a.ready()
+        await a.ready_async()
         b = c["start"]("b")
-        await b.ready()
+        await b.ready_async()
         op = c["tokens"]["operator"]
         agents, backends, tasks = await run_agents(c, [a.grpc, b.grpc])
         try:
@@ -303,7 +232,7 @@ async def test_a_leader_paused_past_its_lease_commits_nothing_when_it_wakes(tmp_
             assert rc == 75, a.log.read_text()[-3000:]  # it found its lease gone and exited for a restart
             assert "lost the lease" in a.log.read_text()
             # a committed nothing once b had taken over: no row of any table came from its sessions
-            assert await writes_by(c["pg"], "ntp-manager a", "b") == 0
+            assert await write_log.writes_since(c["url"], "a", await lease_since(c["pg"], "b")) == 0
             # and b has the report (the agent re-sent it there) and acted on it at its epoch
             await eventually(lambda: agents[1].connected.is_set() and agents[1].last_acked >= 1,
                              what="report acknowledged by b")
@@ -315,6 +244,70 @@ async def test_a_leader_paused_past_its_lease_commits_nothing_when_it_wakes(tmp_
                 return bool(lay["leader_epoch"] == took["epoch"])
 
             await eventually(layout_of_b, what="a layout stamped with b's epoch")
-            assert await writes_by(c["pg"], "ntp-manager b", "b") > 0  # the counter does see writes
+            assert await write_log.writes_since(c["url"], "b", await lease_since(c["pg"], "b")) > 0  # it counts
         finally:
             await stop_agents(agents, tasks)
+
+
+async def test_a_leader_cut_off_from_the_database_stops_leading_and_the_standby_takes_over(tmp_path: Path) -> None:
+    """A partition between the leader and PostgreSQL that drops everything (a proxy stops moving
+    bytes; nobody is told, calls hang): the leader cannot renew, and it must stop acting as leader
+    by the end of its lease (its agents' streams and watches end, so they move) and exit 75 on its
+    own, partition or not; the standby takes over once the lease has expired, gets the report sent
+    meanwhile from the agent (the cut-off leader could not commit it, so never acknowledged it) and
+    pushes a layout at its epoch. Then the partition heals, letting through whatever the old
+    leader's connections had in flight: nothing of it commits after its lease had ended."""
+    async with cluster(tmp_path) as c:
+        proxy = Partition.to(c["url"])
+        await proxy.start()
+        try:
+            a = c["start"]("a", via=proxy.url(c["url"]))
+            assert (await a.ready_async())["role"] == "leader"
+            b = c["start"]("b")
+            await b.ready_async()
+            op, wtok = c["tokens"]["operator"], c["tokens"]["worker"]
+            agents, backends, tasks = await run_agents(c, [a.grpc, b.grpc])
+            try:
+                await eventually(lambda: all(x.connected.is_set() for x in agents), what="agents connected to a")
+                async with httpx.AsyncClient(base_url=a.http, headers={"Authorization": f"Bearer {op}"}) as h:
+                    assert (await h.post("/v1/jobs", json=JOB)).status_code == 201
+                source = await asyncio.to_thread(GrpcLayoutSource, [a.grpc, b.grpc], wtok, "llm",
+                                                 agents[0].statics[0].uuid, "w0")
+                try:
+                    first = source.latest()
+                    assert first is not None and len(first.replicas) == 2
+                    proxy.cut()
+                    await asyncio.sleep(0.3)  # what crossed before the cut has landed; nothing crosses now
+                    conn = await asyncpg.connect(c["pg"])
+                    try:  # the end of a's lease: no renewal of a's gets through from now on
+                        row = await conn.fetchrow("SELECT holder, expires_at FROM leader WHERE id = 1")
+                    finally:
+                        await conn.close()
+                    assert row["holder"] == "a"
+                    backends[1].inject("xid", 0, xid=79)  # node-1 fails: a takes the report, cannot commit it
+                    await eventually(lambda: agents[1].sent_upto >= 1, what="report sent to the cut-off leader")
+                    took = await b.leading()
+                    # a stopped leading and exits by itself, still cut off from its database
+                    rc = await asyncio.to_thread(a.proc.wait, 60)
+                    assert rc == 75, a.log.read_text()[-3000:]
+                    assert "no renewal got through" in a.log.read_text()
+                    # b acts on the report at its epoch; the agents and the watch moved to b
+                    await eventually(lambda: (source.latest() or first).version > first.version, what="new layout")
+                    lay = source.latest()
+                    assert lay is not None and lay.epoch == took["epoch"] > first.epoch and len(lay.replicas) == 1
+                    assert source.failovers >= 1 and all(x.failovers >= 1 for x in agents)
+                    await eventually(lambda: agents[1].connected.is_set() and agents[1].last_acked >= 1,
+                                     what="report acknowledged by b")
+                    status = await get(b.http, op, "/v1/status")
+                    assert status["leader_epoch"] == took["epoch"] and status["breaker"]["open"] is False
+                finally:
+                    await asyncio.to_thread(source.close)
+                proxy.heal()  # what a's connections held reaches the database now
+                await asyncio.sleep(1.0)
+                assert await write_log.writes_since(c["url"], "a", row["expires_at"]) == 0
+                assert await write_log.writes_since(c["url"], "b", await lease_since(c["pg"], "b")) > 0
+                await check_reports(c["pg"], agents[1])
+            finally:
+                await stop_agents(agents, tasks)
+        finally:
+            await proxy.stop()

@@ -15,18 +15,20 @@ import grpc
 import httpx
 import pytest
 import uvicorn
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import ValidationError
 from sqlalchemy import func, select, text
 
 from ntp_manager._proto.ntp.v1 import worker_pb2, worker_pb2_grpc
 from ntp_manager.api.app import create_app
-from ntp_manager.rpc.server import RpcServer
+from ntp_manager.rpc.server import HEALTH_SERVICES, RpcServer
 from ntp_manager.service.leader import AnotherManager, NotLeader
 from ntp_manager.service.manager import GpuInventory, GpuReport, Manager
 from ntp_manager.settings import Settings
 from ntp_manager.store.models import AuditRow, HealthEventRow, LeaderRow
 from ntp_manager.topology import GpuState
 from tests.fakes.clock import FakeClock
+from tests.fakes.partition import Partition
 from tests.integration.conftest import PG, _Server, database
 
 needs_pg = pytest.mark.skipif(not PG, reason="NTP_TEST_POSTGRES_URL is not set (no PostgreSQL server to test against)")
@@ -122,6 +124,26 @@ async def test_a_leader_whose_renewals_find_another_epoch_stops(tmp_path: Path) 
             await a.stop()
 
 
+@needs_pg
+async def test_a_leader_cut_off_from_the_database_stops_leading(tmp_path: Path) -> None:
+    """A partition that drops packets: the renewal hangs rather than fails. The leader does not
+    wait on it past its lease: it stops acting (its clients go elsewhere) while the call hangs."""
+    async with pg_url(tmp_path) as url:
+        proxy = Partition.to(url)
+        await proxy.start()
+        a = Manager(settings(tmp_path, proxy.url(url), "a", lease_ttl_s=2.0, lease_renew_s=0.5))
+        await a.start()
+        try:
+            assert a.leading
+            proxy.cut()
+            await asyncio.wait_for(a.lost.wait(), 30)
+            assert not a.leading and not a.acting and "no renewal got through" in a.leadership.lost_reason
+        finally:
+            proxy.heal()
+            await a.stop()
+            await proxy.stop()
+
+
 async def test_sqlite_refuses_a_second_manager(tmp_path: Path) -> None:
     s = Settings(data_dir=tmp_path)
     a = Manager(s)
@@ -172,8 +194,21 @@ async def serving(s: Settings) -> AsyncIterator[tuple[Manager, str, str]]:
         await m.stop()
 
 
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def health_of(addr: str) -> dict[str, int]:
+    """The gRPC health status of the server and of each ntp.v1 service at `addr`."""
+    async with grpc.aio.insecure_channel(addr) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        return {svc: (await stub.Check(health_pb2.HealthCheckRequest(service=svc), timeout=5)).status
+                for svc in HEALTH_SERVICES}
+
+
 @needs_pg
 async def test_a_standby_sends_rest_and_grpc_clients_to_the_leader(tmp_path: Path) -> None:
+    """REST and gRPC clients of a standby are sent to the leader; gRPC health says which one leads
+    and follows a takeover."""
     async with pg_url(tmp_path) as url, serving(settings(tmp_path, url, "a")) as (a, a_http, a_grpc):
         token = await a.create_token("op", "operator")
         worker = await a.create_token("w", "worker")
@@ -202,9 +237,18 @@ async def test_a_standby_sends_rest_and_grpc_clients_to_the_leader(tmp_path: Pat
                     await call.read()
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "the leader is a" in err.value.details()
                 assert ("ntp-leader", a_grpc) in tuple(err.value.trailing_metadata() or ())
-            # the leader goes: the standby takes over and serves (the token is in the database)
-            await a.stop()
-            await asyncio.wait_for(b.wait_leading(), 10)
+            # gRPC health (grpc.health.v1) finds the leader: SERVING there, NOT_SERVING on the standby
+            assert await health_of(a_grpc) == {svc: SERVING for svc in HEALTH_SERVICES}
+            assert await health_of(b_grpc) == {svc: NOT_SERVING for svc in HEALTH_SERVICES}
+            async with grpc.aio.insecure_channel(b_grpc) as ch:
+                watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""))
+                assert (await watch.read()).status == NOT_SERVING
+                # the leader goes: the standby takes over and serves (the token is in the database)
+                await a.stop()
+                await asyncio.wait_for(b.wait_leading(), 10)
+                assert (await asyncio.wait_for(watch.read(), 10)).status == SERVING  # flipped on takeover
+                watch.cancel()
+            assert await health_of(b_grpc) == {svc: SERVING for svc in HEALTH_SERVICES}
             async with httpx.AsyncClient(base_url=f"http://{b_http}", timeout=10) as c:
                 assert (await c.get("/readyz")).json()["role"] == "leader"
                 assert (await c.get("/v1/status", headers=hdr)).json()["leader_epoch"] == a.epoch + 1
@@ -246,3 +290,38 @@ async def test_a_new_leader_gives_agents_the_grace_to_reconnect(kind: str, tmp_p
             assert {h[f"G1-{i}"] for i in range(4)} == {GpuState.FAILED}
         finally:
             await b.stop()
+
+
+@needs_pg
+async def test_a_standby_holds_calls_while_a_takeover_is_due(tmp_path: Path) -> None:
+    """The leader stops renewing (cut off from the database): a call that reaches the standby then
+    is held until the standby has taken over and is served there, instead of being sent back to
+    the leader that is gone (its client would bounce and back off)."""
+    async with pg_url(tmp_path) as url:
+        proxy = Partition.to(url)
+        await proxy.start()
+        fast = {"lease_ttl_s": 2.0, "lease_renew_s": 0.4}
+        try:
+            async with serving(settings(tmp_path, proxy.url(url), "a", **fast)) as (a, _, _), \
+                    serving(settings(tmp_path, url, "b", **fast)) as (b, _, b_grpc):
+                worker = await a.create_token("w", "worker")
+                assert a.leading and b.leadership.takeover_due_in() is None  # a renews: nothing held
+                proxy.cut()
+                for _ in range(200):
+                    if b.leadership.takeover_due_in() is not None:
+                        break
+                    await asyncio.sleep(0.05)
+                assert not b.leading and b.leadership.takeover_due_in() is not None
+                async with grpc.aio.insecure_channel(b_grpc) as ch:
+                    stub = worker_pb2_grpc.WorkerServiceStub(ch)  # type: ignore[no-untyped-call]
+                    call = stub.WatchLayout(worker_pb2.WatchLayoutRequest(job="j", worker_id="w"),
+                                            metadata=(("authorization", f"Bearer {worker}"),))
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await call.read()
+                # answered by b as the leader (no such job), not sent away to a
+                assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value.details()
+                assert b.leading and a.lost.is_set()
+                proxy.heal()
+        finally:
+            proxy.heal()
+            await proxy.stop()

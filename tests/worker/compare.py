@@ -1,12 +1,18 @@
-"""Comparing a rank's (sharded) parameters with a single-process reference model's."""
+"""Comparing a rank's (sharded) parameters with a single-process reference model's, and the runs
+both sides share: step-numbered random batches and the reference's own training loop."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from ntp_manager.worker.tp import ShardedModule, feature_index
+
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 # a sharded module: the unit dim of each sharded parameter (by name), its units, the unit size
 ShardInfo = tuple[dict[str, int], list[int], int]
@@ -51,3 +57,31 @@ def tolerance(optimizer: str) -> float:
     return 1e-4 if optimizer == "adamw" else 1e-5
 
 
+
+
+def random_batches(vocab: int, seq: int, size: int, seed: int) -> Callable[[int, int, int], Batch]:
+    """`batch(step, start, count)` as the runtime takes it: samples [start, start+count) of step
+    `step`'s global batch of `size` random token sequences (inputs, targets), drawn from a
+    generator seeded with `seed + step`, so every layout slices the same global batch."""
+
+    def batch(step: int, start: int, count: int) -> Batch:
+        g = torch.Generator().manual_seed(seed + step)
+        idx = torch.randint(0, vocab, (size, seq), generator=g)
+        tgt = torch.randint(0, vocab, (size, seq), generator=g)
+        return idx[start : start + count], tgt[start : start + count]
+
+    return batch
+
+
+def train_reference(model: nn.Module, opt: torch.optim.Optimizer, batches: Iterable[Any],
+                    loss_fn: Callable[[Any], torch.Tensor]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The single-process reference: one optimizer step per batch; every step's loss and the
+    final parameters."""
+    losses = []
+    for b in batches:
+        opt.zero_grad()
+        loss = loss_fn(b)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}

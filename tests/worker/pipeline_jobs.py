@@ -16,6 +16,7 @@ from ntp_manager.planner import Plan, PowerModel, Scheme, make_plan
 from ntp_manager.worker.pipeline import Pipeline
 from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt
 from tests.fakes.builders import cluster_from_counts, job
+from tests.worker.compare import random_batches, train_reference
 
 GPT = GptConfig(vocab=32, seq=8, d_model=24, heads=4, mlp=24, layers=4)
 VOCAB, SEQ, MAX_BATCH = 32, 8, 8
@@ -43,11 +44,7 @@ def optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.01 if name.startswith("gpt") else 1e-3, eps=1e-6, weight_decay=0.1)
 
 
-def batch(step: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(500 + step)
-    idx = torch.randint(0, VOCAB, (MAX_BATCH, SEQ), generator=g)
-    tgt = torch.randint(0, VOCAB, (MAX_BATCH, SEQ), generator=g)
-    return idx[start : start + count], tgt[start : start + count]
+batch = random_batches(VOCAB, SEQ, MAX_BATCH, seed=500)
 
 
 def loss_of(logits: torch.Tensor, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -70,15 +67,8 @@ def reference(name: str, global_batches: Sequence[int]) -> tuple[list[float], di
     torch.manual_seed(0)
     m = build(name)
     opt = optimizer(name, m.parameters())
-    losses = []
-    for s, gb in enumerate(global_batches):
-        opt.zero_grad()
-        b = batch(s, 0, gb)
-        loss = loss_of(logits(m, b[0]), b)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in m.named_parameters()}
+    return train_reference(m, opt, (batch(s, 0, gb) for s, gb in enumerate(global_batches)),
+                           lambda b: loss_of(logits(m, b[0]), b))
 
 
 # ---- layouts from the planner -------------------------------------------------------------------

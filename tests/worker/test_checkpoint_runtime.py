@@ -26,9 +26,9 @@ import torch.multiprocessing as mp
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig
 from ntp_manager.worker.sources import RestoreNote, StoreLayoutSource, publish_layout, read_acks
 from ntp_manager.worker.tiny_gpt import TinyGpt, tp_plan
-from tests.fakes.procs import free_port
 from tests.worker.ckpt_cases import CFG, make_opt
-from tests.worker.compare import shard_errors, shard_info
+from tests.worker.compare import random_batches, shard_errors, shard_info, train_reference
+from tests.worker.ranks import reap, store_with_layout
 
 pytestmark = pytest.mark.slow
 
@@ -39,11 +39,7 @@ KILL_AT = 5
 A, B = ["w0", "w1"], ["w2", "w3"]
 
 
-def batch(step: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(500 + step)
-    idx = torch.randint(0, CFG.vocab, (GLOBAL, CFG.seq), generator=g)
-    tgt = torch.randint(0, CFG.vocab, (GLOBAL, CFG.seq), generator=g)
-    return idx[start : start + count], tgt[start : start + count]
+batch = random_batches(CFG.vocab, CFG.seq, GLOBAL, seed=500)
 
 
 def loss_fn(model: Any, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -92,21 +88,11 @@ def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     m = TinyGpt(CFG)
     opt = make_opt("adamw", m.parameters())
-    losses = []
-    for s in range(STEPS):
-        opt.zero_grad()
-        loss = m.loss(*batch(s, 0, GLOBAL))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in m.named_parameters()}
+    return train_reference(m, opt, (batch(s, 0, GLOBAL) for s in range(STEPS)), lambda b: m.loss(*b))
 
 
 def test_losing_every_holder_of_a_unit_restores_the_checkpoint_into_the_new_layout(tmp_path: Path) -> None:
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          timeout=dt.timedelta(seconds=120))
-    publish_layout(store, JOB, 1, [(A, 4), (B, 4)], "start")
+    port, store = store_with_layout(JOB, [(A, 4), (B, 4)], 120)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = {w: ctx.Process(target=_worker, args=(w, port, str(tmp_path), q)) for w in A + B}
@@ -141,11 +127,7 @@ def test_losing_every_holder_of_a_unit_restores_the_checkpoint_into_the_new_layo
             else:
                 done[msg[1]] = msg[2:]
     finally:
-        for p in procs.values():
-            if p.is_alive():
-                p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        reap(procs.values())
     assert procs["w0"].exitcode == 0 and procs["w2"].exitcode == 0
     assert read_acks(store, JOB, 2, ["w0", "w2"]) == {"w0": "ok", "w2": "ok"}
 

@@ -33,9 +33,9 @@ import torch.multiprocessing as mp
 
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig
 from ntp_manager.worker.sources import StoreLayoutSource, publish_layout, read_acks
-from tests.fakes.procs import free_port
 from tests.worker import pipeline_jobs as pj
 from tests.worker.compare import shard_errors, shard_info, tolerance
+from tests.worker.ranks import reap, store_with_layout
 
 STEPS = 8
 PARK_1, PARK_2, GATE = 2, 4, 5  # the first victim parks before step 2, the second before 4; repair before 5
@@ -91,11 +91,7 @@ def run_scenario(tp: int, pp: int, jobs: list[str], kills: list[tuple[int, int]]
     plans.append(pj.plan(tp, pp, kills, plans[-1]))
     plans.append(pj.plan(tp, pp, [], plans[-1]))
     victims = [pj.gpu(*k) for k in kills]
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          timeout=dt.timedelta(seconds=300))
-    for n in jobs:
-        publish_layout(store, n, 1, pj.layout_doc(plans[0]), "start")
+    port, store = store_with_layout(jobs, pj.layout_doc(plans[0]), 300)
     ctx = _context(jobs)
     q = ctx.Queue()
     workers = [u for rep in pj.layout_doc(plans[0]) for st in rep[0] for u in st]
@@ -146,11 +142,7 @@ def run_scenario(tp: int, pp: int, jobs: list[str], kills: list[tuple[int, int]]
             assert time.monotonic() < deadline, f"only {sorted(done)} finished"
             drain()
     finally:
-        for p in procs.values():
-            if p.is_alive():
-                p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        reap(procs.values())
     assert all(p.exitcode == 0 for p in procs.values()), {w: p.exitcode for w, p in procs.items()}
     acks = {(n, v): read_acks(store, n, v, workers) for n in jobs for v in (2, 3, 4)}
     return {"steps": steps, "done": done, "plans": plans, "acks": acks, "victims": victims, "workers": workers}
@@ -266,10 +258,7 @@ def test_a_stage_no_survivor_holds_restores_a_checkpoint_or_is_a_clear_error(che
     raises ReconfigurationError naming the stage (none trains on made-up weights); with them,
     every survivor loads the newest complete checkpoint into the new layout (stages and all) and
     trains on, equal to one process."""
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          timeout=dt.timedelta(seconds=120))
-    publish_layout(store, "doomed", 1, [([["a0"], ["a1"]], 4), ([["b0"], ["b1"]], 4)], "start")
+    port, store = store_with_layout("doomed", [([["a0"], ["a1"]], 4), ([["b0"], ["b1"]], 4)], 120)
     ctx = _context(["gpt"])
     q = ctx.Queue()
     root = str(tmp_path / "ckpt") if checkpoint else None

@@ -19,7 +19,7 @@ from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan, unit_counts
 from ntp_manager.worker.tp import RowwiseLinear, parallelize
 from tests.fakes.procs import free_port
 from tests.worker import devices
-from tests.worker.compare import shard_errors, shard_info, tolerance
+from tests.worker.compare import shard_errors, shard_info, tolerance, train_reference
 
 CFG = GptConfig(vocab=64, seq=16, d_model=48, heads=6, mlp=90, layers=2)
 UNITS = unit_counts(CFG)
@@ -45,15 +45,7 @@ def reference(kind: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     m = TinyGpt(CFG)
     opt = make_opt(kind, m.parameters())
-    losses = []
-    for s, lay in enumerate(STEPS):
-        idx, tgt = batch(s, lay.global_batch)
-        opt.zero_grad()
-        loss = m.loss(idx, tgt)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in m.named_parameters()}
+    return train_reference(m, opt, (batch(s, lay.global_batch) for s, lay in enumerate(STEPS)), lambda b: m.loss(*b))
 
 
 def _worker(rank: int, world: int, port: int, kind: str, q: Any, device: str = "cpu") -> None:

@@ -24,9 +24,9 @@ from ntp_manager.worker import comm
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig
 from ntp_manager.worker.sources import StoreLayoutSource, publish_layout, read_acks
 from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan
-from tests.fakes.procs import free_port
 from tests.worker import devices
-from tests.worker.compare import shard_errors, shard_info, tolerance
+from tests.worker.compare import random_batches, shard_errors, shard_info, tolerance, train_reference
+from tests.worker.ranks import reap, store_with_layout
 
 CFG = GptConfig(vocab=64, seq=16, d_model=48, heads=6, mlp=90, layers=2)
 JOB = "rt"
@@ -36,11 +36,7 @@ A = ["w0", "w1", "w2", "w3"]
 B = ["w4", "w5", "w6", "w7"]
 
 
-def batch(step: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    idx = torch.randint(0, CFG.vocab, (MAX_BATCH, CFG.seq), generator=g)
-    tgt = torch.randint(0, CFG.vocab, (MAX_BATCH, CFG.seq), generator=g)
-    return idx[start : start + count], tgt[start : start + count]
+batch = random_batches(CFG.vocab, CFG.seq, MAX_BATCH, seed=1000)
 
 
 def loss_fn(model: Any, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -88,14 +84,7 @@ def reference(kind: str, batches: list[int]) -> tuple[list[float], dict[str, tor
     torch.manual_seed(0)
     m = TinyGpt(CFG)
     opt = make_opt(kind, m.parameters())
-    losses = []
-    for s, gb in enumerate(batches):
-        opt.zero_grad()
-        loss = m.loss(*batch(s, 0, gb))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in m.named_parameters()}
+    return train_reference(m, opt, (batch(s, 0, gb) for s, gb in enumerate(batches)), lambda b: m.loss(*b))
 
 
 def _get(q: Any, deadline: float) -> Any:
@@ -111,10 +100,7 @@ def kill_and_rejoin(kind: str, device: str, a: list[str], b: list[str], steps: i
     less; a fresh process for it rejoins and `a` is whole again. Every step's loss and the final
     parameters equal a single-process reference on the same global batches."""
     victim = a[-1]
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          timeout=dt.timedelta(seconds=120))
-    publish_layout(store, JOB, 1, [(a, len(a)), (b, len(b))], "start")
+    port, store = store_with_layout(JOB, [(a, len(a)), (b, len(b))], 120)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     index = {w: i for i, w in enumerate(a + b)}
@@ -158,11 +144,7 @@ def kill_and_rejoin(kind: str, device: str, a: list[str], b: list[str], steps: i
             else:
                 done[msg[1]] = msg[2:]
     finally:
-        for p in procs.values():
-            if p.is_alive():
-                p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        reap(procs.values())
 
     assert all(p.exitcode == 0 for p in procs.values()), {w: p.exitcode for w, p in procs.items()}
     acks2 = read_acks(store, JOB, 2, a[:-1] + b)
@@ -235,10 +217,7 @@ def test_a_hung_peer_times_out_and_no_new_layout_is_a_clear_error() -> None:
     """A peer that stops answering (SIGSTOP: its sockets stay open) makes the next collective hang;
     it times out after `collective_timeout_s` and surfaces as a reconfiguration. When the manager
     publishes no new layout, the survivor raises ReconfigurationError instead of hanging."""
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          timeout=dt.timedelta(seconds=60))
-    publish_layout(store, "lonely", 1, [(["x0", "x1"], 2)], "start")
+    port, _store = store_with_layout("lonely", [(["x0", "x1"], 2)], 60)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_lonely, args=(w, port, q)) for w in ("x0", "x1")]
@@ -291,10 +270,7 @@ class _Recording(StoreLayoutSource):
 def test_step_report_carries_cpu_compute_time_and_the_batchs_sequence_lengths() -> None:
     """Issue 21: the runtime passes a StepWork with the host-timed forward+backward (CPU: real
     compute) and the sequence lengths the batch names."""
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          timeout=dt.timedelta(seconds=60))
-    publish_layout(store, "solo", 1, [(["s0"], 2)], "start")
+    port, _store = store_with_layout("solo", [(["s0"], 2)], 60)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_solo, args=(port, q))
@@ -331,10 +307,7 @@ def test_tp_wait_is_measured_per_rank_and_a_slow_rank_makes_its_peer_wait() -> N
     communication wait. (The sleep is long, 2 s, and only lower bounds are checked: on a loaded
     machine both ranks also wait for each other by a second or more, so "a waited more than b"
     would be a race.)"""
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          timeout=dt.timedelta(seconds=60))
-    publish_layout(store, "pair", 1, [(["a", "b"], 2)], "start")
+    port, _store = store_with_layout("pair", [(["a", "b"], 2)], 60)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_pair, args=(port, wid, q)) for wid in ("a", "b")]
