@@ -15,12 +15,13 @@ from ntp_manager.worker.sources import publish_layout
 from tests.fakes.procs import free_port
 
 
-def store_with_layout(jobs: str | Sequence[str], doc: list[Any], timeout_s: float) -> tuple[int, dist.TCPStore]:
+def store_with_layout(jobs: str | Sequence[str], doc: list[Any], timeout_s: float) -> tuple[int, Any]:
     """A master TCPStore on a free loopback port (ranks connect with `timeout_s`), holding
     version 1 ("start") of each job's layout, `doc` as `publish_layout` takes it. Returns the port
-    and the store."""
+    and the store (a TCPStore)."""
     port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+    # torch.distributed does not re-export TCPStore to type checkers
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,  # type: ignore[attr-defined]
                           timeout=dt.timedelta(seconds=timeout_s))
     for job in [jobs] if isinstance(jobs, str) else jobs:
         publish_layout(store, job, 1, doc, "start")
