@@ -276,7 +276,8 @@ async def test_maintenance_window(service: Service):
     async with service.client() as c:
         now = datetime.now(UTC)
         body = {"target_kind": "domain", "target": "nvl-0", "starts_at": now.isoformat(),
-                "ends_at": (now + timedelta(seconds=2)).isoformat(), "reason": "firmware"}
+                # long enough that a loaded machine still sees the window open before it ends
+                "ends_at": (now + timedelta(seconds=8)).isoformat(), "reason": "firmware"}
         r = await c.post("/v1/maintenance", json=body)
         assert r.status_code == 201, r.text
         await eventually(lambda: all(service.manager.world.gpus[u].admin == "maintenance"
