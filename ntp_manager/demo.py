@@ -319,8 +319,7 @@ def _timeline(res: DemoResult, api: httpx.Client, launcher: Any, victim: str, t0
         ("layout pushed (first worker has it)", first("layout received", new)),
         ("process group rebuilt (last rank)", last("regrouped", new)),
         ("reshard done (last rank)", last("reshard done", new)),
-        (f"acks at the manager ({sum(1 for a in acks.values() if a['ok'])})",
-         max((_ts(a["at"]) for a in acks.values()), default=None)),
+        (f"acks at the manager ({acks.get('ok', 0)})", _ts(acks["last_at"]) if acks.get("last_at") else None),
         ("first step at the new layout (last rank)", last("first step", new)),
     ]
     t = Table(title=f"timeline: {label} (v{old} -> v{new})")

@@ -76,12 +76,14 @@ def history(rows: Sequence[LayoutRow], shown: Container[int], uuid_at: UuidAt,
 
 def acks_view(acks: Sequence[tuple[int, Sequence[tuple[str, dict[str, Any]]]]]) -> dict[str, Any]:
     """Per layout version, how many workers acked it and how many of those failed to apply it,
-    with the first ACKS_LISTED failed workers named (a job may have 100K workers)."""
+    with the first ACKS_LISTED failed workers named (a job may have 100K workers), and when the
+    newest ack came (`last_at`, RFC 3339; None before any)."""
     out = {}
     for version, per in acks:
         failed = [w for w, a in per if not a["ok"]]
         out[str(version)] = {"workers": len(per), "ok": len(per) - len(failed), "failed": len(failed),
-                             "failed_workers": failed[:ACKS_LISTED]}
+                             "failed_workers": failed[:ACKS_LISTED],
+                             "last_at": max((str(a["at"]) for _, a in per), default=None)}
     return out
 
 

@@ -75,3 +75,14 @@ def test_a_list_may_not_ask_for_too_many_replicas() -> None:
     views.check_summary_page(1000, 20)  # 20,000: the most
     with pytest.raises(InvalidArgument, match=r"^replicas_limit: "):
         views.check_summary_page(1000, 21)
+
+
+def test_acks_are_counted_per_version_with_the_newest_time() -> None:
+    from ntp_manager.service.queries import ACKS_LISTED, acks_view
+
+    per = [(f"w{i}", {"ok": i % 3 != 0, "at": f"2026-11-23T10:00:{i:02d}+00:00"}) for i in range(40)]
+    got = acks_view([(7, per), (8, [])])
+    failed = [w for w, a in per if not a["ok"]]
+    assert got["7"] == {"workers": 40, "ok": 40 - len(failed), "failed": len(failed),
+                        "failed_workers": failed[:ACKS_LISTED], "last_at": "2026-11-23T10:00:39+00:00"}
+    assert got["8"] == {"workers": 0, "ok": 0, "failed": 0, "failed_workers": [], "last_at": None}
