@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from rich.console import Console
-from rich.table import Table
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import show
 from ntp_manager.worker.launch import free_port
 from ntp_manager.worker.pipeline import Pipeline
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig
@@ -193,15 +193,6 @@ def bench_failover(quick: bool, tp: int) -> dict[str, float]:
             "step before": statistics.median(before.values()) if before else float("nan"),
             "params": float(sum(p.numel() for p in TinyGpt(cfg).parameters())),
             **{f"@{k}": v for k, v in phases.items()}}
-
-
-def show(console: Console, title: str, cols: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
-    t = Table(title=title)
-    for c in cols:
-        t.add_column(c, justify="right")
-    for r in rows:
-        t.add_row(*r)
-    console.print(t)
 
 
 def main() -> None:
