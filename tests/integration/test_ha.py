@@ -107,6 +107,13 @@ async def eventually(cond: Callable[[], Any], timeout: float = 60, what: str = "
     raise AssertionError(f"{what} not met in {timeout} s")
 
 
+async def job_on(base: str, op: str, agents: list[Any]) -> None:
+    """Once every agent is connected to the manager at `base`, submit JOB there."""
+    await eventually(lambda: all(x.connected.is_set() for x in agents), what="agents connected to a")
+    async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {op}"}) as h:
+        assert (await h.post("/v1/jobs", json=JOB)).status_code == 201
+
+
 async def has_layout(base: str, tok: str) -> bool:
     async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {tok}"}, timeout=10) as c:
         return (await c.get("/v1/jobs/llm/layout")).status_code == 200
@@ -180,9 +187,7 @@ async def test_started_together_one_leads_and_when_it_is_killed_the_other_takes_
         op, wtok = c["tokens"]["operator"], c["tokens"]["worker"]
         agents, backends, tasks = await run_agents(c, [a.grpc, b.grpc])
         try:
-            await eventually(lambda: all(x.connected.is_set() for x in agents), what="agents connected to a")
-            async with httpx.AsyncClient(base_url=a.http, headers={"Authorization": f"Bearer {op}"}) as h:
-                assert (await h.post("/v1/jobs", json=JOB)).status_code == 201
+            await job_on(a.http, op, agents)
             gpu = agents[0].statics[0].uuid
             source = await asyncio.to_thread(GrpcLayoutSource, [a.grpc, b.grpc], wtok, "llm", gpu, "w0")
             try:
@@ -217,9 +222,7 @@ async def test_a_leader_paused_past_its_lease_commits_nothing_when_it_wakes(tmp_
         op = c["tokens"]["operator"]
         agents, backends, tasks = await run_agents(c, [a.grpc, b.grpc])
         try:
-            await eventually(lambda: all(x.connected.is_set() for x in agents), what="agents connected to a")
-            async with httpx.AsyncClient(base_url=a.http, headers={"Authorization": f"Bearer {op}"}) as h:
-                assert (await h.post("/v1/jobs", json=JOB)).status_code == 201
+            await job_on(a.http, op, agents)
             await eventually(lambda: has_layout(a.http, op), what="first layout")
             a.proc.send_signal(signal.SIGSTOP)
             took = await b.leading()
@@ -268,9 +271,7 @@ async def test_a_leader_cut_off_from_the_database_stops_leading_and_the_standby_
             op, wtok = c["tokens"]["operator"], c["tokens"]["worker"]
             agents, backends, tasks = await run_agents(c, [a.grpc, b.grpc])
             try:
-                await eventually(lambda: all(x.connected.is_set() for x in agents), what="agents connected to a")
-                async with httpx.AsyncClient(base_url=a.http, headers={"Authorization": f"Bearer {op}"}) as h:
-                    assert (await h.post("/v1/jobs", json=JOB)).status_code == 201
+                await job_on(a.http, op, agents)
                 source = await asyncio.to_thread(GrpcLayoutSource, [a.grpc, b.grpc], wtok, "llm",
                                                  agents[0].statics[0].uuid, "w0")
                 try:

@@ -52,6 +52,17 @@ async def lease_row(m: Manager) -> tuple[int, str]:
         return row.epoch, row.holder
 
 
+async def watch_refusal(addr: str, worker_token: str) -> grpc.aio.AioRpcError:
+    """The error a layout watch for job "j" on the manager at `addr` ends with."""
+    async with grpc.aio.insecure_channel(addr) as ch:
+        stub = worker_pb2_grpc.WorkerServiceStub(ch)  # type: ignore[no-untyped-call]
+        call = stub.WatchLayout(worker_pb2.WatchLayoutRequest(job="j", worker_id="w"),
+                                metadata=(("authorization", f"Bearer {worker_token}"),))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call.read()
+    return err.value
+
+
 @needs_pg
 async def test_one_leads_the_other_stands_by_and_takes_over_when_it_stops(tmp_path: Path) -> None:
     async with pg_url(tmp_path) as url:
@@ -229,14 +240,9 @@ async def test_a_standby_sends_rest_and_grpc_clients_to_the_leader(tmp_path: Pat
             async with httpx.AsyncClient(base_url=f"http://{a_http}", timeout=10) as c:
                 assert (await c.get("/readyz")).json() == {"ready": True, "role": "leader", "epoch": a.epoch}
                 assert (await c.get("/v1/status", headers=hdr)).status_code == 200
-            async with grpc.aio.insecure_channel(b_grpc) as ch:
-                stub = worker_pb2_grpc.WorkerServiceStub(ch)  # type: ignore[no-untyped-call]
-                call = stub.WatchLayout(worker_pb2.WatchLayoutRequest(job="j", worker_id="w"),
-                                        metadata=(("authorization", f"Bearer {worker}"),))
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await call.read()
-                assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "the leader is a" in err.value.details()
-                assert ("ntp-leader", a_grpc) in tuple(err.value.trailing_metadata() or ())
+            err = await watch_refusal(b_grpc, worker)
+            assert err.code() == grpc.StatusCode.UNAVAILABLE and "the leader is a" in err.details()
+            assert ("ntp-leader", a_grpc) in tuple(err.trailing_metadata() or ())
             # gRPC health (grpc.health.v1) finds the leader: SERVING there, NOT_SERVING on the standby
             assert await health_of(a_grpc) == {svc: SERVING for svc in HEALTH_SERVICES}
             assert await health_of(b_grpc) == {svc: NOT_SERVING for svc in HEALTH_SERVICES}
@@ -312,14 +318,9 @@ async def test_a_standby_holds_calls_while_a_takeover_is_due(tmp_path: Path) -> 
                         break
                     await asyncio.sleep(0.05)
                 assert not b.leading and b.leadership.takeover_due_in() is not None
-                async with grpc.aio.insecure_channel(b_grpc) as ch:
-                    stub = worker_pb2_grpc.WorkerServiceStub(ch)  # type: ignore[no-untyped-call]
-                    call = stub.WatchLayout(worker_pb2.WatchLayoutRequest(job="j", worker_id="w"),
-                                            metadata=(("authorization", f"Bearer {worker}"),))
-                    with pytest.raises(grpc.aio.AioRpcError) as err:
-                        await call.read()
+                err = await watch_refusal(b_grpc, worker)
                 # answered by b as the leader (no such job), not sent away to a
-                assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value.details()
+                assert err.code() == grpc.StatusCode.NOT_FOUND, err.details()
                 assert b.leading and a.lost.is_set()
                 proxy.heal()
         finally:
