@@ -440,7 +440,12 @@ class Agent:
                 now = self.clock()
                 if now - last_sample >= self.cfg.sample_interval_s:
                     last_sample = now
-                    self.apply_samples(await asyncio.to_thread(self.read_samples))
+                    readings = await asyncio.to_thread(self.read_samples)
+                    # XID events that arrived while the GPUs were read go first: a GPU that fell off
+                    # the bus (XID 79) also fails its sample, and its failure should carry the XID
+                    while not self._xid_q.empty():
+                        self.handle_xids(self._xid_q.get_nowait())
+                    self.apply_samples(readings)
                 if now - last_reconcile >= self.cfg.power_reconcile_s:
                     last_reconcile = now
                     self.power.reconcile()
