@@ -11,6 +11,7 @@ once: a replay is acknowledged and ignored, a gap is refused. Heartbeats touch m
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -100,6 +101,8 @@ class Agents:
         self.settings = settings
         self.metrics = metrics
         self.sessions: dict[str, AgentSession] = {}
+        # told of a node whose last_seen moves back (service/liveness.py's precondition)
+        self.seen_earlier: Callable[[str], None] = lambda node: None
 
     def send(self, node: str, cmd: AgentCommand) -> bool:
         """Queue a command for a node's agent; False when it is not connected (sent on reconnect)."""
@@ -158,7 +161,8 @@ class Agents:
         last_seq = await self.kernel.submit(f"agent:{node}", write)
 
         rec = self.kernel.world.nodes[node]
-        rec.last_seen, rec.connected = self.kernel.clock.monotonic(), True
+        self._seen(rec)
+        rec.connected = True
         old = self.sessions.get(node)
         if old is not None:
             old.close()
@@ -249,8 +253,14 @@ class Agents:
     def heartbeat(self, node: str) -> None:
         rec = self.kernel.world.nodes.get(node)
         if rec is not None:
-            rec.last_seen = self.kernel.clock.monotonic()
+            self._seen(rec)
             self.metrics.heartbeats.inc()
+
+    def _seen(self, rec: NodeRec) -> None:
+        now = self.kernel.clock.monotonic()
+        if now < rec.last_seen:  # loaded as seen at the end of the takeover grace, heard from before it
+            self.seen_earlier(rec.name)
+        rec.last_seen = now
 
     # ---- reports ------------------------------------------------------------------------------
     async def apply_report(self, node: str, seq: int, gpus: list[GpuReport]) -> int:

@@ -137,6 +137,11 @@ class Tx:
         prior = self._nodes.get(name)
         self._nodes[name] = change if prior is None else {**prior, **change}
 
+    @property
+    def gpus_written(self) -> list[str]:
+        """The GPUs this transaction adds or changes (any column, effective state or not)."""
+        return [*self._new_gpus, *self._gpus]
+
     def add_domain(self, domain: str) -> None:
         if not self.has_domain(domain):
             self._new_domains.append(domain)

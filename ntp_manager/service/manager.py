@@ -91,6 +91,7 @@ class Manager:
         self.ops = Operators(self.kernel, self.agents)
         self.maintenance = Maintenance(self.kernel, self.ops)
         self.liveness = Liveness(self.kernel, settings)
+        self.agents.seen_earlier = lambda node: self.liveness.watch.touched((node,))
         self.gauges = Gauges(self.kernel, self.metrics)
         self.jobs = Jobs(self.kernel, settings, self.metrics, self.power, self.workers, lambda: self.epoch,
                          lambda: self.breaker.open)
