@@ -38,7 +38,7 @@ class Maintenance:
             return list(self.ops.node(target).gpus)
         if target not in w.domains:
             raise NotFound(f"unknown domain {target!r}")
-        return [u for u, g in w.gpus.items() if g.domain == target]
+        return w.gpus_of_domain(target)  # every monitor tick, per window: not a walk of every GPU
 
     async def add(self, tx: Tx, kind: str, target: str, starts: datetime, ends: datetime,
                   reason: str) -> dict[str, Any]:

@@ -190,6 +190,8 @@ class World:
     _shape_gen: int = 0  # bumped whenever GPUs are added or change place or limits
     _changed_while_building: set[str] | None = None
     _building: asyncio.Future[Cluster] | None = None
+    _domain_gpus: dict[str, list[str]] | None = None  # domain -> its GPUs, as of `_domain_gen`
+    _domain_gen: int = -1
 
     def take_pos(self) -> int:
         """A position for a new GPU. One that a rolled-back transaction took is not given again."""
@@ -203,6 +205,16 @@ class World:
     def uuid_at(self, pos: int) -> str:
         """The GPU at a position (KeyError when none); safe to call from a worker thread."""
         return self.by_pos[pos]
+
+    def gpus_of_domain(self, domain: str) -> list[str]:
+        """The GPUs of a domain, in the order they were added: O(the domain's GPUs). The index
+        behind it is rebuilt, O(GPUs), when GPUs were added or changed place since."""
+        if self._domain_gpus is None or self._domain_gen != self._shape_gen:
+            index: dict[str, list[str]] = {}
+            for u, g in self.gpus.items():
+                index.setdefault(g.domain, []).append(u)
+            self._domain_gpus, self._domain_gen = index, self._shape_gen
+        return list(self._domain_gpus.get(domain, ()))
 
     def invalidate(self) -> None:
         self._cluster = None
