@@ -2,7 +2,7 @@
 exactly the GPUs the full walk finds, on random worlds driven through random histories: time
 passing, heartbeats, registrations that move `last_seen` back (takeover grace), health changes
 made as a transaction would (reported with `touched`), the pass's own decisions carried out or
-not, nodes added, the world reloaded."""
+failed (reported, as `Liveness.check` does), nodes added, the world reloaded."""
 
 from __future__ import annotations
 
@@ -39,7 +39,6 @@ step = st.one_of(
     st.tuples(st.just("heartbeat"), st.integers(0, 30)),
     st.tuples(st.just("register"), st.integers(0, 30), st.floats(0.0, 30.0)),  # last_seen moves back
     st.tuples(st.just("health"), st.integers(0, 30), st.integers(0, 3), st.sampled_from(HEALTH)),
-    st.tuples(st.just("carry out"), st.booleans()),
     st.tuples(st.just("add node"), st.integers(1, 3)),
     st.tuples(st.just("reload"), st.just(0)),
 )
@@ -47,9 +46,9 @@ step = st.one_of(
 
 @settings(max_examples=300, deadline=None)
 @given(nodes=st.integers(0, 12), per_node=st.integers(1, 3), suspect=st.floats(0.5, 20.0),
-       fail_extra=st.floats(0.0, 40.0), steps=st.lists(step, max_size=40))
+       fail_extra=st.floats(0.0, 40.0), steps=st.lists(step, max_size=40), carry_out=st.lists(st.booleans()))
 def test_the_watch_finds_what_the_walk_finds(nodes: int, per_node: int, suspect: float, fail_extra: float,
-                                             steps: list[tuple[object, ...]]) -> None:
+                                             steps: list[tuple[object, ...]], carry_out: list[bool]) -> None:
     options = policy.LivenessOptions(suspect, suspect + fail_extra)
     now = 1000.0
     w = world(nodes, per_node, now + 5.0)  # loaded as seen at the end of a takeover grace
@@ -73,12 +72,6 @@ def test_the_watch_finds_what_the_walk_finds(nodes: int, per_node: int, suspect:
             n = w.nodes[names[int(s[1]) % len(names)]]  # type: ignore[call-overload]
             w.gpus[n.gpus[int(s[2]) % len(n.gpus)]].health = s[3]  # type: ignore[call-overload, assignment]
             watch.touched([n.name])
-        elif kind == "carry out" and s[1]:  # the pass's decisions committed (else not: asked again)
-            for u, node, seen in last:
-                d = policy.liveness(now, seen, node, w.gpus[u].health, options)
-                if d.health is not None:
-                    w.gpus[u].health = d.health
-            watch.touched({node for _, node, _ in last})
         elif kind == "add node":
             for _ in range(int(s[1])):  # type: ignore[call-overload]
                 add_node(w, len(w.nodes) + 100, per_node, now)
@@ -90,6 +83,12 @@ def test_the_watch_finds_what_the_walk_finds(nodes: int, per_node: int, suspect:
         last = watch.due(w, now)
         assert sorted(last) == sorted(walk(w, now, options)), (kind, now)
         assert len(set(last)) == len(last)
+        if carry_out.pop(0) if carry_out else True:  # the pass's decisions committed, as check() does
+            for u, node, seen in last:
+                d = policy.liveness(now, seen, node, w.gpus[u].health, options)
+                if d.health is not None:
+                    w.gpus[u].health = d.health
+        watch.touched({node for _, node, _ in last})  # by the commit, or by check() when it failed
 
 
 def test_a_pass_looks_at_the_nodes_near_their_deadline_only(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,5 +121,5 @@ def test_a_pass_looks_at_the_nodes_near_their_deadline_only(monkeypatch: pytest.
     assert [u for u, _, _ in watch.due(w, 1050.5)] == ["GPU-950-0", "GPU-950-1"] and len(asked) == 2
     asked.clear()
     w.nodes["n3"].last_seen = 1050.5  # heard from: leaves the silent nodes, not asked
-    # node 950's decision was not carried out: asked again, and only it
+    watch.touched(["n950"])  # node 950's decision was not carried out: asked again, and only it
     assert [u for u, _, _ in watch.due(w, 1050.5)] == ["GPU-950-0", "GPU-950-1"] and asked == ["n950", "n950"]
