@@ -37,7 +37,7 @@ from bench import layouts
 from bench.common import machine_line
 from ntp_manager.api.dashboard import dashboard_snapshot
 from ntp_manager.api.edge import json_reply
-from ntp_manager.service import liveness
+from ntp_manager.service import liveness, offloop
 from ntp_manager.service.manager import Manager
 from ntp_manager.settings import Settings
 from ntp_manager.store.db import make_engine, upgrade
@@ -90,6 +90,8 @@ async def world(tmp: Path, nodes: int) -> Manager:
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
     sys.setswitchinterval(0.0005)
+    if hasattr(offloop, "freeze_long_lived"):  # as server.py does
+        offloop.freeze_long_lived()
     async with m.mutation("bench") as tx:
         await m.create_job(tx, {**layouts.SHAPES["tp1"], "replicas": gpus})
     while m.world.jobs["all"].layout is None:
@@ -105,7 +107,7 @@ def row(name: str, runs: list[tuple[float, float]]) -> dict[str, Any]:
     return out
 
 
-async def main(nodes: int, repeats: int) -> list[dict[str, Any]]:
+async def main(nodes: int, repeats: int, verbose: bool = False) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         t0 = time.perf_counter()
@@ -122,6 +124,17 @@ async def main(nodes: int, repeats: int) -> list[dict[str, Any]]:
 
             async def snap() -> None:
                 await dashboard_snapshot(m)
+
+            async def full_gc() -> None:
+                gc.collect()
+
+            out.append(row("a full garbage collection (what an automatic generation-2 one costs)",
+                           [await probe.measure(full_gc) for _ in range(2)]))
+            print(f"  objects the collector tracks: {len(gc.get_objects()):,}, frozen: {gc.get_freeze_count():,}")
+            if verbose:
+                from collections import Counter
+                kinds = Counter(type(o).__qualname__ for o in gc.get_objects())
+                print("  most tracked:", kinds.most_common(12))
 
             async def answer() -> None:  # what GET /v1/snapshot does
                 await json_reply(await dashboard_snapshot(m))
@@ -180,8 +193,9 @@ if __name__ == "__main__":
     ap.add_argument("--nodes", type=int, default=12_500)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--verbose", action="store_true", help="what the garbage collector tracks, by type")
     args = ap.parse_args()
-    res = asyncio.run(main(args.nodes, args.repeats))
+    res = asyncio.run(main(args.nodes, args.repeats, args.verbose))
     print(machine_line())
     if args.json:
         args.json.write_text(json.dumps(res, indent=2))

@@ -32,6 +32,7 @@ from ntp_manager.api.app import create_app
 from ntp_manager.logs import configure_logging
 from ntp_manager.manager_process import LEADING, READY
 from ntp_manager.rpc.server import RpcServer
+from ntp_manager.service import offloop
 from ntp_manager.service.manager import Manager
 from ntp_manager.settings import Settings
 
@@ -77,6 +78,7 @@ async def run_service(settings: Settings, stop: asyncio.Event | None = None) -> 
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
+    offloop.freeze_long_lived()  # and what is built later to last (service/offloop.py)
     # Work that grows with the cluster runs in worker threads; a thread that computes holds the GIL
     # for up to the switch interval each time the loop's thread gives it up (every syscall), so a
     # short interval keeps the loop's callbacks from waiting 5 ms per system call.

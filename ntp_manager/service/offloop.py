@@ -10,6 +10,11 @@ scan them (a generation-1 collection over them took 0.4 s on the bench VM), and 
 is cyclic: they are freed by reference counting when the work ends. So while any such work runs,
 automatic collection is off (process-wide, counted across overlapping callers, and restored only if
 it was on); what the loop allocates meanwhile is collected after.
+
+Long-lived results of such work are kept out of the collector too (`keep_out_of_gc`): the planner's
+snapshot of a 100K-GPU cluster is 200,000 objects, built after start-up, and every automatic full
+(generation-2) collection walked them: 63-118 ms holding the GIL, on a loaded 2-core VM
+(bench/loop_costs.py). A served process (server.py) turns this on.
 """
 
 from __future__ import annotations
@@ -31,6 +36,23 @@ T = TypeVar("T")
 _lock = threading.Lock()
 _depth = 0
 _restore = False
+_freezing = False
+
+
+def freeze_long_lived(enable: bool = True) -> None:
+    """Let `keep_out_of_gc` freeze (a served process; not tests, whose many managers would be kept)."""
+    global _freezing
+    _freezing = enable
+
+
+def keep_out_of_gc() -> None:
+    """Move everything the cyclic collector tracks now into its permanent generation (`gc.freeze`,
+    O(1)): call it right after a large long-lived structure was made. Frozen objects are still
+    freed by reference counting when dropped; only cyclic garbage that exists at this moment is
+    never collected, so call it rarely (after a world load, after a cluster snapshot is rebuilt for
+    new GPUs). Does nothing unless `freeze_long_lived()` was called."""
+    if _freezing:
+        gc.freeze()
 
 
 def paused(fn: Callable[[], T]) -> T:

@@ -21,6 +21,7 @@ from typing import Any, TypedDict, cast
 
 from ntp_manager.planner import JobSpec
 from ntp_manager.planner.layout import LayoutDoc
+from ntp_manager.service import offloop
 from ntp_manager.topology import Cluster, Domain, Gpu, GpuState, PowerLimits
 
 HEALTH_STATES = frozenset({GpuState.HEALTHY, GpuState.SUSPECT, GpuState.DEGRADED, GpuState.FAILED})
@@ -249,6 +250,7 @@ class World:
                             built = built.with_states({u: GpuState(self.gpus[u].state) for u in changed},
                                                       {u: self.gpus[u].planned_speed for u in changed})
                         self._cluster = built
+                        offloop.keep_out_of_gc()  # 2 objects per GPU, kept until GPUs are added
                     building.set_result(built)
                 except BaseException as e:
                     self._changed_while_building = None
