@@ -131,7 +131,10 @@ PER_NODE, NODES_PER_DOMAIN = 8, 9  # NVL72 domains, as bench/layouts.py
 NODES = WIDEST // PER_NODE
 # code that reads layouts, stages power or draws the dashboard: O(replicas or GPUs), never on the loop
 HEAVY = ("ntp_manager/planner/", "layout_codec", "service/planning", "rpc/views", "store/layouts",
-         "service/layout_views", "in _differing", "in _domains", "in acks_view", "in job_part")
+         "service/layout_views", "in _differing", "in _domains", "in acks_view", "in job_part",
+         # the monitor tick's own work: the liveness pass (it walked every node and GPU), the
+         # maintenance listing of a domain window (it walked every GPU), the dashboard's parts
+         "service/liveness", "in gpus_of_domain", "in targets", "api/dashboard")
 ANSWER_MAX = 1 << 20  # bytes: a page of 1,000 one-GPU replicas is ~250 KB
 
 
@@ -226,6 +229,26 @@ async def test_reads_of_the_widest_job_are_bounded_and_off_the_loop(tmp_path: Pa
                 assert r.json()["counts"]["replicas"] == 1000 and len(r.json()["plan"]["replicas"]) == 1000
 
                 print(f"dry run {time.perf_counter() - t0:.1f}s")
+                # monitor ticks over the whole cluster: a maintenance window on a domain (listed every
+                # tick), the dashboard again (its job part cached), and every node silent at once (a
+                # liveness pass that turns every GPU suspect, then passes with nothing new)
+                r = await c.post("/v1/maintenance", json={
+                    "target_kind": "domain", "target": f"w-nvl-{(NODES - 1) // NODES_PER_DOMAIN:04d}",
+                    "starts_at": "2999-01-01T00:00:00Z", "ends_at": "2999-01-02T00:00:00Z", "reason": "test"})
+                assert r.status_code in (200, 201), r.text[:500]
+                for _ in range(3):
+                    await get("snapshot", "/v1/snapshot")
+                    await svc.manager.maintenance.apply_windows()
+                m = svc.manager
+                for n in m.world.nodes.values():
+                    n.last_seen -= 5_000.0  # silent past suspect_after_s (3,600 s), not fail_after_s (7,200 s)
+                if hasattr(m.liveness, "watch"):  # (main before the watch had none)
+                    m.liveness.watch.touched(m.world.nodes)  # last_seen moved back: its precondition
+                await m.check_heartbeats()
+                assert m.world.gpus[f"GPU-w-{NODES - 1:05d}-0"].health == "suspect"
+                for _ in range(3):
+                    await m.check_heartbeats()
+                print(f"monitor ticks {time.perf_counter() - t0:.1f}s")
                 # bad paging: 422 naming the field, and nothing listed
                 for path, params, field in [
                     ("/v1/jobs/huge/layout", {"limit": 0}, "limit"), ("/v1/jobs/huge/layout", {"limit": 1001}, "limit"),

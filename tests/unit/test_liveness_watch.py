@@ -123,3 +123,24 @@ def test_a_pass_looks_at_the_nodes_near_their_deadline_only(monkeypatch: pytest.
     w.nodes["n3"].last_seen = 1050.5  # heard from: leaves the silent nodes, not asked
     watch.touched(["n950"])  # node 950's decision was not carried out: asked again, and only it
     assert [u for u, _, _ in watch.due(w, 1050.5)] == ["GPU-950-0", "GPU-950-1"] and asked == ["n950", "n950"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(placed=st.lists(st.integers(0, 4), max_size=60), later=st.lists(st.integers(0, 5), max_size=10))
+def test_a_domains_gpus_come_from_an_index_that_follows_new_gpus(placed: list[int], later: list[int]) -> None:
+    # the maintenance listing of a domain window (every monitor tick): the index gives what a walk of
+    # every GPU gives, in the same order, also after GPUs were added (a shape change)
+    w = World()
+
+    def add(i: int, d: int) -> None:
+        w.gpus[f"GPU-{i}"] = GpuRec(f"GPU-{i}", "n", f"d{d}", i, 1000, 100, 1300)
+
+    for i, d in enumerate(placed):
+        add(i, d)
+    for d in range(6):
+        assert w.gpus_of_domain(f"d{d}") == [u for u, g in w.gpus.items() if g.domain == f"d{d}"]
+    for k, d in enumerate(later):
+        add(1000 + k, d)
+    w.invalidate()  # what the kernel does when a transaction adds GPUs
+    for d in range(6):
+        assert w.gpus_of_domain(f"d{d}") == [u for u, g in w.gpus.items() if g.domain == f"d{d}"]
