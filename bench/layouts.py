@@ -16,7 +16,9 @@
    smallest bucket bound holding every lag of the round; each lag over 100 ms is logged with its
    length, and counted), and a thread polls /healthz every 20 ms. An idle event loop in a process of
    its own (same priority) records its own lags meanwhile: on a shared machine that is what the
-   load alone does to a loop, the floor under the manager's figures.
+   load alone does to a loop, the floor under the manager's figures. Then reads, the dashboard
+   snapshot (twice), 3 s of monitor ticks with a domain maintenance window, and a dry run, each
+   measured the same way.
 
 Usage: python bench/layouts.py [--rounds 5] [--watchers 20] [--skip-storage] [--skip-push]
                                [--shapes tp8,tp1] [--json out.json]
@@ -356,6 +358,16 @@ def reads_and_dry_run(op: httpx.AsyncClient, shape: str) -> list[tuple[str, Any]
         r.raise_for_status()
         return len(r.content)
 
+    async def monitor_ticks() -> int:
+        # a maintenance window on a domain (far ahead): every monitor tick lists its GPUs; and the
+        # ticks' liveness passes over 12,500 nodes (bench/loop_costs.py has every node silent)
+        r = await op.post("/v1/maintenance", json={
+            "target_kind": "domain", "target": domain(NODES - 1), "starts_at": "2999-01-01T00:00:00Z",
+            "ends_at": "2999-01-02T00:00:00Z", "reason": "bench"})
+        r.raise_for_status()
+        await asyncio.sleep(3.0)
+        return len(r.content)
+
     last = NODES * PER_NODE if shape == "tp1" else NODES
     return [("GET the layout (default page)", get("/v1/jobs/all/layout")),
             ("GET the layout's last 1,000 replicas", get("/v1/jobs/all/layout", limit=1000, offset=last - 1000)),
@@ -363,6 +375,8 @@ def reads_and_dry_run(op: httpx.AsyncClient, shape: str) -> list[tuple[str, Any]
             ("GET the history (20 versions)", get("/v1/jobs/all/layouts", limit=20)),
             ("GET the job", get("/v1/jobs/all")),
             ("GET the dashboard snapshot", get("/v1/snapshot")),
+            ("GET the dashboard snapshot again (job part cached)", get("/v1/snapshot")),
+            ("monitor ticks for 3 s: liveness pass, a domain maintenance window listed", monitor_ticks()),
             ("dry run of the same spec", dry_run())]
 
 
