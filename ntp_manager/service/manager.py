@@ -174,7 +174,7 @@ class Manager:
             self.kernel.world = await load_world(s, self.settings.power_base_cap, self.liveness.quiet_until)
             await self.breaker.load(s)
             await self.failslow.load(s)
-        offloop.keep_out_of_gc()  # the world's records (a standby takes over long after start-up)
+        offloop.keep_out_of_gc(every_s=0.0)  # the world's records (a standby takes over long after start-up)
         await self.token_service.reload()
         self.gauges.mark_stale()
         self.kernel.mark_all_dirty()

@@ -25,6 +25,7 @@ import functools
 import gc
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +38,7 @@ _lock = threading.Lock()
 _depth = 0
 _restore = False
 _freezing = False
+_frozen_at = -float("inf")
 
 
 def freeze_long_lived(enable: bool = True) -> None:
@@ -45,13 +47,19 @@ def freeze_long_lived(enable: bool = True) -> None:
     _freezing = enable
 
 
-def keep_out_of_gc() -> None:
+def keep_out_of_gc(every_s: float = 30.0) -> None:
     """Move everything the cyclic collector tracks now into its permanent generation (`gc.freeze`,
     O(1)): call it right after a large long-lived structure was made. Frozen objects are still
     freed by reference counting when dropped; only cyclic garbage that exists at this moment is
     never collected, so call it rarely (after a world load, after a cluster snapshot is rebuilt for
-    new GPUs). Does nothing unless `freeze_long_lived()` was called."""
-    if _freezing:
+    new GPUs), and at most once per `every_s` (a registration storm rebuilds the snapshot often:
+    what is built meanwhile stays tracked, which costs time, not memory). Does nothing
+    unless `freeze_long_lived()` was called."""
+    global _frozen_at
+    now = time.monotonic()
+    if _freezing and now - _frozen_at >= every_s:
+        if every_s > 0:  # a forced one (a world load) does not delay the next snapshot's
+            _frozen_at = now
         gc.freeze()
 
 

@@ -250,7 +250,8 @@ class World:
                             built = built.with_states({u: GpuState(self.gpus[u].state) for u in changed},
                                                       {u: self.gpus[u].planned_speed for u in changed})
                         self._cluster = built
-                        offloop.keep_out_of_gc()  # 2 objects per GPU, kept until GPUs are added
+                        if len(self.gpus) >= 10_000:  # 2 objects per GPU, kept until GPUs are added
+                            offloop.keep_out_of_gc()
                     building.set_result(built)
                 except BaseException as e:
                     self._changed_while_building = None
