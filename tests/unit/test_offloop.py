@@ -43,3 +43,29 @@ def test_collection_is_paused_while_work_runs_and_restored_after_overlapping_cal
         assert offloop.paused(lambda: 2) == 2 and not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_large_cluster_snapshot_is_kept_out_of_full_collections(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a served manager (server.py turns this on): the planner's snapshot of >= 10,000 GPUs (2 objects
+    # per GPU) goes into the collector's permanent generation, so full collections skip it
+    from ntp_manager.service.state import GpuRec, World
+
+    w = World(gpus={f"GPU-{i}": GpuRec(f"GPU-{i}", f"n{i // 8}", f"d{i // 72}", i % 8, 1000, 100, 1300)
+                    for i in range(10_000)}, domains={f"d{d}": None for d in range(140)})
+    monkeypatch.setattr(offloop, "_frozen_at", -float("inf"))
+    gc.collect()
+    before = gc.get_freeze_count()
+    offloop.freeze_long_lived()
+    try:
+        cluster = asyncio.run(w.cluster_async())
+        assert gc.get_freeze_count() - before >= 2 * 10_000
+        tracked = {id(o) for o in gc.get_objects()}
+        assert not any(id(g) in tracked for d in cluster.domains for g in d.gpus)
+        # a second rebuild within 30 s is not frozen (cyclic garbage of the moment would be kept)
+        frozen = gc.get_freeze_count()
+        w.invalidate()
+        asyncio.run(w.cluster_async())
+        assert gc.get_freeze_count() == frozen
+    finally:
+        offloop.freeze_long_lived(False)
+        gc.unfreeze()
