@@ -4,6 +4,7 @@ worker tests start their rank processes from."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import multiprocessing
 import os
@@ -41,20 +42,43 @@ def create_agent_tokens(data: Path, nodes: list[str]) -> dict[str, str]:
     return {d["node"]: d["token"] for d in map(json.loads, out.splitlines())}
 
 
+_managers: list[subprocess.Popen[str]] = []  # what start_manager started and has not seen end
+
+
 def start_manager(
     data: Path, http_port: int = 0, grpc_port: int = 0, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    """`ntp-manager serve` on loopback; returns the process and its READY info (http, grpc, epoch)."""
+    """`ntp-manager serve` on loopback; returns the process and its READY info (http, grpc, epoch).
+    The caller stops it; one still running when the test process exits is stopped then
+    (`_stop_managers`)."""
+    _managers[:] = [p for p in _managers if p.poll() is None]
     proc = subprocess.Popen(
         [sys.executable, "-m", "ntp_manager.cli", "serve", "--data-dir", str(data), "--http-port", str(http_port),
          "--grpc-port", str(grpc_port)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=dict(os.environ, **(env or {})),
     )
+    _managers.append(proc)
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith("NTP-MANAGER READY"):
             return proc, json.loads(line.split(" ", 2)[2])
     raise AssertionError(f"manager did not start (rc={proc.wait()})")
+
+
+@atexit.register
+def _stop_managers() -> None:
+    """At the test process's exit, the managers that a failed test (or one that timed out) left
+    running: SIGTERM, then SIGKILL after 10 s. Left alone they would serve on for ever, adopted by
+    init."""
+    running = [p for p in _managers if p.poll() is None]
+    for p in running:
+        p.terminate()
+    for p in running:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def _stat(pid: int) -> tuple[str, int, int] | None:
