@@ -1,14 +1,20 @@
-"""A SIGKILLed manager leaves no process behind: its planner process (service/planproc.py), and the
-forkserver and resource tracker that multiprocessing started for it, end with it. Before, all three
-waited for ever, adopted by init (about six such sets stayed after every CI run, one per manager
-subprocess that a test SIGKILLed; bench/ha.py left one per round)."""
+"""No process outlives the test run that started it.
+
+- A SIGKILLed manager leaves no process behind: its planner process (service/planproc.py), and the
+  forkserver and resource tracker that multiprocessing started for it, end with it. Before, all
+  three waited for ever, adopted by init (six such sets stayed after every CI run, one per manager
+  subprocess that a test SIGKILLed; bench/ha.py left one per round).
+- A manager subprocess that a failed test did not stop is stopped when the test process exits
+  (tests/fakes/procs.py); before, it served on, adopted by init."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -70,5 +76,38 @@ async def test_a_sigkilled_manager_takes_its_planner_processes_with_it(tmp_path:
         assert proc.stdout is not None
         proc.stdout.close()
         for pid in still_running(family):  # this test's own leftovers, by the pids it recorded
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+LEAVER = """
+import json, os, sys
+from pathlib import Path
+from tests.fakes.procs import descendants, start_manager
+start_manager(Path(sys.argv[1]))
+print(json.dumps(descendants(os.getpid())), flush=True)
+"""  # a test process whose test failed before it stopped its manager: it just exits
+
+
+async def test_a_manager_that_a_failed_test_left_running_is_stopped_when_the_test_process_exits(
+    tmp_path: Path,
+) -> None:
+    root = Path(__file__).resolve().parents[2]
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", LEAVER, str(tmp_path / "d")],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    family = {int(pid): start for pid, start in json.loads(out.stdout).items()}
+    assert family  # the manager
+    try:
+        # stopped at the leaver's exit, which waited for it: at most a zombie for init to reap
+        assert not still_running(family), [f"{p}: {cmdline(p)}" for p in still_running(family)]
+    finally:
+        for pid in still_running(family):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
