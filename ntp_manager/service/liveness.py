@@ -21,18 +21,17 @@ asked the policy 100,000 times per tick (bench/loop_costs.py); the result is the
 
 from __future__ import annotations
 
-import asyncio
 import heapq
 from collections.abc import Awaitable, Callable, Iterable
 
-from ntp_manager.service import policy
+from ntp_manager.service import offloop, policy
 from ntp_manager.service.kernel import Kernel, Tx
 from ntp_manager.service.state import HealthSource, World, health_to
 from ntp_manager.settings import Settings
 
 Due = tuple[str, str, float]  # (GPU, its node, when the node was last heard from)
-SLICE = 500  # nodes asked about between two turns of the event loop
-CHUNK = 2_000  # GPU transitions per transaction
+SLICE = 100  # more silent nodes than this at once: their GPUs are asked about in a worker thread
+CHUNK = 500  # GPU transitions per transaction (its records are made and applied on the loop)
 
 
 def walk(world: World, now: float, options: policy.LivenessOptions) -> list[Due]:
@@ -163,18 +162,18 @@ class Liveness:
         """One monitor pass; returns how many GPUs changed health.
 
         When many nodes went silent at once (at 12,500 nodes, all of them: 100,000 GPUs), the
-        policy is asked SLICE nodes at a time and the transitions are written CHUNK GPUs per
-        transaction, the loop free between them (each GPU is decided again in its transaction)."""
+        policy is asked about their GPUs in a worker thread (it reads the records; each GPU is
+        decided again in its transaction) and the transitions are written CHUNK GPUs per
+        transaction, the loop free between them."""
         now = self.kernel.clock.monotonic()
         w = self.kernel.world
-        ask = self.watch.nodes_to_ask(w, now)
-        todo: list[Due] = []
-        for i in range(0, len(ask), SLICE):
-            if i:
-                await asyncio.sleep(0)
-            for name in ask[i : i + SLICE]:
-                if name in w.nodes:
-                    todo.extend(_decide(w, name, now, self.options))
+        ask = [name for name in self.watch.nodes_to_ask(w, now) if name in w.nodes]
+        if not ask:
+            return 0
+        if len(ask) <= SLICE:
+            todo = [d for name in ask for d in _decide(w, name, now, self.options)]
+        else:
+            todo = await offloop.run(lambda: [d for name in ask for d in _decide(w, name, now, self.options)])
         changed = 0
         for i in range(0, len(todo), CHUNK):
             part = todo[i : i + CHUNK]
