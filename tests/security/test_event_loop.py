@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from sqlalchemy import insert
 
 from ntp_manager import limits
@@ -270,3 +271,28 @@ async def test_reads_of_the_widest_job_are_bounded_and_off_the_loop(tmp_path: Pa
             ours = [w for w in wd.stall_stacks if any(h in w for h in HEAVY)]
             assert not ours, ours[0]
             assert lag < 3.0, lag  # coarse: the goal (100 ms) is measured in bench/layouts.py
+
+
+async def test_request_handlers_are_built_before_serving(sqlite_service: Service,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # FastAPI builds an included router's handlers (dependencies, parameters, response fields) on the
+    # first request that reaches it: 40-80 ms of the event loop per router on the bench VM, the first
+    # dashboard snapshot's stall. create_app builds them, so no request builds one.
+    import fastapi.routing
+
+    from ntp_manager.api.app import create_app
+
+    app = create_app(sqlite_service.manager)
+    built: list[str] = []
+    real = fastapi.routing.get_dependant
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        built.append(str(kwargs.get("path")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fastapi.routing, "get_dependant", counting)
+    headers = {"Authorization": f"Bearer {sqlite_service.tokens['viewer']}"}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", headers=headers) as c:
+        for path in ("/v1/snapshot", "/v1/jobs", "/v1/gpus", "/v1/audit", "/v1/maintenance", "/v1/tokens"):
+            assert (await c.get(path)).status_code in (200, 403), path
+    assert built == [], built
