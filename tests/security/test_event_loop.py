@@ -278,19 +278,17 @@ async def test_request_handlers_are_built_before_serving(sqlite_service: Service
     # FastAPI builds an included router's handlers (dependencies, parameters, response fields) on the
     # first request that reaches it: 40-80 ms of the event loop per router on the bench VM, the first
     # dashboard snapshot's stall. create_app builds them, so no request builds one.
-    import fastapi.routing
+    from fastapi.dependencies.utils import get_dependant
 
     from ntp_manager.api.app import create_app
 
     app = create_app(sqlite_service.manager)
     built: list[str] = []
-    real = fastapi.routing.get_dependant
-
     def counting(*args: Any, **kwargs: Any) -> Any:
         built.append(str(kwargs.get("path")))
-        return real(*args, **kwargs)
+        return get_dependant(*args, **kwargs)
 
-    monkeypatch.setattr(fastapi.routing, "get_dependant", counting)
+    monkeypatch.setattr("fastapi.routing.get_dependant", counting)  # what builds a route's handler
     headers = {"Authorization": f"Bearer {sqlite_service.tokens['viewer']}"}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", headers=headers) as c:
         for path in ("/v1/snapshot", "/v1/jobs", "/v1/gpus", "/v1/audit", "/v1/maintenance", "/v1/tokens"):
