@@ -32,6 +32,7 @@ from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, wor
 from ntp_manager.auth import parse_bearer
 from ntp_manager.rpc import tls
 from ntp_manager.rpc.guard import GuardInterceptor, abort, code_of, peer_fingerprint, principal_of
+from ntp_manager.rpc.tally import Tally
 from ntp_manager.rpc.views import LayoutViews, build_views
 from ntp_manager.service import offloop
 from ntp_manager.service.agents import Ack, AgentCommand, Drain, EndStream, ReleasePower, SetPower
@@ -147,6 +148,9 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
     def __init__(self, manager: Manager) -> None:
         self.m = manager
         self._ids = itertools.count(1)
+        # a fleet reconnecting at once (a failover) gets one line per second, not one per agent
+        self.connected_log = Tally(log, "agent connected")
+        self.disconnected_log = Tally(log, "agent disconnected")
 
     async def Connect(
         self, request_iterator: AsyncIterator[agent_pb2.AgentMessage], context: grpc.aio.ServicerContext
@@ -184,7 +188,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             principal.token_id,
             lambda: session.outbox.put_nowait(EndStream(grpc.StatusCode.UNAUTHENTICATED.name, REVOKED)),
         )
-        log.info("agent connected", node=node, last_seq=last_seq, gpus=len(inv))
+        self.connected_log.add(node, last_seq=last_seq, gpus=len(inv))
         yield agent_pb2.ManagerMessage(
             welcome=agent_pb2.Welcome(
                 leader_epoch=self.m.epoch, last_applied_seq=last_seq,
@@ -295,7 +299,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await acker
             self.m.disconnect_agent(session)
-            log.info("agent disconnected", node=node)
+            self.disconnected_log.add(node)
 
     def _command(self, cmd: AgentCommand) -> agent_pb2.ManagerMessage:
         cid = next(self._ids)
