@@ -68,7 +68,7 @@ async def test_an_unchanged_rehello_is_audited_and_writes_nothing_else(manager: 
     # the audit row only: no node row (same boot and version), no GPU rows (same inventory)
     assert seen.seen == ["INSERT audit_log"], seen.seen
     (row,) = await _audits(m, "node.rehello")
-    assert row.target == "n0" and row.after["added"] == [] and row.after["absent"] == []
+    assert row.target == "n0" and row.after is not None and row.after["added"] == row.after["absent"] == []
     assert m.world.nodes["n0"].connected
 
     # a new boot is still written, to the row and to memory
