@@ -60,6 +60,10 @@ REVOKED = "the token of this stream was revoked"
 
 
 LEADER_KEY = "ntp-leader"  # trailing metadata: host:port of the leader's gRPC server
+# request metadata from a client that could not reach the leader a standby named (or the one it
+# was connected to) just now: host:port of that leader. A standby holds such a call (`_hold`).
+UNREACHABLE_KEY = "ntp-leader-unreachable"
+HOLD_RECHECK_S = 1.0  # a held call looks again at least this often (it is woken on every lease read)
 
 
 class StandbyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -67,18 +71,20 @@ class StandbyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     every AgentService / WorkerService call with UNAVAILABLE naming the leader, in the message and
     in the trailing metadata `ntp-leader` (host:port), before authentication (a standby holds no
     token table). Clients go there (agent/core.py, worker/sources.py). Health and reflection are
-    served as usual. While a takeover is due (the leader missed its renewals) or under way, calls
-    are held until this manager leads instead (`_hold`)."""
+    served as usual. While a takeover is due (the leader missed its renewals) or under way, and
+    while the client says the leader is unreachable and the standby has not seen it renew since,
+    calls are held until this manager leads instead (`_hold`)."""
 
     def __init__(self, manager: Manager) -> None:
         self.manager = manager
+        self._acting: asyncio.Future[Any] | None = None
 
     async def intercept_service(
         self, continuation: Callable[[Any], Awaitable[Any]], details: grpc.HandlerCallDetails
     ) -> Any:
         service = details.method.lstrip("/").split("/")[0]
         if service in SERVICE_PERMISSION and not self.manager.acting:
-            await self._hold(self.manager.leadership.takeover_due_in())
+            await self._hold(details)
         handler = await continuation(details)
         if handler is None or service not in SERVICE_PERMISSION or self.manager.acting:
             return handler
@@ -86,16 +92,43 @@ class StandbyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         trailer = ((LEADER_KEY, err.leader.grpc),) if err.leader is not None and err.leader.grpc else ()
         return _deny(handler, grpc.StatusCode.UNAVAILABLE, err.message, trailer)
 
-    async def _hold(self, due: float | None) -> None:
-        """When the leader has missed its renewals (`due`: seconds until this standby may take the
-        lease), a call is held until this manager leads, for up to `due` plus one lease (the
-        takeover and the load of the state), instead of being sent to a leader that is likely gone:
-        its client would bounce between the managers and back off, and come to the new leader
-        seconds after it is ready. Then it goes on as usual: served here, or sent to the leader."""
-        if due is None:
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.manager.acting_event.wait(), due + self.manager.settings.lease_ttl_s)
+    def close(self) -> None:
+        if self._acting is not None:
+            self._acting.cancel()
+
+    async def _hold(self, details: grpc.HandlerCallDetails) -> None:
+        """Hold a call on a standby until it leads, while sending it to the leader would likely be
+        in vain: its client would bounce between a dead leader and this standby and back off, and
+        come to the new leader seconds after it is ready (a whole fleet does, after a failover).
+
+        Held while a takeover is due (the leader missed its renewals: `takeover_due_in`) or under
+        way, looked at again on every read of the lease; and, when the client says the leader is
+        unreachable (metadata `ntp-leader-unreachable`: it found it gone before this standby could
+        know), until this standby sees the lease renewed after the call came (then the leader is
+        alive and the client goes there; a standby on a lease that is not renewed takes over a lease
+        later). At most three leases in all. Then the call goes on as
+        usual: served here, or sent to the leader."""
+        m = self.manager
+        lead = m.leadership
+        unreachable = any(k == UNREACHABLE_KEY for k, _ in (details.invocation_metadata or ()))
+        ends = lead.lease_ends()
+        # a dead leader's last renewal may land after this standby's last read, moving the lease by
+        # up to two renewal periods and a read's delay; a live one moves it past that within three
+        renewed_past = None if ends is None else ends + 2.5 * m.settings.lease_renew_s
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + 3 * m.settings.lease_ttl_s
+        while not m.acting and not lead.lost.is_set():
+            now_ends = lead.lease_ends()
+            renewed = renewed_past is not None and now_ends is not None and now_ends > renewed_past
+            if lead.takeover_due_in() is None and not (unreachable and not renewed):
+                return  # the leader renews as it should (and has renewed since the client found it gone)
+            left = give_up - loop.time()
+            if left <= 0:
+                return
+            if self._acting is None:
+                self._acting = asyncio.ensure_future(m.acting_event.wait())
+            await asyncio.wait({self._acting, lead.next_view()}, timeout=min(left, HOLD_RECHECK_S),
+                               return_when=asyncio.FIRST_COMPLETED)
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -455,7 +488,8 @@ HEALTH_SERVICES = ("", "ntp.v1.AgentService", "ntp.v1.WorkerService")
 class RpcServer:
     def __init__(self, manager: Manager) -> None:
         self.manager = manager
-        interceptors = [StandbyInterceptor(manager), GuardInterceptor(), AuthInterceptor(manager)]
+        self.standby = StandbyInterceptor(manager)
+        interceptors = [self.standby, GuardInterceptor(), AuthInterceptor(manager)]
         self.server = grpc.aio.server(interceptors=interceptors, options=KEEPALIVE)
         self.health = health_aio.HealthServicer()
         agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentService(manager), self.server)  # type: ignore[no-untyped-call]
@@ -519,3 +553,4 @@ class RpcServer:
             self._role = None
         await self.set_serving(False)
         await self.server.stop(grace)
+        self.standby.close()

@@ -52,12 +52,14 @@ async def lease_row(m: Manager) -> tuple[int, str]:
         return row.epoch, row.holder
 
 
-async def watch_refusal(addr: str, worker_token: str) -> grpc.aio.AioRpcError:
-    """The error a layout watch for job "j" on the manager at `addr` ends with."""
+async def watch_refusal(addr: str, worker_token: str, unreachable: str = "") -> grpc.aio.AioRpcError:
+    """The error a layout watch for job "j" on the manager at `addr` ends with (`unreachable`: the
+    leader the client says it could not reach)."""
+    md = (("authorization", f"Bearer {worker_token}"),) + ((("ntp-leader-unreachable", unreachable),)
+                                                           if unreachable else ())
     async with grpc.aio.insecure_channel(addr) as ch:
         stub = worker_pb2_grpc.WorkerServiceStub(ch)  # type: ignore[no-untyped-call]
-        call = stub.WatchLayout(worker_pb2.WatchLayoutRequest(job="j", worker_id="w"),
-                                metadata=(("authorization", f"Bearer {worker_token}"),))
+        call = stub.WatchLayout(worker_pb2.WatchLayoutRequest(job="j", worker_id="w"), metadata=md)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await call.read()
     return err.value
@@ -322,6 +324,40 @@ async def test_a_standby_holds_calls_while_a_takeover_is_due(tmp_path: Path) -> 
                 # answered by b as the leader (no such job), not sent away to a
                 assert err.code() == grpc.StatusCode.NOT_FOUND, err.details()
                 assert b.leading and a.lost.is_set()
+                proxy.heal()
+        finally:
+            proxy.heal()
+            await proxy.stop()
+
+
+@needs_pg
+async def test_a_standby_holds_a_call_whose_client_found_the_leader_unreachable(tmp_path: Path) -> None:
+    """A client that could not reach the leader (killed) comes to the standby before the standby can
+    know the leader is gone (its lease still runs): the call is held from then on and served once
+    the standby has taken over, instead of being sent back to the dead leader. While the leader is
+    alive, such a call is sent to it once the standby has seen it renew."""
+    async with pg_url(tmp_path) as url:
+        proxy = Partition.to(url)
+        await proxy.start()
+        fast = {"lease_ttl_s": 2.0, "lease_renew_s": 0.4}
+        try:
+            async with serving(settings(tmp_path, proxy.url(url), "a", **fast)) as (a, _, a_grpc), \
+                    serving(settings(tmp_path, url, "b", **fast)) as (b, _, b_grpc):
+                worker = await a.create_token("w", "worker")
+                # the leader is alive: held until renewals are seen (a few reads of the lease), then sent there
+                err = await asyncio.wait_for(watch_refusal(b_grpc, worker, unreachable=a_grpc), 10)
+                assert err.code() == grpc.StatusCode.UNAVAILABLE
+                assert dict(err.trailing_metadata() or ()).get("ntp-leader") == a_grpc
+                # the leader is cut off right after the call came, while its lease still runs
+                assert b.leadership.takeover_due_in() is None
+                call = asyncio.ensure_future(watch_refusal(b_grpc, worker, unreachable=a_grpc))
+                await asyncio.sleep(0.2)
+                assert not call.done()  # held, not sent to the leader
+                proxy.cut()
+                err = await asyncio.wait_for(call, 30)
+                # answered by b as the leader (no such job), not sent away to a
+                assert err.code() == grpc.StatusCode.NOT_FOUND, err.details()
+                assert b.leading
                 proxy.heal()
         finally:
             proxy.heal()
