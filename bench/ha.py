@@ -149,7 +149,8 @@ class SimAgent:
             self.connected_once_this_try = False
             try:
                 stub = agent_pb2_grpc.AgentServiceStub(self.addrs.channel(self.target, self.i))
-                async for msg in stub.Connect(out(), metadata=metadata(self.token, self.unreachable, self.target)):
+                async for msg in stub.Connect(out(), metadata=metadata(self.token, self.unreachable, self.target,
+                                                                  len(self.pending))):
                     kind = msg.WhichOneof("body")
                     if kind == "welcome":
                         last = msg.welcome.last_applied_seq
@@ -182,12 +183,15 @@ class SimAgent:
             await asyncio.sleep(pause(self, hint, self.connected_once_this_try))
 
 
-def metadata(token: str, unreachable: str | None, target: str) -> tuple[tuple[str, str], ...]:
-    """The call's metadata: the token, and the manager the last attempt could not reach (a standby
-    holds such a call until it takes over, or sees that manager renew its lease: rpc/server.py)."""
+def metadata(token: str, unreachable: str | None, target: str, pending: int = 0) -> tuple[tuple[str, str], ...]:
+    """The call's metadata: the token, the manager the last attempt could not reach (a standby
+    holds such a call until it takes over, or sees that manager renew its lease: rpc/server.py), and
+    an agent's reports not acknowledged yet (a takeover serves those agents first)."""
     md: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),)
     if unreachable and unreachable != target:
         md += (("ntp-leader-unreachable", unreachable),)
+    if pending:
+        md += (("ntp-pending-reports", str(pending)),)
     return md
 
 
