@@ -210,6 +210,14 @@ def bench_failover(quick: bool, tp: int) -> dict[str, float]:
     for ms in marks.values():
         for name, at in ms:
             phases[name] = max(phases.get(name, 0.0), at - t_kill)
+    if os.environ.get("NTP_BENCH_MARKS"):  # every rank's marks and timeline, s after the kill (JSON lines)
+        import json
+
+        with open(os.environ["NTP_BENCH_MARKS"], "a") as f:
+            f.write(json.dumps({"tp": tp, "marks": {w: [(n, round(at - t_kill, 4)) for n, at in ms]
+                                                    for w, ms in sorted(marks.items())},
+                                "timeline": {w: [(n, v, round(at - t_kill, 4)) for n, v, at in tl if at >= t_kill]
+                                             for w, tl in sorted(timelines.items())}}) + "\n")
     return {"detection": detect - t_kill, "regroup": regroup - detect, "reshard": reshard - regroup,
             "first step": first - reshard, "total": first - t_kill,
             "step before": statistics.median(before.values()) if before else float("nan"),
