@@ -712,7 +712,11 @@ class Runtime:
         self.step = steps.pop()
         src = min(survivors)
         obj: list[Any] = [(old.replicas, old.degrees) if rank == src and old else None]
-        comm.broadcast_object_list(obj, src=src, group=self.s.world)
+        if len(survivors) < world:  # some rank holds no old layout (or an older one): the oldest survivor's
+            comm.broadcast_object_list(obj, src=src, group=self.s.world)
+        else:  # every rank held version src_version, whose replicas and degrees are the same for all
+            assert old is not None
+            obj = [(old.replicas, old.degrees)]
         self._mark("old layout")
         old_replicas: tuple[tuple[int, int], ...] = tuple((int(r[0]), int(r[1])) for r in obj[0][0])
         old_degrees = tuple(tuple(int(d) for d in st) for st in obj[0][1])
