@@ -148,6 +148,8 @@ class NtpGradSync:
         self.layout_group = dist.new_group(ranks=members, timeout=timeout)
         self.active = rank in members
         self.bytes_all_reduced = 0
+        self._rest: list[torch.Tensor] = []  # the predecessor's memory this sync did not need
+        self.fresh_elements = 0  # buffer elements that are fresh memory, not the predecessor's
         if not self.active:
             return
         self.replica, self.tp_index = layout.locate(rank)
@@ -201,8 +203,8 @@ class NtpGradSync:
         self._blocks: list[torch.Tensor] = []  # core: one per bucket; extra: one for every home
         if self.core:
             self._buckets = self._cut(j)
-            for members in self._buckets:
-                buf = pool.take(sum(math.prod(shape) for _, _, shape in members), dtype, device)
+            sizes = [sum(math.prod(shape) for _, _, shape in members) for members in self._buckets]
+            for members, buf in zip(self._buckets, pool.take_all(sizes, dtype, device), strict=True):
                 self._blocks.append(buf)
                 off = 0
                 for f, s, shape in members:
@@ -216,6 +218,8 @@ class NtpGradSync:
             self._blocks.append(local)
             for s, view in zip((s for _, s in order), self._home_views(j, local), strict=True):
                 s.home = view
+        self._rest = pool.rest()
+        self.fresh_elements = pool.fresh_elements
 
     def _cut(self, core: int) -> list[list[tuple[str, _Shard, list[int]]]]:
         """Core rank `core`'s DP buckets: runs of whole tensors (family order, then model order)
@@ -292,14 +296,14 @@ class NtpGradSync:
 
     def buffers(self) -> list[torch.Tensor]:
         """Every gradient buffer this object holds (what a successor may `reuse`)."""
-        return [self.rep_flat, *self._blocks] if self.active else []
+        return _merged([self.rep_flat, *self._blocks, *self._rest]) if self.active else []
 
     def release(self) -> None:
         """Forget every buffer (they may now belong to a successor); the object is unusable."""
         if not self.active:
             return
         self.active = False
-        self._blocks, self._msgs, self.rep_homes = [], [], []
+        self._blocks, self._msgs, self.rep_homes, self._rest = [], [], [], []
         self._mapped, self._copies, self._shm_peers = {}, [], []
         self.rep_flat = torch.empty(0)
         for s in (s for shards in self.shards.values() for s in shards):
@@ -453,24 +457,71 @@ class NtpGradSync:
 
 
 class _Pool:
-    """Memory for new gradient buffers: blocks of a predecessor's buffers first (first fit, a
-    block's rest stays available), fresh zeroed memory for what does not fit -- shareable with
-    this host's other processes if `shared` (CPU only)."""
+    """Memory for new gradient buffers: blocks of a predecessor's buffers first (best fit: the
+    smallest block that holds the request; a block's rest stays available), fresh zeroed memory
+    for what does not fit -- shareable with this host's other processes if `shared` (CPU only)."""
 
     def __init__(self, blocks: list[torch.Tensor], shared: bool = False) -> None:
         self.blocks = [b.view(-1) for b in blocks if b.numel()]
         self.shared = shared
+        self.fresh_elements = 0  # what this pool could not serve from the predecessor's memory
 
-    def take(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        for i, b in enumerate(self.blocks):
-            if b.numel() >= n and b.dtype == dtype and b.device == device:
-                self.blocks[i] = b[n:]
-                return b[:n]
+    def _reuse(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        fits = [i for i, b in enumerate(self.blocks) if b.numel() >= n and b.dtype == dtype and b.device == device]
+        if not fits:
+            return None
+        i = min(fits, key=lambda k: self.blocks[k].numel())
+        b = self.blocks[i]
+        self.blocks[i] = b[n:]
+        return b[:n]
+
+    def _fresh(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        self.fresh_elements += n
         if self.shared and device.type == "cpu" and n:
             t = _shared_zeros(n, dtype)
             if t is not None:
                 return t
         return torch.zeros(n, dtype=dtype, device=device)
+
+    def take(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        got = self._reuse(n, dtype, device)
+        return got if got is not None else self._fresh(n, dtype, device)
+
+    def take_all(self, sizes: Sequence[int], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+        """One block per size: from the predecessor's memory where a block fits, the others cut
+        from one fresh block -- not one fresh block each, which would leave a successor only
+        bucket-sized blocks, too small for buckets of a larger chunk or an extra rank's home, so
+        that it would touch fresh pages again (on a VM several times the cost of a copy)."""
+        got = [self._reuse(n, dtype, device) for n in sizes]
+        missing = sum(n for n, g in zip(sizes, got, strict=True) if g is None)
+        fresh = self._fresh(missing, dtype, device) if missing else None
+        out, off = [], 0
+        for n, g in zip(sizes, got, strict=True):
+            if g is None:
+                assert fresh is not None
+                g, off = fresh[off : off + n], off + n
+            out.append(g)
+        return out
+
+    def rest(self) -> list[torch.Tensor]:
+        """What is left of the predecessor's blocks (still this process's memory: a successor may use it)."""
+        return [b for b in self.blocks if b.numel()]
+
+
+def _merged(views: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """1-D views joined where they follow each other in one storage, largest first: the blocks
+    they were cut from, as a successor's pool should see them."""
+    flat = sorted((v.view(-1) for v in views if v.numel()),
+                  key=lambda v: (v.untyped_storage().data_ptr(), v.storage_offset()))
+    out: list[torch.Tensor] = []
+    for v in flat:
+        last = out[-1] if out else None
+        if (last is not None and last.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+                and last.dtype == v.dtype and last.storage_offset() + last.numel() == v.storage_offset()):
+            out[-1] = torch.as_strided(last, (last.numel() + v.numel(),), (1,), last.storage_offset())
+        else:
+            out.append(v)
+    return sorted(out, key=lambda v: -v.numel())
 
 
 class _Msg:
