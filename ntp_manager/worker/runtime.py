@@ -763,10 +763,11 @@ class Runtime:
         else:
             assert held_model is not None and held_opt is not None
             model, opt = held_model, held_opt
+        freed: list[torch.Tensor] = []  # the replaced shards' memory, for the new gradient buffers
         for s in range(depth):  # every rank the same order, so point-to-point pairs match
             if s == stage:
                 opt = apply_reshard(model, opt, old_sl[s], new_sl[s], alive[s], rank, self._info[s].families, my_tp,
-                                    group=self.s.world, moves=moves[s])
+                                    group=self.s.world, moves=moves[s], freed=freed if fresh is None else None)
             elif s == old_stage:  # a source only: it holds none of this stage any more
                 assert held_model is not None and held_opt is not None
                 apply_reshard(held_model, held_opt, old_sl[s], new_sl[s], alive[s], rank, self._info[s].families,
@@ -791,7 +792,8 @@ class Runtime:
         held_model = held_opt = None
         self._mark("replicated")
         self.s.model, self.s.opt, self.s.stage = model, opt, stage
-        self.s.sync = self._new_sync(model, target, rank)
+        self.s.sync = self._new_sync(model, target, rank, scratch=freed)
+        del freed
         self._mark("sync")
         self.s.layout, self.s.sync_layout = target, new_sl[stage]
         self._event("reshard done", target.version,
@@ -813,7 +815,8 @@ class Runtime:
                     mine = g
         return mine
 
-    def _new_sync(self, model: nn.Module, target: WorkerLayout, rank: int) -> NtpGradSync:
+    def _new_sync(self, model: nn.Module, target: WorkerLayout, rank: int,
+                  scratch: list[torch.Tensor] | None = None) -> NtpGradSync:
         """One NTP sync per stage (each creates its groups on every rank); ours is active."""
         spare, self.s.spare = self.s.spare, []
         _, stage, _ = target.where(rank)
@@ -823,7 +826,8 @@ class Runtime:
             here = s == stage
             info = self._info[s]
             sync = NtpGradSync(model, target.sync_layout(info.units if here else {}, s), rank,
-                               info.families if here else {}, timeout=self._timeout, reuse=spare if here else ())
+                               info.families if here else {}, timeout=self._timeout, reuse=spare if here else (),
+                               scratch=(scratch or []) if here else ())
             self._track(*sync.dp_groups, sync.layout_group)
             self.s.syncs.append(sync)
             self._mark(f"sync stage {s}")

@@ -124,7 +124,7 @@ class NtpGradSync:
     def __init__(self, model: nn.Module, layout: SyncLayout, rank: int, families: Mapping[str, str],
                  timeout: Any = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  reuse: Sequence[torch.Tensor] = (), pack_bytes: int = DEFAULT_PACK_BYTES,
-                 shared_memory: bool = True) -> None:
+                 shared_memory: bool = True, scratch: Sequence[torch.Tensor] = ()) -> None:
         """`families` maps a sharded module path to its unit family. `timeout` (a timedelta) bounds
         every collective of the groups created here (torch otherwise gives new groups its default,
         not the world group's). `bucket_bytes`: the DP all-reduce runs per bucket of about this
@@ -135,7 +135,9 @@ class NtpGradSync:
         buffer anew. `pack_bytes`: see `_plan_messages`. `shared_memory`: on CPU, an extra rank
         whose cores run on its host keeps its gradients in shared memory, and the cores copy the
         borrowed units in and out themselves (`_share`); off, or where that is impossible, the
-        transfers are point-to-point messages."""
+        transfers are point-to-point messages. `scratch`: more memory that nothing else uses
+        any more (a reshard's replaced shards), used like `reuse` for buffers that need not be
+        shareable (not an extra rank's gradients), and not kept otherwise."""
         self.model, self.layout, self.rank = model, layout, rank
         self.bucket_bytes, self.pack_bytes = bucket_bytes, pack_bytes
         self.n_sync = layout.sync_degree
@@ -179,7 +181,7 @@ class NtpGradSync:
         # shared gradients) for the extras in shared memory
         self._copies: list[list[tuple[int, torch.Tensor, torch.Tensor]]] = []
         self._flags: dict[int, torch.Tensor] = {}  # peer -> flag in shared-memory transfers
-        self._allocate(_Pool(list(reuse), shared=self._shm))
+        self._allocate(_Pool(list(reuse), shared=self._shm, scratch=scratch))
         self._share()
         self._plan_messages()
 
@@ -214,7 +216,7 @@ class NtpGradSync:
                     s.home = s.units(s.seg, 0, self.maps[f].load(j))
         else:  # an extra rank's gradients get a home of their own
             order = [(f, s) for f in self.layout.units for s in self.shards[f]]
-            local = pool.take(sum(s.param.numel() for _, s in order), dtype, device)
+            local = pool.take(sum(s.param.numel() for _, s in order), dtype, device, shareable=self._shm)
             self._blocks.append(local)
             for s, view in zip((s for _, s in order), self._home_views(j, local), strict=True):
                 s.home = view
@@ -461,13 +463,17 @@ class _Pool:
     smallest block that holds the request; a block's rest stays available), fresh zeroed memory
     for what does not fit -- shareable with this host's other processes if `shared` (CPU only)."""
 
-    def __init__(self, blocks: list[torch.Tensor], shared: bool = False) -> None:
+    def __init__(self, blocks: list[torch.Tensor], shared: bool = False, scratch: Sequence[torch.Tensor] = ()) -> None:
+        """`scratch`: more memory to use, which `rest()` does not hand on (it goes once unused)."""
         self.blocks = [b.view(-1) for b in blocks if b.numel()]
+        self.keep = len(self.blocks)  # blocks[:keep] are the predecessor's buffers, the others scratch
+        self.blocks += [b.view(-1) for b in scratch if b.numel()]
         self.shared = shared
         self.fresh_elements = 0  # what this pool could not serve from the predecessor's memory
 
-    def _reuse(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-        fits = [i for i, b in enumerate(self.blocks) if b.numel() >= n and b.dtype == dtype and b.device == device]
+    def _reuse(self, n: int, dtype: torch.dtype, device: torch.device, shareable: bool = False) -> torch.Tensor | None:
+        fits = [i for i, b in enumerate(self.blocks) if b.numel() >= n and b.dtype == dtype and b.device == device
+                and (not shareable or _is_shared(b))]
         if not fits:
             return None
         i = min(fits, key=lambda k: self.blocks[k].numel())
@@ -483,8 +489,10 @@ class _Pool:
                 return t
         return torch.zeros(n, dtype=dtype, device=device)
 
-    def take(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        got = self._reuse(n, dtype, device)
+    def take(self, n: int, dtype: torch.dtype, device: torch.device, shareable: bool = False) -> torch.Tensor:
+        """`shareable`: only a block other processes can map (or fresh shared memory): an extra
+        rank's gradients, which its cores map."""
+        got = self._reuse(n, dtype, device, shareable)
         return got if got is not None else self._fresh(n, dtype, device)
 
     def take_all(self, sizes: Sequence[int], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
@@ -504,8 +512,13 @@ class _Pool:
         return out
 
     def rest(self) -> list[torch.Tensor]:
-        """What is left of the predecessor's blocks (still this process's memory: a successor may use it)."""
-        return [b for b in self.blocks if b.numel()]
+        """What is left of the predecessor's buffers (a successor may use it); what is left of
+        the scratch memory is let go."""
+        return [b for b in self.blocks[: self.keep] if b.numel()]
+
+
+def _is_shared(t: torch.Tensor) -> bool:
+    return getattr(t.untyped_storage(), "_ntp_fd", None) is not None
 
 
 def _merged(views: Sequence[torch.Tensor]) -> list[torch.Tensor]:

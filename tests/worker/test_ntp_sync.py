@@ -205,3 +205,23 @@ def test_a_successor_reuses_the_predecessors_gradient_memory_in_large_blocks() -
     rest.take(10, dtype, cpu)
     rest.take_all([60], dtype, cpu)
     assert [b.numel() for b in rest.rest()] == [40]
+
+
+def test_a_reshards_replaced_shards_serve_core_buffers_but_never_an_extras_home() -> None:
+    """The memory of shards a reshard replaced (`apply_reshard(freed=...)`) is scratch for the
+    new sync: a core's buckets may use it (TP2 -> TP1: the survivor's grown chunk then touches
+    no fresh pages), an extra rank's home may not (its cores map it: it must be shared memory),
+    and what is left of it is let go rather than kept for the layout's lifetime."""
+    dtype, cpu = torch.float32, torch.device("cpu")
+    old = sync_mod._Pool([], shared=True).take(100, dtype, cpu)  # the old chunk: shared memory
+    shard = torch.empty(80)  # a replaced shard: ordinary memory
+    core = sync_mod._Pool([old], shared=True, scratch=[shard])
+    got = core.take_all([50, 50, 50, 30], dtype, cpu)
+    assert core.fresh_elements == 0  # 100 from the old chunk, 80 from the shard
+    assert {g.untyped_storage().data_ptr() for g in got} == {old.untyped_storage().data_ptr(),
+                                                             shard.untyped_storage().data_ptr()}
+    assert core.rest() == []
+    extra = sync_mod._Pool([], shared=True, scratch=[torch.empty(200)])
+    home = extra.take(100, dtype, cpu, shareable=True)
+    assert extra.fresh_elements == 100 and sync_mod._is_shared(home)
+    assert extra.rest() == []  # the unused shard memory is not kept
