@@ -23,6 +23,9 @@ Pickling and unpickling the pieces on this side run in a worker thread, one piec
 the loop gets the GIL between pieces. Where a process cannot be started (no `forkserver`/`spawn`,
 a sandbox), or `plan_process` is off, the same work runs in a thread as before (`offloop`), with
 a warning. The planner is pure: both ways give the same layout, body and summary.
+
+The worker ends when the manager does, however it ends (SIGKILL included: `_exit_with_parent`),
+and with it the forkserver and the resource tracker that multiprocessing started for it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import multiprocessing
+import os
 import pickle
 import threading
 from array import array
@@ -345,7 +349,28 @@ _docs: OrderedDict[int, LayoutDoc] = OrderedDict()
 def _worker_init() -> None:
     import gc
 
+    _exit_with_parent()
     gc.freeze()  # the imported modules are never garbage; later collections skip them
+
+
+def _exit_with_parent() -> None:
+    """In the worker: end this process as soon as the manager that started it has ended, however
+    it ended. A manager that exits normally shuts its pool down, but a SIGKILLed one (or one that
+    leaves by `os._exit`) cannot, and the worker would wait on its call queue for ever: it holds
+    that queue's write end itself, so it never sees end of file there. The forkserver and the
+    resource tracker each stay up while any process they served holds their pipe (this worker
+    does), so all three stayed behind, adopted by init. `parent_process().sentinel` is a pipe whose
+    only write end the parent holds (multiprocessing keeps it for this; the forkserver, the worker's
+    real parent, does not): it reads as closed once the manager is gone."""
+    parent = multiprocessing.parent_process()
+    if parent is None:  # not started by multiprocessing (no parent to outlive)
+        return
+
+    def watch() -> None:
+        parent.join()  # returns once the sentinel is closed: the manager has ended
+        os._exit(0)
+
+    threading.Thread(target=watch, name="planner-parent-watch", daemon=True).start()
 
 
 def _ready() -> None:

@@ -1,8 +1,10 @@
-"""Real processes for tests: a free loopback port, `ntp-manager` tokens and `serve` subprocesses, and
-the multiprocessing context the worker tests start their rank processes from."""
+"""Real processes for tests: a free loopback port, `ntp-manager` tokens and `serve` subprocesses, a
+process's descendants (to check that nothing outlives it), and the multiprocessing context the
+worker tests start their rank processes from."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import multiprocessing
 import os
@@ -40,20 +42,83 @@ def create_agent_tokens(data: Path, nodes: list[str]) -> dict[str, str]:
     return {d["node"]: d["token"] for d in map(json.loads, out.splitlines())}
 
 
+_managers: list[subprocess.Popen[str]] = []  # what start_manager started and has not seen end
+
+
 def start_manager(
     data: Path, http_port: int = 0, grpc_port: int = 0, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    """`ntp-manager serve` on loopback; returns the process and its READY info (http, grpc, epoch)."""
+    """`ntp-manager serve` on loopback; returns the process and its READY info (http, grpc, epoch).
+    The caller stops it; one still running when the test process exits is stopped then
+    (`_stop_managers`)."""
+    _managers[:] = [p for p in _managers if p.poll() is None]
     proc = subprocess.Popen(
         [sys.executable, "-m", "ntp_manager.cli", "serve", "--data-dir", str(data), "--http-port", str(http_port),
          "--grpc-port", str(grpc_port)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=dict(os.environ, **(env or {})),
     )
+    _managers.append(proc)
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith("NTP-MANAGER READY"):
             return proc, json.loads(line.split(" ", 2)[2])
     raise AssertionError(f"manager did not start (rc={proc.wait()})")
+
+
+@atexit.register
+def _stop_managers() -> None:
+    """At the test process's exit, the managers that a failed test (or one that timed out) left
+    running: SIGTERM, then SIGKILL after 10 s. Left alone they would serve on for ever, adopted by
+    init."""
+    running = [p for p in _managers if p.poll() is None]
+    for p in running:
+        p.terminate()
+    for p in running:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """`pid`'s state letter, parent pid and start time (clock ticks after boot) from /proc, or None
+    when there is no such process."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = raw.rpartition(")")[2].split()  # after "pid (command)"; the command may hold spaces
+    return fields[0], int(fields[1]), int(fields[19])
+
+
+def descendants(pid: int) -> dict[int, int]:
+    """Every live process below `pid` (children, their children, ...), each with its start time:
+    with the start time a later check is not fooled by a new process that got a reused pid. Linux
+    only (/proc)."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (st := _stat(int(entry.name))) is not None and st[0] not in "ZX":
+            children.setdefault(st[1], []).append((int(entry.name), st[2]))
+    out: dict[int, int] = {}
+    todo = [pid]
+    while todo:
+        for child, start in children.get(todo.pop(), []):
+            if child not in out:
+                out[child] = start
+                todo.append(child)
+    return out
+
+
+def still_running(procs: dict[int, int]) -> list[int]:
+    """Those of `procs` (pid: start time, as `descendants` gives them) that have not ended (a zombie
+    has: it only waits to be reaped)."""
+    left = []
+    for pid, start in procs.items():
+        st = _stat(pid)
+        if st is not None and st[0] not in "ZX" and st[2] == start:
+            left.append(pid)
+    return left
 
 
 # What every rank process of the worker tests imports. Each spawned child used to import them
