@@ -9,6 +9,7 @@ import datetime as dt
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,9 +36,9 @@ def same(a: planning.Draft, b: planning.Draft) -> None:
 
 
 @pytest.fixture(scope="module")
-def pp() -> planproc.PlanProcess:
+def pp() -> Iterator[planproc.PlanProcess]:
     p = planproc.PlanProcess(True)
-    yield p  # type: ignore[misc]
+    yield p
     p.close()
 
 
