@@ -3,7 +3,8 @@
 - A SIGKILLed manager leaves no process behind: its planner process (service/planproc.py), and the
   resource tracker (and forkserver) that multiprocessing started for it, end with it. Before, they
   waited for ever, adopted by init (six such sets stayed after every CI run, one per manager
-  subprocess that a test SIGKILLed; bench/ha.py left one per round).
+  subprocess that a test SIGKILLed; bench/ha.py left one per round), and the forkserver's socket
+  stayed in a /tmp/pymp-* directory.
 - A manager subprocess that a failed test did not stop is stopped when the test process exits
   (tests/fakes/procs.py); before, it served on, adopted by init."""
 
@@ -50,7 +51,9 @@ def cmdline(pid: int) -> str:
 async def test_a_sigkilled_manager_takes_its_planner_processes_with_it(tmp_path: Path) -> None:
     data = tmp_path / "d"
     token = create_token(data, "operator")
-    proc, info = start_manager(data)
+    tmp = tmp_path / "tmp"  # the manager's temporary files
+    tmp.mkdir()
+    proc, info = start_manager(data, env={"TMPDIR": str(tmp)})
     family: dict[int, int] = {}
     try:
         async with httpx.AsyncClient(
@@ -73,6 +76,8 @@ async def test_a_sigkilled_manager_takes_its_planner_processes_with_it(tmp_path:
         # generous: they go within a second of the kill
         gone = await until(lambda: not still_running(family), 60)
         assert gone, [f"{p}: {cmdline(p)}" for p in still_running(family)]
+        # nor a file: a forkserver's socket, in a directory of its own, stayed in /tmp
+        assert not list(tmp.iterdir())
     finally:
         if proc.poll() is None:
             proc.kill()
