@@ -63,6 +63,11 @@ CLIENT_KEEPALIVE = [("grpc.keepalive_time_ms", 6_000), ("grpc.keepalive_timeout_
                     ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
 
 
+# how a call to a manager that is gone ends (a standby that names the leader is not one of them;
+# "Internal error from Core" is how grpc reports some refusals whose status it lost)
+UNREACHABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
+
+
 @dataclass
 class AgentConfig:
     manager: str
@@ -134,6 +139,7 @@ class Agent:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.target = config.managers[0] if config.managers else config.manager  # the manager tried now
         self.epoch_seen = 0  # the highest leader epoch a welcome carried
+        self.unreachable: str | None = None  # the manager the last attempt could not reach (told to the next)
         self.failovers = 0  # moves to another manager
 
     # ---- evidence ---------------------------------------------------------------------------
@@ -291,6 +297,17 @@ class Agent:
         self.sent_upto = last_applied  # nothing after it was applied; all of it is resent now
         return [self._report_msg(r) for r in self.pending]
 
+    def call_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The stream's metadata: the token; the manager the last attempt could not reach (a standby
+        holds the call until it takes over, rather than send it back there: rpc/server.py); and
+        how many reports no manager has acknowledged (after a takeover, agents with news go first)."""
+        md: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {self.cfg.token}"),)
+        if self.unreachable and self.unreachable != self.target:
+            md += (("ntp-leader-unreachable", self.unreachable),)
+        if self.pending:
+            md += (("ntp-pending-reports", str(len(self.pending))),)
+        return md
+
     def on_ack(self, seq: int) -> None:
         self.last_acked = max(self.last_acked, seq)
         self.pending = [r for r in self.pending if r.seq > seq]
@@ -310,7 +327,7 @@ class Agent:
 
         async with self.cfg.channel(self.target) as channel:
             stub = agent_pb2_grpc.AgentServiceStub(channel)  # type: ignore[no-untyped-call]
-            call = stub.Connect(requests(), metadata=(("authorization", f"Bearer {self.cfg.token}"),))
+            call = stub.Connect(requests(), metadata=self.call_metadata())
             beat = asyncio.create_task(self._heartbeats(outbox))
             try:
                 async for msg in call:
@@ -320,6 +337,7 @@ class Agent:
                             raise StaleManager(f"{self.target} welcomed at leader epoch {msg.welcome.leader_epoch}, "
                                                f"older than {self.epoch_seen}")
                         self.epoch_seen = msg.welcome.leader_epoch
+                        self.unreachable = None
                         for m in self.on_welcome(msg.welcome.last_applied_seq):
                             outbox.put_nowait(m)
                         self.connected.set()
@@ -388,6 +406,8 @@ class Agent:
                 self._move(None)  # the stream ended (the manager stopped or stepped down): try the next
             except grpc.aio.AioRpcError as e:
                 hint = leader_hint(e)
+                if hint is None and e.code() in UNREACHABLE_CODES:  # refused, reset, gone silent
+                    self.unreachable = self.target
                 if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                                 grpc.StatusCode.INVALID_ARGUMENT):
                     log.error("manager rejected the agent", code=e.code().name, detail=e.details())

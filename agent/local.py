@@ -14,6 +14,7 @@ as a process, with faults on a schedule instead of injected live.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -52,7 +53,11 @@ class FakeFleet:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(asyncio.gather(*(a.run() for a in self._agents.values())))
+        try:
+            self._loop.run_until_complete(asyncio.gather(*(a.run() for a in self._agents.values())))
+        finally:
+            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+            self._loop.close()
 
     def ready(self) -> bool:
         """Whether the manager has welcomed every node's agent at least once."""
@@ -70,5 +75,6 @@ class FakeFleet:
     def stop(self, timeout_s: float = 15.0) -> None:
         """Stop every agent (each restores the power limits it set) and wait for the thread."""
         for a in self._agents.values():
-            self._loop.call_soon_threadsafe(a.stopping.set)
+            with contextlib.suppress(RuntimeError):  # the loop has ended already (and is closed)
+                self._loop.call_soon_threadsafe(a.stopping.set)
         self._thread.join(timeout_s)

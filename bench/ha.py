@@ -113,6 +113,9 @@ class SimAgent:
         self.failed_here = 0  # addresses failed in a row (as agent/core.py: back off after a full round)
         self.round = 0
         self.connected_once_this_try = False
+        self.welcomes: list[tuple[float, float]] = []  # (start of the attempt, its welcome)
+        self.unreachable: str | None = None  # the manager the last attempt could not reach (agent/core.py)
+        self.attempts: list[tuple[float, float, str, str | None]] = []  # (start, end, how it ended, leader hint)
 
     def report(self, gpus: list[tuple[str, int, str]]) -> None:
         self.pending.append((self.next_seq, gpus))
@@ -129,6 +132,7 @@ class SimAgent:
         while not stop.is_set():
             q: asyncio.Queue[Any] = asyncio.Queue()
             self.q = q
+            attempt_t = time.perf_counter()
             q.put_nowait(agent_pb2.AgentMessage(hello=agent_pb2.Hello(
                 node=self.node, domain=self.domain, boot_id="b", agent_version="bench",
                 gpus=[common_pb2.GpuInfo(uuid=u, index=k, power=common_pb2.PowerConstraints(
@@ -145,7 +149,8 @@ class SimAgent:
             self.connected_once_this_try = False
             try:
                 stub = agent_pb2_grpc.AgentServiceStub(self.addrs.channel(self.target, self.i))
-                async for msg in stub.Connect(out(), metadata=(("authorization", f"Bearer {self.token}"),)):
+                async for msg in stub.Connect(out(), metadata=metadata(self.token, self.unreachable, self.target,
+                                                                  len(self.pending))):
                     kind = msg.WhichOneof("body")
                     if kind == "welcome":
                         last = msg.welcome.last_applied_seq
@@ -157,11 +162,16 @@ class SimAgent:
                             q.put_nowait(self._msg(p))
                         self.connected.set()
                         self.connected_once_this_try = True
+                        self.unreachable = None
+                        self.welcomes.append((attempt_t, time.perf_counter()))
                     elif kind == "ack":
                         self.acked = max(self.acked, msg.ack.seq)
                         self.pending = [p for p in self.pending if p[0] > msg.ack.seq]
             except grpc.aio.AioRpcError as e:
                 hint = hint_of(e)
+                self.unreachable = unreachable_after(e, hint, self.target, self.unreachable)
+                how = f"{e.code().name} {self.target} {(e.details() or '')[:60]}"
+                self.attempts.append((attempt_t, time.perf_counter(), how, hint))
             finally:
                 self.connected.clear()
                 self.q = None
@@ -171,6 +181,28 @@ class SimAgent:
             self.target = self.addrs.next(self.target, hint)
             self.moves += 1
             await asyncio.sleep(pause(self, hint, self.connected_once_this_try))
+
+
+def metadata(token: str, unreachable: str | None, target: str, pending: int = 0) -> tuple[tuple[str, str], ...]:
+    """The call's metadata: the token, the manager the last attempt could not reach (a standby
+    holds such a call until it takes over, or sees that manager renew its lease: rpc/server.py), and
+    an agent's reports not acknowledged yet (a takeover serves those agents first)."""
+    md: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),)
+    if unreachable and unreachable != target:
+        md += (("ntp-leader-unreachable", unreachable),)
+    if pending:
+        md += (("ntp-pending-reports", str(pending)),)
+    return md
+
+
+def unreachable_after(e: grpc.aio.AioRpcError, hint: str | None, target: str, before: str | None) -> str | None:
+    """What the next attempt tells the next manager: the one this attempt could not reach (no leader
+    named: refused, reset, a lost stream), else what it said before (a standby naming the leader is
+    no news about it)."""
+    if hint is None and e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
+                                     grpc.StatusCode.UNKNOWN):
+        return target
+    return before
 
 
 def pause(self: Any, hint: str | None, welcomed: bool) -> float:
@@ -195,6 +227,7 @@ class Watcher:
         self.target = addrs.addrs[0]
         self.seen: dict[tuple[int, int], float] = {}
         self.failed_here = self.round = 0
+        self.unreachable: str | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -204,12 +237,14 @@ class Watcher:
                 stub = worker_pb2_grpc.WorkerServiceStub(self.addrs.channel(self.target, self.i))
                 call = stub.WatchLayout(worker_pb2.WatchLayoutRequest(job="ha", worker_id=f"w{self.i}",
                                                                       gpu_uuid=self.gpu),
-                                        metadata=(("authorization", f"Bearer {self.token}"),))
+                                        metadata=metadata(self.token, self.unreachable, self.target))
                 async for msg in call:
                     self.seen.setdefault((msg.stamp.leader_epoch, msg.stamp.version), time.perf_counter())
                     got = True
+                    self.unreachable = None
             except grpc.aio.AioRpcError as e:
                 hint = hint_of(e)
+                self.unreachable = unreachable_after(e, hint, self.target, self.unreachable)
                 if e.code() == grpc.StatusCode.NOT_FOUND:  # the job is not there yet
                     await asyncio.sleep(0.2)
             if stop.is_set():
@@ -336,6 +371,17 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
                 await asyncio.sleep(0.02)
             got = arrivals()
             follower.cancel()
+            # each agent's first welcome after the kill: when that attempt started and when it was
+            # welcomed (seconds after the takeover): backoff before it, or the new leader's queue
+            back = [next(((a0, w) for a0, w in a.welcomes if w > t_kill), None) for a in agents]
+            starts = sorted(a0 - t_took for a0, _ in filter(None, back))
+            welcomes = sorted(w - t_took for _, w in filter(None, back))
+            vb = back[agents.index(victim)]
+            if args.trace_victim:
+                console.print("  victim's attempts (start, end, code, hint; s after the kill): " + ", ".join(
+                    f"({a0 - t_kill:.2f}, {a1 - t_kill:.2f}, {c}, {h})" for a0, a1, c, h in victim.attempts
+                    if a1 > t_kill) + "; welcomes (start, welcome): " + ", ".join(
+                    f"({a0 - t_kill:.2f}, {w - t_kill:.2f})" for a0, w in victim.welcomes if w > t_kill - 1))
             load_stop.set()
             await loader
             exit_code = None
@@ -357,12 +403,21 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
                            "takeover_s": t_took - t_kill, "first_layout_s": min(got) - t_kill if got else None,
                            "victim_welcomed_s": marks["welcomed"] - t_kill if "welcomed" in marks else None,
                            "victim_acked_s": marks["acked"] - t_kill if "acked" in marks else None,
+                           "victim_attempt_after_takeover_s": vb[0] - t_took if vb else None,
+                           "agents_attempt_after_takeover_p50_p90_max_s":
+                               (pct(starts, 50), pct(starts, 90), starts[-1]) if starts else None,
+                           "agents_welcomed_after_takeover_p50_p90_max_s":
+                               (pct(welcomes, 50), pct(welcomes, 90), welcomes[-1]) if welcomes else None,
                            "all_watchers_s": max(got) - t_kill if len(got) == len(watchers) else None,
                            "watchers_with_it": len(got), "breaker_open": status["breaker"]["open"]})
             r0 = rounds[-1]
             console.print(f"round {rnd}: {mode} {old.name} (exit {exit_code}); takeover {r0['takeover_s']:.2f} s, "
                           f"victim welcomed {_s(r0['victim_welcomed_s'])}, acked {_s(r0['victim_acked_s'])}, "
                           f"first layout {_s(r0['first_layout_s'])}, all watchers {_s(r0['all_watchers_s'])}")
+            console.print(f"  after the takeover: the victim's welcomed attempt started "
+                          f"{_s(r0['victim_attempt_after_takeover_s'])}; agents' welcomed attempts started "
+                          f"(p50/p90/max) {r0['agents_attempt_after_takeover_p50_p90_max_s']}, welcomed "
+                          f"{r0['agents_welcomed_after_takeover_p50_p90_max_s']}")
             await asyncio.sleep(1.0)
         # settle: every agent's reports acknowledged
         end = time.perf_counter() + 120
@@ -426,6 +481,7 @@ def main() -> None:
     ap.add_argument("--postgres", default=os.environ.get("NTP_TEST_POSTGRES_URL",
                                                          "postgresql+asyncpg://postgres@127.0.0.1:5432/test"))
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--trace-victim", action="store_true", help="print the victim agent's connection attempts")
     args = ap.parse_args()
     args.watchers = args.agents if args.watchers is None else args.watchers
     console = Console()

@@ -84,10 +84,32 @@ def _worker(wid: str, port: int, cfg: GptConfig, seq: int, steps: int, park_at: 
         gate = f"bench/gate/{rt.step}"
         if store.check([f"bench/gated/{rt.step}"]):  # the driver publishes the next layout first
             store.wait([gate], dt.timedelta(seconds=600))
+        prof = _profiler(wid, rt.step == park_at)
         r = rt.train_step(batch)
+        if prof is not None:
+            prof()
         q.put(("step", wid, r.step, r.version, r.tp, r.seconds))
     q.put(("timeline", wid, [(e.what, e.version, e.at) for e in rt.timeline], rt.switch_marks))
     rt.close()
+
+
+def _profiler(wid: str, on: bool) -> Any:
+    """With NTP_BENCH_PROFILE=DIR, a cProfile of the failing step (the kill, the switch and the
+    first step at the new layout) of every rank into DIR/<worker>.prof; returns the stop function."""
+    where = os.environ.get("NTP_BENCH_PROFILE")
+    if not where or not on:
+        return None
+    import cProfile
+
+    prof = cProfile.Profile()
+    prof.enable()
+
+    def stop() -> None:
+        prof.disable()
+        Path(where).mkdir(parents=True, exist_ok=True)
+        prof.dump_stats(str(Path(where) / f"{wid}.prof"))
+
+    return stop
 
 
 # ---- 1. steady step -----------------------------------------------------------------------------
@@ -188,6 +210,14 @@ def bench_failover(quick: bool, tp: int) -> dict[str, float]:
     for ms in marks.values():
         for name, at in ms:
             phases[name] = max(phases.get(name, 0.0), at - t_kill)
+    if os.environ.get("NTP_BENCH_MARKS"):  # every rank's marks and timeline, s after the kill (JSON lines)
+        import json
+
+        with open(os.environ["NTP_BENCH_MARKS"], "a") as f:
+            f.write(json.dumps({"tp": tp, "marks": {w: [(n, round(at - t_kill, 4)) for n, at in ms]
+                                                    for w, ms in sorted(marks.items())},
+                                "timeline": {w: [(n, v, round(at - t_kill, 4)) for n, v, at in tl if at >= t_kill]
+                                             for w, tl in sorted(timelines.items())}}) + "\n")
     return {"detection": detect - t_kill, "regroup": regroup - detect, "reshard": reshard - regroup,
             "first step": first - reshard, "total": first - t_kill,
             "step before": statistics.median(before.values()) if before else float("nan"),
@@ -201,6 +231,8 @@ def main() -> None:
     ap.add_argument("--only", choices=["steady", "failover"], action="append")
     ap.add_argument("--repeat", type=int, default=3, help="failover runs per shape (median reported)")
     ap.add_argument("--rounds", type=int, default=3, help="steady: turns of each layout")
+    ap.add_argument("--shape", choices=["4", "2", "single"], action="append",
+                    help="failover: only these jobs (default all three: PP2xTP4xDP2, PP2xTP2xDP2, single stage)")
     args = ap.parse_args()
     parts = set(args.only or ["steady", "failover"])
     console = Console()
@@ -216,11 +248,11 @@ def main() -> None:
     # this shared machine's load hits them alike
     from bench.worker import bench_failover as single_stage
 
-    shapes: dict[str, list[dict[str, float]]] = {"4": [], "2": [], "single": []}
+    shapes: dict[str, list[dict[str, float]]] = {k: [] for k in ("4", "2", "single") if k in (args.shape or "42s")}
     for _ in range(args.repeat):
-        shapes["4"].append(bench_failover(args.quick, 4))
-        shapes["2"].append(bench_failover(args.quick, 2))
-        shapes["single"].append(single_stage(args.quick, small_batch=True)[1])
+        for key in shapes:
+            shapes[key].append(single_stage(args.quick, small_batch=True)[1] if key == "single"
+                               else bench_failover(args.quick, int(key)))
     rows = []
     for key, runs in shapes.items():
         med = {k: statistics.median(r.get(k, float("nan")) for r in runs) for k in runs[0]}
@@ -230,10 +262,11 @@ def main() -> None:
         rows.append((label, *(f"{med[k]:.2f}" for k in ("detection", "regroup", "reshard", "first step", "total",
                                                         "step before")),
                      f"{max(r['total'] for r in runs):.2f}"))
-    names = [k for k in shapes["4"][0] if k.startswith("@")]
+    pipes = [k for k in ("4", "2") if k in shapes]
+    names = list(dict.fromkeys(n for k in pipes for r in shapes[k] for n in r if n.startswith("@")))
     show(console, "Inside the switch: by when the last rank had finished each phase (s after the kill, median)",
-         ("phase", *(f"PP2xTP{k}xDP2" for k in ("4", "2"))),
-         [(n[1:], *(f"{statistics.median(r.get(n, float('nan')) for r in shapes[k]):.3f}" for k in ("4", "2")))
+         ("phase", *(f"PP2xTP{k}xDP2" for k in pipes)),
+         [(n[1:], *(f"{statistics.median(r.get(n, float('nan')) for r in shapes[k]):.3f}" for k in pipes))
           for n in names])
     show(console, f"Rank killed -> first step at the new layout, 2 stages, 1x16 tokens per replica (s, median of "
          f"{args.repeat}; goal <= 2 s)",

@@ -72,28 +72,31 @@ def _ts(iso: str) -> float:
 
 @contextlib.contextmanager
 def manager_process(data: Path) -> Iterator[tuple[subprocess.Popen[str], dict[str, Any]]]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ntp_manager.cli", "serve", "--data-dir", str(data), "--http-port", "0",
-         "--grpc-port", "0"],
-        stdout=subprocess.PIPE, stderr=open(data / "manager.log", "w"), text=True,  # noqa: SIM115
-        env=dict(os.environ, NTP_HEARTBEAT_INTERVAL_S="2"),
-    )
+    with (data / "manager.log").open("w") as err:  # the child has its own descriptor of it
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ntp_manager.cli", "serve", "--data-dir", str(data), "--http-port", "0",
+             "--grpc-port", "0"],
+            stdout=subprocess.PIPE, stderr=err, text=True, env=dict(os.environ, NTP_HEARTBEAT_INTERVAL_S="2"),
+        )
     assert proc.stdout is not None
-    info = None
-    for line in proc.stdout:
-        if line.startswith("NTP-MANAGER READY"):
-            info = json.loads(line.split(" ", 2)[2])
-            break
-    if info is None:
-        raise RuntimeError(f"the manager did not start; see {data / 'manager.log'}")
     try:
+        info = None
+        for line in proc.stdout:
+            if line.startswith("NTP-MANAGER READY"):
+                info = json.loads(line.split(" ", 2)[2])
+                break
+        if info is None:
+            raise RuntimeError(f"the manager did not start; see {data / 'manager.log'}")
         yield proc, info
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        proc.stdout.close()
 
 
 NODES = (FakeNode("node-a", "nvl-0"), FakeNode("node-b", "nvl-1"), FakeNode("node-spare", "nvl-2"))

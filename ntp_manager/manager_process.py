@@ -45,10 +45,11 @@ class ManagerProcess:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self._cond:
-                self.lines.append(line.rstrip("\n"))
-                self._cond.notify_all()
+        with self.proc.stdout:  # closed at its end (the process and what it started have exited)
+            for line in self.proc.stdout:
+                with self._cond:
+                    self.lines.append(line.rstrip("\n"))
+                    self._cond.notify_all()
         with self._cond:  # end of output: wake a waiter now rather than at its next poll
             self._cond.notify_all()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -32,6 +33,7 @@ from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, wor
 from ntp_manager.auth import parse_bearer
 from ntp_manager.rpc import tls
 from ntp_manager.rpc.guard import GuardInterceptor, abort, code_of, peer_fingerprint, principal_of
+from ntp_manager.rpc.tally import Tally
 from ntp_manager.rpc.views import LayoutViews, build_views
 from ntp_manager.service import offloop
 from ntp_manager.service.agents import Ack, AgentCommand, Drain, EndStream, ReleasePower, SetPower
@@ -59,6 +61,16 @@ REVOKED = "the token of this stream was revoked"
 
 
 LEADER_KEY = "ntp-leader"  # trailing metadata: host:port of the leader's gRPC server
+# request metadata from a client that could not reach the leader a standby named (or the one it
+# was connected to) just now: host:port of that leader. A standby holds such a call (`_hold`).
+UNREACHABLE_KEY = "ntp-leader-unreachable"
+HOLD_RECHECK_S = 1.0  # a held call looks again at least this often (it is woken on every lease read)
+# request metadata from an agent: how many reports it holds that no manager has acknowledged yet.
+# When a takeover releases the calls a standby held, those agents go first (`_head_start`).
+PENDING_KEY = "ntp-pending-reports"
+HEAD_START_MAX_S = 0.5  # the other held calls wait at most this long for them
+# set (in the call's own context) on an agent's call with news that a takeover released
+RELEASED_WITH_NEWS: contextvars.ContextVar[bool] = contextvars.ContextVar("released_with_news", default=False)
 
 
 class StandbyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -66,18 +78,22 @@ class StandbyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     every AgentService / WorkerService call with UNAVAILABLE naming the leader, in the message and
     in the trailing metadata `ntp-leader` (host:port), before authentication (a standby holds no
     token table). Clients go there (agent/core.py, worker/sources.py). Health and reflection are
-    served as usual. While a takeover is due (the leader missed its renewals) or under way, calls
-    are held until this manager leads instead (`_hold`)."""
+    served as usual. While a takeover is due (the leader missed its renewals) or under way, and
+    while the client says the leader is unreachable and the standby has not seen it renew since,
+    calls are held until this manager leads instead (`_hold`)."""
 
     def __init__(self, manager: Manager) -> None:
         self.manager = manager
+        self._acting: asyncio.Future[Any] | None = None
+        self._head = 0  # held calls of agents with news (unacknowledged reports) not served yet
+        self._head_done = asyncio.Event()
 
     async def intercept_service(
         self, continuation: Callable[[Any], Awaitable[Any]], details: grpc.HandlerCallDetails
     ) -> Any:
         service = details.method.lstrip("/").split("/")[0]
         if service in SERVICE_PERMISSION and not self.manager.acting:
-            await self._hold(self.manager.leadership.takeover_due_in())
+            await self._hold(details)
         handler = await continuation(details)
         if handler is None or service not in SERVICE_PERMISSION or self.manager.acting:
             return handler
@@ -85,16 +101,88 @@ class StandbyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         trailer = ((LEADER_KEY, err.leader.grpc),) if err.leader is not None and err.leader.grpc else ()
         return _deny(handler, grpc.StatusCode.UNAVAILABLE, err.message, trailer)
 
-    async def _hold(self, due: float | None) -> None:
-        """When the leader has missed its renewals (`due`: seconds until this standby may take the
-        lease), a call is held until this manager leads, for up to `due` plus one lease (the
-        takeover and the load of the state), instead of being sent to a leader that is likely gone:
-        its client would bounce between the managers and back off, and come to the new leader
-        seconds after it is ready. Then it goes on as usual: served here, or sent to the leader."""
-        if due is None:
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.manager.acting_event.wait(), due + self.manager.settings.lease_ttl_s)
+    def close(self) -> None:
+        if self._acting is not None:
+            self._acting.cancel()
+
+    async def _hold(self, details: grpc.HandlerCallDetails) -> None:
+        """Hold a call on a standby until it leads, while sending it to the leader would likely be
+        in vain: its client would bounce between a dead leader and this standby and back off, and
+        come to the new leader seconds after it is ready (a whole fleet does, after a failover).
+
+        Held while a takeover is due (the leader missed its renewals: `takeover_due_in`) or under
+        way, looked at again on every read of the lease; and, when the client says the leader is
+        unreachable (metadata `ntp-leader-unreachable`: it found it gone before this standby could
+        know), until this standby sees the lease renewed after the call came (then the leader is
+        alive and the client goes there; a standby on a lease that is not renewed takes over a lease
+        later). At most three leases in all. Then the call goes on as usual: served here, or sent
+        to the leader. When the takeover releases the held calls, those of agents with news go
+        first (`_head_start`)."""
+        m = self.manager
+        lead = m.leadership
+        unreachable = any(k == UNREACHABLE_KEY for k, _ in (details.invocation_metadata or ()))
+        news = _pending(details) > 0
+        ends = lead.lease_ends()
+        # a dead leader's last renewal may land after this standby's last read, moving the lease by
+        # up to two renewal periods and a read's delay; a live one moves it past that within three
+        renewed_past = None if ends is None else ends + 2.5 * m.settings.lease_renew_s
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + 3 * m.settings.lease_ttl_s
+        held = False
+        if news:
+            self._head += 1
+            self._head_done.clear()
+        try:
+            while not m.acting and not lead.lost.is_set():
+                now_ends = lead.lease_ends()
+                renewed = renewed_past is not None and now_ends is not None and now_ends > renewed_past
+                if lead.takeover_due_in() is None and not (unreachable and not renewed):
+                    return  # the leader renews as it should (and has renewed since the client found it gone)
+                left = give_up - loop.time()
+                if left <= 0:
+                    return
+                held = True
+                if self._acting is None:
+                    self._acting = asyncio.ensure_future(m.acting_event.wait())
+                await asyncio.wait({self._acting, lead.next_view()}, timeout=min(left, HOLD_RECHECK_S),
+                                   return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if news and not (held and m.acting):  # not released by the takeover: not waited for
+                self.news_served()
+        if held and m.acting:
+            if news:
+                RELEASED_WITH_NEWS.set(True)  # its handler calls news_served (AgentService.Connect)
+            else:
+                await self._head_start()
+
+    async def _head_start(self) -> None:
+        """A takeover released every held call at once: a thousand agents' hellos and as many layout
+        watches. Those of agents with news (reports no manager acknowledged: a GPU that failed
+        while there was no leader) go first: the others wait until those agents' first reports
+        are acknowledged (`news_served`), HEAD_START_MAX_S at most, so the failure that needs a new
+        layout is not one in two thousand calls the new leader takes in lock step."""
+        if self._head > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._head_done.wait(), HEAD_START_MAX_S)
+
+    def news_served(self) -> None:
+        """An agent with news that a takeover released was served (its first ack sent, or its stream
+        ended): the held calls behind it may go once all such agents are."""
+        if self._head > 0:
+            self._head -= 1
+            if self._head == 0:
+                self._head_done.set()
+
+
+def _pending(details: Any) -> int:
+    """The `ntp-pending-reports` a call's metadata carries (0 when absent or not a number)."""
+    for k, v in details.invocation_metadata or ():
+        if k == PENDING_KEY:
+            try:
+                return max(0, int(v))
+            except (TypeError, ValueError):
+                return 0
+    return 0
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -144,158 +232,174 @@ def _deny(handler: Any, code: grpc.StatusCode, msg: str, trailer: tuple[tuple[st
 
 
 class AgentService(agent_pb2_grpc.AgentServiceServicer):
-    def __init__(self, manager: Manager) -> None:
+    def __init__(self, manager: Manager, standby: StandbyInterceptor | None = None) -> None:
         self.m = manager
+        self.standby = standby
         self._ids = itertools.count(1)
+        # a fleet reconnecting at once (a failover) gets one line per second, not one per agent
+        self.connected_log = Tally(log, "agent connected")
+        self.disconnected_log = Tally(log, "agent disconnected")
 
     async def Connect(
         self, request_iterator: AsyncIterator[agent_pb2.AgentMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[agent_pb2.ManagerMessage]:
-        principal = principal_of(self.m.tokens, context)
-        if principal is None:  # revoked between the interceptor and here
-            await abort(context, grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token")
-        assert principal is not None
-        fingerprint = peer_fingerprint(context)
-        if self.m.settings.grpc_tls_client_ca is not None and fingerprint is None:
-            await abort(context, grpc.StatusCode.PERMISSION_DENIED,
-                        "agents must connect over mTLS (the manager's TLS port, with a client certificate)")
+        news = [RELEASED_WITH_NEWS.get() and self.standby is not None]  # a takeover let it go first
+
+        def served() -> None:  # its first ack is out (or its stream ended): the calls behind it may go
+            if news[0] and self.standby is not None:
+                news[0] = False
+                self.standby.news_served()
+
         try:
-            first = await anext(aiter(request_iterator))
-        except StopAsyncIteration:
-            return
-        if first.WhichOneof("body") != "hello":
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the first message on the stream must be a hello")
-        h = first.hello
-        if len(h.gpus) > limits.GPUS_PER_NODE_MAX:  # before building records for all of them
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                        f"hello.gpus (count): {len(h.gpus)} is outside [1, {limits.GPUS_PER_NODE_MAX}]")
-        inv = [
-            GpuInventory(g.uuid, g.index, g.model, g.memory_bytes, g.power.default_mw or 1_000_000,
-                         g.power.min_mw or 200_000, g.power.max_mw or 1_300_000)
-            for g in h.gpus
-        ]
-        try:
-            session, last_seq = await self.m.register_agent(
-                h.node, h.domain, inv, h.boot_id, h.agent_version, principal, fingerprint, context.peer() or "")
-        except ServiceError as e:
-            await abort(context, code_of(e), e.message)
-        node = h.node
-        unwatch = self.m.token_service.watch(
-            principal.token_id,
-            lambda: session.outbox.put_nowait(EndStream(grpc.StatusCode.UNAUTHENTICATED.name, REVOKED)),
-        )
-        log.info("agent connected", node=node, last_seq=last_seq, gpus=len(inv))
-        yield agent_pb2.ManagerMessage(
-            welcome=agent_pb2.Welcome(
-                leader_epoch=self.m.epoch, last_applied_seq=last_seq,
-                heartbeat_interval_ms=int(self.m.settings.heartbeat_interval_s * 1000),
-            )
-        )
-
-        # Reports are applied in order but not one round trip at a time: up to PIPELINE of a
-        # stream's reports wait in the group commit together. Acks are cumulative (ack n: every
-        # report up to n is applied), so the reports that commit together get one ack.
-        pending: asyncio.Queue[asyncio.Future[int] | None] = asyncio.Queue(PIPELINE)
-
-        def failed(e: BaseException) -> EndStream:
-            if isinstance(e, ServiceError):
-                return EndStream(code_of(e).name, e.message)
-            log.error("agent report failed", node=node, exc_info=e)  # never OK, never the error's text
-            return EndStream(grpc.StatusCode.INTERNAL.name, "internal error; the manager's log has the details")
-
-        async def acks() -> None:
-            held: list[asyncio.Future[int] | None] = []  # taken from the queue, not done yet
-            while True:
-                fut = held.pop() if held else await pending.get()
-                if fut is None:
-                    return
-                try:
-                    seq = await fut
-                except Exception as e:
-                    session.outbox.put_nowait(failed(e))
-                    return
-                while not pending.empty():  # the next reports that are already applied
-                    nxt = pending.get_nowait()
-                    if nxt is None or not nxt.done():
-                        held.append(nxt)
-                        break
-                    if nxt.exception() is not None:
-                        session.outbox.put_nowait(Ack(seq))
-                        session.outbox.put_nowait(failed(nxt.exception()))  # type: ignore[arg-type]
-                        return
-                    seq = nxt.result()
-                session.outbox.put_nowait(Ack(seq))
-
-        acker = asyncio.create_task(acks())
-
-        async def read() -> None:
+            principal = principal_of(self.m.tokens, context)
+            if principal is None:  # revoked between the interceptor and here
+                await abort(context, grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token")
+            assert principal is not None
+            fingerprint = peer_fingerprint(context)
+            if self.m.settings.grpc_tls_client_ca is not None and fingerprint is None:
+                await abort(context, grpc.StatusCode.PERMISSION_DENIED,
+                            "agents must connect over mTLS (the manager's TLS port, with a client certificate)")
             try:
-                async for msg in request_iterator:
-                    kind = msg.WhichOneof("body")
-                    if kind == "heartbeat":
-                        self.m.heartbeat(node, msg.heartbeat.gpus)
-                    elif kind == "report":
-                        r = msg.report
-                        reports = [
-                            GpuReport(g.uuid, STATE_NAMES.get(g.state, f"unknown({g.state})"), list(g.reasons),
-                                      [x.xid for x in g.xids], g.power.enforced_mw or None)
-                            for g in r.gpus
-                        ]
-                        fut = asyncio.ensure_future(self.m.apply_report(node, r.seq, reports))
-                        await pending.put(fut)
-                        if acker.done():
-                            return
-                    elif kind == "result":
-                        res = msg.result
-                        readings = [(u, p.enforced_mw) for u, p in zip(res.gpu_uuids, res.power, strict=False)]
-                        await self.m.record_power_result(node, readings)
-                    elif kind == "hello":
-                        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "hello may only be sent once per stream")
-                    else:
-                        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "empty agent message")
+                first = await anext(aiter(request_iterator))
+            except StopAsyncIteration:
+                return
+            if first.WhichOneof("body") != "hello":
+                await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                            "the first message on the stream must be a hello")
+            h = first.hello
+            if len(h.gpus) > limits.GPUS_PER_NODE_MAX:  # before building records for all of them
+                await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                            f"hello.gpus (count): {len(h.gpus)} is outside [1, {limits.GPUS_PER_NODE_MAX}]")
+            inv = [
+                GpuInventory(g.uuid, g.index, g.model, g.memory_bytes, g.power.default_mw or 1_000_000,
+                             g.power.min_mw or 200_000, g.power.max_mw or 1_300_000)
+                for g in h.gpus
+            ]
+            try:
+                session, last_seq = await self.m.register_agent(
+                    h.node, h.domain, inv, h.boot_id, h.agent_version, principal, fingerprint, context.peer() or "")
             except ServiceError as e:
-                await _settle(pending)
-                session.outbox.put_nowait(EndStream(code_of(e).name, e.message))
-            except _Abort as e:
-                await _settle(pending)
-                session.outbox.put_nowait(EndStream(e.code.name, e.msg))
-            except (asyncio.CancelledError, grpc.aio.AioRpcError):
-                pass
-            except Exception:  # a failed message never ends the stream with OK
-                log.exception("agent stream failed", node=node)
-                session.outbox.put_nowait(EndStream(grpc.StatusCode.INTERNAL.name,
-                                                    "internal error; the manager's log has the details"))
-            finally:
-                # the reports already read are acked (or refused) before the stream ends
-                with contextlib.suppress(asyncio.CancelledError):
+                await abort(context, code_of(e), e.message)
+            node = h.node
+            unwatch = self.m.token_service.watch(
+                principal.token_id,
+                lambda: session.outbox.put_nowait(EndStream(grpc.StatusCode.UNAUTHENTICATED.name, REVOKED)),
+            )
+            self.connected_log.add(node, last_seq=last_seq, gpus=len(inv))
+            yield agent_pb2.ManagerMessage(
+                welcome=agent_pb2.Welcome(
+                    leader_epoch=self.m.epoch, last_applied_seq=last_seq,
+                    heartbeat_interval_ms=int(self.m.settings.heartbeat_interval_s * 1000),
+                )
+            )
+
+            # Reports are applied in order but not one round trip at a time: up to PIPELINE of a
+            # stream's reports wait in the group commit together. Acks are cumulative (ack n: every
+            # report up to n is applied), so the reports that commit together get one ack.
+            pending: asyncio.Queue[asyncio.Future[int] | None] = asyncio.Queue(PIPELINE)
+
+            def failed(e: BaseException) -> EndStream:
+                if isinstance(e, ServiceError):
+                    return EndStream(code_of(e).name, e.message)
+                log.error("agent report failed", node=node, exc_info=e)  # never OK, never the error's text
+                return EndStream(grpc.StatusCode.INTERNAL.name, "internal error; the manager's log has the details")
+
+            async def acks() -> None:
+                held: list[asyncio.Future[int] | None] = []  # taken from the queue, not done yet
+                while True:
+                    fut = held.pop() if held else await pending.get()
+                    if fut is None:
+                        return
+                    try:
+                        seq = await fut
+                    except Exception as e:
+                        session.outbox.put_nowait(failed(e))
+                        return
+                    while not pending.empty():  # the next reports that are already applied
+                        nxt = pending.get_nowait()
+                        if nxt is None or not nxt.done():
+                            held.append(nxt)
+                            break
+                        if nxt.exception() is not None:
+                            session.outbox.put_nowait(Ack(seq))
+                            session.outbox.put_nowait(failed(nxt.exception()))  # type: ignore[arg-type]
+                            return
+                        seq = nxt.result()
+                    session.outbox.put_nowait(Ack(seq))
+                    served()
+
+            acker = asyncio.create_task(acks())
+
+            async def read() -> None:
+                try:
+                    async for msg in request_iterator:
+                        kind = msg.WhichOneof("body")
+                        if kind == "heartbeat":
+                            self.m.heartbeat(node, msg.heartbeat.gpus)
+                        elif kind == "report":
+                            r = msg.report
+                            reports = [
+                                GpuReport(g.uuid, STATE_NAMES.get(g.state, f"unknown({g.state})"), list(g.reasons),
+                                          [x.xid for x in g.xids], g.power.enforced_mw or None)
+                                for g in r.gpus
+                            ]
+                            fut = asyncio.ensure_future(self.m.apply_report(node, r.seq, reports))
+                            await pending.put(fut)
+                            if acker.done():
+                                return
+                        elif kind == "result":
+                            res = msg.result
+                            readings = [(u, p.enforced_mw) for u, p in zip(res.gpu_uuids, res.power, strict=False)]
+                            await self.m.record_power_result(node, readings)
+                        elif kind == "hello":
+                            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "hello may only be sent once per stream")
+                        else:
+                            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "empty agent message")
+                except ServiceError as e:
                     await _settle(pending)
-                session.outbox.put_nowait(None)
+                    session.outbox.put_nowait(EndStream(code_of(e).name, e.message))
+                except _Abort as e:
+                    await _settle(pending)
+                    session.outbox.put_nowait(EndStream(e.code.name, e.msg))
+                except (asyncio.CancelledError, grpc.aio.AioRpcError):
+                    pass
+                except Exception:  # a failed message never ends the stream with OK
+                    log.exception("agent stream failed", node=node)
+                    session.outbox.put_nowait(EndStream(grpc.StatusCode.INTERNAL.name,
+                                                        "internal error; the manager's log has the details"))
+                finally:
+                    # the reports already read are acked (or refused) before the stream ends
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await _settle(pending)
+                    session.outbox.put_nowait(None)
 
-        async def _settle(q: asyncio.Queue[asyncio.Future[int] | None]) -> None:
-            if not acker.done():
-                await q.put(None)
-                await asyncio.wait([acker])
+            async def _settle(q: asyncio.Queue[asyncio.Future[int] | None]) -> None:
+                if not acker.done():
+                    await q.put(None)
+                    await asyncio.wait([acker])
 
-        reader = asyncio.create_task(read())
-        try:
-            while True:
-                item = await session.outbox.get()
-                if item is None or session.closed:
-                    break
-                if isinstance(item, EndStream):
-                    await abort(context, grpc.StatusCode[item.status], item.message)
-                    break
-                yield self._command(item)
+            reader = asyncio.create_task(read())
+            try:
+                while True:
+                    item = await session.outbox.get()
+                    if item is None or session.closed:
+                        break
+                    if isinstance(item, EndStream):
+                        await abort(context, grpc.StatusCode[item.status], item.message)
+                        break
+                    yield self._command(item)
+            finally:
+                unwatch()
+                reader.cancel()
+                acker.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await reader
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await acker
+                self.m.disconnect_agent(session)
+                self.disconnected_log.add(node)
         finally:
-            unwatch()
-            reader.cancel()
-            acker.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await reader
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await acker
-            self.m.disconnect_agent(session)
-            log.info("agent disconnected", node=node)
+            served()
 
     def _command(self, cmd: AgentCommand) -> agent_pb2.ManagerMessage:
         cid = next(self._ids)
@@ -451,10 +555,11 @@ HEALTH_SERVICES = ("", "ntp.v1.AgentService", "ntp.v1.WorkerService")
 class RpcServer:
     def __init__(self, manager: Manager) -> None:
         self.manager = manager
-        interceptors = [StandbyInterceptor(manager), GuardInterceptor(), AuthInterceptor(manager)]
+        self.standby = StandbyInterceptor(manager)
+        interceptors = [self.standby, GuardInterceptor(), AuthInterceptor(manager)]
         self.server = grpc.aio.server(interceptors=interceptors, options=KEEPALIVE)
         self.health = health_aio.HealthServicer()
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentService(manager), self.server)  # type: ignore[no-untyped-call]
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentService(manager, self.standby), self.server)  # type: ignore[no-untyped-call]
         self.server.add_generic_rpc_handlers((_worker_handler(WorkerService(manager)),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [
@@ -515,3 +620,4 @@ class RpcServer:
             self._role = None
         await self.set_serving(False)
         await self.server.stop(grace)
+        self.standby.close()

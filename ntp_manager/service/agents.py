@@ -217,7 +217,13 @@ class Agents:
                      before={"boot_id": known.boot_id, "agent_version": known.agent_version},
                      after={"boot_id": boot_id, "agent_version": agent_version, "token": token, "peer": peer[:200],
                             "added": added, "absent": absent})
-            tx.change_node(node, NodeChange(boot_id=boot_id, agent_version=agent_version))
+            # an unchanged re-hello (the fleet after a failover) writes its audit row and nothing else
+            changed = NodeChange()
+            if boot_id != known.boot_id:
+                changed["boot_id"] = boot_id
+            if agent_version != known.agent_version:
+                changed["agent_version"] = agent_version
+            tx.change_node(node, changed)
         for g in gpus:
             if g.uuid in added:
                 tx.add_gpu(GpuRec(g.uuid, node, domain, g.index, g.default_mw, g.min_mw, g.max_mw,

@@ -281,6 +281,7 @@ class Kernel:
         # at the epoch the database holds (service/leader.py); None: no check (a CLI, a test)
         self.fence: Callable[[AsyncSession], Awaitable[None]] | None = None
         self.batches = 0  # group commits made (for tests and metrics)
+        self.batched = 0  # items those group commits carried (batched / batches: how well they group)
         self.split = 0  # failed group commits whose items were run again one by one
         self._queue: deque[_Item] = deque()
         self._kick = asyncio.Event()
@@ -388,6 +389,7 @@ class Kernel:
                 await self._run([item])
             return
         self.batches += 1
+        self.batched += len(items)
         for item, result in zip(items, results, strict=True):
             if not item.fut.done():
                 item.fut.set_result(result)

@@ -89,6 +89,7 @@ class Leadership:
         self.refused = 0  # write transactions the fence refused (tests and metrics)
         self.renewed_mono = 0.0  # when the last renewal that got through was sent
         self._lock_file: IO[str] | None = None
+        self._viewed: asyncio.Future[None] | None = None  # resolved at the next read of the lease
 
     # ---- start ------------------------------------------------------------------------------
     def advertise(self, http: str, grpc: str) -> None:
@@ -153,11 +154,25 @@ class Leadership:
         async with self.engine.connect() as conn:
             view = await lease.read(conn)
         self.view, self.view_mono = view, time.monotonic()
+        if self._viewed is not None and not self._viewed.done():
+            self._viewed.set_result(None)
         if view is not None and view.live and not self.leading:
             self.leader = LeaderInfo(view.epoch, view.holder, view.http, view.grpc)
         elif view is not None and not view.live and not self.leading:
             self.leader = None
         return view
+
+    def next_view(self) -> asyncio.Future[None]:
+        """A future resolved at this manager's next read of the lease (a standby reads it every
+        `lease_renew_s`): what a call held on a standby waits on, with the end of the takeover."""
+        if self._viewed is None or self._viewed.done():
+            self._viewed = asyncio.get_running_loop().create_future()
+        return self._viewed
+
+    def lease_ends(self) -> float | None:
+        """When the lease as last read expires (the database's clock): it moves on every renewal,
+        so a standby that sees it move knows the leader is alive."""
+        return self.view.expires_at if self.view is not None else None
 
     def takeover_due_in(self) -> float | None:
         """On a standby whose leader looks gone: about how many seconds until this manager may take

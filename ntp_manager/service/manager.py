@@ -79,7 +79,7 @@ class Manager:
                              window_s=settings.group_commit_window_ms / 1000)
         self.workers = WorkerReports()
         self.telemetry = TelemetryStore()  # agents' GPU counters, latest per GPU (issue 21)
-        self.metrics = Metrics(self._step_windows)
+        self.metrics = Metrics(self._step_windows, lambda: (self.kernel.batches, self.kernel.batched))
         self.tokens = TokenTable()  # the live table (see service/tokens.py)
         self.token_service = Tokens(self)
         self.watchdog = LoopWatchdog(self.metrics.registry, warn_s=settings.loop_warn_ms / 1000)

@@ -5,13 +5,29 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ntp_manager.service.steps import StepWindow
 
 # What the step collector reads at each scrape: (job, current layout version, its window).
 StepSource = Callable[[], Iterable[tuple[str, int, StepWindow]]]
+# What the group-commit collector reads: (group commits made, items they carried).
+CommitSource = Callable[[], tuple[int, int]]
+
+
+class CommitCollector(Collector):
+    """The kernel's group commits and the items (registrations, reports, ...) they carried, read at
+    scrape time: items per commit says how well the work groups (one commit per item costs a
+    transaction's round trips each)."""
+
+    def __init__(self, source: CommitSource) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        batches, items = self.source()
+        yield CounterMetricFamily("ntp_group_commits", "group commits made", value=batches)
+        yield CounterMetricFamily("ntp_group_commit_items", "items the group commits carried", value=items)
 
 
 class StepCollector(Collector):
@@ -47,7 +63,7 @@ class StepCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, steps: StepSource | None = None) -> None:
+    def __init__(self, steps: StepSource | None = None, commits: CommitSource | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.gpus = Gauge("ntp_gpus", "GPUs by effective state", ["state"], registry=r)
@@ -73,3 +89,5 @@ class Metrics:
         self.agents = Gauge("ntp_agents_connected", "connected agent streams", registry=r)
         if steps is not None:
             r.register(StepCollector(steps))
+        if commits is not None:
+            r.register(CommitCollector(commits))

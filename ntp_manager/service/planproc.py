@@ -6,9 +6,10 @@ planner's per-replica records, the layout's records while it is compared and enc
 list of them, or a garbage collection over them, is one C call that holds the GIL whichever
 thread makes it. That held the manager's loop 0.1-1.6 s per replan on the bench VM. So the whole
 replan (plan, typed layout, comparison with the running one, stored body, audit summary) runs in
-one long-lived worker process (a `ProcessPoolExecutor` of one, forkserver or spawn: never a fork
-of a threaded manager), and what crosses the pipe is kept compact and cut in pieces that are each
-a short C call for this process:
+one long-lived worker process (a `ProcessPoolExecutor` of one, spawned: never a fork of a threaded
+manager, and not the process-wide forkserver either, whose preload list belongs to whoever starts
+it first: a test process's rank processes preload torch through it), and what crosses the pipe
+is kept compact and cut in pieces that are each a short C call for this process:
 
 - the cluster's shape (UUIDs, nodes, GPU indices, the manager's GPU positions) is sent once per
   shape (a registration makes a new one) and kept by the worker under a token; each call sends the
@@ -20,12 +21,12 @@ a short C call for this process:
   the call is repeated with the full piece.
 
 Pickling and unpickling the pieces on this side run in a worker thread, one piece per C call, so
-the loop gets the GIL between pieces. Where a process cannot be started (no `forkserver`/`spawn`,
+the loop gets the GIL between pieces. Where a process cannot be started (no `spawn`,
 a sandbox), or `plan_process` is off, the same work runs in a thread as before (`offloop`), with
 a warning. The planner is pure: both ways give the same layout, body and summary.
 
 The worker ends when the manager does, however it ends (SIGKILL included: `_exit_with_parent`),
-and with it the forkserver and the resource tracker that multiprocessing started for it.
+and with it the resource tracker that multiprocessing started for it.
 """
 
 from __future__ import annotations
@@ -120,8 +121,7 @@ class PlanProcess:
             return None
         if self._pool is None:
             try:
-                methods = multiprocessing.get_all_start_methods()
-                ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+                ctx = multiprocessing.get_context("spawn")
                 self._pool = ProcessPoolExecutor(max_workers=1, mp_context=ctx, initializer=_worker_init)
             except (OSError, ValueError, NotImplementedError, ImportError) as e:
                 log.warning("planner process unavailable: planning in a thread", error=repr(e))
@@ -357,11 +357,11 @@ def _exit_with_parent() -> None:
     """In the worker: end this process as soon as the manager that started it has ended, however
     it ended. A manager that exits normally shuts its pool down, but a SIGKILLed one (or one that
     leaves by `os._exit`) cannot, and the worker would wait on its call queue for ever: it holds
-    that queue's write end itself, so it never sees end of file there. The forkserver and the
-    resource tracker each stay up while any process they served holds their pipe (this worker
-    does), so all three stayed behind, adopted by init. `parent_process().sentinel` is a pipe whose
-    only write end the parent holds (multiprocessing keeps it for this; the forkserver, the worker's
-    real parent, does not): it reads as closed once the manager is gone."""
+    that queue's write end itself, so it never sees end of file there. The resource tracker (and
+    the forkserver, when the worker came from one) stays up while any process it served holds its
+    pipe (this worker does), so they all stayed behind, adopted by init. `parent_process().sentinel`
+    is a pipe whose only write end the parent holds (multiprocessing keeps it for this, with spawn
+    and forkserver alike): it reads as closed once the manager is gone."""
     parent = multiprocessing.parent_process()
     if parent is None:  # not started by multiprocessing (no parent to outlive)
         return

@@ -37,6 +37,7 @@ class LeaseView:
     http: str
     grpc: str
     remaining_s: float | None  # seconds until it expires (<= 0: expired); None: never held or released
+    expires_at: float | None = None  # when it expires, the database's clock (epoch seconds): moves on each renewal
 
     @property
     def live(self) -> bool:
@@ -49,7 +50,8 @@ def _pg(conn: AsyncConnection | AsyncSession) -> bool:
 
 
 _READ_PG = text("SELECT epoch, holder, http_address, grpc_address, "
-                "EXTRACT(EPOCH FROM (expires_at - clock_timestamp()))::float8 FROM leader WHERE id = 1")
+                "EXTRACT(EPOCH FROM (expires_at - clock_timestamp()))::float8, "
+                "EXTRACT(EPOCH FROM expires_at)::float8 FROM leader WHERE id = 1")
 _ACQUIRE_PG = text(
     "UPDATE leader SET epoch = epoch + 1, holder = :me, since = clock_timestamp(), "
     "expires_at = clock_timestamp() + make_interval(secs => :ttl), http_address = :http, grpc_address = :grpc "
@@ -66,7 +68,8 @@ async def read(conn: AsyncConnection) -> LeaseView | None:
         row = (await conn.execute(_READ_PG)).first()
         if row is None:
             return None
-        return LeaseView(int(row[0]), str(row[1]), str(row[2]), str(row[3]), None if row[4] is None else float(row[4]))
+        return LeaseView(int(row[0]), str(row[1]), str(row[2]), str(row[3]), None if row[4] is None else float(row[4]),
+                         None if row[5] is None else float(row[5]))
     r = (await conn.execute(select(LeaderRow.epoch, LeaderRow.holder, LeaderRow.http_address, LeaderRow.grpc_address,
                                    LeaderRow.expires_at).where(LeaderRow.id == 1))).first()
     if r is None:
@@ -75,7 +78,8 @@ async def read(conn: AsyncConnection) -> LeaseView | None:
     if expires is not None and expires.tzinfo is None:
         expires = expires.replace(tzinfo=UTC)
     remaining = None if expires is None else (expires - datetime.now(UTC)).total_seconds()
-    return LeaseView(int(r[0]), str(r[1]), str(r[2]), str(r[3]), remaining)
+    return LeaseView(int(r[0]), str(r[1]), str(r[2]), str(r[3]), remaining,
+                     None if expires is None else expires.timestamp())
 
 
 async def acquire(conn: AsyncConnection, me: str, ttl_s: float, http: str, grpc: str) -> int | None:

@@ -28,12 +28,13 @@ signatures, never version strings).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import json
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 FORCE_STAGING_ENV = "NTP_COMM_FORCE_STAGING"
+LAZY_ENV = "TORCH_GLOO_LAZY_INIT"  # gloo_lazy_connections
 # NCCL error handling the runtime needs: a failed or timed-out collective must raise in the
 # training thread (blocking wait) and abort the communicator without killing the process
 # (async error handling 2 = "clean up only"), so the survivors can regroup.
@@ -528,9 +530,13 @@ def init_default_group(backend: str, store: Any, rank: int, world: int, timeout:
     ncclCommInitRank would otherwise hang the others there), unless the user set these
     variables; and, where torch supports it, eager initialisation bound to the rank's device --
     then every sub-group is split from this communicator (ncclCommSplit) rather than initialised
-    from nothing."""
+    from nothing. gloo: the group connects lazily (`gloo_lazy_connections`): nothing runs on it."""
     feats = features or detect_features()
     kwargs: dict[str, Any] = {}
+    if backend == "gloo":
+        with gloo_lazy_connections():
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        return
     if backend == "nccl":
         check_nccl_env(os.environ)
         for k, v in NCCL_ENV.items():
@@ -540,6 +546,27 @@ def init_default_group(backend: str, store: Any, rank: int, world: int, timeout:
         if feats.eager_init and device is not None:
             kwargs["device_id"] = device
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
+
+
+@contextlib.contextmanager
+def gloo_lazy_connections() -> Iterator[None]:
+    """gloo groups created inside connect their pairs on first use instead of all at creation
+    (`TORCH_GLOO_LAZY_INIT`, read by every ProcessGroupGloo when it is built). Only for a group
+    that carries nothing -- the version's default group, a full mesh of every rank that would
+    cost a connection per pair (most of a version's connections) and is never used, so none of
+    its pairs ever connects. Groups that carry traffic stay eager: the passive side of gloo's
+    lazy connect ignores the timeout (tcp Device::connectAsListener, pytorch/gloo#520), so a
+    survivor's first use of a lazy pair whose peer died can hang, where an eager pair fails as
+    soon as the peer's socket closes (tests/worker/test_comm.py). A value the user set is left
+    alone."""
+    if LAZY_ENV in os.environ:
+        yield
+        return
+    os.environ[LAZY_ENV] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(LAZY_ENV, None)
 
 
 def shrink_default_group(exclude: Sequence[int]) -> None:

@@ -154,6 +154,7 @@ def apply_reshard(
     tp_group: Any,
     group: Any = None,
     moves: list[Move] | None = None,
+    freed: list[torch.Tensor] | None = None,
 ) -> torch.optim.Optimizer:
     """Move shards and optimizer state to the new layout; returns a new optimizer (same class and
     hyperparameters) over the rebuilt parameters. Every rank of `group` (the process group the
@@ -163,7 +164,10 @@ def apply_reshard(
     Tensors whose unit list does not change stay where they are; the others are rebuilt with slice
     copies (one per stretch of consecutive units), and messages go straight from and into the
     tensors: new tensors are unit-major like the shards (tp.py), so every slice is contiguous.
-    `moves`: `reshard_moves(old, new, alive)` when the caller has it already."""
+    `moves`: `reshard_moves(old, new, alive)` when the caller has it already. `freed`: gets, as
+    1-D views, the memory of every replaced tensor that owns its storage whole -- nothing uses it
+    after this returns, and memory already touched is cheaper to reuse than fresh pages (the
+    runtime gives it to the new layout's gradient buffers)."""
     if len(optimizer.param_groups) != 1:
         raise ValueError("resharding supports optimizers with one parameter group")
     if moves is None:
@@ -284,4 +288,10 @@ def apply_reshard(
             moved[p] = state[p]
     optimizer.param_groups[0]["params"] = params
     optimizer.state = moved
+    if freed is not None:
+        for f, entries in fam_tensors.items():
+            for (_, _, t, _), nt in zip(entries, new_tensors[f], strict=True):
+                whole = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+                if nt is not t and whole:
+                    freed.append(torch.as_strided(t, (t.numel(),), (1,), 0))
     return optimizer

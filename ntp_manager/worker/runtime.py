@@ -712,7 +712,11 @@ class Runtime:
         self.step = steps.pop()
         src = min(survivors)
         obj: list[Any] = [(old.replicas, old.degrees) if rank == src and old else None]
-        comm.broadcast_object_list(obj, src=src, group=self.s.world)
+        if len(survivors) < world:  # some rank holds no old layout (or an older one): the oldest survivor's
+            comm.broadcast_object_list(obj, src=src, group=self.s.world)
+        else:  # every rank held version src_version, whose replicas and degrees are the same for all
+            assert old is not None
+            obj = [(old.replicas, old.degrees)]
         self._mark("old layout")
         old_replicas: tuple[tuple[int, int], ...] = tuple((int(r[0]), int(r[1])) for r in obj[0][0])
         old_degrees = tuple(tuple(int(d) for d in st) for st in obj[0][1])
@@ -759,10 +763,11 @@ class Runtime:
         else:
             assert held_model is not None and held_opt is not None
             model, opt = held_model, held_opt
+        freed: list[torch.Tensor] = []  # the replaced shards' memory, for the new gradient buffers
         for s in range(depth):  # every rank the same order, so point-to-point pairs match
             if s == stage:
                 opt = apply_reshard(model, opt, old_sl[s], new_sl[s], alive[s], rank, self._info[s].families, my_tp,
-                                    group=self.s.world, moves=moves[s])
+                                    group=self.s.world, moves=moves[s], freed=freed if fresh is None else None)
             elif s == old_stage:  # a source only: it holds none of this stage any more
                 assert held_model is not None and held_opt is not None
                 apply_reshard(held_model, held_opt, old_sl[s], new_sl[s], alive[s], rank, self._info[s].families,
@@ -787,7 +792,8 @@ class Runtime:
         held_model = held_opt = None
         self._mark("replicated")
         self.s.model, self.s.opt, self.s.stage = model, opt, stage
-        self.s.sync = self._new_sync(model, target, rank)
+        self.s.sync = self._new_sync(model, target, rank, scratch=freed)
+        del freed
         self._mark("sync")
         self.s.layout, self.s.sync_layout = target, new_sl[stage]
         self._event("reshard done", target.version,
@@ -809,7 +815,8 @@ class Runtime:
                     mine = g
         return mine
 
-    def _new_sync(self, model: nn.Module, target: WorkerLayout, rank: int) -> NtpGradSync:
+    def _new_sync(self, model: nn.Module, target: WorkerLayout, rank: int,
+                  scratch: list[torch.Tensor] | None = None) -> NtpGradSync:
         """One NTP sync per stage (each creates its groups on every rank); ours is active."""
         spare, self.s.spare = self.s.spare, []
         _, stage, _ = target.where(rank)
@@ -819,7 +826,8 @@ class Runtime:
             here = s == stage
             info = self._info[s]
             sync = NtpGradSync(model, target.sync_layout(info.units if here else {}, s), rank,
-                               info.families if here else {}, timeout=self._timeout, reuse=spare if here else ())
+                               info.families if here else {}, timeout=self._timeout, reuse=spare if here else (),
+                               scratch=(scratch or []) if here else ())
             self._track(*sync.dp_groups, sync.layout_group)
             self.s.syncs.append(sync)
             self._mark(f"sync stage {s}")

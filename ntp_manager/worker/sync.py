@@ -124,7 +124,7 @@ class NtpGradSync:
     def __init__(self, model: nn.Module, layout: SyncLayout, rank: int, families: Mapping[str, str],
                  timeout: Any = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  reuse: Sequence[torch.Tensor] = (), pack_bytes: int = DEFAULT_PACK_BYTES,
-                 shared_memory: bool = True) -> None:
+                 shared_memory: bool = True, scratch: Sequence[torch.Tensor] = ()) -> None:
         """`families` maps a sharded module path to its unit family. `timeout` (a timedelta) bounds
         every collective of the groups created here (torch otherwise gives new groups its default,
         not the world group's). `bucket_bytes`: the DP all-reduce runs per bucket of about this
@@ -135,7 +135,9 @@ class NtpGradSync:
         buffer anew. `pack_bytes`: see `_plan_messages`. `shared_memory`: on CPU, an extra rank
         whose cores run on its host keeps its gradients in shared memory, and the cores copy the
         borrowed units in and out themselves (`_share`); off, or where that is impossible, the
-        transfers are point-to-point messages."""
+        transfers are point-to-point messages. `scratch`: more memory that nothing else uses
+        any more (a reshard's replaced shards), used like `reuse` for buffers that need not be
+        shareable (not an extra rank's gradients), and not kept otherwise."""
         self.model, self.layout, self.rank = model, layout, rank
         self.bucket_bytes, self.pack_bytes = bucket_bytes, pack_bytes
         self.n_sync = layout.sync_degree
@@ -148,6 +150,8 @@ class NtpGradSync:
         self.layout_group = dist.new_group(ranks=members, timeout=timeout)
         self.active = rank in members
         self.bytes_all_reduced = 0
+        self._rest: list[torch.Tensor] = []  # the predecessor's memory this sync did not need
+        self.fresh_elements = 0  # buffer elements that are fresh memory, not the predecessor's
         if not self.active:
             return
         self.replica, self.tp_index = layout.locate(rank)
@@ -177,7 +181,7 @@ class NtpGradSync:
         # shared gradients) for the extras in shared memory
         self._copies: list[list[tuple[int, torch.Tensor, torch.Tensor]]] = []
         self._flags: dict[int, torch.Tensor] = {}  # peer -> flag in shared-memory transfers
-        self._allocate(_Pool(list(reuse), shared=self._shm))
+        self._allocate(_Pool(list(reuse), shared=self._shm, scratch=scratch))
         self._share()
         self._plan_messages()
 
@@ -201,8 +205,8 @@ class NtpGradSync:
         self._blocks: list[torch.Tensor] = []  # core: one per bucket; extra: one for every home
         if self.core:
             self._buckets = self._cut(j)
-            for members in self._buckets:
-                buf = pool.take(sum(math.prod(shape) for _, _, shape in members), dtype, device)
+            sizes = [sum(math.prod(shape) for _, _, shape in members) for members in self._buckets]
+            for members, buf in zip(self._buckets, pool.take_all(sizes, dtype, device), strict=True):
                 self._blocks.append(buf)
                 off = 0
                 for f, s, shape in members:
@@ -212,10 +216,12 @@ class NtpGradSync:
                     s.home = s.units(s.seg, 0, self.maps[f].load(j))
         else:  # an extra rank's gradients get a home of their own
             order = [(f, s) for f in self.layout.units for s in self.shards[f]]
-            local = pool.take(sum(s.param.numel() for _, s in order), dtype, device)
+            local = pool.take(sum(s.param.numel() for _, s in order), dtype, device, shareable=self._shm)
             self._blocks.append(local)
             for s, view in zip((s for _, s in order), self._home_views(j, local), strict=True):
                 s.home = view
+        self._rest = pool.rest()
+        self.fresh_elements = pool.fresh_elements
 
     def _cut(self, core: int) -> list[list[tuple[str, _Shard, list[int]]]]:
         """Core rank `core`'s DP buckets: runs of whole tensors (family order, then model order)
@@ -292,14 +298,14 @@ class NtpGradSync:
 
     def buffers(self) -> list[torch.Tensor]:
         """Every gradient buffer this object holds (what a successor may `reuse`)."""
-        return [self.rep_flat, *self._blocks] if self.active else []
+        return _merged([self.rep_flat, *self._blocks, *self._rest]) if self.active else []
 
     def release(self) -> None:
         """Forget every buffer (they may now belong to a successor); the object is unusable."""
         if not self.active:
             return
         self.active = False
-        self._blocks, self._msgs, self.rep_homes = [], [], []
+        self._blocks, self._msgs, self.rep_homes, self._rest = [], [], [], []
         self._mapped, self._copies, self._shm_peers = {}, [], []
         self.rep_flat = torch.empty(0)
         for s in (s for shards in self.shards.values() for s in shards):
@@ -453,24 +459,82 @@ class NtpGradSync:
 
 
 class _Pool:
-    """Memory for new gradient buffers: blocks of a predecessor's buffers first (first fit, a
-    block's rest stays available), fresh zeroed memory for what does not fit -- shareable with
-    this host's other processes if `shared` (CPU only)."""
+    """Memory for new gradient buffers: blocks of a predecessor's buffers first (best fit: the
+    smallest block that holds the request; a block's rest stays available), fresh zeroed memory
+    for what does not fit -- shareable with this host's other processes if `shared` (CPU only)."""
 
-    def __init__(self, blocks: list[torch.Tensor], shared: bool = False) -> None:
+    def __init__(self, blocks: list[torch.Tensor], shared: bool = False, scratch: Sequence[torch.Tensor] = ()) -> None:
+        """`scratch`: more memory to use, which `rest()` does not hand on (it goes once unused)."""
         self.blocks = [b.view(-1) for b in blocks if b.numel()]
+        self.keep = len(self.blocks)  # blocks[:keep] are the predecessor's buffers, the others scratch
+        self.blocks += [b.view(-1) for b in scratch if b.numel()]
         self.shared = shared
+        self.fresh_elements = 0  # what this pool could not serve from the predecessor's memory
 
-    def take(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        for i, b in enumerate(self.blocks):
-            if b.numel() >= n and b.dtype == dtype and b.device == device:
-                self.blocks[i] = b[n:]
-                return b[:n]
+    def _reuse(self, n: int, dtype: torch.dtype, device: torch.device, shareable: bool = False) -> torch.Tensor | None:
+        fits = [i for i, b in enumerate(self.blocks) if b.numel() >= n and b.dtype == dtype and b.device == device
+                and (not shareable or _is_shared(b))]
+        if not fits:
+            return None
+        i = min(fits, key=lambda k: self.blocks[k].numel())
+        b = self.blocks[i]
+        self.blocks[i] = b[n:]
+        return b[:n]
+
+    def _fresh(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        self.fresh_elements += n
         if self.shared and device.type == "cpu" and n:
             t = _shared_zeros(n, dtype)
             if t is not None:
                 return t
         return torch.zeros(n, dtype=dtype, device=device)
+
+    def take(self, n: int, dtype: torch.dtype, device: torch.device, shareable: bool = False) -> torch.Tensor:
+        """`shareable`: only a block other processes can map (or fresh shared memory): an extra
+        rank's gradients, which its cores map."""
+        got = self._reuse(n, dtype, device, shareable)
+        return got if got is not None else self._fresh(n, dtype, device)
+
+    def take_all(self, sizes: Sequence[int], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+        """One block per size: from the predecessor's memory where a block fits, the others cut
+        from one fresh block -- not one fresh block each, which would leave a successor only
+        bucket-sized blocks, too small for buckets of a larger chunk or an extra rank's home, so
+        that it would touch fresh pages again (on a VM several times the cost of a copy)."""
+        got = [self._reuse(n, dtype, device) for n in sizes]
+        missing = sum(n for n, g in zip(sizes, got, strict=True) if g is None)
+        fresh = self._fresh(missing, dtype, device) if missing else None
+        out, off = [], 0
+        for n, g in zip(sizes, got, strict=True):
+            if g is None:
+                assert fresh is not None
+                g, off = fresh[off : off + n], off + n
+            out.append(g)
+        return out
+
+    def rest(self) -> list[torch.Tensor]:
+        """What is left of the predecessor's buffers (a successor may use it); what is left of
+        the scratch memory is let go."""
+        return [b for b in self.blocks[: self.keep] if b.numel()]
+
+
+def _is_shared(t: torch.Tensor) -> bool:
+    return getattr(t.untyped_storage(), "_ntp_fd", None) is not None
+
+
+def _merged(views: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """1-D views joined where they follow each other in one storage, largest first: the blocks
+    they were cut from, as a successor's pool should see them."""
+    flat = sorted((v.view(-1) for v in views if v.numel()),
+                  key=lambda v: (v.untyped_storage().data_ptr(), v.storage_offset()))
+    out: list[torch.Tensor] = []
+    for v in flat:
+        last = out[-1] if out else None
+        if (last is not None and last.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+                and last.dtype == v.dtype and last.storage_offset() + last.numel() == v.storage_offset()):
+            out[-1] = torch.as_strided(last, (last.numel() + v.numel(),), (1,), last.storage_offset())
+        else:
+            out.append(v)
+    return sorted(out, key=lambda v: -v.numel())
 
 
 class _Msg:

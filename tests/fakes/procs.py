@@ -11,8 +11,9 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 
 def free_port() -> int:
@@ -61,8 +62,18 @@ def start_manager(
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith("NTP-MANAGER READY"):
+            # the rest is read on a thread, which closes the pipe at its end: a manager that prints
+            # again (a standby's LEADING line) neither fills the pipe nor writes to a closed one
+            threading.Thread(target=_drain, args=(proc.stdout,), daemon=True, name=f"manager-{proc.pid}").start()
             return proc, json.loads(line.split(" ", 2)[2])
+    proc.stdout.close()
     raise AssertionError(f"manager did not start (rc={proc.wait()})")
+
+
+def _drain(out: IO[str]) -> None:
+    with out:
+        for _ in out:
+            pass
 
 
 @atexit.register

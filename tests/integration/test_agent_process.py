@@ -55,6 +55,7 @@ async def test_agent_process_reports_and_exposes_metrics(sqlite_service: Service
     finally:
         if proc.poll() is None:
             proc.kill()
+        proc.communicate(timeout=30)  # reaps it and closes its pipes
 
 
 async def test_a_hung_gpu_is_failed_alone_and_its_node_keeps_heartbeating(sqlite_service: Service, tmp_path: Path):
@@ -90,3 +91,4 @@ async def test_a_hung_gpu_is_failed_alone_and_its_node_keeps_heartbeating(sqlite
     finally:
         if proc.poll() is None:
             proc.kill()
+        proc.communicate(timeout=30)  # reaps it and closes its pipes

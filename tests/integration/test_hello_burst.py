@@ -100,4 +100,4 @@ async def test_a_burst_of_hellos_past_grpcs_default_backlog_is_welcomed_in_full(
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+        proc.communicate(timeout=30)  # reaps it and closes its pipes

@@ -19,8 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import ValidationError
 from sqlalchemy import func, select, text
 
-from ntp_manager._proto.ntp.v1 import worker_pb2, worker_pb2_grpc
+from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from ntp_manager.api.app import create_app
+from ntp_manager.rpc import server as rpc_server
 from ntp_manager.rpc.server import HEALTH_SERVICES, RpcServer
 from ntp_manager.service.leader import AnotherManager, NotLeader
 from ntp_manager.service.manager import GpuInventory, GpuReport, Manager
@@ -52,12 +53,14 @@ async def lease_row(m: Manager) -> tuple[int, str]:
         return row.epoch, row.holder
 
 
-async def watch_refusal(addr: str, worker_token: str) -> grpc.aio.AioRpcError:
-    """The error a layout watch for job "j" on the manager at `addr` ends with."""
+async def watch_refusal(addr: str, worker_token: str, unreachable: str = "") -> grpc.aio.AioRpcError:
+    """The error a layout watch for job "j" on the manager at `addr` ends with (`unreachable`: the
+    leader the client says it could not reach)."""
+    md = (("authorization", f"Bearer {worker_token}"),) + ((("ntp-leader-unreachable", unreachable),)
+                                                           if unreachable else ())
     async with grpc.aio.insecure_channel(addr) as ch:
         stub = worker_pb2_grpc.WorkerServiceStub(ch)  # type: ignore[no-untyped-call]
-        call = stub.WatchLayout(worker_pb2.WatchLayoutRequest(job="j", worker_id="w"),
-                                metadata=(("authorization", f"Bearer {worker_token}"),))
+        call = stub.WatchLayout(worker_pb2.WatchLayoutRequest(job="j", worker_id="w"), metadata=md)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await call.read()
     return err.value
@@ -322,6 +325,105 @@ async def test_a_standby_holds_calls_while_a_takeover_is_due(tmp_path: Path) -> 
                 # answered by b as the leader (no such job), not sent away to a
                 assert err.code() == grpc.StatusCode.NOT_FOUND, err.details()
                 assert b.leading and a.lost.is_set()
+                proxy.heal()
+        finally:
+            proxy.heal()
+            await proxy.stop()
+
+
+@needs_pg
+async def test_a_standby_holds_a_call_whose_client_found_the_leader_unreachable(tmp_path: Path) -> None:
+    """A client that could not reach the leader (killed) comes to the standby before the standby can
+    know the leader is gone (its lease still runs): the call is held from then on and served once
+    the standby has taken over, instead of being sent back to the dead leader. While the leader is
+    alive, such a call is sent to it once the standby has seen it renew."""
+    async with pg_url(tmp_path) as url:
+        proxy = Partition.to(url)
+        await proxy.start()
+        fast = {"lease_ttl_s": 2.0, "lease_renew_s": 0.4}
+        try:
+            async with serving(settings(tmp_path, proxy.url(url), "a", **fast)) as (a, _, a_grpc), \
+                    serving(settings(tmp_path, url, "b", **fast)) as (b, _, b_grpc):
+                worker = await a.create_token("w", "worker")
+                # the leader is alive: held until renewals are seen (a few reads of the lease), then sent there
+                err = await asyncio.wait_for(watch_refusal(b_grpc, worker, unreachable=a_grpc), 10)
+                assert err.code() == grpc.StatusCode.UNAVAILABLE
+                assert dict(err.trailing_metadata() or ()).get("ntp-leader") == a_grpc
+                # the leader is cut off right after the call came, while its lease still runs
+                assert b.leadership.takeover_due_in() is None
+                call = asyncio.ensure_future(watch_refusal(b_grpc, worker, unreachable=a_grpc))
+                await asyncio.sleep(0.2)
+                assert not call.done()  # held, not sent to the leader
+                proxy.cut()
+                err = await asyncio.wait_for(call, 30)
+                # answered by b as the leader (no such job), not sent away to a
+                assert err.code() == grpc.StatusCode.NOT_FOUND, err.details()
+                assert b.leading
+                proxy.heal()
+        finally:
+            proxy.heal()
+            await proxy.stop()
+
+
+async def agent_call(addr: str, token: str, node: str, md: tuple[tuple[str, str], ...],
+                     report: bool, times: dict[str, float]) -> None:
+    """An agent's stream to `addr`: hello; with `report`, one report (GPU 0 failed) after the welcome.
+    `times` gets when the welcome and the first ack came."""
+    out: asyncio.Queue[Any] = asyncio.Queue()
+    out.put_nowait(agent_pb2.AgentMessage(hello=agent_pb2.Hello(
+        node=node, domain=f"d-{node}", boot_id="b", agent_version="t", next_seq=2 if report else 1,
+        gpus=[common_pb2.GpuInfo(uuid=f"G-{node}-{i}", index=i, power=common_pb2.PowerConstraints(
+            min_mw=200_000, max_mw=1_300_000, default_mw=1_000_000)) for i in range(2)])))
+
+    async def requests() -> AsyncIterator[agent_pb2.AgentMessage]:
+        while True:
+            yield await out.get()
+
+    loop = asyncio.get_running_loop()
+    async with grpc.aio.insecure_channel(addr) as ch:
+        stub = agent_pb2_grpc.AgentServiceStub(ch)  # type: ignore[no-untyped-call]
+        async for msg in stub.Connect(requests(), metadata=(("authorization", f"Bearer {token}"), *md)):
+            kind = msg.WhichOneof("body")
+            if kind == "welcome":
+                times["welcome"] = loop.time()
+                if report:
+                    out.put_nowait(agent_pb2.AgentMessage(report=agent_pb2.HealthReport(seq=1, gpus=[
+                        agent_pb2.GpuHealth(uuid=f"G-{node}-0", state=common_pb2.GPU_STATE_FAILED)])))
+                else:
+                    return
+            elif kind == "ack":
+                times["ack"] = loop.time()
+                return
+
+
+@needs_pg
+async def test_a_takeover_serves_the_agents_with_news_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The standby holds the fleet's calls and a takeover releases them at once; an agent that holds
+    a report no manager acknowledged (metadata ntp-pending-reports: a GPU failed while there was
+    no leader) is served first: its report is acknowledged before any other held agent is welcomed."""
+    monkeypatch.setattr(rpc_server, "HEAD_START_MAX_S", 60.0)  # the order, not the cap, is under test
+    async with pg_url(tmp_path) as url:
+        proxy = Partition.to(url)
+        await proxy.start()
+        fast = {"lease_ttl_s": 2.0, "lease_renew_s": 0.4}
+        try:
+            async with serving(settings(tmp_path, proxy.url(url), "a", **fast)) as (a, _, a_grpc), \
+                    serving(settings(tmp_path, url, "b", **fast)) as (b, _, b_grpc):
+                nodes = [f"n{i}" for i in range(30)]
+                tokens = await a.token_service.create_agents(nodes, "test")
+                proxy.cut()  # the leader is gone; its agents come to the standby
+                gone = (("ntp-leader-unreachable", a_grpc),)
+                times: dict[str, dict[str, float]] = {n: {} for n in nodes}
+                calls = [asyncio.ensure_future(agent_call(b_grpc, tokens[n], n, gone, False, times[n]))
+                         for n in nodes[1:]]
+                await asyncio.sleep(0.1)  # the news comes last of all
+                calls.append(asyncio.ensure_future(agent_call(
+                    b_grpc, tokens["n0"], "n0", (*gone, ("ntp-pending-reports", "1")), True, times["n0"])))
+                await asyncio.wait_for(asyncio.gather(*calls), 60)
+                assert b.leading
+                others = min(times[n]["welcome"] for n in nodes[1:])
+                assert times["n0"]["ack"] < others, (times["n0"], others)
+                assert b.world.gpus["G-n0-0"].health == GpuState.FAILED
                 proxy.heal()
         finally:
             proxy.heal()

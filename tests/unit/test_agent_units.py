@@ -201,3 +201,33 @@ def test_example_scenarios_load_and_repair_clears_a_node_wide_failure():
     a.handle_xids(be.wait_xids(0.01))
     a.sample_all()
     assert {v.state for v in a.verdicts.values()} == {"healthy"}
+
+
+async def test_the_agent_tells_the_next_manager_which_one_it_could_not_reach_and_that_it_has_news():
+    """A manager that refuses the connection (killed): the next attempt, to the other address, says
+    so (a standby holds such a call until it takes over) and says how many reports the agent holds
+    that no manager acknowledged (a takeover serves those agents first)."""
+    import asyncio
+
+    from agent.core import Agent, AgentConfig
+    from agent.policy import Verdict
+
+    be = FakeBackend(parse_scenario({"gpus": 2}))
+    a = Agent(be, AgentConfig(manager="127.0.0.1:1,127.0.0.1:2", token="t", node="n", domain="d",
+                              backoff_initial_s=0.01, backoff_max_s=0.05))
+    assert dict(a.call_metadata()) == {"authorization": "Bearer t"}  # nothing to tell yet
+    u0 = next(iter(be.gpus())).uuid
+    a._enqueue({u0: Verdict("failed", ("XID 79",))}, {u0: [79]})
+    task = asyncio.create_task(a.connect_forever())
+    try:
+        for _ in range(500):
+            if a.unreachable is not None:
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        a.stopping.set()
+        await task
+    md = dict(a.call_metadata())
+    assert a.unreachable in ("127.0.0.1:1", "127.0.0.1:2")
+    assert md["ntp-leader-unreachable"] == a.unreachable != a.target
+    assert md["ntp-pending-reports"] == "1"

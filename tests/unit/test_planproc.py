@@ -8,6 +8,9 @@ import asyncio
 import datetime as dt
 import os
 import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -33,9 +36,9 @@ def same(a: planning.Draft, b: planning.Draft) -> None:
 
 
 @pytest.fixture(scope="module")
-def pp() -> planproc.PlanProcess:
+def pp() -> Iterator[planproc.PlanProcess]:
     p = planproc.PlanProcess(True)
-    yield p  # type: ignore[misc]
+    yield p
     p.close()
 
 
@@ -138,3 +141,16 @@ def test_stop_kills_a_worker_mid_plan_and_the_caller_still_gets_its_layout(pp: p
         same(got, planning.draft(cluster, spec, None, pos.__getitem__))
 
     asyncio.run(main())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_worker_is_started_by_this_process_not_by_a_forkserver(pp: planproc.PlanProcess) -> None:
+    # a forkserver is one per process and keeps the preload list of whoever starts it first: started
+    # by the planner, it took the torch preload away from a test process's rank processes
+    # (tests/fakes/procs.worker_context), which then imported torch each (~2.5 s of CPU)
+    asyncio.run(pp.warm())
+    pool = pp._executor()
+    assert pool is not None and pool._processes
+    for p in pool._processes.values():
+        ppid = int(Path(f"/proc/{p.pid}/stat").read_text().rpartition(")")[2].split()[1])
+        assert ppid == os.getpid()

@@ -326,3 +326,73 @@ def test_worker_env_passes_the_host_to_the_backend_choice():
     with pytest.raises(RuntimeError, match="NTP_LOCAL_GPUS must be a count"):
         worker_env({**base, "NTP_LOCAL_GPUS": "x"})
     env.source.close()
+
+
+# ---- the version's default group connects lazily (gloo) ----------------------------------------
+def _sockets() -> int:
+    return sum(os.readlink(f"/proc/self/fd/{fd}").startswith("socket:") for fd in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{fd}"))
+
+
+def _lazy_default_worker(rank: int, world: int, port: int, q: Any) -> None:
+    import time
+
+    from ntp_manager.worker.runtime import is_comm_failure
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=dt.timedelta(seconds=60))
+    before = _sockets()
+    comm.init_default_group("gloo", dist.PrefixStore("v1", store), rank, world, dt.timedelta(seconds=60), None)
+    by_default = _sockets() - before
+    env_left = comm.LAZY_ENV in os.environ
+    g = dist.new_group(list(range(world)), timeout=dt.timedelta(seconds=60))  # carries traffic: eager
+    by_world = _sockets() - before - by_default
+    x = torch.ones(1)
+    comm.all_reduce(x, group=g)
+    q.put((rank, "made", (by_default, by_world, env_left, x.item())))
+    if rank == world - 1:
+        time.sleep(600)  # killed by the test
+    store.wait(["killed"])
+    t = time.monotonic()
+    try:
+        comm.all_reduce(x, group=g)
+        q.put((rank, "no error", None))
+    except Exception as e:  # the dead peer: a comm failure the runtime recovers from
+        q.put((rank, "raised", (is_comm_failure(e), str(e).splitlines()[0][:200], time.monotonic() - t)))
+    comm.leave("gloo")
+
+
+@pytest.mark.timeout(120)
+def test_the_default_group_connects_lazily_and_a_dead_peer_still_fails_at_once() -> None:
+    """The version's default group carries nothing, so its gloo pairs connect lazily (on a first
+    use that never comes): it opens fewer sockets than a full mesh, and the lazy setting does not
+    leak to the groups made after it, which connect every pair at creation. So a peer killed
+    after the groups are made still fails the survivors' next collective with a comm failure the
+    runtime recovers from (the passive side of a lazy gloo connect to a dead peer ignores the
+    timeout and can hang: pytorch/gloo#520)."""
+    import signal
+
+    world = 3
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60))
+    ctx = worker_context()
+    q = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_lazy_default_worker, args=(r, world, port, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        made = {r: out for r, _, out in (q.get() for _ in range(world))}
+        os.kill(procs[-1].pid, signal.SIGKILL)
+        procs[-1].join(30)
+        store.set("killed", "1")
+        after = {r: (what, out) for r, what, out in (q.get() for _ in range(world - 1))}
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    for r, (by_default, by_world, env_left, total) in made.items():
+        assert by_world >= world - 1, (r, by_world)  # eager: a connection to every peer (and a listener)
+        assert by_default < world - 1, (r, by_default)  # lazy: no pair connected
+        assert not env_left and total == world
+    for r, (what, out) in after.items():
+        assert what == "raised" and out[0], (r, what, out)  # a comm failure the runtime recovers from

@@ -167,3 +167,61 @@ def test_shared_gradient_memory_is_mapped_by_another_process():
     gc.collect()
     with pytest.raises(OSError):
         os.fstat(fd)
+
+
+# ---- gradient memory across layouts (no processes) ---------------------------------------------
+def test_a_successor_reuses_the_predecessors_gradient_memory_in_large_blocks() -> None:
+    """A sync's buckets that are not served by its predecessor's memory are cut from one fresh
+    block, and `buffers()` hands a successor the blocks they came from, joined: so a successor
+    whose buckets are larger (TP2 -> TP1 doubles a core's chunk) or whose extra rank needs one
+    home for all its gradients finds room in memory already touched. Before, every bucket was a
+    fresh block of its own, and such a successor touched fresh pages for all of it (on this VM
+    ~7x the cost of writing warm memory; the first step after a TP2 -> TP1 failover zeroed
+    235 MB of fresh shared memory)."""
+    dtype, cpu = torch.float32, torch.device("cpu")
+    first = sync_mod._Pool([], shared=True)
+    rep = first.take(10, dtype, cpu)
+    buckets = first.take_all([40, 30, 30], dtype, cpu)  # a core's chunk of 100 in 3 buckets
+    assert first.fresh_elements == 110
+    assert len({b.untyped_storage().data_ptr() for b in buckets}) == 1  # one fresh block, not three
+    handed = sync_mod._merged([rep, *buckets])
+    assert sorted(b.numel() for b in handed) == [10, 100]  # the blocks, joined and largest first
+    assert handed[0].numel() == 100
+    # the same rank as an extra (one home for all its 100 gradients) reuses them, touching nothing new
+    extra = sync_mod._Pool(handed, shared=True)
+    assert extra.take(10, dtype, cpu).data_ptr() == rep.data_ptr()  # best fit: the replicated block
+    home = extra.take(100, dtype, cpu)
+    assert extra.fresh_elements == 0 and home.data_ptr() == buckets[0].data_ptr()
+    # a core whose chunk doubles (200 in buckets of 30): the old chunk holds three buckets (90 of
+    # its 100); the other four buckets (110) are one fresh block
+    grown = sync_mod._Pool(handed, shared=True)
+    grown.take(10, dtype, cpu)
+    got = grown.take_all([30] * 6 + [20], dtype, cpu)
+    assert grown.fresh_elements == 110
+    assert sum(g.untyped_storage().data_ptr() == buckets[0].untyped_storage().data_ptr() for g in got) == 3
+    assert len({g.untyped_storage().data_ptr() for g in got}) == 2  # the old block, and one fresh block
+    # what a pool did not hand out stays available to the next successor
+    rest = sync_mod._Pool(handed, shared=True)
+    rest.take(10, dtype, cpu)
+    rest.take_all([60], dtype, cpu)
+    assert [b.numel() for b in rest.rest()] == [40]
+
+
+def test_a_reshards_replaced_shards_serve_core_buffers_but_never_an_extras_home() -> None:
+    """The memory of shards a reshard replaced (`apply_reshard(freed=...)`) is scratch for the
+    new sync: a core's buckets may use it (TP2 -> TP1: the survivor's grown chunk then touches
+    no fresh pages), an extra rank's home may not (its cores map it: it must be shared memory),
+    and what is left of it is let go rather than kept for the layout's lifetime."""
+    dtype, cpu = torch.float32, torch.device("cpu")
+    old = sync_mod._Pool([], shared=True).take(100, dtype, cpu)  # the old chunk: shared memory
+    shard = torch.empty(80)  # a replaced shard: ordinary memory
+    core = sync_mod._Pool([old], shared=True, scratch=[shard])
+    got = core.take_all([50, 50, 50, 30], dtype, cpu)
+    assert core.fresh_elements == 0  # 100 from the old chunk, 80 from the shard
+    assert {g.untyped_storage().data_ptr() for g in got} == {old.untyped_storage().data_ptr(),
+                                                             shard.untyped_storage().data_ptr()}
+    assert core.rest() == []
+    extra = sync_mod._Pool([], shared=True, scratch=[torch.empty(200)])
+    home = extra.take(100, dtype, cpu, shareable=True)
+    assert extra.fresh_elements == 100 and sync_mod._is_shared(home)
+    assert extra.rest() == []  # the unused shard memory is not kept
