@@ -248,7 +248,8 @@ def main() -> None:
     # this shared machine's load hits them alike
     from bench.worker import bench_failover as single_stage
 
-    shapes: dict[str, list[dict[str, float]]] = {k: [] for k in ("4", "2", "single") if k in (args.shape or "42s")}
+    wanted = args.shape or ["4", "2", "single"]
+    shapes: dict[str, list[dict[str, float]]] = {k: [] for k in ("4", "2", "single") if k in wanted}
     for _ in range(args.repeat):
         for key in shapes:
             shapes[key].append(single_stage(args.quick, small_batch=True)[1] if key == "single"
