@@ -1,6 +1,6 @@
 """Scaffolding the benchmarks share: a real `ntp-manager serve` with its tokens, the event-loop
 figures from its /metrics page, a /healthz prober, the machine line, the result tables, and the
-kill-a-parked-rank step of the runtime failover benchmarks.
+kill-a-parked-rank step of the runtime failover benchmarks, and a fresh PostgreSQL database per run.
 
 The benchmarks import it as `bench.common` (each puts the repository root on sys.path first, so
 `python bench/x.py` works from anywhere). Nothing here imports torch: the manager benchmarks do not
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import secrets
 import signal
 import statistics
 import subprocess
@@ -27,6 +28,34 @@ from rich.console import Console
 from rich.table import Table
 
 CLI = [sys.executable, "-m", "ntp_manager.cli"]
+
+
+# ---- a fresh PostgreSQL database per run --------------------------------------------------------
+
+
+async def fresh_postgres(url: str, prefix: str = "ntp_bench") -> str:
+    """A new empty database beside the one `url` (postgresql+asyncpg://...) names; its URL in the
+    same form. Dropped by `drop_postgres`."""
+    import asyncpg
+
+    name = f"{prefix}_{secrets.token_hex(4)}"
+    conn = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        await conn.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await conn.close()
+    return f"{url.rsplit('/', 1)[0]}/{name}"
+
+
+async def drop_postgres(admin_url: str, url: str) -> None:
+    """Drop the database `url` names (made by `fresh_postgres`), ending its sessions."""
+    import asyncpg
+
+    conn = await asyncpg.connect(admin_url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        await conn.execute(f'DROP DATABASE IF EXISTS "{url.rsplit("/", 1)[1]}" WITH (FORCE)')
+    finally:
+        await conn.close()
 
 
 # ---- a manager process ----------------------------------------------------------------------------

@@ -34,7 +34,6 @@ import json
 import os
 import platform
 import random
-import secrets
 import signal
 import statistics
 import sys
@@ -52,6 +51,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agent.core import CLIENT_KEEPALIVE
+from bench.common import drop_postgres, fresh_postgres
 from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from ntp_manager.manager_process import ManagerProcess
 from ntp_manager.service.manager import Manager
@@ -263,12 +263,7 @@ def pct(xs: list[float], p: float) -> float:
 
 
 async def main_async(args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    admin = args.postgres.replace("postgresql+asyncpg://", "postgresql://")
-    name = f"ntp_ha_{secrets.token_hex(4)}"
-    conn = await asyncpg.connect(admin)
-    await conn.execute(f'CREATE DATABASE "{name}"')
-    await conn.close()
-    url = f"{args.postgres.rsplit('/', 1)[0]}/{name}"
+    url = await fresh_postgres(args.postgres, "ntp_ha")
     pg = url.replace("postgresql+asyncpg://", "postgresql://")
     tmp = Path(tempfile.mkdtemp(prefix="ntp-ha-bench-"))
     procs: list[ManagerProcess] = []
@@ -466,9 +461,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
         stop.set()
         for p in procs:
             p.stop(graceful=False)
-        conn = await asyncpg.connect(admin)
-        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        await conn.close()
+        await drop_postgres(args.postgres, url)
 
 
 def main() -> None:

@@ -57,7 +57,17 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import HealthzProbe, cpu_seconds, create_tokens, lag_buckets, machine_line, serve, worst_bucket
+from bench.common import (
+    HealthzProbe,
+    cpu_seconds,
+    create_tokens,
+    drop_postgres,
+    fresh_postgres,
+    lag_buckets,
+    machine_line,
+    serve,
+    worst_bucket,
+)
 from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 
 BIG_NODE = "big-node"
@@ -502,26 +512,6 @@ async def mass_failure(info: dict[str, Any], tokens: dict[str, str], rounds: int
             "p99_ms": 1e3 * samples[min(len(samples) - 1, int(0.99 * len(samples)))], "max_ms": 1e3 * samples[-1],
             "first_watcher_p50_ms": pct(first_ms, 0.5), "first_watcher_p99_ms": pct(first_ms, 0.99),
             "manager_cpu_share": cpu / busy, "client_cpu_share": client / busy}
-
-
-async def fresh_postgres(url: str) -> str:
-    """A new empty database beside the one `url` names (dropped by `drop_postgres`)."""
-    import asyncpg
-
-    name = f"ntp_bench_{os.getpid()}_{int(time.time())}"
-    admin = url.replace("postgresql+asyncpg://", "postgresql://")
-    conn = await asyncpg.connect(admin)
-    await conn.execute(f'CREATE DATABASE "{name}"')
-    await conn.close()
-    return f"{url.rsplit('/', 1)[0]}/{name}"
-
-
-async def drop_postgres(admin_url: str, url: str) -> None:
-    import asyncpg
-
-    conn = await asyncpg.connect(admin_url.replace("postgresql+asyncpg://", "postgresql://"))
-    await conn.execute(f'DROP DATABASE IF EXISTS "{url.rsplit("/", 1)[1]}" WITH (FORCE)')
-    await conn.close()
 
 
 async def group_commit(args: argparse.Namespace, console: Console) -> dict[str, Any]:

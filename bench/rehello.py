@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import json
 import os
-import secrets
 import signal
 import statistics
 import subprocess
@@ -38,14 +37,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import asyncpg  # type: ignore[import-untyped]
 import grpc
 import httpx
 from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import cpu_seconds, machine_line, show
+from bench.common import cpu_seconds, drop_postgres, fresh_postgres, machine_line, show
 from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 
 FAILED = common_pb2.GPU_STATE_FAILED
@@ -205,16 +203,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
     from ntp_manager.store import db
 
     tmp = Path(tempfile.mkdtemp(prefix="ntp-rehello-"))
-    pg_name = None
-    if args.sqlite:
-        url = f"sqlite+aiosqlite:///{tmp}/ntp.db"
-    else:
-        admin = args.postgres.replace("postgresql+asyncpg://", "postgresql://")
-        pg_name = f"ntp_rh_{secrets.token_hex(4)}"
-        conn = await asyncpg.connect(admin)
-        await conn.execute(f'CREATE DATABASE "{pg_name}"')
-        await conn.close()
-        url = f"{args.postgres.rsplit('/', 1)[0]}/{pg_name}"
+    url = f"sqlite+aiosqlite:///{tmp}/ntp.db" if args.sqlite else await fresh_postgres(args.postgres, "ntp_rh")
     n = args.agents
     proc = None
     try:
@@ -313,10 +302,8 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
                 proc.wait(30)
             if proc.poll() is None:
                 proc.kill()
-        if pg_name is not None:
-            conn = await asyncpg.connect(args.postgres.replace("postgresql+asyncpg://", "postgresql://"))
-            await conn.execute(f'DROP DATABASE IF EXISTS "{pg_name}" WITH (FORCE)')
-            await conn.close()
+        if not args.sqlite:
+            await drop_postgres(args.postgres, url)
 
 
 def main() -> None:
