@@ -76,6 +76,17 @@ def _drain(out: IO[str]) -> None:
             pass
 
 
+def stop_process(proc: subprocess.Popen[str], timeout: float = 15) -> None:
+    """End `proc` if it still runs: SIGTERM, then SIGKILL when it has not exited within `timeout`."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @atexit.register
 def _stop_managers() -> None:
     """At the test process's exit, the managers that a failed test (or one that timed out) left

@@ -17,7 +17,7 @@ import httpx
 
 from ntp_manager._proto.ntp.v1 import worker_pb2, worker_pb2_grpc
 from tests.fakes.agent_client import ScriptedAgent, gpu_uuids
-from tests.fakes.procs import create_agent_tokens, create_token, free_port, start_manager
+from tests.fakes.procs import create_agent_tokens, create_token, free_port, start_manager, stop_process
 from tests.integration.conftest import eventually
 
 JOB = {"name": "llm", "tp": 4, "replicas": 2, "local_batch": 8, "min_tp": 2, "heads": 16, "mlp_columns": 64}
@@ -138,12 +138,7 @@ async def test_sigkill_loses_nothing_acknowledged(tmp_path: Path):
             assert all(read[v] == shown[v] for v in shown), "a stored version reads back differently"
             watcher.cancel()
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_process(proc)
 
 
 BURST_NODES, BURST_PER_NODE = 10, 100  # 1,000 reports
@@ -231,9 +226,4 @@ async def test_sigkill_mid_burst_of_1000_reports_loses_nothing_acknowledged(tmp_
                 assert conn.execute("select health from gpus where uuid=?", (f"GPU-{n}-{gpu}",)).fetchone()[0] == state
         conn.close()
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_process(proc)

@@ -208,6 +208,28 @@ async def serving(s: Settings) -> AsyncIterator[tuple[Manager, str, str]]:
         await m.stop()
 
 
+@contextlib.asynccontextmanager
+async def leader_behind_proxy(tmp_path: Path) -> AsyncIterator[
+        tuple[Partition, tuple[Manager, str, str], tuple[Manager, str, str]]]:
+    """Two served managers on one PostgreSQL database with a short lease (2 s, renewed every 0.4 s):
+    `a`, started first and so the leader, reaches the database through a proxy the test can cut;
+    the standby `b` directly. Yields the proxy and each manager with its REST and gRPC addresses."""
+    async with pg_url(tmp_path) as url:
+        proxy = Partition.to(url)
+        await proxy.start()
+        fast = {"lease_ttl_s": 2.0, "lease_renew_s": 0.4}
+        try:
+            async with serving(settings(tmp_path, proxy.url(url), "a", **fast)) as a, \
+                    serving(settings(tmp_path, url, "b", **fast)) as b:
+                try:
+                    yield proxy, a, b
+                finally:
+                    proxy.heal()  # before the managers stop: their shutdown reaches the database
+        finally:
+            proxy.heal()
+            await proxy.stop()
+
+
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -306,29 +328,19 @@ async def test_a_standby_holds_calls_while_a_takeover_is_due(tmp_path: Path) -> 
     """The leader stops renewing (cut off from the database): a call that reaches the standby then
     is held until the standby has taken over and is served there, instead of being sent back to
     the leader that is gone (its client would bounce and back off)."""
-    async with pg_url(tmp_path) as url:
-        proxy = Partition.to(url)
-        await proxy.start()
-        fast = {"lease_ttl_s": 2.0, "lease_renew_s": 0.4}
-        try:
-            async with serving(settings(tmp_path, proxy.url(url), "a", **fast)) as (a, _, _), \
-                    serving(settings(tmp_path, url, "b", **fast)) as (b, _, b_grpc):
-                worker = await a.create_token("w", "worker")
-                assert a.leading and b.leadership.takeover_due_in() is None  # a renews: nothing held
-                proxy.cut()
-                for _ in range(200):
-                    if b.leadership.takeover_due_in() is not None:
-                        break
-                    await asyncio.sleep(0.05)
-                assert not b.leading and b.leadership.takeover_due_in() is not None
-                err = await watch_refusal(b_grpc, worker)
-                # answered by b as the leader (no such job), not sent away to a
-                assert err.code() == grpc.StatusCode.NOT_FOUND, err.details()
-                assert b.leading and a.lost.is_set()
-                proxy.heal()
-        finally:
-            proxy.heal()
-            await proxy.stop()
+    async with leader_behind_proxy(tmp_path) as (proxy, (a, _, _), (b, _, b_grpc)):
+        worker = await a.create_token("w", "worker")
+        assert a.leading and b.leadership.takeover_due_in() is None  # a renews: nothing held
+        proxy.cut()
+        for _ in range(200):
+            if b.leadership.takeover_due_in() is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert not b.leading and b.leadership.takeover_due_in() is not None
+        err = await watch_refusal(b_grpc, worker)
+        # answered by b as the leader (no such job), not sent away to a
+        assert err.code() == grpc.StatusCode.NOT_FOUND, err.details()
+        assert b.leading and a.lost.is_set()
 
 
 @needs_pg
@@ -337,32 +349,22 @@ async def test_a_standby_holds_a_call_whose_client_found_the_leader_unreachable(
     know the leader is gone (its lease still runs): the call is held from then on and served once
     the standby has taken over, instead of being sent back to the dead leader. While the leader is
     alive, such a call is sent to it once the standby has seen it renew."""
-    async with pg_url(tmp_path) as url:
-        proxy = Partition.to(url)
-        await proxy.start()
-        fast = {"lease_ttl_s": 2.0, "lease_renew_s": 0.4}
-        try:
-            async with serving(settings(tmp_path, proxy.url(url), "a", **fast)) as (a, _, a_grpc), \
-                    serving(settings(tmp_path, url, "b", **fast)) as (b, _, b_grpc):
-                worker = await a.create_token("w", "worker")
-                # the leader is alive: held until renewals are seen (a few reads of the lease), then sent there
-                err = await asyncio.wait_for(watch_refusal(b_grpc, worker, unreachable=a_grpc), 10)
-                assert err.code() == grpc.StatusCode.UNAVAILABLE
-                assert dict(err.trailing_metadata() or ()).get("ntp-leader") == a_grpc
-                # the leader is cut off right after the call came, while its lease still runs
-                assert b.leadership.takeover_due_in() is None
-                call = asyncio.ensure_future(watch_refusal(b_grpc, worker, unreachable=a_grpc))
-                await asyncio.sleep(0.2)
-                assert not call.done()  # held, not sent to the leader
-                proxy.cut()
-                err = await asyncio.wait_for(call, 30)
-                # answered by b as the leader (no such job), not sent away to a
-                assert err.code() == grpc.StatusCode.NOT_FOUND, err.details()
-                assert b.leading
-                proxy.heal()
-        finally:
-            proxy.heal()
-            await proxy.stop()
+    async with leader_behind_proxy(tmp_path) as (proxy, (a, _, a_grpc), (b, _, b_grpc)):
+        worker = await a.create_token("w", "worker")
+        # the leader is alive: held until renewals are seen (a few reads of the lease), then sent there
+        err = await asyncio.wait_for(watch_refusal(b_grpc, worker, unreachable=a_grpc), 10)
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        assert dict(err.trailing_metadata() or ()).get("ntp-leader") == a_grpc
+        # the leader is cut off right after the call came, while its lease still runs
+        assert b.leadership.takeover_due_in() is None
+        call = asyncio.ensure_future(watch_refusal(b_grpc, worker, unreachable=a_grpc))
+        await asyncio.sleep(0.2)
+        assert not call.done()  # held, not sent to the leader
+        proxy.cut()
+        err = await asyncio.wait_for(call, 30)
+        # answered by b as the leader (no such job), not sent away to a
+        assert err.code() == grpc.StatusCode.NOT_FOUND, err.details()
+        assert b.leading
 
 
 async def agent_call(addr: str, token: str, node: str, md: tuple[tuple[str, str], ...],
@@ -402,29 +404,19 @@ async def test_a_takeover_serves_the_agents_with_news_first(tmp_path: Path, monk
     a report no manager acknowledged (metadata ntp-pending-reports: a GPU failed while there was
     no leader) is served first: its report is acknowledged before any other held agent is welcomed."""
     monkeypatch.setattr(rpc_server, "HEAD_START_MAX_S", 60.0)  # the order, not the cap, is under test
-    async with pg_url(tmp_path) as url:
-        proxy = Partition.to(url)
-        await proxy.start()
-        fast = {"lease_ttl_s": 2.0, "lease_renew_s": 0.4}
-        try:
-            async with serving(settings(tmp_path, proxy.url(url), "a", **fast)) as (a, _, a_grpc), \
-                    serving(settings(tmp_path, url, "b", **fast)) as (b, _, b_grpc):
-                nodes = [f"n{i}" for i in range(30)]
-                tokens = await a.token_service.create_agents(nodes, "test")
-                proxy.cut()  # the leader is gone; its agents come to the standby
-                gone = (("ntp-leader-unreachable", a_grpc),)
-                times: dict[str, dict[str, float]] = {n: {} for n in nodes}
-                calls = [asyncio.ensure_future(agent_call(b_grpc, tokens[n], n, gone, False, times[n]))
-                         for n in nodes[1:]]
-                await asyncio.sleep(0.1)  # the news comes last of all
-                calls.append(asyncio.ensure_future(agent_call(
-                    b_grpc, tokens["n0"], "n0", (*gone, ("ntp-pending-reports", "1")), True, times["n0"])))
-                await asyncio.wait_for(asyncio.gather(*calls), 60)
-                assert b.leading
-                others = min(times[n]["welcome"] for n in nodes[1:])
-                assert times["n0"]["ack"] < others, (times["n0"], others)
-                assert b.world.gpus["G-n0-0"].health == GpuState.FAILED
-                proxy.heal()
-        finally:
-            proxy.heal()
-            await proxy.stop()
+    async with leader_behind_proxy(tmp_path) as (proxy, (a, _, a_grpc), (b, _, b_grpc)):
+        nodes = [f"n{i}" for i in range(30)]
+        tokens = await a.token_service.create_agents(nodes, "test")
+        proxy.cut()  # the leader is gone; its agents come to the standby
+        gone = (("ntp-leader-unreachable", a_grpc),)
+        times: dict[str, dict[str, float]] = {n: {} for n in nodes}
+        calls = [asyncio.ensure_future(agent_call(b_grpc, tokens[n], n, gone, False, times[n]))
+                 for n in nodes[1:]]
+        await asyncio.sleep(0.1)  # the news comes last of all
+        calls.append(asyncio.ensure_future(agent_call(
+            b_grpc, tokens["n0"], "n0", (*gone, ("ntp-pending-reports", "1")), True, times["n0"])))
+        await asyncio.wait_for(asyncio.gather(*calls), 60)
+        assert b.leading
+        others = min(times[n]["welcome"] for n in nodes[1:])
+        assert times["n0"]["ack"] < others, (times["n0"], others)
+        assert b.world.gpus["G-n0-0"].health == GpuState.FAILED
