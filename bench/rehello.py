@@ -49,7 +49,28 @@ from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, wor
 FAILED = common_pb2.GPU_STATE_FAILED
 
 
-class Agent:
+class _Stream:
+    """A client call run as a task: `start` (again after `stop`) and `stop` (cancels it)."""
+
+    task: asyncio.Task[None] | None = None
+    answered: asyncio.Event  # cleared at each start; set by `run` (an agent welcomed, a watcher's first layout)
+
+    def start(self) -> None:
+        self.answered.clear()
+        self.task = asyncio.create_task(self.run())
+
+    async def run(self) -> None:
+        raise NotImplementedError
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await self.task
+            self.task = None
+
+
+class Agent(_Stream):
     """An agent reduced to its protocol: hello (with its next seq), welcome (drop what was applied,
     renumber and re-send the rest), cumulative acks."""
 
@@ -62,7 +83,7 @@ class Agent:
         self.pending: list[tuple[int, int, str]] = []  # (seq, state, reason) of uuids[0]
         self.next_seq = 1
         self.acked = 0
-        self.welcomed = asyncio.Event()
+        self.answered = asyncio.Event()
         self.welcomed_at = 0.0
         self.acked_at = 0.0
         self.task: asyncio.Task[None] | None = None
@@ -75,16 +96,6 @@ class Agent:
         return agent_pb2.AgentMessage(report=agent_pb2.HealthReport(
             seq=p[0], gpus=[agent_pb2.GpuHealth(uuid=self.uuids[0], state=p[1], reasons=[p[2]])]))  # type: ignore[arg-type]
 
-    def start(self) -> None:
-        self.welcomed.clear()
-        self.task = asyncio.create_task(self.run())
-
-    async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
-                await self.task
-            self.task = None
 
     async def run(self) -> None:
         q: asyncio.Queue[Any] = asyncio.Queue()
@@ -111,7 +122,7 @@ class Agent:
                 for p in self.pending:
                     q.put_nowait(self._msg(p))
                 self.welcomed_at = time.perf_counter()
-                self.welcomed.set()
+                self.answered.set()
             elif kind == "ack":
                 self.acked = max(self.acked, msg.ack.seq)
                 self.pending = [p for p in self.pending if p[0] > msg.ack.seq]
@@ -119,7 +130,7 @@ class Agent:
                     self.acked_at = time.perf_counter()
 
 
-class Watcher:
+class Watcher(_Stream):
     """A worker's layout watch, reduced: the versions seen, with their arrival times."""
 
     def __init__(self, i: int, channel: grpc.aio.Channel, token: str, gpu: str) -> None:
@@ -127,26 +138,16 @@ class Watcher:
         self.stub = worker_pb2_grpc.WorkerServiceStub(channel)  # type: ignore[no-untyped-call]
         self.md = (("authorization", f"Bearer {token}"),)
         self.seen: dict[int, float] = {}
-        self.got = asyncio.Event()
+        self.answered = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
-        self.got.clear()
-        self.task = asyncio.create_task(self.run())
-
-    async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
-                await self.task
-            self.task = None
 
     async def run(self) -> None:
         call = self.stub.WatchLayout(worker_pb2.WatchLayoutRequest(job="rh", worker_id=f"w{self.i}", gpu_uuid=self.gpu),
                                      metadata=self.md)
         async for msg in call:
             self.seen.setdefault(msg.stamp.version, time.perf_counter())
-            self.got.set()
+            self.answered.set()
 
 
 def serve_profiled(out: str) -> None:
@@ -219,7 +220,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
         t0 = time.perf_counter()
         for a in agents:
             a.start()
-        await asyncio.gather(*(a.welcomed.wait() for a in agents))
+        await asyncio.gather(*(a.answered.wait() for a in agents))
         console.print(f"{n} agents registered in {time.perf_counter() - t0:.1f} s")
         watchers: list[Watcher] = []
         if args.watchers:
@@ -231,7 +232,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
             watchers = [Watcher(i, channels[i % 10], wtok, agents[i % n].uuids[1]) for i in range(args.watchers)]
             for w in watchers:
                 w.start()
-            await asyncio.gather(*(w.got.wait() for w in watchers))
+            await asyncio.gather(*(w.answered.wait() for w in watchers))
             console.print(f"{args.watchers} watchers hold the layout")
         rounds = []
         for rnd in range(args.rounds):
@@ -255,7 +256,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
                     agents[k].start()
                 if k < len(watchers):
                     watchers[k].start()
-            await asyncio.gather(*(a.welcomed.wait() for a in agents))
+            await asyncio.gather(*(a.answered.wait() for a in agents))
             t_all = time.perf_counter()
             while victim.acked < want:
                 await asyncio.sleep(0.002)
