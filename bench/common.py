@@ -9,6 +9,7 @@ need it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import platform
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,18 @@ async def drop_postgres(admin_url: str, url: str) -> None:
         await conn.execute(f'DROP DATABASE IF EXISTS "{url.rsplit("/", 1)[1]}" WITH (FORCE)')
     finally:
         await conn.close()
+
+
+# ---- simulated clients -----------------------------------------------------------------------------
+
+
+async def until_none(q: asyncio.Queue[Any]) -> AsyncIterator[Any]:
+    """The messages put on `q`, as a stream's request iterator, until a None is put."""
+    while True:
+        m = await q.get()
+        if m is None:
+            return
+        yield m
 
 
 # ---- a manager process ----------------------------------------------------------------------------

@@ -51,7 +51,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agent.core import CLIENT_KEEPALIVE
-from bench.common import drop_postgres, fresh_postgres
+from bench.common import drop_postgres, fresh_postgres, until_none
 from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from ntp_manager.manager_process import ManagerProcess
 from ntp_manager.service.manager import Manager
@@ -138,19 +138,12 @@ class SimAgent:
                 gpus=[common_pb2.GpuInfo(uuid=u, index=k, power=common_pb2.PowerConstraints(
                     min_mw=200_000, max_mw=1_300_000, default_mw=1_000_000)) for k, u in enumerate(self.uuids)])))
 
-            async def out(q: asyncio.Queue[Any] = q) -> Any:
-                while True:
-                    m = await q.get()
-                    if m is None:
-                        return
-                    yield m
-
             hint = None
             self.connected_once_this_try = False
             try:
                 stub = agent_pb2_grpc.AgentServiceStub(self.addrs.channel(self.target, self.i))
-                async for msg in stub.Connect(out(), metadata=metadata(self.token, self.unreachable, self.target,
-                                                                  len(self.pending))):
+                md = metadata(self.token, self.unreachable, self.target, len(self.pending))
+                async for msg in stub.Connect(until_none(q), metadata=md):
                     kind = msg.WhichOneof("body")
                     if kind == "welcome":
                         last = msg.welcome.last_applied_seq

@@ -66,6 +66,7 @@ from bench.common import (
     lag_buckets,
     machine_line,
     serve,
+    until_none,
     worst_bucket,
 )
 from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
@@ -104,14 +105,7 @@ class Agent:
                 min_mw=200_000, max_mw=1_300_000, default_mw=1_000_000)) for i, u in enumerate(self.uuids)]))
         await self.q.put(hello)
 
-        async def out():  # type: ignore[no-untyped-def]
-            while True:
-                m = await self.q.get()
-                if m is None:
-                    return
-                yield m
-
-        async for msg in self.stub.Connect(out(), metadata=self.md):
+        async for msg in self.stub.Connect(until_none(self.q), metadata=self.md):
             kind = msg.WhichOneof("body")
             if kind == "welcome":
                 self.seq = msg.welcome.last_applied_seq

@@ -43,7 +43,7 @@ from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import cpu_seconds, drop_postgres, fresh_postgres, machine_line, show
+from bench.common import cpu_seconds, drop_postgres, fresh_postgres, machine_line, show, until_none
 from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 
 FAILED = common_pb2.GPU_STATE_FAILED
@@ -104,14 +104,7 @@ class Agent(_Stream):
             gpus=[common_pb2.GpuInfo(uuid=u, index=k, power=common_pb2.PowerConstraints(
                 min_mw=200_000, max_mw=1_300_000, default_mw=1_000_000)) for k, u in enumerate(self.uuids)])))
 
-        async def out() -> Any:
-            while True:
-                m = await q.get()
-                if m is None:
-                    return
-                yield m
-
-        async for msg in self.stub.Connect(out(), metadata=self.md):
+        async for msg in self.stub.Connect(until_none(q), metadata=self.md):
             kind = msg.WhichOneof("body")
             if kind == "welcome":
                 last = msg.welcome.last_applied_seq
