@@ -303,6 +303,10 @@ class StoreLayoutSource:
 # ---- the manager's gRPC watch stream ------------------------------------------------------------
 # A manager that hangs keeps the watch's connection open: HTTP/2 pings find it out and the watch
 # moves on (the server accepts a ping every 5 s at most).
+# how a call to a manager that is gone ends (a standby that names the leader is not one of them;
+# "Internal error from Core" is how grpc reports some refusals whose status it lost): by name, so
+# that this module does not import grpc before a source is made
+UNREACHABLE_CODES = frozenset({"UNAVAILABLE", "INTERNAL", "UNKNOWN"})
 CLIENT_KEEPALIVE = [("grpc.keepalive_time_ms", 6_000), ("grpc.keepalive_timeout_ms", 3_000),
                     ("grpc.http2.ping_timeout_ms", 3_000),  # else a ping waits a minute for its ack
                     ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
@@ -400,8 +404,10 @@ class GrpcLayoutSource:
         self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)  # type: ignore[no-untyped-call]  # generated
         self._switch_lock = threading.Lock()
         self.failovers = 0
+        self.unreachable: str | None = None  # the manager the last watch could not reach (told to the next)
         self.history = _History()
         self._stop = threading.Event()
+        self._refused = threading.Event()  # the watch was refused for good and has ended
         self._call: Any = None
         self._steps: list[Any] = []
         self._steps_cond = threading.Condition()
@@ -409,7 +415,12 @@ class GrpcLayoutSource:
         self._thread.start()
         self._reporter = threading.Thread(target=self._report_loop, name="ntp-step-reports", daemon=True)
         self._reporter.start()
-        if self.history.wait_newer(-1, connect_timeout_s) is None and self.history.error:
+        # the first layout, or a refusal (no such job, a bad token: the watch has ended), or the timeout
+        deadline = time.monotonic() + connect_timeout_s
+        while (self.history.wait_newer(-1, max(0.0, min(0.05, deadline - time.monotonic()))) is None
+               and not self._refused.is_set() and time.monotonic() < deadline):
+            pass
+        if self.history.newest is None and self.history.error:
             raise RuntimeError(f"cannot watch the layout of {job!r}: {self.history.error}")
 
     def _move(self, hint: str | None) -> None:
@@ -432,6 +443,14 @@ class GrpcLayoutSource:
         log.info("layout watch moves to another manager", manager=nxt)
         old.close()
 
+    def watch_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The watch's metadata: the token, and the manager the last attempt could not reach (as the
+        agent does: a standby then holds the watch until it has taken over, instead of sending it
+        back to a leader that is gone; rpc/server.py)."""
+        if self.unreachable and self.unreachable != self.target:
+            return (*self._md, ("ntp-leader-unreachable", self.unreachable))
+        return self._md
+
     def _watch(self) -> None:
         import random
 
@@ -445,11 +464,11 @@ class GrpcLayoutSource:
             try:
                 self._call = self._stub.WatchLayout(
                     worker_pb2.WatchLayoutRequest(job=self.job, worker_id=self.worker_id, gpu_uuid=self.gpu_uuid),
-                    metadata=self._md,
+                    metadata=self.watch_metadata(),
                 )
                 for msg in self._call:
                     self.history.add(layout_from_pb(msg, self.gpu_uuid))
-                    delay, failed_here = 0.1, 0
+                    delay, failed_here, self.unreachable = 0.1, 0, None
                 self._move(None)  # the stream ended: that manager stopped or stepped down
             except grpc.RpcError as e:
                 if self._stop.is_set():
@@ -459,10 +478,13 @@ class GrpcLayoutSource:
                 if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                             grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
                     log.error("layout watch refused", error=self.history.error)
+                    self._refused.set()
                     with self.history.cond:
                         self.history.cond.notify_all()
                     return
                 hint = _leader_hint(e)
+                if hint is None and code is not None and code.name in UNREACHABLE_CODES:  # refused, reset, gone silent
+                    self.unreachable = self.target
                 failed_here += 1
                 log.warning("layout watch lost; reconnecting", error=self.history.error, leader=hint)
                 self._move(hint)

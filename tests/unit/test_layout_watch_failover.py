@@ -1,0 +1,63 @@
+"""The worker library's layout watch across several managers (worker/sources.py GrpcLayoutSource):
+after an address it could not reach, its next watch says so (metadata `ntp-leader-unreachable`), as
+the agent does, so that a standby holds the watch until it has taken over instead of sending it back
+to a leader that is gone (rpc/server.py)."""
+
+from __future__ import annotations
+
+from concurrent import futures
+from typing import Any
+
+import grpc
+import pytest
+
+from ntp_manager.worker.sources import GrpcLayoutSource
+from tests.fakes.procs import free_port
+
+
+class _RecordingManager(grpc.GenericRpcHandler):
+    """Answers every layout watch NOT_FOUND (no such job), recording the metadata it came with."""
+
+    def __init__(self) -> None:
+        self.watches: list[dict[str, Any]] = []
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        if not details.method.endswith("/WatchLayout"):
+            return None
+        self.watches.append(dict(details.invocation_metadata or ()))
+
+        def refuse(_request: bytes, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.NOT_FOUND, "job 'j' not found")
+            yield b""  # never reached: makes this a generator, as a server-streaming handler is
+
+        return grpc.unary_stream_rpc_method_handler(refuse)
+
+
+def test_the_watch_tells_the_next_manager_which_one_it_could_not_reach() -> None:
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there: the watch is refused
+    recorder = _RecordingManager()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), handlers=[recorder])
+    live = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    try:
+        with pytest.raises(RuntimeError, match="NOT_FOUND"):
+            GrpcLayoutSource([dead, live], token="t", job="j", gpu_uuid="G-0", connect_timeout_s=30)
+    finally:
+        server.stop(None)
+    assert len(recorder.watches) == 1
+    md = recorder.watches[0]
+    assert md["authorization"] == "Bearer t"
+    assert md["ntp-leader-unreachable"] == dead
+
+
+def test_a_watch_that_reached_its_manager_tells_nothing() -> None:
+    recorder = _RecordingManager()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), handlers=[recorder])
+    live = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    try:
+        with pytest.raises(RuntimeError, match="NOT_FOUND"):
+            GrpcLayoutSource([live, f"127.0.0.1:{free_port()}"], token="t", job="j", gpu_uuid="G-0")
+    finally:
+        server.stop(None)
+    assert [set(w) & {"authorization", "ntp-leader-unreachable"} for w in recorder.watches] == [{"authorization"}]
