@@ -34,6 +34,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import signal
 import statistics
 import sys
@@ -259,6 +260,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
     url = await fresh_postgres(args.postgres, "ntp_ha")
     pg = url.replace("postgresql+asyncpg://", "postgresql://")
     tmp = Path(tempfile.mkdtemp(prefix="ntp-ha-bench-"))
+    ok = False
     procs: list[ManagerProcess] = []
     stop = asyncio.Event()
     try:
@@ -449,12 +451,17 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
             "rounds_detail": [{k: v for k, v in r.items() if k != "since"} for r in rounds],
             "machine": f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
         }
+        ok = True
         return summary
     finally:
         stop.set()
         for p in procs:
             p.stop(graceful=False)
         await drop_postgres(args.postgres, url)
+        if ok:
+            shutil.rmtree(tmp, ignore_errors=True)  # the managers' log is kept only when the run failed
+        else:
+            console.print(f"the managers' log: {tmp / 'managers.log'}")
 
 
 def main() -> None:
