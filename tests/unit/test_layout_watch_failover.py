@@ -5,6 +5,7 @@ to a leader that is gone (rpc/server.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
 
@@ -33,31 +34,32 @@ class _RecordingManager(grpc.GenericRpcHandler):
         return grpc.unary_stream_rpc_method_handler(refuse)
 
 
-def test_the_watch_tells_the_next_manager_which_one_it_could_not_reach() -> None:
-    dead = f"127.0.0.1:{free_port()}"  # nothing listens there: the watch is refused
+@pytest.fixture
+def manager() -> Iterator[tuple[_RecordingManager, str]]:
+    """A recording manager served on loopback, and its address."""
     recorder = _RecordingManager()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), handlers=[recorder])
-    live = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    addr = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     server.start()
     try:
-        with pytest.raises(RuntimeError, match="NOT_FOUND"):
-            GrpcLayoutSource([dead, live], token="t", job="j", gpu_uuid="G-0", connect_timeout_s=30)
+        yield recorder, addr
     finally:
         server.stop(None)
+
+
+def test_the_watch_tells_the_next_manager_which_one_it_could_not_reach(manager: tuple[_RecordingManager, str]) -> None:
+    recorder, live = manager
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there: the watch is refused
+    with pytest.raises(RuntimeError, match="NOT_FOUND"):
+        GrpcLayoutSource([dead, live], token="t", job="j", gpu_uuid="G-0", connect_timeout_s=30)
     assert len(recorder.watches) == 1
     md = recorder.watches[0]
     assert md["authorization"] == "Bearer t"
     assert md["ntp-leader-unreachable"] == dead
 
 
-def test_a_watch_that_reached_its_manager_tells_nothing() -> None:
-    recorder = _RecordingManager()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), handlers=[recorder])
-    live = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    server.start()
-    try:
-        with pytest.raises(RuntimeError, match="NOT_FOUND"):
-            GrpcLayoutSource([live, f"127.0.0.1:{free_port()}"], token="t", job="j", gpu_uuid="G-0")
-    finally:
-        server.stop(None)
+def test_a_watch_that_reached_its_manager_tells_nothing(manager: tuple[_RecordingManager, str]) -> None:
+    recorder, live = manager
+    with pytest.raises(RuntimeError, match="NOT_FOUND"):
+        GrpcLayoutSource([live, f"127.0.0.1:{free_port()}"], token="t", job="j", gpu_uuid="G-0")
     assert [set(w) & {"authorization", "ntp-leader-unreachable"} for w in recorder.watches] == [{"authorization"}]
