@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo slow-demo ha-demo test bench proto lint typecheck venv clean
+.PHONY: demo slow-demo ha-demo test bench proto lint typecheck venv clean gpu-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -63,3 +63,7 @@ proto: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# Wheels to carry to a lent GPU machine for bench/gpu_session.sh (docs/gpu-runbook.md): into .whl/
+gpu-wheels: $(STAMP)
+	bash bench/gpu_wheels.sh

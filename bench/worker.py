@@ -8,6 +8,8 @@
    detection (kill -> survivors' collective fails), regroup (dropping the old group, the layout, the
    rendezvous and the new process group),
    reshard, first step.
+4. What gradient clipping (max_grad_norm) adds to a step: the rank's share of the norm and the
+   scaling pass, on one rank holding the whole model.
 
     python bench/worker.py [--quick]
 """
@@ -243,15 +245,64 @@ def bench_failover(quick: bool, small_batch: bool = False) -> tuple[list[tuple[s
     return rows, split
 
 
+# ---- 4. what gradient clipping adds to a step ------------------------------------------------------
+def _clip_worker(_index: int, port: int, cfg: GptConfig, q: Any) -> None:
+    _init(0, 1, port)
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    model = TinyGpt(cfg)
+    lay = SyncLayout(replicas_from([[0]], [4]), unit_counts(cfg))
+    fams = families_of(tp_plan(cfg), model)
+    parallelize(model, tp_plan(cfg), lay.units_of(0), group=None)
+    sync = NtpGradSync(model, lay, 0, fams)
+    idx = torch.randint(0, cfg.vocab, (4, cfg.seq))
+
+    def timed(fn: Any, reps: int) -> float:
+        out = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+        return statistics.median(out)
+
+    def fwd_bwd() -> None:
+        sync.zero_grad()
+        model.loss(idx, torch.roll(idx, -1, 1)).backward()
+        sync.sync()
+
+    fwd_bwd()
+    step = timed(fwd_bwd, 3)
+    norm = timed(sync.norm_share, 10)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    scale = timed(lambda: [g.mul_(0.999) for g in grads], 10)
+    params = sum(p.numel() for p in model.parameters())
+    q.put((params, step, norm, scale))
+    dist.destroy_process_group()
+
+
+def bench_clip(quick: bool) -> list[tuple[str, ...]]:
+    """The work max_grad_norm adds on one rank holding the whole model (TP1: the most a rank can
+    hold): its share of the norm and the scaling pass, against forward + backward + sync of 4
+    samples. The norm's all-gather costs nothing extra (it rides in the commit vote)."""
+    cfg = GptConfig(vocab=1024, seq=32, d_model=256, heads=8, mlp=1024, layers=2) if quick else BIG
+    q = mp.get_context("spawn").SimpleQueue()
+    ctx = mp.start_processes(_clip_worker, args=(free_port(), cfg, q), nprocs=1, join=False, start_method="spawn")
+    params, step, norm, scale = q.get()
+    while not ctx.join():
+        pass
+    return [(f"{params / 1e6:.0f}M", f"{step * 1e3:.0f}", f"{norm * 1e3:.1f}", f"{scale * 1e3:.1f}",
+             f"{(norm + scale) / step:.1%}")]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=["sync", "reshard", "failover"], action="append")
+    ap.add_argument("--only", choices=["sync", "reshard", "failover", "clip"], action="append")
     ap.add_argument("--repeat", type=int, default=3, help="failover runs per batch size (median reported)")
     ap.add_argument("--bucket-mb", type=float, action="append",
                     help="DP all-reduce bucket size for the sync part (repeat it to compare sizes)")
     args = ap.parse_args()
-    parts = set(args.only or ["sync", "reshard", "failover"])
+    parts = set(args.only or ["sync", "reshard", "failover", "clip"])
     console = Console()
     console.print(f"torch {torch.__version__}, gloo, {os.cpu_count()} CPUs")
     if "sync" in parts:
@@ -264,6 +315,9 @@ def main() -> None:
     if "reshard" in parts:
         show(console, "Reshard TP4 -> TP3 (weights + momentum), slowest rank",
              ("model", "MiB moved", "ms", "MiB/s"), bench_reshard(args.quick))
+    if "clip" in parts:
+        show(console, "Gradient clipping (max_grad_norm): added work on one rank holding the whole model (TP1)",
+             ("model", "fwd+bwd+sync ms (4 samples)", "norm share ms", "scale ms", "added"), bench_clip(args.quick))
     if "failover" not in parts:
         return
     rows = []

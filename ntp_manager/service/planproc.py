@@ -154,7 +154,18 @@ class PlanProcess:
             fut = await asyncio.to_thread(pool.submit, fn, *args)
             self._running.add(fut)
             fut.add_done_callback(self._running.discard)
-            return await asyncio.wrap_future(fut)
+            try:
+                return await asyncio.wrap_future(fut)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if not fut.cancelled() or (task is not None and task.cancelling()):
+                    raise  # our caller was cancelled
+                # the pool was shut down (stop() at another manager's shutdown) while this call
+                # still waited in its queue: not our caller's cancellation, so a new worker serves
+                # it (the old pool is gone already: closing again could hit a successor)
+                log.info("planner process stopped before it took a call: a new one serves it")
+                self._sent = _Sent()
+                raise Missing("restarted") from None
         except BrokenProcessPool:  # the worker died (killed, out of memory): one new one, from scratch
             log.warning("planner process died: starting a new one", exc_info=True)
             self.close()

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ntp_manager.worker.checkpoint import Checkpointer, CheckpointError, RestoreInfo, Retention, retention_plan
     from ntp_manager.worker.env import WorkerEnv, worker_env
+    from ntp_manager.worker.optim import OptimizerError
     from ntp_manager.worker.pipeline import Pipeline, split_layers, stage_module
     from ntp_manager.worker.plans import ModelPlan, plan_for
     from ntp_manager.worker.reshard import apply_reshard, reshard_moves
@@ -61,6 +62,7 @@ __all__ = [
     "LayoutSource",
     "ModelPlan",
     "NtpGradSync",
+    "OptimizerError",
     "Pipeline",
     "ReconfigurationError",
     "ReplicaGroup",
@@ -95,7 +97,7 @@ _WHERE = {
     "CheckpointError": "checkpoint", "Checkpointer": "checkpoint", "RestoreInfo": "checkpoint",
     "Retention": "checkpoint", "retention_plan": "checkpoint",
     "WorkerEnv": "env", "worker_env": "env",
-    "ModelPlan": "plans", "plan_for": "plans",
+    "ModelPlan": "plans", "plan_for": "plans", "OptimizerError": "optim",
     "Pipeline": "pipeline", "split_layers": "pipeline", "stage_module": "pipeline",
     "apply_reshard": "reshard", "reshard_moves": "reshard",
     "ReconfigurationError": "runtime", "Runtime": "runtime", "RuntimeConfig": "runtime", "StepResult": "runtime",

@@ -115,6 +115,7 @@ from ntp_manager.checkpoint_format import (
 )
 from ntp_manager.planner.ntp_map import even_chunks
 from ntp_manager.worker import comm
+from ntp_manager.worker.optim import OptimizerError, group_values, load_scheduler, scheduler_json, set_group_values
 from ntp_manager.worker.reshard import STATE_KEYS
 from ntp_manager.worker.sync import SyncLayout
 from ntp_manager.worker.tp import ShardedModule, unit_slice
@@ -246,6 +247,13 @@ def _shards(model: nn.Module, units: Mapping[str, int], families: Mapping[str, s
             us = same.setdefault(us, us)  # one tuple per distinct unit list: `_pieces` caches by identity
             out.setdefault(id(p), _Shard(fam, mod.unit_size, udim, us, units[fam]))
     return out
+
+
+def _part_key(model: nn.Module) -> str:
+    """Which part of the model a rank holds, the same on every rank of a pipeline stage and across
+    TP layouts: its first parameter's name (stages hold disjoint parameters under the whole model's
+    names)."""
+    return next((n for n, _ in model.named_parameters()), "")
 
 
 def _scalar(v: Any) -> torch.Tensor:
@@ -518,7 +526,7 @@ class Checkpointer:
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, layout: SyncLayout,
              rank: int, families: Mapping[str, str], *, group: Any = None, data_state: Mapping[str, Any] | None = None,
              job_ranks: Sequence[int] | None = None, attempt: str | None = None,
-             background: bool = True) -> SaveHandle:
+             background: bool = True, scheduler: Any = None) -> SaveHandle:
         """Start saving the state after `step` committed steps; returns at once, while the writer
         thread copies this rank's pieces (the snapshot, into host memory reused across saves) and
         writes them. Every rank of the layout calls it at the same step.
@@ -535,7 +543,9 @@ class Checkpointer:
         document of where the data loader is (the coordinator's is stored; it should describe the
         global position). `job_ranks`: every rank that saves (all stages; default: the layout's).
         `attempt`: the attempt's name, when the caller agrees on one itself (instead of `group`;
-        it must differ between attempts, e.g. a random string every rank received).
+        it must differ between attempts, e.g. a random string every rank received). `scheduler`:
+        the optimizer's LR scheduler, whose state is stored (with every parameter group's values,
+        which are stored always).
         Raises ValueError, naming the problem, for state it cannot store."""
         if self._last is not None:  # one snapshot in memory at a time: wait for this rank's last write
             with contextlib.suppress(Exception):  # a failure was logged by the writer; this save starts afresh
@@ -543,6 +553,13 @@ class Checkpointer:
         t0 = time.perf_counter()
         entries = _entries(model, optimizer, layout.units, families)
         doc = self._manifest_doc(step, entries, optimizer, layout, families, data_state)
+        if optimizer is not None:  # the values, not the counts: a pipeline stage's groups hold its part
+            doc["optimizer_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in group_values(optimizer)]
+            doc["scheduler"] = scheduler_json(scheduler)
+            # each pipeline stage's own values too (its groups and schedule may differ from the
+            # coordinator's stage): the markers carry them to the manifest, keyed by the stage's part
+            doc["optimizer_parts"] = {_part_key(model): {"groups": doc["optimizer_groups"],
+                                                         "scheduler": doc["scheduler"]}}
         nonce = [attempt or uuid.uuid4().hex[:16]]
         if attempt is None and group is not None:
             comm.broadcast_object_list(nonce, src=dist.get_global_rank(group, 0), group=group)
@@ -733,7 +750,8 @@ class Checkpointer:
             self._hook("written", att)
             # the rank's tensors too: in a pipeline every stage holds others, and the manifest lists them all
             _write_durable(att.tmp / f"done.r{att.rank}.json", _canonical(
-                {"rank": att.rank, "files": files, "tensors": att.doc["tensors"], "families": att.doc["families"]}))
+                {"rank": att.rank, "files": files, "tensors": att.doc["tensors"], "families": att.doc["families"],
+                 "optimizer_parts": att.doc.get("optimizer_parts", {})}))
             att.state = {}  # the snapshot buffers stay in self._buffers for the next save
             return sum(f["bytes"] for f in files.values())
         except Exception as e:
@@ -762,9 +780,12 @@ class Checkpointer:
             files: dict[str, dict[str, Any]] = {}
             tensors: dict[str, Any] = dict(att.doc["tensors"])
             families: dict[str, str] = dict(att.doc["families"])
+            parts: dict[str, Any] = dict(att.doc.get("optimizer_parts", {}))
             for r, p in markers.items():
                 mark = json.loads(p.read_bytes())
                 files.update(mark["files"])
+                for key, values in mark.get("optimizer_parts", {}).items():  # every stage's optimizer values
+                    parts.setdefault(key, values)
                 for key, meta in mark.get("tensors", {}).items():  # every stage's tensors
                     if tensors.setdefault(key, meta) != meta:
                         raise CheckpointError(f"rank {r} saved {key} as {meta}, another rank as {tensors[key]}")
@@ -777,6 +798,8 @@ class Checkpointer:
             doc = dict(att.doc, files=files, bytes=sum(int(f["bytes"]) for f in files.values()),
                        completed_at=time.time(), tensors=dict(sorted(tensors.items())),
                        families=dict(sorted(families.items())))
+            if parts:
+                doc["optimizer_parts"] = dict(sorted(parts.items()))
             doc["manifest_sha256"] = hashlib.sha256(_canonical(doc)).hexdigest()
             _write_durable(att.tmp / MANIFEST, json.dumps(doc, indent=1, sort_keys=True).encode())
             self._hook("manifest", att)
@@ -839,12 +862,14 @@ class Checkpointer:
     # ---- loading ---------------------------------------------------------------------------------
     def load(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, layout: SyncLayout, rank: int,
              families: Mapping[str, str], *, group: Any = None, strict: bool = True,
-             restore_rng: bool = True, max_step: int | None = None) -> RestoreInfo:
+             restore_rng: bool = True, max_step: int | None = None, scheduler: Any = None) -> RestoreInfo:
         """Fill `model` (sharded for `rank` of `layout`) and `optimizer` (fresh or not: its state
         is made to match the checkpoint's) from the newest complete checkpoint that verifies.
         Every rank of `group` calls it; they agree on the checkpoint. `strict`: every tensor the
         checkpoint holds must be in the model too (a pipeline stage's model holds a part: False).
         `max_step`: only checkpoints of this step or older (the manager's `Layout.restore_step`).
+        The optimizer's parameter groups get the stored values (learning rate...) and `scheduler`
+        the stored state (checkpoints from before these were stored leave both as they are).
         Raises CheckpointError when no checkpoint verifies, or when one does not fit the model."""
         t0 = time.perf_counter()
         refs = self.complete()
@@ -871,6 +896,8 @@ class Checkpointer:
                 targets = self._targets(doc, model, optimizer, layout, rank, families, strict)
                 why, nbytes = self._read(ref, targets, group)
                 if why is None:
+                    if optimizer is not None:
+                        self._restore_values(doc, model, optimizer, scheduler)
                     if restore_rng:
                         _set_rng_state(doc["rng"])
                     info = RestoreInfo(ref.step, ref.path, doc["data_state"], doc["layout"], tuple(skipped), nbytes,
@@ -882,6 +909,22 @@ class Checkpointer:
             log.warning("checkpoint skipped", path=str(ref.path), reason=why)
         tried = "; ".join(f"{n}: {w}" for n, w in skipped)
         raise CheckpointError(f"no usable checkpoint in {self.root} ({tried})")
+
+    @staticmethod
+    def _restore_values(doc: Mapping[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
+                        scheduler: Any) -> None:
+        """The groups' values and the scheduler's state this rank's part (pipeline stage) saved;
+        a checkpoint without parts per stage gives the coordinator's."""
+        mine = doc.get("optimizer_parts", {}).get(_part_key(model))
+        groups = mine["groups"] if mine is not None else doc.get("optimizer_groups")
+        try:
+            if groups is not None:
+                set_group_values(optimizer, groups, "the checkpoint")
+            if mine is not None or "scheduler" in doc:
+                load_scheduler(scheduler, mine["scheduler"] if mine is not None else doc["scheduler"],
+                               "the checkpoint")
+        except OptimizerError as e:
+            raise CheckpointError(str(e)) from None
 
     def _verify(self, ref: CheckpointRef, group: Any) -> str | None:
         """Why `ref` cannot be trusted (the manifest, then the files' hashes; the group's ranks

@@ -120,13 +120,15 @@ class WorkerEnv:
         post_parallelize: Callable[[nn.Module], None] | None = None,
         on_event: Callable[[TimelineEvent], None] | None = None,
         pipeline: Pipeline | None = None,
+        scheduler_fn: Callable[[torch.optim.Optimizer], Any] | None = None,
         **cfg: Any,
     ) -> Runtime:
         """A Runtime on this environment's store and layout source. `plan` None: `plan_for` of
-        the model; `pipeline`: for layouts of several stages (worker/pipeline.py); `cfg`:
-        RuntimeConfig fields (timeouts, seed)."""
+        the model; `pipeline`: for layouts of several stages (worker/pipeline.py); `scheduler_fn`:
+        an LR scheduler of each optimizer (docs/worker.md); `cfg`: RuntimeConfig fields (timeouts,
+        seed)."""
         return Runtime(model_fn, plan, optimizer_fn, self.source, self.store, self.config(**cfg), on_event=on_event,
-                       post_parallelize=post_parallelize, pipeline=pipeline)
+                       post_parallelize=post_parallelize, pipeline=pipeline, scheduler_fn=scheduler_fn)
 
 
 def worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:

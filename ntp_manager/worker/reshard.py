@@ -8,8 +8,9 @@ replica of the stage survives). Moves between different ranks are grouped per (s
 destination, family).
 
 `apply_reshard` executes the moves with point-to-point sends over the current process group and
-rebuilds the sharded modules and the optimizer state (SGD momentum, Adam/AdamW moments and step)
-for the new unit lists. Replicated parameters and their state are untouched.
+rebuilds the sharded modules and the optimizer state (SGD momentum, Adam/AdamW moments, amsgrad's
+maximum and step) for the new unit lists; each rebuilt parameter stays in its parameter group.
+Replicated parameters and their state are untouched.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from ntp_manager.worker.comm import P2P
 from ntp_manager.worker.sync import SyncLayout
 from ntp_manager.worker.tp import ShardedModule, unit_major_empty, unit_slice
 
-STATE_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+# per-parameter optimizer state shaped like the parameter: SGD momentum, Adam/AdamW moments (amsgrad: max_exp_avg_sq)
+STATE_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 @dataclass(frozen=True)
@@ -156,8 +158,8 @@ def apply_reshard(
     moves: list[Move] | None = None,
     freed: list[torch.Tensor] | None = None,
 ) -> torch.optim.Optimizer:
-    """Move shards and optimizer state to the new layout; returns a new optimizer (same class and
-    hyperparameters) over the rebuilt parameters. Every rank of `group` (the process group the
+    """Move shards and optimizer state to the new layout; returns the same optimizer, each of its
+    parameter groups now over the rebuilt parameters of the ones it held. Every rank of `group` (the process group the
     messages run on; None: the default group) calls it; ranks not in `new` only serve as sources.
 
     Moved: every tensor of a unit family (weights, column-wise biases, their optimizer state).
@@ -168,8 +170,6 @@ def apply_reshard(
     1-D views, the memory of every replaced tensor that owns its storage whole -- nothing uses it
     after this returns, and memory already touched is cheaper to reuse than fresh pages (the
     runtime gives it to the new layout's gradient buffers)."""
-    if len(optimizer.param_groups) != 1:
-        raise ValueError("resharding supports optimizers with one parameter group")
     if moves is None:
         moves = reshard_moves(old, new, alive)
     mods = _sharded_modules(model, families)
@@ -277,16 +277,24 @@ def apply_reshard(
     for mod in model.modules():
         if isinstance(mod, ShardedModule):
             mod.group = tp_group
-    # the same optimizer object: its one parameter group now lists the rebuilt parameters;
-    # replicated parameters keep their state, sharded ones get the moved state
-    params = list(model.parameters())
+    # the same optimizer object: each parameter group now lists the rebuilt parameters of the
+    # old ones it held, in the model's order (a parameter in no group stays in none); replicated
+    # parameters keep their state, sharded ones get the moved state
+    old_of = {id(p): old for old, p in rebuilt.items()}
+    group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    groups: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
     moved: defaultdict[torch.Tensor, Any] = defaultdict(dict)  # the type of torch's Optimizer.state
-    for p in params:
+    for p in model.parameters():
+        i = group_of.get(old_of.get(id(p), id(p)))
+        if i is None:
+            continue
+        groups[i].append(p)
         if p in new_state:
             moved[p] = new_state[p]
         elif p in state:
             moved[p] = state[p]
-    optimizer.param_groups[0]["params"] = params
+    for g, ps in zip(optimizer.param_groups, groups, strict=True):
+        g["params"] = ps
     optimizer.state = moved
     if freed is not None:
         for f, entries in fam_tensors.items():

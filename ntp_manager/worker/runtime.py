@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import datetime as dt
 import gc
+import math
 import os
 import secrets
 import time
@@ -59,6 +60,7 @@ from ntp_manager.worker.checkpoint import (
     Retention,
     SaveHandle,
 )
+from ntp_manager.worker.optim import check_optimizer, check_scheduler, pack_values, scheduler_json, unpack_values
 from ntp_manager.worker.pipeline import (
     Pipeline,
     activation_peers,
@@ -69,7 +71,7 @@ from ntp_manager.worker.pipeline import (
 )
 from ntp_manager.worker.reshard import Move, apply_reshard, reshard_moves
 from ntp_manager.worker.sources import LayoutSource, RestoreNote, StepWork, WorkerLayout
-from ntp_manager.worker.sync import NtpGradSync, ReplicaGroup, SyncLayout, families_of
+from ntp_manager.worker.sync import NtpGradSync, ReplicaGroup, SyncLayout, families_of, global_norm
 from ntp_manager.worker.tp import ShardedModule, ShardStyle, parallelize, unit_counts
 
 log = structlog.get_logger("ntp.worker")
@@ -110,6 +112,12 @@ class RuntimeConfig:
     checkpoint_keep_every: int = 0  # also keep checkpoints whose step is a multiple of this
     checkpoint_resume: bool = True  # a job's first layout restores the newest checkpoint if there is one
     checkpoint_complete_timeout_s: float = 300.0  # how long the coordinator waits for every rank's part
+    # single-stage replicas: feed the local batch in micro-batches of at most this many samples,
+    # gradients accumulated (memory); a pipeline cuts its own (Pipeline.micro_batches). None: one pass
+    micro_batch_size: int | None = None
+    # clip the whole model's gradient to this L2 norm before each optimizer step, as
+    # torch.nn.utils.clip_grad_norm_ over one process's model would (None: no clipping)
+    max_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "gloo", "nccl"):
@@ -118,6 +126,12 @@ class RuntimeConfig:
             raise comm.BackendError(f"device must be 'cpu' or 'cuda', not {self.device!r}")
         if not 0 <= self.local_rank < self.local_world_size:
             raise comm.BackendError(f"local_rank {self.local_rank} is not among {self.local_world_size} local ranks")
+        if self.micro_batch_size is not None and (isinstance(self.micro_batch_size, bool)
+                                                  or not isinstance(self.micro_batch_size, int)
+                                                  or self.micro_batch_size < 1):
+            raise ValueError(f"micro_batch_size must be a positive integer or None, not {self.micro_batch_size!r}")
+        if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be a positive number or None, not {self.max_grad_norm!r}")
 
     def resolve(self, features: comm.CommFeatures | None = None) -> tuple[comm.BackendChoice, torch.device]:
         """The backend and this rank's device; raises comm.BackendError for what cannot work."""
@@ -141,6 +155,8 @@ class StepResult:
     tp: int  # the TP degree of this rank's group (its stage's, in a pipeline)
     seconds: float
     stage: int = 0  # this rank's pipeline stage
+    grad_norm: float | None = None  # the whole model's gradient norm before clipping (with max_grad_norm)
+    skipped: bool = False  # the gradient norm was not finite: no rank updated (with max_grad_norm)
 
 
 @dataclass
@@ -169,6 +185,14 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
 
 
+def _step_tensor(value: float, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+    """Adam's step count as torch's own first step makes it: a float32 scalar on the parameter's
+    device when the group is fused or capturable (their kernels read it there), else on the CPU."""
+    if group.get("fused") or group.get("capturable"):
+        return torch.tensor(value, dtype=torch.float32, device=p.device)
+    return torch.tensor(value)
+
+
 def ensure_optimizer_state(opt: torch.optim.Optimizer) -> None:
     """Create the state a step would create (zeros), so a rank joining after step 0 has the same
     state tensors as its peers before receiving their values."""
@@ -179,10 +203,12 @@ def ensure_optimizer_state(opt: torch.optim.Optimizer) -> None:
                 if group.get("momentum", 0) and st.get("momentum_buffer") is None:
                     st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             elif isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
-                if not st:
-                    st["step"] = torch.tensor(0.0)
+                if not st:  # `step` where torch's Adam puts it: on the parameter's device if fused/capturable
+                    st["step"] = _step_tensor(0.0, p, group)
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if group.get("amsgrad"):
+                        st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             else:
                 raise ValueError(f"resharding supports SGD, Adam and AdamW, not {type(opt).__name__}")
 
@@ -204,6 +230,7 @@ class _State:
     stage: int = 0  # the pipeline stage `model` is
     model: nn.Module | None = None
     opt: torch.optim.Optimizer | None = None
+    sched: Any = None  # the LR scheduler of `opt` (scheduler_fn's), if any
     sync: NtpGradSync | None = None
     syncs: list[NtpGradSync] = field(default_factory=list)  # every stage's (only ours is active)
     world: Any = None  # every member of the current version: commit votes, regroup exchanges, activations
@@ -223,6 +250,7 @@ class Runtime:
         on_event: Callable[[TimelineEvent], None] | None = None,
         post_parallelize: Callable[[nn.Module], None] | None = None,
         pipeline: Pipeline | None = None,
+        scheduler_fn: Callable[[torch.optim.Optimizer], Any] | None = None,
     ) -> None:
         """`plan`: module patterns -> styles of the whole model, or a `plans.ModelPlan`; None takes
         `plans.plan_for(model)` of the first model built. `on_event` sees every timeline event as
@@ -231,12 +259,22 @@ class Runtime:
         shards were replaced), before the optimizer sees the parameters: fix-ups that depend on
         the rank's local shapes. After a reshard it must not add, remove or replace parameters.
         `pipeline`: how to cut the model into stages and feed them (pipeline.py); needed for
-        layouts with more than one stage, and then `train_step` takes no `loss_fn`."""
+        layouts with more than one stage, and then `train_step` takes no `loss_fn`.
+        `optimizer_fn(params)`: SGD, Adam or AdamW over those parameters, in any number of groups
+        (checked when it is first called: optim.py); it is called again for every rank that joins
+        or changes stage, whose groups then take their values from a peer. `scheduler_fn(optimizer)`:
+        an LR scheduler of that optimizer (torch.optim.lr_scheduler), stepped after every committed
+        step and carried like the optimizer; read both through `optimizer` / `scheduler`, never
+        through references kept from an earlier step (a rank's optimizer may be replaced)."""
+        if pipeline is not None and cfg.micro_batch_size is not None:
+            raise ValueError("micro_batch_size is for single-stage replicas; a pipeline cuts its own micro-batches "
+                             "(Pipeline(micro_batches=...))")
         self.pipeline = pipeline
         self.on_event = on_event
         self.post_parallelize = post_parallelize
         self._plan = plan
-        self.model_fn, self.optimizer_fn = model_fn, optimizer_fn
+        self.model_fn, self.optimizer_fn, self.scheduler_fn = model_fn, optimizer_fn, scheduler_fn
+        self._checked_optimizer = False
         self.source, self.store, self.cfg = source, store, cfg
         # refused here, before anything starts, when the device / backend / host cannot work
         self.features = comm.detect_features()
@@ -306,6 +344,11 @@ class Runtime:
     def optimizer(self) -> torch.optim.Optimizer:
         assert self.s.opt is not None, "call start() first"
         return self.s.opt
+
+    @property
+    def scheduler(self) -> Any:
+        """The LR scheduler `scheduler_fn` made for the current optimizer (None without one)."""
+        return self.s.sched
 
     @property
     def layout(self) -> WorkerLayout | None:
@@ -389,41 +432,70 @@ class Runtime:
         self.s.sync.zero_grad()  # in place: the gradients stay views of the sync buffers
         t_fb = time.perf_counter()
         tp_mod.TP_WAIT.seconds = 0.0
-        batch: Any = None
+        lengths: tuple[int, ...] | None = None
         if loss_fn is not None:
-            batch = batch_fn(self.step, start, lb)
-            loss = loss_fn(self.s.model, batch)
-            torch.autograd.backward(loss)  # Tensor.backward is unannotated in torch 2.13
-            value = loss.detach().item()
+            size = self.cfg.micro_batch_size
+            cuts = micro_batches(lb, -(-lb // size)) if size else [(0, lb)]
+            value, seen_lengths = 0.0, []
+            for off, n in cuts:  # gradients accumulate; each micro-batch's mean loss weighted by its share
+                batch = batch_fn(self.step, start + off, n)
+                loss = loss_fn(self.s.model, batch)
+                torch.autograd.backward(loss if len(cuts) == 1 else loss * (n / lb))  # Tensor.backward: unannotated
+                value += loss.detach().item() * n / lb
+                seen_lengths.append(StepWork.lengths_of(batch))
+            if all(x is not None for x in seen_lengths):
+                lengths = tuple(v for x in seen_lengths if x is not None for v in x)
         else:
             value = self._pipeline_pass(batch_fn, lay, start, lb)
         t_fb = time.perf_counter() - t_fb  # real compute only where the host waits for it (CPU)
         tp_wait = tp_mod.TP_WAIT.seconds  # blocked in the TP group's all-reduces (CPU tensors only)
         self.s.sync.sync()
+        clip = self.cfg.max_grad_norm
+        share = self.s.sync.norm_share() if clip is not None else 0.0
         newest = self.source.latest()
         seen = newest.version if newest is not None else lay.version
         # the last stage's ranks carry the replica's loss, each local_batch / tp of it
         # the third value: a random number of each rank; rank 0's names the next checkpoint attempt
-        # (save_checkpoint), so a save needs no collective of its own (52 bits: exact in a float64)
-        mine = torch.tensor([value * lb / tp if last else 0.0, float(seen), float(secrets.randbits(52))],
+        # (save_checkpoint), so a save needs no collective of its own (52 bits: exact in a float64);
+        # the fourth: this rank's share of the squared gradient norm (clipping only)
+        mine = torch.tensor([value * lb / tp if last else 0.0, float(seen), float(secrets.randbits(52)), share],
                             dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(lay.world)]
         comm.all_gather(every, mine, group=self.s.world)  # the commit point
         self._attempt_nonce = int(every[0][2].item())
-        self.s.opt.step()
+        stacked = torch.stack(every)
+        grad_norm, skipped = None, False
+        if clip is not None:
+            # Every replica's synced gradient is the same, and each replica's ranks hold every
+            # stage's units once and its replicated parameters once (norm_share), so the shares
+            # sum to replicas x norm^2. Every rank sums the same gathered values exactly (fsum,
+            # whatever the host's CPU: sync.global_norm): the norm, and so the clip coefficient, is
+            # bit-identical on all of them (a rank-local norm would differ by rounding and let
+            # replicas drift apart).
+            grad_norm = global_norm(stacked[:, 3].tolist(), len(lay.replicas))
+            skipped = not math.isfinite(grad_norm)
+            if not skipped and clip / (grad_norm + 1e-6) < 1.0:  # torch's clip_grad_norm_ coefficient
+                coef = clip / (grad_norm + 1e-6)
+                for p in self.s.model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        if skipped:  # the same on every rank: no update, no schedule step; the step's batch is spent
+            log.warning("gradient norm not finite: optimizer step skipped", step=self.step, grad_norm=grad_norm)
+        else:
+            self.s.opt.step()
+            if self.s.sched is not None:
+                self.s.sched.step()
         step = self.step
         self.step += 1
-        stacked = torch.stack(every)
         gloss = float(stacked[:, 0].sum().item()) / lay.global_batch
         agreed = int(stacked[:, 1].max().item())
         secs = time.perf_counter() - t0
         if self.s.timeline and self.s.timeline[-1].what in ("reshard done", "joined", "restored from checkpoint"):
             self._event("first step", lay.version, f"tp={tp} local_batch={lb} stage={stage}")
-        lengths = StepWork.lengths_of(batch) if batch is not None else None
         on_cpu = self.choice.device == "cpu"
         self.source.report_step(lay, step, secs, lb, StepWork(
             max(0.0, t_fb - tp_wait) if on_cpu else 0.0, tp_wait if on_cpu else 0.0, sequence_lengths=lengths))
-        return StepResult(step, gloss, lay.global_batch, lb, lay.version, tp, secs, stage), agreed
+        return StepResult(step, gloss, lay.global_batch, lb, lay.version, tp, secs, stage, grad_norm, skipped), agreed
 
     def _pipeline_pass(self, batch_fn: Callable[[int, int, int], Any], lay: WorkerLayout, start: int,
                        lb: int) -> float:
@@ -757,12 +829,12 @@ class Runtime:
             parallelize(model, self._info[stage].plan, new_sl[stage].units_of(rank), group=my_tp)
             self._fix(model, resharded=False)
             model.to(self.device)
-            opt = self.optimizer_fn(model.parameters())
+            opt, sched = self._make_optimizer(model)
             if self.step > 0:
                 ensure_optimizer_state(opt)
         else:
             assert held_model is not None and held_opt is not None
-            model, opt = held_model, held_opt
+            model, opt, sched = held_model, held_opt, self.s.sched
         freed: list[torch.Tensor] = []  # the replaced shards' memory, for the new gradient buffers
         for s in range(depth):  # every rank the same order, so point-to-point pairs match
             if s == stage:
@@ -786,12 +858,12 @@ class Runtime:
             if rank == giver:
                 gm, go = (model, opt) if stage == s else (held_model, held_opt)
                 assert gm is not None and go is not None
-                self._send_replicated(gm, go, giver, new_here)
+                self._send_replicated(gm, go, self.s.sched, giver, new_here)
             elif rank in new_here:
-                self._send_replicated(model, opt, giver, [rank])
+                self._send_replicated(model, opt, sched, giver, [rank])
         held_model = held_opt = None
         self._mark("replicated")
-        self.s.model, self.s.opt, self.s.stage = model, opt, stage
+        self.s.model, self.s.opt, self.s.sched, self.s.stage = model, opt, sched, stage
         self.s.sync = self._new_sync(model, target, rank, scratch=freed)
         del freed
         self._mark("sync")
@@ -871,15 +943,31 @@ class Runtime:
         parallelize(model, self._info[stage].plan, sl.units_of(target.rank), group=my_tp)
         self._fix(model, resharded=False)
         model.to(self.device)
-        self.s.model, self.s.opt, self.s.stage = model, self.optimizer_fn(model.parameters()), stage
+        self.s.model, self.s.stage = model, stage
+        self.s.opt, self.s.sched = self._make_optimizer(model)
         self.s.sync = self._new_sync(model, target, target.rank)
         self.s.layout, self.s.sync_layout = target, sl
 
-    def _send_replicated(self, model: nn.Module, opt: torch.optim.Optimizer, src: int, dsts: list[int]) -> None:
-        """Replicated parameters of a stage, their optimizer state and the Adam step count, from
-        `src` to each of `dsts` (point-to-point on the world group; `src` calls it with every
-        joiner of the stage, a joiner with itself). Both ends walk the same stage module, so
-        parameters and state keys come in the same order."""
+    def _make_optimizer(self, model: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
+        """`optimizer_fn`'s optimizer over `model` (the first one checked: optim.check_optimizer)
+        and `scheduler_fn`'s scheduler of it."""
+        opt = self.optimizer_fn(model.parameters())
+        if not self._checked_optimizer:
+            check_optimizer(opt, model)
+        sched = self.scheduler_fn(opt) if self.scheduler_fn is not None else None
+        check_scheduler(sched, opt)  # every one: a later scheduler_fn call may bind the wrong optimizer
+        if not self._checked_optimizer and self.checkpointer is not None:
+            scheduler_json(sched)  # refused now, not at the first checkpoint, if it cannot be stored
+        self._checked_optimizer = True
+        return opt, sched
+
+    def _send_replicated(self, model: nn.Module, opt: torch.optim.Optimizer, sched: Any, src: int,
+                         dsts: list[int]) -> None:
+        """Replicated parameters of a stage, their optimizer state and the Adam step count, then the
+        parameter groups' values (learning rate...) and the LR scheduler's state, from `src` to
+        each of `dsts` (point-to-point on the world group; `src` calls it with every joiner of the
+        stage, a joiner with itself). Both ends walk the same stage module, so parameters and
+        state keys come in the same order."""
         sharded = {id(p) for m in model.modules() if isinstance(m, ShardedModule) for _, p, _ in m.sharded_params()}
         me = dist.get_rank(self.s.world)
         tensors: list[torch.Tensor] = []
@@ -902,9 +990,22 @@ class Runtime:
             ops = [comm.P2P(False, t, src) for t in tensors]
         comm.wait_all(comm.exchange(ops, self.s.world))
         if me != src and step_val.item() >= 0:
-            for st in opt.state.values():
-                if "step" in st:
-                    st["step"] = torch.tensor(step_val.item())
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    st = opt.state.get(p, {})
+                    if "step" in st:
+                        st["step"] = _step_tensor(step_val.item(), p, group)
+        # the values: their size first, then the bytes (a fresh optimizer has optimizer_fn's values)
+        blob = pack_values(opt, sched) if me == src else torch.empty(0, dtype=torch.uint8)
+        size = torch.tensor([blob.numel()], dtype=torch.int64)
+        comm.wait_all(comm.exchange([comm.P2P(True, size, d) for d in dsts] if me == src
+                                    else [comm.P2P(False, size, src)], self.s.world))
+        if me != src:
+            blob = torch.empty(int(size.item()), dtype=torch.uint8)
+        comm.wait_all(comm.exchange([comm.P2P(True, blob, d) for d in dsts] if me == src
+                                    else [comm.P2P(False, blob, src)], self.s.world))
+        if me != src:
+            unpack_values(blob, opt, sched, f"rank {src}")
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self, data_state: dict[str, Any] | None = None) -> SaveHandle:
@@ -921,7 +1022,8 @@ class Runtime:
         nonce = self._attempt_nonce  # the attempt's name: agreed at the last commit, else one broadcast
         handle = self.checkpointer.save(self.step, self.model, self.optimizer, sl, lay.rank, self.families,
                                         group=self.s.world, data_state=data_state, job_ranks=range(lay.world),
-                                        attempt=None if nonce is None else f"c{nonce:013x}s{self.step}")
+                                        attempt=None if nonce is None else f"c{nonce:013x}s{self.step}",
+                                        scheduler=self.s.sched)
         self._attempt_nonce = None  # one attempt per commit
         self._saved_step = self.step
         log.info("checkpoint started", step=self.step, version=lay.version, snapshot_s=round(handle.snapshot_s, 4))
@@ -937,7 +1039,8 @@ class Runtime:
         assert lay is not None and lay.rank is not None and sl is not None, "call start() first"
         self.checkpointer.fence()
         info = self.checkpointer.load(self.model, self.optimizer, sl, lay.rank, self.families, group=self.s.world,
-                                      strict=lay.n_stages == 1)  # a stage holds only its part of the checkpoint
+                                      strict=lay.n_stages == 1,  # a stage holds only its part of the checkpoint
+                                      scheduler=self.s.sched)
         self.step = self._saved_step = info.step
         self.restored = info
         self._event("restored from checkpoint", lay.version, info.describe())
@@ -962,7 +1065,8 @@ class Runtime:
         if ck is not None:
             try:
                 info = ck.load(self.model, self.optimizer, self.s.sync_layout, target.rank, self.families,
-                               group=self.s.world, strict=target.n_stages == 1, max_step=target.restore_step)
+                               group=self.s.world, strict=target.n_stages == 1, max_step=target.restore_step,
+                               scheduler=self.s.sched)
             except NoCheckpoint as e:
                 if why is not None:
                     raise ReconfigurationError(f"{why}; and {e}") from e

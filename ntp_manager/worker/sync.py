@@ -111,6 +111,22 @@ def _shaped(flat: torch.Tensor, off: int, shape: Sequence[int], udim: int = 0) -
     return unit_major_view(flat[off : off + n], shape, udim), off + n
 
 
+def check_uniform_parameters(model: nn.Module) -> None:
+    """Refuse a model whose parameters differ in dtype or device: the gradient buffers hold one
+    dtype on one device (every gradient is a view of them), and a gradient of another dtype could
+    only be a cast copy -- torch refuses that as `.grad` mid-step, with no hint why. Keep the
+    parameters in one dtype (for example fp32 under `torch.autocast`) on one device."""
+    first: tuple[str, torch.dtype, torch.device] | None = None
+    for name, p in model.named_parameters():
+        if first is None:
+            first = (name, p.dtype, p.device)
+        elif (p.dtype, p.device) != first[1:]:
+            raise ValueError(f"parameter {name} is {p.dtype} on {p.device} but {first[0]} is {first[1]} on "
+                             f"{first[2]}: NTP gradient sync keeps every gradient in one buffer of one dtype on "
+                             "one device; give every parameter the same dtype and device (mixed precision: "
+                             "keep parameters in one dtype and cast in the forward, e.g. torch.autocast)")
+
+
 class NtpGradSync:
     """Create on every rank of the job (it creates process groups, collectively), after
     `parallelize(model, plan, layout.units_of(rank), group=tp_group)`.
@@ -138,6 +154,7 @@ class NtpGradSync:
         transfers are point-to-point messages. `scratch`: more memory that nothing else uses
         any more (a reshard's replaced shards), used like `reuse` for buffers that need not be
         shareable (not an extra rank's gradients), and not kept otherwise."""
+        check_uniform_parameters(model)
         self.model, self.layout, self.rank = model, layout, rank
         self.bucket_bytes, self.pack_bytes = bucket_bytes, pack_bytes
         self.n_sync = layout.sync_degree
@@ -323,6 +340,12 @@ class NtpGradSync:
         for p, home in self._all():
             home.zero_()
             p.grad = home
+
+    def norm_share(self) -> float:
+        """This rank's share of the squared L2 norm of the whole model's synced gradient
+        (`norm_share(model, tp_index)`). Summed over every rank of the layout: replicas x the
+        squared norm. Call after `sync()`."""
+        return norm_share(self.model, self.tp_index) if self.active else 0.0
 
     def _gather_grads(self) -> None:
         for p, home in self._all():
@@ -651,6 +674,47 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _wait(reqs: list[Any]) -> None:
     for r in reqs:
         r.wait()
+
+
+def norm_share(model: nn.Module, tp_index: int) -> float:
+    """Rank `tp_index`'s share of the squared L2 norm of its stage's gradient: its own units of
+    every sharded parameter (each unit is held by one rank of a replica's stage; a tied weight is
+    one Parameter, counted once), and the replicated parameters only on the stage's first TP rank
+    (every rank of the stage holds the same). Over a stage's ranks the shares add up to the squared
+    norm of the stage's whole gradient, each parameter counted once."""
+    seen: set[int] = set()
+    grads = []
+    for mod in model.modules():
+        if isinstance(mod, ShardedModule):
+            for _, p, _ in mod.sharded_params():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    if p.grad is not None:
+                        grads.append(p.grad)
+    if tp_index == 0:
+        grads += [p.grad for p in model.parameters() if id(p) not in seen and p.grad is not None]
+    if not grads:
+        return 0.0
+    norms = torch.stack([torch.linalg.vector_norm(g) for g in grads])
+    return float(norms.double().square().sum().item())
+
+
+def global_norm(shares: Sequence[float], replicas: int) -> float:
+    """The whole model's gradient norm from every rank's `NtpGradSync.norm_share` (each replica
+    contributes norm^2 once). Every rank calls this on the same gathered shares and must get the
+    same bits, or the clip coefficients differ and replicas drift apart. `math.fsum` is correctly
+    rounded, so its result depends on the values only; torch's sum depends on the kernel that runs
+    it (a strided column and a contiguous copy of the same values differ in the last bit in about a
+    fifth of cases on this machine), and the kernel is chosen per host by its CPU (AVX2, AVX-512),
+    which two hosts of one job need not share. Not finite (NaN, inf, or beyond float64) -> inf or
+    NaN, as the shares say."""
+    try:
+        total = math.fsum(shares)
+    except OverflowError:  # finite shares whose sum exceeds float64
+        total = math.inf
+    except ValueError:  # inf and -inf among them (shares are >= 0, but say so rather than raise)
+        total = math.nan
+    return math.sqrt(total / replicas) if total >= 0 or math.isnan(total) else math.nan
 
 
 def families_of(plan: Mapping[str, Any], model: nn.Module) -> dict[str, str]:

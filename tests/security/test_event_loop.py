@@ -94,7 +94,8 @@ async def test_largest_spec_and_hello_keep_healthz_answering(sqlite_service: Ser
     assert not ours, ours[0]
     assert lag < 3.0, lag
     assert max(latencies) < 5.0, max(latencies)
-    metrics = (await httpx.AsyncClient(base_url=svc.http).get("/metrics")).text
+    async with httpx.AsyncClient(base_url=svc.http) as c:
+        metrics = (await c.get("/metrics")).text
     assert "ntp_event_loop_lag_seconds_bucket" in metrics and "ntp_event_loop_lag_max_seconds" in metrics
     for a in agents:
         await a.close()

@@ -74,14 +74,20 @@ def random_batches(vocab: int, seq: int, size: int, seed: int) -> Callable[[int,
 
 
 def train_reference(model: nn.Module, opt: torch.optim.Optimizer, batches: Iterable[Any],
-                    loss_fn: Callable[[Any], torch.Tensor]) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The single-process reference: one optimizer step per batch; every step's loss and the
-    final parameters."""
+                    loss_fn: Callable[[Any], torch.Tensor], scheduler: Any = None,
+                    clip: float | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The single-process reference: one optimizer step (and scheduler step) per batch, the
+    gradient clipped to norm `clip` first if given (asserted active: the norm exceeds it); every
+    step's loss and the final parameters."""
     losses = []
     for b in batches:
         opt.zero_grad()
         loss = loss_fn(b)
         loss.backward()
+        if clip is not None:
+            assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)) > clip
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}

@@ -34,8 +34,11 @@ def build(name: str) -> nn.Module:
     return tf.LlamaForCausalLM(cfg)
 
 
+CLIP = 0.05  # a job named "...-clip" clips gradients to this norm (below every step's norm here)
+
+
 def optimizer(name: str, params: Any) -> torch.optim.Optimizer:
-    if name.endswith("sgd"):
+    if "-sgd" in name:
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
     # eps 1e-6, as docs/worker.md explains: at 1e-8 AdamW turns fp32 rounding of near-zero
     # gradients into lr-sized steps. Measured on the TinyGpt here: only cutting the batch into
@@ -68,7 +71,7 @@ def reference(name: str, global_batches: Sequence[int]) -> tuple[list[float], di
     m = build(name)
     opt = optimizer(name, m.parameters())
     return train_reference(m, opt, (batch(s, 0, gb) for s, gb in enumerate(global_batches)),
-                           lambda b: loss_of(logits(m, b[0]), b))
+                           lambda b: loss_of(logits(m, b[0]), b), clip=CLIP if name.endswith("-clip") else None)
 
 
 # ---- layouts from the planner -------------------------------------------------------------------

@@ -7,7 +7,8 @@ the "manager" publishes TP1 x DP2 with the step to restore from (2). No survivor
 units, so instead of stopping (ReconfigurationError) both survivors load that checkpoint into TP1
 (passing over a newer one) and train on from its step. Every loss after the restore and the final
 parameters equal one process trained straight through on the same global batches (rel. <= 1e-5):
-nothing of the lost steps leaks in, and the optimizer state (AdamW moments and step) came back."""
+nothing of the lost steps leaks in, and the optimizer state (AdamW moments and step, in two parameter
+groups) and the LR schedule's position came back."""
 
 from __future__ import annotations
 
@@ -66,14 +67,16 @@ def _worker(wid: str, port: int, root: str, q: Any) -> None:
     cfg = RuntimeConfig(job=JOB, collective_timeout_s=20, rendezvous_timeout_s=90, reconfigure_timeout_s=90,
                         checkpoint_dir=root, checkpoint_interval=2, checkpoint_keep_last=2,
                         checkpoint_complete_timeout_s=30)
-    rt = Runtime(lambda: TinyGpt(CFG), tp_plan(CFG), lambda ps: make_opt("adamw", ps),
-                 _Acks(store, JOB, wid, q=q), store, cfg)
+    rt = Runtime(lambda: TinyGpt(CFG), tp_plan(CFG), make_groups, _Acks(store, JOB, wid, q=q), store, cfg,
+                 scheduler_fn=make_schedule)
     rt.data_state_fn = lambda: {"next_step": rt.step}
     rt.start()
     while rt.step < STEPS:
         if wid in ("w1", "w3") and rt.step == KILL_AT:
             assert rt.checkpointer is not None
             rt.checkpointer.wait(60)  # its part of step 4's checkpoint is on disk (the usual case)
+            q.close()  # its messages so far reach the test before it parks (a put hands them to a
+            q.join_thread()  # feeder thread that the kill could stop before it wrote them)
             store.add("test/parked", 1)
             time.sleep(3600)  # SIGKILLed here, while its peers are inside step 5
         r = rt.train_step(batch, loss_fn)
@@ -84,11 +87,25 @@ def _worker(wid: str, port: int, root: str, q: Any) -> None:
     rt.close()
 
 
+def make_groups(params: Any) -> torch.optim.Optimizer:
+    """make_opt's AdamW in two groups: no weight decay on biases and norms."""
+    ps = list(params)
+    return make_opt("adamw", [{"params": [p for p in ps if p.ndim >= 2]},
+                              {"params": [p for p in ps if p.ndim < 2], "weight_decay": 0.0}])
+
+
+def make_schedule(opt: torch.optim.Optimizer) -> Any:
+    """A learning rate that moves every step: a restore that left the schedule at its start (or the
+    groups at optimizer_fn's values) would show in every loss after it."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+
 def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     m = TinyGpt(CFG)
-    opt = make_opt("adamw", m.parameters())
-    return train_reference(m, opt, (batch(s, 0, GLOBAL) for s in range(STEPS)), lambda b: m.loss(*b))
+    opt = make_groups(m.parameters())
+    return train_reference(m, opt, (batch(s, 0, GLOBAL) for s in range(STEPS)), lambda b: m.loss(*b),
+                           make_schedule(opt))
 
 
 def test_losing_every_holder_of_a_unit_restores_the_checkpoint_into_the_new_layout(tmp_path: Path) -> None:

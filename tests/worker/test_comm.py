@@ -350,6 +350,9 @@ def _lazy_default_worker(rank: int, world: int, port: int, q: Any) -> None:
     comm.all_reduce(x, group=g)
     q.put((rank, "made", (by_default, by_world, env_left, x.item())))
     if rank == world - 1:
+        # only now, with the queue's shared write lock released by put(): a kill right after the
+        # message arrived could leave that lock held, and the survivors' reports block on it forever
+        store.set("parked", "1")
         time.sleep(600)  # killed by the test
     store.wait(["killed"])
     t = time.monotonic()
@@ -381,6 +384,7 @@ def test_the_default_group_connects_lazily_and_a_dead_peer_still_fails_at_once()
         p.start()
     try:
         made = {r: out for r, _, out in (q.get() for _ in range(world))}
+        store.wait(["parked"])
         os.kill(procs[-1].pid, signal.SIGKILL)
         procs[-1].join(30)
         store.set("killed", "1")

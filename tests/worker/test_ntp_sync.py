@@ -12,10 +12,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
 from ntp_manager.planner import sync_groups
 from ntp_manager.worker import sync as sync_mod
-from ntp_manager.worker.sync import NtpGradSync, SyncLayout, families_of, replicas_from
+from ntp_manager.worker.sync import (
+    NtpGradSync,
+    ReplicaGroup,
+    SyncLayout,
+    check_uniform_parameters,
+    families_of,
+    replicas_from,
+)
 from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan, unit_counts
 from ntp_manager.worker.tp import parallelize
 from tests.fakes.procs import free_port, worker_context
@@ -225,3 +233,14 @@ def test_a_reshards_replaced_shards_serve_core_buffers_but_never_an_extras_home(
     home = extra.take(100, dtype, cpu, shareable=True)
     assert extra.fresh_elements == 100 and sync_mod._is_shared(home)
     assert extra.rest() == []  # the unused shard memory is not kept
+
+
+def test_a_model_with_parameters_of_two_dtypes_is_refused_before_any_group_is_made() -> None:
+    # the gradient buffers are of one dtype: a bf16 layer beside fp32 ones failed only at the first
+    # step, where torch refuses a gradient of another dtype with no word of why
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    model[1].to(torch.bfloat16)
+    layout = SyncLayout((ReplicaGroup((0,), 1),), {})
+    with pytest.raises(ValueError, match=r"parameter 1\.weight is torch\.bfloat16 .* same dtype and device"):
+        NtpGradSync(model, layout, 0, {})  # no process group exists: refused before any is needed
+    check_uniform_parameters(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))

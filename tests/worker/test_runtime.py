@@ -10,11 +10,13 @@ global batches (rel. <= 1e-5), including the steps with the reduced local batch.
 from __future__ import annotations
 
 import datetime as dt
+import math
 import os
 import signal
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -44,14 +46,47 @@ def loss_fn(model: Any, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return model.loss(*(t.to(dev) for t in b))
 
 
+CLIP = 0.2  # below every step's gradient norm in these runs: "sgd-clip" clips on every step
+
+
+def build(kind: str) -> TinyGpt:
+    """The model of a run; "sgd-clip" ties the LM head to the token embedding (both cut by
+    vocabulary rows: one shard Parameter), so the clipping case has replicated parameters (norms,
+    row-wise biases, positions) and a tied weight whose gradient the norm must count once."""
+    m = TinyGpt(CFG)
+    if kind == "sgd-clip":
+        m.head.weight = m.tok.weight
+        torch.nn.init.normal_(m.tok.weight, std=0.1)  # as small as a head's (N(0, 1) logits: loss ~33)
+    return m
+
+
 def make_opt(kind: str, params: Any) -> torch.optim.Optimizer:
-    if kind == "sgd":
+    if kind in ("sgd", "sgd-clip"):
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if kind == "adamw-groups":  # the usual LLM set-up: decay on matrices only; amsgrad for its extra state
+        ps = list(params)
+        return torch.optim.AdamW([{"params": [p for p in ps if p.ndim >= 2], "weight_decay": 0.1},
+                                  {"params": [p for p in ps if p.ndim < 2], "weight_decay": 0.0}],
+                                 lr=0.01, amsgrad=True)
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
 
 
 def _opt_fn(kind: str) -> Any:
     return lambda params: make_opt(kind, params)
+
+
+def warmup_cosine(step: int) -> float:
+    return min(1.0, (step + 1) / 3) * 0.5 * (1 + math.cos(math.pi * step / STEPS))
+
+
+def make_sched(kind: str, opt: torch.optim.Optimizer) -> Any:
+    """"adamw-groups" runs under a schedule that moves the learning rate every step: a rank that
+    joins with optimizer_fn's values, or a schedule left on a replaced optimizer, is visible."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine) if kind == "adamw-groups" else None
+
+
+def _sched_fn(kind: str) -> Any:
+    return (lambda opt: make_sched(kind, opt)) if kind == "adamw-groups" else None
 
 
 def _worker(wid: str, port: int, kind: str, q: Any, park_at: int | None, device: str = "cpu", steps: int = STEPS,
@@ -64,11 +99,14 @@ def _worker(wid: str, port: int, kind: str, q: Any, park_at: int | None, device:
            "nccl": dict(device="cuda", backend="nccl", local_rank=index, local_world_size=4),
            "staged": dict(force_staging=True)}.get(device, {})
     cfg = RuntimeConfig(job=JOB, collective_timeout_s=15, rendezvous_timeout_s=90, reconfigure_timeout_s=90,
-                        **dev)  # type: ignore[arg-type]
-    rt = Runtime(lambda: TinyGpt(CFG), tp_plan(CFG), _opt_fn(kind), src, store, cfg)
+                        max_grad_norm=CLIP if kind == "sgd-clip" else None,
+                        micro_batch_size=1 if kind == "sgd-clip" else None, **dev)  # type: ignore[arg-type]
+    rt = Runtime(lambda: build(kind), tp_plan(CFG), _opt_fn(kind), src, store, cfg, scheduler_fn=_sched_fn(kind))
     rt.start()
     while rt.step < steps:
         if park_at is not None and rt.step == park_at:
+            q.close()  # its messages so far reach the test before it parks: a put only hands them to a
+            q.join_thread()  # feeder thread, and the kill could otherwise lose the last step's
             store.set("test/parked", wid)
             time.sleep(3600)  # the test SIGKILLs this process here, while its peers are inside a step
         r = rt.train_step(batch, loss_fn)
@@ -82,9 +120,10 @@ def _worker(wid: str, port: int, kind: str, q: Any, park_at: int | None, device:
 
 def reference(kind: str, batches: list[int]) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    m = TinyGpt(CFG)
+    m = build(kind)
     opt = make_opt(kind, m.parameters())
-    return train_reference(m, opt, (batch(s, 0, gb) for s, gb in enumerate(batches)), lambda b: m.loss(*b))
+    return train_reference(m, opt, (batch(s, 0, gb) for s, gb in enumerate(batches)), lambda b: m.loss(*b),
+                           make_sched(kind, opt), CLIP if kind == "sgd-clip" else None)
 
 
 def _get(q: Any, deadline: float) -> Any:
@@ -183,9 +222,10 @@ def kill_and_rejoin(kind: str, device: str, a: list[str], b: list[str], steps: i
     ref_losses, ref_params = reference(kind, [gb for _, _, gb, _, _ in ref_rows])
     for s, loss, *_ in ref_rows:
         assert abs(loss - ref_losses[s]) <= 1e-5 * abs(ref_losses[s]), (s, loss, ref_losses[s])
+    family = "adamw" if kind.startswith("adamw") else kind.removesuffix("-clip")
     for w, (params, units, _, _) in done.items():
-        for name, err in shard_errors(params, units, ref_params, kind).items():
-            assert err <= tolerance(kind), (w, name, err)
+        for name, err in shard_errors(params, units, ref_params, family).items():
+            assert err <= tolerance(family), (w, name, err)
 
 
 @pytest.mark.parametrize("device", ["cpu", devices.CUDA])
@@ -211,6 +251,68 @@ def test_kill_and_rejoin_with_staged_transport() -> None:
     TP2 (sync with transfers to the extra rank, units fetched from the peer replica) -> TP2 + TP2
     (the fresh rank receives shards, replicated parameters and AdamW state)."""
     kill_and_rejoin("adamw", "staged", ["w0", "w1"], ["w2", "w3"], STEPS)
+
+
+def test_kill_and_rejoin_with_parameter_groups_amsgrad_and_a_schedule() -> None:
+    """AdamW in two parameter groups (weight decay on matrices only) with amsgrad, under a warmup +
+    cosine LambdaLR: TP2 + TP2 -> TP1 + TP2 -> TP2 + TP2. The survivors' reshard keeps each
+    parameter in its group and moves max_exp_avg_sq with the moments; the fresh rank's optimizer
+    takes its groups' learning rates and the schedule's position from a peer. (Before: the reshard
+    refused a second group mid-run; a joiner stepped with optimizer_fn's learning rate.)"""
+    kill_and_rejoin("adamw-groups", "cpu", ["w0", "w1"], ["w2", "w3"], STEPS)
+
+
+def test_kill_and_rejoin_with_gradient_clipping_and_micro_batches() -> None:
+    """max_grad_norm, active on every step: TP2 + TP2 -> TP1 + TP2 -> TP2 + TP2, the norm taken
+    over both replicas' shares (sharded units once per replica, replicated parameters on one rank
+    of each, the tied embedding once) equals clip_grad_norm_ of one process, so every loss and
+    parameter still equals the reference's. (A rank clipping by its own shard's norm, which is all
+    clip_grad_norm_ over rt.model sees, misses the reference at the first step.) Each replica feeds
+    its local batch one sample at a time (micro_batch_size=1), gradients accumulated: the reference
+    takes each step's global batch in one pass."""
+    kill_and_rejoin("sgd-clip", "cpu", ["w0", "w1"], ["w2", "w3"], STEPS)
+
+
+def _clipped_solo(port: int, q: Any) -> None:
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=dt.timedelta(seconds=60))
+    torch.manual_seed(0)
+    rt = Runtime(lambda: TinyGpt(CFG), tp_plan(CFG), _opt_fn("sgd"), StoreLayoutSource(store, "clip", "c0"), store,
+                 RuntimeConfig(job="clip", max_grad_norm=CLIP))
+    rt.start()
+    out = []
+    for s in range(3):  # step 1's loss is NaN: every gradient too
+        r = rt.train_step(batch, lambda m, b, s=s: loss_fn(m, b) * (float("nan") if s == 1 else 1.0))
+        out.append((r.grad_norm, r.skipped, {n: p.detach().numpy().copy() for n, p in rt.model.named_parameters()}))
+    q.put(out)
+    rt.close()
+
+
+def run_alone(job: str, wid: str, target: Any) -> Any:
+    """One rank, alone in `job` (local batch 2): `target(port, q)` runs in its own process; returns
+    the one message it puts on `q`."""
+    port, _store = store_with_layout(job, [([wid], 2)], 60)
+    ctx = worker_context()
+    q = ctx.Queue()
+    p = ctx.Process(target=target, args=(port, q))
+    p.start()
+    try:
+        out = q.get(timeout=120)
+        p.join(timeout=60)
+    finally:
+        reap([p])
+    return out
+
+
+def test_grad_norm_is_reported_and_a_non_finite_norm_skips_the_step() -> None:
+    (n0, skip0, after0), (n1, skip1, after1), (n2, skip2, after2) = run_alone("clip", "c0", _clipped_solo)
+    torch.manual_seed(0)
+    m = TinyGpt(CFG)
+    m.loss(*batch(0, 0, 2)).backward()
+    assert n0 is not None and abs(n0 - float(torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP))) <= 1e-5 * n0
+    assert (skip0, skip1, skip2) == (False, True, False) and n1 is not None and not math.isfinite(n1)
+    assert all((after0[k] == after1[k]).all() for k in after0)  # no update from the NaN step
+    assert n2 is not None and math.isfinite(n2) and all(np.isfinite(v).all() for v in after2.values())
+    assert any((after1[k] != after2[k]).any() for k in after1)
 
 
 def test_a_hung_peer_times_out_and_no_new_layout_is_a_clear_error() -> None:
@@ -270,17 +372,7 @@ class _Recording(StoreLayoutSource):
 def test_step_report_carries_cpu_compute_time_and_the_batchs_sequence_lengths() -> None:
     """Issue 21: the runtime passes a StepWork with the host-timed forward+backward (CPU: real
     compute) and the sequence lengths the batch names."""
-    port, _store = store_with_layout("solo", [(["s0"], 2)], 60)
-    ctx = worker_context()
-    q = ctx.Queue()
-    p = ctx.Process(target=_solo, args=(port, q))
-    p.start()
-    try:
-        step, secs, tokens, work = q.get(timeout=120)
-        p.join(timeout=60)
-    finally:
-        if p.is_alive():
-            p.kill()
+    step, secs, tokens, work = run_alone("solo", "s0", _solo)
     assert (step, tokens) == (0, 2)
     assert 0 < work.compute_s <= secs and work.comm_wait_s == 0.0
     assert work.sequence_lengths == (5, 11)
@@ -349,3 +441,12 @@ def _pair(port: int, wid: str, q: Any) -> None:
         rt.train_step(batch, slow_loss)
     q.put((wid, reports[1]))
     rt.close()
+
+
+@pytest.mark.parametrize(("field", "value"), [("max_grad_norm", 0.0), ("max_grad_norm", -1.0),
+                                              ("max_grad_norm", float("nan")), ("max_grad_norm", float("inf")),
+                                              ("micro_batch_size", 0), ("micro_batch_size", 2.5),
+                                              ("micro_batch_size", True)])
+def test_nonsense_clipping_and_micro_batch_settings_are_refused(field: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=field):
+        RuntimeConfig(job="x", **{field: value})

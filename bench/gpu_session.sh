@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Issue 15's GPU checks in one command, for a lent GPU machine (docs/gpu-runbook.md):
+#
+#   bash bench/gpu_session.sh            # from the repository root; results in $OUT (default /tmp/gpu-out)
+#
+# 1. env.txt      the machine: GPUs (nvidia-smi, read-only queries), driver, torch / CUDA / NCCL versions
+# 2. probe.json   `ntp-agent probe --backend nvml --json`: the agent's inventory and one sample of every GPU
+#    probe.txt    the same, rendered, and anything it printed on failure
+# 3. pytest.log   `pytest tests/worker -k "cuda or nccl" -rA`: the CUDA variants (TP layers, NTP sync,
+#                 reshard, the runtime's kill -> TP3 -> rejoin with CUDA tensors) and the NCCL tests
+# 4. devices.txt  bench/devices.py: one training step, CPU against CUDA, one process and the runtime
+# 5. summary.md   what ran, how it ended, the lines to copy into bench/RESULTS.md
+#
+# It changes no GPU setting. Every Python process it starts imports a guard (bench/gpu_guard/
+# sitecustomize.py, on PYTHONPATH) that replaces each NVML call that sets or resets anything
+# (nvmlDeviceSet*, nvmlDeviceReset*, nvmlDeviceClear*, nvmlSet*) with one that raises; nvidia-smi
+# is called only with query options. Wheels the machine lacks (`make gpu-wheels`, carried as .whl)
+# are installed into a temporary target, never into the machine's Python.
+set -u
+# The parts' time limits (90 + 30 + 300 + 120 s) add up to 9 minutes, inside the device tool's
+# 10-minute limit for one command, so summary.md is always written before the call is cut off.
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-out}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+if [ "$("$PY" -c 'import sys; print(sys.version_info[:2] == (3, 12))')" != True ]; then
+  echo "not Python 3.12: the carried wheels (for the GPU machine's 3.12) are not installed"
+elif [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$work/site" .whl/*.whl \
+    || { echo "installing the carried wheels failed" | tee "$OUT/summary.md"; exit 1; }
+fi
+export PYTHONPATH="$PWD/bench/gpu_guard:${work}/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+status() { printf '| %s | %s | %s |\n' "$1" "$2" "$3" >> "$work/rows"; }
+
+# 1. the machine
+{
+  echo "# $(date -u +%FT%TZ) on $(hostname)"
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=index,name,uuid,driver_version,memory.total,power.limit,power.default_limit,power.max_limit \
+      --format=csv 2>&1
+    nvidia-smi -q 2>&1 | grep -E "Driver Version|CUDA Version|Product Name|Persistence Mode|MIG Mode|Current  *:" | head -20
+  else
+    echo "nvidia-smi: not found (no NVIDIA driver on this machine)"
+  fi
+  "$PY" - <<'PYEOF' 2>&1
+import platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
+      "available", torch.cuda.is_available(), "gpus", torch.cuda.device_count())
+if torch.cuda.is_available():
+    print("nccl", ".".join(map(str, torch.cuda.nccl.version())), "device 0:", torch.cuda.get_device_name(0))
+import grpc, google.protobuf
+print("grpcio", grpc.__version__, "protobuf", google.protobuf.__version__)
+PYEOF
+} > "$OUT/env.txt" 2>&1
+gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+status env "GPUs seen by torch: $gpus" env.txt
+
+# 2. the agent's inventory and one sample (read-only)
+timeout 90 "$PY" -m agent.main probe --backend nvml --json > "$OUT/probe.json" 2> "$OUT/probe.txt"
+rc=$?
+timeout 30 "$PY" -m agent.main probe --backend nvml >> "$OUT/probe.txt" 2>&1
+case $rc in
+  0) status "agent probe" "ok: $(grep -c '"uuid"' "$OUT/probe.json") GPU(s) sampled" probe.json ;;
+  139) status "agent probe" "SEGFAULT (exit 139): the bug of issue 15 item 1" probe.txt ;;
+  *) status "agent probe" "exit $rc: $(tail -n 1 "$OUT/probe.txt")" probe.txt ;;
+esac
+
+# 3. the CUDA and NCCL tests (they skip, with their reason, where CUDA or GPUs are missing)
+timeout 300 "$PY" -m pytest -q -rA -p no:cacheprovider tests/worker -k "cuda or nccl" > "$OUT/pytest.log" 2>&1
+rc=$?
+status "pytest -k 'cuda or nccl'" "exit $rc: $(tail -n 1 "$OUT/pytest.log")" pytest.log
+
+# 4. CPU against CUDA, one step
+size=$([ "$gpus" -gt 0 ] && echo "" || echo "--quick")  # the full model where a GPU is; a quick look elsewhere
+timeout 120 "$PY" bench/devices.py $size > "$OUT/devices.txt" 2>&1
+rc=$?
+status "bench/devices.py $size" "exit $rc" devices.txt
+
+{
+  echo "# issue 15 GPU session, $(date -u +%FT%TZ)"
+  echo
+  echo "| check | result | file |"
+  echo "|---|---|---|"
+  cat "$work/rows"
+  echo
+  echo "## For bench/RESULTS.md"
+  echo
+  echo '```'
+  head -n 4 "$OUT/env.txt"
+  grep -E "passed|failed|skipped" "$OUT/pytest.log" | tail -n 1
+  grep -v '^20[0-9][0-9]-' "$OUT/devices.txt" | tail -n 25  # the tables, not the runtime's log lines
+  echo '```'
+} > "$OUT/summary.md"
+cat "$OUT/summary.md"
