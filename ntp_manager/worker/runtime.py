@@ -918,6 +918,14 @@ class Runtime:
                               None, group=self.s.world, moves=moves[s])
         self._mark("reshard moves")
         self._fix(model, resharded=True)
+        if rank in alive[stage]:
+            # This rank's model now holds `target`'s units of its stage, and its replicated values are
+            # its own: from here on a failure (a joiner dying while it receives, say) must find it
+            # described as a member of `target`, or the next regroup would move its units by the old
+            # layout's unit lists and fill what it no longer holds with garbage. A joiner is marked
+            # only once it has received the replicated values too (below).
+            self.s.model, self.s.opt, self.s.sched, self.s.stage = model, opt, sched, stage
+            self.s.layout, self.s.sync_layout = target, new_sl[stage]
         joiners = 0
         for s in range(depth):
             members = [r for g in target.group_ranks() for r in g[s]]
