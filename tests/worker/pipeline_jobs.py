@@ -6,6 +6,7 @@ are the planner's GPU UUIDs (`GPU-<domain>-<index>`), so a plan is a layout as i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,7 +45,20 @@ def optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     # gradients into lr-sized steps. Measured on the TinyGpt here: only cutting the batch into
     # micro-batches (one process) moves blocks.3.ln1.bias by 4e-5 of its norm at eps 1e-8 and by
     # 3e-6 at 1e-6
-    return torch.optim.AdamW(params, lr=0.01 if name.startswith("gpt") else 1e-3, eps=1e-6, weight_decay=0.1)
+    # two groups, as LLM training sets it up: weight decay on matrices only
+    ps = list(params)
+    return torch.optim.AdamW([{"params": [p for p in ps if p.ndim >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in ps if p.ndim < 2], "weight_decay": 0.0}],
+                             lr=0.01 if name.startswith("gpt") else 1e-3, eps=1e-6)
+
+
+def schedule(name: str, opt: torch.optim.Optimizer) -> Any:
+    """AdamW jobs: warmup over 3 steps, then cosine over 8 (a rank that joins or changes stage
+    takes the schedule's position and the groups' learning rates from a peer); SGD jobs: none."""
+    if "-adamw" not in name:
+        return None
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 3) * 0.5 * (1 + math.cos(math.pi * s / 8)))
 
 
 batch = random_batches(VOCAB, SEQ, MAX_BATCH, seed=500)
@@ -71,7 +85,8 @@ def reference(name: str, global_batches: Sequence[int]) -> tuple[list[float], di
     m = build(name)
     opt = optimizer(name, m.parameters())
     return train_reference(m, opt, (batch(s, 0, gb) for s, gb in enumerate(global_batches)),
-                           lambda b: loss_of(logits(m, b[0]), b), clip=CLIP if name.endswith("-clip") else None)
+                           lambda b: loss_of(logits(m, b[0]), b), schedule(name, opt),
+                           clip=CLIP if name.endswith("-clip") else None)
 
 
 # ---- layouts from the planner -------------------------------------------------------------------

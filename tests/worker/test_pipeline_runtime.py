@@ -3,7 +3,9 @@
 Two DP replicas, each a pipeline of stages, each stage a TP group; the layouts come from the real
 planner (ntp-pw with a boost too small to restore speed, tests/worker/pipeline_jobs.py). In one
 process pool per shape, every rank runs several jobs side by side (TinyGpt and a Hugging Face Llama
-built from its config, SGD with momentum and AdamW), interleaving their steps:
+built from its config, SGD with momentum and AdamW -- in two parameter groups under a warmup +
+cosine schedule, which ranks that join or change stage take from their peers), interleaving their
+steps:
 
   steps 0-1  uniform layout
   (a)        one rank of replica 0's stage 1 is SIGKILLed while its peers are inside step 2: the
@@ -48,7 +50,7 @@ def _rank(wid: str, port: int, jobs: list[str], q: Any, park: int | None) -> Non
     rts = {n: Runtime(lambda n=n: pj.build(n), None, lambda p, n=n: pj.optimizer(n, p),  # type: ignore[misc]
                       StoreLayoutSource(store, n, wid), store,
                       RuntimeConfig(job=n, max_grad_norm=pj.CLIP if n.endswith("-clip") else None, **cfg),
-                      pipeline=pj.pipeline())
+                      pipeline=pj.pipeline(), scheduler_fn=lambda o, n=n: pj.schedule(n, o))  # type: ignore[misc]
            for n in jobs}
     for rt in rts.values():
         rt.start()
