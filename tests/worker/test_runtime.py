@@ -156,8 +156,8 @@ def kill_and_rejoin(kind: str, device: str, a: list[str], b: list[str], steps: i
     try:
         # 1. the victim parks at the step-2 boundary; its peers enter step 2 and block on it. The
         # kill waits until every peer has finished step 1 (its commit point included): a rank that
-        # dies while a peer is still inside step 1's commit all-gather is another case (the
-        # runtime's documented limit), which no fixed pause can rule out on a loaded machine.
+        # dies while a peer is still inside step 1's commit all-gather is another case (a split
+        # commit, test_switch_failures.py), which no fixed pause can rule out on a loaded machine.
         peers = [w for w in a + b if w != victim]
         while not all(any(row[0] == 1 for row in steps_of[w]) for w in peers):
             _kind, wid, *rest = _get(q, deadline)
