@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo slow-demo ha-demo test bench proto lint typecheck venv clean gpu-wheels
+.PHONY: demo slow-demo ha-demo test bench proto docs lint venv clean gpu-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,7 +46,7 @@ slow-demo: $(STAMP)
 	$(BIN)/python -m ntp_manager.demo_slow
 
 lint: $(STAMP)
-	$(BIN)/ruff check ntp_manager agent tests bench examples
+	$(BIN)/ruff check ntp_manager agent tests bench examples tools
 	$(BIN)/mypy
 
 # Tests are independent (own ports, own databases): one worker per core, whole files kept together
@@ -60,6 +60,10 @@ bench: $(STAMP)
 
 proto: $(STAMP)
 	$(BIN)/python -m ntp_manager.protogen
+
+# docs/settings.md from the settings classes (tests/unit/test_docs.py fails when it is stale)
+docs: $(STAMP)
+	$(BIN)/python tools/settings_doc.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -46,22 +46,30 @@ err = Console(stderr=True)
 class AgentSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="NTP_AGENT_", extra="forbid")
 
-    manager: str = "127.0.0.1:50051"
-    token_file: Path | None = None
-    backend: str = Field("nvml", pattern="^(nvml|fake)$")
-    scenario: Path | None = None
-    node: str = Field(default_factory=socket.gethostname)
-    domain: str | None = None
-    metrics_port: int = Field(0, ge=0, le=65535)  # 0: no metrics endpoint
-    heartbeat_interval_s: float = Field(2.0, gt=0)
-    sample_interval_s: float = Field(1.0, gt=0)
+    # Every field's description is its line in docs/settings.md (tools/settings_doc.py writes it).
+    manager: str = Field("127.0.0.1:50051", description="manager gRPC address HOST:PORT; several managers (one "
+                         "leads): HOST:PORT,HOST:PORT")
+    token_file: Path | None = Field(None, description="file holding this node's agent-scope token (required)")
+    backend: str = Field("nvml", pattern="^(nvml|fake)$", description="GPU backend: `nvml` (nvidia-ml-py) or "
+                         "`fake` (a scenario file)")
+    scenario: Path | None = Field(None, description="scenario YAML for the fake backend")
+    node: str = Field(default_factory=socket.gethostname, description="node name; default: the host name (the fake "
+                      "backend: the scenario's node)")
+    domain: str | None = Field(None, description="NVLink domain; default: from NVML fabric info (the fake backend: "
+                               "the scenario's)")
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus metrics port on 127.0.0.1 (0: off)")
+    heartbeat_interval_s: float = Field(2.0, gt=0, description="heartbeat period (keep it equal to the manager's "
+                                        "`heartbeat_interval_s`)")
+    sample_interval_s: float = Field(1.0, gt=0, description="GPU counters are sampled this often")
     # a per-GPU NVML call slower than this fails the GPU as hung (the loop and other GPUs go on)
-    gpu_call_timeout_s: float = Field(3.0, gt=0, le=60)
-    xid_policy: dict[str, str] = Field(default_factory=dict)  # overrides, e.g. {"94": "fail"}
-    log_format: str = Field("console", pattern="^(console|json)$")
-    tls_ca: Path | None = None
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
+    gpu_call_timeout_s: float = Field(3.0, gt=0, le=60, description="a per-GPU NVML call slower than this fails the "
+                                      "GPU as hung (the loop and other GPUs go on)")
+    xid_policy: dict[str, str] = Field(default_factory=dict, description="XID overrides as JSON, e.g. "
+                                       '`{"94": "fail"}` (agent/policy.py)')
+    log_format: str = Field("console", pattern="^(console|json)$", description="`console`, or `json` for production")
+    tls_ca: Path | None = Field(None, description="CA of the manager's certificate (PEM): connect over TLS")
+    tls_cert: Path | None = Field(None, description="this node's client certificate (PEM): mTLS; with `tls_key`")
+    tls_key: Path | None = Field(None, description="its private key (PEM)")
 
 
 def fail(msg: str) -> NoReturn:

@@ -84,7 +84,8 @@ class Options:
     pin_gpus: bool
 
 
-def parse(argv: Sequence[str]) -> Options:
+def build_parser() -> argparse.ArgumentParser:
+    """ntp-run's arguments (tools/doccheck.py checks the docs' ntp-run lines against it)."""
     p = argparse.ArgumentParser(
         prog="ntp-run", description="Run a training script once per rank under the NTP runtime (like torchrun).",
         epilog="Environment: NTP_MANAGER, NTP_TOKEN / NTP_TOKEN_FILE, NTP_JOB, NTP_GPUS stand in for the flags.")
@@ -108,7 +109,11 @@ def parse(argv: Sequence[str]) -> Options:
     p.add_argument("-m", "--module", action="store_true", help="the script is a module name (python -m)")
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
-    a = p.parse_args(list(argv))
+    return p
+
+
+def parse(argv: Sequence[str]) -> Options:
+    a = build_parser().parse_args(list(argv))
     gpus = [g for g in a.gpus.split(",") if g]
     if len(set(gpus)) != len(gpus):
         raise UsageError("--gpus lists a GPU twice")

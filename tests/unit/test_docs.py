@@ -1,0 +1,112 @@
+"""The docs name only what the code has (tools/doccheck.py), and the checker does find a wrong name.
+
+Every command line, subcommand and flag in README.md and docs/*.md is checked against the real
+typer/argparse parsers, REST paths against the FastAPI app's routes, gRPC names against the stubs,
+NTP_ variables against the settings classes and the code, make targets against the Makefile, and
+repository paths against the tree. No network, no subprocess.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tools.doccheck import ROOT, Checker, Reference, check_all, doc_files
+
+FIX = "fix the doc (or the code), then run `.venv/bin/python tools/doccheck.py` to list what is left"
+
+
+@pytest.fixture(scope="module")
+def checker() -> Checker:
+    return Checker(Reference.load())
+
+
+def test_every_doc_names_only_what_the_code_has(checker: Checker) -> None:
+    found = check_all(checker.ref)
+    assert not found, f"{len(found)} name(s) in the docs the code does not have ({FIX}):\n" + \
+        "\n".join(map(str, found))
+
+
+def test_the_reference_is_read_from_the_code(checker: Checker) -> None:
+    """An introspection that came back empty would pass every doc: spot-check what it found."""
+    ref = checker.ref
+    assert {"plan", "serve", "simulate", "token", "db", "cluster"} <= set(ref.clis["ntp-manager"].subs)
+    assert "--reason" in ref.clis["ntpctl"].subs["cordon"].options
+    assert {"--url", "--token-file", "--json"} <= set(ref.clis["ntpctl"].options)
+    assert "--scenario" in ref.clis["ntp-agent"].subs["probe"].options
+    assert ref.clis["ntp-run"].options["--nproc"] is True and ref.clis["ntp-run"].options["--no-pin-gpus"] is False
+    assert {"demo", "test", "lint", "proto", "docs"} <= ref.targets
+    assert {"NTP_DATABASE_URL", "NTP_AGENT_TOKEN_FILE", "NTP_URL", "NTP_TOKEN"} <= ref.env
+    assert "ntp.v1.WorkerService/WatchLayout" in ref.grpc
+    assert any(tpl == "/v1/jobs/{name}/layout" for _, tpl, _ in ref.routes)
+    assert len(doc_files()) >= 10
+
+
+# (line added to a copy of a doc, what the finding must name)
+PLANTED = [
+    ("```bash\n.venv/bin/ntpctl gpus --state failed --colour\n```", "`ntpctl gpus` has no option --colour"),
+    ("```bash\nntpctl status --token-file t\n```",
+     "`ntpctl status` has no option --token-file (it belongs to `ntpctl`)"),
+    ("```bash\nntp-manager token rotate --scope admin\n```", "`ntp-manager token` has no subcommand 'rotate'"),
+    ("Run `ntp-manager plan -c c.yaml -j j.yaml --previus now.json`.", "`ntp-manager plan` has no option --previus"),
+    ("```bash\nntp-agent probe --backend fake --jsn\n```", "`ntp-agent probe` has no option --jsn"),
+    ("```bash\nntp-run --nproc 2 --replica 2 train.py\n```", "`ntp-run` has no option --replica"),
+    ("```bash\nntp-run --nproc 2 examples/train_hf_llama.py --stepz 3\n```",
+     "examples/train_hf_llama.py has no option --stepz"),
+    ("```bash\npython -m ntp_manager.demo_slow --factr 3\n```", "`ntp_manager.demo_slow` has no option --factr"),
+    ("```bash\nmake docs-html\n```", "the Makefile has no target 'docs-html'"),
+    ("Call `GET /v1/jobs/{name}/layout/history`.", "REST path /v1/jobs/{name}/layout/history is not a route"),
+    ("Then `DELETE /v1/breaker`.", "REST DELETE /v1/breaker: the route takes GET"),
+    ("Set NTP_HEARTBEAT_S to 5.", "environment variable NTP_HEARTBEAT_S is read nowhere"),
+    ("It calls `ntp.v1.WorkerService/WatchLayouts`.", "gRPC name ntp.v1.WorkerService/WatchLayouts is not"),
+    ("See `ntp_manager/service/leases.py`.", "no such file or directory: ntp_manager/service/leases.py"),
+    ("The manager waits `suspect_after_secs`.", "'suspect_after_secs' (in `suspect_after_secs`) is no name"),
+]
+
+
+@pytest.mark.parametrize(("planted", "expected"), PLANTED, ids=[e.split()[0] + str(i) for i, (_, e) in
+                                                                   enumerate(PLANTED)])
+def test_a_planted_error_is_reported_with_file_and_line(checker: Checker, tmp_path: Path, planted: str,
+                                                        expected: str) -> None:
+    doc = tmp_path / "manager.md"
+    text = (ROOT / "docs" / "manager.md").read_text()
+    doc.write_text(text + "\n" + planted + "\n")
+    line = len(text.splitlines()) + 2 + (1 if planted.startswith("```") else 0)
+    found = checker.check_file(doc, shown_as="docs/manager.md")
+    assert [str(f) for f in found] and all(f.line == line for f in found), found
+    assert any(f.path == "docs/manager.md" and expected in f.what for f in found), found
+
+
+def test_a_changed_line_is_reported_where_it_is(checker: Checker, tmp_path: Path) -> None:
+    """A real line of a real doc, one flag misspelt: the finding names that line."""
+    src = (ROOT / "docs" / "operations.md").read_text().splitlines()
+    at = next(i for i, line in enumerate(src) if "`layout JOB [--history]" in line)
+    src[at] = src[at].replace("--history", "--hist")
+    doc = tmp_path / "operations.md"
+    doc.write_text("\n".join(src) + "\n")
+    found = checker.check_file(doc, shown_as="docs/operations.md")
+    # the command's span, and the line's lone `--hist` span, read as an ntpctl flag (the section's command)
+    assert [str(f) for f in found] == [f"docs/operations.md:{at + 1}: `ntpctl layout` has no option --hist",
+                                       f"docs/operations.md:{at + 1}: ntpctl has no option --hist (in no "
+                                       "subcommand either)"]
+
+
+def test_the_settings_page_is_up_to_date() -> None:
+    from tools import settings_doc
+
+    assert settings_doc.PAGE.read_text() == settings_doc.render(), \
+        "docs/settings.md is out of date: run `.venv/bin/python tools/settings_doc.py` (or `make docs`)"
+
+
+def test_the_settings_page_has_every_field_of_both_classes() -> None:
+    from agent.main import AgentSettings
+    from ntp_manager.settings import Settings
+    from tools import settings_doc
+
+    text = settings_doc.render()
+    for prefix, cls in (("NTP_", Settings), ("NTP_AGENT_", AgentSettings)):
+        for name, info in cls.model_fields.items():
+            row = next((line for line in text.splitlines() if line.startswith(f"| `{name}` | `{prefix}")), None)
+            assert row is not None, name
+            assert info.description and " ".join(info.description.split()) in row.replace("\\|", "|")
