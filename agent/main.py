@@ -28,6 +28,7 @@ import json
 import signal
 import socket
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -206,6 +207,8 @@ def main_cmd(
     except ValidationError as e:
         first = e.errors()[0]
         fail(f"settings: {'.'.join(str(x) for x in first['loc'])}: {first['msg']}")
+    except ValueError as e:  # pydantic-settings: an NTP_AGENT_ value it cannot parse (xid_policy is JSON)
+        fail(f"settings: {' '.join(str(e).split())} (NTP_AGENT_XID_POLICY takes JSON, e.g. '{{\"94\": \"fail\"}}')")
     from ntp_manager.logs import configure_logging
 
     configure_logging(settings.log_format)
@@ -279,15 +282,15 @@ def probe_cmd(
         render_probe(doc)
 
 
-def main() -> None:
-    try:
-        if sys.argv[1:2] == ["probe"]:
-            probe_app(args=sys.argv[2:], prog_name="ntp-agent probe")
-        else:
-            app()
-    except KeyboardInterrupt:
-        sys.exit(130)
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `ntp-agent` console script: the exit status (usage errors are one line, ntp_manager/usage.py)."""
+    from ntp_manager.usage import run_app
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["probe"]:
+        return run_app(probe_app, args[1:], "ntp-agent probe")
+    return run_app(app, args, "ntp-agent")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import yaml
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
 
@@ -122,6 +123,16 @@ class Settings(BaseSettings):
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         config_file = os.environ.get("NTP_CONFIG_FILE")
         if config_file:
+            # a file that is not there is an error, not an empty configuration (pydantic-settings
+            # would skip it silently, and the manager would run on defaults)
+            if not Path(config_file).is_file():
+                raise ValueError(f"NTP_CONFIG_FILE={config_file}: no such file")
+            try:
+                doc = yaml.safe_load(Path(config_file).read_text())
+            except (yaml.YAMLError, UnicodeDecodeError) as e:
+                raise ValueError(f"NTP_CONFIG_FILE={config_file}: not YAML ({' '.join(str(e).split())})") from None
+            if doc is not None and not isinstance(doc, dict):
+                raise ValueError(f"NTP_CONFIG_FILE={config_file}: expected a mapping of setting names to values")
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=config_file))
         return tuple(sources)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import random
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -18,13 +18,14 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from ntp_manager.cli.common import err_console, fail
+from ntp_manager.cli.common import fail
 from ntp_manager.cli.simulate import simulate
 from ntp_manager.planner import GroupPlan, Plan, PlanError, PreviousLayout, ReplicaPlan, make_plan
 from ntp_manager.planner.export import plan_to_dict
 from ntp_manager.settings import Settings
 from ntp_manager.specfile import SpecError, load_cluster, load_job
 from ntp_manager.topology import Cluster, GpuState, TopologyError
+from ntp_manager.usage import run_app
 
 app = typer.Typer(
     name="ntp-manager",
@@ -174,11 +175,14 @@ def _settings(**overrides: object) -> Settings:
     except ValidationError as e:
         first = e.errors()[0]
         fail(f"settings: {'.'.join(str(x) for x in first['loc'])}: {first['msg']}")
+    except (ValueError, yaml.YAMLError) as e:  # NTP_CONFIG_FILE missing or not YAML; a malformed NTP_ value
+        fail(f"settings: {' '.join(str(e).split())}")
 
 
 def _run_db(coro_fn: Callable[[Any], Awaitable[Any]], settings: Settings) -> Any:
     import asyncio
 
+    from alembic.util import CommandError
     from sqlalchemy.exc import SQLAlchemyError
 
     from ntp_manager.store.db import make_engine
@@ -196,6 +200,8 @@ def _run_db(coro_fn: Callable[[Any], Awaitable[Any]], settings: Settings) -> Any
         return asyncio.run(go())
     except (SQLAlchemyError, OSError) as e:
         fail(f"database {settings.effective_database_url!r}: {str(e).splitlines()[0]}")
+    except CommandError as e:  # alembic: no such revision, and the like
+        fail(f"migrations: {str(e).splitlines()[0]}")
 
 
 DataDir = Annotated[Path | None, typer.Option("--data-dir", help="data directory (SQLite file lives here)")]
@@ -238,7 +244,8 @@ def serve(
 
 
 @db_app.command("upgrade")
-def db_upgrade(revision: str = "head", data_dir: DataDir = None, database_url: DbUrl = None) -> None:
+def db_upgrade(revision: Annotated[str, typer.Argument(help="target revision")] = "head", data_dir: DataDir = None,
+               database_url: DbUrl = None) -> None:
     """Apply migrations up to REVISION (default head)."""
     from ntp_manager.store import db
 
@@ -252,7 +259,8 @@ def db_upgrade(revision: str = "head", data_dir: DataDir = None, database_url: D
 
 
 @db_app.command("downgrade")
-def db_downgrade(revision: str = "base", data_dir: DataDir = None, database_url: DbUrl = None) -> None:
+def db_downgrade(revision: Annotated[str, typer.Argument(help="target revision (base: an empty schema)")] = "base",
+                 data_dir: DataDir = None, database_url: DbUrl = None) -> None:
     """Revert migrations down to REVISION (default base: an empty schema)."""
     from ntp_manager.store import db
 
@@ -349,13 +357,10 @@ def token_revoke(
 app.command("simulate")(simulate)
 
 
-def main() -> None:
-    try:
-        app()
-    except KeyboardInterrupt:
-        err_console.print("interrupted")
-        sys.exit(130)
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `ntp-manager` console script: the exit status (usage errors are one line, ntp_manager/usage.py)."""
+    return run_app(app, argv, "ntp-manager")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -265,6 +265,8 @@ def simulate(
             raise SimError("--placements must be >= 1")
         if n_seeds < 1:
             raise SimError("--seeds must be >= 1")
+        if plot is not None and not plot.parent.is_dir():  # before the run, not after it
+            raise SimError(f"--plot {plot}: no such directory {plot.parent}")
         pool = max(max(spare_list), (160 if max_spares is None else max_spares) if find_spares else 0)
         job_spec = load_job(job) if job else p.job
         power_fields: dict[str, Any] = {}
@@ -368,7 +370,10 @@ def _run_static(
     if plot:
         from ntp_manager.sim.plots import plot_static
 
-        plot_static(points, plot, f"{name}: throughput loss vs failed GPUs")
+        try:
+            plot_static(points, plot, f"{name}: throughput loss vs failed GPUs")
+        except OSError as e:
+            raise SimError(f"--plot {plot}: cannot write ({e.strerror})") from None
         console.print(f"plot written to {plot}")
     return {
         "mode": "static",
@@ -455,7 +460,11 @@ def _run_trace(
     if plot:
         from ntp_manager.sim.plots import plot_trace
 
-        plot_trace(runs[0]["trace"], runs[0]["stats"], plot, f"{name}: {days:g}-day trace, seed {runs[0]['seed']}")
+        try:
+            plot_trace(runs[0]["trace"], runs[0]["stats"], plot,
+                       f"{name}: {days:g}-day trace, seed {runs[0]['seed']}")
+        except OSError as e:
+            raise SimError(f"--plot {plot}: cannot write ({e.strerror})") from None
         console.print(f"plot written to {plot}")
     return {
         "mode": "trace",

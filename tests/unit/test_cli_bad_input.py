@@ -1,0 +1,147 @@
+"""Every console script of pyproject.toml answers bad input with one clear line and a non-zero
+exit, never a traceback: in process through each `main(argv)` (the function the script runs), and
+as real processes for two of them.
+
+Statuses: 2 for usage (click's and argparse's, and each command's own checks), 1 for an answer
+ntpctl could not use, 3 when it reaches no manager.
+"""
+
+from __future__ import annotations
+
+import http.server
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from agent.main import main as agent_main
+from ntp_manager.cli import ctl
+from ntp_manager.cli.manager import main as manager_main
+from ntp_manager.worker.run import main as run_main
+
+ROOT = Path(__file__).resolve().parents[2]
+SPECS = ROOT / "examples" / "specs"
+CLUSTER, JOB = str(SPECS / "cluster-small.yaml"), str(SPECS / "job-small.yaml")
+SCENARIO = str(ROOT / "examples" / "scenarios" / "xid79.yaml")
+
+MAINS: dict[str, Callable[[Sequence[str] | None], int]] = {
+    "ntp-manager": manager_main, "ntpctl": ctl.main, "ntp-agent": agent_main, "ntp-run": run_main,
+}
+
+
+class _NotAManager(http.server.BaseHTTPRequestHandler):
+    """What answers when NTP_URL names something else: HTML, not the manager's JSON."""
+
+    def do_GET(self) -> None:
+        body = b"<html><body>\n<h1>It works</h1>\n</body></html>\n"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def not_a_manager() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotAManager)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+# (script, argv, environment, status, words of the message); {tmp}: the test's directory,
+# {www}: a loopback HTTP server that is not a manager
+CASES: list[tuple[str, list[str], dict[str, str], int, str]] = [
+    ("ntp-manager", ["nosuch"], {}, 2, "No such command 'nosuch'"),
+    ("ntp-manager", ["plan", "-c", CLUSTER], {}, 2, "Missing option '--job'"),
+    ("ntp-manager", ["plan", "-c", CLUSTER, "-j", JOB, "--fail-random", "abc"], {}, 2, "--fail-random"),
+    ("ntp-manager", ["plan", "-c", "{tmp}/nope.yaml", "-j", JOB], {}, 2, "nope.yaml: no such file"),
+    ("ntp-manager", ["plan", "-c", CLUSTER, "-j", JOB, "--previous", "{tmp}"], {}, 2, "cannot read"),
+    ("ntp-manager", ["cluster", "generate", "--domains", "2", "--domain-size", "6"], {}, 2, "not a multiple"),
+    ("ntp-manager", ["serve", "--http-port", "99999", "--data-dir", "{tmp}"], {}, 2, "http_port"),
+    ("ntp-manager", ["token", "list", "--data-dir", "{tmp}"], {"NTP_CONFIG_FILE": "{tmp}/none.yaml"}, 2,
+     "NTP_CONFIG_FILE={tmp}/none.yaml: no such file"),
+    ("ntp-manager", ["token", "list", "--data-dir", "{tmp}"], {"NTP_CONFIG_FILE": "{tmp}/bad.yaml"}, 2, "not YAML"),
+    ("ntp-manager", ["token", "list", "--data-dir", "{tmp}"], {"NTP_CONFIG_FILE": "{tmp}/list.yaml"}, 2,
+     "expected a mapping"),
+    ("ntp-manager", ["db", "upgrade", "nosuchrevision", "--data-dir", "{tmp}"], {}, 2,
+     "Can't locate revision identified by 'nosuchrevision'"),
+    ("ntp-manager", ["simulate", "--preset", "small", "--plot", "{tmp}/no/dir/x.png"], {}, 2, "no such directory"),
+    ("ntpctl", ["status"], {}, 2, "no token"),
+    ("ntpctl", ["nosuch"], {"NTP_TOKEN": "t"}, 2, "No such command"),
+    ("ntpctl", ["--url", "http://[::1", "status"], {"NTP_TOKEN": "t"}, 2, "is not an http:// or https:// address"),
+    ("ntpctl", ["status"], {"NTP_TOKEN": "a\nb"}, 2, "characters an HTTP header cannot carry"),
+    ("ntpctl", ["--token-file", "{tmp}", "status"], {}, 2, "cannot read the token"),
+    ("ntpctl", ["drain", "node-1", "--reason", "r", "--in", "5x"], {"NTP_TOKEN": "t"}, 2, "--in '5x'"),
+    ("ntpctl", ["layout"], {"NTP_TOKEN": "t"}, 2, "Missing argument 'job'"),
+    ("ntpctl", ["slow", "set", "j", "--set", "enter_margin"], {"NTP_TOKEN": "t"}, 2, "expected NAME=VALUE"),
+    ("ntpctl", ["submit", "{tmp}/bad.yaml"], {"NTP_TOKEN": "t"}, 2, "not YAML"),
+    ("ntpctl", ["--url", "{www}", "status"], {"NTP_TOKEN": "t"}, 1, "not the manager's JSON"),
+    ("ntpctl", ["--url", "http://127.0.0.1:9", "status"], {"NTP_TOKEN": "t"}, 3, "cannot reach the manager"),
+    ("ntp-agent", ["--bogus"], {}, 2, "No such option: --bogus"),
+    ("ntp-agent", ["--metrics-port", "abc"], {}, 2, "--metrics-port"),
+    ("ntp-agent", ["--token-file", "{tmp}/token", "--backend", "fake", "--scenario", "{tmp}"], {}, 2,
+     "cannot read"),
+    ("ntp-agent", ["--token-file", "{tmp}/token", "--backend", "fake", "--scenario", SCENARIO],
+     {"NTP_AGENT_XID_POLICY": "94=fail"}, 2, "xid_policy"),
+    ("ntp-agent", ["probe", "--backend", "quantum"], {}, 2, "backend must be nvml or fake"),
+    ("ntp-agent", ["probe", "extra"], {}, 2, "unexpected extra argument"),
+    ("ntp-run", [], {}, 2, "required: script"),
+    ("ntp-run", ["--nproc", "x", "train.py"], {}, 2, "invalid int value: 'x'"),
+    ("ntp-run", ["--tp", "x", "train.py"], {}, 2, "--tp must be comma-separated integers"),
+    ("ntp-run", ["--store", "host:port", SCENARIO], {}, 2, "--store must be HOST:PORT"),
+    ("ntp-run", ["--store-port", "99999", SCENARIO], {}, 2, "--store-port must be 0-65535"),
+    ("ntp-run", ["--nproc", "2", "{tmp}/nope.py"], {}, 2, "no such script"),
+]
+
+ENV_CLEARED = ("NTP_TOKEN", "NTP_TOKEN_FILE", "NTP_URL", "NTP_CONFIG_FILE", "NTP_MANAGER", "NTP_GPUS", "NTP_JOB")
+
+
+def _fill(text: str, tmp: Path, www: str) -> str:
+    return text.replace("{tmp}", str(tmp)).replace("{www}", www)
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> Path:
+    (tmp_path / "bad.yaml").write_text("key: [unclosed\n")
+    (tmp_path / "list.yaml").write_text("- http_port\n")
+    (tmp_path / "token").write_text("ntp_00000000_x\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize(("script", "argv", "env", "status", "message"), CASES,
+                         ids=[f"{c[0]}:{' '.join(c[1])[:40]}" for c in CASES])
+def test_bad_input_is_one_line_and_a_status(script: str, argv: list[str], env: dict[str, str], status: int,
+                                            message: str, files: Path, not_a_manager: str,
+                                            monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+                                            ) -> None:
+    for name in ENV_CLEARED:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, _fill(value, files, not_a_manager))
+    monkeypatch.setattr(ctl, "ROUNDS", 1)  # one pass over the addresses: no backoff sleeps
+    rc = MAINS[script]([_fill(a, files, not_a_manager) for a in argv])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == status, err
+    assert len(lines) == 1 and "error:" in lines[0], err
+    assert _fill(message, files, not_a_manager) in lines[0], err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["-m", "ntp_manager.cli", "plan", "--cluster", CLUSTER, "--job", JOB, "--seed", "x"], "--seed"),
+    (["-m", "ntp_manager.worker.run", "--tp", "2,x", "train.py"], "--tp must be comma-separated integers"),
+])
+def test_bad_input_as_a_real_process(argv: list[str], message: str) -> None:
+    r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2, r.stderr
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in r.stderr, r.stderr
