@@ -61,6 +61,7 @@ class Cmd:
     subs: dict[str, Cmd] = field(default_factory=dict)
     parent: Cmd | None = None
     script_after_positional: bool = False  # argparse REMAINDER (ntp-run SCRIPT ARGS...)
+    max_args: int | None = None  # positional arguments it takes (None: any number)
     source: Path | None = None  # a script checked by the words in its source
 
     def path(self) -> str:
@@ -75,8 +76,13 @@ class Cmd:
 # ---- what the code has --------------------------------------------------------------------------
 def _from_click(name: str, cmd: Any) -> Cmd:
     """A click command (typer's own vendored click too: read by duck typing, not isinstance)."""
-    node = Cmd(name, {"--help": False})
+    node = Cmd(name, {"--help": False}, max_args=0)
     for p in cmd.params:
+        if getattr(p, "param_type_name", "") == "argument":
+            if p.nargs < 0 or node.max_args is None:
+                node.max_args = None
+            else:
+                node.max_args += p.nargs
         if getattr(p, "param_type_name", "") == "option":
             takes = not (p.is_flag or p.count)
             for o in [*p.opts, *p.secondary_opts]:
@@ -420,6 +426,7 @@ class Checker:
 
     def _walk(self, cmd: Cmd, toks: list[str], i: int) -> Generator[str, None, int]:
         """Follows a command line through `cmd`'s tree from toks[i]; returns the index past it."""
+        given = 0  # positional arguments given to the leaf
         while i < len(toks):
             raw = toks[i]
             if raw in ENDS or raw.endswith(";"):
@@ -444,7 +451,7 @@ class Checker:
                 i += 2 if takes and not alone else 1
                 continue
             if raw == "/" and cmd.parent is not None and i + 1 < len(toks) and _clean(toks[i + 1]) in cmd.parent.subs:
-                cmd = cmd.parent
+                cmd, given = cmd.parent, 0
                 i += 1
                 continue
             if cmd.subs:
@@ -459,6 +466,11 @@ class Checker:
                 return (yield from self._script(toks, i)) if tok else i + 1
             if cmd.source is not None:
                 return (yield from self._script_args(cmd.source, toks, i))
+            if "..." not in raw and raw != "/":
+                given += 1
+                if cmd.max_args is not None and given > cmd.max_args:
+                    takes = f"at most {cmd.max_args} argument(s)" if cmd.max_args else "no arguments"
+                    yield f"`{cmd.path()}` takes {takes}: {tok!r} would be refused"
             i += 1
         return i
 
