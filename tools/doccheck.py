@@ -469,8 +469,8 @@ class Checker:
             if "..." not in raw and raw != "/":
                 given += 1
                 if cmd.max_args is not None and given > cmd.max_args:
-                    takes = f"at most {cmd.max_args} argument(s)" if cmd.max_args else "no arguments"
-                    yield f"`{cmd.path()}` takes {takes}: {tok!r} would be refused"
+                    limit = f"at most {cmd.max_args} argument(s)" if cmd.max_args else "no arguments"
+                    yield f"`{cmd.path()}` takes {limit}: {tok!r} would be refused"
             i += 1
         return i
 
