@@ -13,7 +13,8 @@ kept here):
   names a command in a code span (`## \\`ntpctl\\``), a code span that starts with one of its
   subcommands, or with a flag, is read as that command's;
 - REST paths (`/v1/...`, `/healthz`, `/readyz`, `/metrics`) against the FastAPI app's routes, and
-  with the method where the text says `GET /v1/...`;
+  with the method where the text says `GET /v1/...` or a table row starts with methods
+  (`| GET / POST | /v1/a, /v1/b |`: each path takes each method);
 - gRPC names (`ntp.v1.Service`, `Service/Method`) against the generated descriptors;
 - environment variables (`NTP_...`) against the settings classes (prefix + field name) and the
   names the code, scripts and compose files spell out;
@@ -183,6 +184,20 @@ def rest_routes() -> list[tuple[re.Pattern[str], str, set[str]]]:
     return out
 
 
+def rest_queries() -> dict[str, set[str]]:
+    """Query parameters of each route template, from the app's OpenAPI document."""
+    import tempfile
+
+    from ntp_manager.api.app import create_app
+    from ntp_manager.service.manager import Manager
+    from ntp_manager.settings import Settings
+
+    with tempfile.TemporaryDirectory() as d:
+        doc = create_app(Manager(Settings(data_dir=Path(d)))).openapi()
+    return {path: {p["name"] for op in ops.values() for p in op.get("parameters", []) if p.get("in") == "query"}
+            for path, ops in doc["paths"].items()}
+
+
 def _template_regex(template: str) -> re.Pattern[str]:
     parts = re.split(r"(\{[^}]*\})", template)
     return re.compile("".join("[^/]+" if p.startswith("{") else re.escape(p) for p in parts) + "$")
@@ -249,11 +264,13 @@ class Reference:
     grpc: set[str]
     env: set[str]
     words: set[str]
+    queries: dict[str, set[str]] = field(default_factory=dict)
     root: Path = ROOT
 
     @classmethod
     def load(cls) -> Reference:
-        return cls(commands(), makefile_targets(), rest_routes(), grpc_names(), env_names(), code_words())
+        return cls(commands(), makefile_targets(), rest_routes(), grpc_names(), env_names(), code_words(),
+                   rest_queries())
 
 
 # ---- reading the markdown -----------------------------------------------------------------------
@@ -335,6 +352,9 @@ class Checker:
                 continue
             for what in self.check_prose(line):
                 out.append(Finding(name, i, what))
+            if line.lstrip().startswith("|"):
+                for what in self.check_table_row(line):
+                    out.append(Finding(name, i, what))
         return sorted(set(out))
 
     # -- anywhere in the text --
@@ -342,8 +362,8 @@ class Checker:
         for var in re.findall(r"\bNTP_[A-Z0-9_]*[A-Z0-9]\b", line):
             if var not in self.ref.env:
                 yield f"environment variable {var} is read nowhere (not a setting, not in the code)"
-        for m in re.finditer(r"(?<![\w./{}-])(/v1/[A-Za-z0-9_{}.:/-]*[A-Za-z0-9_}]|/healthz|/readyz|/metrics)"
-                             r"(?![\w/-])", line):
+        for m in re.finditer(r"(?<![\w./{}-])(/v1/[A-Za-z0-9_{}.:/-]*[A-Za-z0-9_}](?:\?[\w=&.,-]*)?|/healthz|/readyz"
+                             r"|/metrics)(?![\w/-])", line):
             path = m.group(1)
             before = line[: m.start()].rstrip("` ")
             verb = re.search(r"\b(GET|POST|PUT|PATCH|DELETE)$", before)
@@ -352,12 +372,29 @@ class Checker:
             if m.group(1) not in self.ref.grpc:
                 yield f"gRPC name {m.group(1)} is not in proto/ntp/v1"
 
+    def check_table_row(self, line: str) -> Iterator[str]:
+        """`| GET / POST | /v1/jobs, ... |`: every path of the row takes every method of the row."""
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        verbs = r"GET|POST|PUT|PATCH|DELETE"
+        if len(cells) < 2 or not re.fullmatch(rf"(?:{verbs})(?:\s*[/,]\s*(?:{verbs}))*", cells[0]):
+            return
+        methods = re.findall(verbs, cells[0])
+        for m in re.finditer(r"(?<![\w./{}-])(/v1/[A-Za-z0-9_{}.:/-]*[A-Za-z0-9_}]|/healthz|/readyz|/metrics)",
+                             " ".join(cells[1:])):
+            for method in methods:
+                yield from self._route(m.group(1), method)
+
     def _route(self, path: str, method: str | None) -> Iterator[str]:
-        path = path.split("?")[0]
+        path, _, query = path.partition("?")
         hits = [(rx, tpl, methods) for rx, tpl, methods in self.ref.routes if rx.match(path)]
         if not hits:
             yield f"REST path {path} is not a route of the app"
-        elif method is not None and not any(method in methods for _, _, methods in hits):
+            return
+        known: set[str] = set().union(*(self.ref.queries.get(tpl, set()) for _, tpl, _ in hits))
+        for name in re.findall(r"([A-Za-z_]\w*)=", query):
+            if name not in known:
+                yield f"REST {path} takes no query parameter {name!r} (it takes: {', '.join(sorted(known)) or 'none'})"
+        if method is not None and not any(method in methods for _, _, methods in hits):
             have = sorted({x for _, _, ms in hits for x in ms} - {"HEAD"})
             yield f"REST {method} {path}: the route takes {', '.join(have)}"
 

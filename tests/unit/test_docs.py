@@ -61,6 +61,8 @@ PLANTED = [
     ("```bash\nmake docs-html\n```", "the Makefile has no target 'docs-html'"),
     ("Call `GET /v1/jobs/{name}/layout/history`.", "REST path /v1/jobs/{name}/layout/history is not a route"),
     ("Then `DELETE /v1/breaker`.", "REST DELETE /v1/breaker: the route takes GET"),
+    ("| GET / DELETE | `/v1/maintenance/{id}` | |", "REST GET /v1/maintenance/{id}: the route takes DELETE"),
+    ("Read `/v1/events?gpu=&since=`.", "REST /v1/events takes no query parameter 'since'"),
     ("Set NTP_HEARTBEAT_S to 5.", "environment variable NTP_HEARTBEAT_S is read nowhere"),
     ("It calls `ntp.v1.WorkerService/WatchLayouts`.", "gRPC name ntp.v1.WorkerService/WatchLayouts is not"),
     ("See `ntp_manager/service/leases.py`.", "no such file or directory: ntp_manager/service/leases.py"),
