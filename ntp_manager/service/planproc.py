@@ -151,7 +151,16 @@ class PlanProcess:
         assert pool is not None
         try:
             # in a thread: the first submit starts the worker process, which waits for it to run
-            fut = await asyncio.to_thread(pool.submit, fn, *args)
+            try:
+                fut = await asyncio.to_thread(pool.submit, fn, *args)
+            except RuntimeError:  # "cannot schedule new futures after shutdown"
+                if pool is self._pool:
+                    raise
+                # stop() (another manager's shutdown) closed the pool between our lookup and the
+                # submit: as for a call it cancelled in the queue, a new worker serves this one
+                log.info("planner process stopped before a call reached it: a new one serves it")
+                self._sent = _Sent()
+                raise Missing("restarted") from None
             self._running.add(fut)
             fut.add_done_callback(self._running.discard)
             try:

@@ -173,6 +173,12 @@ def apply_reshard(
     if moves is None:
         moves = reshard_moves(old, new, alive)
     mods = _sharded_modules(model, families)
+    if rank in alive:  # the messages below slice tensors by `old`'s unit lists: they must be what is held
+        held = old.units_of(rank)
+        for path, mod in mods:
+            if list(mod.units) != list(held[families[path]]):
+                raise ValueError(f"rank {rank}'s {path} holds units {list(mod.units)} but the old layout gives it "
+                                 f"{list(held[families[path]])}: resharding by that layout would move wrong values")
     state = optimizer.state
     # a tied weight (one Parameter in two shards) moves with its first holder only
     first: dict[int, tuple[str, str]] = {}

@@ -26,9 +26,14 @@ survivor lacks come from its own replica's survivors or from a DP peer replica; 
 parameters and their optimizer state, and the step counter. The failed step is then re-run under
 the new layout with the same global sample order.
 
-Limit: if a rank dies inside the commit all-gather itself, survivors may disagree on whether that
-step committed; the runtime detects it at the next regroup and raises `ReconfigurationError` instead
-of training on diverged replicas (restore from a checkpoint).
+A rank that dies inside the commit all-gather itself can leave the survivors split: those whose
+all-gather completed stepped the optimizer (step s committed), those whose all-gather failed did
+not. Every rank had finished its gradient sync before it entered the commit, so the ones behind
+hold the step's complete gradients; at the regroup they learn the commit's outcome (its loss and
+gradient norm) from a rank that committed and apply that same update themselves ("rolled
+forward"), and `train_step` returns that step's result. Only a split that cannot be explained so
+(survivors more than one step apart, or behind without the step's gradients) needs a checkpoint:
+`_restore_into` loads one, or raises `ReconfigurationError` rather than train on diverged replicas.
 """
 
 from __future__ import annotations
@@ -297,6 +302,11 @@ class Runtime:
         self.restored: RestoreInfo | None = None  # the last restore from a checkpoint
         self._saved_step = -1
         self._attempt_nonce: int | None = None  # agreed at the last commit of this layout version
+        # the step whose gradients are synced while its commit all-gather runs (None outside it):
+        # what a rank whose commit failed can still apply at the regroup (`_roll_forward`)
+        self._uncommitted: StepResult | None = None
+        self._last_commit: tuple[int, float, float | None] | None = None  # (steps after it, loss, norm)
+        self._rolled: StepResult | None = None  # a step completed by `_roll_forward`, for train_step to return
         # where the last layout switch spent its time: (phase, time.time() at its end), from the
         # failure or the agreement on; diagnostics for bench/pipeline.py (not timeline events)
         self.switch_marks: list[tuple[str, float]] = []
@@ -400,6 +410,9 @@ class Runtime:
                 failure = _describe(e)
             if failure is not None:  # outside the except block: no traceback keeps the old groups alive
                 self._recover(failure)
+                rolled, self._rolled = self._rolled, None
+                if rolled is not None:  # the failed step had committed elsewhere and was completed here
+                    return rolled
                 continue
             if agreed > lay.version:
                 try:
@@ -461,10 +474,13 @@ class Runtime:
         mine = torch.tensor([value * lb / tp if last else 0.0, float(seen), float(secrets.randbits(52)), share],
                             dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(lay.world)]
-        comm.all_gather(every, mine, group=self.s.world)  # the commit point
+        # from here until the all-gather returns, this step can be completed at a regroup
+        self._uncommitted = StepResult(self.step, math.nan, lay.global_batch, lb, lay.version, tp, t0, stage)
+        self._commit_gather(every, mine)  # the commit point
+        self._uncommitted = None
         self._attempt_nonce = int(every[0][2].item())
         stacked = torch.stack(every)
-        grad_norm, skipped = None, False
+        grad_norm = None
         if clip is not None:
             # Every replica's synced gradient is the same, and each replica's ranks hold every
             # stage's units once and its replicated parameters once (norm_share), so the shares
@@ -473,21 +489,11 @@ class Runtime:
             # bit-identical on all of them (a rank-local norm would differ by rounding and let
             # replicas drift apart).
             grad_norm = global_norm(stacked[:, 3].tolist(), len(lay.replicas))
-            skipped = not math.isfinite(grad_norm)
-            if not skipped and clip / (grad_norm + 1e-6) < 1.0:  # torch's clip_grad_norm_ coefficient
-                coef = clip / (grad_norm + 1e-6)
-                for p in self.s.model.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
-        if skipped:  # the same on every rank: no update, no schedule step; the step's batch is spent
-            log.warning("gradient norm not finite: optimizer step skipped", step=self.step, grad_norm=grad_norm)
-        else:
-            self.s.opt.step()
-            if self.s.sched is not None:
-                self.s.sched.step()
+        skipped = self._update(grad_norm)
         step = self.step
         self.step += 1
         gloss = float(stacked[:, 0].sum().item()) / lay.global_batch
+        self._last_commit = (self.step, gloss, grad_norm)
         agreed = int(stacked[:, 1].max().item())
         secs = time.perf_counter() - t0
         if self.s.timeline and self.s.timeline[-1].what in ("reshard done", "joined", "restored from checkpoint"):
@@ -496,6 +502,59 @@ class Runtime:
         self.source.report_step(lay, step, secs, lb, StepWork(
             max(0.0, t_fb - tp_wait) if on_cpu else 0.0, tp_wait if on_cpu else 0.0, sequence_lengths=lengths))
         return StepResult(step, gloss, lay.global_batch, lb, lay.version, tp, secs, stage, grad_norm, skipped), agreed
+
+    def _commit_gather(self, every: list[torch.Tensor], mine: torch.Tensor) -> None:
+        """The commit all-gather (a method of its own so that tests can fail it on one rank)."""
+        comm.all_gather(every, mine, group=self.s.world)
+
+    def _update(self, grad_norm: float | None) -> bool:
+        """Apply a committed step to the synced gradients: clip by `grad_norm` (with max_grad_norm),
+        step the optimizer and the schedule. True when the step was skipped (a norm that is not
+        finite: the same on every rank, so no rank updates; the step's batch is spent). The commit
+        and `_roll_forward` both come here, so a rank that completes a step late does exactly
+        what the others did."""
+        assert self.s.model is not None and self.s.opt is not None
+        clip = self.cfg.max_grad_norm
+        if clip is not None and grad_norm is not None:
+            if not math.isfinite(grad_norm):
+                log.warning("gradient norm not finite: optimizer step skipped", step=self.step, grad_norm=grad_norm)
+                return True
+            if clip / (grad_norm + 1e-6) < 1.0:  # torch's clip_grad_norm_ coefficient
+                coef = clip / (grad_norm + 1e-6)
+                for p in self.s.model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        self.s.opt.step()
+        if self.s.sched is not None:
+            self.s.sched.step()
+        return False
+
+    def _roll_forward(self, info: list[tuple[float, ...]], survivors: dict[int, int]) -> int | None:
+        """Survivors split by a death inside the commit (module doc): when those behind are one
+        step behind and hold that step's synced gradients, each of them applies the update the
+        others committed (its loss and gradient norm taken from the lowest new rank that committed)
+        and the agreed step is returned; None when the split cannot be explained so."""
+        steps = {int(info[nr][2]) for nr in survivors}
+        lo, hi = min(steps), max(steps)
+        behind = [nr for nr in survivors if int(info[nr][2]) == lo]
+        ahead = [nr for nr in sorted(survivors) if int(info[nr][2]) == hi and info[nr][6] == 1.0]
+        if hi != lo + 1 or not ahead or any(info[nr][3] != 1.0 for nr in behind):
+            return None
+        _, _, _, _, loss, norm, _, has_norm = info[ahead[0]]
+        grad_norm = norm if has_norm == 1.0 else None
+        me = self._uncommitted
+        if self.step == lo and me is not None and me.step == lo:
+            assert self.s.layout is not None
+            skipped = self._update(grad_norm)
+            self.step = hi
+            self._last_commit = (hi, loss, grad_norm)
+            self._rolled = StepResult(lo, loss, me.global_batch, me.local_batch, me.version, me.tp,
+                                      time.perf_counter() - me.seconds, me.stage, grad_norm, skipped)
+            self._event("step rolled forward", self.s.layout.version,
+                        f"step {lo} committed on {len(survivors) - len(behind)} survivors, not on {len(behind)}: "
+                        "completed here from its synced gradients")
+        self._uncommitted = None
+        return hi
 
     def _pipeline_pass(self, batch_fn: Callable[[int, int, int], Any], lay: WorkerLayout, start: int,
                        lb: int) -> float:
@@ -762,22 +821,35 @@ class Runtime:
             return
         self._rendezvous(target)
         rank, world, depth = target.rank, target.world, target.n_stages
-        # who holds what: (old rank, version it was a member of, committed steps), -1 when fresh
+        # who holds what: old rank and the version it was a member of (-1 when fresh), committed
+        # steps; for `_roll_forward`: whether this rank holds the synced gradients of step `step`
+        # whose commit it did not see complete, and the outcome (loss, norm) of the commit that
+        # made `step` where this rank made it. float64: every integer here is exact.
         held = old is not None and old.rank is not None and self.s.model is not None
-        mine = torch.tensor([old.rank if held and old else -1, old.version if held and old else -1, self.step],
-                            dtype=torch.int64)
+        if not held:
+            self._uncommitted = None
+        pending = self._uncommitted is not None and self._uncommitted.step == self.step
+        last = self._last_commit if self._last_commit is not None and self._last_commit[0] == self.step else None
+        norm = last[2] if last is not None else None
+        mine = torch.tensor([old.rank if held and old else -1, old.version if held and old else -1, self.step,
+                             float(pending), last[1] if last else 0.0, norm if norm is not None else 0.0,
+                             float(last is not None), float(norm is not None)], dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(world)]
         comm.all_gather(every, mine, group=self.s.world)
-        info = [tuple(int(x) for x in t.tolist()) for t in every]
+        info = [tuple(float(x) for x in t.tolist()) for t in every]
         self._mark("exchanged ranks")
         self._event("regrouped", target.version, f"world={world}")
-        src_version = max((v for r, v, _ in info if r >= 0), default=-1)
-        survivors = {nr: r for nr, (r, v, _) in enumerate(info) if r >= 0 and v == src_version}
-        steps = {s for nr, (_, _, s) in enumerate(info) if nr in survivors}
+        src_version = max((int(i[1]) for i in info if i[0] >= 0), default=-1)
+        survivors = {nr: int(i[0]) for nr, i in enumerate(info) if i[0] >= 0 and int(i[1]) == src_version}
+        steps = {int(info[nr][2]) for nr in survivors}
         if len(steps) > 1:
-            return self._restore_into(target, f"survivors disagree on the committed step ({sorted(steps)}): a rank "
-                                      "died inside a step's commit")
-        if not survivors and max(s for _, _, s in info) == 0:
+            agreed = self._roll_forward(info, survivors)
+            if agreed is None:
+                return self._restore_into(target, f"survivors disagree on the committed step ({sorted(steps)}) in a "
+                                          "way a late commit cannot mend")
+            steps = {agreed}
+        self._uncommitted = None
+        if not survivors and max(int(i[2]) for i in info) == 0:
             return self._restore_into(target, None)  # the job's first layout: a checkpoint, or a fresh model
         if not survivors:
             return self._restore_into(target, "no rank of the new layout holds the model state")
@@ -846,6 +918,14 @@ class Runtime:
                               None, group=self.s.world, moves=moves[s])
         self._mark("reshard moves")
         self._fix(model, resharded=True)
+        if rank in alive[stage]:
+            # This rank's model now holds `target`'s units of its stage, and its replicated values are
+            # its own: from here on a failure (a joiner dying while it receives, say) must find it
+            # described as a member of `target`, or the next regroup would move its units by the old
+            # layout's unit lists and fill what it no longer holds with garbage. A joiner is marked
+            # only once it has received the replicated values too (below).
+            self.s.model, self.s.opt, self.s.sched, self.s.stage = model, opt, sched, stage
+            self.s.layout, self.s.sync_layout = target, new_sl[stage]
         joiners = 0
         for s in range(depth):
             members = [r for g in target.group_ranks() for r in g[s]]
@@ -1056,6 +1136,7 @@ class Runtime:
         """Every rank of `target` builds a fresh model for its units and loads the newest verified
         checkpoint into it: state no survivor holds (`why`), or the job's first layout (`why`
         None: without a checkpoint, or with checkpoint_resume off, the fresh model is the start)."""
+        self._rolled = self._uncommitted = None  # whatever a roll-forward did, the checkpoint's state replaces it
         ck = self.checkpointer if why is not None or self.cfg.checkpoint_resume else None
         if why is not None and ck is None:
             raise ReconfigurationError(f"{why}; no checkpoint_dir is configured to restore from")

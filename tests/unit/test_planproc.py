@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -176,6 +177,32 @@ def test_a_call_still_queued_when_the_worker_is_stopped_is_served_again_not_canc
         results = await asyncio.gather(busy, queued, pending, return_exceptions=True)
         assert isinstance(results[2], planproc.Missing), results
         assert not any(isinstance(r, asyncio.CancelledError) for r in results), results
+
+    try:
+        asyncio.run(main())
+    finally:
+        pp.close(kill=True)
+
+
+def test_a_call_whose_pool_is_stopped_between_lookup_and_submit_is_served_again() -> None:
+    # the other interleaving of stop() with a call: the pool is shut down after _call looked it up
+    # and before its submit ran (in a thread); submit then raises "cannot schedule new futures after
+    # shutdown", a RuntimeError that reached the caller as if planning had failed
+    pp = planproc.PlanProcess(True)
+    pool = pp._executor()
+    assert pool is not None
+    real_submit = pool.submit
+
+    def stopped_first(fn: Any, /, *args: Any) -> Any:
+        pp.close()  # what stop() does to an idle pool's owner, run while this call was on its way
+        return real_submit(fn, *args)
+
+    pool.submit = stopped_first  # type: ignore[method-assign]
+
+    async def main() -> None:
+        with pytest.raises(planproc.Missing, match="restarted"):
+            await pp._call(planproc._ready)
+        assert await pp._call(planproc._ready) is None  # a new pool serves the retry
 
     try:
         asyncio.run(main())

@@ -152,3 +152,15 @@ def test_failure_reshard_continue_matches_reference(kind: str, device: str):
         if rank in (0, 1, 2):
             assert sum(len(units[m][1]) for m in units if m.endswith("attn.q")) // CFG.layers == len(
                 L1.units_of(rank)["heads"])
+
+
+def test_a_source_whose_shards_are_not_what_the_old_layout_says_is_refused_before_any_message():
+    """The reshard slices each source's tensors by the old layout's unit lists; a model that holds
+    other units (rank 1's, here, on rank 0) would move wrong values silently, so it is refused
+    (no process group needed: nothing is sent)."""
+    model = TinyGpt(CFG)
+    fams = families_of(tp_plan(CFG), model)
+    parallelize(model, tp_plan(CFG), L0.units_of(1), group=None)
+    opt = make_opt("sgd", model.parameters())
+    with pytest.raises(ValueError, match=r"rank 0's .* holds units .* but the old layout gives it"):
+        apply_reshard(model, opt, L0, L1, {0, 1, 2, 4, 5, 6, 7}, 0, fams, None)

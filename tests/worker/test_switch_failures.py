@@ -1,0 +1,210 @@
+"""Deaths inside a layout switch's delicate moments, with real processes on gloo.
+
+A rank dies inside a step's commit all-gather and splits the survivors: some saw the commit
+complete and stepped their optimizers, one saw its all-gather fail and did not. TP2 + TP2,
+clipping on every step. At step 2's commit the victim (w1) dies right after its all-gather, and
+w2's all-gather "fails" after exchanging its data (a rank whose socket to the victim closed before
+the victim's data arrived; the one thing the test forces). w0 and w3 committed step 2 and fail in
+step 3; w2 is one step behind, holding step 2's synced gradients. At the regroup w2 completes step
+2 from those gradients with the committed ranks' gradient norm, `train_step` returns it, and every
+survivor's losses and parameters equal a single-process reference -- no checkpoint needed.
+(Before: "survivors disagree on the committed step" and, with no checkpoint_dir, every rank
+stopped.) The refusals of splits a late commit cannot mend are checked on `_roll_forward` itself.
+
+A repaired GPU's fresh process dies while it joins: TP1 + TP2 -> TP2 + TP2 with a fresh w1 that
+receives its shards and dies before the replicated values reach it -> TP1 + TP2 again. w0 had
+already resharded to half its units; the next regroup must move units by what it holds now, not
+by the layout it trained in last. (Before: w0 still described itself by the old layout, where it
+held every unit, so nothing was sent to it and the half it had given up came back uninitialised.)"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import signal
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ntp_manager.worker.runtime import Runtime, RuntimeConfig
+from ntp_manager.worker.sources import StoreLayoutSource, publish_layout, read_acks
+from ntp_manager.worker.tiny_gpt import tp_plan
+from tests.fakes.procs import worker_context
+from tests.worker.compare import shard_errors, shard_info, tolerance
+from tests.worker.ranks import reap, store_with_layout
+from tests.worker.test_runtime import CFG, CLIP, _get, _opt_fn, batch, build, loss_fn, reference
+
+JOB = "split"
+SPLIT_AT = 2  # the step whose commit splits the survivors
+STEPS = 6
+A, B = ["w0", "w1"], ["w2", "w3"]
+VICTIM, LAGGER = "w1", "w2"
+
+
+class _Faulty(Runtime):
+    """The runtime with step SPLIT_AT's commit cut on two ranks, after the real all-gather
+    (roles "victim", "lagger"), or dying when a joiner is about to receive the replicated values
+    ("dies joining")."""
+
+    role = ""
+
+    def _send_replicated(self, model: Any, opt: Any, sched: Any, src: int, dsts: list[int]) -> None:
+        if self.role == "dies joining" and dist.get_rank(self.s.world) != src:
+            os.kill(os.getpid(), signal.SIGKILL)
+        super()._send_replicated(model, opt, sched, src, dsts)
+
+    def _commit_gather(self, every: list[torch.Tensor], mine: torch.Tensor) -> None:
+        super()._commit_gather(every, mine)
+        if self.step != SPLIT_AT:
+            return
+        if self.role == "victim":  # dies after its part of the commit went out
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.role == "lagger":  # what gloo raises when a peer's socket closes mid-collective
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer (test: the victim died "
+                               "before its part of the commit arrived)")
+
+
+def _worker(wid: str, port: int, q: Any, role: str = "") -> None:
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=dt.timedelta(seconds=120))
+    cfg = RuntimeConfig(job=JOB, collective_timeout_s=15, rendezvous_timeout_s=90, reconfigure_timeout_s=90,
+                        max_grad_norm=CLIP)
+    rt = _Faulty(lambda: build("sgd-clip"), tp_plan(CFG), _opt_fn("sgd-clip"),
+                      StoreLayoutSource(store, JOB, wid), store, cfg)
+    rt.role = role
+    rt.start()
+    while rt.step < STEPS:
+        r = rt.train_step(batch, loss_fn)
+        if not role.startswith(("victim", "dies")):  # killed while its queue's feeder writes, it could break it
+            q.put(("step", wid, r.step, r.loss, r.global_batch, r.version, r.grad_norm))
+    params = {n: p.detach().cpu().numpy().copy() for n, p in rt.model.named_parameters()}
+    q.put(("done", wid, params, shard_info(rt.model), [(e.what, e.version) for e in rt.timeline]))
+    rt.close()
+
+
+def test_a_rank_behind_a_split_commit_completes_the_step_from_its_synced_gradients() -> None:
+    port, store = store_with_layout(JOB, [(A, 2), (B, 2)], 120)
+    ctx = worker_context()
+    q = ctx.Queue()
+    roles = {VICTIM: "victim", LAGGER: "lagger"}
+    procs = {w: ctx.Process(target=_worker, args=(w, port, q, roles.get(w, ""))) for w in A + B}
+    for p in procs.values():
+        p.start()
+    survivors = ["w0", "w2", "w3"]
+    rows: dict[str, list[tuple[int, float, int, int, float | None]]] = {w: [] for w in A + B}
+    done: dict[str, Any] = {}
+    deadline = time.monotonic() + 240
+    try:
+        procs[VICTIM].join(timeout=180)
+        assert procs[VICTIM].exitcode == -signal.SIGKILL, procs[VICTIM].exitcode
+        publish_layout(store, JOB, 2, [(["w0"], 1), (B, 2)], f"{VICTIM} failed")  # the manager's replan
+        while len(done) < len(survivors):
+            msg = _get(q, deadline)
+            if msg[0] == "step":
+                rows[msg[1]].append(tuple(msg[2:]))  # type: ignore[arg-type]
+            else:
+                done[msg[1]] = msg[2:]
+    finally:
+        reap(procs.values())
+    assert all(procs[w].exitcode == 0 for w in survivors), {w: p.exitcode for w, p in procs.items()}
+    assert set(read_acks(store, JOB, 2, survivors).values()) == {"ok"}
+
+    # every survivor returned each step once, with the same loss, batch, version and norm
+    ref_rows = sorted(rows["w0"])
+    assert [s for s, *_ in ref_rows] == list(range(STEPS))
+    for w in ("w2", "w3"):
+        assert sorted(rows[w]) == ref_rows, w
+    assert [(gb, v) for _, _, gb, v, _ in ref_rows] == [(4, 1)] * 3 + [(3, 2)] * 3
+    # only the rank behind rolled forward; nobody restored or re-ran step 2
+    rolled = {w: [what for what, _ in done[w][2] if what == "step rolled forward"] for w in survivors}
+    assert rolled == {"w0": [], "w2": ["step rolled forward"], "w3": []}
+    assert not any(what == "restored from checkpoint" for w in survivors for what, _ in done[w][2])
+
+    ref_losses, ref_params = reference("sgd-clip", [gb for _, _, gb, _, _ in ref_rows])
+    for s, loss, _, _, norm in ref_rows:
+        assert abs(loss - ref_losses[s]) <= 1e-5 * abs(ref_losses[s]), (s, loss, ref_losses[s])
+        assert norm is not None and norm > CLIP  # clipping was active on every step, step 2 included
+    for w in survivors:
+        params, units, _ = done[w]
+        for name, err in shard_errors(params, units, ref_params, "sgd").items():
+            assert err <= tolerance("sgd"), (w, name, err)
+
+
+def _info(step: int, pending: bool, last: tuple[float, float | None] | None) -> tuple[float, ...]:
+    """One rank's row of the regroup exchange: old rank, old version, step, pending, loss, norm,
+    has last commit, has norm (runtime._apply)."""
+    loss, norm = last if last else (0.0, None)
+    return (0.0, 1.0, float(step), float(pending), loss, norm or 0.0, float(last is not None), float(norm is not None))
+
+
+def _me(step: int) -> Any:
+    """A rank that is not behind (no update of its own to make): `_roll_forward` only reads the rows."""
+    return SimpleNamespace(step=step, _uncommitted=None)
+
+
+def test_splits_a_late_commit_cannot_mend_are_refused() -> None:
+    survivors = {0: 0, 1: 1}
+    mendable = [_info(3, False, (2.5, 0.7)), _info(2, True, None)]
+    assert Runtime._roll_forward(_me(3), mendable, survivors) == 3  # type: ignore[arg-type]
+    # two steps apart: more than one commit is missing
+    assert Runtime._roll_forward(_me(4), [_info(4, False, (2.5, 0.7)), _info(2, True, None)],  # type: ignore[arg-type]
+                                 survivors) is None
+    # behind without the step's synced gradients (its failure came before the commit)
+    assert Runtime._roll_forward(_me(3), [_info(3, False, (2.5, 0.7)), _info(2, False, None)],  # type: ignore[arg-type]
+                                 survivors) is None
+    # ahead, but no rank knows the commit's outcome (it was restored or joined at that step)
+    assert Runtime._roll_forward(_me(3), [_info(3, False, None), _info(2, True, None)],  # type: ignore[arg-type]
+                                 survivors) is None
+
+
+def test_a_joiner_dying_mid_join_leaves_the_others_described_by_what_they_hold() -> None:
+    port, store = store_with_layout(JOB, [(["w0"], 1), (B, 2)], 120)
+    ctx = worker_context()
+    q = ctx.Queue()
+    survivors = ["w0", "w2", "w3"]
+    procs = {w: ctx.Process(target=_worker, args=(w, port, q)) for w in survivors}
+    for p in procs.values():
+        p.start()
+    rows: dict[str, list[tuple[int, float, int, int, float | None]]] = {w: [] for w in survivors}
+    done: dict[str, Any] = {}
+    deadline = time.monotonic() + 240
+
+    def take() -> None:
+        msg = _get(q, deadline)
+        if msg[0] == "step":
+            rows[msg[1]].append(tuple(msg[2:]))
+        else:
+            done[msg[1]] = msg[2:]
+
+    try:
+        while not any(s >= 1 for s, *_ in rows["w0"]):
+            take()
+        procs[VICTIM] = ctx.Process(target=_worker, args=(VICTIM, port, q, "dies joining"))
+        procs[VICTIM].start()
+        publish_layout(store, JOB, 2, [(A, 2), (B, 2)], f"{VICTIM} repaired")
+        procs[VICTIM].join(timeout=180)
+        assert procs[VICTIM].exitcode == -signal.SIGKILL, procs[VICTIM].exitcode
+        publish_layout(store, JOB, 3, [(["w0"], 1), (B, 2)], f"{VICTIM} failed while joining")
+        while len(done) < len(survivors):
+            take()
+    finally:
+        reap(procs.values())
+    assert all(procs[w].exitcode == 0 for w in survivors), {w: p.exitcode for w, p in procs.items()}
+    assert set(read_acks(store, JOB, 3, survivors).values()) == {"ok"}
+    ref_rows = sorted(rows["w0"])
+    assert [s for s, *_ in ref_rows] == list(range(STEPS))
+    assert {v for *_, v, _ in ref_rows} == {1, 3}  # no step ran at version 2
+    for w in ("w2", "w3"):
+        assert sorted(rows[w]) == ref_rows, w
+    # w0 had resharded to version 2's units (half of them) when the join failed, and knew it
+    tl = done["w0"][2]
+    assert ("regrouped", 2) in tl and ("failure detected", 2) in tl and ("reshard done", 2) not in tl, tl
+    ref_losses, ref_params = reference("sgd-clip", [gb for _, _, gb, _, _ in ref_rows])
+    for s, loss, *_ in ref_rows:
+        assert abs(loss - ref_losses[s]) <= 1e-5 * abs(ref_losses[s]), (s, loss, ref_losses[s])
+    for w in survivors:
+        params, units, _ = done[w]
+        for name, err in shard_errors(params, units, ref_params, "sgd").items():
+            assert err <= tolerance("sgd"), (w, name, err)
