@@ -115,3 +115,52 @@ def test_the_settings_page_has_every_field_of_both_classes() -> None:
             row = next((line for line in text.splitlines() if line.startswith(f"| `{name}` | `{prefix}")), None)
             assert row is not None, name
             assert info.description and " ".join(info.description.split()) in row.replace("\\|", "|")
+
+
+def _key_paths(x: object, pre: str = "") -> set[str]:
+    out: set[str] = set()
+    if isinstance(x, dict):
+        for k, v in x.items():
+            out.add(pre + k)
+            if pre + k != "power_caps_w":  # keyed by GPU UUID
+                out |= _key_paths(v, f"{pre}{k}.")
+    elif isinstance(x, list):
+        for v in x:
+            out |= _key_paths(v, f"{pre}[].")
+    return out
+
+
+def test_plan_json_page_shows_every_field_the_cli_writes() -> None:
+    """docs/plan-json.md's example has exactly the fields of `ntp-manager plan --json` (a plan made
+    with a previous one, so that `moves` and `prev_*` are there)."""
+    import json
+    import re
+
+    from ntp_manager.cli.manager import apply_failures
+    from ntp_manager.planner import PreviousLayout, make_plan
+    from ntp_manager.planner.export import plan_to_dict
+    from ntp_manager.specfile import load_cluster, load_job
+
+    text = (ROOT / "docs" / "plan-json.md").read_text()
+    block = re.search(r"```json\n(.*?)```", text, re.S)
+    assert block is not None
+    documented = json.loads(re.sub(r"//[^\n]*", "", block.group(1)))
+    cluster = load_cluster(ROOT / "examples/specs/cluster-small.yaml")
+    job = load_job(ROOT / "examples/specs/job-small.yaml")
+    before = plan_to_dict(make_plan(apply_failures(cluster, [], 3, 1), job))
+    now = plan_to_dict(make_plan(apply_failures(cluster, [], 5, 2), job, PreviousLayout.from_dict(before)))
+    assert now["dropped"] or now["idle"]
+    wanted = _key_paths(now) | {f"dropped.[].{k}" for k in ("group", "domain", "usable", "spare", "reason")}
+    assert _key_paths(documented) == wanted
+
+
+def test_specs_page_lists_every_job_field() -> None:
+    """docs/specs.md's job table names exactly the fields a job spec takes (unknown keys are errors)."""
+    import re
+
+    from ntp_manager.specfile import JobFile
+
+    text = (ROOT / "docs" / "specs.md").read_text().split("## Job", 1)[1]
+    named = {n for row in text.splitlines() if row.startswith("| `")
+             for n in re.findall(r"`(\w+)`", row.split("|")[1])}
+    assert named == set(JobFile.model_fields)
