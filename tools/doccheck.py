@@ -20,6 +20,9 @@ kept here):
   names the code, scripts and compose files spell out;
 - repository paths in code spans and links (`ntp_manager/...`, `tests/...`) against the tree.
 
+The scripts that run these commands (deploy/*.sh, bench/*.sh, .ci/*, the systemd unit) are read
+as code blocks and checked the same way.
+
 Fenced blocks tagged `text` or `console` and lines holding `doccheck: ignore` are skipped.
 """
 
@@ -282,8 +285,11 @@ class Snippet:
     context: str | None  # the command named by the section's heading
 
 
-def snippets(text: str) -> Iterator[Snippet]:
-    """Lines of fenced code blocks (continuations joined) and code spans, with their line numbers."""
+def snippets(text: str, script: bool = False) -> Iterator[Snippet]:
+    """Lines of fenced code blocks (continuations joined) and code spans, with their line numbers;
+    `script`: every line is code (a shell script, a systemd unit)."""
+    if script:
+        text = "```sh\n" + text.replace("ExecStart=", "") + "\n```"
     fence: str | None = None
     skip = False
     context: str | None = None
@@ -344,9 +350,10 @@ class Checker:
         text = path.read_text()
         name = shown_as or str(path.relative_to(self.ref.root) if path.is_relative_to(self.ref.root) else path)
         out: list[Finding] = []
-        for sn in snippets(text):
+        script = path.suffix != ".md"
+        for sn in snippets(text, script):
             for what in self.check_snippet(sn, path.parent):
-                out.append(Finding(name, sn.line, what))
+                out.append(Finding(name, sn.line - (1 if script else 0), what))
         for i, line in enumerate(text.splitlines(), 1):
             if "doccheck: ignore" in line:
                 continue
@@ -598,7 +605,10 @@ def _all_flags(cmd: Cmd) -> set[str]:
 
 
 def doc_files(root: Path = ROOT) -> list[Path]:
-    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    """The docs, and the scripts that run our commands (their command lines are checked the same way)."""
+    scripts = [*sorted((root / "deploy").glob("*.sh")), *sorted((root / "bench").glob("*.sh")),
+               *sorted((root / "agent" / "systemd").glob("*.service")), *sorted((root / ".ci").glob("*"))]
+    return [root / "README.md", *sorted((root / "docs").glob("*.md")), *scripts]
 
 
 def check_all(ref: Reference | None = None) -> list[Finding]:

@@ -164,3 +164,17 @@ def test_specs_page_lists_every_job_field() -> None:
     named = {n for row in text.splitlines() if row.startswith("| `")
              for n in re.findall(r"`(\w+)`", row.split("|")[1])}
     assert named == set(JobFile.model_fields)
+
+
+def test_a_script_is_checked_like_a_code_block(checker: Checker, tmp_path: Path) -> None:
+    """deploy/*.sh and the systemd unit run our commands: a wrong flag there is found at its line."""
+    src = (ROOT / "deploy" / "run-job.sh").read_text().splitlines()
+    at = next(i for i, line in enumerate(src) if "ntpctl jobs --json" in line)
+    src[at] = src[at].replace("ntpctl jobs --json", "ntpctl jobs --jsn")
+    script = tmp_path / "run-job.sh"
+    script.write_text("\n".join(src) + "\n")
+    found = checker.check_file(script, shown_as="deploy/run-job.sh")
+    assert [str(f) for f in found] == [f"deploy/run-job.sh:{at + 1}: `ntpctl jobs` has no option --jsn"]
+    unit = tmp_path / "ntp-agent.service"
+    unit.write_text((ROOT / "agent/systemd/ntp-agent.service").read_text().replace("--backend nvml", "--backnd nvml"))
+    assert any("`ntp-agent` has no option --backnd" in f.what for f in checker.check_file(unit))
