@@ -20,8 +20,8 @@ kept here):
   names the code, scripts and compose files spell out;
 - repository paths in code spans and links (`ntp_manager/...`, `tests/...`) against the tree.
 
-The scripts that run these commands (deploy/*.sh, bench/*.sh, .ci/*, the systemd unit) are read
-as code blocks and checked the same way.
+The scripts that run these commands (deploy/*.sh, bench/*.sh, .ci/*, the systemd unit) and the
+usage examples in the command-line modules' docstrings are read as code and checked the same way.
 
 Fenced blocks tagged `text` or `console` and lines holding `doccheck: ignore` are skipped.
 """
@@ -348,6 +348,8 @@ class Checker:
 
     def check_file(self, path: Path, shown_as: str | None = None) -> list[Finding]:
         text = path.read_text()
+        if path.suffix == ".py":  # a module's docstring: its indented example lines, at their lines in the file
+            text = _docstring_examples(text)
         name = shown_as or str(path.relative_to(self.ref.root) if path.is_relative_to(self.ref.root) else path)
         out: list[Finding] = []
         script = path.suffix != ".md"
@@ -483,6 +485,7 @@ class Checker:
                     if flag in cmd.options:
                         takes = takes or cmd.options[flag]
                     else:
+                        takes = True  # an unknown flag: read the next word as its value (one finding, not two)
                         where = f"`{cmd.path()}`"
                         extra = ""
                         owners = [c.path() for c in _tree(cmd) if flag in c.options and c is not cmd]
@@ -581,6 +584,21 @@ class Checker:
         return i + 1
 
 
+def _docstring_examples(source: str) -> str:
+    """The module docstring's example lines (indented 4+ spaces), the other lines blank, so that line
+    numbers stay those of the file."""
+    import ast
+
+    doc = ast.get_docstring(ast.parse(source), clean=False) or ""
+    start = source.find(doc.split("\n", 1)[0]) if doc else -1
+    first = source.count("\n", 0, start) if start >= 0 else 0
+    lines = [""] * len(source.splitlines())
+    for i, line in enumerate(doc.splitlines()):
+        if line.startswith("    ") and line.strip() and first + i < len(lines):
+            lines[first + i] = line
+    return "\n".join(lines)
+
+
 def _flags_of(raw: str) -> list[str]:
     """`[--dry-run/--apply]` -> both; `--in=30m` -> --in; `-o` -> -o."""
     tok = _clean(raw)
@@ -607,7 +625,10 @@ def _all_flags(cmd: Cmd) -> set[str]:
 def doc_files(root: Path = ROOT) -> list[Path]:
     """The docs, and the scripts that run our commands (their command lines are checked the same way)."""
     scripts = [*sorted((root / "deploy").glob("*.sh")), *sorted((root / "bench").glob("*.sh")),
-               *sorted((root / "agent" / "systemd").glob("*.service")), *sorted((root / ".ci").glob("*"))]
+               *sorted((root / "agent" / "systemd").glob("*.service")), *sorted((root / ".ci").glob("*")),
+               # the command-line modules' docstrings (their usage examples)
+               *sorted((root / "ntp_manager" / "cli").glob("*.py")), root / "agent" / "main.py",
+               root / "ntp_manager" / "worker" / "run.py"]
     return [root / "README.md", *sorted((root / "docs").glob("*.md")), *scripts]
 
 

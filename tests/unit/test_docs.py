@@ -178,3 +178,13 @@ def test_a_script_is_checked_like_a_code_block(checker: Checker, tmp_path: Path)
     unit = tmp_path / "ntp-agent.service"
     unit.write_text((ROOT / "agent/systemd/ntp-agent.service").read_text().replace("--backend nvml", "--backnd nvml"))
     assert any("`ntp-agent` has no option --backnd" in f.what for f in checker.check_file(unit))
+
+
+def test_a_command_modules_usage_example_is_checked(checker: Checker, tmp_path: Path) -> None:
+    """ntpctl's docstring shows `ntpctl gpus --state failed`: misspelt, it is found at its line."""
+    src = (ROOT / "ntp_manager" / "cli" / "ctl.py").read_text()
+    line = src.splitlines().index("    ntpctl gpus --state failed") + 1
+    copy = tmp_path / "ctl.py"
+    copy.write_text(src.replace("    ntpctl gpus --state failed", "    ntpctl gpus --stat failed"))
+    assert [str(f) for f in checker.check_file(copy, shown_as="ctl.py")] == \
+        [f"ctl.py:{line}: `ntpctl gpus` has no option --stat"]
