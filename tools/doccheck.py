@@ -152,6 +152,23 @@ def module_command(module: str) -> Cmd | None:
     return Cmd(module, {"--help": False}, source=Path(mod.__file__ or ""))
 
 
+def every_flag(clis: dict[str, Cmd]) -> set[str]:
+    """Flags of the console scripts, of `python -m ntp_manager.X` commands, and those the example and
+    bench scripts spell out (`"--steps"`, or a typer parameter `fail_at: ... typer.Option`)."""
+    flags = {f for c in clis.values() for f in _all_flags(c)}
+    for path in (ROOT / "ntp_manager").glob("*.py"):
+        text = path.read_text()
+        if "typer.run(main)" in text or "typer.Typer(" in text:
+            cmd = module_command(f"ntp_manager.{path.stem}")
+            if cmd is not None:
+                flags |= _all_flags(cmd)
+    for path in [*(ROOT / "examples").glob("*.py"), *(ROOT / "bench").glob("*.py")]:
+        text = path.read_text()
+        flags.update(re.findall(r"[\"'](--[a-z][\w-]*)[\"']", text))
+        flags.update("--" + n.replace("_", "-") for n in re.findall(r"\b(\w+): [^=\n]*= typer\.Option", text))
+    return flags
+
+
 def makefile_targets() -> set[str]:
     text = (ROOT / "Makefile").read_text()
     found: set[str] = set()
@@ -268,12 +285,14 @@ class Reference:
     env: set[str]
     words: set[str]
     queries: dict[str, set[str]] = field(default_factory=dict)
+    any_flags: set[str] = field(default_factory=set)  # every flag of every command, module and script of ours
     root: Path = ROOT
 
     @classmethod
     def load(cls) -> Reference:
-        return cls(commands(), makefile_targets(), rest_routes(), grpc_names(), env_names(), code_words(),
-                   rest_queries())
+        clis = commands()
+        return cls(clis, makefile_targets(), rest_routes(), grpc_names(), env_names(), code_words(),
+                   rest_queries(), every_flag(clis))
 
 
 # ---- reading the markdown -----------------------------------------------------------------------
@@ -429,7 +448,14 @@ class Checker:
                 started = True
             else:
                 i += 1
-        if started or sn.code or not toks or sn.context not in self.ref.clis:
+        if started or sn.code or not toks:
+            return
+        if sn.context not in self.ref.clis:
+            # a lone flag outside a command's section: some command or script of ours must have it
+            if _clean(toks[0]).startswith("--") and self.ref.any_flags:
+                for flag in _flags_of(toks[0]):
+                    if flag not in self.ref.any_flags:
+                        yield f"no command or script here has an option {flag}"
             return
         # a span under a heading that names a command: `gpus [--state]`, `--json`
         root = self.ref.clis[sn.context]

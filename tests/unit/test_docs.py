@@ -59,6 +59,7 @@ PLANTED = [
      "`ntp-manager db downgrade` takes at most 1 argument(s): 'extra' would be refused"),
     ("Then `ntpctl cordon GPU-1 GPU-2 --reason x`.", "`ntpctl cordon` takes at most 1 argument(s): 'GPU-2'"),
     ("```bash\nmake docs-html\n```", "the Makefile has no target 'docs-html'"),
+    ("Pass `--no-wayt` to stop early.", "no command or script here has an option --no-wayt"),
     ("Call `GET /v1/jobs/{name}/layout/history`.", "REST path /v1/jobs/{name}/layout/history is not a route"),
     ("Then `DELETE /v1/breaker`.", "REST DELETE /v1/breaker: the route takes GET"),
     ("| GET / DELETE | `/v1/maintenance/{id}` | |", "REST GET /v1/maintenance/{id}: the route takes DELETE"),
