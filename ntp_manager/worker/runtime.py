@@ -474,7 +474,8 @@ class Runtime:
         mine = torch.tensor([value * lb / tp if last else 0.0, float(seen), float(secrets.randbits(52)), share],
                             dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(lay.world)]
-        # from here until the all-gather returns, this step can be completed at a regroup
+        # from here until the all-gather returns, this step can be completed at a regroup; its
+        # result so far (loss unknown; `seconds` holds the step's start until _roll_forward ends it)
         self._uncommitted = StepResult(self.step, math.nan, lay.global_batch, lb, lay.version, tp, t0, stage)
         self._commit_gather(every, mine)  # the commit point
         self._uncommitted = None
