@@ -189,3 +189,12 @@ def test_a_command_modules_usage_example_is_checked(checker: Checker, tmp_path: 
     copy.write_text(src.replace("    ntpctl gpus --state failed", "    ntpctl gpus --stat failed"))
     assert [str(f) for f in checker.check_file(copy, shown_as="ctl.py")] == \
         [f"ctl.py:{line}: `ntpctl gpus` has no option --stat"]
+
+
+def test_every_ntpctl_command_takes_json(checker: Checker) -> None:
+    """README.md and docs/operations.md promise it."""
+    from tools.doccheck import _tree
+
+    leaves = [c for c in _tree(checker.ref.clis["ntpctl"]) if not c.subs]
+    assert len(leaves) > 15
+    assert [c.path() for c in leaves if "--json" not in c.options] == []
