@@ -29,6 +29,7 @@ Fenced blocks tagged `text` or `console` and lines holding `doccheck: ignore` ar
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import importlib.util
 import re
@@ -177,8 +178,9 @@ def makefile_targets() -> set[str]:
     return {t for t in found if not t.startswith((".", "$"))}
 
 
-def rest_routes() -> list[tuple[re.Pattern[str], str, set[str]]]:
-    """(regex, template, methods) of every route the app serves, included routers too."""
+@functools.cache
+def _app() -> Any:
+    """The manager's FastAPI app, built as `serve` builds it (nothing started, nothing connected)."""
     import tempfile
 
     from ntp_manager.api.app import create_app
@@ -186,7 +188,11 @@ def rest_routes() -> list[tuple[re.Pattern[str], str, set[str]]]:
     from ntp_manager.settings import Settings
 
     with tempfile.TemporaryDirectory() as d:
-        app = create_app(Manager(Settings(data_dir=Path(d))))
+        return create_app(Manager(Settings(data_dir=Path(d), database_url=f"sqlite+aiosqlite:///{d}/x.db")))
+
+
+def rest_routes() -> list[tuple[re.Pattern[str], str, set[str]]]:
+    """(regex, template, methods) of every route the app serves, included routers too."""
     out: list[tuple[re.Pattern[str], str, set[str]]] = []
 
     def walk(routes: Iterable[Any]) -> None:
@@ -200,20 +206,13 @@ def rest_routes() -> list[tuple[re.Pattern[str], str, set[str]]]:
             if sub and not callable(build):
                 walk(sub)
 
-    walk(app.router.routes)
+    walk(_app().router.routes)
     return out
 
 
 def rest_queries() -> dict[str, set[str]]:
     """Query parameters of each route template, from the app's OpenAPI document."""
-    import tempfile
-
-    from ntp_manager.api.app import create_app
-    from ntp_manager.service.manager import Manager
-    from ntp_manager.settings import Settings
-
-    with tempfile.TemporaryDirectory() as d:
-        doc = create_app(Manager(Settings(data_dir=Path(d)))).openapi()
+    doc = _app().openapi()
     return {path: {p["name"] for op in ops.values() for p in op.get("parameters", []) if p.get("in") == "query"}
             for path, ops in doc["paths"].items()}
 
