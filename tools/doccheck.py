@@ -470,18 +470,28 @@ class Checker:
 
     def _names(self, text: str) -> Iterator[str]:
         """`suspect_after_s`, `make_plan(...)`, `planner.ranks`, `XidPolicy.default()`: in the code."""
+        msg = re.fullmatch(r"([A-Z]\w*)\{([\w\s,]*)\}", text)  # a message and its fields: `Welcome{a, b}`
+        if msg is not None:
+            for name in [msg.group(1), *re.findall(r"\w+", msg.group(2))]:
+                if name not in self.ref.words:
+                    yield f"{name!r} (in `{text}`) is no name in the code"
+            return
         m = re.fullmatch(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?:\(.*\))?", text)
         if m is None:
             return
         parts = m.group(1).split(".")
         if parts[0] in EXTERNAL_MODULES:
             return
-        if len(parts) == 1 and not re.fullmatch(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)+", parts[0]):
+        called = len(text) > len(m.group(1))
+        if len(parts) == 1 and not called and not re.fullmatch(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)+", parts[0]):
             return  # a plain word: English as often as code
         for part in parts:
             if part not in self.ref.words:
                 yield f"{part!r} (in `{text}`) is no name in the code"
                 return
+        for kw in re.findall(r"[(,]\s*([A-Za-z_]\w*)=", text[len(m.group(1)):]):  # `f(force_staging=True)`
+            if kw not in self.ref.words:
+                yield f"{kw!r} (in `{text}`) is no name in the code"
 
     def _paths(self, text: str, doc_dir: Path) -> Iterator[str]:
         tops = "|".join(map(re.escape, TOP_DIRS))

@@ -68,6 +68,9 @@ PLANTED = [
     ("It calls `ntp.v1.WorkerService/WatchLayouts`.", "gRPC name ntp.v1.WorkerService/WatchLayouts is not"),
     ("See `ntp_manager/service/leases.py`.", "no such file or directory: ntp_manager/service/leases.py"),
     ("The manager waits `suspect_after_secs`.", "'suspect_after_secs' (in `suspect_after_secs`) is no name"),
+    ("It answers `Welcome{leader_epoch, last_acked_sequence}`.",
+     "'last_acked_sequence' (in `Welcome{leader_epoch, last_acked_sequence}`) is no name"),
+    ("Set `RuntimeConfig(force_stagin=True)`.", "'force_stagin' (in `RuntimeConfig(force_stagin=True)`) is no name"),
 ]
 
 
