@@ -79,9 +79,9 @@ PLANTED = [
 def test_a_planted_error_is_reported_with_file_and_line(checker: Checker, tmp_path: Path, planted: str,
                                                         expected: str) -> None:
     doc = tmp_path / "manager.md"
-    text = (ROOT / "docs" / "manager.md").read_text()
-    doc.write_text(text + "\n" + planted + "\n")
-    line = len(text.splitlines()) + 2 + (1 if planted.startswith("```") else 0)
+    text = (ROOT / "docs" / "manager.md").read_text() + "\n## Planted (a section that names no command)\n\n"
+    doc.write_text(text + planted + "\n")
+    line = len(text.splitlines()) + 1 + (1 if planted.startswith("```") else 0)
     found = checker.check_file(doc, shown_as="docs/manager.md")
     assert [str(f) for f in found] and all(f.line == line for f in found), found
     assert any(f.path == "docs/manager.md" and expected in f.what for f in found), found
