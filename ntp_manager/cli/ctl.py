@@ -580,8 +580,15 @@ def token_revoke(c: typer.Context, token_id: str, as_json: JsonOpt = False) -> N
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The `ntpctl` console script: the exit status (usage errors are one line, ntp_manager/usage.py)."""
-    return run_app(app, argv, "ntpctl")
+    """The `ntpctl` console script: the exit status (usage errors are one line, ntp_manager/usage.py).
+    JSON that lacks what a command reads (--url names another JSON service, or a manager of another
+    version) is one line too, status 1, with what was missing."""
+    try:
+        return run_app(app, argv, "ntpctl")
+    except (KeyError, TypeError, AttributeError) as e:
+        err.print(f"[bold red]error:[/] the answer is not what ntpctl expects ({type(e).__name__}: {e}): is "
+                  "--url / NTP_URL a manager of this version?", highlight=False)
+        return 1
 
 
 if __name__ == "__main__":

@@ -36,9 +36,10 @@ class _NotAManager(http.server.BaseHTTPRequestHandler):
     """What answers when NTP_URL names something else: HTML, not the manager's JSON."""
 
     def do_GET(self) -> None:
-        body = b"<html><body>\n<h1>It works</h1>\n</body></html>\n"
+        json_ = self.path.startswith("/json")  # another JSON service
+        body = b'{"ok": true}' if json_ else b"<html><body>\n<h1>It works</h1>\n</body></html>\n"
         self.send_response(200)
-        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Type", "application/json" if json_ else "text/html")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -84,6 +85,7 @@ CASES: list[tuple[str, list[str], dict[str, str], int, str]] = [
     ("ntpctl", ["slow", "set", "j", "--set", "enter_margin"], {"NTP_TOKEN": "t"}, 2, "expected NAME=VALUE"),
     ("ntpctl", ["submit", "{tmp}/bad.yaml"], {"NTP_TOKEN": "t"}, 2, "not YAML"),
     ("ntpctl", ["--url", "{www}", "status"], {"NTP_TOKEN": "t"}, 1, "not the manager's JSON"),
+    ("ntpctl", ["--url", "{www}/json", "status"], {"NTP_TOKEN": "t"}, 1, "not what ntpctl expects (KeyError"),
     ("ntpctl", ["--url", "http://127.0.0.1:9", "status"], {"NTP_TOKEN": "t"}, 3, "cannot reach the manager"),
     ("ntp-agent", ["--bogus"], {}, 2, "No such option: --bogus"),
     ("ntp-agent", ["--metrics-port", "abc"], {}, 2, "--metrics-port"),
