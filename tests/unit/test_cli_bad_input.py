@@ -147,3 +147,20 @@ def test_bad_input_as_a_real_process(argv: list[str], message: str) -> None:
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2, r.stderr
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in r.stderr, r.stderr
+
+
+def test_serve_on_a_port_in_use_says_so_and_stops(tmp_path: Path) -> None:
+    """The REST port is taken: one error line, status 2, and the gRPC server it had started is
+    stopped (before: its destructor's 'Event loop is closed' traceback followed the error)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "ntp_manager.cli", "serve", "--data-dir", str(tmp_path),
+                            "--http-port", str(port), "--grpc-port", "0"],
+                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2, r.stderr
+    assert lines == [f"error: cannot start: cannot bind REST to 127.0.0.1:{port} (Address already in use)"], r.stderr
