@@ -164,3 +164,15 @@ def test_serve_on_a_port_in_use_says_so_and_stops(tmp_path: Path) -> None:
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2, r.stderr
     assert lines == [f"error: cannot start: cannot bind REST to 127.0.0.1:{port} (Address already in use)"], r.stderr
+
+
+def test_a_tls_file_that_is_not_pem_is_named(tmp_path: Path) -> None:
+    """`serve --grpc-tls-cert F` with F not a PEM certificate: grpcio only logs 'Invalid cert chain
+    file' and fails to bind, which `serve` reported as 'cannot bind gRPC TLS to ...'."""
+    from ntp_manager.rpc.tls import server_credentials
+    from ntp_manager.settings import Settings
+
+    bad = tmp_path / "cert.pem"
+    bad.write_text("not a certificate\n")
+    with pytest.raises(OSError, match=r"grpc_tls_cert .*cert.pem: not a PEM certificate"):
+        server_credentials(Settings(data_dir=tmp_path, grpc_tls_cert=bad, grpc_tls_key=bad))
