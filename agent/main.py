@@ -120,10 +120,19 @@ def build(settings: AgentSettings) -> Agent:
         fail("no NVLink domain: NVML reports no fabric clique, so give --domain")
     if (settings.tls_cert is None) != (settings.tls_key is None):
         fail("--tls-cert and --tls-key go together")
-    for what, path in (("--tls-ca", settings.tls_ca), ("--tls-cert", settings.tls_cert),
-                       ("--tls-key", settings.tls_key)):
-        if path is not None and not path.is_file():
+    for what, path, kind in (("--tls-ca", settings.tls_ca, "CERTIFICATE"), ("--tls-cert", settings.tls_cert,
+                             "CERTIFICATE"), ("--tls-key", settings.tls_key, "PRIVATE KEY")):
+        if path is None:
+            continue
+        if not path.is_file():
             fail(f"{what} {path}: no such file")
+        try:
+            pem = path.read_bytes()
+        except OSError as e:
+            fail(f"{what} {path}: cannot read ({e.strerror})")
+        # grpcio would only log the bad file and retry the connection forever
+        if b"-----BEGIN " not in pem or f"{kind}-----".encode() not in pem:
+            fail(f"{what} {path}: not a PEM {kind.lower()}")
     cfg = AgentConfig(manager=settings.manager, token=token, node=node, domain=domain,
                       heartbeat_interval_s=settings.heartbeat_interval_s,
                       sample_interval_s=settings.sample_interval_s,

@@ -93,6 +93,8 @@ CASES: list[tuple[str, list[str], dict[str, str], int, str]] = [
      "cannot read"),
     ("ntp-agent", ["--token-file", "{tmp}/token", "--backend", "fake", "--scenario", SCENARIO],
      {"NTP_AGENT_XID_POLICY": "94=fail"}, 2, "xid_policy"),
+    ("ntp-agent", ["--token-file", "{tmp}/token", "--backend", "fake", "--scenario", SCENARIO, "--tls-ca",
+                   "{tmp}/token"], {}, 2, "--tls-ca {tmp}/token: not a PEM certificate"),
     ("ntp-agent", ["probe", "--backend", "quantum"], {}, 2, "backend must be nvml or fake"),
     ("ntp-agent", ["probe", "extra"], {}, 2, "unexpected extra argument"),
     ("ntp-run", [], {}, 2, "required: script"),
