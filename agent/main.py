@@ -109,6 +109,8 @@ def build(settings: AgentSettings) -> Agent:
         token = settings.token_file.read_text().strip()
     except OSError as e:
         fail(f"{settings.token_file}: cannot read the token ({e.strerror})")
+    except UnicodeDecodeError:
+        fail(f"{settings.token_file}: not a token file (not text)")
     if not token:
         fail(f"{settings.token_file}: the token file is empty")
     try:

@@ -72,6 +72,8 @@ class Ctx:
                 tok = self.token_file.read_text().strip()
             except OSError as e:
                 fail(f"{self.token_file}: cannot read the token ({e.strerror})", 2)
+            except UnicodeDecodeError:
+                fail(f"{self.token_file}: not a token file (not text)", 2)
             if not tok:
                 fail(f"{self.token_file} is empty", 2)
             return _header_safe(tok, str(self.token_file))
@@ -466,6 +468,8 @@ def submit(c: typer.Context, spec: Annotated[Path, typer.Argument(help="job spec
         doc = yaml.safe_load(spec.read_text())
     except OSError as e:
         fail(f"{spec}: cannot read ({e.strerror})", 2)
+    except UnicodeDecodeError:
+        fail(f"{spec}: not a text file (not UTF-8)", 2)
     except yaml.YAMLError as e:
         fail(f"{spec}: not YAML ({str(e).splitlines()[0]})", 2)
     body = doc.get("job", doc) if isinstance(doc, dict) else None

@@ -124,6 +124,8 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise SpecError(f"{path}: no such file") from None
     except OSError as e:
         raise SpecError(f"{path}: cannot read ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{path}: not a text file (not UTF-8)") from None
     except json.JSONDecodeError as e:
         raise SpecError(f"{path}: malformed JSON at line {e.lineno}: {e.msg}") from None
     if not isinstance(doc, dict):
@@ -315,6 +317,8 @@ def token_create(
             text = sys.stdin.read() if str(nodes_from) == "-" else nodes_from.read_text()
         except OSError as e:
             fail(f"{nodes_from}: cannot read ({e.strerror})")
+        except UnicodeDecodeError:
+            fail(f"{nodes_from}: not a text file (not UTF-8)")
         nodes = [line.strip() for line in text.splitlines() if line.strip()]
         made = _with_manager(settings, lambda m: m.token_service.create_agents(nodes, "cli"))
         for n, tok in made.items():

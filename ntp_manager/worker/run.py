@@ -128,7 +128,9 @@ def parse(argv: Sequence[str]) -> Options:
         try:
             token = Path(a.token_file).read_text().strip()
         except OSError as e:
-            raise UsageError(f"--token-file: {e}") from e
+            raise UsageError(f"--token-file {a.token_file}: cannot read ({e.strerror})") from None
+        except UnicodeDecodeError:
+            raise UsageError(f"--token-file {a.token_file}: not a token file (not text)") from None
     try:
         tp_list = [int(x) for x in a.tp.split(",")] if a.tp else []
     except ValueError:

@@ -65,6 +65,10 @@ CASES: list[tuple[str, list[str], dict[str, str], int, str]] = [
     ("ntp-manager", ["plan", "-c", CLUSTER, "-j", JOB, "--fail-random", "abc"], {}, 2, "--fail-random"),
     ("ntp-manager", ["plan", "-c", "{tmp}/nope.yaml", "-j", JOB], {}, 2, "nope.yaml: no such file"),
     ("ntp-manager", ["plan", "-c", CLUSTER, "-j", JOB, "--previous", "{tmp}"], {}, 2, "cannot read"),
+    ("ntp-manager", ["plan", "-c", "{tmp}/binary", "-j", JOB], {}, 2, "binary: not a text file"),
+    ("ntp-manager", ["plan", "-c", CLUSTER, "-j", JOB, "--previous", "{tmp}/binary"], {}, 2, "not a text file"),
+    ("ntp-manager", ["token", "create", "--scope", "agent", "--nodes-from", "{tmp}/binary", "--data-dir", "{tmp}"],
+     {}, 2, "not a text file"),
     ("ntp-manager", ["cluster", "generate", "--domains", "2", "--domain-size", "6"], {}, 2, "not a multiple"),
     ("ntp-manager", ["serve", "--http-port", "99999", "--data-dir", "{tmp}"], {}, 2, "http_port"),
     ("ntp-manager", ["token", "list", "--data-dir", "{tmp}"], {"NTP_CONFIG_FILE": "{tmp}/none.yaml"}, 2,
@@ -84,6 +88,8 @@ CASES: list[tuple[str, list[str], dict[str, str], int, str]] = [
     ("ntpctl", ["layout"], {"NTP_TOKEN": "t"}, 2, "Missing argument 'job'"),
     ("ntpctl", ["slow", "set", "j", "--set", "enter_margin"], {"NTP_TOKEN": "t"}, 2, "expected NAME=VALUE"),
     ("ntpctl", ["submit", "{tmp}/bad.yaml"], {"NTP_TOKEN": "t"}, 2, "not YAML"),
+    ("ntpctl", ["submit", "{tmp}/binary"], {"NTP_TOKEN": "t"}, 2, "not a text file"),
+    ("ntpctl", ["--token-file", "{tmp}/binary", "status"], {}, 2, "not a token file"),
     ("ntpctl", ["--url", "{www}", "status"], {"NTP_TOKEN": "t"}, 1, "not the manager's JSON"),
     ("ntpctl", ["--url", "{www}/json", "status"], {"NTP_TOKEN": "t"}, 1, "not what ntpctl expects (KeyError"),
     ("ntpctl", ["--url", "http://127.0.0.1:9", "status"], {"NTP_TOKEN": "t"}, 3, "cannot reach the manager"),
@@ -95,6 +101,8 @@ CASES: list[tuple[str, list[str], dict[str, str], int, str]] = [
      {"NTP_AGENT_XID_POLICY": "94=fail"}, 2, "xid_policy"),
     ("ntp-agent", ["--token-file", "{tmp}/token", "--backend", "fake", "--scenario", SCENARIO, "--tls-ca",
                    "{tmp}/token"], {}, 2, "--tls-ca {tmp}/token: not a PEM certificate"),
+    ("ntp-agent", ["--token-file", "{tmp}/binary", "--backend", "fake", "--scenario", SCENARIO], {}, 2,
+     "not a token file"),
     ("ntp-agent", ["probe", "--backend", "quantum"], {}, 2, "backend must be nvml or fake"),
     ("ntp-agent", ["probe", "extra"], {}, 2, "unexpected extra argument"),
     ("ntp-run", [], {}, 2, "required: script"),
@@ -103,6 +111,8 @@ CASES: list[tuple[str, list[str], dict[str, str], int, str]] = [
     ("ntp-run", ["--store", "host:port", SCENARIO], {}, 2, "--store must be HOST:PORT"),
     ("ntp-run", ["--store-port", "99999", SCENARIO], {}, 2, "--store-port must be 0-65535"),
     ("ntp-run", ["--nproc", "2", "{tmp}/nope.py"], {}, 2, "no such script"),
+    ("ntp-run", ["--manager", "m:1", "--gpus", "GPU-a", "--token-file", "{tmp}/binary", "x.py"], {}, 2,
+     "not a token file"),
 ]
 
 ENV_CLEARED = ("NTP_TOKEN", "NTP_TOKEN_FILE", "NTP_URL", "NTP_CONFIG_FILE", "NTP_MANAGER", "NTP_GPUS", "NTP_JOB")
@@ -117,6 +127,7 @@ def files(tmp_path: Path) -> Path:
     (tmp_path / "bad.yaml").write_text("key: [unclosed\n")
     (tmp_path / "list.yaml").write_text("- http_port\n")
     (tmp_path / "token").write_text("ntp_00000000_x\n")
+    (tmp_path / "binary").write_bytes(b"\xff\xfe\x00 not text")
     return tmp_path
 
 
