@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -244,6 +245,9 @@ def simulate(
     given = dict(locals())
     trace_mode = days is not None
     try:
+        for name, value in given.items():  # nan ran a trace forever; inf and nan made meaningless tables
+            if isinstance(value, float) and not math.isfinite(value):
+                raise SimError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
         refuse_inert_options(given, trace_mode, cluster is not None)
         p = preset(preset_name or "paper-32k")
         model = dataclasses.replace(
