@@ -45,7 +45,7 @@ err = Console(stderr=True)
 
 
 class AgentSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="NTP_AGENT_", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="NTP_AGENT_", extra="forbid", allow_inf_nan=False)
 
     # Every field's description is its line in docs/settings.md (tools/settings_doc.py writes it).
     manager: str = Field("127.0.0.1:50051", description="manager gRPC address HOST:PORT; several managers (one "

@@ -183,7 +183,7 @@ def root(
     token_file: Annotated[Path | None, typer.Option(envvar="NTP_TOKEN_FILE", help="file holding the token "
                                                     "(else NTP_TOKEN)")] = None,
     as_json: JsonOpt = False,
-    timeout: Annotated[float, typer.Option(min=0.1, help="seconds per request")] = 10.0,
+    timeout: Annotated[float, typer.Option(min=0.1, max=3600.0, help="seconds per request")] = 10.0,
 ) -> None:
     c.obj = Ctx(url, token_file, as_json, timeout)
 

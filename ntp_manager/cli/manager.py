@@ -139,7 +139,7 @@ def cluster_generate(
     domain_size: Annotated[int, typer.Option(min=1, help="GPUs per domain")],
     gpus_per_node: Annotated[int, typer.Option(min=1, help="GPUs per node")] = 4,
     name: Annotated[str, typer.Option(help="cluster name (seeds the GPU UUIDs)")] = "generated",
-    tdp_w: Annotated[float, typer.Option(min=1.0, help="per-GPU TDP in watts")] = 1000.0,
+    tdp_w: Annotated[float, typer.Option(min=1.0, max=100_000.0, help="per-GPU TDP in watts")] = 1000.0,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="write here, not stdout")] = None,
 ) -> None:
     """Write a cluster spec: DOMAINS domains of DOMAIN_SIZE GPUs, GPUS_PER_NODE per node."""

@@ -157,8 +157,8 @@ def parse(argv: Sequence[str]) -> Options:
             raise UsageError("--repair-at needs an earlier --fail-at")
         if a.fail_at >= 0 and tps[0] < 2:
             raise UsageError("--fail-at kills a rank of replica 0, which needs TP >= 2 to go on")
-    if a.batch_per_rank < 1 or a.max_restarts < 0 or a.restart_delay < 0:
-        raise UsageError("--batch-per-rank must be >= 1, --max-restarts and --restart-delay >= 0")
+    if a.batch_per_rank < 1 or a.max_restarts < 0 or not 0 <= a.restart_delay < 86400:
+        raise UsageError("--batch-per-rank must be >= 1, --max-restarts >= 0 and --restart-delay from 0 to 86400 s")
     if a.store:
         host, _, port = a.store.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
