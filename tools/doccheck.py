@@ -210,6 +210,21 @@ def rest_routes() -> list[tuple[re.Pattern[str], str, set[str]]]:
     return out
 
 
+def rest_bodies() -> dict[str, set[str]]:
+    """The JSON body's fields of each route template that takes one, from the OpenAPI document."""
+    doc = _app().openapi()
+    schemas = doc.get("components", {}).get("schemas", {})
+    out: dict[str, set[str]] = {}
+    for path, ops in doc["paths"].items():
+        for op in ops.values():
+            body = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
+            ref = body.get("$ref", "").rsplit("/", 1)[-1]
+            props = schemas.get(ref, body).get("properties", {})
+            if props:
+                out.setdefault(path, set()).update(props)
+    return out
+
+
 def rest_queries() -> dict[str, set[str]]:
     """Query parameters of each route template, from the app's OpenAPI document."""
     doc = _app().openapi()
@@ -285,13 +300,14 @@ class Reference:
     words: set[str]
     queries: dict[str, set[str]] = field(default_factory=dict)
     any_flags: set[str] = field(default_factory=set)  # every flag of every command, module and script of ours
+    bodies: dict[str, set[str]] = field(default_factory=dict)  # route template -> its JSON body's fields
     root: Path = ROOT
 
     @classmethod
     def load(cls) -> Reference:
         clis = commands()
         return cls(clis, makefile_targets(), rest_routes(), grpc_names(), env_names(), code_words(),
-                   rest_queries(), every_flag(clis))
+                   rest_queries(), every_flag(clis), rest_bodies())
 
 
 # ---- reading the markdown -----------------------------------------------------------------------
@@ -395,6 +411,9 @@ class Checker:
             before = line[: m.start()].rstrip("` ")
             verb = re.search(r"\b(GET|POST|PUT|PATCH|DELETE)$", before)
             yield from self._route(path, verb.group(1) if verb else None)
+            body = re.match(r"`\s*`(\{.*?\})`", line[m.end():])  # `/v1/x` `{a, b?, c: [..]}`: its body
+            if body is not None:
+                yield from self._body(path.partition("?")[0], body.group(1))
         for m in re.finditer(r"\b(ntp\.v1\.\w+(?:/\w+)?|\w+Service/\w+)", line):
             if m.group(1) not in self.ref.grpc:
                 yield f"gRPC name {m.group(1)} is not in proto/ntp/v1"
@@ -410,6 +429,30 @@ class Checker:
                              " ".join(cells[1:])):
             for method in methods:
                 yield from self._route(m.group(1), method)
+
+    def _body(self, path: str, text: str) -> Iterator[str]:
+        """`{job or spec, dry_run, fail: [uuid]}` or `{"options": {...}, "reset": false}`: each field
+        named must be one of the route's request body."""
+        fields: set[str] = set()
+        for rx, tpl, _ in self.ref.routes:
+            if rx.match(path):
+                fields |= self.ref.bodies.get(tpl, set())
+        if not fields:
+            return
+        depth, part, parts = 0, "", []
+        for ch in text[1:-1]:
+            depth += 1 if ch in "[{(" else -1 if ch in "]})" else 0
+            if ch == "," and depth == 0:
+                parts.append(part)
+                part = ""
+            else:
+                part += ch
+        parts.append(part)
+        for p in parts:
+            key = p.split(":", 1)[0]
+            for name in re.findall(r"\w+", key):
+                if name != "or" and name not in fields:
+                    yield f"REST {path} body has no field {name!r} (it has: {', '.join(sorted(fields))})"
 
     def _route(self, path: str, method: str | None) -> Iterator[str]:
         path, _, query = path.partition("?")

@@ -62,6 +62,8 @@ PLANTED = [
     ("Pass `--no-wayt` to stop early.", "no command or script here has an option --no-wayt"),
     ("Call `GET /v1/jobs/{name}/layout/history`.", "REST path /v1/jobs/{name}/layout/history is not a route"),
     ("Then `DELETE /v1/breaker`.", "REST DELETE /v1/breaker: the route takes GET"),
+    ("| POST | `/v1/nodes/{name}/drain` `{deadline, why}` | |", "REST /v1/nodes/{name}/drain body has no field 'why'"),
+    ("`PATCH /v1/failslow/options` `{\"options\": {}, \"rest\": false}`", "body has no field 'rest'"),
     ("| GET / DELETE | `/v1/maintenance/{id}` | |", "REST GET /v1/maintenance/{id}: the route takes DELETE"),
     ("Read `/v1/events?gpu=&since=`.", "REST /v1/events takes no query parameter 'since'"),
     ("Set NTP_HEARTBEAT_S to 5.", "environment variable NTP_HEARTBEAT_S is read nowhere"),
