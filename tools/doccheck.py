@@ -513,10 +513,12 @@ class Checker:
 
     def _names(self, text: str) -> Iterator[str]:
         """`suspect_after_s`, `make_plan(...)`, `planner.ranks`, `XidPolicy.default()`: in the code."""
-        msg = re.fullmatch(r"([A-Z]\w*)\{([\w\s,]*)\}", text)  # a message and its fields: `Welcome{a, b}`
+        # a message and its fields (`Welcome{a, b}`), a metric and its labels (`ntp_x_seconds{job}`)
+        msg = re.fullmatch(r"([A-Za-z_]\w*)\{([\w\s,]*)\}", text)
         if msg is not None:
             for name in [msg.group(1), *re.findall(r"\w+", msg.group(2))]:
-                if name not in self.ref.words:
+                # prometheus_client adds `_total` to a counter's name
+                if name not in self.ref.words and name.removesuffix("_total") not in self.ref.words:
                     yield f"{name!r} (in `{text}`) is no name in the code"
             return
         m = re.fullmatch(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?:\(.*\))?", text)
@@ -529,7 +531,8 @@ class Checker:
         if len(parts) == 1 and not called and not re.fullmatch(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)+", parts[0]):
             return  # a plain word: English as often as code
         for part in parts:
-            if part not in self.ref.words:
+            if part not in self.ref.words and not (len(parts) == 1 and part.endswith("_total")
+                                                   and part.removesuffix("_total") in self.ref.words):
                 yield f"{part!r} (in `{text}`) is no name in the code"
                 return
         for kw in re.findall(r"[(,]\s*([A-Za-z_]\w*)=", text[len(m.group(1)):]):  # `f(force_staging=True)`

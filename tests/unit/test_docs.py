@@ -72,6 +72,7 @@ PLANTED = [
     ("The manager waits `suspect_after_secs`.", "'suspect_after_secs' (in `suspect_after_secs`) is no name"),
     ("It answers `Welcome{leader_epoch, last_acked_sequence}`.",
      "'last_acked_sequence' (in `Welcome{leader_epoch, last_acked_sequence}`) is no name"),
+    ("Watch `ntp_job_stage_step_seconds{job,stag}`.", "'stag' (in `ntp_job_stage_step_seconds{job,stag}`) is no"),
     ("Set `RuntimeConfig(force_stagin=True)`.", "'force_stagin' (in `RuntimeConfig(force_stagin=True)`) is no name"),
 ]
 
