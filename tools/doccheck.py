@@ -250,6 +250,20 @@ def grpc_names() -> set[str]:
     return names
 
 
+def setting_defaults() -> dict[str, float]:
+    """Numeric defaults of the manager's and the agent's settings, by field name and by variable
+    (a field both have, like heartbeat_interval_s, by the manager's)."""
+    from agent.main import AgentSettings
+    from ntp_manager.settings import Settings
+
+    out: dict[str, float] = {}
+    for cls, prefix in ((AgentSettings, "NTP_AGENT_"), (Settings, "NTP_")):
+        for name, info in cls.model_fields.items():
+            if isinstance(info.default, int | float) and not isinstance(info.default, bool):
+                out[name] = out[f"{prefix}{name.upper()}"] = float(info.default)
+    return out
+
+
 def env_names() -> set[str]:
     """NTP_ variables: settings fields (prefix + name) and every name spelled out outside the docs."""
     from agent.main import AgentSettings
@@ -301,13 +315,14 @@ class Reference:
     queries: dict[str, set[str]] = field(default_factory=dict)
     any_flags: set[str] = field(default_factory=set)  # every flag of every command, module and script of ours
     bodies: dict[str, set[str]] = field(default_factory=dict)  # route template -> its JSON body's fields
+    defaults: dict[str, float] = field(default_factory=dict)  # setting (field or NTP_ name) -> numeric default
     root: Path = ROOT
 
     @classmethod
     def load(cls) -> Reference:
         clis = commands()
         return cls(clis, makefile_targets(), rest_routes(), grpc_names(), env_names(), code_words(),
-                   rest_queries(), every_flag(clis), rest_bodies())
+                   rest_queries(), every_flag(clis), rest_bodies(), setting_defaults())
 
 
 # ---- reading the markdown -----------------------------------------------------------------------
@@ -414,6 +429,16 @@ class Checker:
             body = re.match(r"`\s*`(\{.*?\})`", line[m.end():])  # `/v1/x` `{a, b?, c: [..]}`: its body
             if body is not None:
                 yield from self._body(path.partition("?")[0], body.group(1))
+        # `takeover_grace_s` (default 30 s), `token_poll_s` (0.25 s), `max_request_bytes` (default 4 MiB)
+        for m in re.finditer(r"`(NTP_[A-Z0-9_]+|[a-z][a-z0-9_]*)`\s*\((?:default\s+)?([0-9][0-9_,.]*)\s*(KiB|MiB|GiB)?",
+                             line):
+            if m.group(1) in self.ref.defaults:
+                said = float(m.group(2).rstrip(".").replace(",", "").replace("_", ""))
+                said *= {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}.get(m.group(3) or "", 1)
+                real = self.ref.defaults[m.group(1)]
+                if said != real:
+                    shown = f"{real:,.0f}" if real.is_integer() else f"{real:g}"
+                    yield f"{m.group(1)} defaults to {shown}, not {m.group(2)}{' ' + m.group(3) if m.group(3) else ''}"
         for m in re.finditer(r"\b(ntp\.v1\.\w+(?:/\w+)?|\w+Service/\w+)", line):
             if m.group(1) not in self.ref.grpc:
                 yield f"gRPC name {m.group(1)} is not in proto/ntp/v1"

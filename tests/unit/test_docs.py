@@ -66,6 +66,8 @@ PLANTED = [
     ("`PATCH /v1/failslow/options` `{\"options\": {}, \"rest\": false}`", "body has no field 'rest'"),
     ("| GET / DELETE | `/v1/maintenance/{id}` | |", "REST GET /v1/maintenance/{id}: the route takes DELETE"),
     ("Read `/v1/events?gpu=&since=`.", "REST /v1/events takes no query parameter 'since'"),
+    ("A new leader waits `takeover_grace_s` (default 20 s).", "takeover_grace_s defaults to 30, not 20"),
+    ("Bodies up to `NTP_MAX_REQUEST_BYTES` (8 MiB).", "NTP_MAX_REQUEST_BYTES defaults to 4,194,304, not 8 MiB"),
     ("Set NTP_HEARTBEAT_S to 5.", "environment variable NTP_HEARTBEAT_S is read nowhere"),
     ("It calls `ntp.v1.WorkerService/WatchLayouts`.", "gRPC name ntp.v1.WorkerService/WatchLayouts is not"),
     ("See `ntp_manager/service/leases.py`.", "no such file or directory: ntp_manager/service/leases.py"),
