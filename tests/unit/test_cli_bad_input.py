@@ -58,7 +58,7 @@ def not_a_manager() -> Iterator[str]:
 
 
 # (script, argv, environment, status, words of the message); {tmp}: the test's directory,
-# {www}: a loopback HTTP server that is not a manager
+# {www}: a loopback HTTP server that is not a manager, {closed}: a loopback address nothing answers
 CASES: list[tuple[str, list[str], dict[str, str], int, str]] = [
     ("ntp-manager", ["nosuch"], {}, 2, "No such command 'nosuch'"),
     ("ntp-manager", ["plan", "-c", CLUSTER], {}, 2, "Missing option '--job'"),
@@ -96,7 +96,7 @@ CASES: list[tuple[str, list[str], dict[str, str], int, str]] = [
     ("ntpctl", ["--token-file", "{tmp}/binary", "status"], {}, 2, "not a token file"),
     ("ntpctl", ["--url", "{www}", "status"], {"NTP_TOKEN": "t"}, 1, "not the manager's JSON"),
     ("ntpctl", ["--url", "{www}/json", "status"], {"NTP_TOKEN": "t"}, 1, "not what ntpctl expects (KeyError"),
-    ("ntpctl", ["--url", "http://127.0.0.1:9", "status"], {"NTP_TOKEN": "t"}, 3, "cannot reach the manager"),
+    ("ntpctl", ["--url", "{closed}", "status"], {"NTP_TOKEN": "t"}, 3, "cannot reach the manager"),
     ("ntp-agent", ["--bogus"], {}, 2, "No such option: --bogus"),
     ("ntp-agent", ["--token-file", "{tmp}/token", "--backend", "fake", "--scenario", SCENARIO],
      {"NTP_AGENT_HEARTBEAT_INTERVAL_S": "inf"}, 2, "heartbeat_interval_s"),
@@ -125,7 +125,18 @@ CASES: list[tuple[str, list[str], dict[str, str], int, str]] = [
 ENV_CLEARED = ("NTP_TOKEN", "NTP_TOKEN_FILE", "NTP_URL", "NTP_CONFIG_FILE", "NTP_MANAGER", "NTP_GPUS", "NTP_JOB")
 
 
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then let go)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _fill(text: str, tmp: Path, www: str) -> str:
+    if "{closed}" in text:
+        text = text.replace("{closed}", f"http://127.0.0.1:{_closed_port()}")
     return text.replace("{tmp}", str(tmp)).replace("{www}", www)
 
 
