@@ -8,6 +8,7 @@ import atexit
 import json
 import multiprocessing
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -68,6 +69,23 @@ def start_manager(
             return proc, json.loads(line.split(" ", 2)[2])
     proc.stdout.close()
     raise AssertionError(f"manager did not start (rc={proc.wait()})")
+
+
+def run_bounded(cmd: list[str], timeout: float, **kw: Any) -> subprocess.CompletedProcess[str]:
+    """`subprocess.run(cmd, capture_output=True, text=True)` in a session of its own. Past `timeout`
+    seconds the whole session (a launcher and the ranks it started) is killed and the test fails
+    with the output so far: a hang shows where it hung, and leaves no process behind. Keep
+    `timeout` below pytest-timeout's (pyproject.toml), which would stop the test without either."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, **kw)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd[:4])} ... still running after {timeout:.0f} s; "
+                             f"its output:\n{out[-12000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
 def _drain(out: IO[str]) -> None:

@@ -9,11 +9,12 @@ global batches and checks its losses and its shards of the final parameters agai
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.fakes.procs import run_bounded
 
 pytest.importorskip("transformers", reason="the Hugging Face tests need transformers (the dev extra)")
 
@@ -23,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_ntp_run_trains_hf_llama_through_a_kill_tp3_and_a_rejoin() -> None:
     cmd = [sys.executable, "-m", "ntp_manager.worker.run", "--nproc", "6", "--tp", "4,2", "--fail-at", "2",
            "--repair-at", "4", "examples/train_hf_llama.py", "--steps", "7", "--check", "--report-from", "r1g0"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=500)
-    text = out.stdout + out.stderr
+    out = run_bounded(cmd, 270, cwd=ROOT)
+    text = out.stdout
     assert out.returncode == 0, text[-4000:]
     checks = re.findall(r"\[(r\dg\d)\] check ok: (\d+) steps", text)
     assert sorted(w for w, _ in checks) == ["r0g0", "r0g1", "r0g2", "r0g3", "r1g0", "r1g1"], text[-4000:]
