@@ -47,7 +47,7 @@ slow-demo: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check ntp_manager agent tests bench examples tools
-	$(BIN)/mypy
+	$(BIN)/mypy ntp_manager agent tools  # pyproject's `files`, and the docs tools (not a STAMP input)
 
 # Tests are independent (own ports, own databases): one worker per core, whole files kept together
 # so that module-scoped fixtures are built once.
