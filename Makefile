@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo slow-demo ha-demo test bench proto lint typecheck venv clean gpu-wheels
+.PHONY: demo slow-demo ha-demo test bench proto docs lint venv clean gpu-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,8 +46,8 @@ slow-demo: $(STAMP)
 	$(BIN)/python -m ntp_manager.demo_slow
 
 lint: $(STAMP)
-	$(BIN)/ruff check ntp_manager agent tests bench examples
-	$(BIN)/mypy
+	$(BIN)/ruff check ntp_manager agent tests bench examples tools
+	$(BIN)/mypy ntp_manager agent tools  # pyproject's `files`, and the docs tools (not a STAMP input)
 
 # Tests are independent (own ports, own databases): one worker per core, whole files kept together
 # so that module-scoped fixtures are built once.
@@ -60,6 +60,10 @@ bench: $(STAMP)
 
 proto: $(STAMP)
 	$(BIN)/python -m ntp_manager.protogen
+
+# docs/settings.md from the settings classes (tests/unit/test_docs.py fails when it is stale)
+docs: $(STAMP)
+	$(BIN)/python tools/settings_doc.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

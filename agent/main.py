@@ -28,6 +28,7 @@ import json
 import signal
 import socket
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -44,24 +45,32 @@ err = Console(stderr=True)
 
 
 class AgentSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="NTP_AGENT_", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="NTP_AGENT_", extra="forbid", allow_inf_nan=False)
 
-    manager: str = "127.0.0.1:50051"
-    token_file: Path | None = None
-    backend: str = Field("nvml", pattern="^(nvml|fake)$")
-    scenario: Path | None = None
-    node: str = Field(default_factory=socket.gethostname)
-    domain: str | None = None
-    metrics_port: int = Field(0, ge=0, le=65535)  # 0: no metrics endpoint
-    heartbeat_interval_s: float = Field(2.0, gt=0)
-    sample_interval_s: float = Field(1.0, gt=0)
+    # Every field's description is its line in docs/settings.md (tools/settings_doc.py writes it).
+    manager: str = Field("127.0.0.1:50051", description="manager gRPC address HOST:PORT; several managers (one "
+                         "leads): HOST:PORT,HOST:PORT")
+    token_file: Path | None = Field(None, description="file holding this node's agent-scope token (required)")
+    backend: str = Field("nvml", pattern="^(nvml|fake)$", description="GPU backend: `nvml` (nvidia-ml-py) or "
+                         "`fake` (a scenario file)")
+    scenario: Path | None = Field(None, description="scenario YAML for the fake backend")
+    node: str = Field(default_factory=socket.gethostname, description="node name; default: the host name (the fake "
+                      "backend: the scenario's node)")
+    domain: str | None = Field(None, description="NVLink domain; default: from NVML fabric info (the fake backend: "
+                               "the scenario's)")
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus metrics port on 127.0.0.1 (0: off)")
+    heartbeat_interval_s: float = Field(2.0, gt=0, description="heartbeat period (keep it equal to the manager's "
+                                        "`heartbeat_interval_s`)")
+    sample_interval_s: float = Field(1.0, gt=0, description="GPU counters are sampled this often")
     # a per-GPU NVML call slower than this fails the GPU as hung (the loop and other GPUs go on)
-    gpu_call_timeout_s: float = Field(3.0, gt=0, le=60)
-    xid_policy: dict[str, str] = Field(default_factory=dict)  # overrides, e.g. {"94": "fail"}
-    log_format: str = Field("console", pattern="^(console|json)$")
-    tls_ca: Path | None = None
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
+    gpu_call_timeout_s: float = Field(3.0, gt=0, le=60, description="a per-GPU NVML call slower than this fails the "
+                                      "GPU as hung (the loop and other GPUs go on)")
+    xid_policy: dict[str, str] = Field(default_factory=dict, description="XID overrides as JSON, e.g. "
+                                       '`{"94": "fail"}` (agent/policy.py)')
+    log_format: str = Field("console", pattern="^(console|json)$", description="`console`, or `json` for production")
+    tls_ca: Path | None = Field(None, description="CA of the manager's certificate (PEM): connect over TLS")
+    tls_cert: Path | None = Field(None, description="this node's client certificate (PEM): mTLS; with `tls_key`")
+    tls_key: Path | None = Field(None, description="its private key (PEM)")
 
 
 def fail(msg: str) -> NoReturn:
@@ -100,6 +109,8 @@ def build(settings: AgentSettings) -> Agent:
         token = settings.token_file.read_text().strip()
     except OSError as e:
         fail(f"{settings.token_file}: cannot read the token ({e.strerror})")
+    except UnicodeDecodeError:
+        fail(f"{settings.token_file}: not a token file (not text)")
     if not token:
         fail(f"{settings.token_file}: the token file is empty")
     try:
@@ -111,10 +122,19 @@ def build(settings: AgentSettings) -> Agent:
         fail("no NVLink domain: NVML reports no fabric clique, so give --domain")
     if (settings.tls_cert is None) != (settings.tls_key is None):
         fail("--tls-cert and --tls-key go together")
-    for what, path in (("--tls-ca", settings.tls_ca), ("--tls-cert", settings.tls_cert),
-                       ("--tls-key", settings.tls_key)):
-        if path is not None and not path.is_file():
+    for what, path, kind in (("--tls-ca", settings.tls_ca, "CERTIFICATE"), ("--tls-cert", settings.tls_cert,
+                             "CERTIFICATE"), ("--tls-key", settings.tls_key, "PRIVATE KEY")):
+        if path is None:
+            continue
+        if not path.is_file():
             fail(f"{what} {path}: no such file")
+        try:
+            pem = path.read_bytes()
+        except OSError as e:
+            fail(f"{what} {path}: cannot read ({e.strerror})")
+        # grpcio would only log the bad file and retry the connection forever
+        if b"-----BEGIN " not in pem or f"{kind}-----".encode() not in pem:
+            fail(f"{what} {path}: not a PEM {kind.lower()}")
     cfg = AgentConfig(manager=settings.manager, token=token, node=node, domain=domain,
                       heartbeat_interval_s=settings.heartbeat_interval_s,
                       sample_interval_s=settings.sample_interval_s,
@@ -198,6 +218,8 @@ def main_cmd(
     except ValidationError as e:
         first = e.errors()[0]
         fail(f"settings: {'.'.join(str(x) for x in first['loc'])}: {first['msg']}")
+    except ValueError as e:  # pydantic-settings: an NTP_AGENT_ value it cannot parse (xid_policy is JSON)
+        fail(f"settings: {' '.join(str(e).split())} (NTP_AGENT_XID_POLICY takes JSON, e.g. '{{\"94\": \"fail\"}}')")
     from ntp_manager.logs import configure_logging
 
     configure_logging(settings.log_format)
@@ -271,15 +293,15 @@ def probe_cmd(
         render_probe(doc)
 
 
-def main() -> None:
-    try:
-        if sys.argv[1:2] == ["probe"]:
-            probe_app(args=sys.argv[2:], prog_name="ntp-agent probe")
-        else:
-            app()
-    except KeyboardInterrupt:
-        sys.exit(130)
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `ntp-agent` console script: the exit status (usage errors are one line, ntp_manager/usage.py)."""
+    from ntp_manager.usage import run_app
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["probe"]:
+        return run_app(probe_app, args[1:], "ntp-agent probe")
+    return run_app(app, args, "ntp-agent")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

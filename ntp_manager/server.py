@@ -58,8 +58,13 @@ async def run_service(settings: Settings, stop: asyncio.Event | None = None) -> 
     rpc = RpcServer(manager)
     grpc_port = await rpc.start(settings.grpc_host, settings.grpc_port)
     sock = socket.socket(socket.AF_INET6 if ":" in settings.http_host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((settings.http_host, settings.http_port))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((settings.http_host, settings.http_port))
+    except OSError as e:  # in use, or no such address: stop the gRPC server first (no half-started process)
+        sock.close()
+        await rpc.stop(grace=0)
+        raise OSError(f"cannot bind REST to {settings.http_host}:{settings.http_port} ({e.strerror or e})") from None
     http_port = sock.getsockname()[1]
     manager.leadership.advertise(f"{_reachable(settings.http_host)}:{http_port}",
                                  f"{_reachable(settings.grpc_host)}:{grpc_port}")

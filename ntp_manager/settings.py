@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import yaml
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
 
@@ -17,51 +18,75 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="NTP_", extra="forbid", allow_inf_nan=False)
 
-    data_dir: Path = Path("data")
-    database_url: str | None = None  # default: SQLite file under data_dir
-    http_host: str = "127.0.0.1"
-    http_port: int = Field(8080, ge=0, le=65535)
-    grpc_host: str = "127.0.0.1"
-    grpc_port: int = Field(50051, ge=0, le=65535)
-    heartbeat_interval_s: float = Field(2.0, gt=0)
-    suspect_after_s: float = Field(6.0, gt=0)  # missed heartbeats -> suspect
-    fail_after_s: float = Field(20.0, gt=0)  # still silent -> failed
-    breaker_share: float = Field(0.2, gt=0, le=1)  # more than this share failing within the window...
-    breaker_window_s: float = Field(60.0, gt=0)  # ...opens the circuit breaker
-    breaker_min_gpus: int = Field(4, ge=1)  # never trip on fewer failures than this
+    # Every field's description is its line in docs/settings.md (tools/settings_doc.py writes it).
+    data_dir: Path = Field(Path("data"), description="directory of the SQLite file `ntp-manager.db` (and its lock)")
+    database_url: str | None = Field(None, description="SQLAlchemy URL, e.g. `postgresql+asyncpg://user@host/db` "
+                                     "(several managers need PostgreSQL); default: SQLite in `data_dir`")
+    http_host: str = Field("127.0.0.1", description="REST and dashboard bind address (loopback unless told otherwise)")
+    http_port: int = Field(8080, ge=0, le=65535, description="REST port (0: any free port)")
+    grpc_host: str = Field("127.0.0.1", description="gRPC bind address (agents and workers)")
+    grpc_port: int = Field(50051, ge=0, le=65535, description="plaintext gRPC port (0: any free port)")
+    heartbeat_interval_s: float = Field(2.0, gt=0, description="heartbeat period told to agents in the welcome; "
+                                        "also paces the liveness check (agents beat at their own setting)")
+    suspect_after_s: float = Field(6.0, gt=0, description="a node silent this long makes its healthy GPUs suspect "
+                                   "(still placeable)")
+    fail_after_s: float = Field(20.0, gt=0, description="a node silent this long fails its GPUs "
+                                "(must exceed `suspect_after_s`)")
+    breaker_share: float = Field(0.2, gt=0, le=1, description="circuit breaker: more than this share of the GPUs "
+                                 "failing within `breaker_window_s` stops automatic replanning")
+    breaker_window_s: float = Field(60.0, gt=0, description="circuit breaker: the window failures are counted in")
+    breaker_min_gpus: int = Field(4, ge=1, description="circuit breaker: never trips on fewer failures than this")
     # Fleet base power cap: healthy GPUs run at this share of their maximum limit (never above their
     # default), so that reduced TP groups can be boosted up to the maximum (docs/planner.md).
-    power_base_cap: float | None = Field(None, gt=0, le=1)
-    log_format: str = Field("console", pattern="^(console|json)$")
+    power_base_cap: float | None = Field(None, gt=0, le=1, description="fleet base power cap as a share of each "
+                                         "GPU's max limit (e.g. 0.85); boosted GPUs may go up to the max; "
+                                         "unset: no base cap")
+    log_format: str = Field("console", pattern="^(console|json)$", description="`console`, or `json` for production "
+                            "(structlog)")
     leader_id: str = Field(default_factory=lambda: f"{os.uname().nodename}:{os.getpid()}", min_length=1,
-                           max_length=200)
+                           max_length=200, description="this manager's name in the lease row and the database "
+                           "sessions")
     # Several managers on PostgreSQL (service/leader.py, docs/operations.md): the leader renews its
     # lease every `lease_renew_s`; a standby takes over once `lease_ttl_s` passed without a renewal
     # (the database's clock). A new leader gives agents `takeover_grace_s` to reconnect before it
     # counts any node's silence against its GPUs.
-    lease_ttl_s: float = Field(10.0, gt=0, le=3600)
-    lease_renew_s: float = Field(3.0, gt=0)
-    takeover_grace_s: float = Field(30.0, ge=0, le=3600)
+    lease_ttl_s: float = Field(10.0, gt=0, le=3600, description="several managers: a standby takes over once the "
+                               "lease went this long without a renewal")
+    lease_renew_s: float = Field(3.0, gt=0, description="several managers: the leader renews its lease this often "
+                                 "(at most half of `lease_ttl_s`)")
+    takeover_grace_s: float = Field(30.0, ge=0, le=3600, description="a new leader counts every node as seen for "
+                                    "this long before silence counts")
     # what clients of a standby are told (default: the bound host and port, as this manager sees them)
-    advertise_http: str | None = Field(None, max_length=500)
-    advertise_grpc: str | None = Field(None, max_length=500)
+    advertise_http: str | None = Field(None, max_length=500, description="the REST address a standby names to "
+                                       "clients; default: the bound host and port (a wildcard bind: the host name)")
+    advertise_grpc: str | None = Field(None, max_length=500, description="the gRPC address a standby names to "
+                                       "agents and workers; default as for `advertise_http`")
     # sizes: what this manager's cluster can hold; larger inventories and jobs are refused
-    max_cluster_gpus: int = Field(100_000, ge=1, le=4_194_304)
-    max_request_bytes: int = Field(4 * 2**20, ge=1024, le=2**30)  # REST bodies; larger -> 413
-    token_poll_s: float = Field(0.25, gt=0, le=5)  # token changes made elsewhere show within this
-    loop_warn_ms: float = Field(100.0, gt=0)  # event-loop watchdog warns above this
+    max_cluster_gpus: int = Field(100_000, ge=1, le=4_194_304, description="the most GPUs this manager holds: "
+                                  "inventories and jobs past it are refused")
+    max_request_bytes: int = Field(4 * 2**20, ge=1024, le=2**30, description="REST bodies past this get 413 (read "
+                                   "only after the token checks out)")
+    token_poll_s: float = Field(0.25, gt=0, le=5, description="tokens made or revoked elsewhere (CLI, another "
+                                "manager) take effect within this")
+    loop_warn_ms: float = Field(100.0, gt=0, description="the event-loop watchdog warns, with the stack, when a "
+                                "callback holds the loop longer")
     # plan in a process of its own (service/planproc.py); off, or where none can start: a thread
-    plan_process: bool = True
+    plan_process: bool = Field(True, description="plan in a long-lived process of its own (false, or where none "
+                               "can start: in a thread)")
     # group commit: reports, heartbeat transitions and hellos queued while a commit runs go into the
     # next one; an idle committer first waits this long for more (0: commit at once)
-    group_commit_window_ms: float = Field(1.0, ge=0, le=5)
+    group_commit_window_ms: float = Field(1.0, ge=0, le=5, description="group commit: an idle committer waits this "
+                                          "long for more reports before it commits (0: at once)")
     # gRPC TLS: server certificate and key (PEM); with a client CA, agents must present a
     # certificate it signed (mTLS). See docs/security.md.
-    grpc_tls_host: str | None = None  # default: grpc_host
-    grpc_tls_port: int = Field(50052, ge=0, le=65535)
-    grpc_tls_cert: Path | None = None
-    grpc_tls_key: Path | None = None
-    grpc_tls_client_ca: Path | None = None
+    grpc_tls_host: str | None = Field(None, description="TLS gRPC bind address; default: `grpc_host`")
+    grpc_tls_port: int = Field(50052, ge=0, le=65535, description="TLS gRPC port, served beside the plaintext one "
+                               "when `grpc_tls_cert` is set (0: any free port)")
+    grpc_tls_cert: Path | None = Field(None, description="server certificate (PEM) for gRPC TLS; with "
+                                       "`grpc_tls_key`")
+    grpc_tls_key: Path | None = Field(None, description="its private key (PEM)")
+    grpc_tls_client_ca: Path | None = Field(None, description="CA (PEM) that signs agents' client certificates: "
+                                            "mTLS, required of agents on the TLS port")
 
     @field_validator("fail_after_s")
     @classmethod
@@ -98,6 +123,16 @@ class Settings(BaseSettings):
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         config_file = os.environ.get("NTP_CONFIG_FILE")
         if config_file:
+            # a file that is not there is an error, not an empty configuration (pydantic-settings
+            # would skip it silently, and the manager would run on defaults)
+            if not Path(config_file).is_file():
+                raise ValueError(f"NTP_CONFIG_FILE={config_file}: no such file")
+            try:
+                doc = yaml.safe_load(Path(config_file).read_text())
+            except (yaml.YAMLError, UnicodeDecodeError) as e:
+                raise ValueError(f"NTP_CONFIG_FILE={config_file}: not YAML ({' '.join(str(e).split())})") from None
+            if doc is not None and not isinstance(doc, dict):
+                raise ValueError(f"NTP_CONFIG_FILE={config_file}: expected a mapping of setting names to values")
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=config_file))
         return tuple(sources)
 

@@ -256,6 +256,8 @@ def _read_yaml(path: Path) -> Any:
         raise SpecError(f"{path}: no such file") from None
     except OSError as e:
         raise SpecError(f"{path}: cannot read ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{path}: not a text file (not UTF-8)") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

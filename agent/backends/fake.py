@@ -104,6 +104,8 @@ def load_scenario(path: str | Path) -> Scenario:
         data = yaml.safe_load(p.read_text())
     except FileNotFoundError:
         raise ScenarioError(f"{p}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:  # a directory, no permission, not text
+        raise ScenarioError(f"{p}: cannot read ({getattr(e, 'strerror', None) or e})") from None
     except yaml.YAMLError as e:
         raise ScenarioError(f"{p}: malformed YAML: {getattr(e, 'problem', e)}") from None
     return parse_scenario(data or {}, str(p))

@@ -1,5 +1,7 @@
 """`python -m ntp_manager.cli`: the `ntp-manager` command."""
 
+import sys
+
 from ntp_manager.cli.manager import main
 
-main()
+sys.exit(main())

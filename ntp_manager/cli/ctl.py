@@ -15,8 +15,9 @@ With several managers (one leads, the others stand by), give every address:
 NTP_URL=http://a:8080,http://b:8080; each request goes to whichever leads.
 
 Every command takes `--json` (machine-readable output, the API's own JSON). Errors are one line on
-stderr and a non-zero exit: 2 for usage and missing tokens, 1 for requests the manager refused
-(401/403/404/409/422, with its message), 3 when the manager cannot be reached.
+stderr and a non-zero exit: 2 for usage (a bad option, value or address) and missing tokens, 1 for
+requests the manager refused (401/403/404/409/422, with its message) and answers that are not its
+JSON, 3 when the manager cannot be reached.
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import time
+import urllib.parse
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, cast
@@ -34,6 +38,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 from tenacity import RetryCallState, wait_exponential_jitter
+
+from ntp_manager.usage import run_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Operate an ntp-manager cluster.")
 token_app = typer.Typer(no_args_is_help=True, help="Manage API tokens (admin scope).")
@@ -50,6 +56,13 @@ ROUNDS = 3  # passes over the managers' addresses before giving up (a failover t
 class Ctx:
     def __init__(self, url: str, token_file: Path | None, as_json: bool, timeout: float) -> None:
         self.urls = [u.strip().rstrip("/") for u in url.split(",") if u.strip()] or ["http://127.0.0.1:8080"]
+        for u in self.urls:
+            try:
+                ok = httpx.URL(u).scheme in ("http", "https") and bool(httpx.URL(u).host)
+            except httpx.InvalidURL:
+                ok = False
+            if not ok:
+                fail(f"--url / NTP_URL: {u!r} is not an http:// or https:// address (like http://127.0.0.1:8080)", 2)
         self.url = self.urls[0]
         self.token_file, self.as_json, self.timeout = token_file, as_json, timeout
 
@@ -59,25 +72,29 @@ class Ctx:
                 tok = self.token_file.read_text().strip()
             except OSError as e:
                 fail(f"{self.token_file}: cannot read the token ({e.strerror})", 2)
+            except UnicodeDecodeError:
+                fail(f"{self.token_file}: not a token file (not text)", 2)
             if not tok:
                 fail(f"{self.token_file} is empty", 2)
-            return tok
+            return _header_safe(tok, str(self.token_file))
         tok = os.environ.get("NTP_TOKEN", "").strip()
         if not tok:
             fail("no token: set NTP_TOKEN or pass --token-file", 2)
-        return tok
+        return _header_safe(tok, "NTP_TOKEN")
 
     def call(self, method: str, path: str, **kw: Any) -> Any:
         r = self._send(method, path, {"Authorization": f"Bearer {self.token()}"}, **kw)
+        try:
+            doc = r.json()
+        except ValueError:  # not the manager's API (a proxy's error page, another server at that address)
+            fail(f"{r.status_code} from {self.url}{path}, and not the manager's JSON "
+                 f"({r.headers.get('content-type', 'no content type')}): is --url / NTP_URL right?", 1)
         if r.status_code >= 400:
-            try:
-                detail = r.json().get("detail", r.text)
-            except ValueError:
-                detail = r.text
+            detail = doc.get("detail", r.text) if isinstance(doc, dict) else r.text
             if isinstance(detail, list):  # validation errors
                 detail = "; ".join(f"{'.'.join(str(x) for x in d.get('loc', []))}: {d.get('msg')}" for d in detail)
-            fail(f"{r.status_code}: {detail}", 1)
-        return r.json()
+            fail(f"{r.status_code}: {' '.join(str(detail).split())}", 1)
+        return doc
 
     def _send(self, method: str, path: str, headers: dict[str, str], **kw: Any) -> httpx.Response:
         """The request, made to the manager that leads. With several addresses (NTP_URL=a,b): a
@@ -118,6 +135,17 @@ class Ctx:
         fail(f"cannot reach the manager at {', '.join(self.urls)} ({'; '.join(errors[-len(self.urls):])})", 3)
 
 
+def _q(segment: str) -> str:
+    """A name as one path segment: `a/../tokens/x` must not reach another endpoint."""
+    return urllib.parse.quote(segment, safe="")
+
+
+def _header_safe(token: str, source: str) -> str:
+    if not token.isascii() or not token.isprintable():
+        fail(f"{source}: the token holds characters an HTTP header cannot carry", 2)
+    return token
+
+
 class _Attempt:
     """The bit of tenacity's RetryCallState its wait strategies read."""
 
@@ -155,7 +183,7 @@ def root(
     token_file: Annotated[Path | None, typer.Option(envvar="NTP_TOKEN_FILE", help="file holding the token "
                                                     "(else NTP_TOKEN)")] = None,
     as_json: JsonOpt = False,
-    timeout: Annotated[float, typer.Option(min=0.1, help="seconds per request")] = 10.0,
+    timeout: Annotated[float, typer.Option(min=0.1, max=3600.0, help="seconds per request")] = 10.0,
 ) -> None:
     c.obj = Ctx(url, token_file, as_json, timeout)
 
@@ -266,11 +294,11 @@ def layout(c: typer.Context, job: str, history: Annotated[bool, typer.Option(hel
     it, or its history (replicas per TP degree of each version)."""
     cx = ctx_of(c)
     if history:
-        d = cx.call("GET", f"/v1/jobs/{job}/layouts", params={"limit": 1000, "replicas_limit": 0})
+        d = cx.call("GET", f"/v1/jobs/{_q(job)}/layouts", params={"limit": 1000, "replicas_limit": 0})
         rows = [[x["version"], x["created_at"][:19], x["reason"], _tp_counts(x.get("counts"))] for x in d["items"]]
         emit(c, d, as_json, table(f"layouts of {job}", ["version", "created", "reason", "replicas"], rows))
         return
-    path = f"/v1/jobs/{job}/layout" if version is None else f"/v1/jobs/{job}/layouts/{version}"
+    path = f"/v1/jobs/{_q(job)}/layout" if version is None else f"/v1/jobs/{_q(job)}/layouts/{version}"
     d = cx.call("GET", path, params={"limit": limit, "offset": offset})
     plan = d.get("plan", d)
     rows = [[r["id"], r["tp"], r["local_batch"], ", ".join(g["domain"] for g in r["groups"]),
@@ -289,7 +317,7 @@ def checkpoints(c: typer.Context, job: str,
     """A job's checkpoints, newest first: step, time, complete / verified, size (read by the
     manager from the spec's checkpoint.dir; "verified": manifest intact and every file present at
     its recorded size, the workers hash the contents when they load)."""
-    d = ctx_of(c).call("GET", f"/v1/jobs/{job}/checkpoints", params={"limit": limit})
+    d = ctx_of(c).call("GET", f"/v1/jobs/{_q(job)}/checkpoints", params={"limit": limit})
     rows = [[x["step"], _when(x["at"]), "yes" if x["complete"] else "no", "yes" if x["verified"] else "no",
              _size(x["bytes"]), x["name"], x["problem"]] for x in d["items"]]
     more = f" (newest {len(rows)} of {d['total']})" if d["total"] > len(rows) else ""
@@ -355,7 +383,7 @@ Reason = Annotated[str, typer.Option("--reason", help="why (kept in the audit lo
 
 
 def _gpu_op(c: typer.Context, op: str, uuid: str, reason: str, as_json: bool) -> None:
-    d = ctx_of(c).call("POST", f"/v1/gpus/{uuid}/{op}", json={"reason": reason})
+    d = ctx_of(c).call("POST", f"/v1/gpus/{_q(uuid)}/{op}", json={"reason": reason})
     emit(c, d, as_json, text=f"{uuid}: {op} done")
 
 
@@ -401,14 +429,14 @@ def drain(c: typer.Context, node: str, reason: Reason,
           as_json: JsonOpt = False) -> None:
     """Drain a node by a deadline: jobs move off it before then."""
     deadline = parse_deadline(at, within)
-    d = ctx_of(c).call("POST", f"/v1/nodes/{node}/drain", json={"deadline": deadline.isoformat(), "reason": reason})
+    d = ctx_of(c).call("POST", f"/v1/nodes/{_q(node)}/drain", json={"deadline": deadline.isoformat(), "reason": reason})
     emit(c, d, as_json, text=f"{node}: draining by {deadline.isoformat(timespec='seconds')}")
 
 
 @app.command()
 def undrain(c: typer.Context, node: str, reason: Reason, as_json: JsonOpt = False) -> None:
     """Cancel a node's drain."""
-    d = ctx_of(c).call("POST", f"/v1/nodes/{node}/undrain", json={"reason": reason})
+    d = ctx_of(c).call("POST", f"/v1/nodes/{_q(node)}/undrain", json={"reason": reason})
     emit(c, d, as_json, text=f"{node}: drain cancelled")
 
 
@@ -440,6 +468,8 @@ def submit(c: typer.Context, spec: Annotated[Path, typer.Argument(help="job spec
         doc = yaml.safe_load(spec.read_text())
     except OSError as e:
         fail(f"{spec}: cannot read ({e.strerror})", 2)
+    except UnicodeDecodeError:
+        fail(f"{spec}: not a text file (not UTF-8)", 2)
     except yaml.YAMLError as e:
         fail(f"{spec}: not YAML ({str(e).splitlines()[0]})", 2)
     body = doc.get("job", doc) if isinstance(doc, dict) else None
@@ -452,7 +482,7 @@ def submit(c: typer.Context, spec: Annotated[Path, typer.Argument(help="job spec
 @app.command("delete-job")
 def delete_job(c: typer.Context, job: str, as_json: JsonOpt = False) -> None:
     """Delete a job (its workers lose their place)."""
-    d = ctx_of(c).call("DELETE", f"/v1/jobs/{job}")
+    d = ctx_of(c).call("DELETE", f"/v1/jobs/{_q(job)}")
     emit(c, d, as_json, text=f"job {job} deleted")
 
 
@@ -461,7 +491,7 @@ def delete_job(c: typer.Context, job: str, as_json: JsonOpt = False) -> None:
 def slow_show(c: typer.Context, job: str, as_json: JsonOpt = False) -> None:
     """Each GPU's step factor (observed / predicted, against its peers) and the newest verdicts."""
     cx = ctx_of(c)
-    d = cx.call("GET", f"/v1/jobs/{job}/slow")
+    d = cx.call("GET", f"/v1/jobs/{_q(job)}/slow")
     rows = [[r["gpu"], r["stage"], r["tp_group"], "" if r["factor"] is None else f"{r['factor']:.3f}",
              "[red]slow[/]" if r["slow"] else "", "" if r["since_step"] is None else r["since_step"],
              f"{r['compute_s']:.4f}", "" if r["predicted_s"] is None else f"{r['predicted_s']:.4f}"]
@@ -513,7 +543,7 @@ def slow_set(c: typer.Context,
         changes["dry_run"] = dry_run
     if not changes and not reset:
         fail("nothing to change: give --set, --dry-run/--act or --reset", 2)
-    path = "/v1/failslow/options" if defaults else f"/v1/jobs/{job}/slow/options"
+    path = "/v1/failslow/options" if defaults else f"/v1/jobs/{_q(job or '')}/slow/options"
     d = ctx_of(c).call("PATCH", path, json={"options": changes, "reset": reset})
     changed = ", ".join(f"{k}={v}" for k, v in d["changed"].items()) or "nothing changed"
     emit(c, d, as_json, text=f"fail-slow options of {job or 'every job'}: {changed}")
@@ -549,13 +579,21 @@ def token_create(c: typer.Context, name: str,
 @token_app.command("revoke")
 def token_revoke(c: typer.Context, token_id: str, as_json: JsonOpt = False) -> None:
     """Revoke a token by id."""
-    d = ctx_of(c).call("DELETE", f"/v1/tokens/{token_id}")
+    d = ctx_of(c).call("DELETE", f"/v1/tokens/{_q(token_id)}")
     emit(c, d, as_json, text=f"token {token_id} revoked")
 
 
-def main() -> None:
-    app()
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `ntpctl` console script: the exit status (usage errors are one line, ntp_manager/usage.py).
+    JSON that lacks what a command reads (--url names another JSON service, or a manager of another
+    version) is one line too, status 1, with what was missing."""
+    try:
+        return run_app(app, argv, "ntpctl")
+    except (KeyError, TypeError, AttributeError) as e:
+        err.print(f"[bold red]error:[/] the answer is not what ntpctl expects ({type(e).__name__}: {e}): is "
+                  "--url / NTP_URL a manager of this version?", highlight=False)
+        return 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

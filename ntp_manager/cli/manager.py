@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import random
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -18,13 +18,14 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from ntp_manager.cli.common import err_console, fail
+from ntp_manager.cli.common import fail
 from ntp_manager.cli.simulate import simulate
 from ntp_manager.planner import GroupPlan, Plan, PlanError, PreviousLayout, ReplicaPlan, make_plan
 from ntp_manager.planner.export import plan_to_dict
 from ntp_manager.settings import Settings
 from ntp_manager.specfile import SpecError, load_cluster, load_job
 from ntp_manager.topology import Cluster, GpuState, TopologyError
+from ntp_manager.usage import run_app
 
 app = typer.Typer(
     name="ntp-manager",
@@ -123,6 +124,8 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise SpecError(f"{path}: no such file") from None
     except OSError as e:
         raise SpecError(f"{path}: cannot read ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{path}: not a text file (not UTF-8)") from None
     except json.JSONDecodeError as e:
         raise SpecError(f"{path}: malformed JSON at line {e.lineno}: {e.msg}") from None
     if not isinstance(doc, dict):
@@ -136,7 +139,7 @@ def cluster_generate(
     domain_size: Annotated[int, typer.Option(min=1, help="GPUs per domain")],
     gpus_per_node: Annotated[int, typer.Option(min=1, help="GPUs per node")] = 4,
     name: Annotated[str, typer.Option(help="cluster name (seeds the GPU UUIDs)")] = "generated",
-    tdp_w: Annotated[float, typer.Option(min=1.0, help="per-GPU TDP in watts")] = 1000.0,
+    tdp_w: Annotated[float, typer.Option(min=1.0, max=100_000.0, help="per-GPU TDP in watts")] = 1000.0,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="write here, not stdout")] = None,
 ) -> None:
     """Write a cluster spec: DOMAINS domains of DOMAIN_SIZE GPUs, GPUS_PER_NODE per node."""
@@ -174,11 +177,14 @@ def _settings(**overrides: object) -> Settings:
     except ValidationError as e:
         first = e.errors()[0]
         fail(f"settings: {'.'.join(str(x) for x in first['loc'])}: {first['msg']}")
+    except (ValueError, yaml.YAMLError) as e:  # NTP_CONFIG_FILE missing or not YAML; a malformed NTP_ value
+        fail(f"settings: {' '.join(str(e).split())}")
 
 
 def _run_db(coro_fn: Callable[[Any], Awaitable[Any]], settings: Settings) -> Any:
     import asyncio
 
+    from alembic.util import CommandError
     from sqlalchemy.exc import SQLAlchemyError
 
     from ntp_manager.store.db import make_engine
@@ -196,6 +202,8 @@ def _run_db(coro_fn: Callable[[Any], Awaitable[Any]], settings: Settings) -> Any
         return asyncio.run(go())
     except (SQLAlchemyError, OSError) as e:
         fail(f"database {settings.effective_database_url!r}: {str(e).splitlines()[0]}")
+    except CommandError as e:  # alembic: no such revision, and the like
+        fail(f"migrations: {str(e).splitlines()[0]}")
 
 
 DataDir = Annotated[Path | None, typer.Option("--data-dir", help="data directory (SQLite file lives here)")]
@@ -238,7 +246,8 @@ def serve(
 
 
 @db_app.command("upgrade")
-def db_upgrade(revision: str = "head", data_dir: DataDir = None, database_url: DbUrl = None) -> None:
+def db_upgrade(revision: Annotated[str, typer.Argument(help="target revision")] = "head", data_dir: DataDir = None,
+               database_url: DbUrl = None) -> None:
     """Apply migrations up to REVISION (default head)."""
     from ntp_manager.store import db
 
@@ -252,7 +261,8 @@ def db_upgrade(revision: str = "head", data_dir: DataDir = None, database_url: D
 
 
 @db_app.command("downgrade")
-def db_downgrade(revision: str = "base", data_dir: DataDir = None, database_url: DbUrl = None) -> None:
+def db_downgrade(revision: Annotated[str, typer.Argument(help="target revision (base: an empty schema)")] = "base",
+                 data_dir: DataDir = None, database_url: DbUrl = None) -> None:
     """Revert migrations down to REVISION (default base: an empty schema)."""
     from ntp_manager.store import db
 
@@ -307,6 +317,8 @@ def token_create(
             text = sys.stdin.read() if str(nodes_from) == "-" else nodes_from.read_text()
         except OSError as e:
             fail(f"{nodes_from}: cannot read ({e.strerror})")
+        except UnicodeDecodeError:
+            fail(f"{nodes_from}: not a text file (not UTF-8)")
         nodes = [line.strip() for line in text.splitlines() if line.strip()]
         made = _with_manager(settings, lambda m: m.token_service.create_agents(nodes, "cli"))
         for n, tok in made.items():
@@ -349,13 +361,10 @@ def token_revoke(
 app.command("simulate")(simulate)
 
 
-def main() -> None:
-    try:
-        app()
-    except KeyboardInterrupt:
-        err_console.print("interrupted")
-        sys.exit(130)
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `ntp-manager` console script: the exit status (usage errors are one line, ntp_manager/usage.py)."""
+    return run_app(app, argv, "ntp-manager")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -244,6 +245,9 @@ def simulate(
     given = dict(locals())
     trace_mode = days is not None
     try:
+        for name, value in given.items():  # nan ran a trace forever; inf and nan made meaningless tables
+            if isinstance(value, float) and not math.isfinite(value):
+                raise SimError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
         refuse_inert_options(given, trace_mode, cluster is not None)
         p = preset(preset_name or "paper-32k")
         model = dataclasses.replace(
@@ -265,6 +269,8 @@ def simulate(
             raise SimError("--placements must be >= 1")
         if n_seeds < 1:
             raise SimError("--seeds must be >= 1")
+        if plot is not None and not plot.parent.is_dir():  # before the run, not after it
+            raise SimError(f"--plot {plot}: no such directory {plot.parent}")
         pool = max(max(spare_list), (160 if max_spares is None else max_spares) if find_spares else 0)
         job_spec = load_job(job) if job else p.job
         power_fields: dict[str, Any] = {}
@@ -368,7 +374,10 @@ def _run_static(
     if plot:
         from ntp_manager.sim.plots import plot_static
 
-        plot_static(points, plot, f"{name}: throughput loss vs failed GPUs")
+        try:
+            plot_static(points, plot, f"{name}: throughput loss vs failed GPUs")
+        except OSError as e:
+            raise SimError(f"--plot {plot}: cannot write ({e.strerror})") from None
         console.print(f"plot written to {plot}")
     return {
         "mode": "static",
@@ -455,7 +464,11 @@ def _run_trace(
     if plot:
         from ntp_manager.sim.plots import plot_trace
 
-        plot_trace(runs[0]["trace"], runs[0]["stats"], plot, f"{name}: {days:g}-day trace, seed {runs[0]['seed']}")
+        try:
+            plot_trace(runs[0]["trace"], runs[0]["stats"], plot,
+                       f"{name}: {days:g}-day trace, seed {runs[0]['seed']}")
+        except OSError as e:
+            raise SimError(f"--plot {plot}: cannot write ({e.strerror})") from None
         console.print(f"plot written to {plot}")
     return {
         "mode": "trace",

@@ -576,14 +576,20 @@ class RpcServer:
     async def start(self, host: str, port: int, tls_port: int | None = None) -> int:
         """Listen on `port` (plaintext) and, when the settings carry a certificate, on `tls_port`
         (TLS; mTLS with a client CA). Returns the plaintext port; `self.tls_port` has the other."""
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        try:  # grpcio reports a port it cannot bind as 0, or (newer) as RuntimeError
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:
+            self.port = 0
         if self.port == 0:
             raise OSError(f"cannot bind gRPC to {host}:{port}")
         creds = tls.server_credentials(self.manager.settings)
         if creds is not None:
             want = self.manager.settings.grpc_tls_port if tls_port is None else tls_port
             tls_host = self.manager.settings.grpc_tls_host or host
-            self.tls_port = self.server.add_secure_port(f"{tls_host}:{want}", creds)
+            try:
+                self.tls_port = self.server.add_secure_port(f"{tls_host}:{want}", creds)
+            except RuntimeError:
+                self.tls_port = 0
             if self.tls_port == 0:
                 raise OSError(f"cannot bind gRPC TLS to {tls_host}:{want}")
         await self.server.start()

@@ -28,14 +28,25 @@ def _read(path: Path, what: str) -> bytes:
         raise OSError(f"{what} {path}: cannot read ({e.strerror})") from None
 
 
+def _pem(path: Path, what: str, marker: bytes) -> bytes:
+    """The file's bytes, refused (OSError) unless it holds a PEM block of that kind: grpcio would
+    only log 'Invalid cert chain file' and fail to bind, which reads as a port problem."""
+    data = _read(path, what)
+    if b"-----BEGIN " not in data or marker not in data:
+        kind = marker.decode().strip("-").lower()
+        raise OSError(f"{what} {path}: not a PEM {kind} (no '-----BEGIN ...{marker.decode()}' line)")
+    return data
+
+
 def server_credentials(settings: Any) -> grpc.ServerCredentials | None:
     """The TLS listener's credentials, or None when no certificate is configured. Raises OSError
     naming an unreadable file."""
     if settings.grpc_tls_cert is None:
         return None
-    cert = _read(settings.grpc_tls_cert, "grpc_tls_cert")
-    key = _read(settings.grpc_tls_key, "grpc_tls_key")
-    ca = _read(settings.grpc_tls_client_ca, "grpc_tls_client_ca") if settings.grpc_tls_client_ca else None
+    cert = _pem(settings.grpc_tls_cert, "grpc_tls_cert", b"CERTIFICATE-----")
+    key = _pem(settings.grpc_tls_key, "grpc_tls_key", b"PRIVATE KEY-----")
+    ca = _pem(settings.grpc_tls_client_ca, "grpc_tls_client_ca", b"CERTIFICATE-----") \
+        if settings.grpc_tls_client_ca else None
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
 

@@ -6,7 +6,7 @@ What it owns:
   step samples (service/steps.py) into whole steps. Steps are observed in order by one task per
   job, in a worker thread (a step of many ranks costs milliseconds of numpy), never on the loop;
 - the options: defaults for every job (scope "*") and per-job overrides, set at runtime by an
-  operator (validated: `OptionsError` becomes a 400 naming the field; audited; stored in
+  operator (validated: `OptionsError` becomes a 422 naming the field; audited; stored in
   `failslow_options`, so they survive a restart). A detector keeps its state when they change;
 - the newest verdicts per job (bounded) for the API and the dashboard.
 

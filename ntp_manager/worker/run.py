@@ -45,7 +45,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 
 class UsageError(Exception):
@@ -84,8 +84,15 @@ class Options:
     pin_gpus: bool
 
 
-def parse(argv: Sequence[str]) -> Options:
-    p = argparse.ArgumentParser(
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """A bad argument is one line (main() prints it), not argparse's usage block."""
+        raise UsageError(f"{message} (ntp-run --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """ntp-run's arguments (tools/doccheck.py checks the docs' ntp-run lines against it)."""
+    p = _Parser(
         prog="ntp-run", description="Run a training script once per rank under the NTP runtime (like torchrun).",
         epilog="Environment: NTP_MANAGER, NTP_TOKEN / NTP_TOKEN_FILE, NTP_JOB, NTP_GPUS stand in for the flags.")
     p.add_argument("--nproc", type=int, default=0, help="rank processes (default: one per --gpus entry, else 1)")
@@ -108,7 +115,11 @@ def parse(argv: Sequence[str]) -> Options:
     p.add_argument("-m", "--module", action="store_true", help="the script is a module name (python -m)")
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
-    a = p.parse_args(list(argv))
+    return p
+
+
+def parse(argv: Sequence[str]) -> Options:
+    a = build_parser().parse_args(list(argv))
     gpus = [g for g in a.gpus.split(",") if g]
     if len(set(gpus)) != len(gpus):
         raise UsageError("--gpus lists a GPU twice")
@@ -117,8 +128,14 @@ def parse(argv: Sequence[str]) -> Options:
         try:
             token = Path(a.token_file).read_text().strip()
         except OSError as e:
-            raise UsageError(f"--token-file: {e}") from e
-    nproc = a.nproc or len(gpus) or (sum(int(x) for x in a.tp.split(",")) if a.tp else a.replicas)
+            raise UsageError(f"--token-file {a.token_file}: cannot read ({e.strerror})") from None
+        except UnicodeDecodeError:
+            raise UsageError(f"--token-file {a.token_file}: not a token file (not text)") from None
+    try:
+        tp_list = [int(x) for x in a.tp.split(",")] if a.tp else []
+    except ValueError:
+        raise UsageError(f"--tp must be comma-separated integers, not {a.tp!r}") from None
+    nproc = a.nproc or len(gpus) or (sum(tp_list) if tp_list else a.replicas)
     if a.manager:
         if not gpus:
             raise UsageError("--manager needs --gpus (one rank per GPU UUID)")
@@ -133,20 +150,21 @@ def parse(argv: Sequence[str]) -> Options:
     else:
         if gpus:
             raise UsageError("--gpus is for runs under a manager (--manager)")
-        try:
-            tps = [int(x) for x in a.tp.split(",")] if a.tp else [nproc // max(a.replicas, 1)] * a.replicas
-        except ValueError as e:
-            raise UsageError(f"--tp must be comma-separated integers, not {a.tp!r}") from e
+        tps = tp_list or [nproc // max(a.replicas, 1)] * a.replicas
         if a.replicas < 1 or any(t < 1 for t in tps) or sum(tps) != nproc:
             raise UsageError(f"--nproc {nproc} does not split into replicas of TP {tps}")
         if a.repair_at >= 0 and not 0 <= a.fail_at < a.repair_at:
             raise UsageError("--repair-at needs an earlier --fail-at")
         if a.fail_at >= 0 and tps[0] < 2:
             raise UsageError("--fail-at kills a rank of replica 0, which needs TP >= 2 to go on")
-    if a.batch_per_rank < 1 or a.max_restarts < 0 or a.restart_delay < 0:
-        raise UsageError("--batch-per-rank must be >= 1, --max-restarts and --restart-delay >= 0")
-    if a.store and ":" not in a.store:
-        raise UsageError("--store must be HOST:PORT")
+    if a.batch_per_rank < 1 or a.max_restarts < 0 or not 0 <= a.restart_delay < 86400:
+        raise UsageError("--batch-per-rank must be >= 1, --max-restarts >= 0 and --restart-delay from 0 to 86400 s")
+    if a.store:
+        host, _, port = a.store.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise UsageError(f"--store must be HOST:PORT (a port 1-65535), not {a.store!r}")
+    if not 0 <= a.store_port < 65536:
+        raise UsageError(f"--store-port must be 0-65535 (0: a free one), not {a.store_port}")
     cmd = [sys.executable, "-m", a.script, *a.args] if a.module else [sys.executable, a.script, *a.args]
     if not a.module and not Path(a.script).is_file():
         raise UsageError(f"no such script: {a.script}")
@@ -176,15 +194,20 @@ class Launcher:
 
         self.o = o
         store_cls: Any = dist.TCPStore  # type: ignore[attr-defined]
-        if o.store:
-            host, _, text = o.store.rpartition(":")
-            self.store_addr = (host, int(text))
-            self.store = store_cls(host, int(text), is_master=False, timeout=dt.timedelta(seconds=60))
-        else:
-            port = o.store_port or _free_port(o.store_host)
-            self.store_addr = (o.store_host, port)
-            self.store = store_cls(o.store_host, port, is_master=True, wait_for_workers=False,
-                                   timeout=dt.timedelta(seconds=300))
+        try:
+            if o.store:
+                host, _, text = o.store.rpartition(":")
+                self.store_addr = (host, int(text))
+                self.store = store_cls(host, int(text), is_master=False, timeout=dt.timedelta(seconds=60))
+            else:
+                port = o.store_port or _free_port(o.store_host)
+                self.store_addr = (o.store_host, port)
+                self.store = store_cls(o.store_host, port, is_master=True, wait_for_workers=False,
+                                       timeout=dt.timedelta(seconds=300))
+        except (OSError, RuntimeError) as e:  # an address that does not resolve, a port in use, no answer
+            where = o.store or f"{o.store_host}:{o.store_port or '(a free port)'}"
+            raise UsageError(f"cannot {'reach' if o.store else 'host'} the store at {where}: "
+                             f"{' '.join(str(e).split())[:300]}") from None
         if o.manager:
             self.ranks = [Rank(g, gpu=g) for g in o.gpus]
             self.replicas: list[list[str]] = []
@@ -361,6 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"ntp-run: error: {e}", file=sys.stderr)
         return 2
+
 
     def _stop(signum: int, _frame: Any) -> None:
         launcher.stop()
