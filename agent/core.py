@@ -139,6 +139,10 @@ class Agent:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.target = config.managers[0] if config.managers else config.manager  # the manager tried now
         self.epoch_seen = 0  # the highest leader epoch a welcome carried
+        # the heartbeat period in use: the configured one, or the manager's when its welcome asks
+        # for a shorter one (it judges silence by its own period; a slower agent would look dead)
+        self.beat_s = self.cfg.heartbeat_interval_s
+        self._period_changed = asyncio.Event()
         self.unreachable: str | None = None  # the manager the last attempt could not reach (told to the next)
         self.failovers = 0  # moves to another manager
 
@@ -338,6 +342,10 @@ class Agent:
                                                f"older than {self.epoch_seen}")
                         self.epoch_seen = msg.welcome.leader_epoch
                         self.unreachable = None
+                        period = self.heartbeat_period(msg.welcome.heartbeat_interval_ms)
+                        if period != self.beat_s:
+                            self.beat_s = period
+                            self._period_changed.set()  # the wait under way is for the old period
                         for m in self.on_welcome(msg.welcome.last_applied_seq):
                             outbox.put_nowait(m)
                         self.connected.set()
@@ -356,9 +364,28 @@ class Agent:
                 beat.cancel()
                 outbox.put_nowait(None)
 
+    def heartbeat_period(self, manager_ms: int) -> float:
+        """The period to beat at under a manager whose welcome says `manager_ms` (0: says nothing):
+        the shorter of it and ours. Beating faster than the manager asks only costs a few messages;
+        beating slower would have it suspect, then fail, a healthy node."""
+        mine = self.cfg.heartbeat_interval_s
+        if manager_ms <= 0 or manager_ms / 1000 >= mine:
+            return mine
+        if manager_ms / 1000 != self.beat_s:
+            log.info("beating at the manager's heartbeat period, shorter than ours",
+                     manager_s=manager_ms / 1000, configured_s=mine)
+        return manager_ms / 1000
+
     async def _heartbeats(self, outbox: asyncio.Queue[agent_pb2.AgentMessage | None]) -> None:
+        loop = asyncio.get_running_loop()
+        last = loop.time()
         while True:
-            await asyncio.sleep(self.cfg.heartbeat_interval_s)
+            self._period_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._period_changed.wait(), max(0.0, last + self.beat_s - loop.time()))
+            if loop.time() < last + self.beat_s:
+                continue  # a new, shorter period: wait out what is left of it
+            last = loop.time()
             if self.connected.is_set():
                 outbox.put_nowait(self.heartbeat_msg())
 

@@ -27,7 +27,7 @@ class Settings(BaseSettings):
     grpc_host: str = Field("127.0.0.1", description="gRPC bind address (agents and workers)")
     grpc_port: int = Field(50051, ge=0, le=65535, description="plaintext gRPC port (0: any free port)")
     heartbeat_interval_s: float = Field(2.0, gt=0, description="heartbeat period told to agents in the welcome; "
-                                        "also paces the liveness check (agents beat at their own setting)")
+                                        "also paces the liveness check (an agent configured slower beats at this)")
     suspect_after_s: float = Field(6.0, gt=0, description="a node silent this long makes its healthy GPUs suspect "
                                    "(still placeable)")
     fail_after_s: float = Field(20.0, gt=0, description="a node silent this long fails its GPUs "

@@ -52,3 +52,25 @@ async def test_heartbeats_carry_gpu_counters_to_rest(sqlite_service: Service) ->
         await eventually(lambda: svc.manager.telemetry.get("GPU-hot").sm_clock_mhz == 1900)
         assert set(svc.manager.telemetry.latest) == {"GPU-hot", "GPU-cool"}
     assert nv.state["misuse"] == []
+
+
+async def test_an_agent_configured_slower_than_the_manager_beats_at_the_managers_period(
+        sqlite_service: Service) -> None:
+    """The manager (heartbeat_interval_s 0.2 here) judges silence by its own period; an agent set to
+    beat every 30 s takes the welcome's shorter period, so a changed counter reaches the manager
+    within a few of its periods. (Before: the agent beat at its own 30 s; the change did not arrive
+    within the 10 s this waits.)"""
+    svc = sqlite_service
+    gpu = Device("GPU-slow-cfg", sm_clock_mhz=1200)
+    cfg = AgentConfig(manager=svc.grpc, token=await svc.agent_token("node-s"), node="node-s", domain="nvl-s",
+                      heartbeat_interval_s=30.0, sample_interval_s=0.05, backoff_initial_s=0.05, backoff_max_s=0.5)
+    agent = Agent(NvmlBackend(nvml=make([gpu])), cfg)
+    async with running(agent):
+        await eventually(lambda: agent.registered.is_set())
+        assert agent.beat_s == svc.manager.settings.heartbeat_interval_s < 30.0
+        gpu.sm_clock_mhz = 1700
+        await eventually(lambda: (t := svc.manager.telemetry.get("GPU-slow-cfg")) is not None
+                         and t.sm_clock_mhz == 1700)
+    # an agent configured faster keeps its own period
+    assert Agent(NvmlBackend(nvml=make([])), AgentConfig(manager="x", token="t", node="n", domain="d",
+                                                         heartbeat_interval_s=0.1)).heartbeat_period(200) == 0.1
