@@ -9,6 +9,7 @@ repository paths against the tree. No network, no subprocess.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -92,14 +93,20 @@ def test_a_planted_error_is_reported_with_file_and_line(checker: Checker, tmp_pa
     assert any(f.path == "docs/manager.md" and expected in f.what for f in found), found
 
 
+def _misspelt(checker: Checker, tmp_path: Path, rel: str, marker: str, old: str, new: str) -> tuple[list[Any], int]:
+    """A copy of the real file `rel` whose first line holding `marker` has `old` replaced by `new`:
+    the checker's findings on it (shown as `rel`), and that line's 0-based index."""
+    src = (ROOT / rel).read_text().splitlines()
+    at = next(i for i, line in enumerate(src) if marker in line)
+    src[at] = src[at].replace(old, new)
+    copy = tmp_path / Path(rel).name
+    copy.write_text("\n".join(src) + "\n")
+    return checker.check_file(copy, shown_as=rel), at
+
+
 def test_a_changed_line_is_reported_where_it_is(checker: Checker, tmp_path: Path) -> None:
     """A real line of a real doc, one flag misspelt: the finding names that line."""
-    src = (ROOT / "docs" / "operations.md").read_text().splitlines()
-    at = next(i for i, line in enumerate(src) if "`layout JOB [--history]" in line)
-    src[at] = src[at].replace("--history", "--hist")
-    doc = tmp_path / "operations.md"
-    doc.write_text("\n".join(src) + "\n")
-    found = checker.check_file(doc, shown_as="docs/operations.md")
+    found, at = _misspelt(checker, tmp_path, "docs/operations.md", "`layout JOB [--history]", "--history", "--hist")
     # the command's span, and the line's lone `--hist` span, read as an ntpctl flag (the section's command)
     assert [str(f) for f in found] == [f"docs/operations.md:{at + 1}: `ntpctl layout` has no option --hist",
                                        f"docs/operations.md:{at + 1}: ntpctl has no option --hist (in no "
@@ -177,12 +184,7 @@ def test_specs_page_lists_every_job_field() -> None:
 
 def test_a_script_is_checked_like_a_code_block(checker: Checker, tmp_path: Path) -> None:
     """deploy/*.sh and the systemd unit run our commands: a wrong flag there is found at its line."""
-    src = (ROOT / "deploy" / "run-job.sh").read_text().splitlines()
-    at = next(i for i, line in enumerate(src) if "ntpctl jobs --json" in line)
-    src[at] = src[at].replace("ntpctl jobs --json", "ntpctl jobs --jsn")
-    script = tmp_path / "run-job.sh"
-    script.write_text("\n".join(src) + "\n")
-    found = checker.check_file(script, shown_as="deploy/run-job.sh")
+    found, at = _misspelt(checker, tmp_path, "deploy/run-job.sh", "ntpctl jobs --json", "--json", "--jsn")
     assert [str(f) for f in found] == [f"deploy/run-job.sh:{at + 1}: `ntpctl jobs` has no option --jsn"]
     unit = tmp_path / "ntp-agent.service"
     unit.write_text((ROOT / "agent/systemd/ntp-agent.service").read_text().replace("--backend nvml", "--backnd nvml"))
