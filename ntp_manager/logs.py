@@ -9,6 +9,21 @@ from typing import Any
 import structlog
 
 
+class _Stderr:
+    """Whatever `sys.stderr` is when a line is written, not when logging was configured: a test
+    (or an embedding program) that swaps stderr and closes its stand-in afterwards must not leave
+    every later log line -- on any thread -- raising "I/O operation on closed file"."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+STDERR: Any = _Stderr()
+
+
 def configure_logging(fmt: str = "console") -> None:
     renderer: Any = (
         structlog.processors.JSONRenderer() if fmt == "json"
@@ -17,6 +32,6 @@ def configure_logging(fmt: str = "console") -> None:
     )
     structlog.configure(
         processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso"), renderer],
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=STDERR),
     )
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logging.basicConfig(level=logging.WARNING, stream=STDERR)
