@@ -234,7 +234,7 @@ def _doomed(wid: str, port: int, q: Any, park: bool, root: str | None) -> None:
     rt = Runtime(lambda: pj.build("gpt"), None, lambda p: pj.optimizer("gpt-adamw", p),
                  StoreLayoutSource(store, "doomed", wid), store,
                  RuntimeConfig(job="doomed", collective_timeout_s=30, reconfigure_timeout_s=120, **ck),
-                 pipeline=pj.pipeline())
+                 pipeline=pj.pipeline(), scheduler_fn=lambda o: pj.schedule("gpt-adamw", o))
     rt.start()
     losses = {}
     try:

@@ -84,52 +84,107 @@ def _worker(wid: str, port: int, q: Any, role: str = "") -> None:
     rt.close()
 
 
+Row = tuple[int, float, int, int, float | None]  # step, loss, global batch, version, grad norm
+
+
+class _Job:
+    """Rank processes of one test job on a store holding its first layout, and what they report:
+    every survivor's step rows and its final parameters, shards and timeline."""
+
+    def __init__(self, first: list[Any], survivors: list[str]) -> None:
+        self.port, self.store = store_with_layout(JOB, first, 120)
+        self.ctx = worker_context()
+        self.q = self.ctx.Queue()
+        self.procs: dict[str, Any] = {}
+        self.survivors = survivors
+        self.rows: dict[str, list[Row]] = {w: [] for w in survivors}
+        self.done: dict[str, Any] = {}
+        self.deadline = time.monotonic() + 240
+
+    def __enter__(self) -> _Job:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None:  # the test failed while the ranks ran: none is left behind
+            reap(self.procs.values(), join_s=1)
+
+    def start(self, wid: str, role: str = "") -> None:
+        self.procs[wid] = self.ctx.Process(target=_worker, args=(wid, self.port, self.q, role))
+        self.procs[wid].start()
+
+    def died(self, wid: str) -> None:
+        """Wait for `wid`'s process to kill itself (its role)."""
+        self.procs[wid].join(timeout=180)
+        assert self.procs[wid].exitcode == -signal.SIGKILL, self.procs[wid].exitcode
+
+    def take(self) -> None:
+        msg = _get(self.q, self.deadline)
+        if msg[0] == "step":
+            self.rows[msg[1]].append(tuple(msg[2:]))
+        else:
+            self.done[msg[1]] = msg[2:]
+
+    def finish(self, version: int) -> list[Row]:
+        """Every survivor ran to the end and acknowledged `version`; each returned every step once,
+        the same rows (loss, batch, version, norm) on all; their losses and parameters equal the
+        reference's. Returns the rows."""
+        try:
+            while len(self.done) < len(self.survivors):
+                self.take()
+        finally:
+            reap(self.procs.values())
+        procs = self.procs
+        assert all(procs[w].exitcode == 0 for w in self.survivors), {w: p.exitcode for w, p in procs.items()}
+        assert set(read_acks(self.store, JOB, version, self.survivors).values()) == {"ok"}
+        ref_rows = sorted(self.rows[self.survivors[0]])
+        assert [s for s, *_ in ref_rows] == list(range(STEPS))
+        for w in self.survivors[1:]:
+            assert sorted(self.rows[w]) == ref_rows, w
+        ref_losses, ref_params = reference("sgd-clip", [gb for _, _, gb, _, _ in ref_rows])
+        for s, loss, _, _, norm in ref_rows:
+            assert abs(loss - ref_losses[s]) <= 1e-5 * abs(ref_losses[s]), (s, loss, ref_losses[s])
+            assert norm is not None and norm > CLIP  # clipping was active on every step
+        for w in self.survivors:
+            params, units, _ = self.done[w]
+            for name, err in shard_errors(params, units, ref_params, "sgd").items():
+                assert err <= tolerance("sgd"), (w, name, err)
+        return ref_rows
+
+    def timeline(self, wid: str) -> list[tuple[str, int]]:
+        return list(self.done[wid][2])
+
+
 def test_a_rank_behind_a_split_commit_completes_the_step_from_its_synced_gradients() -> None:
-    port, store = store_with_layout(JOB, [(A, 2), (B, 2)], 120)
-    ctx = worker_context()
-    q = ctx.Queue()
-    roles = {VICTIM: "victim", LAGGER: "lagger"}
-    procs = {w: ctx.Process(target=_worker, args=(w, port, q, roles.get(w, ""))) for w in A + B}
-    for p in procs.values():
-        p.start()
-    survivors = ["w0", "w2", "w3"]
-    rows: dict[str, list[tuple[int, float, int, int, float | None]]] = {w: [] for w in A + B}
-    done: dict[str, Any] = {}
-    deadline = time.monotonic() + 240
-    try:
-        procs[VICTIM].join(timeout=180)
-        assert procs[VICTIM].exitcode == -signal.SIGKILL, procs[VICTIM].exitcode
-        publish_layout(store, JOB, 2, [(["w0"], 1), (B, 2)], f"{VICTIM} failed")  # the manager's replan
-        while len(done) < len(survivors):
-            msg = _get(q, deadline)
-            if msg[0] == "step":
-                rows[msg[1]].append(tuple(msg[2:]))  # type: ignore[arg-type]
-            else:
-                done[msg[1]] = msg[2:]
-    finally:
-        reap(procs.values())
-    assert all(procs[w].exitcode == 0 for w in survivors), {w: p.exitcode for w, p in procs.items()}
-    assert set(read_acks(store, JOB, 2, survivors).values()) == {"ok"}
-
-    # every survivor returned each step once, with the same loss, batch, version and norm
-    ref_rows = sorted(rows["w0"])
-    assert [s for s, *_ in ref_rows] == list(range(STEPS))
-    for w in ("w2", "w3"):
-        assert sorted(rows[w]) == ref_rows, w
-    assert [(gb, v) for _, _, gb, v, _ in ref_rows] == [(4, 1)] * 3 + [(3, 2)] * 3
+    job = _Job([(A, 2), (B, 2)], ["w0", "w2", "w3"])
+    with job:
+        for w in A + B:
+            job.start(w, {VICTIM: "victim", LAGGER: "lagger"}.get(w, ""))
+        job.died(VICTIM)
+        publish_layout(job.store, JOB, 2, [(["w0"], 1), (B, 2)], f"{VICTIM} failed")  # the manager's replan
+        rows = job.finish(2)
+    assert [(gb, v) for _, _, gb, v, _ in rows] == [(4, 1)] * 3 + [(3, 2)] * 3
     # only the rank behind rolled forward; nobody restored or re-ran step 2
-    rolled = {w: [what for what, _ in done[w][2] if what == "step rolled forward"] for w in survivors}
+    rolled = {w: [what for what, _ in job.timeline(w) if what == "step rolled forward"] for w in job.survivors}
     assert rolled == {"w0": [], "w2": ["step rolled forward"], "w3": []}
-    assert not any(what == "restored from checkpoint" for w in survivors for what, _ in done[w][2])
+    assert not any(what == "restored from checkpoint" for w in job.survivors for what, _ in job.timeline(w))
 
-    ref_losses, ref_params = reference("sgd-clip", [gb for _, _, gb, _, _ in ref_rows])
-    for s, loss, _, _, norm in ref_rows:
-        assert abs(loss - ref_losses[s]) <= 1e-5 * abs(ref_losses[s]), (s, loss, ref_losses[s])
-        assert norm is not None and norm > CLIP  # clipping was active on every step, step 2 included
-    for w in survivors:
-        params, units, _ = done[w]
-        for name, err in shard_errors(params, units, ref_params, "sgd").items():
-            assert err <= tolerance("sgd"), (w, name, err)
+
+def test_a_joiner_dying_mid_join_leaves_the_others_described_by_what_they_hold() -> None:
+    job = _Job([(["w0"], 1), (B, 2)], ["w0", "w2", "w3"])
+    with job:
+        for w in job.survivors:
+            job.start(w)
+        while not any(s >= 1 for s, *_ in job.rows["w0"]):
+            job.take()
+        job.start(VICTIM, "dies joining")
+        publish_layout(job.store, JOB, 2, [(A, 2), (B, 2)], f"{VICTIM} repaired")
+        job.died(VICTIM)
+        publish_layout(job.store, JOB, 3, [(["w0"], 1), (B, 2)], f"{VICTIM} failed while joining")
+        rows = job.finish(3)
+    assert {v for *_, v, _ in rows} == {1, 3}  # no step ran at version 2
+    # w0 had resharded to version 2's units (half of them) when the join failed, and knew it
+    tl = job.timeline("w0")
+    assert ("regrouped", 2) in tl and ("failure detected", 2) in tl and ("reshard done", 2) not in tl, tl
 
 
 def _info(step: int, pending: bool, last: tuple[float, float | None] | None) -> tuple[float, ...]:
@@ -158,53 +213,3 @@ def test_splits_a_late_commit_cannot_mend_are_refused() -> None:
     assert Runtime._roll_forward(_me(3), [_info(3, False, None), _info(2, True, None)],  # type: ignore[arg-type]
                                  survivors) is None
 
-
-def test_a_joiner_dying_mid_join_leaves_the_others_described_by_what_they_hold() -> None:
-    port, store = store_with_layout(JOB, [(["w0"], 1), (B, 2)], 120)
-    ctx = worker_context()
-    q = ctx.Queue()
-    survivors = ["w0", "w2", "w3"]
-    procs = {w: ctx.Process(target=_worker, args=(w, port, q)) for w in survivors}
-    for p in procs.values():
-        p.start()
-    rows: dict[str, list[tuple[int, float, int, int, float | None]]] = {w: [] for w in survivors}
-    done: dict[str, Any] = {}
-    deadline = time.monotonic() + 240
-
-    def take() -> None:
-        msg = _get(q, deadline)
-        if msg[0] == "step":
-            rows[msg[1]].append(tuple(msg[2:]))
-        else:
-            done[msg[1]] = msg[2:]
-
-    try:
-        while not any(s >= 1 for s, *_ in rows["w0"]):
-            take()
-        procs[VICTIM] = ctx.Process(target=_worker, args=(VICTIM, port, q, "dies joining"))
-        procs[VICTIM].start()
-        publish_layout(store, JOB, 2, [(A, 2), (B, 2)], f"{VICTIM} repaired")
-        procs[VICTIM].join(timeout=180)
-        assert procs[VICTIM].exitcode == -signal.SIGKILL, procs[VICTIM].exitcode
-        publish_layout(store, JOB, 3, [(["w0"], 1), (B, 2)], f"{VICTIM} failed while joining")
-        while len(done) < len(survivors):
-            take()
-    finally:
-        reap(procs.values())
-    assert all(procs[w].exitcode == 0 for w in survivors), {w: p.exitcode for w, p in procs.items()}
-    assert set(read_acks(store, JOB, 3, survivors).values()) == {"ok"}
-    ref_rows = sorted(rows["w0"])
-    assert [s for s, *_ in ref_rows] == list(range(STEPS))
-    assert {v for *_, v, _ in ref_rows} == {1, 3}  # no step ran at version 2
-    for w in ("w2", "w3"):
-        assert sorted(rows[w]) == ref_rows, w
-    # w0 had resharded to version 2's units (half of them) when the join failed, and knew it
-    tl = done["w0"][2]
-    assert ("regrouped", 2) in tl and ("failure detected", 2) in tl and ("reshard done", 2) not in tl, tl
-    ref_losses, ref_params = reference("sgd-clip", [gb for _, _, gb, _, _ in ref_rows])
-    for s, loss, *_ in ref_rows:
-        assert abs(loss - ref_losses[s]) <= 1e-5 * abs(ref_losses[s]), (s, loss, ref_losses[s])
-    for w in survivors:
-        params, units, _ = done[w]
-        for name, err in shard_errors(params, units, ref_params, "sgd").items():
-            assert err <= tolerance("sgd"), (w, name, err)
