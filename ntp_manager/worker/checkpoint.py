@@ -115,7 +115,15 @@ from ntp_manager.checkpoint_format import (
 )
 from ntp_manager.planner.ntp_map import even_chunks
 from ntp_manager.worker import comm
-from ntp_manager.worker.optim import OptimizerError, group_values, load_scheduler, scheduler_json, set_group_values
+from ntp_manager.worker.optim import (
+    OptimizerError,
+    check_group_values,
+    check_scheduler_state,
+    group_values,
+    load_scheduler,
+    scheduler_json,
+    set_group_values,
+)
 from ntp_manager.worker.reshard import STATE_KEYS
 from ntp_manager.worker.sync import SyncLayout
 from ntp_manager.worker.tp import ShardedModule, unit_slice
@@ -893,11 +901,29 @@ class Checkpointer:
             why = self._verify(ref, group)
             if why is None:
                 doc = json.loads((ref.path / MANIFEST).read_bytes())
+                values = _stored_values(doc, model) if optimizer is not None else None
+                # checked on every rank before anything is read into the model: all refuse together,
+                # and none is left with the checkpoint's tensors but its own groups and schedule
+                problem = None
+                if optimizer is not None and values is not None:
+                    try:
+                        if values[0] is not None:
+                            check_group_values(optimizer, values[0], "the checkpoint")
+                        if values[1]:
+                            check_scheduler_state(scheduler, values[2], "the checkpoint")
+                    except OptimizerError as e:
+                        problem = str(e)
+                problem = _agree(problem, group)
+                if problem is not None:
+                    raise CheckpointError(problem)
                 targets = self._targets(doc, model, optimizer, layout, rank, families, strict)
                 why, nbytes = self._read(ref, targets, group)
                 if why is None:
-                    if optimizer is not None:
-                        self._restore_values(doc, model, optimizer, scheduler)
+                    if optimizer is not None and values is not None:
+                        if values[0] is not None:
+                            set_group_values(optimizer, values[0], "the checkpoint")
+                        if values[1]:
+                            load_scheduler(scheduler, values[2], "the checkpoint")
                     if restore_rng:
                         _set_rng_state(doc["rng"])
                     info = RestoreInfo(ref.step, ref.path, doc["data_state"], doc["layout"], tuple(skipped), nbytes,
@@ -909,22 +935,6 @@ class Checkpointer:
             log.warning("checkpoint skipped", path=str(ref.path), reason=why)
         tried = "; ".join(f"{n}: {w}" for n, w in skipped)
         raise CheckpointError(f"no usable checkpoint in {self.root} ({tried})")
-
-    @staticmethod
-    def _restore_values(doc: Mapping[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
-                        scheduler: Any) -> None:
-        """The groups' values and the scheduler's state this rank's part (pipeline stage) saved;
-        a checkpoint without parts per stage gives the coordinator's."""
-        mine = doc.get("optimizer_parts", {}).get(_part_key(model))
-        groups = mine["groups"] if mine is not None else doc.get("optimizer_groups")
-        try:
-            if groups is not None:
-                set_group_values(optimizer, groups, "the checkpoint")
-            if mine is not None or "scheduler" in doc:
-                load_scheduler(scheduler, mine["scheduler"] if mine is not None else doc["scheduler"],
-                               "the checkpoint")
-        except OptimizerError as e:
-            raise CheckpointError(str(e)) from None
 
     def _verify(self, ref: CheckpointRef, group: Any) -> str | None:
         """Why `ref` cannot be trusted (the manifest, then the files' hashes; the group's ranks
@@ -1015,6 +1025,17 @@ def _after_current_stream(views: Sequence[tuple[str, torch.Tensor]]) -> Any:
     ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
     ev.record(torch.cuda.current_stream(dev))
     return ev, dev
+
+
+def _stored_values(doc: Mapping[str, Any], model: nn.Module) -> tuple[list[dict[str, Any]] | None, bool, Any]:
+    """What the checkpoint holds for this rank's part (pipeline stage) besides tensors: the groups'
+    values (None: a checkpoint from before they were stored), whether it stored a scheduler entry,
+    and that entry (a state, or None for "no scheduler"). A checkpoint without parts per stage
+    gives the coordinator's."""
+    mine = doc.get("optimizer_parts", {}).get(_part_key(model))
+    if mine is not None:
+        return mine["groups"], True, mine["scheduler"]
+    return doc.get("optimizer_groups"), "scheduler" in doc, doc.get("scheduler")
 
 
 def _agree(why: str | None, group: Any) -> str | None:

@@ -90,18 +90,23 @@ def group_values(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [{**{k: v for k, v in g.items() if k != "params"}, "params": len(g["params"])} for g in opt.param_groups]
 
 
-def set_group_values(opt: torch.optim.Optimizer, values: Sequence[dict[str, Any]], where: str) -> None:
-    """Give `opt`'s groups `values` (from `group_values` of a peer's optimizer for the same stage,
-    or a checkpoint's). Raises OptimizerError where the groups do not correspond: `optimizer_fn`
-    must put a parameter in a group by something every rank and layout agrees on (its name, its
-    number of dimensions), never by its shard's shape."""
+def check_group_values(opt: torch.optim.Optimizer, values: Sequence[dict[str, Any]], where: str) -> None:
+    """Raise OptimizerError unless `values` fit `opt`'s groups (`set_group_values`), changing nothing."""
     mine = opt.param_groups
     if len(values) != len(mine) or any(v.get("params", len(g["params"])) != len(g["params"])
                                        for v, g in zip(values, mine, strict=False)):
         raise OptimizerError(
             f"optimizer_fn made groups of {[len(g['params']) for g in mine]} parameters here but {where} has "
             f"{[v.get('params') for v in values]}: a parameter's group must not depend on the rank or layout")
-    for v, g in zip(values, mine, strict=True):
+
+
+def set_group_values(opt: torch.optim.Optimizer, values: Sequence[dict[str, Any]], where: str) -> None:
+    """Give `opt`'s groups `values` (from `group_values` of a peer's optimizer for the same stage,
+    or a checkpoint's). Raises OptimizerError where the groups do not correspond: `optimizer_fn`
+    must put a parameter in a group by something every rank and layout agrees on (its name, its
+    number of dimensions), never by its shard's shape."""
+    check_group_values(opt, values, where)
+    for v, g in zip(values, opt.param_groups, strict=True):
         for k, x in v.items():
             if k == "params":
                 continue
@@ -123,11 +128,16 @@ def unpack_values(data: torch.Tensor, opt: torch.optim.Optimizer, scheduler: Any
     load_scheduler(scheduler, doc["scheduler"], where)
 
 
-def load_scheduler(scheduler: Any, state: dict[str, Any] | None, where: str) -> None:
+def check_scheduler_state(scheduler: Any, state: dict[str, Any] | None, where: str) -> None:
+    """Raise OptimizerError unless `state` fits `scheduler` (both or neither), changing nothing."""
     if (scheduler is None) != (state is None):
         raise OptimizerError(f"{where} {'has' if state is not None else 'has no'} LR scheduler state but this "
                              f"rank {'has no' if scheduler is None else 'has a'} scheduler: give every rank the "
                              "same scheduler_fn")
+
+
+def load_scheduler(scheduler: Any, state: dict[str, Any] | None, where: str) -> None:
+    check_scheduler_state(scheduler, state, where)
     if scheduler is not None:
         scheduler.load_state_dict(state)
 

@@ -112,8 +112,10 @@ def test_a_checkpoint_carries_group_values_amsgrad_and_the_schedule(tmp_path: Pa
         assert torch.equal(opt.state[p]["max_exp_avg_sq"], opt2.state[p2]["max_exp_avg_sq"])
     # a rank without the scheduler the checkpoint has: refused, not restored half
     m3, opt3, _, _ = _rank(2)
+    before = {n: p.detach().clone() for n, p in m3.named_parameters()}
     with pytest.raises(CheckpointError, match="LR scheduler"):
         Checkpointer(tmp_path).load(m3, opt3, TARGETS["TP1"], 0, fams)
+    assert all(torch.equal(p, before[n]) for n, p in m3.named_parameters())  # refused before any tensor was read
 
 
 def test_a_scheduler_the_runtime_would_step_wrongly_is_refused() -> None:
