@@ -69,15 +69,22 @@ class Missing(Exception):
 # ---- this side ----------------------------------------------------------------------------------
 
 
+# Tokens are unique for the life of this process, across workers: a record of what a worker holds
+# is started afresh with each worker, but a call answered by the old one can still adopt its
+# result into the new record; had the numbering restarted, that token could name another layout
+# in the new worker, and a draft would use it as the previous layout.
+_TOKENS = itertools.count(1)
+
+
 class _Sent:
-    """What this process has sent the worker, by object identity (strong references, so an id is
-    not reused while it is here): cluster shapes and layouts, each with its token."""
+    """What this process has sent the current worker, by object identity (strong references, so
+    an id is not reused while it is here): cluster shapes and layouts, each with its token."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.shapes: OrderedDict[int, tuple[object, int]] = OrderedDict()
         self.docs: OrderedDict[int, tuple[LayoutDoc, int]] = OrderedDict()
-        self.tokens = itertools.count(1)
+        self.tokens = _TOKENS
 
     def token(self, table: OrderedDict[int, Any], obj: Any) -> tuple[int, bool]:
         """`obj`'s token, and whether it is new (the worker has not been sent it)."""
@@ -130,10 +137,11 @@ class PlanProcess:
         return self._pool
 
     def close(self, kill: bool = False) -> None:
-        """Let the worker go (`kill`: at once, even mid-plan)."""
+        """Let the worker go (`kill`: at once, even mid-plan), and the record of what it holds."""
         pool, self._pool = self._pool, None
         if pool is None:
             return
+        self._sent = _Sent()
         if kill:
             for p in list(pool._processes.values()):
                 p.kill()
@@ -159,7 +167,6 @@ class PlanProcess:
                 # stop() (another manager's shutdown) closed the pool between our lookup and the
                 # submit: as for a call it cancelled in the queue, a new worker serves this one
                 log.info("planner process stopped before a call reached it: a new one serves it")
-                self._sent = _Sent()
                 raise Missing("restarted") from None
             self._running.add(fut)
             fut.add_done_callback(self._running.discard)
@@ -173,12 +180,11 @@ class PlanProcess:
                 # still waited in its queue: not our caller's cancellation, so a new worker serves
                 # it (the old pool is gone already: closing again could hit a successor)
                 log.info("planner process stopped before it took a call: a new one serves it")
-                self._sent = _Sent()
                 raise Missing("restarted") from None
         except BrokenProcessPool:  # the worker died (killed, out of memory): one new one, from scratch
             log.warning("planner process died: starting a new one", exc_info=True)
-            self.close()
-            self._sent = _Sent()
+            if pool is self._pool:  # not a successor another call has started already
+                self.close()
             raise Missing("restarted") from None
 
     async def warm(self) -> None:

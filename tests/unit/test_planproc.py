@@ -208,3 +208,22 @@ def test_a_call_whose_pool_is_stopped_between_lookup_and_submit_is_served_again(
         asyncio.run(main())
     finally:
         pp.close(kill=True)
+
+
+def test_tokens_are_never_reused_across_workers() -> None:
+    # the record of what a worker holds starts afresh with each worker; a call the old worker
+    # answered can still adopt its result into the new record, so a token must never come back
+    # (numbering that restarted could name another layout in the new worker: a wrong previous
+    # layout for a draft, silently)
+    pp = planproc.PlanProcess(True)
+    try:
+        assert pp._executor() is not None
+        first, new = pp._sent.token(pp._sent.shapes, object())
+        assert new
+        pp.close()
+        assert not pp._sent.shapes  # a new worker holds nothing
+        second, _ = pp._sent.token(pp._sent.shapes, object())
+        assert second > first
+        assert next(pp._sent.tokens) > second  # an output token too
+    finally:
+        pp.close(kill=True)
