@@ -53,6 +53,7 @@ import structlog
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.utils import clip_grads_with_norm_
 
 from ntp_manager.planner.ranks import locate, stage_ranks
 from ntp_manager.worker import comm
@@ -449,13 +450,15 @@ class Runtime:
         if loss_fn is not None:
             size = self.cfg.micro_batch_size
             cuts = micro_batches(lb, -(-lb // size)) if size else [(0, lb)]
-            value, seen_lengths = 0.0, []
+            seen_lengths = []
+            shares: list[torch.Tensor] = []  # read once after the loop: no host sync per micro-batch
             for off, n in cuts:  # gradients accumulate; each micro-batch's mean loss weighted by its share
                 batch = batch_fn(self.step, start + off, n)
                 loss = loss_fn(self.s.model, batch)
                 torch.autograd.backward(loss if len(cuts) == 1 else loss * (n / lb))  # Tensor.backward: unannotated
-                value += loss.detach().item() * n / lb
+                shares.append(loss.detach().double() * (n / lb))
                 seen_lengths.append(StepWork.lengths_of(batch))
+            value = float(torch.stack(shares).sum().item())
             if all(x is not None for x in seen_lengths):
                 lengths = tuple(v for x in seen_lengths if x is not None for v in x)
         else:
@@ -520,11 +523,9 @@ class Runtime:
             if not math.isfinite(grad_norm):
                 log.warning("gradient norm not finite: optimizer step skipped", step=self.step, grad_norm=grad_norm)
                 return True
-            if clip / (grad_norm + 1e-6) < 1.0:  # torch's clip_grad_norm_ coefficient
-                coef = clip / (grad_norm + 1e-6)
-                for p in self.s.model.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
+            if clip / (grad_norm + 1e-6) < 1.0:  # below 1 only: a coefficient of 1 would only cost a pass
+                # clip_grad_norm_'s scaling with the norm given (every rank the same float64)
+                clip_grads_with_norm_(self.s.model.parameters(), clip, torch.tensor(grad_norm, dtype=torch.float64))
         self.s.opt.step()
         if self.s.sched is not None:
             self.s.sched.step()
@@ -551,6 +552,8 @@ class Runtime:
             self._last_commit = (hi, loss, grad_norm)
             self._rolled = StepResult(lo, loss, me.global_batch, me.local_batch, me.version, me.tp,
                                       time.perf_counter() - me.seconds, me.stage, grad_norm, skipped)
+            # not reported to the source (report_step): its time ran on through the failure and the
+            # wait for the new layout, and a fail-slow detector would read it as a slow step
             self._event("step rolled forward", self.s.layout.version,
                         f"step {lo} committed on {len(survivors) - len(behind)} survivors, not on {len(behind)}: "
                         "completed here from its synced gradients")
@@ -896,7 +899,7 @@ class Runtime:
         self._mark("checked")
         my_tp = self._tp_groups(target)
         self._mark("tp groups")
-        held_model, held_opt = self.s.model, self.s.opt  # the old stage's, when this rank held one
+        held_model, held_opt, held_sched = self.s.model, self.s.opt, self.s.sched  # the old stage's, if held
         if fresh is not None:  # a fresh or stale rank, or a group that changed stage: values from peers
             model = fresh
             parallelize(model, self._info[stage].plan, new_sl[stage].units_of(rank), group=my_tp)
@@ -937,12 +940,12 @@ class Runtime:
             staying = sorted(r for r in alive[s] if r in members)
             giver = staying[0] if staying else min(alive[s])
             if rank == giver:
-                gm, go = (model, opt) if stage == s else (held_model, held_opt)
+                gm, go, gs = (model, opt, sched) if stage == s else (held_model, held_opt, held_sched)
                 assert gm is not None and go is not None
-                self._send_replicated(gm, go, self.s.sched, giver, new_here)
+                self._send_replicated(gm, go, gs, giver, new_here)
             elif rank in new_here:
                 self._send_replicated(model, opt, sched, giver, [rank])
-        held_model = held_opt = None
+        held_model = held_opt = held_sched = None
         self._mark("replicated")
         self.s.model, self.s.opt, self.s.sched, self.s.stage = model, opt, sched, stage
         self.s.sync = self._new_sync(model, target, rank, scratch=freed)

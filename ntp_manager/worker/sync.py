@@ -695,7 +695,7 @@ def norm_share(model: nn.Module, tp_index: int) -> float:
         grads += [p.grad for p in model.parameters() if id(p) not in seen and p.grad is not None]
     if not grads:
         return 0.0
-    norms = torch.stack([torch.linalg.vector_norm(g) for g in grads])
+    norms = torch.stack(torch._foreach_norm(grads))  # one kernel per dtype and device, as clip_grad_norm_ does
     return float(norms.double().square().sum().item())
 
 

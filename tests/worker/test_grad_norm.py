@@ -22,9 +22,9 @@ def _shares(seed: int, n: int) -> list[float]:
 
 def test_the_norm_does_not_depend_on_the_summation_order() -> None:
     """Permutations and a strided copy of the same shares give the same bits, and the exactly
-    rounded value; torch's sum of the same values differs between a strided column and a
-    contiguous tensor (checked here so that the test shows what it guards against)."""
-    torch_differs = 0
+    rounded value. (What it guards against: torch's sum of the same values can differ between a
+    strided column and a contiguous tensor -- on this machine in about a fifth of these cases --
+    and which kernel runs depends on the host's CPU.)"""
     for seed in range(300):
         shares = _shares(seed, 8 + seed % 57)
         want = math.sqrt(math.fsum(shares) / 2)
@@ -35,9 +35,6 @@ def test_the_norm_does_not_depend_on_the_summation_order() -> None:
             assert global_norm(perm, 2) == want
         column = torch.tensor(shares, dtype=torch.float64).unsqueeze(1).expand(-1, 4).clone()[:, 3]
         assert global_norm(column.tolist(), 2) == want
-        contiguous = torch.tensor(shares, dtype=torch.float64)
-        torch_differs += float(column.sum()) != float(contiguous.sum())
-    assert torch_differs > 0  # the hazard is real: torch's result depends on the kernel's path
 
 
 def test_non_finite_shares_give_a_non_finite_norm() -> None:
