@@ -122,19 +122,14 @@ def build(settings: AgentSettings) -> Agent:
         fail("no NVLink domain: NVML reports no fabric clique, so give --domain")
     if (settings.tls_cert is None) != (settings.tls_key is None):
         fail("--tls-cert and --tls-key go together")
-    for what, path, kind in (("--tls-ca", settings.tls_ca, "CERTIFICATE"), ("--tls-cert", settings.tls_cert,
-                             "CERTIFICATE"), ("--tls-key", settings.tls_key, "PRIVATE KEY")):
-        if path is None:
-            continue
-        if not path.is_file():
-            fail(f"{what} {path}: no such file")
-        try:
-            pem = path.read_bytes()
+    if settings.tls_ca is not None or settings.tls_cert is not None:
+        from ntp_manager.rpc.tls import channel_credentials
+
+        try:  # the files are read again at each connection; a bad one is found here, once
+            channel_credentials(settings.tls_ca, settings.tls_cert, settings.tls_key,
+                                labels=("--tls-ca", "--tls-cert", "--tls-key"))
         except OSError as e:
-            fail(f"{what} {path}: cannot read ({e.strerror})")
-        # grpcio would only log the bad file and retry the connection forever
-        if b"-----BEGIN " not in pem or f"{kind}-----".encode() not in pem:
-            fail(f"{what} {path}: not a PEM {kind.lower()}")
+            fail(str(e))
     cfg = AgentConfig(manager=settings.manager, token=token, node=node, domain=domain,
                       heartbeat_interval_s=settings.heartbeat_interval_s,
                       sample_interval_s=settings.sample_interval_s,

@@ -50,15 +50,18 @@ def server_credentials(settings: Any) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
 
-def channel_credentials(ca: Path | None, cert: Path | None = None, key: Path | None = None) -> grpc.ChannelCredentials:
+def channel_credentials(ca: Path | None, cert: Path | None = None, key: Path | None = None,
+                        labels: tuple[str, str, str] = ("CA", "certificate", "key")) -> grpc.ChannelCredentials:
     """Credentials for a client: verify the manager with `ca` (system roots when None) and, with
-    `cert` and `key`, present that certificate (mTLS)."""
+    `cert` and `key`, present that certificate (mTLS). Raises OSError naming a file that cannot be
+    read or holds no PEM block of its kind (grpcio would only log it and retry the connection
+    forever); `labels` name the three in that message (a CLI gives its flags)."""
     if (cert is None) != (key is None):
         raise ValueError("a client certificate and its key go together")
     return grpc.ssl_channel_credentials(
-        root_certificates=_read(ca, "CA") if ca else None,
-        private_key=_read(key, "key") if key else None,
-        certificate_chain=_read(cert, "certificate") if cert else None,
+        root_certificates=_pem(ca, labels[0], b"CERTIFICATE-----") if ca else None,
+        private_key=_pem(key, labels[2], b"PRIVATE KEY-----") if key else None,
+        certificate_chain=_pem(cert, labels[1], b"CERTIFICATE-----") if cert else None,
     )
 
 
