@@ -53,6 +53,19 @@ err = Console(stderr=True, soft_wrap=True)
 ROUNDS = 3  # passes over the managers' addresses before giving up (a failover takes a few seconds)
 
 
+class UnexpectedAnswer(KeyError):
+    """A field the command reads is not in the answer: --url names another JSON service, or a
+    manager of another version."""
+
+
+class _Answer(dict[str, Any]):
+    """A JSON object of an answer: a field it lacks raises UnexpectedAnswer (main() says so in one
+    line), not the KeyError of a bug in a command."""
+
+    def __missing__(self, key: str) -> Any:
+        raise UnexpectedAnswer(key)
+
+
 class Ctx:
     def __init__(self, url: str, token_file: Path | None, as_json: bool, timeout: float) -> None:
         self.urls = [u.strip().rstrip("/") for u in url.split(",") if u.strip()] or ["http://127.0.0.1:8080"]
@@ -85,7 +98,7 @@ class Ctx:
     def call(self, method: str, path: str, **kw: Any) -> Any:
         r = self._send(method, path, {"Authorization": f"Bearer {self.token()}"}, **kw)
         try:
-            doc = r.json()
+            doc = r.json(object_hook=_Answer)
         except ValueError:  # not the manager's API (a proxy's error page, another server at that address)
             fail(f"{r.status_code} from {self.url}{path}, and not the manager's JSON "
                  f"({r.headers.get('content-type', 'no content type')}): is --url / NTP_URL right?", 1)
@@ -589,8 +602,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     version) is one line too, status 1, with what was missing."""
     try:
         return run_app(app, argv, "ntpctl")
-    except (KeyError, TypeError, AttributeError) as e:
-        err.print(f"[bold red]error:[/] the answer is not what ntpctl expects ({type(e).__name__}: {e}): is "
+    except UnexpectedAnswer as e:
+        err.print(f"[bold red]error:[/] the answer is not what ntpctl expects (no field {e}): is "
                   "--url / NTP_URL a manager of this version?", highlight=False)
         return 1
 

@@ -95,7 +95,7 @@ CASES: list[tuple[str, list[str], dict[str, str], int, str]] = [
     ("ntpctl", ["submit", "{tmp}/binary"], {"NTP_TOKEN": "t"}, 2, "not a text file"),
     ("ntpctl", ["--token-file", "{tmp}/binary", "status"], {}, 2, "not a token file"),
     ("ntpctl", ["--url", "{www}", "status"], {"NTP_TOKEN": "t"}, 1, "not the manager's JSON"),
-    ("ntpctl", ["--url", "{www}/json", "status"], {"NTP_TOKEN": "t"}, 1, "not what ntpctl expects (KeyError"),
+    ("ntpctl", ["--url", "{www}/json", "status"], {"NTP_TOKEN": "t"}, 1, "not what ntpctl expects (no field"),
     ("ntpctl", ["--url", "{closed}", "status"], {"NTP_TOKEN": "t"}, 3, "cannot reach the manager"),
     ("ntp-agent", ["--bogus"], {}, 2, "No such option: --bogus"),
     ("ntp-agent", ["--token-file", "{tmp}/token", "--backend", "fake", "--scenario", SCENARIO],
