@@ -158,12 +158,22 @@ def test_the_worker_is_started_by_this_process_not_by_a_forkserver(pp: planproc.
         assert ppid == os.getpid()
 
 
-def test_a_call_still_queued_when_the_worker_is_stopped_is_served_again_not_cancelled() -> None:
+@pytest.fixture
+def own_pp() -> Iterator[planproc.PlanProcess]:
+    """A planner process of the test's own (the module's shared one must not be stopped), killed
+    at the end whatever the test left running."""
+    pp = planproc.PlanProcess(True)
+    yield pp
+    pp.close(kill=True)
+
+
+def test_a_call_still_queued_when_the_worker_is_stopped_is_served_again_not_cancelled(
+        own_pp: planproc.PlanProcess) -> None:
     # stop() shuts the pool down with cancel_futures: a call not yet handed to the worker (one runs,
     # one waits in the executor's call queue, this third one in its pending list) was cancelled, and
     # its caller -- not cancelled itself -- got CancelledError (seen once in CI as a failure of the
     # test above on a loaded machine); it gets Missing("restarted"), which _run answers by retrying
-    pp = planproc.PlanProcess(True)
+    pp = own_pp
 
     async def main() -> None:
         busy = asyncio.ensure_future(pp._call(time.sleep, 30))
@@ -178,17 +188,15 @@ def test_a_call_still_queued_when_the_worker_is_stopped_is_served_again_not_canc
         assert isinstance(results[2], planproc.Missing), results
         assert not any(isinstance(r, asyncio.CancelledError) for r in results), results
 
-    try:
-        asyncio.run(main())
-    finally:
-        pp.close(kill=True)
+    asyncio.run(main())
 
 
-def test_a_call_whose_pool_is_stopped_between_lookup_and_submit_is_served_again() -> None:
+def test_a_call_whose_pool_is_stopped_between_lookup_and_submit_is_served_again(
+        own_pp: planproc.PlanProcess) -> None:
     # the other interleaving of stop() with a call: the pool is shut down after _call looked it up
     # and before its submit ran (in a thread); submit then raises "cannot schedule new futures after
     # shutdown", a RuntimeError that reached the caller as if planning had failed
-    pp = planproc.PlanProcess(True)
+    pp = own_pp
     pool = pp._executor()
     assert pool is not None
     real_submit = pool.submit
@@ -204,26 +212,20 @@ def test_a_call_whose_pool_is_stopped_between_lookup_and_submit_is_served_again(
             await pp._call(planproc._ready)
         assert await pp._call(planproc._ready) is None  # a new pool serves the retry
 
-    try:
-        asyncio.run(main())
-    finally:
-        pp.close(kill=True)
+    asyncio.run(main())
 
 
-def test_tokens_are_never_reused_across_workers() -> None:
+def test_tokens_are_never_reused_across_workers(own_pp: planproc.PlanProcess) -> None:
     # the record of what a worker holds starts afresh with each worker; a call the old worker
     # answered can still adopt its result into the new record, so a token must never come back
     # (numbering that restarted could name another layout in the new worker: a wrong previous
     # layout for a draft, silently)
-    pp = planproc.PlanProcess(True)
-    try:
-        assert pp._executor() is not None
-        first, new = pp._sent.token(pp._sent.shapes, object())
-        assert new
-        pp.close()
-        assert not pp._sent.shapes  # a new worker holds nothing
-        second, _ = pp._sent.token(pp._sent.shapes, object())
-        assert second > first
-        assert next(pp._sent.tokens) > second  # an output token too
-    finally:
-        pp.close(kill=True)
+    pp = own_pp
+    assert pp._executor() is not None
+    first, new = pp._sent.token(pp._sent.shapes, object())
+    assert new
+    pp.close()
+    assert not pp._sent.shapes  # a new worker holds nothing
+    second, _ = pp._sent.token(pp._sent.shapes, object())
+    assert second > first
+    assert next(pp._sent.tokens) > second  # an output token too
