@@ -33,6 +33,7 @@ from ntp_manager.worker.runtime import Runtime, RuntimeConfig
 from ntp_manager.worker.sources import StoreLayoutSource, publish_layout, read_acks
 from ntp_manager.worker.tiny_gpt import tp_plan
 from tests.fakes.procs import worker_context
+from tests.worker import pipeline_jobs as pj
 from tests.worker.compare import shard_errors, shard_info, tolerance
 from tests.worker.ranks import reap, store_with_layout
 from tests.worker.test_runtime import CFG, CLIP, _get, _opt_fn, batch, build, loss_fn, reference
@@ -67,16 +68,22 @@ class _Faulty(Runtime):
                                "before its part of the commit arrived)")
 
 
-def _worker(wid: str, port: int, q: Any, role: str = "") -> None:
+def _worker(wid: str, port: int, q: Any, role: str = "", pipelined: bool = False) -> None:
+    """A rank of the job: TinyGpt with TP, or (`pipelined`) the pipeline tests' TinyGpt cut into
+    stages (tests/worker/pipeline_jobs.py); SGD with momentum, clipping on every step."""
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=dt.timedelta(seconds=120))
     cfg = RuntimeConfig(job=JOB, collective_timeout_s=15, rendezvous_timeout_s=90, reconfigure_timeout_s=90,
-                        max_grad_norm=CLIP)
-    rt = _Faulty(lambda: build("sgd-clip"), tp_plan(CFG), _opt_fn("sgd-clip"),
-                      StoreLayoutSource(store, JOB, wid), store, cfg)
+                        max_grad_norm=pj.CLIP if pipelined else CLIP)
+    src = StoreLayoutSource(store, JOB, wid)
+    if pipelined:
+        rt = _Faulty(lambda: pj.build("gpt"), None, lambda p: pj.optimizer("gpt-sgd-clip", p), src, store, cfg,
+                     pipeline=pj.pipeline())
+    else:
+        rt = _Faulty(lambda: build("sgd-clip"), tp_plan(CFG), _opt_fn("sgd-clip"), src, store, cfg)
     rt.role = role
     rt.start()
     while rt.step < STEPS:
-        r = rt.train_step(batch, loss_fn)
+        r = rt.train_step(pj.batch) if pipelined else rt.train_step(batch, loss_fn)
         if not role.startswith(("victim", "dies")):  # killed while its queue's feeder writes, it could break it
             q.put(("step", wid, r.step, r.loss, r.global_batch, r.version, r.grad_norm))
     params = {n: p.detach().cpu().numpy().copy() for n, p in rt.model.named_parameters()}
@@ -91,7 +98,8 @@ class _Job:
     """Rank processes of one test job on a store holding its first layout, and what they report:
     every survivor's step rows and its final parameters, shards and timeline."""
 
-    def __init__(self, first: list[Any], survivors: list[str]) -> None:
+    def __init__(self, first: list[Any], survivors: list[str], pipelined: bool = False) -> None:
+        self.pipelined = pipelined
         self.port, self.store = store_with_layout(JOB, first, 120)
         self.ctx = worker_context()
         self.q = self.ctx.Queue()
@@ -109,7 +117,7 @@ class _Job:
             reap(self.procs.values(), join_s=1)
 
     def start(self, wid: str, role: str = "") -> None:
-        self.procs[wid] = self.ctx.Process(target=_worker, args=(wid, self.port, self.q, role))
+        self.procs[wid] = self.ctx.Process(target=_worker, args=(wid, self.port, self.q, role, self.pipelined))
         self.procs[wid].start()
 
     def died(self, wid: str) -> None:
@@ -140,10 +148,11 @@ class _Job:
         assert [s for s, *_ in ref_rows] == list(range(STEPS))
         for w in self.survivors[1:]:
             assert sorted(self.rows[w]) == ref_rows, w
-        ref_losses, ref_params = reference("sgd-clip", [gb for _, _, gb, _, _ in ref_rows])
+        gbs = [gb for _, _, gb, _, _ in ref_rows]
+        ref_losses, ref_params = pj.reference("gpt-sgd-clip", gbs) if self.pipelined else reference("sgd-clip", gbs)
         for s, loss, _, _, norm in ref_rows:
             assert abs(loss - ref_losses[s]) <= 1e-5 * abs(ref_losses[s]), (s, loss, ref_losses[s])
-            assert norm is not None and norm > CLIP  # clipping was active on every step
+            assert norm is not None and norm > (pj.CLIP if self.pipelined else CLIP)  # clipping on every step
         for w in self.survivors:
             params, units, _ = self.done[w]
             for name, err in shard_errors(params, units, ref_params, "sgd").items():
@@ -167,6 +176,22 @@ def test_a_rank_behind_a_split_commit_completes_the_step_from_its_synced_gradien
     rolled = {w: [what for what, _ in job.timeline(w) if what == "step rolled forward"] for w in job.survivors}
     assert rolled == {"w0": [], "w2": ["step rolled forward"], "w3": []}
     assert not any(what == "restored from checkpoint" for w in job.survivors for what, _ in job.timeline(w))
+
+
+def test_a_split_commit_in_a_pipeline_is_mended_the_same_way() -> None:
+    """PP2 x TP1 x DP2: the victim holds replica A's stage 1 and dies after the commit; B's stage-0
+    rank is the one behind. The replan keeps one replica, its stage 0 at TP2 (A's stage-0 rank
+    joins B's) and its stage 1 at TP1: the rank behind rolls forward, then every stage reshards."""
+    job = _Job([([["w0"], ["w1"]], 4), ([["w2"], ["w3"]], 4)], ["w0", "w2", "w3"], pipelined=True)
+    with job:
+        for w in A + B:
+            job.start(w, {VICTIM: "victim", LAGGER: "lagger"}.get(w, ""))
+        job.died(VICTIM)
+        publish_layout(job.store, JOB, 2, [([["w2", "w0"], ["w3"]], 8)], f"{VICTIM} failed")
+        rows = job.finish(2)
+    assert [(gb, v) for _, _, gb, v, _ in rows] == [(8, 1)] * 3 + [(8, 2)] * 3
+    rolled = {w: [what for what, _ in job.timeline(w) if what == "step rolled forward"] for w in job.survivors}
+    assert rolled == {"w0": [], "w2": ["step rolled forward"], "w3": []}
 
 
 def test_a_joiner_dying_mid_join_leaves_the_others_described_by_what_they_hold() -> None:
