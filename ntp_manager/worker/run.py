@@ -90,6 +90,7 @@ class Rank:
     injected: bool = False  # killed by --fail-at (an expected exit)
     rc: int | None = None  # the last process's exit status once it is gone for good
     pumps: list[threading.Thread] = field(default_factory=list)  # copying its output, this process's
+    starts: int = 0  # processes started (restarts and --repair-at's included): attempt_<starts - 1>
 
 
 @dataclass(frozen=True)
@@ -425,6 +426,7 @@ class Launcher:
         """Start rank `r`'s process, its stdout and stderr each to the console (through a thread
         that prefixes its lines), a file, both, or nowhere (`Output`)."""
         index = self.ranks.index(r)
+        attempt, r.starts = r.starts, r.starts + 1
         out, files = self.o.output, []
         where: dict[int, Any] = {}
         plan: dict[int, tuple[bool, bool, Path | None]] = {}
@@ -433,7 +435,7 @@ class Launcher:
             if out.to_file(index, std):
                 run_dir = self.make_run_dir()
                 assert run_dir is not None
-                folder = run_dir / f"attempt_{r.restarts}" / str(index)
+                folder = run_dir / f"attempt_{attempt}" / str(index)
                 folder.mkdir(parents=True, exist_ok=True)
                 path = folder / f"{name}.log"
             shown = out.to_console(index, std)
@@ -462,7 +464,7 @@ class Launcher:
                                      daemon=True, name=f"{r.worker}-{'out' if std == OUT else 'err'}")
                 t.start()
                 r.pumps.append(t)
-        log.info("rank started", worker=r.worker, local_rank=index, pid=r.proc.pid, attempt=r.restarts)
+        log.info("rank started", worker=r.worker, local_rank=index, pid=r.proc.pid, attempt=attempt)
 
     def drained(self, r: Rank, timeout: float = 5.0) -> None:
         """Wait (up to `timeout` s) until rank `r`'s exited process's output is all copied: its
