@@ -51,6 +51,7 @@ import httpx
 import structlog
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from agent.local import FakeFleet, FakeNode
@@ -540,7 +541,7 @@ def _layout_now(api: httpx.Client, version: int) -> None:
     """The replicas as stages x TP groups, and which groups moved (replica or stage)."""
     lay = layout_of(api, JOB, version)
     console.print(f"layout v{version}: {_replicas_text(lay)}")
-    console.print(f"  reason: {lay['reason']}")
+    console.print(f"  reason: {escape(lay['reason'])}")
     for r in lay["replicas"]:
         for g in r["moved"]:
             console.print(f"  group {g['group']}: replica {g['from_replica']} stage {g['from_stage']} -> "
@@ -554,7 +555,7 @@ def _layouts_table(hist: list[dict[str, Any]]) -> None:
               ("version", "replicas", "groups changing stage", "reason"), lines=True)
     for x in sorted(hist, key=lambda x: x["version"]):
         t.add_row(str(x["version"]), _replicas_text(x), str((x.get("moves") or {}).get("stage_changed", "")),
-                  x["reason"])
+                  escape(x["reason"]))  # data, not rich markup: "[...]" is printed as it is
     console.print(t)
 
 

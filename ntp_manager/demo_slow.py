@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 import typer
+from rich.markup import escape
 
 from agent.local import FakeNode
 from ntp_manager.demo import (
@@ -169,7 +170,7 @@ def _watch(api: httpx.Client, launcher: Any, res: SlowDemoResult, old: int, time
             res.verdicts.append(v)
             who = res.labels.get(v.get("gpu", ""), v.get("gpu") or v.get("group", ""))
             console.rule(f"[red]verdict: {v['kind']} {who}" + (f" factor {v['factor']:.2f}" if "factor" in v else ""))
-            console.print(v.get("reason", ""))
+            console.print(escape(v.get("reason", "")))
         seen_verdicts = len(verdicts)
         g = api.get(f"/v1/gpus/{res.victim}").json()
         if g["state"] != state:
@@ -182,7 +183,7 @@ def _watch(api: httpx.Client, launcher: Any, res: SlowDemoResult, old: int, time
         if version and version > old:
             reason = layout_of(api, JOB, version)["reason"]
             console.rule(f"[bold]layout v{version}")
-            console.print(reason)
+            console.print(escape(reason))
             _print_layout(api, version, res)
             old = version
             if "fail-slow:" in reason:
@@ -243,7 +244,7 @@ def _print_layout(api: httpx.Client, version: int, res: SlowDemoResult) -> None:
         names = ", ".join(res.labels.get(u, u[:10]) for u in members)
         parts.append(f"r{r['id']}: TP{len(members)} b{r['local_batch']} [{names}]")
     res.gpus_by_version[version] = gpus
-    console.print(f"layout v{version}: " + "   ".join(parts))
+    console.print(escape(f"layout v{version}: " + "   ".join(parts)))  # "[node-a/0, ...]" is no markup
 
 
 def _layouts_table(hist: list[dict[str, Any]]) -> None:
@@ -251,7 +252,7 @@ def _layouts_table(hist: list[dict[str, Any]]) -> None:
     for x in sorted(hist, key=lambda x: x["version"]):
         reps = ", ".join(f"r{r['id']} TP{r['tp']} b{r['local_batch']}" for r in sorted(x["replicas"],
                                                                                    key=lambda r: r["id"]))
-        t.add_row(str(x["version"]), reps, x["reason"])
+        t.add_row(str(x["version"]), reps, escape(x["reason"]))
     console.print(t)
 
 
