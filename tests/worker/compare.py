@@ -51,6 +51,22 @@ def shard_errors(params: dict[str, np.ndarray], units: dict[str, ShardInfo],
     return out
 
 
+def update_errors(params: dict[str, np.ndarray], units: dict[str, ShardInfo], ref_params: dict[str, torch.Tensor],
+                  initial: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Relative error of every parameter's *update* (final minus initial) against the same units of
+    the reference's: what fp32 master state decides (bf16 compute moves every value by rounding
+    noise of bf16's resolution, 2^-8 relative, which a parameter-relative error would hide the
+    updates in). Skipped: `attn.k.bias`, whose true gradient is zero (see `shard_errors`)."""
+    out = {}
+    for name, arr in params.items():
+        if name.endswith("attn.k.bias"):
+            continue
+        start = ref_part(initial[name], name, units)
+        got, want = torch.from_numpy(arr).float() - start, ref_part(ref_params[name], name, units) - start
+        out[name] = float((got - want).norm() / max(want.norm().item(), 1e-12))
+    return out
+
+
 def tolerance(optimizer: str) -> float:
     """AdamW divides by sqrt(v): rounding differences of the sync's summation order grow about 10x
     through that, so its parameters get 1e-4; SGD and every loss hold 1e-5."""
