@@ -107,7 +107,8 @@ class TinyGpt(nn.Module):
         return logits
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.forward(idx)
+        """Mean cross entropy, in fp32 also when the logits are bf16 (RuntimeConfig(precision="bf16"))."""
+        logits = self.forward(idx).float()
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 

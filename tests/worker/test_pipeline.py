@@ -180,24 +180,26 @@ def _saved_bytes_and_grads(model: nn.Module, stages: int, idx: torch.Tensor) -> 
 
     parts = [stage_module(model, s, stages) for s in range(stages)]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        x = idx
+        x = idx if parts else pj.logits(model, idx)  # no stages: the whole model's own forward
         for part in parts:
             x = part(x)
     torch.nn.functional.cross_entropy(x.flatten(0, 1), idx.flatten()).backward()
     return sum(seen.values()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("stages", [0, 2])
 @pytest.mark.parametrize("name", ["gpt", "llama"])
-def test_recomputation_keeps_less_and_gives_the_same_gradients(name: str) -> None:
-    """The model's own switch (HF's activation checkpointing, TinyGpt's flag) reaches the stages:
-    the stages keep fewer bytes for the backward, and the gradients are bitwise those without."""
+def test_recomputation_keeps_less_and_gives_the_same_gradients(name: str, stages: int) -> None:
+    """The model's own switch (HF's activation checkpointing, TinyGpt's flag) reaches the whole
+    model's forward (stages 0) and the pipeline's stages: they keep fewer bytes for the backward,
+    and the gradients are bitwise those without."""
     idx = torch.randint(0, pj.VOCAB, (3, pj.SEQ), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)
-    plain_bytes, plain = _saved_bytes_and_grads(pj.build(name), 2, idx)
+    plain_bytes, plain = _saved_bytes_and_grads(pj.build(name), stages, idx)
     torch.manual_seed(0)
     model = pj.build(name)
     assert enable_recompute(model)
-    rc_bytes, rc = _saved_bytes_and_grads(model, 2, idx)
+    rc_bytes, rc = _saved_bytes_and_grads(model, stages, idx)
     assert rc_bytes < plain_bytes / 2, (rc_bytes, plain_bytes)
     assert plain.keys() == rc.keys() and all(torch.equal(plain[n], rc[n]) for n in plain)
 
