@@ -128,8 +128,9 @@ def _rank(wid: str, index: int, port: int, cfg: GptConfig, seq: int, micro: int,
     store = dist.TCPStore("127.0.0.1", port, is_master=False,  # type: ignore[attr-defined]
                           timeout=dt.timedelta(seconds=600))
     schedule, recompute = MODES[mode]
-    pipe = Pipeline(inputs=lambda b: b[0], micro_batches=micro, loss=lambda y, b: nn.functional.cross_entropy(
-        y.float().reshape(-1, y.shape[-1]), b[1].reshape(-1)))
+    dev = torch.device("cuda") if device == "cuda" else torch.device("cpu")  # batches come on the CPU
+    pipe = Pipeline(inputs=lambda b: b[0].to(dev), micro_batches=micro, loss=lambda y, b: nn.functional.cross_entropy(
+        y.float().reshape(-1, y.shape[-1]), b[1].to(y.device).reshape(-1)))
     rt = Runtime(lambda: TinyGpt(cfg), tp_plan(cfg), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
                  StoreLayoutSource(store, mode, wid), store,
                  RuntimeConfig(job=mode, schedule=schedule, recompute=recompute, device=device, precision=precision,
