@@ -25,9 +25,16 @@ the all-reduce of Megatron's f operator). So with degrees tp_s and tp_{s+1}:
   stage s+1.
 
 `activation_peers` gives both directions (pure). Every message is a whole tensor (a small header
-with its shape and dtype goes first in the forward direction; a gradient has its activation's
-shape), so a stage whose degree changes needs nothing from its neighbours but the new numbering.
-Messages go through the transport seam (worker/comm.py), like every other message of the runtime.
+with its shape and dtype, and the sender's schedule and micro-batch, goes first in the forward
+direction; a gradient has its activation's shape), so a stage whose degree changes needs nothing
+from its neighbours but the new numbering. Messages go through the transport seam
+(worker/comm.py), like every other message of the runtime.
+
+Schedules: `schedule_ops` (pure) orders a stage's forwards and backwards -- 1F1B, which keeps at
+most `n_stages - stage` micro-batches' activations, or GPipe, which keeps all -- and `run_stage`
+runs that order on a rank: asynchronous sends, a blocking receive only for what the next operation
+needs, so the schedules complete on gloo whatever the stages' TP degrees (docs/worker.md,
+"Schedules, recomputation and precision").
 """
 
 from __future__ import annotations
