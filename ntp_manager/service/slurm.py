@@ -9,7 +9,8 @@ How a pass goes (one task of its own: it never holds the planner or the event lo
 3. `decide` says what to drain and what to resume; each drain first writes its audit record (the
    record's id goes into the reason as a link: `audit <url>/v1/audit/<id>`), then runs
    `scontrol update NodeName=N State=DRAIN Reason=...`; a resume re-reads the node and runs
-   `scontrol update NodeName=N State=RESUME` only if the reason is still ntp-manager's.
+   `scontrol update NodeName=N State=RESUME` only if the reason is still ntp-manager's. The
+   record's `after.result` says how it went (pending, drained or resumed, refused, failed).
 
 Every command runs as a subprocess on the event loop's watcher (asyncio), bounded by
 `slurm_timeout_s` (killed past it), and is retried with exponential backoff and jitter (tenacity)
@@ -252,7 +253,8 @@ class SlurmSync:
                 log.exception("slurm pass failed")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.poll_s)
-            await asyncio.sleep(0.2)  # let a burst of changes gather into one pass
+            # let a burst of changes gather into one pass; Slurm is asked at most about once a second
+            await asyncio.sleep(min(1.0, self.poll_s))
 
     async def sync_once(self) -> Decision | None:
         """One pass (see the module docstring); the decision, or None when Slurm could not be read."""
@@ -318,17 +320,21 @@ class SlurmSync:
     async def _drain(self, a: Action) -> None:
         gpus = [{"gpu": c.gpu, "index": c.idx, "kind": str(c.kind), "detail": c.detail} for c in a.causes]
         after: dict[str, Any] = {"slurm_node": a.node, "gpus": gpus}
-        audit_id = await self._audit("slurm.drain", a.node, after, a.why)
+        audit_id = await self._audit("slurm.drain", a.node, {**after, "result": "pending"}, a.why)
         reason = drain_reason(a.causes, self._link(audit_id))
-        await self._set_after(audit_id, {**after, "slurm_reason": reason})
+        after["slurm_reason"] = reason
+        await self._set_after(audit_id, {**after, "result": "pending"})
         try:
             await self.commands.drain(a.node, reason)
         except SlurmError as e:
+            await self._set_after(audit_id, {**after, "result": "refused" if e.permanent else "failed"})
             await self._failed("slurm.refused" if e.permanent else "slurm.drain_failed", a.node, e)
             if e.permanent:
                 self.refused[a.node] = causes_key(a.causes)
             return
+        await self._set_after(audit_id, {**after, "result": "drained"})
         self.ours[a.node] = causes_key(a.causes)
+        self.drained_now[a.node] = SlurmNode(a.node, "drain", reason)  # until the next pass reads it
         self.refused.pop(a.node, None)
         self.recent.append(self.kernel.clock.monotonic())
         log.warning("slurm node drained", node=a.node, reason=reason)
@@ -344,13 +350,17 @@ class SlurmSync:
             log.info("slurm node not resumed: no longer ntp-manager's drain", node=a.node,
                      reason=now.reason if now else None)
             return
-        await self._audit("slurm.resume", a.node, {"slurm_node": a.node, "slurm_reason": now.reason}, a.why)
+        after = {"slurm_node": a.node, "slurm_reason": now.reason}
+        audit_id = await self._audit("slurm.resume", a.node, {**after, "result": "pending"}, a.why)
         try:
             await self.commands.resume(a.node)
         except SlurmError as e:
+            await self._set_after(audit_id, {**after, "result": "failed"})
             await self._failed("slurm.resume_failed", a.node, e)
             return
+        await self._set_after(audit_id, {**after, "result": "resumed"})
         self.ours.pop(a.node, None)
+        self.drained_now.pop(a.node, None)
         log.warning("slurm node resumed", node=a.node, was=now.reason)
 
     async def _failed(self, action: str, node: str, e: SlurmError) -> None:

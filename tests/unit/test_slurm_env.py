@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_host_lists_expand_as_slurm_writes_them() -> None:
     assert expand_hostlist("sn1") == ["sn1"]
-    assert expand_hostlist("sn[1-3,7],gpu-[08-10]b,x") == ["sn1", "sn2", "sn3", "sn7", "gpu-08b", "gpu-09b",
-                                                           "gpu-10b", "x"]
+    assert expand_hostlist("sn[1-3,7],gpu-[3,08-10],x") == ["sn1", "sn2", "sn3", "sn7", "gpu-3", "gpu-08", "gpu-09",
+                                                            "gpu-10", "x"]
     assert expand_hostlist("r[1-2]n[1-2]") == ["r1n1", "r1n2", "r2n1", "r2n2"]
     for bad in ("sn[1-3", "sn1]", "sn[3-1]", "sn[a-b]", "a,,b"):
         with pytest.raises(SlurmEnvError):

@@ -78,7 +78,7 @@ def test_sinfo_lines_are_parsed_and_junk_is_refused() -> None:
     nodes = parse_sinfo(text)
     assert nodes["sn1"].reason.startswith(MARKER) and nodes["sn2"].reason == "PSU | ticket 7"
     assert nodes["sn3"].reason == ""
-    with pytest.raises(ValueError, match="not NAME|STATE|REASON"):
+    with pytest.raises(ValueError, match=r"not NAME\|STATE\|REASON"):
         parse_sinfo("slurm_load_partitions: Unable to contact slurm controller\n")
 
 
