@@ -129,6 +129,12 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _slurm(self) -> Settings:
+        if self.slurm_dry_run and not self.slurm_drain:
+            raise ValueError("slurm_dry_run needs slurm_drain (set both to see what would be drained)")
+        return self
+
+    @model_validator(mode="after")
     def _tls_pair(self) -> Settings:
         if (self.grpc_tls_cert is None) != (self.grpc_tls_key is None):
             raise ValueError("grpc_tls_cert and grpc_tls_key go together")

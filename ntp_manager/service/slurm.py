@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -199,7 +200,20 @@ class SlurmSync:
         self.last: Decision | None = None
         self.drained_now: dict[str, SlurmNode] = {}
         if self.enabled:
+            if commands is None:
+                self._find_commands(settings.slurm_bin_dir)
             kernel.after_commit.append(self.note)
+
+    @staticmethod
+    def _find_commands(bin_dir: Path | None) -> None:
+        """Refuse at set-up, naming what is missing, when Slurm's commands cannot be found (rather
+        than fail every pass): OSError, which the CLI prints as one line."""
+        path = str(bin_dir) if bin_dir is not None else None
+        missing = [c for c in ("scontrol", "sinfo") if shutil.which(c, path=path) is None]
+        if missing:
+            where = f"in slurm_bin_dir {bin_dir}" if bin_dir is not None else "on the PATH"
+            raise OSError(f"slurm_drain is on but {' and '.join(missing)} cannot be found {where} "
+                          "(install Slurm's client commands, or set slurm_bin_dir)")
 
     # ---- what changed --------------------------------------------------------------------------
     def note(self, tx: Tx) -> None:

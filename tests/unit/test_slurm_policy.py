@@ -11,7 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
+from ntp_manager.service.manager import Manager
 from ntp_manager.service.slurm import SlurmCommands, SlurmError
 from ntp_manager.service.slurm_policy import (
     MARKER,
@@ -30,6 +32,7 @@ from ntp_manager.service.slurm_policy import (
     parse_sinfo,
 )
 from ntp_manager.service.state import HealthSource
+from ntp_manager.settings import Settings
 from ntp_manager.topology import GpuState
 
 NOW = 10_000.0
@@ -169,3 +172,11 @@ echo "sn1|drained|{MARKER} x"
 
     asyncio.run(go())
     assert os.environ.get("SLURM_CONF") != str(tmp_path / "slurm.conf")  # set for the commands only
+
+
+def test_set_up_refuses_a_drain_it_could_not_carry_out(tmp_path: Path) -> None:
+    with pytest.raises(OSError, match="scontrol and sinfo cannot be found in slurm_bin_dir"):
+        Manager(Settings(data_dir=tmp_path, slurm_drain=True, slurm_bin_dir=tmp_path))
+    with pytest.raises(ValidationError, match="slurm_dry_run needs slurm_drain"):
+        Settings(data_dir=tmp_path, slurm_dry_run=True)
+    assert not Manager(Settings(data_dir=tmp_path)).slurm.enabled  # off by default: nothing is looked for
