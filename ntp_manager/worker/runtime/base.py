@@ -18,7 +18,8 @@ from torch import nn
 
 from ntp_manager.worker import comm
 from ntp_manager.worker.checkpoint import Checkpointer, RestoreInfo, Retention
-from ntp_manager.worker.pipeline import Pipeline
+from ntp_manager.worker.pipeline import PassResult, Pipeline
+from ntp_manager.worker.precision import check_device
 from ntp_manager.worker.runtime.config import ReconfigurationError, RuntimeConfig, StepResult, TimelineEvent
 from ntp_manager.worker.sources import LayoutSource, WorkerLayout
 from ntp_manager.worker.sync import NtpGradSync, SyncLayout
@@ -95,6 +96,7 @@ class _RuntimeBase:
         # refused here, before anything starts, when the device / backend / host cannot work
         self.features = comm.detect_features()
         self.choice, self.device = cfg.resolve(self.features)
+        check_device(cfg.precision, self.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL's object collectives and batched p2p use it
         comm.configure(force_staging=cfg.force_staging, device=self.device)
@@ -121,6 +123,7 @@ class _RuntimeBase:
         # where the last layout switch spent its time: (phase, time.time() at its end), from the
         # failure or the agreement on; diagnostics for bench/pipeline.py (not timeline events)
         self.switch_marks: list[tuple[str, float]] = []
+        self.last_pass: PassResult | None = None  # the last pipeline pass (bench/pipeline_memory.py)
 
     @property
     def units(self) -> dict[str, int]:

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 
 from ntp_manager.worker import comm
+from ntp_manager.worker.pipeline import SCHEDULES
+from ntp_manager.worker.precision import check_precision_name
 
 
 class ReconfigurationError(RuntimeError):
@@ -51,6 +53,14 @@ class RuntimeConfig:
     # clip the whole model's gradient to this L2 norm before each optimizer step, as
     # torch.nn.utils.clip_grad_norm_ over one process's model would (None: no clipping)
     max_grad_norm: float | None = None
+    # a pipeline's schedule (worker/pipeline.py, schedule_ops): "1f1b" keeps at most as many
+    # micro-batches' activations per stage as there are stages, "gpipe" all of them
+    schedule: str = "1f1b"
+    # recompute each layer's activations in the backward instead of keeping them (worker/recompute.py)
+    recompute: bool = False
+    # "fp32", or "bf16": bf16 compute with fp32 master parameters, gradients and optimizer state
+    # (worker/precision.py); "fp16" is refused (no loss scaling)
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "gloo", "nccl"):
@@ -65,6 +75,11 @@ class RuntimeConfig:
             raise ValueError(f"micro_batch_size must be a positive integer or None, not {self.micro_batch_size!r}")
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be a positive number or None, not {self.max_grad_norm!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, not {self.schedule!r}")
+        if not isinstance(self.recompute, bool):
+            raise ValueError(f"recompute must be True or False, not {self.recompute!r}")
+        check_precision_name(self.precision)
 
     def resolve(self, features: comm.CommFeatures | None = None) -> tuple[comm.BackendChoice, torch.device]:
         """The backend and this rank's device; raises comm.BackendError for what cannot work."""

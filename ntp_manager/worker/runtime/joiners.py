@@ -16,6 +16,8 @@ from ntp_manager.worker import comm
 from ntp_manager.worker.checkpoint import CheckpointError, NoCheckpoint
 from ntp_manager.worker.optim import check_optimizer, check_scheduler, pack_values, scheduler_json, unpack_values
 from ntp_manager.worker.pipeline import stage_plan
+from ntp_manager.worker.precision import check_model
+from ntp_manager.worker.recompute import enable_recompute
 from ntp_manager.worker.runtime.base import _RuntimeBase, _StageInfo
 from ntp_manager.worker.runtime.config import ReconfigurationError
 from ntp_manager.worker.sources import RestoreNote, WorkerLayout
@@ -96,6 +98,9 @@ class _Joining(_RuntimeBase):
         plan and every stage's units off the whole model."""
         torch.manual_seed(self.cfg.seed)
         whole = self.model_fn()
+        check_model(whole, self.cfg.precision)  # bf16: fp32 master parameters (precision.py)
+        if self.cfg.recompute:
+            enable_recompute(whole)  # before the cut: stages and layers carry the switch
         if self._plan is None:
             from ntp_manager.worker.plans import plan_for
 

@@ -1,5 +1,6 @@
 """One training step and its commit (see the package doc): forward and backward (one pass, micro-
-batches, or a pipeline stage's GPipe schedule), the NTP gradient sync, the commit all-gather
+batches, or a pipeline stage's schedule, 1F1B or GPipe; on bf16 copies of the parameters under
+precision "bf16"), the NTP gradient sync, the commit all-gather
 that decides the step on every rank, the optimizer update; and the roll-forward, by which a rank
 whose commit failed completes a step that other survivors committed."""
 
@@ -17,7 +18,8 @@ from torch.nn.utils import clip_grads_with_norm_
 
 from ntp_manager.worker import comm
 from ntp_manager.worker import tp as tp_mod
-from ntp_manager.worker.pipeline import activation_peers, micro_batches, recv_activation, send_activation
+from ntp_manager.worker.pipeline import StageLinks, micro_batches, run_stage
+from ntp_manager.worker.precision import compute_copies, compute_dtype
 from ntp_manager.worker.runtime.base import _RuntimeBase, log
 from ntp_manager.worker.runtime.config import StepResult
 from ntp_manager.worker.sources import StepWork, WorkerLayout
@@ -41,23 +43,8 @@ class _Stepping(_RuntimeBase):
         self.s.sync.zero_grad()  # in place: the gradients stay views of the sync buffers
         t_fb = time.perf_counter()
         tp_mod.TP_WAIT.seconds = 0.0
-        lengths: tuple[int, ...] | None = None
-        if loss_fn is not None:
-            size = self.cfg.micro_batch_size
-            cuts = micro_batches(lb, -(-lb // size)) if size else [(0, lb)]
-            seen_lengths = []
-            shares: list[torch.Tensor] = []  # read once after the loop: no host sync per micro-batch
-            for off, n in cuts:  # gradients accumulate; each micro-batch's mean loss weighted by its share
-                batch = batch_fn(self.step, start + off, n)
-                loss = loss_fn(self.s.model, batch)
-                torch.autograd.backward(loss if len(cuts) == 1 else loss * (n / lb))  # Tensor.backward: unannotated
-                shares.append(loss.detach().double() * (n / lb))
-                seen_lengths.append(StepWork.lengths_of(batch))
-            value = float(torch.stack(shares).sum().item())
-            if all(x is not None for x in seen_lengths):
-                lengths = tuple(v for x in seen_lengths if x is not None for v in x)
-        else:
-            value = self._pipeline_pass(batch_fn, lay, start, lb)
+        with compute_copies(self.s.model, compute_dtype(self.cfg.precision)):  # bf16: the step's copies
+            value, lengths = self._forward_backward(batch_fn, loss_fn, lay, start, lb)
         t_fb = time.perf_counter() - t_fb  # real compute only where the host waits for it (CPU)
         tp_wait = tp_mod.TP_WAIT.seconds  # blocked in the TP group's all-reduces (CPU tensors only)
         self.s.sync.sync()
@@ -155,61 +142,41 @@ class _Stepping(_RuntimeBase):
         self._uncommitted = None
         return hi
 
+    def _forward_backward(self, batch_fn: Callable[[int, int, int], Any],
+                          loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None, lay: WorkerLayout, start: int,
+                          lb: int) -> tuple[float, tuple[int, ...] | None]:
+        """This rank's forward and backward of the step: `loss_fn` over the local batch in
+        micro-batches (single-stage replicas), or its pipeline stage's pass. Gradients accumulate
+        in the sync's buffers. Returns the replica's loss (0 off a pipeline's last stage) and the
+        samples' sequence lengths where the batches tell them (fail-slow evidence)."""
+        assert self.s.model is not None
+        if loss_fn is None:
+            return self._pipeline_pass(batch_fn, lay, start, lb), None
+        size = self.cfg.micro_batch_size
+        cuts = micro_batches(lb, -(-lb // size)) if size else [(0, lb)]
+        seen_lengths = []
+        shares: list[torch.Tensor] = []  # read once after the loop: no host sync per micro-batch
+        for off, n in cuts:  # gradients accumulate; each micro-batch's mean loss weighted by its share
+            batch = batch_fn(self.step, start + off, n)
+            loss = loss_fn(self.s.model, batch)
+            torch.autograd.backward(loss if len(cuts) == 1 else loss * (n / lb))  # Tensor.backward: unannotated
+            shares.append(loss.detach().double() * (n / lb))
+            seen_lengths.append(StepWork.lengths_of(batch))
+        value = float(torch.stack(shares).sum().item())
+        if all(x is not None for x in seen_lengths):
+            return value, tuple(v for x in seen_lengths if x is not None for v in x)
+        return value, None
+
     def _pipeline_pass(self, batch_fn: Callable[[int, int, int], Any], lay: WorkerLayout, start: int,
                        lb: int) -> float:
-        """Forward and backward of this rank's stage over the replica's micro-batches, GPipe order:
-        every forward (input from the previous stage, output to the next), then every backward in
-        reverse (output gradient from the next stage, input gradient to the previous). Gradients
-        accumulate in the sync's buffers; micro-batch k's loss is weighted count_k / local_batch,
-        so the replica's gradient and loss are the means over its samples, as with one pass.
-        Returns that loss on the last stage (0 elsewhere)."""
+        """This rank's stage over the replica's micro-batches in the job's schedule
+        (`pipeline.run_stage`); the replica's loss on the last stage, 0 elsewhere."""
         pipe, model = self.pipeline, self.s.model
         assert pipe is not None and model is not None and lay.rank is not None
         ri, stage, index = lay.where(lay.rank)
-        degrees = lay.degrees[ri]
-        ranks = lay.group_ranks()[ri]
-        first, last = stage == 0, stage == len(degrees) - 1
-        peers = activation_peers(degrees, stage, index)
-        device = self.device
-        group = self.s.world
-        pending: list[Any] = []
-        inputs: list[torch.Tensor | None] = []
-        outputs: list[torch.Tensor] = []
-        total = 0.0
-        parts = micro_batches(lb, pipe.micro_batches or len(degrees))
-        for off, n in parts:
-            mb = batch_fn(self.step, start + off, n) if first or last else None
-            if first:
-                x, keep = pipe.inputs(mb), None
-            else:
-                assert peers.recv_input is not None
-                keep = recv_activation(ranks[stage - 1][peers.recv_input], group, device).requires_grad_(True)
-                x = keep
-            y = model(x)
-            if last:
-                loss = pipe.loss(y, mb) * (n / lb)
-                total += float(loss.detach().item())
-                outputs.append(loss)
-            else:
-                pending += send_activation(y.detach(), [ranks[stage + 1][k] for k in peers.send_output], group)
-                outputs.append(y)
-            inputs.append(keep)
-        for k in reversed(range(len(parts))):
-            out = outputs.pop()
-            if last:
-                torch.autograd.backward(out)
-            else:
-                assert peers.recv_grad is not None
-                grad = torch.empty_like(out)
-                comm.irecv(grad, src=ranks[stage + 1][peers.recv_grad], group=group).wait()
-                torch.autograd.backward(out, grad)
-            x_in = inputs.pop()
-            if x_in is not None:
-                g = x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
-                pending += comm.exchange([comm.P2P(True, g, ranks[stage - 1][i]) for i in peers.send_grad], group)
-            del out, x_in
-            assert len(outputs) == k
-        for w in pending:
-            w.wait()
-        return total
-
+        links = StageLinks.of(lay.group_ranks()[ri], stage, index, self.s.world)
+        parts = micro_batches(lb, pipe.micro_batches or lay.n_stages)
+        step = self.step
+        self.last_pass = run_stage(model, pipe, self.cfg.schedule, links, parts, lb,
+                                   lambda off, n: batch_fn(step, start + off, n), self.device)
+        return self.last_pass.loss
