@@ -30,6 +30,20 @@ $(CHROMIUM_STAMP): | $(BIN)/python
 	  else echo "no chromium and no root apt: the browser test will be skipped"; fi; }
 	@touch $(CHROMIUM_STAMP)
 
+# The real-Slurm tests (tests/integration/test_slurm.py) run Debian's Slurm and munge on loopback.
+# Installed when we can (root with apt); otherwise those tests skip and say why.
+SLURM_STAMP := $(VENV)/.slurm
+$(SLURM_STAMP): | $(BIN)/python
+	@command -v slurmctld >/dev/null 2>&1 && command -v slurmd >/dev/null 2>&1 && command -v sbatch >/dev/null 2>&1 \
+	  && command -v munged >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Slurm and munge for the Slurm tests"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null 2>&1; } || \
+	    echo "Slurm could not be installed: the Slurm tests will be skipped"; \
+	  else echo "no Slurm and no root apt: the Slurm tests will be skipped"; fi; }
+	@touch $(SLURM_STAMP)
+
 venv: $(STAMP)
 
 demo: $(STAMP)
@@ -52,7 +66,7 @@ lint: $(STAMP)
 # Tests are independent (own ports, own databases): one worker per core, whole files kept together
 # so that module-scoped fixtures are built once.
 TEST_WORKERS ?= auto
-test: lint $(CHROMIUM_STAMP)
+test: lint $(CHROMIUM_STAMP) $(SLURM_STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(STAMP)

@@ -18,6 +18,9 @@
   whose welcome carries an older leader epoch than one already seen is stale and is left. The
   buffered reports are re-sent to whichever manager welcomes the agent (idempotent by seq).
 - Commands from the manager: set/release power caps (applied, read back, result sent), drain.
+- Local state: with `state_file`, the agent keeps a small JSON file on the node (agent/state.py:
+  GPUs with their device numbers and verdicts, the connection, when written) for `ntp-run --slurm`
+  and `ntp-agent health`; written off the loop, when something changes and every few seconds.
 - Identity: the token speaks for this node only (the manager refuses it for any other); with
   `tls_ca` the channel is TLS, and with `tls_cert` + `tls_key` the agent presents its client
   certificate (mTLS; see docs/security.md).
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import threading
 import time
@@ -43,6 +47,7 @@ from agent.backends.base import BackendError, BackendEvent, GpuBackend, GpuLost,
 from agent.guard import GpuHung, GuardedBackend
 from agent.policy import GpuEvidence, HealthPolicy, Verdict, XidAction
 from agent.power import PowerController
+from agent.state import STATE_EVERY_S, expand, write_state
 from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from ntp_manager.topology import GpuState
 
@@ -86,6 +91,7 @@ class AgentConfig:
     tls_ca: Path | None = None  # CA of the manager's certificate: connect over TLS
     tls_cert: Path | None = None  # this node's client certificate and key: mTLS
     tls_key: Path | None = None
+    state_file: Path | None = None  # the local state file (agent/state.py); `{node}` is the node name
 
     @property
     def managers(self) -> list[str]:
@@ -145,6 +151,11 @@ class Agent:
         self._period_changed = asyncio.Event()
         self.unreachable: str | None = None  # the manager the last attempt could not reach (told to the next)
         self.failovers = 0  # moves to another manager
+        # the local state file (agent/state.py): rewritten when dirty, else every STATE_EVERY_S
+        self.conn_since = time.time()  # wall time the connection last came or went (start: not connected)
+        self._state_dirty = True
+        self._state_written = -STATE_EVERY_S
+        self._state_warned = False
 
     # ---- evidence ---------------------------------------------------------------------------
     def _start_xid_thread(self) -> None:
@@ -237,6 +248,7 @@ class Agent:
                 changed[u] = v
                 self.verdicts[u] = v
         if changed:
+            self._state_dirty = True
             self._enqueue(changed, xids)
 
     def _enqueue(self, gpus: dict[str, Verdict], xids: dict[str, list[int]]) -> None:
@@ -348,7 +360,7 @@ class Agent:
                             self._period_changed.set()  # the wait under way is for the old period
                         for m in self.on_welcome(msg.welcome.last_applied_seq):
                             outbox.put_nowait(m)
-                        self.connected.set()
+                        self._connection(True)
                         self.registered.set()
                         log.info("connected", manager=self.target, epoch=msg.welcome.leader_epoch,
                                  last_applied=msg.welcome.last_applied_seq)
@@ -359,10 +371,49 @@ class Agent:
                         if result is not None:
                             outbox.put_nowait(result)
             finally:
-                self.connected.clear()
+                self._connection(False)
                 self.outbox = None
                 beat.cancel()
                 outbox.put_nowait(None)
+
+    def _connection(self, up: bool) -> None:
+        if up != self.connected.is_set():
+            self.conn_since = time.time()
+            self._state_dirty = True
+        if up:
+            self.connected.set()
+        else:
+            self.connected.clear()
+
+    # ---- the local state file (agent/state.py) ----------------------------------------------------
+    def state_doc(self) -> dict[str, Any]:
+        """What the state file holds now: the node, its GPUs with their verdicts, the connection."""
+        return {
+            "format": 1, "node": self.cfg.node, "domain": self.cfg.domain, "pid": os.getpid(),
+            "written_at": time.time(), "connected": self.connected.is_set(), "since": self.conn_since,
+            "manager": self.target if self.connected.is_set() else None,
+            "gpus": [{"index": g.index, "minor": g.minor, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id,
+                      "state": str(self.verdicts[g.uuid].state), "reasons": list(self.verdicts[g.uuid].reasons)}
+                     for g in self.statics],
+        }
+
+    async def write_state_if_due(self) -> None:
+        """Rewrite the state file when something changed or STATE_EVERY_S passed (on a worker
+        thread). A file that cannot be written is logged once; the agent goes on."""
+        if self.cfg.state_file is None:
+            return
+        mono = time.monotonic()
+        if not self._state_dirty and mono - self._state_written < STATE_EVERY_S:
+            return
+        self._state_dirty, self._state_written = False, mono
+        path = expand(self.cfg.state_file, self.cfg.node)
+        try:
+            await asyncio.to_thread(write_state, path, self.state_doc())
+            self._state_warned = False
+        except OSError as e:
+            if not self._state_warned:
+                log.warning("cannot write the state file", path=str(path), error=str(e))
+                self._state_warned = True
 
     def heartbeat_period(self, manager_ms: int) -> float:
         """The period to beat at under a manager whose welcome says `manager_ms` (0: says nothing):
@@ -496,6 +547,7 @@ class Agent:
                 if now - last_reconcile >= self.cfg.power_reconcile_s:
                     last_reconcile = now
                     self.power.reconcile()
+                await self.write_state_if_due()
                 if watchdog is not None:
                     watchdog()
         finally:

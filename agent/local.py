@@ -18,6 +18,7 @@ import contextlib
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -44,18 +45,20 @@ async def _as_node(node: str, agent: Agent) -> None:
 
 
 class FakeFleet:
-    """Starts one agent per node at once; `tokens[name]` is the agent token made for that node.
+    """Starts one agent per node at once; `tokens[name]` is the agent token made for that node;
+    `state_file` (with `{node}` in it) gives each agent a local state file (agent/state.py).
     Raises KeyError for a node without a token and ScenarioError for a GPU count out of range."""
 
     def __init__(self, manager: str, tokens: Mapping[str, str], nodes: Sequence[FakeNode], *,
-                 heartbeat_interval_s: float = 1.0, sample_interval_s: float = 0.2, xid_wait_s: float = 0.05) -> None:
+                 heartbeat_interval_s: float = 1.0, sample_interval_s: float = 0.2, xid_wait_s: float = 0.05,
+                 state_file: str | Path | None = None) -> None:
         self._backends: dict[str, FakeBackend] = {}
         self._agents: dict[str, Agent] = {}
         for n in nodes:
             backend = FakeBackend(parse_scenario({"seed": n.seed, "gpus": n.gpus, "faults": []}), node=n.name)
             cfg = AgentConfig(manager=manager, token=tokens[n.name], node=n.name, domain=n.domain,
                               heartbeat_interval_s=heartbeat_interval_s, sample_interval_s=sample_interval_s,
-                              xid_wait_s=xid_wait_s)
+                              xid_wait_s=xid_wait_s, state_file=Path(state_file) if state_file else None)
             self._backends[n.name] = backend
             self._agents[n.name] = Agent(backend, cfg)
         self._loop = asyncio.new_event_loop()

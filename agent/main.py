@@ -71,6 +71,9 @@ class AgentSettings(BaseSettings):
     tls_ca: Path | None = Field(None, description="CA of the manager's certificate (PEM): connect over TLS")
     tls_cert: Path | None = Field(None, description="this node's client certificate (PEM): mTLS; with `tls_key`")
     tls_key: Path | None = Field(None, description="its private key (PEM)")
+    state_file: Path | None = Field(None, description="local state file (JSON: GPUs with device numbers and "
+                                    "verdicts, the connection) for `ntp-run --slurm` and `ntp-agent health`; "
+                                    "`{node}` is replaced by the node name; unset: none written")
 
 
 def fail(msg: str) -> NoReturn:
@@ -134,7 +137,8 @@ def build(settings: AgentSettings) -> Agent:
                       heartbeat_interval_s=settings.heartbeat_interval_s,
                       sample_interval_s=settings.sample_interval_s,
                       gpu_call_timeout_s=settings.gpu_call_timeout_s,
-                      tls_ca=settings.tls_ca, tls_cert=settings.tls_cert, tls_key=settings.tls_key)
+                      tls_ca=settings.tls_ca, tls_cert=settings.tls_cert, tls_key=settings.tls_key,
+                      state_file=settings.state_file)
     return Agent(backend, cfg, policy)
 
 
@@ -203,11 +207,13 @@ def main_cmd(
     tls_ca: Annotated[Path | None, typer.Option(help="CA of the manager's certificate (PEM): use TLS")] = None,
     tls_cert: Annotated[Path | None, typer.Option(help="this node's client certificate (PEM): mTLS")] = None,
     tls_key: Annotated[Path | None, typer.Option(help="its private key (PEM)")] = None,
+    state_file: Annotated[Path | None, typer.Option(
+        help="local state file for ntp-run --slurm and ntp-agent health ({node}: the node name)")] = None,
 ) -> None:
     """Report this node's GPU health to the manager and apply its power caps."""
     overrides: dict[str, Any] = {"manager": manager, "token_file": token_file, "backend": backend, "scenario": scenario,
                  "node": node, "domain": domain, "metrics_port": metrics_port, "tls_ca": tls_ca,
-                 "tls_cert": tls_cert, "tls_key": tls_key}
+                 "tls_cert": tls_cert, "tls_key": tls_key, "state_file": state_file}
     try:
         settings = AgentSettings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as e:
@@ -288,6 +294,91 @@ def probe_cmd(
         render_probe(doc)
 
 
+health_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+DEFAULT_STATE_FILE = "/run/ntp-agent/state.json"
+
+
+@health_app.command()
+def health_cmd(
+    state_file: Annotated[str, typer.Option(
+        envvar="NTP_AGENT_STATE_FILE", help="the running agent's state file ({node}: the node name)",
+    )] = DEFAULT_STATE_FILE,
+    node: Annotated[str | None, typer.Option(
+        help="node name for {node} (default: SLURMD_NODENAME, else the host name)")] = None,
+    max_age: Annotated[float, typer.Option(min=1, max=86400, help="seconds the state may be old")] = 30.0,
+    max_disconnected: Annotated[float, typer.Option(
+        min=0, max=86400, help="seconds the agent may be without a manager")] = 120.0,
+    agent_only: Annotated[bool, typer.Option(
+        "--agent-only", help="judge the agent only, not the GPUs' verdicts (the manager drains for those)")] = False,
+) -> None:
+    """Exit 0 when this node is fit for work, else 1 with one line saying why (Slurm's
+    HealthCheckProgram, a prolog). Reads the running agent's state file; changes nothing."""
+    import os
+    import time
+
+    from agent.state import StateError, expand, judge, read_state
+
+    name = node or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    try:
+        doc = read_state(expand(state_file, name))
+    except StateError as e:
+        print(f"unhealthy: {e}", flush=True)
+        raise typer.Exit(1) from None
+    verdict = judge(doc, time.time(), max_age_s=max_age, max_disconnected_s=max_disconnected, gpus=not agent_only)
+    print(verdict.line if verdict.ok else f"unhealthy: {verdict.line}", flush=True)
+    if not verdict.ok:
+        raise typer.Exit(1)
+
+
+power_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+
+@power_app.command()
+def power_reset_cmd(
+    backend: Annotated[str, typer.Option(help="nvml | fake")] = "nvml",
+    scenario: Annotated[Path | None, typer.Option(help="scenario YAML for the fake backend")] = None,
+    base_cap: Annotated[float | None, typer.Option(
+        min=0.01, max=1.0, help="the fleet base cap, a share of each GPU's maximum limit (the manager's "
+        "power_base_cap); unset: each GPU's default limit")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print what would be set; set nothing")] = False,
+) -> None:
+    """Put every GPU's power limit back to the fleet base cap (a Slurm epilog). One line per GPU;
+    exit 1 when a limit could not be set."""
+    from agent.power import PowerController, base_target_mw
+
+    be, _, _ = open_backend(backend, scenario, socket.gethostname(), "-")
+    bad = 0
+    try:
+        pc = PowerController(be)
+        for g in be.gpus():
+            want = base_target_mw(g, base_cap)
+            try:
+                now = be.get_limit_mw(g.uuid)
+            except BackendError as e:
+                print(f"GPU {g.index} {g.uuid}: cannot read the limit: {e}", flush=True)
+                bad += 1
+                continue
+            if want is None:
+                print(f"GPU {g.index} {g.uuid}: power limit constraints unknown: left at {now / 1000:g} W", flush=True)
+                continue
+            if now == want:
+                print(f"GPU {g.index} {g.uuid}: at {want / 1000:g} W already", flush=True)
+            elif dry_run:
+                print(f"GPU {g.index} {g.uuid}: would set {want / 1000:g} W (now {now / 1000:g} W; dry run)",
+                      flush=True)
+            else:
+                st = pc.set(g.uuid, want)
+                if st.error:
+                    print(f"GPU {g.index} {g.uuid}: {st.error}", flush=True)
+                    bad += 1
+                else:
+                    print(f"GPU {g.index} {g.uuid}: set {want / 1000:g} W (was {now / 1000:g} W)", flush=True)
+    finally:
+        be.close()
+    if bad:
+        raise typer.Exit(1)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The `ntp-agent` console script: the exit status (usage errors are one line, ntp_manager/usage.py)."""
     from ntp_manager.usage import run_app
@@ -295,6 +386,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["probe"]:
         return run_app(probe_app, args[1:], "ntp-agent probe")
+    if args[:1] == ["health"]:
+        return run_app(health_app, args[1:], "ntp-agent health")
+    if args[:1] == ["power-reset"]:
+        return run_app(power_app, args[1:], "ntp-agent power-reset")
     return run_app(app, args, "ntp-agent")
 
 

@@ -10,6 +10,9 @@
 #                 reshard, the runtime's kill -> TP3 -> rejoin with CUDA tensors) and the NCCL tests
 # 4. devices.txt  bench/devices.py: one training step, CPU against CUDA, one process and the runtime
 # 5. summary.md   what ran, how it ended, the lines to copy into bench/RESULTS.md
+# 6. pipeline_memory.txt  (issue 34, its own block after the summary) bench/pipeline_memory.py --device cuda:
+#                 each stage's torch.cuda.max_memory_allocated under GPipe, 1F1B and 1F1B + recomputation;
+#                 appended to summary.md
 #
 # It changes no GPU setting. Every Python process it starts imports a guard (bench/gpu_guard/
 # sitecustomize.py, on PYTHONPATH) that replaces each NVML call that sets or resets anything
@@ -95,4 +98,26 @@ status "bench/devices.py $size" "exit $rc" devices.txt
   grep -v '^20[0-9][0-9]-' "$OUT/devices.txt" | tail -n 25  # the tables, not the runtime's log lines
   echo '```'
 } > "$OUT/summary.md"
+
+# ==== issue 34: pipeline activation memory on CUDA (bench/pipeline_memory.py) =====================
+# Its own block, after summary.md is written: the parts above may use their whole 9 minutes, and if
+# the device tool's 10-minute limit then cuts this block, summary.md is already in $OUT. 60 s: three
+# jobs of 4 ranks (sharing the GPU, gloo staged) on the 118M model, one warm-up and two measured
+# steps each; each job's rows are printed as it ends, so a cut run keeps what it measured.
+if [ "$gpus" -gt 0 ]; then
+  timeout --kill-after=5 60 "$PY" bench/pipeline_memory.py --device cuda --steps 2 > "$OUT/pipeline_memory.txt" 2>&1
+  rc=$?
+else
+  echo "no CUDA device: not run" > "$OUT/pipeline_memory.txt"
+  rc=0
+fi
+{
+  echo
+  echo "## Pipeline activation memory on CUDA (issue 34): bench/pipeline_memory.py --device cuda, exit $rc"
+  echo
+  echo '```'
+  grep -v '^20[0-9][0-9]-' "$OUT/pipeline_memory.txt" | tail -n 40
+  echo '```'
+} >> "$OUT/summary.md"
+# ==== end of issue 34's block ====================================================================
 cat "$OUT/summary.md"

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ["planner.py", "sim.py", "manager.py", "layouts.py", "worker.py", "pipeline.py", "devices.py",
-           "checkpoint.py", "e2e.py", "silent.py", "failslow.py", "failslow_decision.py"]
+BENCHES = ["planner.py", "sim.py", "manager.py", "layouts.py", "worker.py", "pipeline.py", "pipeline_memory.py",
+           "devices.py", "checkpoint.py", "e2e.py", "silent.py", "failslow.py", "failslow_decision.py"]
 
 
 def main() -> int:

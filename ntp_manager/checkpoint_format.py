@@ -1,6 +1,6 @@
 """The on-disk names of unit-addressed checkpoints, and a listing that needs no torch.
 
-The workers write checkpoints (worker/checkpoint.py, which takes its names from here); the manager
+The workers write checkpoints (worker/checkpoint/, which takes its names from here); the manager
 lists them for operators (`ntpctl checkpoints`, GET /v1/jobs/{name}/checkpoints) and tells the
 planner the newest usable step. Under a job's checkpoint directory:
 

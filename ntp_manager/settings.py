@@ -88,6 +88,31 @@ class Settings(BaseSettings):
     grpc_tls_client_ca: Path | None = Field(None, description="CA (PEM) that signs agents' client certificates: "
                                             "mTLS, required of agents on the TLS port")
 
+    # Slurm (service/slurm.py, docs/slurm.md): drain the nodes whose GPUs need a person, resume them
+    # when repaired; only nodes ntp-manager drained itself (the reason starts with "ntp-manager:")
+    slurm_drain: bool = Field(False, description="drain Slurm nodes whose GPUs need a person (failed by their agent, "
+                              "in maintenance, degraded for `slurm_degraded_after_s`) and resume them when they are "
+                              "fine again (docs/slurm.md)")
+    slurm_dry_run: bool = Field(False, description="with `slurm_drain`: only log and audit what would be drained or "
+                                "resumed (`slurm.would_drain`, `slurm.would_resume`)")
+    slurm_conf: Path | None = Field(None, description="SLURM_CONF for the Slurm commands; default: Slurm's own "
+                                    "(the environment, /etc/slurm/slurm.conf)")
+    slurm_bin_dir: Path | None = Field(None, description="directory of `scontrol` and `sinfo`; default: the PATH")
+    slurm_timeout_s: float = Field(10.0, gt=0, le=300, description="a Slurm command running longer is killed "
+                                   "(and retried)")
+    slurm_retries: int = Field(3, ge=0, le=10, description="retries of a failed Slurm command, with exponential "
+                               "backoff and jitter")
+    slurm_backoff_s: float = Field(1.0, gt=0, le=60, description="the first retry's delay; it doubles, up to 30 s")
+    slurm_poll_s: float = Field(30.0, gt=0, le=3600, description="Slurm's drained nodes are read at least this often "
+                                "(and whenever GPUs change)")
+    slurm_max_drains: int = Field(4, ge=1, le=100_000, description="at most this many drains within "
+                                  "`breaker_window_s`; more wait their turn (a rack event cannot drain a partition "
+                                  "at once)")
+    slurm_degraded_after_s: float = Field(3600.0, ge=0, description="a GPU degraded (fail-slow, throttling) this long "
+                                          "drains its node (0: never)")
+    slurm_audit_url: str | None = Field(None, max_length=500, description="base URL of the REST API in drain reasons' "
+                                        "audit links; default: the advertised REST address")
+
     @field_validator("fail_after_s")
     @classmethod
     def _fail_after_suspect(cls, v: float, info: Any) -> float:
@@ -101,6 +126,12 @@ class Settings(BaseSettings):
         if self.lease_renew_s * 2 > self.lease_ttl_s:
             raise ValueError(f"lease_renew_s ({self.lease_renew_s}) must be at most half of lease_ttl_s "
                              f"({self.lease_ttl_s}): a leader must get at least two tries before its lease ends")
+        return self
+
+    @model_validator(mode="after")
+    def _slurm(self) -> Settings:
+        if self.slurm_dry_run and not self.slurm_drain:
+            raise ValueError("slurm_dry_run needs slurm_drain (set both to see what would be drained)")
         return self
 
     @model_validator(mode="after")

@@ -130,6 +130,8 @@ def commands() -> dict[str, Cmd]:
 
     agent = _from_typer("ntp-agent", agent_main.app)
     agent.add(_from_typer("probe", agent_main.probe_app))  # main() sends `ntp-agent probe ...` there
+    agent.add(_from_typer("health", agent_main.health_app))  # ... and `health`, `power-reset`
+    agent.add(_from_typer("power-reset", agent_main.power_app))
     return {
         "ntp-manager": _from_typer("ntp-manager", manager.app),
         "ntpctl": _from_typer("ntpctl", ctl.app),

@@ -33,6 +33,9 @@ class GpuStatic:
     default_mw: int
     pci_bus_id: str = ""
     domain: str | None = None  # from NVML fabric info (clusterUuid/cliqueId) when present
+    # the device file's number (/dev/nvidia<minor>): how Slurm's gres.conf and SLURM_STEP_GPUS name
+    # the GPU, which NVML's index need not match; None: unknown
+    minor: int | None = None
 
 
 @dataclass(frozen=True)

@@ -164,7 +164,7 @@ class FakeBackend:
             tdp = spec.tdp_w or sc.tdp_w
             static = GpuStatic(
                 uid, i, spec.model, 80 << 30, int((spec.min_w or 0.2 * tdp) * 1000),
-                int((spec.max_w or 1.3 * tdp) * 1000), int(tdp * 1000), f"0000:{i:02x}:00.0", sc.domain,
+                int((spec.max_w or 1.3 * tdp) * 1000), int(tdp * 1000), f"0000:{i:02x}:00.0", sc.domain, minor=i,
             )
             self._gpus[uid] = _Gpu(static, static.default_mw)
             self._order.append(uid)

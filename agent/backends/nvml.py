@@ -125,12 +125,13 @@ class NvmlBackend:
         default = self._opt(nv.nvmlDeviceGetPowerManagementDefaultLimit, h) or hi
         mem = self._opt(nv.nvmlDeviceGetMemoryInfo, h)
         pci = self._opt(nv.nvmlDeviceGetPciInfo, h)
+        minor = self._opt(nv.nvmlDeviceGetMinorNumber, h)
         return GpuStatic(
             uuid=uuid, index=index, model=_text(self._call(nv.nvmlDeviceGetName, h)),
             memory_bytes=int(mem.total) if mem is not None else 0,
             min_mw=int(lo), max_mw=int(hi), default_mw=int(default),
             pci_bus_id=_text(pci.busId) if pci is not None else "",
-            domain=self._fabric_domain(uuid, h),
+            domain=self._fabric_domain(uuid, h), minor=None if minor is None else int(minor),
         )
 
     def _fabric_domain(self, uuid: str, h: Any) -> str | None:

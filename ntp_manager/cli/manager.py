@@ -223,6 +223,11 @@ def serve(
     grpc_tls_key: Annotated[Path | None, typer.Option(help="its private key (PEM)")] = None,
     grpc_tls_client_ca: Annotated[Path | None, typer.Option(
         help="CA (PEM) that signs agents' client certificates: mTLS, required of agents")] = None,
+    slurm_drain: Annotated[bool, typer.Option(
+        "--slurm-drain", help="drain Slurm nodes whose GPUs need a person, resume them when fixed (docs/slurm.md)",
+    )] = False,
+    slurm_dry_run: Annotated[bool, typer.Option(
+        "--slurm-dry-run", help="with --slurm-drain: only log and audit what would be done")] = False,
 ) -> None:
     """Run the manager: REST API, gRPC for agents and workers, and the control loop."""
     import asyncio
@@ -232,7 +237,8 @@ def serve(
     settings = _settings(data_dir=data_dir, database_url=database_url, http_host=http_host, http_port=http_port,
                          grpc_host=grpc_host, grpc_port=grpc_port, grpc_tls_port=grpc_tls_port,
                          grpc_tls_cert=grpc_tls_cert, grpc_tls_key=grpc_tls_key,
-                         grpc_tls_client_ca=grpc_tls_client_ca)
+                         grpc_tls_client_ca=grpc_tls_client_ca, slurm_drain=slurm_drain or None,
+                         slurm_dry_run=slurm_dry_run or None)
     from ntp_manager.service.leader import AnotherManager
 
     try:

@@ -130,7 +130,7 @@ CHECKPOINT_KEEP_MAX = 10_000
 
 @dataclass(frozen=True)
 class CheckpointPolicy:
-    """Where and how often a job's workers write unit-addressed checkpoints (worker/checkpoint.py:
+    """Where and how often a job's workers write unit-addressed checkpoints (worker/checkpoint/:
     any layout loads them, so the workers fall back to one when no survivor holds some unit). The
     manager records and hands on the policy; the workers write and verify the checkpoints.
 

@@ -17,6 +17,7 @@ dirty set):
     power.py        desired caps and sending them         breaker.py      the circuit breaker
     gauges.py       Prometheus gauges of the world        worker_reports.py  acks and step reports
     policy.py       the pure decisions (tested like functions, with made-up times)
+    slurm.py        drains and resumes Slurm nodes (off unless `slurm_drain`; slurm_policy.py decides)
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from ntp_manager.service.operators import Operators
 from ntp_manager.service.power import Power
 from ntp_manager.service.queries import Queries, gpu_view
 from ntp_manager.service.restores import RestoreReport, Restores
+from ntp_manager.service.slurm import SlurmSync
 from ntp_manager.service.state import LayoutRec, World
 from ntp_manager.service.steps import StepWindow
 from ntp_manager.service.telemetry import TelemetryStore
@@ -101,6 +103,7 @@ class Manager:
         self.jobs.known_checkpoint = self.checkpoints.newest_verified
         self.failslow = FailSlow(self.kernel, self.telemetry)
         self.queries = Queries(self.kernel, self.sm, self.workers, self.telemetry, self.restores)
+        self.slurm = SlurmSync(self.kernel, settings, lambda: self.breaker.open, self._rest_address)
         self.sessions = self.agents.sessions
         self.ready = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -187,6 +190,8 @@ class Manager:
             asyncio.create_task(self.leadership.keep(), name="lease"),
             asyncio.create_task(self._on_lost(), name="lease-lost"),
         ]
+        if self.slurm.enabled:
+            self._tasks.append(asyncio.create_task(self.slurm.run_forever(lambda: self.jobs.stopping), name="slurm"))
         if self.settings.power_base_cap is not None or any(g.desired_mw is not None for g in self.world.gpus.values()):
             self.power.recompute_later()  # the base cap may have been set, changed or removed since
         self._loaded = True
@@ -236,6 +241,12 @@ class Manager:
                 await self.maintenance.apply_drain_deadlines()
             except Exception:
                 log.exception("monitor pass failed")
+
+    def _rest_address(self) -> str:
+        """This manager's REST base URL for links (the setting, else the advertised address)."""
+        if self.settings.slurm_audit_url:
+            return self.settings.slurm_audit_url
+        return f"http://{self.leadership.http}" if self.leadership.http else ""
 
     # ---- state and transactions -----------------------------------------------------------------
     @property

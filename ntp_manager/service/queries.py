@@ -238,9 +238,21 @@ class Queries:
             q, cq = q.where(AuditRow.target == target), cq.where(AuditRow.target == target)
         return await self._page(
             q.order_by(AuditRow.id.desc()), cq,
-            lambda r: {"id": r.id, "at": iso(r.at), "actor": r.actor, "action": r.action, "target": r.target,
-                       "before": r.before, "after": r.after, "reason": r.reason, "request_id": r.request_id},
-            limit, offset)
+            _audit_view, limit, offset)
+
+    async def audit_record(self, audit_id: int) -> dict[str, Any]:
+        async with self.sm() as s:
+            r = await s.get(AuditRow, audit_id)
+        if r is None:
+            raise NotFound(f"no audit record {audit_id}")
+        return _audit_view(r)
+
+    def node(self, name: str) -> dict[str, Any]:
+        """One node; NotFound naming it when the manager does not know it (no agent registered it)."""
+        rec = self.kernel.world.nodes.get(name)
+        if rec is None:
+            raise NotFound(f"unknown node {name!r}: no agent has registered it")
+        return _node_view(name, rec)
 
     async def maintenance(self, limit: int, offset: int) -> dict[str, Any]:
         return await self._page(select(MaintenanceRow).order_by(MaintenanceRow.id.desc()),
@@ -260,13 +272,20 @@ def _domains(budgets: dict[str, float | None], gpus: list[GpuRec], limit: int, o
     return page(items, len(ids), limit, offset)
 
 
+def _audit_view(r: AuditRow) -> dict[str, Any]:
+    return {"id": r.id, "at": iso(r.at), "actor": r.actor, "action": r.action, "target": r.target,
+            "before": r.before, "after": r.after, "reason": r.reason, "request_id": r.request_id}
+
+
+def _node_view(n: str, rec: NodeRec) -> dict[str, Any]:
+    return {"name": n, "domain": rec.domain, "gpus": list(rec.gpus), "connected": rec.connected,
+            "last_seq": rec.last_seq, "drain_deadline": rec.drain_deadline.isoformat() if rec.drain_deadline else None,
+            "drain_reason": rec.drain_reason}
+
+
 def _nodes(nodes: list[tuple[str, NodeRec]], domain: str | None, limit: int, offset: int) -> dict[str, Any]:
     chosen = sorted(((n, rec) for n, rec in nodes if domain is None or rec.domain == domain), key=itemgetter(0))
-    items = [{"name": n, "domain": rec.domain, "gpus": list(rec.gpus), "connected": rec.connected,
-              "last_seq": rec.last_seq,
-              "drain_deadline": rec.drain_deadline.isoformat() if rec.drain_deadline else None,
-              "drain_reason": rec.drain_reason} for n, rec in chosen[offset : offset + limit]]
-    return page(items, len(chosen), limit, offset)
+    return page([_node_view(n, rec) for n, rec in chosen[offset : offset + limit]], len(chosen), limit, offset)
 
 
 def _gpus(gpus: list[tuple[str, GpuRec]], state: GpuState | None, node: str | None, domain: str | None,

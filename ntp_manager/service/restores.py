@@ -1,7 +1,7 @@
 """Restores from checkpoints that workers report: recorded once per layout version.
 
 When no surviving rank holds some unit of the model (or the job resumes), the workers load the
-newest verified checkpoint into the new layout (worker/checkpoint.py) and say so in their ack of
+newest verified checkpoint into the new layout (worker/checkpoint/) and say so in their ack of
 that layout (`AckLayoutRequest.restored`). Every rank of the layout acks, so the manager sees the
 same restore many times; the first report of a layout version (leader epoch, version) is recorded
 and the rest are counted as seen:

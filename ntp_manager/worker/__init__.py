@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from ntp_manager.worker.optim import OptimizerError
     from ntp_manager.worker.pipeline import Pipeline, split_layers, stage_module
     from ntp_manager.worker.plans import ModelPlan, plan_for
+    from ntp_manager.worker.precision import PrecisionError
+    from ntp_manager.worker.recompute import RecomputeError
     from ntp_manager.worker.reshard import apply_reshard, reshard_moves
     from ntp_manager.worker.runtime import (
         ReconfigurationError,
@@ -64,6 +66,8 @@ __all__ = [
     "NtpGradSync",
     "OptimizerError",
     "Pipeline",
+    "PrecisionError",
+    "RecomputeError",
     "ReconfigurationError",
     "ReplicaGroup",
     "ReplicatedPerUnit",
@@ -98,6 +102,7 @@ _WHERE = {
     "Retention": "checkpoint", "retention_plan": "checkpoint",
     "WorkerEnv": "env", "worker_env": "env",
     "ModelPlan": "plans", "plan_for": "plans", "OptimizerError": "optim",
+    "PrecisionError": "precision", "RecomputeError": "recompute",
     "Pipeline": "pipeline", "split_layers": "pipeline", "stage_module": "pipeline",
     "apply_reshard": "reshard", "reshard_moves": "reshard",
     "ReconfigurationError": "runtime", "Runtime": "runtime", "RuntimeConfig": "runtime", "StepResult": "runtime",

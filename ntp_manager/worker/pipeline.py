@@ -25,9 +25,16 @@ the all-reduce of Megatron's f operator). So with degrees tp_s and tp_{s+1}:
   stage s+1.
 
 `activation_peers` gives both directions (pure). Every message is a whole tensor (a small header
-with its shape and dtype goes first in the forward direction; a gradient has its activation's
-shape), so a stage whose degree changes needs nothing from its neighbours but the new numbering.
-Messages go through the transport seam (worker/comm.py), like every other message of the runtime.
+with its shape and dtype, and the sender's schedule and micro-batch, goes first in the forward
+direction; a gradient has its activation's shape), so a stage whose degree changes needs nothing
+from its neighbours but the new numbering. Messages go through the transport seam
+(worker/comm.py), like every other message of the runtime.
+
+Schedules: `schedule_ops` (pure) orders a stage's forwards and backwards -- 1F1B, which keeps at
+most `n_stages - stage` micro-batches' activations, or GPipe, which keeps all -- and `run_stage`
+runs that order on a rank: asynchronous sends, a blocking receive only for what the next operation
+needs, so the schedules complete on gloo whatever the stages' TP degrees (docs/worker.md,
+"Schedules, recomputation and precision").
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import torch
 from torch import nn
 
 from ntp_manager.worker import comm
+from ntp_manager.worker.tiny_gpt import run_block
 from ntp_manager.worker.tp import ShardStyle
 
 
@@ -159,6 +167,7 @@ def _refuse_tied_across(first: nn.Parameter, last: nn.Parameter, n_stages: int, 
 
 
 class _Stage(nn.Module):
+    recompute = False  # TinyGpt stages: recompute each block in the backward (set from the whole model)
     stage: int
     n_stages: int
     layer_ids: range
@@ -186,6 +195,7 @@ class TinyGptStage(_Stage):
         super().__init__()
         self.stage, self.n_stages = stage, n_stages
         self.config = full.config
+        self.recompute = bool(full.recompute)
         self.layer_ids = split_layers(len(full.blocks), n_stages)[stage]
         if self.first:
             self.tok, self.pos = full.tok, full.pos
@@ -197,7 +207,7 @@ class TinyGptStage(_Stage):
         if self.first:
             x = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
         for blk in self.blocks.values():
-            x = blk(x)
+            x = run_block(blk, x, self.recompute)
         out: torch.Tensor = self.head(self.ln(x)) if self.last else x
         return out
 
@@ -230,6 +240,8 @@ class LlamaStage(_Stage):
         self.model = body
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # recomputation: the layers' own gradient-checkpointing flags, set by the whole model's
+        # switch (worker/recompute.py) before it was cut; each layer checks them when called
         from transformers.masking_utils import create_causal_mask
 
         body: Any = self.model
@@ -245,29 +257,219 @@ class LlamaStage(_Stage):
         return out
 
 
+# ---- schedules ----------------------------------------------------------------------------------
+SCHEDULES = ("1f1b", "gpipe")
+Op = tuple[str, int]  # ("F", k): forward of micro-batch k; ("B", k): its backward
+
+
+def schedule_ops(kind: str, n_stages: int, stage: int, n_micro: int) -> list[Op]:
+    """The order in which `stage` of `n_stages` runs the forwards and backwards of `n_micro`
+    micro-batches (pure; every rank of a stage runs the same list).
+
+    - "gpipe": every forward, then every backward in reverse. A stage holds all `n_micro`
+      micro-batches' activations at once.
+    - "1f1b" (PipeDream-flush, as Megatron-LM's non-interleaved schedule): a warm-up of
+      min(n_stages - stage - 1, n_micro) forwards, then one forward and one backward in turn, then
+      a cool-down of the remaining backwards, in micro-batch order. Stage s holds at most
+      min(n_stages - s, n_micro) micro-batches' activations; any n_micro >= 1 works (with fewer
+      micro-batches than stages the warm-up is shorter, nothing is refused).
+
+    Both keep each direction of each stage pair in one order (forwards 0, 1, ...; backwards in the
+    schedule's order on every stage), so the receiver's n-th message from a peer is the sender's
+    n-th: the point-to-point messages need no tags. Sends are asynchronous and a rank blocks only
+    on the receive an operation needs (the input of F, the output gradient of B); with that, both
+    orders complete (tests/worker/test_pipeline.py simulates every small shape)."""
+    if n_micro < 1 or not 0 <= stage < n_stages:
+        raise ValueError(f"no schedule for stage {stage} of {n_stages} with {n_micro} micro-batches")
+    if kind == "gpipe":
+        return [("F", k) for k in range(n_micro)] + [("B", k) for k in reversed(range(n_micro))]
+    if kind == "1f1b":
+        warm = min(n_stages - stage - 1, n_micro)
+        ops: list[Op] = [("F", k) for k in range(warm)]
+        for i in range(n_micro - warm):
+            ops += [("F", warm + i), ("B", i)]
+        return ops + [("B", k) for k in range(n_micro - warm, n_micro)]
+    raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, not {kind!r}")
+
+
+def peak_live(ops: Sequence[Op]) -> int:
+    """The most micro-batches whose forward has run and whose backward has not, over `ops`: how
+    many micro-batches' activations the stage keeps at once."""
+    live = peak = 0
+    for what, _ in ops:
+        live += 1 if what == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+def backwards_before(ops: Sequence[Op], op: Op) -> set[int]:
+    """Micro-batches whose backward comes before `op` in `ops`."""
+    return {k for what, k in ops[: ops.index(op)] if what == "B"}
+
+
 # ---- moving activations -------------------------------------------------------------------------
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_HEADER = 8  # dtype code, ndim, up to 6 sizes
+_MAX_DIMS = 6
+# dtype code, ndim, up to 6 sizes, then what the sender ran: its schedule, the micro-batch, the
+# number of micro-batches (a receiver checks all three: two ranks of one job on different
+# schedules would otherwise pair gradients of different micro-batches, of equal shapes, silently)
+_HEADER = 2 + _MAX_DIMS + 3
 
 
-def send_activation(t: torch.Tensor, dsts: Sequence[int], group: Any) -> list[Any]:
+@dataclass(frozen=True)
+class Tag:
+    """What an activation message says about where it belongs."""
+
+    schedule: str
+    micro_batch: int
+    n_micro: int
+
+
+def send_activation(t: torch.Tensor, dsts: Sequence[int], group: Any, tag: Tag) -> list[Any]:
     """Send a whole activation (header, then payload) to each of `dsts` (global ranks); returns
     the pending sends, which keep `t` alive."""
-    if t.dim() > _HEADER - 2 or t.dtype not in _DTYPES:
-        raise ValueError(f"activations between stages must be float tensors of at most {_HEADER - 2} dims, "
+    if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
+        raise ValueError(f"activations between stages must be float tensors of at most {_MAX_DIMS} dims, "
                          f"got {t.dtype} of shape {tuple(t.shape)}")
     head = torch.zeros(_HEADER, dtype=torch.int64)
     head[0], head[1] = _DTYPES.index(t.dtype), t.dim()
     head[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    head[2 + _MAX_DIMS :] = torch.tensor([SCHEDULES.index(tag.schedule), tag.micro_batch, tag.n_micro])
     t = t.contiguous()
     return comm.exchange([comm.P2P(True, x, d) for d in dsts for x in (head, t)], group)
 
 
-def recv_activation(src: int, group: Any, device: torch.device | str) -> torch.Tensor:
-    """Receive a whole activation sent by `send_activation` from global rank `src`."""
+def recv_activation(src: int, group: Any, device: torch.device | str, expect: Tag) -> torch.Tensor:
+    """Receive a whole activation sent by `send_activation` from global rank `src`; raises
+    ValueError when the sender ran another schedule or micro-batch than `expect` says."""
     head = torch.zeros(_HEADER, dtype=torch.int64)
     comm.irecv(head, src=src, group=group).wait()
+    code, k, n = (int(x) for x in head[2 + _MAX_DIMS :])
+    got = Tag(SCHEDULES[code] if 0 <= code < len(SCHEDULES) else f"#{code}", k, n)
+    if got != expect:
+        raise ValueError(f"rank {src} sent micro-batch {got.micro_batch} of {got.n_micro} under schedule "
+                         f"{got.schedule!r} where micro-batch {expect.micro_batch} of {expect.n_micro} under "
+                         f"{expect.schedule!r} was due: every rank of a job must run the same RuntimeConfig.schedule "
+                         "and Pipeline.micro_batches")
     dtype, ndim = _DTYPES[int(head[0])], int(head[1])
     t = torch.empty([int(x) for x in head[2 : 2 + ndim]], dtype=dtype, device=device)
     comm.irecv(t, src=src, group=group).wait()
     return t
+
+
+# ---- running a stage ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageLinks:
+    """This rank's neighbours in its replica's pipeline as global ranks (`activation_peers`
+    through the replica's rank table), and the group the messages travel on."""
+
+    n_stages: int
+    stage: int
+    recv_input: int | None
+    send_output: tuple[int, ...]
+    recv_grad: int | None
+    send_grad: tuple[int, ...]
+    group: Any
+
+    @classmethod
+    def of(cls, ranks: Sequence[Sequence[int]], stage: int, index: int, group: Any) -> StageLinks:
+        """`ranks[s][j]`: the global rank of TP index j of stage s in this replica."""
+        p = activation_peers([len(r) for r in ranks], stage, index)
+        return cls(len(ranks), stage,
+                   ranks[stage - 1][p.recv_input] if p.recv_input is not None else None,
+                   tuple(ranks[stage + 1][k] for k in p.send_output),
+                   ranks[stage + 1][p.recv_grad] if p.recv_grad is not None else None,
+                   tuple(ranks[stage - 1][i] for i in p.send_grad), group)
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.n_stages - 1
+
+
+@dataclass(frozen=True)
+class PassResult:
+    loss: float  # the replica's loss (sum of count_k / local_batch x micro-batch k's mean); 0 off the last stage
+    peak_live: int  # the most micro-batches this rank held activations of at once
+
+
+def run_stage(model: nn.Module, pipe: Pipeline, kind: str, links: StageLinks, parts: Sequence[tuple[int, int]],
+              local_batch: int, batch_of: Callable[[int, int], Any], device: torch.device | str) -> PassResult:
+    """Forward and backward of this rank's stage over the replica's micro-batches `parts`
+    ((offset, count) in its local batch), in the order `schedule_ops(kind, ...)` gives. The input
+    comes from the previous stage (stage 0: `pipe.inputs(batch_of(offset, count))`), the output
+    goes to the next stage; the output gradient comes back from the next stage (last stage: the
+    loss's backward) and the input gradient goes to the previous stage. Gradients accumulate in
+    the parameters' `.grad`; micro-batch k's loss is weighted count_k / local_batch, so the
+    replica's gradient and loss are the means over its samples, as one pass would give.
+
+    Sends are asynchronous and their buffers are let go as soon as the peer provably has them:
+    an output once its gradient is back, an input gradient once the previous stage has sent an
+    input that its schedule runs after that backward. So what a stage keeps alive between
+    operations is what the schedule says (`peak_live` micro-batches), not every message of the
+    step."""
+    n = len(parts)
+    ops = schedule_ops(kind, links.n_stages, links.stage, n)
+    prev_ops = schedule_ops(kind, links.n_stages, links.stage - 1, n) if not links.first else []
+    group = links.group
+    inputs: dict[int, torch.Tensor | None] = {}  # micro-batch -> its received input (grad wanted)
+    outputs: dict[int, torch.Tensor] = {}  # micro-batch -> its output (last stage: weighted loss)
+    out_sends: dict[int, list[Any]] = {}  # micro-batch -> pending sends of its output
+    grad_sends: dict[int, list[Any]] = {}  # micro-batch -> pending sends of its input gradient
+    losses: list[torch.Tensor] = []
+    live = peak = 0
+    for what, k in ops:
+        off, count = parts[k]
+        tag = Tag(kind, k, n)
+        if what == "F":
+            mb = batch_of(off, count) if links.first or links.last else None
+            if links.first:
+                x, keep = pipe.inputs(mb), None
+            else:
+                assert links.recv_input is not None
+                keep = recv_activation(links.recv_input, group, device, tag).requires_grad_(True)
+                x = keep
+                # the previous stage sent this input after every backward its schedule runs first:
+                # those input gradients have arrived there
+                for m in backwards_before(prev_ops, ("F", k)):
+                    for w in grad_sends.pop(m, []):
+                        w.wait()
+            y = model(x)
+            if links.last:
+                loss = pipe.loss(y, mb) * (count / local_batch)
+                losses.append(loss.detach())
+                outputs[k] = loss
+            else:
+                out_sends[k] = send_activation(y.detach(), links.send_output, group, tag)
+                outputs[k] = y
+            inputs[k] = keep
+            live += 1
+            peak = max(peak, live)
+        else:
+            out = outputs.pop(k)
+            if links.last:
+                torch.autograd.backward(out)
+            else:
+                assert links.recv_grad is not None
+                grad = torch.empty_like(out)
+                comm.irecv(grad, src=links.recv_grad, group=group).wait()
+                for w in out_sends.pop(k):  # the next stage has run this backward: it had the output
+                    w.wait()
+                torch.autograd.backward(out, grad)
+                del grad
+            x_in = inputs.pop(k)
+            if x_in is not None:
+                g = x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
+                grad_sends[k] = comm.exchange([comm.P2P(True, g, d) for d in links.send_grad], group)
+                del g
+            del out, x_in
+            live -= 1
+    for pending in (*out_sends.values(), *grad_sends.values()):
+        for w in pending:
+            w.wait()
+    assert not outputs and not inputs
+    total = float(torch.stack(losses).double().sum().item()) if losses else 0.0  # one host sync per pass
+    return PassResult(total, peak)

@@ -3,6 +3,8 @@
     ntp-run --nproc 8 --replicas 2 train.py --steps 100                     # ntp-run plays the manager
     ntp-run --manager HOST:50051 --token-file worker.token --job llm \\
             --gpus GPU-a,GPU-b,... train.py --steps 100                      # layouts from the manager
+    srun --ntasks-per-node=1 ntp-run --slurm --manager HOST:50051 ... train.py   # one per node, under
+                                     # Slurm (deploy/slurm/train.sbatch; worker/slurm_env.py)
 
 The script is any program written against the public API (`ntp_manager.worker`): it calls
 `worker_env()` for the store, the layout source and the job, and drives a `Runtime` (see
@@ -71,6 +73,8 @@ from typing import IO, Any, BinaryIO, NoReturn
 
 import structlog
 
+from ntp_manager.worker import slurm_env
+
 log = structlog.get_logger("ntp.run")
 MAX_LINE = 64 * 1024  # a longer line reaches the console in pieces of this size, each prefixed
 OUT, ERR = 1, 2  # torchrun's Std flags: stdout, stderr (3: both)
@@ -137,6 +141,7 @@ class Options:
     device: str
     pin_gpus: bool
     output: Output = field(default_factory=Output)
+    slurm: Any = None  # --slurm: a slurm_env.SlurmRun (the step; the job node 0 registers)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -154,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=1, help="without a manager: equal DP replicas")
     p.add_argument("--tp", default="", help="without a manager: TP degree of each replica, e.g. 4,2")
     p.add_argument("--batch-per-rank", type=int, default=2, help="without a manager: local batch per TP rank")
-    p.add_argument("--job", default=os.environ.get("NTP_JOB", "job"))
+    p.add_argument("--job", default=os.environ.get("NTP_JOB", ""), help="the job's name (default: job; with "
+                   "--slurm: <SLURM_JOB_NAME>-<SLURM_JOB_ID>)")
     p.add_argument("--manager", default=os.environ.get("NTP_MANAGER", ""), help="the manager's gRPC address")
     p.add_argument("--token-file", default=os.environ.get("NTP_TOKEN_FILE", ""), help="a worker-scope token")
     p.add_argument("--gpus", default=os.environ.get("NTP_GPUS", ""), help="comma-separated GPU UUIDs, one rank each")
@@ -174,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-t", "--tee", default="0", help="rank streams to files and the console (as --redirects)")
     p.add_argument("--local-ranks-filter", "--local_ranks_filter", default="",
                    help="show only these local ranks' output on the console, e.g. 0,3 (files keep all)")
+    slurm_env.add_arguments(p)
     p.add_argument("-m", "--module", action="store_true", help="the script is a module name (python -m)")
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -182,6 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse(argv: Sequence[str]) -> Options:
     a = build_parser().parse_args(list(argv))
+    slurm = None
+    if a.slurm:
+        try:
+            slurm = slurm_env.prepare(a, os.environ)  # fills in --gpus, --job and the store from the step
+        except slurm_env.SlurmEnvError as e:
+            raise UsageError(str(e)) from None
+    a.job = a.job or "job"
     gpus = [g for g in a.gpus.split(",") if g]
     if len(set(gpus)) != len(gpus):
         raise UsageError("--gpus lists a GPU twice")
@@ -234,7 +248,7 @@ def parse(argv: Sequence[str]) -> Options:
                    token=token, gpus=gpus, store=a.store, store_host=a.store_host, store_port=a.store_port,
                    fail_at=a.fail_at, repair_at=a.repair_at, max_restarts=a.max_restarts,
                    restart_delay=a.restart_delay, device=a.device, pin_gpus=not a.no_pin_gpus,
-                   output=_output(a, nproc))
+                   output=_output(a, nproc), slurm=slurm)
 
 
 def std_map(flag: str, text: str, nproc: int) -> dict[int, int]:
@@ -277,6 +291,11 @@ def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def say(msg: str) -> None:
+    """One of ntp-run's own lines that is a sentence, not an event with fields (the Slurm hook's)."""
+    log.info(msg)
 
 
 class _Console:
@@ -610,9 +629,17 @@ def main(argv: Sequence[str] | None = None) -> int:
              **({"note": "--log-dir without --redirects/--tee: no files (as torchrun)"}
                 if o.output.log_dir and run_dir is None else {}))
     try:
+        if o.slurm is not None:
+            try:
+                o.slurm.before_ranks(launcher.store, say)  # node 0 registers the job; the others wait for it
+            except slurm_env.SlurmEnvError as e:
+                print(f"ntp-run: error: {e}", file=sys.stderr)
+                return 2
         return launcher.run()
     finally:
         launcher.stop()
+        if o.slurm is not None:
+            o.slurm.after_ranks(launcher.store, say)
 
 
 if __name__ == "__main__":

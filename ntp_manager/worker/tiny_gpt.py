@@ -2,7 +2,9 @@
 
 Plain torch: attention reshapes with `view(B, T, -1, head_dim)`, so a tensor-parallel shard with any
 number of heads runs unchanged. `tp_plan` shards it by module path (see worker/tp.py) and
-`unit_counts` gives its unit families' sizes.
+`unit_counts` gives its unit families' sizes. `recompute = True` recomputes each block's
+activations in the backward instead of keeping them (torch.utils.checkpoint, non-reentrant): the
+switch `worker/recompute.py` turns on (`run_block`, which the pipeline's stages use too).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ntp_manager.worker.tp import ColwiseUnits, RowwiseUnits, ShardStyle
 
@@ -73,7 +76,19 @@ class Block(nn.Module):
         return out
 
 
+def run_block(block: nn.Module, x: torch.Tensor, recompute: bool) -> torch.Tensor:
+    """`block(x)`; with `recompute` (and autograd recording) only `x` is kept for the backward,
+    which runs the block's forward again."""
+    if recompute and torch.is_grad_enabled():
+        out: torch.Tensor = checkpoint(block, x, use_reentrant=False)
+        return out
+    res: torch.Tensor = block(x)
+    return res
+
+
 class TinyGpt(nn.Module):
+    recompute = False  # activation recomputation per block (module docstring)
+
     def __init__(self, c: GptConfig) -> None:
         super().__init__()
         self.config = c
@@ -87,12 +102,13 @@ class TinyGpt(nn.Module):
         t = idx.shape[1]
         x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
         for blk in self.blocks:
-            x = blk(x)
+            x = run_block(blk, x, self.recompute)
         logits: torch.Tensor = self.head(self.ln(x))
         return logits
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.forward(idx)
+        """Mean cross entropy, in fp32 also when the logits are bf16 (RuntimeConfig(precision="bf16"))."""
+        logits = self.forward(idx).float()
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 

@@ -150,6 +150,7 @@ class Device:
     sm_clock_mhz: int = 1980
     sm_clock_max_mhz: int = 1980
     temperature_c: int = 60
+    minor: int | None = None  # /dev/nvidia<minor>; None: the device's position
     # (link, counter) -> value of nvmlDeviceGetNvLinkErrorCounter; counters absent answer 0
     nvlink_errors: dict[tuple[int, int], int] = field(default_factory=dict)
     nvlink_errors_supported: bool = True
@@ -268,6 +269,10 @@ def make(devices: list[Device]) -> types.ModuleType:
         s = _Struct()
         s.busId = "00000000:1B:00.0"  # type: ignore[attr-defined]  # str: nvidia-ml-py decodes char arrays
         return s
+
+    def nvmlDeviceGetMinorNumber(handle: _Handle) -> int:
+        d = dev(handle, "nvmlDeviceGetMinorNumber")
+        return next(i for i, x in enumerate(devices) if x is d) if d.minor is None else d.minor
 
     def nvmlDeviceGetPowerManagementLimitConstraints(handle: _Handle) -> list[int]:
         d = dev(handle, "nvmlDeviceGetPowerManagementLimitConstraints")

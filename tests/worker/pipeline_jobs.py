@@ -1,8 +1,11 @@
 """Jobs for the pipeline runtime tests: tiny TinyGpt and HF Llama models (4 layers, so PP2 and PP4
 fit), their batches and loss, the single-process reference, and layouts made by the real planner.
 
-A job is named `<model>-<optimizer>`: `gpt-sgd`, `gpt-adamw`, `llama-sgd`, `llama-adamw`. Worker ids
-are the planner's GPU UUIDs (`GPU-<domain>-<index>`), so a plan is a layout as it is."""
+A job is named `<model>-<optimizer>[-<flag>...]`: `gpt-sgd`, `gpt-adamw`, `llama-sgd`, `llama-adamw`,
+with flags `clip` (max_grad_norm), `rc` (activation recomputation), `gpipe` (the GPipe schedule
+instead of the default 1F1B) and `bf16` (bf16 compute with fp32 master state; its reference is
+one process doing the same, `reference`). Worker ids are the planner's GPU UUIDs
+(`GPU-<domain>-<index>`), so a plan is a layout as it is."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from ntp_manager.planner import Plan, PowerModel, Scheme, make_plan
 from ntp_manager.worker.pipeline import Pipeline
@@ -36,6 +40,18 @@ def build(name: str) -> nn.Module:
 
 
 CLIP = 0.05  # a job named "...-clip" clips gradients to this norm (below every step's norm here)
+MICRO = 4  # micro-batches per replica and step: twice the stages of PP2 (1F1B's steady phase runs)
+
+
+def flags(name: str) -> set[str]:
+    return set(name.split("-")[2:])
+
+
+def config(name: str) -> dict[str, Any]:
+    """The job's RuntimeConfig fields beside the test's timeouts."""
+    f = flags(name)
+    return {"max_grad_norm": CLIP if "clip" in f else None, "schedule": "gpipe" if "gpipe" in f else "1f1b",
+            "recompute": "rc" in f, "precision": "bf16" if "bf16" in f else "fp32"}
 
 
 def optimizer(name: str, params: Any) -> torch.optim.Optimizer:
@@ -46,10 +62,12 @@ def optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     # micro-batches (one process) moves blocks.3.ln1.bias by 4e-5 of its norm at eps 1e-8 and by
     # 3e-6 at 1e-6
     # two groups, as LLM training sets it up: weight decay on matrices only
+    # bf16 jobs at lr 1e-3: an update then falls below bf16's resolution of a weight near 1 (2^-8),
+    # which is what fp32 master state is for (a bf16-only optimizer loses it: the negative control)
     ps = list(params)
     return torch.optim.AdamW([{"params": [p for p in ps if p.ndim >= 2], "weight_decay": 0.1},
                               {"params": [p for p in ps if p.ndim < 2], "weight_decay": 0.0}],
-                             lr=0.01 if name.startswith("gpt") else 1e-3, eps=1e-6)
+                             lr=0.01 if name.startswith("gpt") and "bf16" not in flags(name) else 1e-3, eps=1e-6)
 
 
 def schedule(name: str, opt: torch.optim.Optimizer) -> Any:
@@ -66,11 +84,12 @@ batch = random_batches(VOCAB, SEQ, MAX_BATCH, seed=500)
 
 def loss_of(logits: torch.Tensor, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Mean cross entropy over the samples' tokens (every sample has SEQ tokens, so the mean of
-    micro-batch means weighted by their sample counts is the mean over the batch)."""
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), b[1].reshape(-1))
+    micro-batch means weighted by their sample counts is the mean over the batch), in fp32 also
+    when the logits are bf16 (as Hugging Face's causal-LM loss does)."""
+    return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), b[1].reshape(-1))
 
 
-def pipeline(micro: int = 0) -> Pipeline:
+def pipeline(micro: int = MICRO) -> Pipeline:
     return Pipeline(inputs=lambda b: b[0], loss=loss_of, micro_batches=micro)
 
 
@@ -79,14 +98,38 @@ def logits(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
     return out  # type: ignore[no-any-return]
 
 
-def reference(name: str, global_batches: Sequence[int]) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, the whole model, the same global batches."""
+def initial(name: str) -> dict[str, torch.Tensor]:
+    """The whole model's parameters as every run starts them (seed 0)."""
+    torch.manual_seed(0)
+    return {k: v.detach().clone() for k, v in build(name).named_parameters()}
+
+
+def reference(name: str, global_batches: Sequence[int],
+              master: bool = True) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the whole model, the same global batches, one pass over each. A `bf16` job's:
+    the parameters, gradients and optimizer state fp32, each step's forward and backward on bf16
+    copies of the parameters (torch.func.functional_call, not the runtime's code); with
+    `master=False` the negative control instead: the model and its optimizer state in bf16."""
     torch.manual_seed(0)
     m = build(name)
+    bf16 = "bf16" in flags(name)
+    if bf16 and not master:
+        m = m.to(torch.bfloat16)
+
+    def run(idx: torch.Tensor) -> torch.Tensor:
+        if not (bf16 and master):
+            return logits(m, idx)
+        copies = {k: v.to(torch.bfloat16) for k, v in m.named_parameters()}
+        if isinstance(m, TinyGpt):
+            out: torch.Tensor = functional_call(m, copies, (idx,))
+            return out
+        return functional_call(m, copies, (), {"input_ids": idx}).logits  # type: ignore[no-any-return]
+
     opt = optimizer(name, m.parameters())
-    return train_reference(m, opt, (batch(s, 0, gb) for s, gb in enumerate(global_batches)),
-                           lambda b: loss_of(logits(m, b[0]), b), schedule(name, opt),
-                           clip=CLIP if name.endswith("-clip") else None)
+    losses, params = train_reference(m, opt, (batch(s, 0, gb) for s, gb in enumerate(global_batches)),
+                                     lambda b: loss_of(run(b[0]), b), schedule(name, opt),
+                                     clip=CLIP if "clip" in flags(name) else None)
+    return losses, {k: v.float() for k, v in params.items()}
 
 
 # ---- layouts from the planner -------------------------------------------------------------------

@@ -26,7 +26,8 @@ PUBLIC = ["parallelize", "Runtime", "RuntimeConfig", "plan_for", "ModelPlan", "C
           "LayoutSource", "WorkerLayout", "publish_layout", "SyncLayout", "ReplicaGroup", "NtpGradSync",
           "apply_reshard", "reshard_moves", "ReconfigurationError", "StepResult", "TimelineEvent", "WorkerEnv",
           "worker_env", "unit_counts", "families_of", "Checkpointer", "CheckpointError", "RestoreInfo", "Retention",
-          "retention_plan", "Pipeline", "stage_module", "split_layers", "OptimizerError"]
+          "retention_plan", "Pipeline", "stage_module", "split_layers", "OptimizerError", "PrecisionError",
+          "RecomputeError"]
 
 
 def test_the_public_names_import() -> None:

@@ -1,4 +1,4 @@
-"""Unit-addressed checkpoints (worker/checkpoint.py) in one process: the pure policies, and the
+"""Unit-addressed checkpoints (worker/checkpoint/) in one process: the pure policies, and the
 ranks of a layout simulated as one Checkpointer each (a shard does not need its TP group to be
 saved or loaded; the attempt's name, which ranks otherwise agree on through their group, is given).
 

@@ -1,7 +1,9 @@
 """Pipeline pieces without processes: the layer split, micro-batches, who sends activations to whom
-whatever the stages' TP degrees, stage modules that compose to the whole model exactly (TinyGpt,
-HF Llama), the plan restricted to a stage, and the refusals (tied embeddings across stages, too few
-layers, unknown models)."""
+whatever the stages' TP degrees, the schedules (simulated: they complete, pair every message with
+its micro-batch, and keep at most the activations they promise), stage modules that compose to the
+whole model exactly (TinyGpt, HF Llama; with activation recomputation too), the plan restricted to
+a stage, and the refusals (tied embeddings across stages, too few layers, unknown models, an
+unknown schedule)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from ntp_manager.worker.pipeline import activation_peers, micro_batches, split_layers, stage_module, stage_plan
+from ntp_manager.worker.pipeline import (
+    SCHEDULES,
+    Op,
+    activation_peers,
+    micro_batches,
+    peak_live,
+    schedule_ops,
+    split_layers,
+    stage_module,
+    stage_plan,
+)
 from ntp_manager.worker.plans import plan_for
+from ntp_manager.worker.recompute import RecomputeError, enable_recompute
 from tests.worker import pipeline_jobs as pj
 
 
@@ -43,6 +56,69 @@ def test_every_rank_gets_its_input_and_every_gradient_reaches_its_sender(degrees
     for s in range(len(degrees) - 1):  # each stage-(s+1) rank has exactly one sender
         sent = [k for j in range(degrees[s]) for k in activation_peers(degrees, s, j).send_output]
         assert sorted(sent) == list(range(degrees[s + 1]))
+
+
+def simulate(kinds: list[str], n_micro: int) -> list[list[Op]]:
+    """Run every stage's schedule (stage s runs `kinds[s]`) as the ranks do: sends never block,
+    F(k) of stage s > 0 waits for the next activation message from s-1 and B(k) of a stage before
+    the last for the next gradient message from s+1, each direction of each stage pair a FIFO (as
+    gloo's messages between two ranks of one group). Returns what each stage ran; asserts that every
+    message a stage receives is the micro-batch it is about to run, and that nothing deadlocks."""
+    n = len(kinds)
+    todo = [schedule_ops(k, n, s, n_micro) for s, k in enumerate(kinds)]
+    acts: list[list[int]] = [[] for _ in range(n)]  # acts[s]: messages from s-1 not yet received
+    grads: list[list[int]] = [[] for _ in range(n)]  # grads[s]: messages from s+1 not yet received
+    ran: list[list[Op]] = [[] for _ in range(n)]
+    while any(todo):
+        moved = False
+        for s in range(n):
+            if not todo[s]:
+                continue
+            what, k = todo[s][0]
+            queue = acts[s] if what == "F" and s > 0 else grads[s] if what == "B" and s < n - 1 else None
+            if queue is not None:
+                if not queue:
+                    continue  # blocked on its receive
+                got = queue.pop(0)
+                assert got == k, f"stage {s} runs {what}{k} with the message of micro-batch {got}"
+            todo[s].pop(0)
+            ran[s].append((what, k))
+            if what == "F" and s < n - 1:
+                acts[s + 1].append(k)
+            if what == "B" and s > 0:
+                grads[s - 1].append(k)
+            moved = True
+        assert moved, f"deadlock: {[t[0] for t in todo if t]} all wait for a message"
+    return ran
+
+
+@given(st.integers(1, 8), st.integers(1, 16), st.sampled_from(SCHEDULES))
+def test_schedules_complete_pair_messages_and_keep_what_they_promise(n_stages: int, n_micro: int, kind: str) -> None:
+    ran = simulate([kind] * n_stages, n_micro)
+    for s, ops in enumerate(ran):
+        assert sorted(ops) == sorted([("F", k) for k in range(n_micro)] + [("B", k) for k in range(n_micro)])
+        assert all(ops.index(("F", k)) < ops.index(("B", k)) for k in range(n_micro))
+        # GPipe keeps every micro-batch alive; 1F1B at most as many as the stages from here on
+        assert peak_live(ops) == (n_micro if kind == "gpipe" else min(n_stages - s, n_micro)), (s, ops)
+
+
+def test_1f1b_warms_up_alternates_and_cools_down() -> None:
+    # PP4, 6 micro-batches: stage 0 runs 3 forwards ahead, the last stage none
+    f, b = "F", "B"
+    assert schedule_ops("1f1b", 4, 0, 6) == [(f, 0), (f, 1), (f, 2), (f, 3), (b, 0), (f, 4), (b, 1), (f, 5), (b, 2),
+                                             (b, 3), (b, 4), (b, 5)]
+    assert schedule_ops("1f1b", 4, 3, 6) == [x for k in range(6) for x in ((f, k), (b, k))]
+    assert schedule_ops("1f1b", 4, 0, 2) == [(f, 0), (f, 1), (b, 0), (b, 1)]  # fewer micro-batches than stages
+    assert schedule_ops("gpipe", 2, 0, 3) == [(f, 0), (f, 1), (f, 2), (b, 2), (b, 1), (b, 0)]
+    with pytest.raises(ValueError, match="schedule must be one of 1f1b, gpipe"):
+        schedule_ops("interleaved", 2, 0, 2)
+
+
+def test_stages_on_different_schedules_would_pair_the_wrong_micro_batches() -> None:
+    """Why the activation header carries the schedule and the micro-batch (pipeline.Tag): with one
+    stage on GPipe and the next on 1F1B the gradients of equal shapes come back in another order."""
+    with pytest.raises(AssertionError, match="with the message of micro-batch"):
+        simulate(["gpipe", "1f1b"], 3)
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])
@@ -88,3 +164,46 @@ def test_tied_embeddings_across_stages_are_refused() -> None:
 def test_unknown_models_are_refused() -> None:
     with pytest.raises(ValueError, match="no pipeline split for Sequential"):
         stage_module(nn.Sequential(nn.Linear(2, 2)), 0, 2)
+
+
+def _saved_bytes_and_grads(model: nn.Module, stages: int, idx: torch.Tensor) -> tuple[int, dict[str, torch.Tensor]]:
+    """Bytes autograd keeps for the backward of the stages' forward (parameters not counted), and
+    the gradients."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    parts = [stage_module(model, s, stages) for s in range(stages)]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        x = idx if parts else pj.logits(model, idx)  # no stages: the whole model's own forward
+        for part in parts:
+            x = part(x)
+    torch.nn.functional.cross_entropy(x.flatten(0, 1), idx.flatten()).backward()
+    return sum(seen.values()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("stages", [0, 2])
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_recomputation_keeps_less_and_gives_the_same_gradients(name: str, stages: int) -> None:
+    """The model's own switch (HF's activation checkpointing, TinyGpt's flag) reaches the whole
+    model's forward (stages 0) and the pipeline's stages: they keep fewer bytes for the backward,
+    and the gradients are bitwise those without."""
+    idx = torch.randint(0, pj.VOCAB, (3, pj.SEQ), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    plain_bytes, plain = _saved_bytes_and_grads(pj.build(name), stages, idx)
+    torch.manual_seed(0)
+    model = pj.build(name)
+    assert enable_recompute(model)
+    rc_bytes, rc = _saved_bytes_and_grads(model, stages, idx)
+    assert rc_bytes < plain_bytes / 2, (rc_bytes, plain_bytes)
+    assert plain.keys() == rc.keys() and all(torch.equal(plain[n], rc[n]) for n in plain)
+
+
+def test_recomputation_of_a_model_without_a_switch_is_refused() -> None:
+    with pytest.raises(RecomputeError, match="Sequential has no activation-checkpointing switch"):
+        enable_recompute(nn.Sequential(nn.Linear(2, 2)))

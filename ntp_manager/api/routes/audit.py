@@ -2,10 +2,10 @@
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Path
 
 from ntp_manager import limits
-from ntp_manager.api.edge import Limit, Offset, ident, require
+from ntp_manager.api.edge import NOT_FOUND, Limit, Offset, ident, require
 from ntp_manager.auth import Principal
 from ntp_manager.service.manager import Manager
 
@@ -29,5 +29,10 @@ def router(manager: Manager) -> APIRouter:
         offset: Offset = 0,
     ) -> dict[str, Any]:
         return await manager.queries.audit(action, target, limit, offset)
+
+    @r.get("/audit/{audit_id}", responses=NOT_FOUND)
+    async def audit_record(_: Viewer, audit_id: Annotated[int, Path(ge=1, le=2**63 - 1)]) -> dict[str, Any]:
+        """One audit record (the link in a Slurm drain's reason points here)."""
+        return await manager.queries.audit_record(audit_id)
 
     return r

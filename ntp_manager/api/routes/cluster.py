@@ -2,7 +2,7 @@
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Path, Query
 
 from ntp_manager import __version__
 from ntp_manager.api.edge import NOT_FOUND, Limit, Offset, require
@@ -35,6 +35,11 @@ def router(manager: Manager) -> APIRouter:
     async def nodes(_: Viewer, domain: Annotated[str | None, Query(max_length=128)] = None, limit: Limit = 100,
                     offset: Offset = 0) -> dict[str, Any]:
         return await q.nodes(domain, limit, offset)
+
+    @r.get("/nodes/{name}", responses=NOT_FOUND)
+    async def node(name: Annotated[str, Path(max_length=256)], _: Viewer) -> dict[str, Any]:
+        """One node: its domain, GPUs and connection (404 naming it when no agent registered it)."""
+        return q.node(name)
 
     @r.get("/gpus")
     async def gpus(

@@ -81,6 +81,12 @@ def router(manager: Manager) -> APIRouter:
     async def breaker(_: Viewer) -> dict[str, Any]:
         return {"open": m.breaker_open, "reason": m.breaker_reason}
 
+    @r.get("/slurm")
+    async def slurm(_: Viewer) -> dict[str, Any]:
+        """What ntp-manager does to Slurm (docs/slurm.md): the nodes it wants drained and why, those
+        it drained, those it holds back (and why), the last error."""
+        return m.slurm.status()
+
     @r.post("/breaker/reset", responses=E4)
     async def breaker_reset(request: Request, body: ReasonBody, who: Operator, key: IdemKey = None) -> Response:
         return await mutate(m, request, who, key, lambda tx: m.reset_breaker(tx, body.reason))
