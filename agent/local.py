@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from agent.backends.fake import FakeBackend, FaultKind, parse_scenario
 from agent.core import Agent, AgentConfig
 
@@ -31,6 +33,15 @@ class FakeNode:
     domain: str
     gpus: int = 4
     seed: int = 1  # with the node name, fixes the GPUs' UUIDs
+
+
+async def _as_node(node: str, agent: Agent) -> None:
+    """Run `agent` with `node` bound for its log lines: the agents share one process, and a demo
+    writes each node's lines to a file of its own (ntp_manager.logs.RoutedFiles). The binding is
+    this task's own (gather gives each agent a task with a copy of the context), and reaches the
+    tasks and threads it starts."""
+    structlog.contextvars.bind_contextvars(node=node)
+    await agent.run()
 
 
 class FakeFleet:
@@ -57,7 +68,7 @@ class FakeFleet:
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         try:
-            self._loop.run_until_complete(asyncio.gather(*(a.run() for a in self._agents.values())))
+            self._loop.run_until_complete(asyncio.gather(*(_as_node(n, a) for n, a in self._agents.items())))
         finally:
             self._loop.run_until_complete(self._loop.shutdown_asyncgens())
             self._loop.close()

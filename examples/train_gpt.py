@@ -20,6 +20,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -97,19 +98,20 @@ def _report(launcher: Launcher, train: TrainSpec) -> None:
     rows, table = launcher.loss_report()
     console.print(table)
     worst = max((abs(loss - ref) / abs(ref) for *_, loss, ref in rows), default=float("nan"))
-    events = sorted((r for r in launcher.records if r["kind"] == "event"), key=lambda r: r["at"])
+    events = sorted((r for r in launcher.records if r["kind"] == "event" and r["what"] != "process up"),
+                    key=lambda r: r["at"])
     if events:
         t0 = events[0]["at"]
         seen = set()
         t = Table(title="timeline (first rank to reach each event)")
         for c in ("t (s)", "version", "event", "detail"):
-            t.add_column(c)
+            t.add_column(c, overflow="fold")  # wrapped, never cut
         for e in events:
             key = (e["what"], e["version"])
             if key in seen:
                 continue
             seen.add(key)
-            t.add_row(f"{e['at'] - t0:.2f}", str(e["version"]), e["what"], e["detail"][:60])
+            t.add_row(f"{e['at'] - t0:.2f}", str(e["version"]), e["what"], escape(e["detail"]))
         console.print(t)
     console.print(f"{len(rows)} steps; worst relative loss difference vs reference: {worst:.1e}")
     if worst > 1e-5:

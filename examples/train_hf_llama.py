@@ -11,7 +11,8 @@ runtime. A training script like any other: `ntp-run` starts it once per rank.
 
     # the whole system on this machine: a manager, fake-GPU agents and ntp-run; a GPU fails
     # (XID 48, its rank's process dies), the replica goes on at TP3, the GPU is repaired and a
-    # fresh process rejoins
+    # fresh process rejoins. The console shows what the ranks print (steps, events, the check);
+    # the logs go to files in the demo's directory (--verbose: to the console)
     .venv/bin/python examples/train_hf_llama.py --demo
 
 The model: Llama with grouped-query attention (8 query heads, 4 KV groups: the attention units),
@@ -91,20 +92,22 @@ def loss_fn(model: Any, ids: Any) -> Any:
 def train(args: argparse.Namespace) -> int:
     import logging
 
-    import structlog
     import torch
 
+    from ntp_manager.logs import configure_logging
     from ntp_manager.worker import TimelineEvent, worker_env
 
-    # the runtime logs every event at info level; the lines below print what matters
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    # the runtime logs every event at info level (stderr); the lines printed below (stdout) say
+    # what matters; ntp-run prefixes each line with the rank's worker id
+    configure_logging("auto", level=logging.getLevelNamesMapping()[args.log_level.upper()],
+                      fields={"worker": os.environ.get("NTP_WORKER_ID", "")})
     torch.set_num_threads(1)
     env = worker_env()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
 
     def on_event(ev: TimelineEvent) -> None:
         if ev.what in ("failure detected", "reshard done", "joined", "no place"):
-            print(f"[{env.worker_id}] {ev.what} (v{ev.version}) {ev.detail[:80]}", flush=True)
+            print(f"{ev.what} (v{ev.version}) {ev.detail[:80]}", flush=True)
 
     rt = env.runtime(make_model, lambda ps: make_optimizer(args.optimizer, ps), on_event=on_event,
                      seed=args.seed, collective_timeout_s=args.collective_timeout, reconfigure_timeout_s=300)
@@ -160,27 +163,40 @@ def check(env: Any, rt: Any, losses: dict[int, float], args: argparse.Namespace)
             worst_param = max(worst_param, float((p.detach().cpu() - want).norm() / want.norm()))
     tied = rt.model.get_input_embeddings().weight is rt.model.get_output_embeddings().weight
     ok = worst_loss <= 1e-5 and worst_param <= 1e-5 and tied
-    print(f"[{env.worker_id}] check {'ok' if ok else 'FAILED'}: {len(losses)} steps, worst loss {worst_loss:.1e}, "
+    print(f"check {'ok' if ok else 'FAILED'}: {len(losses)} steps, worst loss {worst_loss:.1e}, "
           f"worst parameter {worst_param:.1e} (rel. to one process), embeddings tied: {tied}", flush=True)
     return 0 if ok else 1
 
 
 # ---- the whole system on this machine --------------------------------------------------------------
 def demo(args: argparse.Namespace) -> int:
+    from ntp_manager.demo import stop_on_signals
+
+    with stop_on_signals():  # Ctrl-C or SIGTERM: every process stopped, quietly
+        return _demo(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
     import datetime as dt
 
     import httpx
     import torch.distributed as dist
 
     from agent.local import FakeFleet
-    from ntp_manager.demo import NODES, create_token, manager_process, wait
+    from ntp_manager.demo import NODES, create_token, demo_logs, manager_process, wait
     from ntp_manager.worker.env import pid_key, progress_key
 
     root = Path(tempfile.mkdtemp(prefix="ntp-llama-"))
+    logs = None if args.verbose else root / "logs"
+    if logs is not None:
+        logs.mkdir()
+    print(f"data in {root}; " + (f"logs in {logs}/: manager.log, agent-<node>.log, ranks/ (ntp-run --log-dir: "
+                                 "<job>_*/attempt_<restart>/<local rank>/{stdout,stderr}.log)" if logs
+                                 else "logs on the console (--verbose)"), flush=True)
     tokens = {s: create_token(root, s) for s in ("worker", "operator")}
     agent_tokens = {n.name: create_token(root, "agent", n.name) for n in NODES}  # one per node
     (root / "worker.token").write_text(tokens["worker"])
-    with manager_process(root) as (_proc, info):
+    with demo_logs(logs), manager_process(root, logs / "manager.log" if logs else None) as (_proc, info):
         api = httpx.Client(base_url=f"http://{info['http']}", timeout=20,
                            headers={"Authorization": f"Bearer {tokens['operator']}"})
         agents = FakeFleet(info["grpc"], agent_tokens, NODES)
@@ -195,12 +211,14 @@ def demo(args: argparse.Namespace) -> int:
             wait(lambda: api.get(f"/v1/jobs/{JOB}").json()["layout_version"], 30, "the first layout")
             gpus = agents.gpus("node-a") + agents.gpus("node-b")
             port = _free_port()
+            # the ranks' logs (stderr) to files only, what they print (stdout) to files and the console
+            output = ["--log-dir", str(logs / "ranks"), "--redirects", "2", "--tee", "1"] if logs else []
             cmd = [sys.executable, "-m", "ntp_manager.worker.run", "--manager", info["grpc"], "--token-file",
                    str(root / "worker.token"), "--job", JOB, "--gpus", ",".join(gpus), "--store-port", str(port),
-                   "--max-restarts", "1", "--restart-delay", "1", __file__, "--steps", str(args.steps), "--check",
-                   "--optimizer", args.optimizer]
-            print(f"$ ntp-run --manager {info['grpc']} --gpus <8 fake GPUs> ... {Path(__file__).name} "
-                  f"--steps {args.steps} --check", flush=True)
+                   "--max-restarts", "1", "--restart-delay", "1", *output, __file__, "--steps", str(args.steps),
+                   "--check", "--optimizer", args.optimizer, "--log-level", "info"]
+            print(f"$ ntp-run --manager {info['grpc']} --gpus <8 fake GPUs> {' '.join(output)} "
+                  f"{Path(__file__).name} --steps {args.steps} --check", flush=True)
             run = subprocess.Popen(cmd)
             store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=dt.timedelta(seconds=120))
 
@@ -224,13 +242,17 @@ def demo(args: argparse.Namespace) -> int:
             hist = api.get(f"/v1/jobs/{JOB}/layouts", params={"limit": 100}).json()["items"]
             for x in sorted(hist, key=lambda x: x["version"]):
                 print(f"layout v{x['version']}: " + " ".join(f"TP{r['tp']}/{r['local_batch']}" for r in x["replicas"])
-                      + f"  ({x['reason'][:60]})")
-            print(f"ntp-run exited with {rc}")
+                      + f"  ({x['reason']})")
+            print(f"ntp-run exited with {rc}; data and logs in {root}")
             return int(rc)
         finally:
             if run is not None and run.poll() is None:
-                run.terminate()
-                run.wait(30)
+                run.terminate()  # ntp-run stops its ranks
+                try:
+                    run.wait(30)
+                except subprocess.TimeoutExpired:
+                    run.kill()
+                    run.wait()
             agents.stop()
             api.close()
 
@@ -254,6 +276,9 @@ def main() -> int:
     p.add_argument("--demo", action="store_true", help="run a manager, fake agents and ntp-run on this machine")
     p.add_argument("--fail-at", type=int, default=8, help="--demo: the GPU fails after this step")
     p.add_argument("--repair-at", type=int, default=16, help="--demo: and is repaired after this one")
+    p.add_argument("--verbose", action="store_true", help="--demo: every log on the console instead of files")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning",
+                   help="the ranks' log (stderr); the runtime logs every event at info")
     args = p.parse_args()
     if args.demo:
         return demo(args)

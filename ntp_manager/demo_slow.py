@@ -35,10 +35,20 @@ from typing import Any
 
 import httpx
 import typer
-from rich.table import Table
+from rich.markup import escape
 
 from agent.local import FakeNode
-from ntp_manager.demo import console, demo_env, first_layout, layout_of, start_ranks
+from ntp_manager.demo import (
+    DATA_DIR,
+    VERBOSE,
+    console,
+    demo_env,
+    first_layout,
+    layout_of,
+    start_ranks,
+    stop_on_signals,
+    table,
+)
 
 JOB = "slow"
 NODES = (FakeNode("node-a", "nvl-0"),)  # one NVLink domain of 4 fake GPUs
@@ -66,13 +76,15 @@ class SlowDemoResult:
 
 
 def run_slow_demo(factor: float = 3.0, slow_from: int = 6, steps_after: int = 3, data: Path | None = None,
-                  keep_up: bool = True, step_delay_s: float = 0.0, timeout_s: float = 300.0) -> SlowDemoResult:
-    from ntp_manager.worker.launch import SLOW_ENV, Launcher, TrainSpec
+                  keep_up: bool = True, step_delay_s: float = 0.0, timeout_s: float = 300.0,
+                  verbose: bool = False) -> SlowDemoResult:
+    from ntp_manager.worker.launch import SLOW_ENV, TrainSpec
 
     res = SlowDemoResult()
     train = TrainSpec(job=JOB, steps=1_000_000, step_delay_s=step_delay_s, collective_timeout_s=10, stages=1)
     env_before = os.environ.get(SLOW_ENV)
-    with demo_env(data, "ntp-slow-demo-", "[bold]ntp-manager fail-slow demo", NODES, "the agent to register") as env:
+    with demo_env(data, "ntp-slow-demo-", "[bold]ntp-manager fail-slow demo", NODES, "the agent to register",
+                  verbose) as env:
         api, info, tokens = env.api, env.info, env.tokens
         try:
             gpus = env.agents.gpus("node-a")
@@ -88,10 +100,10 @@ def run_slow_demo(factor: float = 3.0, slow_from: int = 6, steps_after: int = 3,
                           + ", ".join(f"{k}={v}" for k, v in r.json()["changed"].items()))
             first = first_layout(api, JOB)
             _print_layout(api, first, res)
-            env.launcher = launcher = Launcher(train)
+            launcher = env.new_launcher(train)
             os.environ[SLOW_ENV] = f"{victim}:{factor:g}@{slow_from}"  # the spawned ranks read it at start
             try:
-                start_ranks(launcher, gpus, info["grpc"], tokens["worker"])
+                start_ranks(launcher, gpus, info["grpc"], tokens["worker"], env.labels)
             finally:
                 _restore_env(SLOW_ENV, env_before)
             console.print(f"training: 4 rank processes (2 replicas x TP2, one stage), TinyGpt; "
@@ -158,7 +170,7 @@ def _watch(api: httpx.Client, launcher: Any, res: SlowDemoResult, old: int, time
             res.verdicts.append(v)
             who = res.labels.get(v.get("gpu", ""), v.get("gpu") or v.get("group", ""))
             console.rule(f"[red]verdict: {v['kind']} {who}" + (f" factor {v['factor']:.2f}" if "factor" in v else ""))
-            console.print(v.get("reason", ""))
+            console.print(escape(v.get("reason", "")))
         seen_verdicts = len(verdicts)
         g = api.get(f"/v1/gpus/{res.victim}").json()
         if g["state"] != state:
@@ -171,7 +183,7 @@ def _watch(api: httpx.Client, launcher: Any, res: SlowDemoResult, old: int, time
         if version and version > old:
             reason = layout_of(api, JOB, version)["reason"]
             console.rule(f"[bold]layout v{version}")
-            console.print(reason)
+            console.print(escape(reason))
             _print_layout(api, version, res)
             old = version
             if "fail-slow:" in reason:
@@ -232,17 +244,15 @@ def _print_layout(api: httpx.Client, version: int, res: SlowDemoResult) -> None:
         names = ", ".join(res.labels.get(u, u[:10]) for u in members)
         parts.append(f"r{r['id']}: TP{len(members)} b{r['local_batch']} [{names}]")
     res.gpus_by_version[version] = gpus
-    console.print(f"layout v{version}: " + "   ".join(parts))
+    console.print(escape(f"layout v{version}: " + "   ".join(parts)))  # "[node-a/0, ...]" is no markup
 
 
 def _layouts_table(hist: list[dict[str, Any]]) -> None:
-    t = Table(title="layout versions")
-    for c in ("version", "replicas (TP, local batch)", "reason"):
-        t.add_column(c)
+    t = table("layout versions", ("version", "replicas (TP, local batch)", "reason"), lines=True)
     for x in sorted(hist, key=lambda x: x["version"]):
         reps = ", ".join(f"r{r['id']} TP{r['tp']} b{r['local_batch']}" for r in sorted(x["replicas"],
                                                                                    key=lambda r: r["id"]))
-        t.add_row(str(x["version"]), reps, x["reason"])
+        t.add_row(str(x["version"]), reps, escape(x["reason"]))
     console.print(t)
 
 
@@ -251,9 +261,13 @@ def main(
     step_delay: float = typer.Option(0.3, help="pause between steps, so the console can be followed"),
     factor: float = typer.Option(3.0, min=1.0, max=100.0, help="how many times slower the slow rank runs"),
     slow_from: int = typer.Option(6, min=0, help="the step from which it runs slow"),
+    verbose: bool = VERBOSE,
+    data_dir: Path | None = DATA_DIR,
 ) -> None:
     """`make slow-demo`: one rank made slow is detected, its GPU degraded, the layout changed."""
-    res = run_slow_demo(factor=factor, slow_from=slow_from, keep_up=not no_wait, step_delay_s=step_delay)
+    with stop_on_signals():
+        res = run_slow_demo(factor=factor, slow_from=slow_from, keep_up=not no_wait, step_delay_s=step_delay,
+                            verbose=verbose, data=data_dir)
     v = next((x for x in res.verdicts if x["kind"] == "slow" and x.get("gpu") == res.victim), None)
     if v is not None:
         last = res.versions[-1]

@@ -13,7 +13,9 @@ x 2 stages x TP2, one process per GPU); agents and ranks are given both managers
 4. `a` is started again and stands by.
 
 It prints the timeline, then leaves both dashboards up (the standby's redirects to the leader)
-until Ctrl-C; the database is dropped at the end.
+until Ctrl-C; the database is dropped at the end. The logs go to files in a temporary directory
+(said at the start; `--verbose`: the agents' and ranks' logs on the console): `managers.log`,
+`agent-<node>.log`, `rank-<node>-gpu<i>.log`. Ctrl-C or SIGTERM stop everything it started.
 """
 
 from __future__ import annotations
@@ -29,13 +31,12 @@ from pathlib import Path
 import httpx
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from agent.local import FakeFleet
-from ntp_manager.demo import JOB, NODES, wait
+from ntp_manager.demo import JOB, NODES, demo_logs, serve_until_interrupted, start_ranks, stop_on_signals, table, wait
 from ntp_manager.manager_process import LEADING, ManagerProcess
 
-console = Console()
+console = Console(soft_wrap=True)  # lines never broken (URLs, tokens), tables wrap their cells
 LEASE = {"NTP_LEASE_TTL_S": "3", "NTP_LEASE_RENEW_S": "0.5", "NTP_TAKEOVER_GRACE_S": "15",
          "NTP_HEARTBEAT_INTERVAL_S": "1"}
 
@@ -81,21 +82,30 @@ async def _drop(admin: str, url: str) -> None:
     await _admin(admin, f'DROP DATABASE IF EXISTS "{url.rsplit("/", 1)[1]}" WITH (FORCE)')
 
 
-def run(admin: str, keep_up: bool, steps: int) -> dict[str, float]:
-    from ntp_manager.worker.launch import Launcher, RankSpec, TrainSpec
-
-    try:
-        url, tokens = asyncio.run(_database(admin))
-    except (OSError, Exception) as e:  # no server, no permission: say so in one line
-        console.print(f"[red]error:[/] cannot make a database on {admin} ({type(e).__name__}: {e}); "
-                      "set NTP_HA_DEMO_POSTGRES to an admin URL of a PostgreSQL server")
-        raise typer.Exit(2) from None
+def run(admin: str, keep_up: bool, steps: int, verbose: bool = False) -> dict[str, float]:
     log_dir = Path(tempfile.mkdtemp(prefix="ntp-ha-demo-"))
+    with demo_logs(None if verbose else log_dir):  # this process's log (the agents', the set-up's)
+        try:
+            url, tokens = asyncio.run(_database(admin))
+        except (OSError, Exception) as e:  # no server, no permission: say so in one line
+            console.print(f"[red]error:[/] cannot make a database on {admin} ({type(e).__name__}: {e}); "
+                          "set NTP_HA_DEMO_POSTGRES to an admin URL of a PostgreSQL server")
+            raise typer.Exit(2) from None
+        return _run(admin, url, tokens, log_dir, keep_up, steps, verbose)
+
+
+def _run(admin: str, url: str, tokens: dict[str, str], log_dir: Path, keep_up: bool, steps: int,
+         verbose: bool) -> dict[str, float]:
+    from ntp_manager.worker.launch import Launcher, TrainSpec
+
     procs: list[ManagerProcess] = []
     times: dict[str, float] = {}
     launcher: Launcher | None = None
     agents: FakeFleet | None = None
     console.rule("[bold]ntp-manager: two managers, one leads")
+    console.print(f"logs in {log_dir}/: managers.log"
+                  + (" (the agents' and ranks' on the console: --verbose)" if verbose
+                     else ", agent-<node>.log, rank-<node>-gpu<i>.log (--verbose prints those here)"))
     try:
         a = _manager("a", url, log_dir / "managers.log")
         procs.append(a)
@@ -113,10 +123,11 @@ def run(admin: str, keep_up: bool, steps: int) -> dict[str, float]:
                "heads": 6, "mlp_columns": 96, "domains": ["nvl-0", "nvl-1"]}
         api.post("/v1/jobs", json=job).raise_for_status()
         wait(lambda: api.get(f"/v1/jobs/{JOB}").json()["layout_version"], 60, "the first layout")
-        launcher = Launcher(TrainSpec(job=JOB, steps=1_000_000, step_delay_s=0.2, collective_timeout_s=10, stages=2))
+        launcher = Launcher(TrainSpec(job=JOB, steps=1_000_000, step_delay_s=0.2, collective_timeout_s=10, stages=2),
+                            log_dir=None if verbose else log_dir)
         gpus = agents.gpus("node-a") + agents.gpus("node-b")
-        for u in gpus:
-            launcher.start(RankSpec(u, launcher.port, "grpc", grpcs, tokens["worker"], u))
+        labels = {u: f"{n.name}/{i}" for n in NODES[:2] for i, u in enumerate(agents.gpus(n.name))}
+        start_ranks(launcher, gpus, grpcs, tokens["worker"], labels)
         console.print("training: 8 rank processes (2 replicas x 2 stages x TP2), layouts watched on both managers")
         rec = launcher.wait_for(lambda r: r["kind"] == "step" and r["step"] >= steps, 600)
         # ---- the leader dies ----------------------------------------------------------------------
@@ -147,9 +158,7 @@ def run(admin: str, keep_up: bool, steps: int) -> dict[str, float]:
                       f"step {rec['step']}")
         a2 = _manager("a", url, log_dir / "managers.log")  # back, as a standby
         procs.append(a2)
-        t = Table(title="failover timeline (seconds since the kill / the failure)")
-        t.add_column("what")
-        t.add_column("s", justify="right")
+        t = table("failover timeline (seconds since the kill / the failure)", ("what", "s"), right=("s",))
         for k, v in times.items():
             t.add_row(k, f"{v:.2f}")
         console.print(t)
@@ -157,13 +166,10 @@ def run(admin: str, keep_up: bool, steps: int) -> dict[str, float]:
         console.print(f"dashboard (leader b): http://{b.info['http']}/?token={tokens['viewer']}")
         console.print(f"ntpctl:  NTP_URL=http://{a2.info['http']},http://{b.info['http']} "
                       f"NTP_TOKEN={tokens['operator']} ntpctl status")
-        console.print(f"managers' logs: {log_dir / 'managers.log'}")
+        console.print(f"logs: {log_dir}")
         api.close()
         if keep_up:
-            console.print("Ctrl-C stops everything.")
-            with contextlib.suppress(KeyboardInterrupt):
-                while True:
-                    time.sleep(1)
+            serve_until_interrupted()
     finally:
         if launcher is not None:
             launcher.stop()
@@ -179,9 +185,11 @@ def run(admin: str, keep_up: bool, steps: int) -> dict[str, float]:
 def main(
     no_wait: bool = typer.Option(False, "--no-wait", help="exit after the scenario instead of serving until Ctrl-C"),
     steps: int = typer.Option(8, help="steps trained before the leader is killed"),
+    verbose: bool = typer.Option(False, "--verbose", help="the agents' and ranks' logs on the console, not files"),
 ) -> None:
     admin = os.environ.get("NTP_HA_DEMO_POSTGRES", "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres")
-    run(admin, not no_wait, steps)
+    with stop_on_signals():
+        run(admin, not no_wait, steps, verbose)
 
 
 if __name__ == "__main__":

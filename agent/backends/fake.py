@@ -257,7 +257,8 @@ class FakeBackend:
             f = self._pending.pop(0)
             g = self._gpus[self._order[f.gpu]]
             u = g.static.uuid
-            log.info("fake fault", kind=f.kind, gpu=u, at=f.at)  # when it took effect (benches time from it)
+            # when it took effect (benches time from it)
+            log.info("fake fault", node=self.node, kind=f.kind, gpu=u, at=f.at)
             if f.kind == "xid":
                 assert f.xid is not None
                 self._xids.append(XidEvent(u, f.xid, f"scenario fault at {f.at}s"))

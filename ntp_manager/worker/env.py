@@ -17,6 +17,11 @@
     NTP_BACKEND    optional: "auto" (default: comm.choose_backend), "gloo" or "nccl"
     NTP_LOCAL_GPUS set by ntp-run when it pins each rank to a GPU: the distinct GPUs its ranks use
                    (each process then sees one, so torch's own count would say 1)
+    NTP_LOG_FORMAT console or json: how the runtime's log lines look (ntp-run: console when its own
+                   stderr is a terminal, else JSON lines)
+
+Unless the script configured structlog itself, `worker_env()` does: to stderr, in NTP_LOG_FORMAT,
+every line naming the worker (`worker=<id>`).
 
 The layout source is the manager's watch stream (`GrpcLayoutSource`) with NTP_MANAGER, else the
 layouts ntp-run publishes into the store (`StoreLayoutSource`). Either way step reports also go
@@ -32,10 +37,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ntp_manager.logs import configure_logging
 from ntp_manager.worker.pipeline import Pipeline
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig, TimelineEvent
 from ntp_manager.worker.sources import (
@@ -142,6 +149,8 @@ def worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
     if not host or not port.isdigit():
         raise RuntimeError(f"NTP_STORE must be host:port, not {e['NTP_STORE']!r}")
     job, worker = e["NTP_JOB"], e["NTP_WORKER_ID"]
+    if not structlog.is_configured():
+        configure_logging("auto", fields={"worker": worker})
     store = dist.TCPStore(host, int(port), is_master=False,  # type: ignore[attr-defined]
                           timeout=dt.timedelta(seconds=300))
     store.set(pid_key(job, worker), str(os.getpid()))

@@ -9,13 +9,17 @@ layout, which is what makes runs comparable with a single-process reference.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 import queue
 import signal
+import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -42,6 +46,25 @@ class TrainSpec:
     reconfigure_timeout_s: float = 120.0
     stages: int = 1  # pipeline depth the layouts will have (> 1: the ranks run TinyGpt as stages)
     micro_batches: int = 0  # per replica and step in a pipeline (0: as many as stages)
+
+
+def _file_name(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)[:100]
+
+
+@contextlib.contextmanager
+def _no_sigint() -> Iterator[None]:
+    """SIGINT ignored while a rank process is spawned: the child starts with it ignored (an
+    ignored signal stays ignored across exec, and Python then installs no KeyboardInterrupt
+    handler), so a Ctrl-C during its imports prints no traceback from it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def free_port() -> int:
@@ -168,10 +191,39 @@ class RankSpec:
     manager: str = ""
     token: str = ""
     gpu_uuid: str = ""
+    label: str = ""  # a short name for its log lines and log file (default: the worker id)
+
+    @property
+    def name(self) -> str:
+        return self.label or self.worker_id
 
 
-def rank_main(train: TrainSpec, rank: RankSpec, q: Any) -> None:
-    """The body of one rank's process."""
+def _rank_output(rank: RankSpec, log: str, fmt: str) -> None:
+    """Where a rank's output goes. With a `log` file, everything the process writes (its log, a
+    traceback, what torch or gloo print from C++) is appended there: its stdout and stderr
+    descriptors are pointed at the file. The log itself is structlog's, to stderr, every line
+    naming the rank (`worker=<name>`); `fmt` as `configure_logging` takes it."""
+    from ntp_manager.logs import configure_logging
+
+    if log:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    configure_logging(fmt, fields={"worker": rank.name})
+
+
+def rank_main(train: TrainSpec, rank: RankSpec, q: Any, log: str = "", log_format: str = "console") -> None:
+    """The body of one rank's process: output to `log` (a file; "": the launcher's stderr)."""
+    # the launcher stops its ranks (SIGTERM); Ctrl-C at a terminal reaches every process of the
+    # foreground group, and must not print a traceback from each of them
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    _rank_output(rank, log, log_format)
+    q.put({"kind": "event", "worker": rank.worker_id, "what": "process up", "version": -1, "detail": "",
+           "at": time.time()})
     from ntp_manager.worker.runtime import Runtime, RuntimeConfig, TimelineEvent
     from ntp_manager.worker.sources import GrpcLayoutSource, LayoutSource, StoreLayoutSource
 
@@ -184,7 +236,6 @@ def rank_main(train: TrainSpec, rank: RankSpec, q: Any) -> None:
     except ValueError as e:
         q.put({"kind": "error", "worker": rank.worker_id, "error": f"ValueError: {e}"})
         raise
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     # torch.distributed imports TCPStore without re-exporting it to type checkers (no `as`)
     store = dist.TCPStore(  # type: ignore[attr-defined]
         "127.0.0.1", rank.store_port, is_master=False, timeout=dt.timedelta(seconds=300))
@@ -238,12 +289,16 @@ def rank_main(train: TrainSpec, rank: RankSpec, q: Any) -> None:
 
 @dataclass
 class Launcher:
-    """Hosts the store; starts, kills and restarts rank processes; drains their records."""
+    """Hosts the store; starts, kills and restarts rank processes; drains their records. With a
+    `log_dir`, each rank's output goes to `<log_dir>/rank-<name>.log` (a restarted rank appends to
+    its file); without one, to this process's stderr, each log line naming its rank."""
 
     train: TrainSpec
     port: int = 0
     procs: dict[str, Any] = field(default_factory=dict)
     records: list[dict[str, Any]] = field(default_factory=list)
+    log_dir: Path | None = None
+    log_format: str = "console"  # the ranks' log lines (configure_logging's fmt)
 
     def __post_init__(self) -> None:
         self.port = self.port or free_port()
@@ -254,11 +309,17 @@ class Launcher:
         self.queues: dict[str, Any] = {}
         self._examined = 0  # records already shown to wait_for predicates
 
+    def log_path(self, rank: RankSpec) -> Path | None:
+        """The file rank `rank`'s output goes to (None: this process's stderr)."""
+        return None if self.log_dir is None else self.log_dir / f"rank-{_file_name(rank.name)}.log"
+
     def start(self, rank: RankSpec) -> None:
         q = self.ctx.Queue()
-        p = self.ctx.Process(target=rank_main, args=(self.train, rank, q), daemon=True,
-                             name=f"rank-{rank.worker_id}")
-        p.start()
+        log = self.log_path(rank)
+        p = self.ctx.Process(target=rank_main, args=(self.train, rank, q, str(log or ""), self.log_format),
+                             daemon=True, name=f"rank-{rank.worker_id}")
+        with _no_sigint():
+            p.start()
         self.procs[rank.worker_id], self.queues[rank.worker_id] = p, q
 
     def kill(self, worker_id: str) -> None:
@@ -266,7 +327,9 @@ class Launcher:
         if p.is_alive():
             os.kill(p.pid, signal.SIGKILL)
         p.join(timeout=10)
-        self.queues.pop(worker_id, None)
+        q = self.queues.pop(worker_id, None)
+        if q is not None:  # not read again: the rank may have died inside a write
+            q.close()
 
     def _poll(self) -> list[dict[str, Any]]:
         got = []
@@ -314,6 +377,8 @@ class Launcher:
         return [w for w, p in self.procs.items() if p.is_alive()]
 
     def stop(self) -> None:
+        """Stop every rank (SIGTERM, SIGKILL after 10 s) and release the queues' semaphores and
+        pipes; records already received stay in `records`."""
         for p in self.procs.values():
             if p.is_alive():
                 p.terminate()
@@ -321,6 +386,12 @@ class Launcher:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=10)
+        self._poll()
+        for q in self.queues.values():
+            q.close()
+            q.join_thread()
+        self.queues.clear()
 
     def loss_report(self) -> tuple[list[tuple[int, int, int, float, float]], Table]:
         """Every completed step (step, layout version, global batch, loss, reference loss) beside a

@@ -28,6 +28,24 @@ and watches the processes:
   sees GPU i only; with more ranks than GPUs the ranks share them (gloo, staged through host
   memory: docs/worker.md "Devices and backends"); `--device cpu` runs on the CPU.
 
+Output, as torchrun's (`--log-dir`, `-r/--redirects`, `-t/--tee`, `--local-ranks-filter`):
+
+- On the console every line a rank writes is whole and prefixed with its worker id
+  (`[r0g1]: step 3 ...`; stdout lines on ntp-run's stdout, stderr lines on its stderr): each
+  rank's pipes are read a line at a time (a line longer than 64 KiB comes in pieces, each
+  prefixed), so lines of different ranks never run into each other.
+- `--redirects N` (or `LOCAL_RANK:N,...`) sends a rank's stdout (1), stderr (2) or both (3) to
+  files instead of the console; `--tee N` to files and the console. The files are
+  `<log dir>/<job>_<random>/attempt_<restart>/<local rank>/stdout.log` and `stderr.log`: one per
+  rank and restart (a rank's restarts count on their own, not the whole group's as torchrun's
+  attempts do). Without `--log-dir` the base is a new temporary directory; `--log-dir` alone
+  writes no files (as torchrun: say which streams with --redirects or --tee).
+- `--local-ranks-filter 0,3` shows only those local ranks' lines on the console (files keep
+  everything).
+- ntp-run's own lines and the ranks' logs (structlog, through `worker_env()`) are rendered for
+  people on a terminal and as JSON lines otherwise (ntp-run tells its ranks with NTP_LOG_FORMAT,
+  after its own stderr, unless that is set already).
+
 Arguments are checked before anything is imported or started (torch is imported only then).
 
 Exit status: 0 when every rank's last process exited 0 (a rank killed by --fail-at and never
@@ -37,19 +55,29 @@ repaired excepted), 1 otherwise, 2 for bad arguments.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import IO, Any, BinaryIO, NoReturn
+
+import structlog
 
 from ntp_manager.worker import slurm_env
+
+log = structlog.get_logger("ntp.run")
+MAX_LINE = 64 * 1024  # a longer line reaches the console in pieces of this size, each prefixed
+OUT, ERR = 1, 2  # torchrun's Std flags: stdout, stderr (3: both)
 
 
 class UsageError(Exception):
@@ -65,6 +93,32 @@ class Rank:
     restart_at: float | None = None  # when a dead rank's fresh process is due
     injected: bool = False  # killed by --fail-at (an expected exit)
     rc: int | None = None  # the last process's exit status once it is gone for good
+    pumps: list[threading.Thread] = field(default_factory=list)  # copying its output, this process's
+    starts: int = 0  # processes started (restarts and --repair-at's included): attempt_<starts - 1>
+
+
+@dataclass(frozen=True)
+class Output:
+    """Where each rank's stdout and stderr go, by local rank (torchrun's LogsSpecs): `redirects`
+    and `tee` hold OUT/ERR bits; `shown` the local ranks whose lines reach the console (None:
+    all); `log_dir` the base directory for files (None: a temporary one, made when needed)."""
+
+    log_dir: Path | None = None
+    redirects: dict[int, int] = field(default_factory=dict)
+    tee: dict[int, int] = field(default_factory=dict)
+    shown: frozenset[int] | None = None
+
+    def to_file(self, local_rank: int, std: int) -> bool:
+        return bool((self.redirects.get(local_rank, 0) | self.tee.get(local_rank, 0)) & std)
+
+    def to_console(self, local_rank: int, std: int) -> bool:
+        if self.shown is not None and local_rank not in self.shown:
+            return False
+        return not (self.redirects.get(local_rank, 0) & std) or bool(self.tee.get(local_rank, 0) & std)
+
+    @property
+    def any_file(self) -> bool:
+        return any(self.redirects.values()) or any(self.tee.values())
 
 
 @dataclass
@@ -86,6 +140,7 @@ class Options:
     restart_delay: float
     device: str
     pin_gpus: bool
+    output: Output = field(default_factory=Output)
     slurm: Any = None  # --slurm: a slurm_env.SlurmRun (the step; the job node 0 registers)
 
 
@@ -118,6 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-delay", type=float, default=1.0, help="seconds before a dead rank is restarted")
     p.add_argument("--device", choices=["", "cpu", "cuda"], default="", help="NTP_DEVICE for the ranks")
     p.add_argument("--no-pin-gpus", action="store_true", help="do not set CUDA_VISIBLE_DEVICES per rank")
+    p.add_argument("--log-dir", "--log_dir", default="",
+                   help="base directory of the rank output files (--redirects/--tee; as torchrun)")
+    p.add_argument("-r", "--redirects", default="0",
+                   help="rank streams to files only: 1 stdout, 2 stderr, 3 both; or per local rank, e.g. 0:3,1:2")
+    p.add_argument("-t", "--tee", default="0", help="rank streams to files and the console (as --redirects)")
+    p.add_argument("--local-ranks-filter", "--local_ranks_filter", default="",
+                   help="show only these local ranks' output on the console, e.g. 0,3 (files keep all)")
     slurm_env.add_arguments(p)
     p.add_argument("-m", "--module", action="store_true", help="the script is a module name (python -m)")
     p.add_argument("script")
@@ -185,7 +247,42 @@ def parse(argv: Sequence[str]) -> Options:
     return Options(cmd=cmd, nproc=nproc, tps=tps, batch_per_rank=a.batch_per_rank, job=a.job, manager=a.manager,
                    token=token, gpus=gpus, store=a.store, store_host=a.store_host, store_port=a.store_port,
                    fail_at=a.fail_at, repair_at=a.repair_at, max_restarts=a.max_restarts,
-                   restart_delay=a.restart_delay, device=a.device, pin_gpus=not a.no_pin_gpus, slurm=slurm)
+                   restart_delay=a.restart_delay, device=a.device, pin_gpus=not a.no_pin_gpus,
+                   output=_output(a, nproc), slurm=slurm)
+
+
+def std_map(flag: str, text: str, nproc: int) -> dict[int, int]:
+    """torchrun's stream choice: `N` for every local rank, or `LOCAL_RANK:N,...` (others 0); N is
+    0 (none), 1 (stdout), 2 (stderr) or 3 (both). UsageError naming `flag` otherwise."""
+    text = text.strip()
+    if re.fullmatch(r"[0-3]", text):
+        return dict.fromkeys(range(nproc), int(text))
+    if not re.fullmatch(r"\d+:[0-3](,\d+:[0-3])*", text):
+        raise UsageError(f"{flag} must be 0-3 (1 stdout, 2 stderr, 3 both) or LOCAL_RANK:N,..., not {text!r}")
+    out: dict[int, int] = {}
+    for part in text.split(","):
+        rank, _, value = part.partition(":")
+        if int(rank) >= nproc:
+            raise UsageError(f"{flag} {text}: local rank {int(rank)}, but there are {nproc} (0-{nproc - 1})")
+        out[int(rank)] = int(value)
+    return out
+
+
+def _output(a: argparse.Namespace, nproc: int) -> Output:
+    shown = None
+    if a.local_ranks_filter.strip():
+        try:
+            shown = frozenset(int(x) for x in a.local_ranks_filter.split(","))
+        except ValueError:
+            raise UsageError("--local-ranks-filter must be comma-separated local ranks, e.g. 0,1, not "
+                             f"{a.local_ranks_filter!r}") from None
+        bad = sorted(r for r in shown if not 0 <= r < nproc)
+        if bad:
+            raise UsageError(f"--local-ranks-filter: no local rank {bad[0]} (there are {nproc}: 0-{nproc - 1})")
+    log_dir = Path(a.log_dir) if a.log_dir else None
+    if log_dir is not None and log_dir.exists() and not log_dir.is_dir():
+        raise UsageError(f"--log-dir {a.log_dir}: not a directory")
+    return Output(log_dir, std_map("--redirects", a.redirects, nproc), std_map("--tee", a.tee, nproc), shown)
 
 
 def _free_port(host: str) -> int:
@@ -197,16 +294,67 @@ def _free_port(host: str) -> int:
 
 
 def say(msg: str) -> None:
-    print(f"[ntp-run] {msg}", file=sys.stderr, flush=True)
+    """One of ntp-run's own lines that is a sentence, not an event with fields (the Slurm hook's)."""
+    log.info(msg)
+
+
+class _Console:
+    """ntp-run's stdout or stderr, written a whole line at a time under one lock shared by both
+    (they are often the same terminal or pipe): ranks' lines and ntp-run's own never interleave.
+    A console that went away (a closed pipe) is dropped; the ranks' output is still drained."""
+
+    def __init__(self, text: IO[str], lock: threading.RLock) -> None:
+        self.text, self.lock = text, lock
+        self.raw: BinaryIO | None = getattr(text, "buffer", None)
+        self.gone = False
+
+    def line(self, data: bytes) -> None:
+        with self.lock:
+            if self.gone:
+                return
+            try:
+                if self.raw is not None:
+                    self.raw.write(data)
+                    self.raw.flush()
+                else:
+                    self.text.write(data.decode("utf-8", "replace"))
+                    self.text.flush()
+            except (BrokenPipeError, ValueError, OSError):
+                self.gone = True
+
+    # a text stream for structlog's WriteLogger (ntp-run's own lines)
+    def write(self, text: str) -> int:
+        self.line(text.encode("utf-8", "replace"))
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def _pump(src: IO[bytes], console: _Console | None, file: BinaryIO | None, prefix: bytes) -> None:
+    """Copy one rank stream until it ends: to `file` as it is, to `console` a line at a time with
+    `prefix` (a piece without its newline gets one there)."""
+    with src, file if file is not None else contextlib.nullcontext():
+        for chunk in iter(lambda: src.readline(MAX_LINE), b""):
+            if file is not None:
+                file.write(chunk)
+            if console is not None:
+                console.line(prefix + (chunk if chunk.endswith(b"\n") else chunk + b"\n"))
 
 
 class Launcher:
     """The ranks' processes, the store, and (without a manager) the layouts."""
 
-    def __init__(self, o: Options) -> None:
+    def __init__(self, o: Options, stdout: _Console | None = None, stderr: _Console | None = None,
+                 log_format: str = "json") -> None:
         import torch.distributed as dist
 
         self.o = o
+        lock = threading.RLock()
+        self.stdout = stdout or _Console(sys.stdout, lock)
+        self.stderr = stderr or _Console(sys.stderr, lock)
+        self.log_format = log_format  # the ranks' (NTP_LOG_FORMAT unless it is set)
+        self.run_dir: Path | None = None  # <log dir>/<job>_<random>, made when a stream goes to files
         store_cls: Any = dist.TCPStore  # type: ignore[attr-defined]
         try:
             if o.store:
@@ -241,7 +389,7 @@ class Launcher:
             if 0 < self.local_gpus < o.nproc:
                 # more ranks than GPUs: not pinned, the ranks share the GPUs (comm.device_index)
                 # and the backend choice takes gloo staged through host memory (NCCL cannot)
-                say(f"{o.nproc} ranks on {self.local_gpus} GPU(s): ranks share GPUs (gloo, staged through host memory)")
+                log.info("ranks share GPUs (gloo, staged through host memory)", ranks=o.nproc, gpus=self.local_gpus)
                 self.local_gpus = 0
         self.down: set[str] = set()  # without a manager: ranks left out of the published layout
         self.version = 0
@@ -258,7 +406,7 @@ class Launcher:
         self.version += 1
         publish_layout(self.store, self.o.job, self.version, [(r, self.o.batch_per_rank * len(r)) for r in reps],
                        reason)
-        say(f"layout v{self.version}: TP {[len(r) for r in reps]} ({reason})")
+        log.info("layout published", version=self.version, tp=[len(r) for r in reps], reason=reason)
 
     # ---- processes ------------------------------------------------------------------------------
     def env_for(self, r: Rank, index: int) -> dict[str, str]:
@@ -279,12 +427,70 @@ class Launcher:
             env["NTP_LOCAL_GPUS"] = str(self.o.nproc)
         if self.o.device:
             env["NTP_DEVICE"] = self.o.device
+        env.setdefault("NTP_LOG_FORMAT", self.log_format)
         return env
 
+    def make_run_dir(self) -> Path | None:
+        """The run's directory for rank output files (torchrun's `<log dir>/<run id>_<random>`),
+        made once when any stream goes to files; None when none does."""
+        out = self.o.output
+        if self.run_dir is None and out.any_file:
+            base = out.log_dir or Path(tempfile.mkdtemp(prefix="ntp-run-"))
+            base.mkdir(parents=True, exist_ok=True)
+            job = "".join(c if c.isalnum() or c in "-_." else "-" for c in self.o.job)[:64]
+            self.run_dir = Path(tempfile.mkdtemp(prefix=f"{job}_", dir=base))
+        return self.run_dir
+
     def start(self, r: Rank) -> None:
-        r.proc = subprocess.Popen(self.o.cmd, env=self.env_for(r, self.ranks.index(r)))
+        """Start rank `r`'s process, its stdout and stderr each to the console (through a thread
+        that prefixes its lines), a file, both, or nowhere (`Output`)."""
+        index = self.ranks.index(r)
+        attempt, r.starts = r.starts, r.starts + 1
+        out, files = self.o.output, []
+        where: dict[int, Any] = {}
+        plan: dict[int, tuple[bool, bool, Path | None]] = {}
+        for std, name in ((OUT, "stdout"), (ERR, "stderr")):
+            path = None
+            if out.to_file(index, std):
+                run_dir = self.make_run_dir()
+                assert run_dir is not None
+                folder = run_dir / f"attempt_{attempt}" / str(index)
+                folder.mkdir(parents=True, exist_ok=True)
+                path = folder / f"{name}.log"
+            shown = out.to_console(index, std)
+            plan[std] = (shown, path is not None, path)
+            if shown:
+                where[std] = subprocess.PIPE
+            elif path is not None:
+                f = path.open("wb")
+                files.append(f)
+                where[std] = f
+            else:
+                where[std] = subprocess.DEVNULL
+        try:
+            r.proc = subprocess.Popen(self.o.cmd, env=self.env_for(r, index), stdout=where[OUT], stderr=where[ERR])
+        finally:
+            for f in files:  # the child has its own descriptor
+                f.close()
         r.rc, r.restart_at = None, None
-        say(f"{r.worker}: started (pid {r.proc.pid})")
+        prefix = f"[{r.worker}]: ".encode()
+        r.pumps = []
+        for std, src in ((OUT, r.proc.stdout), (ERR, r.proc.stderr)):
+            shown, _, path = plan[std]
+            if shown and src is not None:
+                file = path.open("wb", buffering=0) if path is not None else None
+                t = threading.Thread(target=_pump, args=(src, self.stdout if std == OUT else self.stderr, file, prefix),
+                                     daemon=True, name=f"{r.worker}-{'out' if std == OUT else 'err'}")
+                t.start()
+                r.pumps.append(t)
+        log.info("rank started", worker=r.worker, local_rank=index, pid=r.proc.pid, attempt=attempt)
+
+    def drained(self, r: Rank, timeout: float = 5.0) -> None:
+        """Wait (up to `timeout` s) until rank `r`'s exited process's output is all copied: its
+        last lines come before what ntp-run says about its end."""
+        deadline = time.monotonic() + timeout
+        for t in r.pumps:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def kill(self, r: Rank) -> None:
         if r.proc is not None and r.proc.poll() is None:
@@ -324,26 +530,27 @@ class Launcher:
                         self.down.discard(r.worker)
                         self.publish(f"{r.worker} restarted")
             if fatal:
-                say("stopping every rank")
+                log.warning("stopping every rank")
                 self.stop()
                 return 1
             if all(r.rc is not None for r in self.ranks):
                 bad = [r.worker for r in self.ranks if r.rc != 0 and not (r.injected and r.worker in self.down)]
-                say(f"done: {len(self.ranks) - len(bad)} of {len(self.ranks)} ranks finished cleanly"
-                    + (f"; failed: {bad}" if bad else ""))
+                (log.warning if bad else log.info)("done", finished_cleanly=len(self.ranks) - len(bad),
+                                                   ranks=len(self.ranks), failed=bad)
                 return 1 if bad else 0
             time.sleep(0.05)
 
     def _exited(self, r: Rank, rc: int, now: float) -> bool:
         """A rank's process ended; True when that stops the run."""
+        self.drained(r)
         if rc == 0:
             r.rc = 0
-            say(f"{r.worker}: finished")
+            log.info("rank finished", worker=r.worker)
             return False
         if r.injected and r.worker in self.down:
             r.rc = rc
             return False
-        say(f"{r.worker}: exited with status {rc}")
+        log.warning("rank exited", worker=r.worker, status=rc)
         if r.restarts < self.o.max_restarts:
             r.restart_at = now + self.o.restart_delay
             if not self.o.manager and r.worker not in self.down:
@@ -364,11 +571,11 @@ class Launcher:
             victim.injected = True
             self.down.add(victim.worker)
             self.kill(victim)
-            say(f"{victim.worker}: killed after step {step} (--fail-at)")
+            log.info("rank killed (--fail-at)", worker=victim.worker, after_step=step)
             self.publish(f"{victim.worker} failed")
             victim.rc = -signal.SIGKILL
         elif self.failed_at is not None and 0 <= o.repair_at <= step and victim.worker in self.down:
-            say(f"{victim.worker}: repaired after step {step} (--repair-at)")
+            log.info("rank repaired (--repair-at)", worker=victim.worker, after_step=step)
             self.start(victim)
             self.down.discard(victim.worker)
             self.publish(f"{victim.worker} repaired")
@@ -385,29 +592,42 @@ class Launcher:
                 except subprocess.TimeoutExpired:
                     r.proc.kill()
                     r.proc.wait()
+        for r in self.ranks:
+            self.drained(r, max(0.1, deadline - time.monotonic()))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from ntp_manager.logs import auto_format, configure_logging
+
     try:
         o = parse(sys.argv[1:] if argv is None else argv)
     except UsageError as e:
         print(f"ntp-run: error: {e}", file=sys.stderr)
         return 2
+    lock = threading.RLock()  # RLock: a signal handler may write while the main thread holds it
+    stdout, stderr = _Console(sys.stdout, lock), _Console(sys.stderr, lock)
+    fmt = auto_format(sys.stderr)
+    configure_logging(fmt, stream=stderr)
     try:
-        launcher = Launcher(o)
+        launcher = Launcher(o, stdout, stderr, log_format=fmt)
     except UsageError as e:
         print(f"ntp-run: error: {e}", file=sys.stderr)
         return 2
 
-
     def _stop(signum: int, _frame: Any) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # the stop below is not cut short by another
+            signal.signal(sig, signal.SIG_IGN)
         launcher.stop()
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    say(f"store {launcher.store_addr[0]}:{launcher.store_addr[1]}, job {o.job}, {o.nproc} ranks"
-        + (f", manager {o.manager}" if o.manager else ", layouts published here"))
+    run_dir = launcher.make_run_dir()
+    log.info("ntp-run started", store=f"{launcher.store_addr[0]}:{launcher.store_addr[1]}", job=o.job, ranks=o.nproc,
+             layouts=f"from {o.manager}" if o.manager else "published here",
+             **({"rank_output": str(run_dir)} if run_dir else {}),
+             **({"note": "--log-dir without --redirects/--tee: no files (as torchrun)"}
+                if o.output.log_dir and run_dir is None else {}))
     try:
         if o.slurm is not None:
             try:

@@ -308,7 +308,9 @@ async def test_an_sbatch_job_survives_a_gpu_failure_and_its_repair(clean: SlurmC
             text = (tmp_path / f"job-{job_id}.out").read_text()
             assert c.job_state(job_id) == "COMPLETED", text[-3000:]
             assert text.count("check ok") == 4 and "FAILED" not in text, text[-3000:]  # 3 survivors + the rejoined
-            assert text.count("done: 2 of 2 ranks finished cleanly") == 2, text[-3000:]
+            done = [e for e in map(json.loads, (ln for ln in text.splitlines() if ln.startswith("{")))
+                    if e.get("event") == "done"]  # each node's ntp-run's last line (JSON: not a terminal)
+            assert [(e["finished_cleanly"], e["ranks"]) for e in done] == [(2, 2), (2, 2)], text[-3000:]
             await eventually(lambda: name not in jobs, timeout=30)  # node 0's ntp-run deleted what it registered
             log = await asyncio.to_thread((c.root / "ntp-slurm.log").read_text)
             for n in ("sn1", "sn2"):  # prolog: the agent was healthy; epilog: back to the base cap (dry run)
