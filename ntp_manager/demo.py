@@ -469,7 +469,8 @@ def _timeline(res: DemoResult, api: httpx.Client, launcher: Any, victims: list[s
         """When the last fresh rank had layout `new`: received as its first place, or agreed at a
         step boundary after it had joined an intermediate version (one GPU back before the other)."""
         firsts = [min((r["at"] for r in evs if r["worker"] == w and r["version"] == new
-                       and r["what"] in ("layout received", "layout agreed")), default=None) for w in fresh]
+                       and r["what"] in ("layout received", "layout agreed", "regrouped")), default=None)
+                  for w in fresh]  # regrouped: it had it by then, whichever way it came
         return None if None in firsts else max(x for x in firsts if x is not None)
 
     n_fresh = len(fresh)

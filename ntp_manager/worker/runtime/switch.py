@@ -63,6 +63,7 @@ class _Switching(_Stepping, _Joining):
         try:
             self._apply(target, planned=True)
         except _Superseded as e:
+            self._event("layout received", e.newer.version, e.newer.reason)
             self._join_chain(e.newer)
 
     def _wait_for(self, version: int) -> WorkerLayout | None:
@@ -104,6 +105,7 @@ class _Switching(_Stepping, _Joining):
                 return
             except _Superseded as e:
                 target = e.newer
+                self._event("layout received", target.version, target.reason)  # moved on while meeting
             except Exception as e:
                 if not is_comm_failure(e):
                     raise
@@ -114,6 +116,7 @@ class _Switching(_Stepping, _Joining):
                     raise ReconfigurationError(
                         f"could not regroup at version {target.version} and no newer layout arrived") from e
                 target = nxt
+                self._event("layout received", target.version, target.reason)
 
     def _leave_group(self, keep: bool = False) -> None:
         """Destroy the current groups. References to them are dropped first: gloo closes a group's
