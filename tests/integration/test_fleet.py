@@ -6,7 +6,8 @@
   reconnect), the new leader applies the outbox from the cursor the old one left, and publishes.
 - A leader paused past its lease applies nothing when it wakes (no row of the leader's tables,
   the outbox cursor included, from its sessions after the takeover) and exits.
-- A report stored twice (re-sent to another manager) is applied once.
+- A report stored twice (re-sent to another manager) is applied once; a row that cannot be
+  applied is quarantined with its reason and does not hold up the rows after it.
 - A manager that dies drops only its own streams; their agents move, the others stay.
 Each checks the counters: no report applied twice, none acknowledged and lost, nothing quarantined.
 """
@@ -258,6 +259,20 @@ async def test_a_report_stored_twice_is_applied_once(tmp_path: Path) -> None:
             assert await conn.fetchval("SELECT last_seq FROM nodes WHERE name = 'node-0'") == 1
             assert await conn.fetchval("SELECT health FROM gpus WHERE uuid = 'GPU-dup-0'") == "failed"
             assert await conn.fetchval("SELECT count(*) FROM outbox_quarantine") == 0
+            # a row that cannot be applied (a report of a node that never said hello) is quarantined
+            # with its reason and an audit row, and the rows after it are applied
+            await conn.execute("INSERT INTO outbox (kind, node, report_seq, payload, idem_key, manager, created_at) "
+                               "VALUES ('report', 'node-1', 1, '{\"gpus\": []}', 'bad-1', 'test', now())")
+        finally:
+            await conn.close()
+        assert (await _stream(b.grpc, tok, "node-0", gpus, 2))[1] == 2
+        await eventually(lambda: applied_all(c["pg"]), what="the outbox applied past the bad row")
+        conn = await asyncpg.connect(c["pg"])
+        try:
+            reasons = [r["reason"] for r in await conn.fetch("SELECT reason FROM outbox_quarantine")]
+            assert len(reasons) == 1 and "has not registered" in reasons[0], reasons
+            assert await conn.fetchval("SELECT count(*) FROM audit_log WHERE action = 'outbox.quarantine'") == 1
+            assert await conn.fetchval("SELECT last_seq FROM nodes WHERE name = 'node-0'") == 2
         finally:
             await conn.close()
 
