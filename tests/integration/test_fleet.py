@@ -9,6 +9,8 @@
 - A report stored twice (re-sent to another manager) is applied once; a row that cannot be
   applied is quarantined with its reason and does not hold up the rows after it.
 - A manager that dies drops only its own streams; their agents move, the others stay.
+- A standby cut off from PostgreSQL acknowledges nothing it cannot store: it answers UNAVAILABLE,
+  and the agent re-sends to another manager.
 Each checks the counters: no report applied twice, none acknowledged and lost, nothing quarantined.
 """
 
@@ -29,6 +31,7 @@ from agent.core import Agent
 from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from ntp_manager.manager_process import ManagerProcess
 from ntp_manager.store import write_log
+from tests.fakes.partition import Partition
 from tests.integration.conftest import PG, database
 from tests.integration.test_ha import (
     LEASE,
@@ -55,8 +58,8 @@ async def fleet(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
         await write_log.install(url, LEADER_TABLES)
         procs: list[ManagerProcess] = []
 
-        def start(name: str) -> ManagerProcess:
-            p = ManagerProcess(name, url, tmp_path / f"manager-{name}.log", FLEET)
+        def start(name: str, via: str | None = None, **extra: str) -> ManagerProcess:
+            p = ManagerProcess(name, via or url, tmp_path / f"manager-{name}.log", {**FLEET, **extra})
             procs.append(p)
             return p
 
@@ -300,3 +303,36 @@ async def test_a_manager_that_dies_drops_only_its_own_streams(tmp_path: Path) ->
             await check_reports(c["pg"], agents[0])
         finally:
             await stop_agents(agents, tasks)
+
+
+async def test_a_standby_cut_off_from_the_database_acknowledges_nothing(tmp_path: Path) -> None:
+    async with fleet(tmp_path) as c:
+        proxy = Partition.to(c["url"])
+        await proxy.start()
+        try:
+            a = c["start"]("a")
+            await a.ready_async()
+            b = c["start"]("b", via=proxy.url(c["url"]), NTP_FLEET_STORE_TIMEOUT_S="1")
+            assert (await b.ready_async())["role"] == "standby"
+            op = c["tokens"]["operator"]
+            agents, backends, tasks = await agents_on(c, [[a.grpc, b.grpc], [b.grpc, a.grpc]])
+            try:
+                assert [x.target for x in agents] == [a.grpc, b.grpc]
+                await job_on(a.http, op, agents)
+                await eventually(lambda: layout(a.http, op), what="first layout")
+                proxy.cut()  # b cannot reach PostgreSQL; nobody is told, its calls hang
+                backends[1].inject("xid", 0, xid=79)
+                await eventually(lambda: agents[1].sent_upto >= 1, what="report sent to the cut-off standby")
+                # b could not store it, so it answered UNAVAILABLE (never an ack); the agent went to a
+                await eventually(lambda: agents[1].last_acked >= 1, what="report acknowledged by a")
+                assert agents[1].failovers >= 1 and agents[1].target == a.grpc
+                await eventually(lambda: failed_on(a.http, op), what="the leader applied it")
+                assert await failed_on(a.http, op) == {g.uuid for g in agents[1].statics}
+                assert agents[0].failovers == 0
+                await eventually(lambda: applied_all(c["pg"]), what="the outbox applied")
+                assert (await counters(c["pg"]))["quarantined"] == 0
+                await check_reports(c["pg"], agents[1])
+            finally:
+                await stop_agents(agents, tasks)
+        finally:
+            await proxy.stop()
