@@ -226,10 +226,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             old = slots[leader]
             epoch_before = await layout_epoch(old.info["http"], op) or 0
             others = [k for k in range(3) if k != leader]
-            victim = next(g for g in gens if g.home == others[0])
             t_kill = time.perf_counter()
             old.signal(signal.SIGKILL if mode == "SIGKILL" else signal.SIGSTOP)
-            await victim.ask({"cmd": "fail", "i": rnd})
+            for g in gens:  # one agent on a manager left reports a GPU failed: the layout must change
+                if (await g.ask({"cmd": "fail", "not": old.grpc}))["node"] is not None:
+                    break
             first = None
             new = None
             while first is None and time.perf_counter() - t_kill < 120:

@@ -13,7 +13,8 @@ JSON line on stdout:
   degraded, ...: failed ones would trip the circuit breaker), one after another (the next once
   the last is acknowledged): {"reports", "wall_s",
   "cpu_s"}
-- {"cmd": "fail", "i": I}: agent I reports GPU 0 failed (not waited for): {}
+- {"cmd": "fail", "not": ADDRESS}: an agent connected elsewhere than ADDRESS reports GPU 0 failed
+  (not waited for): {"node"}
 - {"cmd": "stats"}: {"acked": {node: seq}, "moves", "gaps_s": [time without a stream, per move],
   "cpu_s", "connected"}
 - {"cmd": "quit"}
@@ -141,7 +142,8 @@ async def main() -> None:
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     cfg = json.loads(await reader.readline())
-    chans = {t: [grpc.aio.insecure_channel(t, options=[("grpc.use_local_subchannel_pool", 1)])
+    opts = [("grpc.use_local_subchannel_pool", 1), *CLIENT_KEEPALIVE]  # a stopped manager is noticed
+    chans = {t: [grpc.aio.insecure_channel(t, options=opts)
                  for _ in range(CHANNELS)] for t in cfg["targets"]}
     stop = asyncio.Event()
     t0 = time.perf_counter()
@@ -165,11 +167,13 @@ async def main() -> None:
             await asyncio.gather(*(s.reports(int(c["k"])) for s in sims))
             out({"reports": len(sims) * int(c["k"]), "wall_s": time.perf_counter() - t1,
                  "cpu_s": time.process_time() - c1})
-        elif cmd == "fail":
-            s = sims[int(c["i"])]
-            s.state = FAILED
-            s.report(FAILED)
-            out({})
+        elif cmd == "fail":  # an agent connected to a manager other than c["not"] (the leader)
+            s = next((x for x in sims if x.connected.is_set() and x.state != FAILED
+                      and x.targets[x.t % len(x.targets)] != c.get("not")), None)
+            if s is not None:
+                s.state = FAILED
+                s.report(FAILED)
+            out({"node": None if s is None else s.node})
         elif cmd == "stats":
             out({"acked": {s.node: s.acked for s in sims}, "moves": sum(s.moves for s in sims),
                  "gaps_s": [g for s in sims for g in s.gaps], "cpu_s": time.process_time(),
