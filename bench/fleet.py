@@ -262,8 +262,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             slots[leader] = p
             leader = new
         # ---- 4. a standby killed ----------------------------------------------------------------
-        standby = next(k for k in range(3) if k != leader)
-        before = [len((await g.ask({"cmd": "stats"}))["gaps_s"]) for g in gens]
+        st0 = [await g.ask({"cmd": "stats"}) for g in gens]
+        before = [len(s["gaps_s"]) for s in st0]
+        on = [a for s in st0 for a in s["on"]]
+        standby = max((k for k in range(3) if k != leader), key=lambda k: on.count(slots[k].grpc))  # the busiest
         slots[standby].signal(signal.SIGKILL)
         t_kill = time.perf_counter()
         while True:

@@ -178,7 +178,8 @@ async def main() -> None:
         elif cmd == "stats":
             out({"acked": {s.node: s.acked for s in sims}, "moves": sum(s.moves for s in sims),
                  "gaps_s": [g for s in sims for g in s.gaps], "cpu_s": time.process_time(),
-                 "connected": sum(s.connected.is_set() for s in sims)})
+                 "connected": sum(s.connected.is_set() for s in sims),
+                 "on": [s.targets[s.t % len(s.targets)] for s in sims if s.connected.is_set()]})
         elif cmd == "quit":
             break
     stop.set()
