@@ -99,6 +99,13 @@ class TlsFiles:
         mode = "mTLS" if self.cert is not None else "TLS"
         return f"{mode}, CA {self.ca}" if self.ca is not None else f"{mode}, the system's CAs"
 
+    def resolved(self) -> TlsFiles:
+        """The same files by absolute paths (for a process started elsewhere)."""
+        def absolute(p: Path | None) -> Path | None:
+            return p.resolve() if p is not None else None
+
+        return TlsFiles(absolute(self.ca), absolute(self.cert), absolute(self.key), labels=self.labels)
+
     def env(self) -> dict[str, str]:
         """The NTP_TLS_* variables that give these files to another process (`from_env`)."""
         return {name: str(p) for name, p in ((ENV_CA, self.ca), (ENV_CERT, self.cert), (ENV_KEY, self.key))

@@ -412,7 +412,16 @@ class GrpcLayoutSource:
             pass
         if self.history.newest is None and self.history.error:
             self.close()
-            raise RuntimeError(f"cannot watch the layout of {job!r}: {self.history.error}")
+            error = self.history.error
+            if not self._refused.is_set() and "socket closed" in error.lower():
+                # TLS 1.3: the client's side of the handshake ends before the manager checks its
+                # certificate, so a refused one reads as a connection closed; so does plaintext
+                # sent to a TLS port
+                error += (f" (over {self.client.tls.describe()}: a manager that requires client certificates "
+                          f"closes the connection of one it refuses; check {self.client.tls.labels[1]})"
+                          if self.client.tls.enabled else
+                          " (over plaintext: a TLS port closes plaintext connections; give the manager's CA)")
+            raise RuntimeError(f"cannot watch the layout of {job!r}: {error}")
 
     # the connection's state, kept by the manager client
     @property

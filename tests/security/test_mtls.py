@@ -3,7 +3,7 @@ manager's server certificate, two node certificates, and a certificate from a CA
 
 With a client CA configured, agents must come through the TLS listener with a certificate the CA
 signed; an agent token bound to one certificate's fingerprint is refused with any other. Workers
-keep using the plaintext listener (the worker library has no TLS options yet)."""
+may still use the plaintext listener (their mTLS: test_worker_mtls.py)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ async def test_mtls_agent_with_its_own_certificate_registers(mtls_service: Servi
         agent.stopping.set()
         await asyncio.wait_for(task, 10)
 
-    # workers keep the plaintext listener
+    # workers may still use the plaintext listener
     async with svc.client() as c:
         assert (await c.post("/v1/jobs", json={"name": "j", "tp": 2, "replicas": 1, "local_batch": 1,
                                                "heads": 2})).status_code == 201
