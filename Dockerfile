@@ -11,5 +11,5 @@ COPY agent agent
 COPY proto proto
 COPY examples examples
 COPY deploy deploy
-RUN pip install ".[worker]"
+RUN pip install ".[manager,agent,worker]"
 EXPOSE 8080 50051
