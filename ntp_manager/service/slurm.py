@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import os
 import shutil
 from collections.abc import Callable, Sequence
@@ -397,15 +398,22 @@ class SlurmSync:
             log.warning("dry run: would resume the slurm node", node=a.node, why=a.why)
 
     # ---- the view ------------------------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
+    def status(self, limit: int) -> dict[str, Any]:
+        """The view of GET /v1/slurm: each list holds at most `limit` entries, in node-name order;
+        `counts` says how many there are in all (a rack event can want hundreds of nodes drained)."""
         d = self.last
+        wanted = heapq.nsmallest(limit, self.wanted.items(), key=lambda kv: kv[0])
+        ours = heapq.nsmallest(limit, (s for s in self.drained_now.values() if owned(s.reason)), key=lambda s: s.name)
+        held = d.held if d else ()
         return {
             "enabled": self.enabled, "dry_run": self.dry_run, "passes": self.passes,
             "last_pass": self.last_pass.isoformat() if self.last_pass else None, "last_error": self.last_error,
-            "wanted": {n: [c.text() for c in cs] for n, cs in sorted(self.wanted.items())},
-            "drained_by_ntp_manager": [{"node": s.name, "state": s.state, "reason": s.reason}
-                                       for s in self.drained_now.values() if owned(s.reason)],
-            "held": [{"node": n, "why": why} for n, why in (d.held if d else ())],
-            "refused": sorted(self.refused), "drains_in_window": len(self.recent),
+            "wanted": {n: [c.text() for c in cs] for n, cs in wanted},
+            "drained_by_ntp_manager": [{"node": s.name, "state": s.state, "reason": s.reason} for s in ours],
+            "held": [{"node": n, "why": why} for n, why in heapq.nsmallest(limit, held)],
+            "refused": heapq.nsmallest(limit, self.refused),
+            "counts": {"wanted": len(self.wanted), "held": len(held), "refused": len(self.refused),
+                       "drained_by_ntp_manager": sum(1 for s in self.drained_now.values() if owned(s.reason))},
+            "limit": limit, "drains_in_window": len(self.recent),
             "max_drains": self.options.max_drains, "window_s": self.options.window_s,
         }
