@@ -38,6 +38,7 @@ from torch.nn.utils import clip_grads_with_norm_
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import FAILOVER_PARTS, failover_row, kill_parked, last_event, show
+from ntp_manager.worker.comm import P2P
 from ntp_manager.worker.launch import free_port
 from ntp_manager.worker.reshard import apply_reshard, reshard_moves
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig
@@ -427,10 +428,55 @@ def show_switch(console: Console, runs: list[dict[str, Any]]) -> None:
          tuple(ph), [tuple(f"{v:.2f}" for v in ph.values())])
 
 
+# ---- 6. the transport alone: a pair of ranks swapping a reshard's worth of tensors ----------------
+def _exchange_worker(rank: int, world: int, port: int, mb: int, pieces: int, q: Any) -> None:
+    from ntp_manager.worker import comm
+
+    _init(rank, world, port)
+    n = mb * 2**20 // 4 // pieces
+    out = {}
+    for staged in (False, True):
+        comm.configure(force_staging=staged)
+        for coalesce in (False, True):
+            sends = [torch.full((n,), float(rank + i)) for i in range(pieces)]
+            recvs = [torch.empty(n) for _ in range(pieces)]
+            ops = [P2P(True, t, 1 - rank) for t in sends] + [P2P(False, t, 1 - rank) for t in recvs]
+            times = []
+            for _ in range(4):
+                dist.barrier()
+                t = time.perf_counter()
+                if coalesce:
+                    comm.FlatExchange(ops).start().wait()
+                else:
+                    comm.wait_all(comm.exchange(ops))
+                times.append(time.perf_counter() - t)
+            assert all(r[0].item() == float(1 - rank + i) for i, r in enumerate(recvs))
+            out[(staged, coalesce)] = statistics.median(times[1:])  # the first allocates the buffers
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def bench_exchange(mb: int = 256, pieces: int = 64) -> list[tuple[str, ...]]:
+    """Two ranks swap `mb` MiB each way as `pieces` tensors: per tensor vs coalesced, direct vs
+    staged. GB/s per rank counts the bytes it sent and received."""
+    q = mp.get_context("spawn").SimpleQueue()
+    ctx = mp.start_processes(_exchange_worker, args=(2, free_port(), mb, pieces, q), nprocs=2, join=False,
+                             start_method="spawn")
+    res = [q.get() for _ in range(2)]
+    while not ctx.join():
+        pass
+    rows: list[tuple[str, ...]] = []
+    for key in res[0][1]:
+        secs = max(r[1][key] for r in res)
+        rows.append(("staged" if key[0] else "direct", "coalesced" if key[1] else "per tensor", f"{mb}",
+                     f"{pieces}", f"{secs * 1e3:.0f}", f"{2 * mb * 2**20 / secs / 1e9:.2f}"))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=["sync", "reshard", "failover", "clip", "switch"], action="append")
+    ap.add_argument("--only", choices=["sync", "reshard", "failover", "clip", "switch", "exchange"], action="append")
     ap.add_argument("--size", choices=list(SWITCH_SIZES), action="append",
                     help="switch: model size (repeat for several; default 118m, quick with --quick)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="switch: the tensors' device")
@@ -456,6 +502,10 @@ def main() -> None:
     if "clip" in parts:
         show(console, "Gradient clipping (max_grad_norm): added work on one rank holding the whole model (TP1)",
              ("model", "fwd+bwd+sync ms (4 samples)", "norm share ms", "scale ms", "added"), bench_clip(args.quick))
+    if "exchange" in parts:
+        show(console, "Point to point, 2 ranks on gloo swapping 256 MiB each way as 64 tensors (median of 3)",
+             ("path", "messages", "MiB each way", "tensors", "ms", "GB/s per rank (sent + received)"),
+             bench_exchange())
     if "switch" in parts:
         chunk = int(args.chunk_mb * 2**20) if args.chunk_mb else None
         for size in args.size or (["quick"] if args.quick else ["118m"]):
