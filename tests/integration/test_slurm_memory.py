@@ -21,13 +21,13 @@ from tests.integration.conftest import Service, eventually, running_service
 XID48 = "XID 48: needs a GPU reset or replacement"
 
 
-def _setup(tmp_path: Path, nodes: list[str]) -> tuple[Path, str, dict[str, Any]]:
+def _setup(tmp_path: Path, nodes: list[str], url: str = "") -> tuple[Path, str, dict[str, Any]]:
     state = tmp_path / "slurm.json"
     fake_slurm.new_state(state, nodes)
     fake_slurm.install(tmp_path / "bin", state)
     opts = {"slurm_drain": True, "slurm_bin_dir": tmp_path / "bin", "slurm_poll_s": 0.2, "slurm_retries": 0,
             "slurm_max_drains": 1, "breaker_window_s": 3600.0}
-    return state, f"sqlite+aiosqlite:///{tmp_path / 'ntp.db'}", opts
+    return state, url or f"sqlite+aiosqlite:///{tmp_path / 'ntp.db'}", opts
 
 
 async def _agent(svc: Service, node: str) -> ScriptedAgent:
@@ -47,8 +47,8 @@ def _drained(state: Path, node: str) -> bool:
     return fake_slurm.drained(state).get(node, "").startswith(MARKER)
 
 
-async def test_an_operator_resume_and_the_rate_cap_outlive_a_restart(tmp_path: Path) -> None:
-    state, url, opts = _setup(tmp_path, ["sn1", "sn2"])
+async def test_an_operator_resume_and_the_rate_cap_outlive_a_restart(tmp_path: Path, db_url: str) -> None:
+    state, url, opts = _setup(tmp_path, ["sn1", "sn2"], db_url)
     async with running_service(url, tmp_path, **opts) as svc:
         a = await _agent(svc, "sn1")
         await a.report({"GPU-sn1-0": "failed"}, reasons=[XID48], xids=[48])
