@@ -365,11 +365,7 @@ class SlurmRun:
     def after_ranks(self, store: Any, say: Any) -> None:
         """When this ntp-run's ranks are done: tell node 0; node 0 deletes the job it registered
         once the others are done (or after WAIT_PEERS_DONE_S)."""
-        try:
-            store.set(self._key(f"done/{self.step.node_id}"), "1")
-        except Exception as e:  # node 0's ntp-run (the store) is gone already: nothing waits for this
-            say(f"could not tell node 0's ntp-run that this node is done ({(str(e).splitlines() or [''])[0][:200]})")
-            return
+        store.set(self._key(f"done/{self.step.node_id}"), "1")
         if not (self.hosts_store and self.registered):
             return
         deadline = time.monotonic() + WAIT_PEERS_DONE_S
