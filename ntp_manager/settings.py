@@ -75,6 +75,14 @@ class Settings(BaseSettings):
                                "can start: in a thread)")
     # group commit: reports, heartbeat transitions and hellos queued while a commit runs go into the
     # next one; an idle committer first waits this long for more (0: commit at once)
+    fleet_ingest: bool = Field(False, description="several managers on PostgreSQL: every manager, standbys too, "
+                               "takes agent streams and stores their hellos and reports in the outbox, which the "
+                               "leader applies (service/fleet.py); a leader change moves only the planner role. "
+                               "PostgreSQL only")
+    fleet_poll_s: float = Field(0.5, gt=0, le=10, description="fleet mode: the leader looks for outbox rows (and every "
+                                "manager for agent commands) at least this often, without a notification")
+    fleet_store_timeout_s: float = Field(5.0, gt=0, le=60, description="fleet mode: a manager that cannot store a "
+                                         "report within this answers UNAVAILABLE (the agent goes to another)")
     group_commit_window_ms: float = Field(1.0, ge=0, le=5, description="group commit: an idle committer waits this "
                                           "long for more reports before it commits (0: at once)")
     # gRPC TLS: server certificate and key (PEM); with a client CA, agents must present a
@@ -126,6 +134,13 @@ class Settings(BaseSettings):
         if self.lease_renew_s * 2 > self.lease_ttl_s:
             raise ValueError(f"lease_renew_s ({self.lease_renew_s}) must be at most half of lease_ttl_s "
                              f"({self.lease_ttl_s}): a leader must get at least two tries before its lease ends")
+        return self
+
+    @model_validator(mode="after")
+    def _fleet(self) -> Settings:
+        if self.fleet_ingest and not self.effective_database_url.startswith("postgresql"):
+            raise ValueError("fleet_ingest needs PostgreSQL (NTP_DATABASE_URL=postgresql+asyncpg://...): on SQLite "
+                             "one manager serves everything")
         return self
 
     @model_validator(mode="after")

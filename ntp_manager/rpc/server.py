@@ -60,6 +60,7 @@ SERVICE_PERMISSION = {"ntp.v1.AgentService": "agent", "ntp.v1.WorkerService": "w
 REVOKED = "the token of this stream was revoked"
 
 
+AGENT_SERVICE = "ntp.v1.AgentService"
 LEADER_KEY = "ntp-leader"  # trailing metadata: host:port of the leader's gRPC server
 # request metadata from a client that could not reach the leader a standby named (or the one it
 # was connected to) just now: host:port of that leader. A standby holds such a call (`_hold`).
@@ -92,6 +93,9 @@ class StandbyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self, continuation: Callable[[Any], Awaitable[Any]], details: grpc.HandlerCallDetails
     ) -> Any:
         service = details.method.lstrip("/").split("/")[0]
+        fleet = self.manager.fleet
+        if service == AGENT_SERVICE and fleet is not None and fleet.ready:
+            return await continuation(details)  # fleet mode: every manager takes agent streams
         if service in SERVICE_PERMISSION and not self.manager.acting:
             await self._hold(details)
         handler = await continuation(details)
@@ -275,9 +279,17 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                              g.power.min_mw or 200_000, g.power.max_mw or 1_300_000)
                 for g in h.gpus
             ]
+            fleet = self.m.fleet
             try:
-                session, last_seq = await self.m.register_agent(
-                    h.node, h.domain, inv, h.boot_id, h.agent_version, principal, fingerprint, context.peer() or "")
+                if fleet is not None:  # any manager: stored in the outbox (service/ingest.py)
+                    session, last_seq, epoch = await fleet.agents.hello(
+                        h.node, h.domain, inv, h.boot_id, h.agent_version, principal, fingerprint,
+                        context.peer() or "")
+                else:
+                    session, last_seq = await self.m.register_agent(
+                        h.node, h.domain, inv, h.boot_id, h.agent_version, principal, fingerprint,
+                        context.peer() or "")
+                    epoch = self.m.epoch
             except ServiceError as e:
                 await abort(context, code_of(e), e.message)
             node = h.node
@@ -288,7 +300,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             self.connected_log.add(node, last_seq=last_seq, gpus=len(inv))
             yield agent_pb2.ManagerMessage(
                 welcome=agent_pb2.Welcome(
-                    leader_epoch=self.m.epoch, last_applied_seq=last_seq,
+                    leader_epoch=epoch, last_applied_seq=last_seq,
                     heartbeat_interval_ms=int(self.m.settings.heartbeat_interval_s * 1000),
                 )
             )
@@ -335,7 +347,10 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                     async for msg in request_iterator:
                         kind = msg.WhichOneof("body")
                         if kind == "heartbeat":
-                            self.m.heartbeat(node, msg.heartbeat.gpus)
+                            if fleet is not None:
+                                fleet.agents.heartbeat(node)
+                            else:
+                                self.m.heartbeat(node, msg.heartbeat.gpus)
                         elif kind == "report":
                             r = msg.report
                             reports = [
@@ -343,14 +358,18 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                                           [x.xid for x in g.xids], g.power.enforced_mw or None)
                                 for g in r.gpus
                             ]
-                            fut = asyncio.ensure_future(self.m.apply_report(node, r.seq, reports))
+                            fut = (fleet.agents.report(session, r.seq, reports) if fleet is not None
+                                   else asyncio.ensure_future(self.m.apply_report(node, r.seq, reports)))
                             await pending.put(fut)
                             if acker.done():
                                 return
                         elif kind == "result":
                             res = msg.result
                             readings = [(u, p.enforced_mw) for u, p in zip(res.gpu_uuids, res.power, strict=False)]
-                            await self.m.record_power_result(node, readings)
+                            if fleet is not None:
+                                await fleet.agents.power(node, readings)
+                            else:
+                                await self.m.record_power_result(node, readings)
                         elif kind == "hello":
                             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "hello may only be sent once per stream")
                         else:
@@ -396,7 +415,10 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                     await reader
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await acker
-                self.m.disconnect_agent(session)
+                if fleet is not None:
+                    fleet.agents.disconnect(session)
+                else:
+                    self.m.disconnect_agent(session)
                 self.disconnected_log.add(node)
         finally:
             served()

@@ -103,11 +103,16 @@ class Agents:
         self.sessions: dict[str, AgentSession] = {}
         # told of a node whose last_seen moves back (service/liveness.py's precondition)
         self.seen_earlier: Callable[[str], None] = lambda node: None
+        # fleet mode: sends a command to an agent whose stream another manager holds (service/fleet.py)
+        self.remote: Callable[[str, AgentCommand], None] | None = None
 
     def send(self, node: str, cmd: AgentCommand) -> bool:
         """Queue a command for a node's agent; False when it is not connected (sent on reconnect)."""
         sess = self.sessions.get(node)
         if sess is None:
+            if self.remote is not None:
+                self.remote(node, cmd)
+                return True
             return False
         sess.outbox.put_nowait(cmd)
         return True
@@ -121,14 +126,7 @@ class Agents:
                              peer: str = "") -> None:
         """An agent token speaks for the one node it names, over the certificate it names if any.
         A mismatch is audited and raises PermissionDenied."""
-        problem = None
-        if principal.node is None:
-            problem = "this agent token is bound to no node; create one per node (token create --node)"
-        elif principal.node != node:
-            problem = f"this agent token speaks for node {principal.node!r}, not {node!r}"
-        elif principal.fingerprint is not None and principal.fingerprint != peer_fingerprint:
-            problem = (f"this agent token needs the client certificate {principal.fingerprint[:16]}...; "
-                       f"the connection presented {'none' if peer_fingerprint is None else peer_fingerprint[:16]}")
+        problem = identity_problem(principal, node, peer_fingerprint)
         if problem is None:
             return
         log.warning("agent identity refused", token=principal.token_id, node=node[:64], problem=problem)
@@ -199,6 +197,13 @@ class Agents:
                 f"{self.settings.max_cluster_gpus} ({registered} registered)"
             )
         return adding
+
+    def write_hello(self, tx: Tx, node: str, domain: str, gpus: list[GpuInventory], boot_id: str,
+                    agent_version: str, token: str | None, peer: str) -> int:
+        """A hello stored by some manager (fleet mode), applied in `tx`: checked against the
+        transaction's view first (nothing is written when it raises)."""
+        check_hello(node, domain, gpus, boot_id, agent_version)
+        return self._write_hello(tx, node, domain, gpus, boot_id, agent_version, token, peer)
 
     def _write_hello(self, tx: Tx, node: str, domain: str, gpus: list[GpuInventory], boot_id: str,
                      agent_version: str, token: str | None, peer: str) -> int:
@@ -309,29 +314,42 @@ class Agents:
             raise InvalidArgument("report.gpus: a report names the same GPU twice")
 
         async def write(tx: Tx) -> int:
-            n = tx.node(node)
-            assert n is not None
-            if seq <= n.last_seq:  # raced with a replay on another stream
-                return seq
-            if seq != n.last_seq + 1:
-                raise InvalidArgument(f"bad sequence number: expected {n.last_seq + 1}, got {seq}")
-            tx.change_node(node, NodeChange(last_seq=seq))
-            for g in gpus:
-                gr = tx.gpu(g.uuid)
-                state = GpuState(g.state)  # one of HEALTH_STATES (checked above)
-                tx.event(gr, state, g.reasons, source="agent", seq=seq, xids=g.xids)
-                change = GpuChange()
-                if g.enforced_mw is not None and g.enforced_mw != gr.enforced_mw:
-                    change["enforced_mw"] = g.enforced_mw
-                if state != gr.health and not _detector_stands(gr, state):
-                    change.update(health_to(state, "; ".join(g.reasons), HealthSource.AGENT, tx.now))
-                tx.change_gpu(g.uuid, change)
-            tx.after.append(lambda: self.heartbeat(node))
-            return seq
+            return self.write_report(tx, node, seq, gpus)
 
         fut = self.kernel.enqueue(f"agent:{node}", write)
         fut.add_done_callback(self._counted)
         return fut
+
+    def write_report(self, tx: Tx, node: str, seq: int, gpus: list[GpuReport]) -> int:
+        """Apply a report in `tx`, checked against the transaction's view first (nothing is written
+        when it raises): seq <= last applied is a replay (ignored); a gap, a GPU of another node
+        or an unknown state raise. The seq to acknowledge."""
+        n = tx.node(node)
+        if n is None:
+            raise FailedPrecondition(f"node {node!r} has not registered (send hello first)")
+        if seq <= n.last_seq:  # raced with a replay on another stream
+            return seq
+        if seq != n.last_seq + 1:
+            raise InvalidArgument(f"bad sequence number: expected {n.last_seq + 1}, got {seq}")
+        for g in gpus:
+            if not tx.has_gpu(g.uuid) or tx.gpu(g.uuid).node != node:
+                raise InvalidArgument(f"report.gpus: report from {node!r} names unknown GPU {g.uuid!r}")
+            if g.state not in HEALTH_STATES:
+                raise InvalidArgument(
+                    f"report.gpus.state: GPU {g.uuid}: agents may report {sorted(HEALTH_STATES)}, not {g.state!r}")
+        tx.change_node(node, NodeChange(last_seq=seq))
+        for g in gpus:
+            gr = tx.gpu(g.uuid)
+            state = GpuState(g.state)  # one of HEALTH_STATES (checked above)
+            tx.event(gr, state, g.reasons, source="agent", seq=seq, xids=g.xids)
+            change = GpuChange()
+            if g.enforced_mw is not None and g.enforced_mw != gr.enforced_mw:
+                change["enforced_mw"] = g.enforced_mw
+            if state != gr.health and not _detector_stands(gr, state):
+                change.update(health_to(state, "; ".join(g.reasons), HealthSource.AGENT, tx.now))
+            tx.change_gpu(g.uuid, change)
+        tx.after.append(lambda: self.heartbeat(node))
+        return seq
 
     def _counted(self, fut: asyncio.Future[int]) -> None:
         if not fut.cancelled() and fut.exception() is None:
@@ -350,6 +368,18 @@ class Agents:
                 tx.change_gpu(u, GpuChange(enforced_mw=mw))
 
         await self.kernel.submit(f"agent:{node}", write)
+
+
+def identity_problem(principal: Principal, node: str, peer_fingerprint: str | None) -> str | None:
+    """Why this agent token may not speak for `node` over this connection (None: it may)."""
+    if principal.node is None:
+        return "this agent token is bound to no node; create one per node (token create --node)"
+    if principal.node != node:
+        return f"this agent token speaks for node {principal.node!r}, not {node!r}"
+    if principal.fingerprint is not None and principal.fingerprint != peer_fingerprint:
+        return (f"this agent token needs the client certificate {principal.fingerprint[:16]}...; "
+                f"the connection presented {'none' if peer_fingerprint is None else peer_fingerprint[:16]}")
+    return None
 
 
 def _detector_stands(rec: GpuRec, reported: GpuState) -> bool:

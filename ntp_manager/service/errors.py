@@ -44,3 +44,10 @@ class ResourceExhausted(ServiceError):
 
     http_status = 409
     grpc_code = "RESOURCE_EXHAUSTED"
+
+
+class Unavailable(ServiceError):
+    """This manager cannot do it right now (it cannot reach its database): the client tries another."""
+
+    http_status = 503
+    grpc_code = "UNAVAILABLE"

@@ -39,6 +39,7 @@ from ntp_manager.service.agents import Agents, AgentSession
 from ntp_manager.service.breaker import Breaker
 from ntp_manager.service.checkpoints import Checkpoints
 from ntp_manager.service.failslow import FailSlow
+from ntp_manager.service.fleet import Fleet
 from ntp_manager.service.gauges import Gauges
 from ntp_manager.service.idempotency import Outcome, idempotent
 from ntp_manager.service.inputs import GpuInventory, GpuReport
@@ -110,6 +111,8 @@ class Manager:
         self._standby: asyncio.Task[None] | None = None
         self._loaded = False  # the world is loaded (once leading)
         self.acting_event = asyncio.Event()  # set once this manager acts as the leader
+        # fleet mode (PostgreSQL): every manager takes agent streams, the leader applies the outbox
+        self.fleet: Fleet | None = Fleet(self) if settings.fleet_ingest else None
 
     # ---- life cycle -----------------------------------------------------------------------------
     async def start(self, migrate: bool = True) -> None:
@@ -124,6 +127,8 @@ class Manager:
         self.kernel.fence = self.leadership.fence
         if migrate:
             await db.upgrade(self.engine)
+        if self.fleet is not None:
+            await self.fleet.start()
         if await self.leadership.try_acquire():
             await self._lead()
         else:
@@ -185,11 +190,14 @@ class Manager:
         self._tasks = [
             asyncio.create_task(self.jobs.control_loop(), name="control-loop"),
             asyncio.create_task(self._monitor_loop(), name="monitor"),
-            asyncio.create_task(self.token_service.poll_forever(), name="token-poll"),
             asyncio.create_task(self.watchdog.run(), name="loop-watchdog"),
             asyncio.create_task(self.leadership.keep(), name="lease"),
             asyncio.create_task(self._on_lost(), name="lease-lost"),
         ]
+        if self.fleet is None:  # in fleet mode the token table is polled from the start, on every role
+            self._tasks.append(asyncio.create_task(self.token_service.poll_forever(), name="token-poll"))
+        else:
+            await self.fleet.lead()
         if self.slurm.enabled:
             self._tasks.append(asyncio.create_task(self.slurm.run_forever(lambda: self.jobs.stopping), name="slurm"))
         if self.settings.power_base_cap is not None or any(g.desired_mw is not None for g in self.world.gpus.values()):
@@ -225,6 +233,8 @@ class Manager:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self.jobs.planner.stop()  # a plan still running in the planner process must not hold the exit
+        if self.fleet is not None:
+            await self.fleet.stop()
         await self.kernel.stop()
         await self.leadership.release()
         await self.leadership.close()

@@ -18,6 +18,7 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    Index,
     Integer,
     LargeBinary,
     String,
@@ -229,3 +230,52 @@ class BreakerRow(Base):
     open: Mapped[bool] = mapped_column(Boolean, default=False)
     reason: Mapped[str] = mapped_column(Text, default="")
     changed_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class OutboxRow(Base):
+    """An agent's state change (hello, report, power read-back, liveness) that a manager took and
+    stored, for the leader to apply in `seq` order (fleet mode: store/outbox.py)."""
+
+    __tablename__ = "outbox"
+    __table_args__ = (UniqueConstraint("idem_key", name="uq_outbox_idem_key"),
+                      Index("ix_outbox_node_report_seq", "node", "report_seq"))
+    seq: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    node: Mapped[str] = mapped_column(String(256), default="", server_default="")
+    report_seq: Mapped[int | None] = mapped_column(BigInteger)
+    payload: Mapped[dict[str, Any]] = mapped_column(JSON)
+    idem_key: Mapped[str] = mapped_column(String(320))
+    manager: Mapped[str] = mapped_column(String(256), default="", server_default="")
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class OutboxStateRow(Base):
+    """The last outbox `seq` a consumer applied, and the leader epoch it applied it at."""
+
+    __tablename__ = "outbox_state"
+    consumer: Mapped[str] = mapped_column(String(64), primary_key=True)
+    last_seq: Mapped[int] = mapped_column(BigInteger)
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    applied_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class OutboxQuarantineRow(Base):
+    """An outbox row the leader could not apply, and why (it is skipped, never retried)."""
+
+    __tablename__ = "outbox_quarantine"
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    reason: Mapped[str] = mapped_column(Text)
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class AgentCommandRow(Base):
+    """A command the leader sends to an agent whose stream another manager holds."""
+
+    __tablename__ = "agent_commands"
+    __table_args__ = (Index("ix_agent_commands_node", "node", "id"),)
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    node: Mapped[str] = mapped_column(String(256))
+    payload: Mapped[dict[str, Any]] = mapped_column(JSON)
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)

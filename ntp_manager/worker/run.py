@@ -629,7 +629,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     fmt = auto_format(sys.stderr)
     configure_logging(fmt, stream=stderr)
     try:
+        if o.slurm is not None:
+            o.slurm.wait_for_store(say)  # a node up before node 0: wait (bounded) for its store
         launcher = Launcher(o, stdout, stderr, log_format=fmt)
+    except slurm_env.SlurmEnvError as e:
+        print(f"ntp-run: error: {e}", file=sys.stderr)
+        return 2
     except UsageError as e:
         print(f"ntp-run: error: {e}", file=sys.stderr)
         return 2

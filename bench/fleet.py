@@ -1,0 +1,339 @@
+"""Fleet-mode benchmark (issue 30): three managers on PostgreSQL with `NTP_FLEET_INGEST=1`, every one
+taking agent streams; simulated agents in load-generator processes of their own
+(bench/fleet_load.py), so that what is measured is the managers.
+
+Phases (the figures each one prints):
+1. registration: N agents (8 GPUs each) spread over the three managers say hello; wall time until
+   every agent is welcomed and until the leader has applied every hello (`nodes` holds N rows and
+   the outbox cursor is at its head);
+2. ingest, no job: every agent of the managers named sends K state-changing reports (GPU 0 failed,
+   healthy, ...; the next once the last is acknowledged), with 1, 2 and 3 ingesting managers (the
+   leader last): acknowledged reports/s, the wall time until the leader applied them, and each
+   manager's CPU per report (the leader's, in the phases it takes no agents' reports, is its CPU per
+   report it consumes);
+3. a job of N TP8 replicas; then `--rounds` leader failures, SIGKILL and SIGSTOP by turns: at the
+   kill one agent on a standby reports a GPU failed; the time from the kill to the first layout at
+   the new epoch (REST on the managers left); a SIGSTOPped leader is woken and must exit 75; the
+   failed manager is started again as a standby;
+4. a standby SIGKILLed: how long its agents were without a stream before another manager
+   welcomed them;
+5. the counters, against the database: acknowledged reports lost, reports applied twice, rows a
+   deposed leader's sessions wrote after the takeover (a trigger logs each row's session), outbox
+   rows quarantined.
+
+Usage: python bench/fleet.py [--agents 2000] [--reports 3] [--rounds 4] [--procs 3]
+                             [--lease-ttl 2] [--renew 0.4] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import cpu_seconds, drop_postgres, fresh_postgres, machine_line
+from ntp_manager.manager_process import ManagerProcess
+from ntp_manager.service.manager import Manager
+from ntp_manager.settings import Settings
+from ntp_manager.store import db, write_log
+
+LEADER_TABLES = (*write_log.TABLES, "outbox_state", "outbox_quarantine", "agent_commands")
+
+
+class Gen:
+    """One load-generator process (bench/fleet_load.py)."""
+
+    def __init__(self, targets: list[str], nodes: list[tuple[str, str]], home: int) -> None:
+        self.home = home  # the index of the manager its agents prefer
+        self.nodes = [n for n, _ in nodes]
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("fleet_load.py"))],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._send({"targets": targets, "nodes": nodes, "gpus": 8, "heartbeat_s": 2.0})
+
+    def _send(self, d: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(d) + "\n")
+        self.proc.stdin.flush()
+
+    async def ask(self, d: dict[str, Any]) -> dict[str, Any]:
+        self._send(d)
+        assert self.proc.stdout is not None
+        line = await asyncio.to_thread(self.proc.stdout.readline)
+        if not line:
+            raise RuntimeError(f"load generator {self.home} ended (status {self.proc.poll()})")
+        return dict(json.loads(line))
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._send({"cmd": "quit"})
+        with contextlib.suppress(Exception):
+            self.proc.wait(10)
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+    def cpu(self) -> float:
+        return cpu_seconds(self.proc.pid)
+
+
+async def outbox_state(pg: str) -> tuple[int, int, int]:
+    c = await asyncpg.connect(pg)
+    try:
+        head = await c.fetchval("SELECT coalesce(max(seq), 0) FROM outbox")
+        cursor = await c.fetchval("SELECT coalesce(max(last_seq), 0) FROM outbox_state WHERE consumer = 'leader'")
+        nodes = await c.fetchval("SELECT count(*) FROM nodes")
+    finally:
+        await c.close()
+    return int(head), int(cursor), int(nodes)
+
+
+async def until_applied(pg: str, nodes: int = 0, timeout: float = 600) -> float:
+    """Until the leader's cursor is at the outbox head (and `nodes` nodes exist); when it was."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        head, cursor, n = await outbox_state(pg)
+        if cursor >= head and n >= nodes:
+            return time.perf_counter()
+        await asyncio.sleep(0.05)
+    raise TimeoutError("the leader did not apply the outbox in time")
+
+
+async def layout_epoch(http: str, op: str) -> int | None:
+    with contextlib.suppress(Exception):
+        async with httpx.AsyncClient(base_url=f"http://{http}", timeout=2,
+                                     headers={"Authorization": f"Bearer {op}"}) as h:
+            r = await h.get("/v1/jobs/fleet/layout")
+            if r.status_code == 200:
+                return int(r.json()["leader_epoch"])
+    return None
+
+
+def pct(xs: list[float], p: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(p / 100 * len(s) + 0.5) - 1))]
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    url = await fresh_postgres(args.postgres, "ntp_fleet")
+    pg = url.replace("postgresql+asyncpg://", "postgresql://")
+    tmp = Path(tempfile.mkdtemp(prefix="ntp-fleet-bench-"))
+    procs: dict[str, ManagerProcess] = {}
+    gens: list[Gen] = []
+    out: dict[str, Any] = {"agents": args.agents, "gpus": args.agents * 8, "machine": machine_line()}
+    try:
+        n = args.agents
+        m = Manager(Settings(database_url=url))
+        await db.upgrade(m.engine)
+        nodes = [f"f-{i:05d}" for i in range(n)]
+        tokens = await m.token_service.create_agents(nodes, "bench")
+        op = await m.create_token("bench-op", "operator")
+        await m.engine.dispose()
+        await write_log.install(url, LEADER_TABLES)
+        env = {"NTP_FLEET_INGEST": "1", "NTP_LEASE_TTL_S": str(args.lease_ttl), "NTP_LEASE_RENEW_S": str(args.renew),
+               "NTP_TAKEOVER_GRACE_S": "30", "NTP_SUSPECT_AFTER_S": "60", "NTP_FAIL_AFTER_S": "120",
+               "NTP_LOG_FORMAT": "json", "NTP_MAX_CLUSTER_GPUS": str(max(100_000, n * 8))}
+        counter = iter(range(1000))
+
+        def start(slot: int) -> ManagerProcess:
+            p = ManagerProcess(f"m{slot}-{next(counter)}", url, tmp / "managers.log", env)
+            procs[p.name] = p
+            return p
+
+        slots: list[ManagerProcess] = []
+        for k in range(3):
+            p = start(k)
+            await p.ready_async(300)
+            slots.append(p)
+        assert slots[0].info["role"] == "leader"
+        grpcs = [p.grpc for p in slots]
+
+        # ---- 1. registration --------------------------------------------------------------------
+        per = args.procs
+        t0 = time.perf_counter()
+        for g in range(per):
+            home = g % 3
+            mine = [(nodes[i], tokens[nodes[i]]) for i in range(g, n, per)]
+            gens.append(Gen([grpcs[(home + j) % 3] for j in range(3)], mine, home))
+        ready = await asyncio.gather(*(g.ask({"cmd": "ready"}) for g in gens))
+        t_welcomed = time.perf_counter()
+        t_applied = await until_applied(pg, n)
+        out["registration"] = {"welcomed_s": t_welcomed - t0, "applied_s": t_applied - t0,
+                               "generator_cpu_s": [r["cpu_s"] for r in ready]}
+        print(f"registration of {n} nodes: all welcomed {t_welcomed - t0:.1f} s, applied by the leader "
+              f"{t_applied - t0:.1f} s", flush=True)
+
+        # ---- 2. ingest --------------------------------------------------------------------------
+        out["ingest"] = []
+        for homes in ([1], [1, 2], [0, 1, 2]):
+            busy = [g for g in gens if g.home in homes]
+            cpu0 = {k: cpu_seconds(p.proc.pid) for k, p in enumerate(slots)}
+            gcpu0 = [g.cpu() for g in busy]
+            t1 = time.perf_counter()
+            res = await asyncio.gather(*(g.ask({"cmd": "reports", "k": args.reports}) for g in busy))
+            t_acked = time.perf_counter()
+            t_done = await until_applied(pg)
+            cpu1 = {k: cpu_seconds(p.proc.pid) for k, p in enumerate(slots)}
+            reports = sum(r["reports"] for r in res)
+            per_mgr = {}
+            for k in range(3):
+                mine = sum(r["reports"] for g, r in zip(busy, res, strict=True) if g.home == k)
+                per_mgr[f"m{k}"] = {"role": "leader" if k == 0 else "standby", "reports_taken": mine,
+                                    "cpu_s": round(cpu1[k] - cpu0[k], 3),
+                                    "cpu_us_per_report_taken": round((cpu1[k] - cpu0[k]) / mine * 1e6, 1)
+                                    if mine else None}
+            row = {"ingesting": len(homes), "reports": reports, "acked_s": t_acked - t1,
+                   "reports_per_s": reports / (t_acked - t1), "applied_s": t_done - t1,
+                   "applied_per_s": reports / (t_done - t1),
+                   "leader_cpu_us_per_report_consumed": round((cpu1[0] - cpu0[0]) / reports * 1e6, 1)
+                   if 0 not in homes else None,
+                   "managers": per_mgr, "generator_cpu_s": [round(g.cpu() - c, 2) for g, c in zip(busy, gcpu0,
+                                                                                             strict=True)]}
+            out["ingest"].append(row)
+            print(f"ingest with {len(homes)} manager(s): {reports} reports, {row['reports_per_s']:.0f}/s acked, "
+                  f"{row['applied_per_s']:.0f}/s applied; leader CPU/report consumed "
+                  f"{row['leader_cpu_us_per_report_consumed']} us; {per_mgr}", flush=True)
+
+        # ---- 3. failovers -----------------------------------------------------------------------
+        async with httpx.AsyncClient(base_url=f"http://{slots[0].info['http']}", timeout=120,
+                                     headers={"Authorization": f"Bearer {op}"}) as h:
+            r = await h.post("/v1/jobs", json={"name": "fleet", "tp": 8, "replicas": n, "local_batch": 8,
+                                               "min_tp": 4, "heads": 32, "mlp_columns": 128})
+            r.raise_for_status()
+        t_job = time.perf_counter()
+        while await layout_epoch(slots[0].info["http"], op) is None:
+            await asyncio.sleep(0.1)
+        out["first_layout_s"] = time.perf_counter() - t_job
+        rounds = []
+        leader = 0
+        for rnd in range(args.rounds):
+            mode = "SIGKILL" if rnd % 2 == 0 else "SIGSTOP"
+            old = slots[leader]
+            epoch_before = await layout_epoch(old.info["http"], op) or 0
+            others = [k for k in range(3) if k != leader]
+            victim = next(g for g in gens if g.home == others[0])
+            t_kill = time.perf_counter()
+            old.signal(signal.SIGKILL if mode == "SIGKILL" else signal.SIGSTOP)
+            await victim.ask({"cmd": "fail", "i": rnd})
+            first = None
+            new = None
+            while first is None and time.perf_counter() - t_kill < 120:
+                for k in others:
+                    e = await layout_epoch(slots[k].info["http"], op)
+                    if e is not None and e > epoch_before:
+                        first, new = time.perf_counter() - t_kill, k
+                        break
+                else:
+                    await asyncio.sleep(0.02)
+            exit_code = None
+            if mode == "SIGSTOP":
+                old.signal(signal.SIGCONT)
+                exit_code = await asyncio.to_thread(old.proc.wait, 60)
+            else:
+                old.proc.wait(10)
+            assert new is not None, f"round {rnd}: no layout at a new epoch within 120 s"
+            c = await asyncpg.connect(pg)
+            try:
+                since = await c.fetchval("SELECT since FROM leader WHERE id = 1")
+            finally:
+                await c.close()
+            rounds.append({"mode": mode, "first_layout_s": first, "exit": exit_code, "killed": old.name,
+                           "since": since})
+            print(f"round {rnd}: {mode} of the leader -> first layout at the new epoch {first:.2f} s"
+                  + (f", woken: exit {exit_code}" if exit_code is not None else ""), flush=True)
+            p = start(leader)
+            await p.ready_async(300)
+            slots[leader] = p
+            leader = new
+        # ---- 4. a standby killed ----------------------------------------------------------------
+        standby = next(k for k in range(3) if k != leader)
+        before = [len((await g.ask({"cmd": "stats"}))["gaps_s"]) for g in gens]
+        slots[standby].signal(signal.SIGKILL)
+        t_kill = time.perf_counter()
+        while True:
+            st = [await g.ask({"cmd": "stats"}) for g in gens]
+            if all(s["connected"] == len(g.nodes) for s, g in zip(st, gens, strict=True)) and \
+                    time.perf_counter() - t_kill > 1:
+                break
+            if time.perf_counter() - t_kill > 120:
+                raise TimeoutError("agents of the killed standby not served elsewhere in 120 s")
+            await asyncio.sleep(0.1)
+        gaps = [x for s, b in zip(st, before, strict=True) for x in s["gaps_s"][b:]]
+        out["standby_kill"] = {"agents_moved": len(gaps), "all_served_s": time.perf_counter() - t_kill,
+                               "gap_max_s": max(gaps) if gaps else None,
+                               "gap_p50_s": statistics.median(gaps) if gaps else None}
+        print(f"standby SIGKILL: {len(gaps)} agents moved, the longest without a stream "
+              f"{out['standby_kill']['gap_max_s']}", flush=True)
+
+        # ---- 5. counters ------------------------------------------------------------------------
+        await asyncio.sleep(2.5)  # the last liveness rows
+        await until_applied(pg)
+        stats = [await g.ask({"cmd": "stats"}) for g in gens]
+        acked = {k: v for s in stats for k, v in s["acked"].items()}
+        c = await asyncpg.connect(pg)
+        try:
+            stored = {r["name"]: r["last_seq"] for r in await c.fetch("SELECT name, last_seq FROM nodes")}
+            dup = await c.fetchval("SELECT count(*) FROM (SELECT node, seq, gpu_uuid FROM health_events "
+                                   "WHERE seq IS NOT NULL GROUP BY node, seq, gpu_uuid HAVING count(*) > 1) d")
+            quarantined = await c.fetchval("SELECT count(*) FROM outbox_quarantine")
+        finally:
+            await c.close()
+        zombie = 0
+        for rr in rounds:
+            zombie += await write_log.writes_since(url, rr["killed"], rr["since"])
+        kills = [r["first_layout_s"] for r in rounds if r["mode"] == "SIGKILL"]
+        stops = [r["first_layout_s"] for r in rounds if r["mode"] == "SIGSTOP"]
+        out.update({
+            "rounds": [{k: v for k, v in r.items() if k != "since"} for r in rounds],
+            "sigkill_first_layout_p50_s": statistics.median(kills) if kills else None,
+            "sigkill_first_layout_max_s": max(kills) if kills else None,
+            "sigkill_first_layout_p99_s": pct(kills, 99) if kills else None,
+            "sigstop_first_layout_max_s": max(stops) if stops else None,
+            "acked_reports_lost": sum(1 for k, v in acked.items() if v > stored.get(k, 0)),
+            "reports_applied_twice": int(dup), "deposed_leader_writes": zombie, "quarantined": int(quarantined),
+            "generator_cpu_s_total": [round(s["cpu_s"], 1) for s in stats],
+        })
+        return out
+    finally:
+        for g in gens:
+            g.close()
+        for p in procs.values():
+            p.stop(graceful=False)
+        with contextlib.suppress(Exception):
+            await drop_postgres(args.postgres, url)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--agents", type=int, default=2000)
+    ap.add_argument("--reports", type=int, default=3, help="state-changing reports per agent per ingest phase")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--procs", type=int, default=3, help="load-generator processes (a multiple of 3)")
+    ap.add_argument("--lease-ttl", type=float, default=2.0)
+    ap.add_argument("--renew", type=float, default=0.4)
+    ap.add_argument("--postgres", default=os.environ.get("NTP_TEST_POSTGRES_URL",
+                                                         "postgresql+asyncpg://postgres@127.0.0.1:5432/test"))
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    s = asyncio.run(main_async(args))
+    text = json.dumps(s, indent=2, default=str)
+    print(text)
+    if args.json:
+        args.json.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""The load generator of bench/fleet.py: simulated node agents in a process of their own, so that
+the benchmark measures the managers, not the client.
+
+Started with a JSON line on stdin: {"targets": [grpc addresses, the preferred first], "nodes":
+[[node, token], ...], "gpus": 8, "heartbeat_s": 2}. Each agent keeps one stream (the protocol of
+agent/core.py reduced to its bones): hello, welcome (re-send what was not applied), reports
+acknowledged cumulatively, heartbeats; when its stream ends it goes to the next address and
+records how long it was without a stream. Then reads commands on stdin, answering each with one
+JSON line on stdout:
+
+- {"cmd": "ready"}: once every agent is welcomed: {"wall_s": ..., "cpu_s": ...}
+- {"cmd": "reports", "k": K}: every agent sends K state-changing reports (GPU 0 failed, healthy,
+  failed, ...), one after another (the next once the last is acknowledged): {"reports", "wall_s",
+  "cpu_s"}
+- {"cmd": "fail", "i": I}: agent I reports GPU 0 failed (not waited for): {}
+- {"cmd": "stats"}: {"acked": {node: seq}, "moves", "gaps_s": [time without a stream, per move],
+  "cpu_s", "connected"}
+- {"cmd": "quit"}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+
+HEALTHY, FAILED = common_pb2.GPU_STATE_HEALTHY, common_pb2.GPU_STATE_FAILED
+CHANNELS = 8  # per address (HTTP/2 connections the agents of this process share)
+
+
+class Sim:
+    def __init__(self, i: int, node: str, token: str, targets: list[str], gpus: int, chans: dict[str, list[Any]],
+                 heartbeat_s: float) -> None:
+        self.i, self.node, self.token, self.targets = i, node, token, targets
+        self.uuids = [f"GPU-{node}-{k}" for k in range(gpus)]
+        self.domain = f"nvl-{node}"
+        self.chans = chans
+        self.hb = heartbeat_s
+        self.t = 0  # index of the address tried now
+        self.pending: list[tuple[int, int]] = []  # (seq, state of GPU 0)
+        self.next_seq = 1
+        self.acked = 0
+        self.q: asyncio.Queue[Any] | None = None
+        self.connected = asyncio.Event()
+        self.acked_ev = asyncio.Event()
+        self.moves = 0
+        self.gaps: list[float] = []
+        self.lost_at: float | None = None
+        self.state = HEALTHY
+
+    def report(self, state: int) -> int:
+        self.pending.append((self.next_seq, state))
+        self.next_seq += 1
+        if self.q is not None and self.connected.is_set():
+            self.q.put_nowait(self._msg(self.pending[-1]))
+        return self.next_seq - 1
+
+    def _msg(self, p: tuple[int, int]) -> agent_pb2.AgentMessage:
+        return agent_pb2.AgentMessage(report=agent_pb2.HealthReport(seq=p[0], gpus=[agent_pb2.GpuHealth(
+            uuid=self.uuids[0], state=p[1], reasons=["bench"])]))
+
+    async def _requests(self, q: asyncio.Queue[Any]) -> Any:
+        while (m := await q.get()) is not None:
+            yield m
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            q: asyncio.Queue[Any] = asyncio.Queue()
+            self.q = q
+            q.put_nowait(agent_pb2.AgentMessage(hello=agent_pb2.Hello(
+                node=self.node, domain=self.domain, boot_id="b", agent_version="bench",
+                gpus=[common_pb2.GpuInfo(uuid=u, index=k, power=common_pb2.PowerConstraints(
+                    min_mw=200_000, max_mw=1_300_000, default_mw=1_000_000)) for k, u in enumerate(self.uuids)])))
+            target = self.targets[self.t % len(self.targets)]
+            beat: asyncio.Task[None] | None = None
+            try:
+                stub = agent_pb2_grpc.AgentServiceStub(self.chans[target][self.i % CHANNELS])
+                call = stub.Connect(self._requests(q), metadata=(("authorization", f"Bearer {self.token}"),))
+                async for msg in call:
+                    kind = msg.WhichOneof("body")
+                    if kind == "welcome":
+                        last = msg.welcome.last_applied_seq
+                        self.acked = max(self.acked, last)
+                        self.pending = [(last + 1 + k, s) for k, (_, s) in enumerate(p for p in self.pending
+                                                                                        if p[0] > last)]
+                        self.next_seq = last + 1 + len(self.pending)
+                        for p in self.pending:
+                            q.put_nowait(self._msg(p))
+                        if self.lost_at is not None:
+                            self.gaps.append(time.perf_counter() - self.lost_at)
+                            self.lost_at = None
+                        self.connected.set()
+                        beat = asyncio.create_task(self._beat(q))
+                    elif kind == "ack":
+                        self.acked = max(self.acked, msg.ack.seq)
+                        self.pending = [p for p in self.pending if p[0] > msg.ack.seq]
+                        self.acked_ev.set()
+            except grpc.aio.AioRpcError:
+                pass
+            finally:
+                if beat is not None:
+                    beat.cancel()
+                if self.connected.is_set() and self.lost_at is None:
+                    self.lost_at = time.perf_counter()
+                self.connected.clear()
+                self.q = None
+                q.put_nowait(None)
+            if stop.is_set():
+                return
+            self.t += 1
+            self.moves += 1
+            await asyncio.sleep(0.05 if self.t % len(self.targets) else 0.5)
+
+    async def _beat(self, q: asyncio.Queue[Any]) -> None:
+        while True:
+            await asyncio.sleep(self.hb)
+            q.put_nowait(agent_pb2.AgentMessage(heartbeat=agent_pb2.Heartbeat(last_seq=self.next_seq - 1)))
+
+    async def reports(self, k: int) -> None:
+        for _ in range(k):
+            self.state = FAILED if self.state == HEALTHY else HEALTHY
+            seq = self.report(self.state)
+            while self.acked < seq:
+                self.acked_ev.clear()
+                await self.acked_ev.wait()
+
+
+async def main() -> None:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    cfg = json.loads(await reader.readline())
+    chans = {t: [grpc.aio.insecure_channel(t, options=[("grpc.use_local_subchannel_pool", 1)])
+                 for _ in range(CHANNELS)] for t in cfg["targets"]}
+    stop = asyncio.Event()
+    t0 = time.perf_counter()
+    sims = [Sim(i, n, tok, cfg["targets"], cfg.get("gpus", 8), chans, cfg.get("heartbeat_s", 2.0))
+            for i, (n, tok) in enumerate(cfg["nodes"])]
+    tasks = [asyncio.create_task(s.run(stop)) for s in sims]
+
+    def out(d: dict[str, Any]) -> None:
+        sys.stdout.write(json.dumps(d) + "\n")
+        sys.stdout.flush()
+
+    while line := await reader.readline():
+        c = json.loads(line)
+        cmd = c["cmd"]
+        if cmd == "ready":
+            for s in sims:
+                await s.connected.wait()
+            out({"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time()})
+        elif cmd == "reports":
+            t1, c1 = time.perf_counter(), time.process_time()
+            await asyncio.gather(*(s.reports(int(c["k"])) for s in sims))
+            out({"reports": len(sims) * int(c["k"]), "wall_s": time.perf_counter() - t1,
+                 "cpu_s": time.process_time() - c1})
+        elif cmd == "fail":
+            s = sims[int(c["i"])]
+            s.state = FAILED
+            s.report(FAILED)
+            out({})
+        elif cmd == "stats":
+            out({"acked": {s.node: s.acked for s in sims}, "moves": sum(s.moves for s in sims),
+                 "gaps_s": [g for s in sims for g in s.gaps], "cpu_s": time.process_time(),
+                 "connected": sum(s.connected.is_set() for s in sims)})
+        elif cmd == "quit":
+            break
+    stop.set()
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(BaseException):
+            await t
+    out({"bye": True})
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

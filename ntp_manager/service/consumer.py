@@ -1,0 +1,186 @@
+"""Fleet mode: the leader applies the outbox (store/outbox.py) in sequence order.
+
+It reads the rows after its cursor (woken by NOTIFY ntp_outbox, polling every `fleet_poll_s` as
+a fallback) and applies a batch in one kernel transaction (service/kernel.py), which also moves
+the cursor: the fence (the leader epoch) covers both, so each row is applied exactly once,
+whichever manager leads, and a deposed leader applies nothing. A new leader loads the world and
+starts from the cursor the last one left (`replayed` counts what it applied on taking over).
+
+Each row is checked against the transaction's view before anything is written for it (the same
+checks the leader's own path runs: service/agents.py); a row that fails them is quarantined
+(`outbox_quarantine`, with its reason, and an `outbox.quarantine` audit row) and the cursor moves
+past it. A batch that fails in any other way is applied again one row per transaction, and the
+row that still fails is quarantined with the error's name: it never blocks the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+from sqlalchemy import func, select
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from ntp_manager.service.agents import SetPower
+from ntp_manager.service.errors import ServiceError
+from ntp_manager.service.inputs import GpuInventory, GpuReport
+from ntp_manager.service.kernel import Tx
+from ntp_manager.service.leader import NotLeader
+from ntp_manager.service.state import GpuChange
+from ntp_manager.store import outbox
+from ntp_manager.store.models import OutboxRow
+
+if TYPE_CHECKING:
+    from ntp_manager.service.manager import Manager
+
+log = structlog.get_logger("ntp.consumer")
+
+BATCH = 2048  # rows applied in one transaction
+
+
+class Consumer:
+    def __init__(self, manager: Manager) -> None:
+        self.m = manager
+        self.last = 0  # the cursor: the last row applied
+        self.applied = 0  # rows applied by this manager
+        self.quarantined = 0
+        self.replays = 0  # reports whose seq was applied already (re-sent through another manager)
+        self.started_at = 0  # the cursor when this manager started leading
+        self.wake = asyncio.Event()
+        self.caught_up = asyncio.Event()  # set once the rows stored before it started are applied
+        self.apply_s = 0.0  # CPU-ish (wall) seconds spent inside apply, for the bench
+
+    async def run(self) -> None:
+        m = self.m
+        async with m.sm() as s:
+            self.last = self.started_at = await outbox.last_applied(s)
+            head = await _head(s)
+        log.info("applying the outbox", after=self.last, head=head)
+        while not m.jobs.stopping:
+            try:
+                async with m.sm() as s:
+                    rows = await outbox.read_after(s, self.last, BATCH)
+                if rows:
+                    await self.apply(rows)
+                    if rows[-1].seq >= head:
+                        self.caught_up.set()
+                    continue
+                self.caught_up.set()
+            except NotLeader:
+                return  # the lease is gone: the process stops (service/leader.py)
+            except (OSError, SQLAlchemyError) as e:
+                log.warning("cannot read the outbox", error=str(e).splitlines()[0][:200])
+            self.wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), m.settings.fleet_poll_s)
+
+    async def apply(self, rows: list[outbox.Stored]) -> None:
+        t0 = time.perf_counter()
+        try:
+            await self._apply(rows)
+        except (NotLeader, asyncio.CancelledError):
+            raise
+        except (OSError, SQLAlchemyError):
+            raise  # the database: the caller tries again later, nothing moved
+        except Exception as e:
+            if len(rows) > 1:
+                log.warning("an outbox batch failed; applying its rows one by one", rows=len(rows),
+                            error=type(e).__name__)
+                for r in rows:
+                    await self.apply([r])
+                return
+            log.exception("an outbox row cannot be applied; quarantined", seq=rows[0].seq, kind=rows[0].kind)
+            await self._quarantine_alone(rows[0], f"internal error applying it: {type(e).__name__}")
+        finally:
+            self.apply_s += time.perf_counter() - t0
+
+    async def _apply(self, rows: list[outbox.Stored]) -> None:
+        m = self.m
+        bad: list[tuple[int, str]] = []
+        async with m.kernel.exclusive("outbox") as tx:
+            for r in rows:
+                tx.begin_item(f"agent:{r.node}" if r.node else f"manager:{r.manager}")
+                try:
+                    self._one(tx, r)
+                except ServiceError as e:
+                    bad.append((r.seq, e.message))
+                    tx.audit(tx.now, "outbox.quarantine", (r.node or r.kind)[:256], reason=e.message,
+                             after={"seq": r.seq, "kind": r.kind, "manager": r.manager})
+            tx.actor = "outbox"
+            await outbox.quarantine(tx.session, bad, m.epoch, tx.now)
+            await outbox.set_applied(tx.session, rows[-1].seq, m.epoch, tx.now)
+        self.last = rows[-1].seq
+        self.applied += len(rows) - len(bad)
+        self.quarantined += len(bad)
+        if bad:
+            log.warning("outbox rows quarantined", rows=len(bad), first=bad[0][0], reason=bad[0][1][:200])
+
+    async def _quarantine_alone(self, r: outbox.Stored, reason: str) -> None:
+        async with self.m.kernel.exclusive("outbox") as tx:
+            tx.audit(tx.now, "outbox.quarantine", (r.node or r.kind)[:256], reason=reason,
+                     after={"seq": r.seq, "kind": r.kind, "manager": r.manager})
+            await outbox.quarantine(tx.session, [(r.seq, reason)], self.m.epoch, tx.now)
+            await outbox.set_applied(tx.session, r.seq, self.m.epoch, tx.now)
+        self.last = r.seq
+        self.quarantined += 1
+
+    def _one(self, tx: Tx, r: outbox.Stored) -> None:
+        """Apply one row in `tx`; raises ServiceError (nothing written for it) when it cannot be."""
+        agents = self.m.agents
+        p = r.payload
+        if r.kind == outbox.REPORT:
+            assert r.report_seq is not None
+            gpus = [GpuReport(str(u), str(st), [str(x) for x in rs], [int(x) for x in xs],
+                              None if mw is None else int(mw)) for u, st, rs, xs, mw in p["gpus"]]
+            n = tx.node(r.node)
+            if n is not None and r.report_seq <= n.last_seq:
+                self.replays += 1
+                return
+            agents.write_report(tx, r.node, r.report_seq, gpus)
+            tx.after.append(self.m.metrics.reports.inc)
+        elif r.kind == outbox.HELLO:
+            inv = [GpuInventory(str(u), int(i), str(mo), int(mem), int(d), int(lo), int(hi))
+                   for u, i, mo, mem, d, lo, hi in p["gpus"]]
+            agents.write_hello(tx, r.node, str(p["domain"]), inv, str(p["boot_id"]), str(p["agent_version"]),
+                               p.get("token"), str(p.get("peer", "")))
+            tx.after.append(lambda: self._hello_applied(r.node))
+        elif r.kind == outbox.POWER:
+            for u, mw in p["readings"]:
+                if tx.has_gpu(str(u)) and tx.gpu(str(u)).node == r.node:
+                    tx.change_gpu(str(u), GpuChange(enforced_mw=int(mw)))
+        elif r.kind == outbox.SEEN:
+            nodes = [str(n) for n in p["nodes"]]
+            tx.after.append(lambda: self._seen(nodes))
+        else:
+            raise ServiceError(f"unknown outbox row kind {r.kind!r}")
+
+    def _hello_applied(self, node: str) -> None:
+        """As after a hello on the leader's own path: the node is seen and connected, and its agent
+        is sent every cap it should hold (through whichever manager holds its stream)."""
+        w = self.m.kernel.world
+        rec = w.nodes.get(node)
+        if rec is None:
+            return
+        self.m.agents.heartbeat(node)
+        rec.connected = True
+        for u in rec.gpus:
+            mw = w.gpus[u].desired_mw
+            if mw is not None:
+                self.m.agents.send(node, SetPower(u, mw, "current layout"))
+
+    def _seen(self, nodes: list[str]) -> None:
+        w = self.m.kernel.world
+        for n in nodes:
+            rec = w.nodes.get(n)
+            if rec is not None:
+                self.m.agents.heartbeat(n)
+                rec.connected = True
+
+
+async def _head(s: AsyncSession) -> int:
+    v = (await s.execute(select(func.max(OutboxRow.seq)))).scalar_one_or_none()
+    return int(v or 0)

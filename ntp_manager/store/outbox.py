@@ -1,0 +1,170 @@
+"""The outbox (fleet mode, PostgreSQL): agents' state changes that any manager took, for the
+leader to apply in commit order; the cursor the leader keeps; the quarantine; agent commands.
+
+Commit order is sequence order. A `bigserial` alone does not give it: two transactions draw 10 and
+11, the one with 11 commits first, the leader reads it and moves its cursor past 10, which commits
+a moment later and would never be applied. So every append takes one transaction-scoped advisory
+lock before it draws its sequence numbers and holds it until it commits: appends commit one after
+the other, in the order of their numbers, and a reader that sees `seq` n has seen every row below
+it that will ever exist. The lock is held for one multi-row INSERT and its commit (a whole group
+commit of a manager's agents), so it costs one commit's latency per batch, not per report.
+
+The same transaction sends `NOTIFY ntp_outbox` (delivered on commit) to wake the leader; it also
+polls, so a lost notification delays a row by one poll at most.
+
+The leader's cursor (`outbox_state`, consumer "leader") moves in the transaction that applies the
+rows, under the fence (the leader epoch, service/leader.py): a row is applied exactly once, by
+whichever manager leads, and a deposed leader moves nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select, text
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
+from ntp_manager.store.models import (
+    AgentCommandRow,
+    GpuRow,
+    NodeRow,
+    OutboxQuarantineRow,
+    OutboxRow,
+    OutboxStateRow,
+)
+
+CHANNEL = "ntp_outbox"  # NOTIFY on every append: the leader's consumer wakes
+COMMANDS = "ntp_agent_commands"  # NOTIFY on every command: the manager holding the agent's stream sends it
+LAYOUTS = "ntp_layouts"  # NOTIFY on every layout the leader writes: every manager pushes it to its watchers
+LEADER = "leader"  # the consumer name of the leader's cursor
+APPEND_LOCK = 0x6E74706F7574  # the advisory lock key that orders appends ("ntpout")
+
+HELLO, REPORT, POWER, SEEN = "hello", "report", "power", "seen"
+KINDS = (HELLO, REPORT, POWER, SEEN)
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One state change to append."""
+
+    kind: str
+    node: str
+    payload: dict[str, Any]
+    idem_key: str
+    report_seq: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """One appended row, as the consumer reads it."""
+
+    seq: int
+    kind: str
+    node: str
+    report_seq: int | None
+    payload: dict[str, Any]
+    manager: str
+
+
+async def append(session: AsyncSession, entries: Sequence[Entry], manager: str, now: datetime) -> list[int]:
+    """Append `entries` in this transaction (in their order); the sequence numbers of those stored.
+    An entry whose idempotency key is already stored is skipped (a report re-sent to another
+    manager): it is durable already. Takes the append lock until the transaction ends."""
+    if not entries:
+        return []
+    await session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": APPEND_LOCK})
+    stmt = (pg_insert(OutboxRow)
+            .values([{"kind": e.kind, "node": e.node, "report_seq": e.report_seq, "payload": e.payload,
+                      "idem_key": e.idem_key, "manager": manager, "created_at": now} for e in entries])
+            .on_conflict_do_nothing(constraint="uq_outbox_idem_key")
+            .returning(OutboxRow.seq))
+    seqs = [int(r[0]) for r in (await session.execute(stmt)).all()]
+    if seqs:
+        await session.execute(text("SELECT pg_notify(:c, '')"), {"c": CHANNEL})
+    return seqs
+
+
+async def read_after(conn: AsyncConnection | AsyncSession, after: int, limit: int) -> list[Stored]:
+    """Up to `limit` rows after `after`, in sequence order."""
+    rows = (await conn.execute(
+        select(OutboxRow.seq, OutboxRow.kind, OutboxRow.node, OutboxRow.report_seq, OutboxRow.payload,
+               OutboxRow.manager)
+        .where(OutboxRow.seq > after).order_by(OutboxRow.seq).limit(limit))).all()
+    return [Stored(int(r[0]), str(r[1]), str(r[2]), None if r[3] is None else int(r[3]), dict(r[4]), str(r[5]))
+            for r in rows]
+
+
+async def last_applied(conn: AsyncConnection | AsyncSession, consumer: str = LEADER) -> int:
+    """The last sequence number `consumer` applied (0: none yet)."""
+    v = (await conn.execute(select(OutboxStateRow.last_seq).where(OutboxStateRow.consumer == consumer))
+         ).scalar_one_or_none()
+    return 0 if v is None else int(v)
+
+
+async def set_applied(session: AsyncSession, seq: int, epoch: int, now: datetime, consumer: str = LEADER) -> None:
+    """Move the cursor to `seq` in this (fenced) transaction; it never moves back."""
+    stmt = pg_insert(OutboxStateRow).values(consumer=consumer, last_seq=seq, epoch=epoch, applied_at=now)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=[OutboxStateRow.consumer],
+        set_={"last_seq": func.greatest(OutboxStateRow.last_seq, stmt.excluded.last_seq),
+              "epoch": stmt.excluded.epoch, "applied_at": stmt.excluded.applied_at})
+    await session.execute(stmt)
+
+
+async def quarantine(session: AsyncSession, items: Iterable[tuple[int, str]], epoch: int, now: datetime) -> None:
+    rows = [{"seq": seq, "reason": reason[:4000], "epoch": epoch, "at": now} for seq, reason in items]
+    if rows:
+        await session.execute(pg_insert(OutboxQuarantineRow).values(rows).on_conflict_do_nothing())
+
+
+async def quarantined(conn: AsyncConnection | AsyncSession) -> list[tuple[int, str]]:
+    rows = (await conn.execute(select(OutboxQuarantineRow.seq, OutboxQuarantineRow.reason)
+                               .order_by(OutboxQuarantineRow.seq))).all()
+    return [(int(r[0]), str(r[1])) for r in rows]
+
+
+async def node_last_seq(conn: AsyncConnection | AsyncSession, node: str) -> int:
+    """The last report seq of `node` that is durable: applied (nodes.last_seq) or stored in the
+    outbox and not applied yet. What a hello on any manager tells the agent."""
+    applied = (await conn.execute(select(NodeRow.last_seq).where(NodeRow.name == node))).scalar_one_or_none()
+    stored = (await conn.execute(select(func.max(OutboxRow.report_seq)).where(OutboxRow.node == node))
+              ).scalar_one_or_none()
+    return max(int(applied or 0), int(stored or 0))
+
+
+async def gpu_owners(conn: AsyncConnection | AsyncSession, uuids: Sequence[str]) -> dict[str, str]:
+    """The node each of these GPUs is registered on (those registered)."""
+    if not uuids:
+        return {}
+    rows = (await conn.execute(select(GpuRow.uuid, GpuRow.node).where(GpuRow.uuid.in_(list(uuids))))).all()
+    return {str(r[0]): str(r[1]) for r in rows}
+
+
+async def node_domain(conn: AsyncConnection | AsyncSession, node: str) -> str | None:
+    return (await conn.execute(select(NodeRow.domain_id).where(NodeRow.name == node))).scalar_one_or_none()
+
+
+# ---- commands to agents whose streams other managers hold --------------------------------------
+async def push_commands(session: AsyncSession, commands: Sequence[tuple[str, dict[str, Any]]], epoch: int,
+                        now: datetime) -> None:
+    if not commands:
+        return
+    await session.execute(pg_insert(AgentCommandRow).values(
+        [{"node": n, "payload": p, "epoch": epoch, "created_at": now} for n, p in commands]))
+    await session.execute(text("SELECT pg_notify(:c, '')"), {"c": COMMANDS})
+
+
+async def commands_after(conn: AsyncConnection | AsyncSession, after: int, limit: int = 10_000
+                         ) -> list[tuple[int, str, dict[str, Any]]]:
+    rows = (await conn.execute(select(AgentCommandRow.id, AgentCommandRow.node, AgentCommandRow.payload)
+                               .where(AgentCommandRow.id > after).order_by(AgentCommandRow.id).limit(limit))).all()
+    return [(int(r[0]), str(r[1]), dict(r[2])) for r in rows]
+
+
+async def last_command_id(conn: AsyncConnection | AsyncSession) -> int:
+    v = (await conn.execute(select(func.max(AgentCommandRow.id)))).scalar_one_or_none()
+    return int(v or 0)
