@@ -1,6 +1,7 @@
 """Installable per role (issue 35): the wheel built from this tree, installed with `[worker]` alone
 into a fresh virtual environment, gives the worker API (the layout source, the manager client,
-ntp-run) without FastAPI, SQLAlchemy, Alembic or matplotlib; the same wheel with `[manager]` added
+ntp-run) without FastAPI, SQLAlchemy, Alembic or matplotlib; `[agent]` added, the agent, still
+without them; `[manager]` added
 runs `ntp-manager serve`, which migrates a fresh SQLite database from the migrations the wheel
 carries (ntp_manager/store/migrations), from a directory outside the source tree.
 
@@ -71,6 +72,18 @@ print(json.dumps({{"file": w.__file__, "names": len(api),
     assert got["names"] > 10 and got["installed"] == [] and got["loaded"] == [], got
     help_text = _run([str(bin_ / "ntp-run"), "--help"], tmp_path)
     assert "--tls-ca" in help_text
+
+    # the agent's role on top: still none of the service's packages
+    _run([*pip, f"{whl}[agent]"], tmp_path, timeout=400)
+    out = _run([str(py), "-c", f"""
+import importlib.util, json, sys
+import agent.main, agent.core, agent.local, agent.backends.nvml, agent.backends.fake
+print(json.dumps({{"file": agent.main.__file__,
+                  "installed": [m for m in {SERVICE_ONLY!r} if importlib.util.find_spec(m)]}}))
+"""], tmp_path)
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["file"].startswith(str(env_dir)) and got["installed"] == [], got
+    assert "--tls-ca" in _run([str(bin_ / "ntp-agent"), "--help"], tmp_path)
 
     # the manager's role on top: `serve` migrates a fresh database with the wheel's migrations
     _run([*pip, f"{whl}[manager]"], tmp_path, timeout=400)
