@@ -369,8 +369,8 @@ def bench_switch(size: str, device: str, staged: bool, chunk: int | None = None,
     publish_layout(store, "bench", 1, [(a, 4), (b, 4)], "start")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = {w: ctx.Process(target=_switch_worker, args=(w, i, port, cfg, device, staged, chunk, per_tensor, park_at, "w3",
-                                                          park_at + 2, q))
+    procs = {w: ctx.Process(target=_switch_worker, args=(w, i, port, cfg, device, staged, chunk, per_tensor,
+                                                          park_at, "w3", park_at + 2, q))
              for i, w in enumerate(a + b)}
     for p in procs.values():
         p.start()
@@ -404,7 +404,8 @@ def bench_switch(size: str, device: str, staged: bool, chunk: int | None = None,
     phases = {label: max(dict(d[1]).get(mark, float("nan")) for d in done.values()) - t_kill
               for label, mark in SWITCH_PHASES}
     backend, dev = next(iter(done.values()))[3:5]
-    return {"size": size, "per_tensor": per_tensor, "params": params, "device": dev, "backend": backend, "staged": staged or dev != "cpu",
+    return {"size": size, "per_tensor": per_tensor, "params": params, "device": dev, "backend": backend,
+            "staged": staged or dev != "cpu",
             "steady": steady, "detection": detect - t_kill, "regroup": regroup - detect,
             "reshard": reshard - regroup, "first step": first - reshard, "total": first - t_kill,
             "over steady": first - t_kill - steady, "reshard moves": max(moves_s),
