@@ -317,12 +317,13 @@ SWITCH_PHASES = (("detected", "failure detected"), ("left", "left old group"), (
 
 
 def _switch_worker(wid: str, index: int, port: int, cfg: GptConfig, device: str, staged: bool, chunk: int | None,
-                   park_at: int, victim: str, steps: int, q: Any) -> None:
+                   per_tensor: bool, park_at: int, victim: str, steps: int, q: Any) -> None:
     from ntp_manager.worker import comm
 
     torch.set_num_threads(1)
     if chunk is not None:
         comm.configure(chunk_bytes=chunk)
+    comm.configure(coalesce=not per_tensor)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=dt.timedelta(seconds=300))
 
     def batch(step: int, start: int, count: int) -> Any:
@@ -342,16 +343,18 @@ def _switch_worker(wid: str, index: int, port: int, cfg: GptConfig, device: str,
             store.set("bench/parked", "1")
             time.sleep(3600)
         if rt.step == park_at:
-            before = (comm.stats.flat_bytes, comm.stats.p2p_messages)
+            before = (comm.stats.flat_bytes, comm.stats.flat_messages)
         r = rt.train_step(batch, lambda m, b: m.loss(*b))
         q.put(("step", wid, r.step, r.tp, r.seconds))
-    moved = (comm.stats.flat_bytes - before[0], comm.stats.p2p_messages - before[1])
+    moved = (comm.stats.flat_bytes - before[0], comm.stats.flat_messages - before[1])
+    # (per_tensor: nothing went through FlatExchange, 0 bytes counted: the moves carry the same
+    # bytes as the coalesced run's, compare the reshard-moves seconds)
     q.put(("timeline", wid, [(e.what, e.version, e.at) for e in rt.timeline], rt.switch_marks, moved,
            rt.choice.backend, str(rt.device)))
     rt.close()
 
 
-def bench_switch(size: str, device: str, staged: bool, chunk: int | None = None,
+def bench_switch(size: str, device: str, staged: bool, chunk: int | None = None, per_tensor: bool = False,
                  park_at: int = 4) -> dict[str, Any]:
     """2 replicas x TP4, AdamW; w3 is killed inside step `park_at`; the survivors go to TP3 + TP4.
     Returns the seconds of each phase (the last rank to reach it), the steady step (median over the
@@ -366,8 +369,8 @@ def bench_switch(size: str, device: str, staged: bool, chunk: int | None = None,
     publish_layout(store, "bench", 1, [(a, 4), (b, 4)], "start")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = {w: ctx.Process(target=_switch_worker, args=(w, i, port, cfg, device, staged, chunk, park_at, "w3",
-                                                          park_at + 2, q))
+    procs = {w: ctx.Process(target=_switch_worker, args=(w, i, port, cfg, device, staged, chunk, per_tensor,
+                                                          park_at, "w3", park_at + 2, q))
              for i, w in enumerate(a + b)}
     for p in procs.values():
         p.start()
@@ -395,17 +398,19 @@ def bench_switch(size: str, device: str, staged: bool, chunk: int | None = None,
         moves_s.append(secs)
         moved.append(nbytes)
         msgs.append(nmsgs)
-        if nbytes:
+        if nbytes > 0:
             rates.append(nbytes / secs / 1e9)
     # by when the last rank finished each phase, after the kill
     phases = {label: max(dict(d[1]).get(mark, float("nan")) for d in done.values()) - t_kill
               for label, mark in SWITCH_PHASES}
     backend, dev = next(iter(done.values()))[3:5]
-    return {"size": size, "params": params, "device": dev, "backend": backend, "staged": staged or dev != "cpu",
+    return {"size": size, "per_tensor": per_tensor, "params": params, "device": dev, "backend": backend,
+            "staged": staged or dev != "cpu",
             "steady": steady, "detection": detect - t_kill, "regroup": regroup - detect,
             "reshard": reshard - regroup, "first step": first - reshard, "total": first - t_kill,
             "over steady": first - t_kill - steady, "reshard moves": max(moves_s),
             "bytes max": max(moved), "messages max": max(msgs),
+            "GB/s busiest": max(moved) / moves_s[moved.index(max(moved))] / 1e9 if max(moved) else float("nan"),
             "GB/s min": min(rates) if rates else float("nan"),
             "GB/s median": statistics.median(rates) if rates else float("nan"), "phases": phases}
 
@@ -415,13 +420,16 @@ def show_switch(console: Console, runs: list[dict[str, Any]]) -> None:
            and not isinstance(v, bool)}
     r0 = runs[0]
     where = f"{r0['device']}, {r0['backend']}" + (", staged" if r0["staged"] else "")
+    where += ", one message per tensor slice (old path)" if r0["per_tensor"] else ", coalesced"
     show(console, f"Layout switch TP4+TP4 -> TP3+TP4, {r0['size']} ({r0['params'] / 1e6:.0f}M parameters), AdamW, "
          f"{where}: seconds, median of {len(runs)}",
          ("steady step", "detection", "regroup", "reshard", "first step", "kill -> first step", "- steady",
-          "reshard moves (slowest rank)", "MB moved (busiest rank)", "messages", "GB/s per rank (min / median)"),
+          "reshard moves (slowest rank)", "MB moved (busiest rank)", "its messages", "its GB/s",
+          "GB/s per rank (min / median)"),
          [(f"{med['steady']:.2f}", f"{med['detection']:.2f}", f"{med['regroup']:.2f}", f"{med['reshard']:.2f}",
            f"{med['first step']:.2f}", f"{med['total']:.2f}", f"{med['over steady']:.2f}",
            f"{med['reshard moves']:.2f}", f"{med['bytes max'] / 1e6:.0f}", f"{med['messages max']:.0f}",
+           f"{med['GB/s busiest']:.2f}",
            f"{med['GB/s min']:.2f} / {med['GB/s median']:.2f}")])
     ph = {k: statistics.median(r["phases"][k] for r in runs) for k in r0["phases"]}
     show(console, "  by when the last rank finished each phase (s after the kill, median)",
@@ -482,6 +490,8 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="switch: the tensors' device")
     ap.add_argument("--staged", action="store_true", help="switch: force gloo's host staging for CPU tensors")
     ap.add_argument("--chunk-mb", type=float, help="switch: FlatExchange chunk size (default comm.CHUNK_BYTES)")
+    ap.add_argument("--per-tensor", action="store_true",
+                    help="switch: the old reshard transport, one message per tensor slice (for comparison)")
     ap.add_argument("--repeat", type=int, default=3, help="failover runs per batch size (median reported)")
     ap.add_argument("--bucket-mb", type=float, action="append",
                     help="DP all-reduce bucket size for the sync part (repeat it to compare sizes)")
@@ -509,7 +519,8 @@ def main() -> None:
     if "switch" in parts:
         chunk = int(args.chunk_mb * 2**20) if args.chunk_mb else None
         for size in args.size or (["quick"] if args.quick else ["118m"]):
-            show_switch(console, [bench_switch(size, args.device, args.staged, chunk) for _ in range(args.repeat)])
+            show_switch(console, [bench_switch(size, args.device, args.staged, chunk, args.per_tensor)
+                                  for _ in range(args.repeat)])
     if "failover" not in parts:
         return
     rows = []

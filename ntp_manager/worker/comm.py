@@ -303,6 +303,7 @@ class Stats:
     pool_hits: int = 0  # staging buffers reused from the pool
     p2p_messages: int = 0  # point-to-point messages posted (sends and receives), every path
     flat_bytes: int = 0  # bytes FlatExchange moved (sent and received)
+    flat_messages: int = 0  # FlatExchange's messages (sent and received)
     flat_zero_copy: int = 0  # FlatExchange messages sent from / received into the tensors themselves
 
 
@@ -731,6 +732,7 @@ class FlatExchange:
 
     def _post(self, chunks: list[_Chunk]) -> list[Any]:
         stats.p2p_messages += len(chunks)
+        stats.flat_messages += len(chunks)
         stats.flat_bytes += sum(c.hi - c.lo for c in chunks)
         if self.nccl:
             ops = [dist.P2POp(dist.isend if c.stream.send else dist.irecv, c.wire, c.stream.peer, self.group)
