@@ -6,7 +6,7 @@ Phases (the figures each one prints):
 1. registration: N agents (8 GPUs each) spread over the three managers say hello; wall time until
    every agent is welcomed and until the leader has applied every hello (`nodes` holds N rows and
    the outbox cursor is at its head);
-2. ingest, no job: every agent of the managers named sends K state-changing reports (GPU 0 failed,
+2. ingest, no job: every agent of the managers named sends K state-changing reports (GPU 0 degraded,
    healthy, ...; the next once the last is acknowledged), with 1, 2 and 3 ingesting managers (the
    leader last): acknowledged reports/s, the wall time until the leader applied them, and each
    manager's CPU per report (the leader's, in the phases it takes no agents' reports, is its CPU per
@@ -215,6 +215,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             r.raise_for_status()
         t_job = time.perf_counter()
         while await layout_epoch(slots[0].info["http"], op) is None:
+            if time.perf_counter() - t_job > 300:
+                raise TimeoutError("no first layout in 300 s (is the circuit breaker open?)")
             await asyncio.sleep(0.1)
         out["first_layout_s"] = time.perf_counter() - t_job
         rounds = []

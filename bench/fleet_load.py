@@ -9,8 +9,9 @@ records how long it was without a stream. Then reads commands on stdin, answerin
 JSON line on stdout:
 
 - {"cmd": "ready"}: once every agent is welcomed: {"wall_s": ..., "cpu_s": ...}
-- {"cmd": "reports", "k": K}: every agent sends K state-changing reports (GPU 0 failed, healthy,
-  failed, ...), one after another (the next once the last is acknowledged): {"reports", "wall_s",
+- {"cmd": "reports", "k": K}: every agent sends K state-changing reports (GPU 0 degraded, healthy,
+  degraded, ...: failed ones would trip the circuit breaker), one after another (the next once
+  the last is acknowledged): {"reports", "wall_s",
   "cpu_s"}
 - {"cmd": "fail", "i": I}: agent I reports GPU 0 failed (not waited for): {}
 - {"cmd": "stats"}: {"acked": {node: seq}, "moves", "gaps_s": [time without a stream, per move],
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
-HEALTHY, FAILED = common_pb2.GPU_STATE_HEALTHY, common_pb2.GPU_STATE_FAILED
+HEALTHY, FAILED, DEGRADED = common_pb2.GPU_STATE_HEALTHY, common_pb2.GPU_STATE_FAILED, common_pb2.GPU_STATE_DEGRADED
 CHANNELS = 8  # per address (HTTP/2 connections the agents of this process share)
 
 
@@ -128,7 +129,7 @@ class Sim:
 
     async def reports(self, k: int) -> None:
         for _ in range(k):
-            self.state = FAILED if self.state == HEALTHY else HEALTHY
+            self.state = DEGRADED if self.state == HEALTHY else HEALTHY  # failed ones would trip the breaker
             seq = self.report(self.state)
             while self.acked < seq:
                 self.acked_ev.clear()

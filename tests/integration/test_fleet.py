@@ -6,8 +6,11 @@
   reconnect), the new leader applies the outbox from the cursor the old one left, and publishes.
 - A leader paused past its lease applies nothing when it wakes (no row of the leader's tables,
   the outbox cursor included, from its sessions after the takeover) and exits.
-- A report stored twice (re-sent to another manager) is applied once.
+- A report stored twice (re-sent to another manager) is applied once; a row that cannot be
+  applied is quarantined with its reason and does not hold up the rows after it.
 - A manager that dies drops only its own streams; their agents move, the others stay.
+- A standby cut off from PostgreSQL acknowledges nothing it cannot store: it answers UNAVAILABLE,
+  and the agent re-sends to another manager.
 Each checks the counters: no report applied twice, none acknowledged and lost, nothing quarantined.
 """
 
@@ -28,6 +31,7 @@ from agent.core import Agent
 from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from ntp_manager.manager_process import ManagerProcess
 from ntp_manager.store import write_log
+from tests.fakes.partition import Partition
 from tests.integration.conftest import PG, database
 from tests.integration.test_ha import (
     LEASE,
@@ -54,8 +58,8 @@ async def fleet(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
         await write_log.install(url, LEADER_TABLES)
         procs: list[ManagerProcess] = []
 
-        def start(name: str) -> ManagerProcess:
-            p = ManagerProcess(name, url, tmp_path / f"manager-{name}.log", FLEET)
+        def start(name: str, via: str | None = None, **extra: str) -> ManagerProcess:
+            p = ManagerProcess(name, via or url, tmp_path / f"manager-{name}.log", {**FLEET, **extra})
             procs.append(p)
             return p
 
@@ -258,6 +262,20 @@ async def test_a_report_stored_twice_is_applied_once(tmp_path: Path) -> None:
             assert await conn.fetchval("SELECT last_seq FROM nodes WHERE name = 'node-0'") == 1
             assert await conn.fetchval("SELECT health FROM gpus WHERE uuid = 'GPU-dup-0'") == "failed"
             assert await conn.fetchval("SELECT count(*) FROM outbox_quarantine") == 0
+            # a row that cannot be applied (a report of a node that never said hello) is quarantined
+            # with its reason and an audit row, and the rows after it are applied
+            await conn.execute("INSERT INTO outbox (kind, node, report_seq, payload, idem_key, manager, created_at) "
+                               "VALUES ('report', 'node-1', 1, '{\"gpus\": []}', 'bad-1', 'test', now())")
+        finally:
+            await conn.close()
+        assert (await _stream(b.grpc, tok, "node-0", gpus, 2))[1] == 2
+        await eventually(lambda: applied_all(c["pg"]), what="the outbox applied past the bad row")
+        conn = await asyncpg.connect(c["pg"])
+        try:
+            reasons = [r["reason"] for r in await conn.fetch("SELECT reason FROM outbox_quarantine")]
+            assert len(reasons) == 1 and "has not registered" in reasons[0], reasons
+            assert await conn.fetchval("SELECT count(*) FROM audit_log WHERE action = 'outbox.quarantine'") == 1
+            assert await conn.fetchval("SELECT last_seq FROM nodes WHERE name = 'node-0'") == 2
         finally:
             await conn.close()
 
@@ -285,3 +303,36 @@ async def test_a_manager_that_dies_drops_only_its_own_streams(tmp_path: Path) ->
             await check_reports(c["pg"], agents[0])
         finally:
             await stop_agents(agents, tasks)
+
+
+async def test_a_standby_cut_off_from_the_database_acknowledges_nothing(tmp_path: Path) -> None:
+    async with fleet(tmp_path) as c:
+        proxy = Partition.to(c["url"])
+        await proxy.start()
+        try:
+            a = c["start"]("a")
+            await a.ready_async()
+            b = c["start"]("b", via=proxy.url(c["url"]), NTP_FLEET_STORE_TIMEOUT_S="1")
+            assert (await b.ready_async())["role"] == "standby"
+            op = c["tokens"]["operator"]
+            agents, backends, tasks = await agents_on(c, [[a.grpc, b.grpc], [b.grpc, a.grpc]])
+            try:
+                assert [x.target for x in agents] == [a.grpc, b.grpc]
+                await job_on(a.http, op, agents)
+                await eventually(lambda: layout(a.http, op), what="first layout")
+                proxy.cut()  # b cannot reach PostgreSQL; nobody is told, its calls hang
+                backends[1].inject("xid", 0, xid=79)
+                await eventually(lambda: agents[1].sent_upto >= 1, what="report sent to the cut-off standby")
+                # b could not store it, so it answered UNAVAILABLE (never an ack); the agent went to a
+                await eventually(lambda: agents[1].last_acked >= 1, what="report acknowledged by a")
+                assert agents[1].failovers >= 1 and agents[1].target == a.grpc
+                await eventually(lambda: failed_on(a.http, op), what="the leader applied it")
+                assert await failed_on(a.http, op) == {g.uuid for g in agents[1].statics}
+                assert agents[0].failovers == 0
+                await eventually(lambda: applied_all(c["pg"]), what="the outbox applied")
+                assert (await counters(c["pg"]))["quarantined"] == 0
+                await check_reports(c["pg"], agents[1])
+            finally:
+                await stop_agents(agents, tasks)
+        finally:
+            await proxy.stop()
