@@ -8,9 +8,8 @@ RUN pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml README.md ./
 COPY ntp_manager ntp_manager
 COPY agent agent
-COPY migrations migrations
 COPY proto proto
 COPY examples examples
 COPY deploy deploy
-RUN pip install ".[worker]"
+RUN pip install ".[manager,agent,worker]"
 EXPOSE 8080 50051

@@ -14,7 +14,7 @@ $(BIN)/python:
 # later can resolve a newer (CUDA, multi-GB) build.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[worker,dev]"
+	$(BIN)/pip install -q -e ".[manager,agent,worker,dev]"
 	@touch $(STAMP)
 
 # The dashboard's browser test drives Debian's chromium through Playwright. Installed when we can

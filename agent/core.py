@@ -11,9 +11,10 @@
 - Every per-GPU backend call is bounded in time (agent/guard.py): a GPU that stops answering is
   failed with that reason within `gpu_call_timeout_s`, and the loop, heartbeats and the other GPUs
   carry on. Counters are read on a worker thread, so a hung read never stops the loop.
-- Several managers (`manager` = "host:port,host:port", one leads: docs/operations.md): a standby
-  answers UNAVAILABLE naming the leader (trailing metadata `ntp-leader`), and the agent goes there
-  at once; any other failure moves it to the next address. Once every address has failed in a
+- Several managers (`manager` = "host:port,host:port", one leads: docs/operations.md): the
+  contract's manager client (contract/client.py, shared with the worker) keeps the addresses and
+  follows a standby's leader hint or moves to the next address; the channel's keepalive and TLS
+  are its too. Once every address has failed in a
   row, reconnects back off exponentially with full jitter (tenacity's wait strategy). A manager
   whose welcome carries an older leader epoch than one already seen is stale and is left. The
   buffered reports are re-sent to whichever manager welcomes the agent (idempotent by seq).
@@ -49,6 +50,8 @@ from agent.policy import GpuEvidence, HealthPolicy, Verdict, XidAction
 from agent.power import PowerController
 from agent.state import STATE_EVERY_S, expand, write_state
 from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+from ntp_manager.contract.client import ManagerClient, code_of
+from ntp_manager.contract.tls import TlsFiles
 from ntp_manager.topology import GpuState
 
 log = structlog.get_logger("ntp.agent")
@@ -58,19 +61,6 @@ STATE_PB = {
     GpuState.DEGRADED: common_pb2.GPU_STATE_DEGRADED,
     GpuState.FAILED: common_pb2.GPU_STATE_FAILED,
 }
-
-
-# A manager that hangs (paused, or cut off by the network) keeps the agent's connection open: HTTP/2
-# pings find it out, the stream fails, and the agent moves to another manager (6 + 3 s: the
-# server accepts pings every 5 s at most: rpc/server.py KEEPALIVE).
-CLIENT_KEEPALIVE = [("grpc.keepalive_time_ms", 6_000), ("grpc.keepalive_timeout_ms", 3_000),
-                    ("grpc.http2.ping_timeout_ms", 3_000),  # else a ping waits a minute for its ack
-                    ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
-
-
-# how a call to a manager that is gone ends (a standby that names the leader is not one of them;
-# "Internal error from Core" is how grpc reports some refusals whose status it lost)
-UNREACHABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 
 
 @dataclass
@@ -94,18 +84,12 @@ class AgentConfig:
     state_file: Path | None = None  # the local state file (agent/state.py); `{node}` is the node name
 
     @property
-    def managers(self) -> list[str]:
-        """The managers' addresses, in the order given ("a:1,b:2")."""
-        return [a.strip() for a in self.manager.split(",") if a.strip()]
+    def tls(self) -> TlsFiles:
+        return TlsFiles(self.tls_ca, self.tls_cert, self.tls_key, labels=("--tls-ca", "--tls-cert", "--tls-key"))
 
-    def channel(self, target: str | None = None) -> grpc.aio.Channel:
-        target = target or self.managers[0]
-        if self.tls_ca is None and self.tls_cert is None:
-            return grpc.aio.insecure_channel(target, options=CLIENT_KEEPALIVE)
-        from ntp_manager.rpc.tls import channel_credentials
-
-        return grpc.aio.secure_channel(target, channel_credentials(self.tls_ca, self.tls_cert, self.tls_key),
-                                       options=CLIENT_KEEPALIVE)
+    def client(self) -> ManagerClient:
+        """The manager client over these addresses ("a:1,b:2") and TLS files."""
+        return ManagerClient(self.manager, self.tls)
 
 
 @dataclass
@@ -143,14 +127,12 @@ class Agent:
         self._xid_thread: threading.Thread | None = None
         self._xid_q: asyncio.Queue[list[BackendEvent]] = asyncio.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.target = config.managers[0] if config.managers else config.manager  # the manager tried now
+        self.client = config.client()  # the managers' addresses, the one tried now, TLS, failover
         self.epoch_seen = 0  # the highest leader epoch a welcome carried
         # the heartbeat period in use: the configured one, or the manager's when its welcome asks
         # for a shorter one (it judges silence by its own period; a slower agent would look dead)
         self.beat_s = self.cfg.heartbeat_interval_s
         self._period_changed = asyncio.Event()
-        self.unreachable: str | None = None  # the manager the last attempt could not reach (told to the next)
-        self.failovers = 0  # moves to another manager
         # the local state file (agent/state.py): rewritten when dirty, else every STATE_EVERY_S
         self.conn_since = time.time()  # wall time the connection last came or went (start: not connected)
         self._state_dirty = True
@@ -317,9 +299,7 @@ class Agent:
         """The stream's metadata: the token; the manager the last attempt could not reach (a standby
         holds the call until it takes over, rather than send it back there: rpc/server.py); and
         how many reports no manager has acknowledged (after a takeover, agents with news go first)."""
-        md: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {self.cfg.token}"),)
-        if self.unreachable and self.unreachable != self.target:
-            md += (("ntp-leader-unreachable", self.unreachable),)
+        md = self.client.metadata(self.cfg.token)
         if self.pending:
             md += (("ntp-pending-reports", str(len(self.pending))),)
         return md
@@ -341,7 +321,7 @@ class Agent:
                     return
                 yield m
 
-        async with self.cfg.channel(self.target) as channel:
+        async with self.client.aio_channel() as channel:
             stub = agent_pb2_grpc.AgentServiceStub(channel)  # type: ignore[no-untyped-call]
             call = stub.Connect(requests(), metadata=self.call_metadata())
             beat = asyncio.create_task(self._heartbeats(outbox))
@@ -353,7 +333,7 @@ class Agent:
                             raise StaleManager(f"{self.target} welcomed at leader epoch {msg.welcome.leader_epoch}, "
                                                f"older than {self.epoch_seen}")
                         self.epoch_seen = msg.welcome.leader_epoch
-                        self.unreachable = None
+                        self.client.reached()
                         period = self.heartbeat_period(msg.welcome.heartbeat_interval_ms)
                         if period != self.beat_s:
                             self.beat_s = period
@@ -483,10 +463,8 @@ class Agent:
                 failed_here = attempt = 0
                 self._move(None)  # the stream ended (the manager stopped or stepped down): try the next
             except grpc.aio.AioRpcError as e:
-                hint = leader_hint(e)
-                if hint is None and e.code() in UNREACHABLE_CODES:  # refused, reset, gone silent
-                    self.unreachable = self.target
-                if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                hint = self.client.failed(e)
+                if code_of(e) in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                                 grpc.StatusCode.INVALID_ARGUMENT):
                     log.error("manager rejected the agent", code=e.code().name, detail=e.details())
                 log.info("disconnected", manager=self.target, code=e.code().name, leader=hint)
@@ -498,7 +476,7 @@ class Agent:
                 self._move(None)
             if self.stopping.is_set():
                 break
-            if hint is not None or failed_here < len(self.cfg.managers):
+            if hint is not None or failed_here < len(self.client.targets):
                 delay = random.uniform(0, self.cfg.backoff_initial_s)  # another manager: go now (jittered)
             else:
                 attempt += 1
@@ -509,19 +487,25 @@ class Agent:
 
     def _move(self, hint: str | None) -> None:
         """Next manager to try: the leader a standby named, else the next address in the list."""
-        addrs = self.cfg.managers
-        plain = self.cfg.tls_ca is None and self.cfg.tls_cert is None
-        if hint and (hint in addrs or plain):  # the leader advertises its plaintext port: TLS agents keep to their list
-            nxt = hint
-        elif len(addrs) > 1:
-            i = addrs.index(self.target) if self.target in addrs else -1
-            nxt = addrs[(i + 1) % len(addrs)]
-        else:
-            return
-        if nxt != self.target:
-            self.failovers += 1
-            log.info("trying another manager", manager=nxt, previous=self.target)
-            self.target = nxt
+        previous = self.client.target
+        if self.client.move(hint) is not None:
+            log.info("trying another manager", manager=self.client.target, previous=previous)
+
+    # the connection's state, kept by the manager client
+    @property
+    def target(self) -> str:
+        """The manager tried now."""
+        return self.client.target
+
+    @property
+    def unreachable(self) -> str | None:
+        """The manager the last attempt could not reach (told to the next)."""
+        return self.client.unreachable
+
+    @property
+    def failovers(self) -> int:
+        """Moves to another manager."""
+        return self.client.failovers
 
     # ---- main loop ------------------------------------------------------------------------------
     async def run(self, watchdog: Callable[[], None] | None = None) -> None:
@@ -561,15 +545,6 @@ class Agent:
 
 class StaleManager(Exception):
     """A manager whose leader epoch is older than one the agent has already seen."""
-
-
-def leader_hint(e: grpc.aio.AioRpcError) -> str | None:
-    """The leader's address a standby named in its trailing metadata (`ntp-leader`), if any."""
-    with contextlib.suppress(Exception):
-        for k, v in e.trailing_metadata() or ():
-            if k == "ntp-leader" and isinstance(v, str) and v:
-                return v
-    return None
 
 
 class _RetryState:

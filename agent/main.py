@@ -125,14 +125,13 @@ def build(settings: AgentSettings) -> Agent:
         fail("no NVLink domain: NVML reports no fabric clique, so give --domain")
     if (settings.tls_cert is None) != (settings.tls_key is None):
         fail("--tls-cert and --tls-key go together")
-    if settings.tls_ca is not None or settings.tls_cert is not None:
-        from ntp_manager.rpc.tls import channel_credentials
+    from ntp_manager.contract.tls import TlsFiles
 
-        try:  # the files are read again at each connection; a bad one is found here, once
-            channel_credentials(settings.tls_ca, settings.tls_cert, settings.tls_key,
-                                labels=("--tls-ca", "--tls-cert", "--tls-key"))
-        except OSError as e:
-            fail(str(e))
+    try:  # the files are read again at each connection; a bad one is found here, once
+        TlsFiles(settings.tls_ca, settings.tls_cert, settings.tls_key,
+                 labels=("--tls-ca", "--tls-cert", "--tls-key")).check()
+    except OSError as e:
+        fail(str(e))
     cfg = AgentConfig(manager=settings.manager, token=token, node=node, domain=domain,
                       heartbeat_interval_s=settings.heartbeat_interval_s,
                       sample_interval_s=settings.sample_interval_s,

@@ -13,6 +13,12 @@
 # 6. pipeline_memory.txt  (issue 34, its own block after the summary) bench/pipeline_memory.py --device cuda:
 #                 each stage's torch.cuda.max_memory_allocated under GPipe, 1F1B and 1F1B + recomputation;
 #                 appended to summary.md
+# 7. switch.txt   (issue 32, its own block after that) bench/worker.py --only switch --device cuda at
+#                 ~150M and ~500M parameters: 2 x TP4, AdamW, one rank killed; the steady step, each
+#                 phase of the switch (detected, regrouped, reshard, first step) and the reshard's
+#                 GB/s per rank; appended to summary.md. Goal: kill -> first step <= steady step + 1 s.
+#
+#   PARTS=switch bash bench/gpu_session.sh   # only part 7, with the whole 9 minutes (a second call)
 #
 # It changes no GPU setting. Every Python process it starts imports a guard (bench/gpu_guard/
 # sitecustomize.py, on PYTHONPATH) that replaces each NVML call that sets or resets anything
@@ -38,6 +44,12 @@ fi
 export PYTHONPATH="$PWD/bench/gpu_guard:${work}/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 status() { printf '| %s | %s | %s |\n' "$1" "$2" "$3" >> "$work/rows"; }
+PARTS=${PARTS:-all}  # "all", or "switch": only issue 32's block (part 7)
+if [ "$PARTS" != all ] && [ "$PARTS" != switch ]; then
+  echo "PARTS=$PARTS: must be 'all' or 'switch'" >&2
+  exit 2
+fi
+if [ "$PARTS" = all ]; then
 
 # 1. the machine
 {
@@ -67,7 +79,7 @@ timeout 90 "$PY" -m agent.main probe --backend nvml --json > "$OUT/probe.json" 2
 rc=$?
 timeout 30 "$PY" -m agent.main probe --backend nvml >> "$OUT/probe.txt" 2>&1
 case $rc in
-  0) status "agent probe" "ok: $(grep -c '"uuid"' "$OUT/probe.json") GPU(s) sampled" probe.json ;;
+  0) status "agent probe" "ok: $("$PY" bench/gpu_report.py gpus "$OUT/probe.json" 2>&1) GPU(s) sampled" probe.json ;;
   139) status "agent probe" "SEGFAULT (exit 139): the bug of issue 15 item 1" probe.txt ;;
   *) status "agent probe" "exit $rc: $(tail -n 1 "$OUT/probe.txt")" probe.txt ;;
 esac
@@ -120,4 +132,41 @@ fi
   echo '```'
 } >> "$OUT/summary.md"
 # ==== end of issue 34's block ====================================================================
+fi  # PARTS=all
+
+# ==== issue 32: a layout switch on CUDA, two model sizes (bench/worker.py --only switch) ==========
+# 8 ranks as 2 replicas x TP4 on the GPUs there are (sharing them: gloo staged through pinned host
+# memory; one GPU per rank: NCCL), AdamW, TinyGpt of ~150M and ~500M parameters (the 157M / 500M
+# Llamas of the 2026-11-28 H200 run had kill -> first step 4.54 / 6.89 s against steady steps of
+# 0.95 / 1.37 s). One run per size, each with what is left of the script's 9 minutes (at most 240 s
+# and 300 s); a size is skipped, and says so, when under 60 s are left. Each prints its tables as it
+# ends, so a cut run keeps what it measured.
+gpus=${gpus:-$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)}
+[ -f "$OUT/summary.md" ] || echo "# GPU session (PARTS=$PARTS), $(date -u +%FT%TZ)" > "$OUT/summary.md"
+: > "$OUT/switch.txt"
+if [ "$gpus" -gt 0 ]; then
+  for spec in 150m:240 500m:300; do
+    size=${spec%%:*}
+    left=$((540 - SECONDS))
+    limit=$(( left < ${spec##*:} ? left : ${spec##*:} ))
+    if [ "$limit" -lt 60 ]; then
+      echo "$size: not run, ${left} s left of the 9 minutes (run PARTS=switch)" >> "$OUT/switch.txt"
+      continue
+    fi
+    timeout --kill-after=5 "$limit" "$PY" bench/worker.py --only switch --device cuda --size "$size" --repeat 1 \
+      >> "$OUT/switch.txt" 2>&1
+    echo "$size: exit $? (limit $limit s)" >> "$OUT/switch.txt"
+  done
+else
+  echo "no CUDA device: not run" > "$OUT/switch.txt"
+fi
+{
+  echo
+  echo "## A layout switch on CUDA (issue 32): bench/worker.py --only switch --device cuda, 150m and 500m"
+  echo
+  echo '```'
+  grep -v '^20[0-9][0-9]-' "$OUT/switch.txt" | grep -v '^{' | tail -n 60
+  echo '```'
+} >> "$OUT/summary.md"
+# ==== end of issue 32's block ====================================================================
 cat "$OUT/summary.md"

@@ -10,8 +10,12 @@
    reshard, first step.
 4. What gradient clipping (max_grad_norm) adds to a step: the rank's share of the norm and the
    scaling pass, on one rank holding the whole model.
+5. (`--only switch`, on request) A layout switch alone (issue 32): 2 x TP4 with AdamW, one rank
+   killed, kill -> first step at TP3 + TP4 against the steady step, each phase, and the reshard's
+   bytes and GB/s per rank; `--size` 118m / 150m / 500m, `--device cuda`, `--staged`.
 
     python bench/worker.py [--quick]
+    python bench/worker.py --only switch --size 118m --staged --repeat 3
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torch.nn.utils import clip_grads_with_norm_
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import FAILOVER_PARTS, failover_row, kill_parked, last_event, show
+from ntp_manager.worker.comm import P2P
 from ntp_manager.worker.launch import free_port
 from ntp_manager.worker.reshard import apply_reshard, reshard_moves
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig
@@ -296,15 +301,202 @@ def bench_clip(quick: bool) -> list[tuple[str, ...]]:
              f"{(norm + scale) / step:.1%}")]
 
 
+# ---- 5. a layout switch alone: kill -> first step, with its phases and the reshard's GB/s -------
+# TinyGpt sizes: "118m" is BIG (the CPU figures of issue 32), "150m" and "500m" stand in for the
+# 157M / 500M Llamas of the H200 run (hidden 1024 / 2048, 8 layers, a 24,000-token vocabulary)
+SWITCH_SIZES = {
+    "quick": GptConfig(vocab=1024, seq=32, d_model=256, heads=8, mlp=1024, layers=2),
+    "118m": BIG,
+    "150m": GptConfig(vocab=24000, seq=64, d_model=1024, heads=16, mlp=4096, layers=8),
+    "500m": GptConfig(vocab=24000, seq=64, d_model=2048, heads=16, mlp=8192, layers=8),
+}
+SWITCH_PHASES = (("detected", "failure detected"), ("left", "left old group"), ("layout", "layout received"),
+                 ("groups", "world group"), ("old layout", "old layout"), ("checked", "checked"),
+                 ("tp groups", "tp groups"), ("reshard moves", "reshard moves"), ("replicated", "replicated"),
+                 ("sync", "sync"))
+
+
+def _switch_worker(wid: str, index: int, port: int, cfg: GptConfig, device: str, staged: bool, chunk: int | None,
+                   per_tensor: bool, park_at: int, victim: str, steps: int, q: Any) -> None:
+    from ntp_manager.worker import comm
+
+    torch.set_num_threads(1)
+    if chunk is not None:
+        comm.configure(chunk_bytes=chunk)
+    comm.configure(coalesce=not per_tensor)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=dt.timedelta(seconds=300))
+
+    def batch(step: int, start: int, count: int) -> Any:
+        g = torch.Generator().manual_seed(step)
+        idx = torch.randint(0, cfg.vocab, (8, cfg.seq), generator=g)
+        return idx[start : start + count], torch.roll(idx, -1, 1)[start : start + count]
+
+    rt = Runtime(lambda: TinyGpt(cfg), tp_plan(cfg), lambda p: torch.optim.AdamW(p, lr=1e-4),
+                 StoreLayoutSource(store, "bench", wid), store,
+                 RuntimeConfig(job="bench", collective_timeout_s=60, rendezvous_timeout_s=300,
+                               reconfigure_timeout_s=300, device=device, force_staging=staged,
+                               local_rank=index, local_world_size=8))
+    rt.start(timeout=300)
+    before = (0, 0)
+    while rt.step < steps:
+        if wid == victim and rt.step == park_at:
+            store.set("bench/parked", "1")
+            time.sleep(3600)
+        if rt.step == park_at:
+            before = (comm.stats.flat_bytes, comm.stats.flat_messages)
+        r = rt.train_step(batch, lambda m, b: m.loss(*b))
+        q.put(("step", wid, r.step, r.tp, r.seconds))
+    moved = (comm.stats.flat_bytes - before[0], comm.stats.flat_messages - before[1])
+    # (per_tensor: nothing went through FlatExchange, 0 bytes counted: the moves carry the same
+    # bytes as the coalesced run's, compare the reshard-moves seconds)
+    q.put(("timeline", wid, [(e.what, e.version, e.at) for e in rt.timeline], rt.switch_marks, moved,
+           rt.choice.backend, str(rt.device)))
+    rt.close()
+
+
+def bench_switch(size: str, device: str, staged: bool, chunk: int | None = None, per_tensor: bool = False,
+                 park_at: int = 4) -> dict[str, Any]:
+    """2 replicas x TP4, AdamW; w3 is killed inside step `park_at`; the survivors go to TP3 + TP4.
+    Returns the seconds of each phase (the last rank to reach it), the steady step (median over the
+    steps before the failure, slowest rank, after one warm-up step), and the reshard's bytes and
+    GB/s per rank (sent + received, over the rank's own reshard-moves phase)."""
+    cfg = SWITCH_SIZES[size]
+    params = sum(p.numel() for p in TinyGpt(cfg).parameters())
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=dt.timedelta(seconds=300))
+    a, b = ["w0", "w1", "w2", "w3"], ["w4", "w5", "w6", "w7"]
+    publish_layout(store, "bench", 1, [(a, 4), (b, 4)], "start")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = {w: ctx.Process(target=_switch_worker, args=(w, i, port, cfg, device, staged, chunk, per_tensor,
+                                                          park_at, "w3", park_at + 2, q))
+             for i, w in enumerate(a + b)}
+    for p in procs.values():
+        p.start()
+    t_kill = kill_parked(store, procs["w3"].pid)
+    publish_layout(store, "bench", 2, [(a[:3], 3), (b, 4)], "w3 failed")
+    done: dict[str, tuple[Any, ...]] = {}
+    steps: dict[int, list[float]] = {}
+    while len(done) < 7:
+        msg = q.get(timeout=1800)
+        if msg[0] == "timeline":
+            done[msg[1]] = msg[2:]
+        elif msg[2] < park_at:
+            steps.setdefault(msg[2], []).append(msg[4])
+    for p in procs.values():
+        p.join(timeout=60)
+    timelines = {w: d[0] for w, d in done.items()}
+    detect, regroup = last_event(timelines, "failure detected"), last_event(timelines, "regrouped")
+    reshard, first = last_event(timelines, "reshard done"), last_event(timelines, "first step")
+    steady = statistics.median(max(s) for k, s in steps.items() if k >= 1)
+    # per rank: its reshard-moves phase, the bytes it sent and received in it
+    rates, moved, msgs, moves_s = [], [], [], []
+    for _, marks, (nbytes, nmsgs), *_ in done.values():
+        at = dict(marks)
+        secs = at["reshard moves"] - at["tp groups"]
+        moves_s.append(secs)
+        moved.append(nbytes)
+        msgs.append(nmsgs)
+        if nbytes > 0:
+            rates.append(nbytes / secs / 1e9)
+    # by when the last rank finished each phase, after the kill
+    phases = {label: max(dict(d[1]).get(mark, float("nan")) for d in done.values()) - t_kill
+              for label, mark in SWITCH_PHASES}
+    backend, dev = next(iter(done.values()))[3:5]
+    return {"size": size, "per_tensor": per_tensor, "params": params, "device": dev, "backend": backend,
+            "staged": staged or dev != "cpu",
+            "steady": steady, "detection": detect - t_kill, "regroup": regroup - detect,
+            "reshard": reshard - regroup, "first step": first - reshard, "total": first - t_kill,
+            "over steady": first - t_kill - steady, "reshard moves": max(moves_s),
+            "bytes max": max(moved), "messages max": max(msgs),
+            "GB/s busiest": max(moved) / moves_s[moved.index(max(moved))] / 1e9 if max(moved) else float("nan"),
+            "GB/s min": min(rates) if rates else float("nan"),
+            "GB/s median": statistics.median(rates) if rates else float("nan"), "phases": phases}
+
+
+def show_switch(console: Console, runs: list[dict[str, Any]]) -> None:
+    med = {k: statistics.median(r[k] for r in runs) for k, v in runs[0].items() if isinstance(v, float | int)
+           and not isinstance(v, bool)}
+    r0 = runs[0]
+    where = f"{r0['device']}, {r0['backend']}" + (", staged" if r0["staged"] else "")
+    where += ", one message per tensor slice (old path)" if r0["per_tensor"] else ", coalesced"
+    show(console, f"Layout switch TP4+TP4 -> TP3+TP4, {r0['size']} ({r0['params'] / 1e6:.0f}M parameters), AdamW, "
+         f"{where}: seconds, median of {len(runs)}",
+         ("steady step", "detection", "regroup", "reshard", "first step", "kill -> first step", "- steady",
+          "reshard moves (slowest rank)", "MB moved (busiest rank)", "its messages", "its GB/s",
+          "GB/s per rank (min / median)"),
+         [(f"{med['steady']:.2f}", f"{med['detection']:.2f}", f"{med['regroup']:.2f}", f"{med['reshard']:.2f}",
+           f"{med['first step']:.2f}", f"{med['total']:.2f}", f"{med['over steady']:.2f}",
+           f"{med['reshard moves']:.2f}", f"{med['bytes max'] / 1e6:.0f}", f"{med['messages max']:.0f}",
+           f"{med['GB/s busiest']:.2f}",
+           f"{med['GB/s min']:.2f} / {med['GB/s median']:.2f}")])
+    ph = {k: statistics.median(r["phases"][k] for r in runs) for k in r0["phases"]}
+    show(console, "  by when the last rank finished each phase (s after the kill, median)",
+         tuple(ph), [tuple(f"{v:.2f}" for v in ph.values())])
+
+
+# ---- 6. the transport alone: a pair of ranks swapping a reshard's worth of tensors ----------------
+def _exchange_worker(rank: int, world: int, port: int, mb: int, pieces: int, q: Any) -> None:
+    from ntp_manager.worker import comm
+
+    _init(rank, world, port)
+    n = mb * 2**20 // 4 // pieces
+    out = {}
+    for staged in (False, True):
+        comm.configure(force_staging=staged)
+        for coalesce in (False, True):
+            sends = [torch.full((n,), float(rank + i)) for i in range(pieces)]
+            recvs = [torch.empty(n) for _ in range(pieces)]
+            ops = [P2P(True, t, 1 - rank) for t in sends] + [P2P(False, t, 1 - rank) for t in recvs]
+            times = []
+            for _ in range(4):
+                dist.barrier()
+                t = time.perf_counter()
+                if coalesce:
+                    comm.FlatExchange(ops).start().wait()
+                else:
+                    comm.wait_all(comm.exchange(ops))
+                times.append(time.perf_counter() - t)
+            assert all(r[0].item() == float(1 - rank + i) for i, r in enumerate(recvs))
+            out[(staged, coalesce)] = statistics.median(times[1:])  # the first allocates the buffers
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def bench_exchange(mb: int = 256, pieces: int = 64) -> list[tuple[str, ...]]:
+    """Two ranks swap `mb` MiB each way as `pieces` tensors: per tensor vs coalesced, direct vs
+    staged. GB/s per rank counts the bytes it sent and received."""
+    q = mp.get_context("spawn").SimpleQueue()
+    ctx = mp.start_processes(_exchange_worker, args=(2, free_port(), mb, pieces, q), nprocs=2, join=False,
+                             start_method="spawn")
+    res = [q.get() for _ in range(2)]
+    while not ctx.join():
+        pass
+    rows: list[tuple[str, ...]] = []
+    for key in res[0][1]:
+        secs = max(r[1][key] for r in res)
+        rows.append(("staged" if key[0] else "direct", "coalesced" if key[1] else "per tensor", f"{mb}",
+                     f"{pieces}", f"{secs * 1e3:.0f}", f"{2 * mb * 2**20 / secs / 1e9:.2f}"))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=["sync", "reshard", "failover", "clip"], action="append")
+    ap.add_argument("--only", choices=["sync", "reshard", "failover", "clip", "switch", "exchange"], action="append")
+    ap.add_argument("--size", choices=list(SWITCH_SIZES), action="append",
+                    help="switch: model size (repeat for several; default 118m, quick with --quick)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="switch: the tensors' device")
+    ap.add_argument("--staged", action="store_true", help="switch: force gloo's host staging for CPU tensors")
+    ap.add_argument("--chunk-mb", type=float, help="switch: FlatExchange chunk size (default comm.CHUNK_BYTES)")
+    ap.add_argument("--per-tensor", action="store_true",
+                    help="switch: the old reshard transport, one message per tensor slice (for comparison)")
     ap.add_argument("--repeat", type=int, default=3, help="failover runs per batch size (median reported)")
     ap.add_argument("--bucket-mb", type=float, action="append",
                     help="DP all-reduce bucket size for the sync part (repeat it to compare sizes)")
     args = ap.parse_args()
-    parts = set(args.only or ["sync", "reshard", "failover", "clip"])
+    parts = set(args.only or ["sync", "reshard", "failover", "clip"])  # "switch": on request
     console = Console()
     console.print(f"torch {torch.__version__}, gloo, {os.cpu_count()} CPUs")
     if "sync" in parts:
@@ -320,6 +512,15 @@ def main() -> None:
     if "clip" in parts:
         show(console, "Gradient clipping (max_grad_norm): added work on one rank holding the whole model (TP1)",
              ("model", "fwd+bwd+sync ms (4 samples)", "norm share ms", "scale ms", "added"), bench_clip(args.quick))
+    if "exchange" in parts:
+        show(console, "Point to point, 2 ranks on gloo swapping 256 MiB each way as 64 tensors (median of 3)",
+             ("path", "messages", "MiB each way", "tensors", "ms", "GB/s per rank (sent + received)"),
+             bench_exchange())
+    if "switch" in parts:
+        chunk = int(args.chunk_mb * 2**20) if args.chunk_mb else None
+        for size in args.size or (["quick"] if args.quick else ["118m"]):
+            show_switch(console, [bench_switch(size, args.device, args.staged, chunk, args.per_tensor)
+                                  for _ in range(args.repeat)])
     if "failover" not in parts:
         return
     rows = []

@@ -43,7 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 CLIS = ("ntp-manager", "ntpctl", "ntp-agent", "ntp-run")
 ENDS = {"|", "||", "&&", ";", ">", ">>", "2>", "2>&1", "<", "&"}
-TOP_DIRS = ("ntp_manager", "agent", "docs", "examples", "bench", "tests", "proto", "migrations", "deploy", "tools",
+TOP_DIRS = ("ntp_manager", "agent", "docs", "examples", "bench", "tests", "proto", "deploy", "tools",
             ".ci")
 
 
@@ -294,7 +294,7 @@ def code_words() -> set[str]:
 
 
 def _source_files() -> Iterator[Path]:
-    for top in ("ntp_manager", "agent", "tests", "bench", "examples", "deploy", "tools", ".ci", "migrations"):
+    for top in ("ntp_manager", "agent", "tests", "bench", "examples", "deploy", "tools", ".ci"):
         for p in (ROOT / top).rglob("*"):
             if p.is_file() and p.suffix in (".py", ".sh", ".yml", ".yaml", ".service", ".toml", ".cfg", "") \
                     and "_proto" not in p.parts and p.name not in ("doccheck.py", "test_docs.py"):

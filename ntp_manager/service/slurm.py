@@ -12,6 +12,13 @@ How a pass goes (one task of its own: it never holds the planner or the event lo
    `scontrol update NodeName=N State=RESUME` only if the reason is still ntp-manager's. The
    record's `after.result` says how it went (pending, drained or resumed, refused, failed).
 
+What survives a restart (or a new leader) is read back from the audit log when the component
+starts (`restore`): the nodes ntp-manager drained and has not resumed since, with the causes it
+drained them for -- so a node someone resumed while those causes hold is not drained over that
+decision -- and the drains within the rate cap's window. A node whose causes are gone is
+forgotten (a later failure of the same GPU drains it again), and a resume re-judges the node's
+GPUs just before it runs (a GPU may have failed since the pass decided).
+
 Every command runs as a subprocess on the event loop's watcher (asyncio), bounded by
 `slurm_timeout_s` (killed past it), and is retried with exponential backoff and jitter (tenacity)
 up to `slurm_retries` times; each failure is logged with the command's output. A failure that
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import os
 import shutil
 from collections.abc import Callable, Sequence
@@ -32,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+from sqlalchemy import select
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from ntp_manager.service.kernel import Kernel, Tx
@@ -57,6 +66,7 @@ from ntp_manager.topology import GpuState
 
 log = structlog.get_logger("ntp.slurm")
 
+RESTORE_ROWS = 10_000  # newest slurm.drain / slurm.resume audit records read back at start
 OUTPUT_LOGGED = 2000  # characters of a command's output kept in a log line or an error
 ACTOR = "slurm-sync"
 # what scontrol says when a node name is not in slurm.conf: retrying cannot help
@@ -255,9 +265,44 @@ class SlurmSync:
                       self.degraded_after_s > 0 and any(f.health == GpuState.DEGRADED for f in facts))
         return out
 
+    async def restore(self) -> None:
+        """Read back from the audit log what a restart would lose (module docstring): per node the
+        newest `slurm.drain` (result drained) or `slurm.resume` (result resumed) record -- a drain
+        puts the node in `ours` with the causes it was drained for -- and the drains made within
+        the rate cap's window."""
+        q = (select(AuditRow.at, AuditRow.action, AuditRow.target, AuditRow.after)
+             .where(AuditRow.action.in_(("slurm.drain", "slurm.resume")))
+             .order_by(AuditRow.id.desc()).limit(RESTORE_ROWS))
+        async with self.kernel.sm() as session:
+            rows = (await session.execute(q)).all()
+        now, mono = self.kernel.clock.now(), self.kernel.clock.monotonic()
+        seen: set[str] = set()
+        for at, action, node, after in rows:
+            result = after.get("result") if isinstance(after, dict) else None
+            if action == "slurm.drain" and result == "drained":
+                age = (now - at).total_seconds()
+                if age < self.options.window_s:
+                    self.recent.append(mono - max(0.0, age))
+            if node in seen or result not in ("drained", "resumed"):
+                continue
+            seen.add(node)
+            if action == "slurm.drain" and node not in self.ours:
+                gpus = after.get("gpus") if isinstance(after, dict) else None
+                self.ours[node] = frozenset(f"{g.get('gpu')}:{g.get('kind')}" for g in gpus or ()
+                                            if isinstance(g, dict))
+        self.recent.sort()
+        if self.ours or self.recent:
+            log.info("slurm drains read back from the audit log", drained_by_ntp_manager=sorted(self.ours),
+                     drains_in_window=len(self.recent))
+
     # ---- the loop ------------------------------------------------------------------------------
     async def run_forever(self, stopping: Callable[[], bool]) -> None:
         """Passes until `stopping()`: woken by GPU changes, else every `slurm_poll_s`."""
+        try:
+            await self.restore()
+        except Exception as e:  # the passes still run; what was lost is logged
+            self.last_error = f"cannot read back the Slurm drains from the audit log: {type(e).__name__}: {e}"
+            log.exception("slurm restore failed")
         self.watch_all()
         while not stopping():
             try:
@@ -285,6 +330,10 @@ class SlurmSync:
                 self._timed.add(n)
             else:
                 self._timed.discard(n)
+        for n in [n for n in self.ours if n not in self.wanted]:
+            # its causes are gone (or it is gone): a later failure is a new decision, not one a
+            # person already took by resuming the node
+            del self.ours[n]
         self.passes += 1
         self.last_pass = self.kernel.clock.now()
         try:
@@ -354,6 +403,15 @@ class SlurmSync:
         log.warning("slurm node drained", node=a.node, reason=reason)
 
     async def _resume(self, a: Action) -> None:
+        # judge the node again: a GPU may have failed since the pass decided (its sinfo call, the
+        # actions before this one and their audit writes all take time)
+        causes = node_causes(self.kernel.clock.now().timestamp(), self._facts(a.node), self.degraded_after_s)
+        if causes:
+            self.wanted[a.node] = causes
+            self._watch.add(a.node)
+            log.info("slurm node not resumed: a GPU needs a person again", node=a.node,
+                     causes=[c.text() for c in causes])
+            return
         try:  # read it again just before: someone may have drained it over ntp-manager's reason
             now = await self.commands.node(a.node)
         except SlurmError as e:
@@ -397,15 +455,22 @@ class SlurmSync:
             log.warning("dry run: would resume the slurm node", node=a.node, why=a.why)
 
     # ---- the view ------------------------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
+    def status(self, limit: int) -> dict[str, Any]:
+        """The view of GET /v1/slurm: each list holds at most `limit` entries, in node-name order;
+        `counts` says how many there are in all (a rack event can want hundreds of nodes drained)."""
         d = self.last
+        wanted = heapq.nsmallest(limit, self.wanted.items(), key=lambda kv: kv[0])
+        ours = heapq.nsmallest(limit, (s for s in self.drained_now.values() if owned(s.reason)), key=lambda s: s.name)
+        held = d.held if d else ()
         return {
             "enabled": self.enabled, "dry_run": self.dry_run, "passes": self.passes,
             "last_pass": self.last_pass.isoformat() if self.last_pass else None, "last_error": self.last_error,
-            "wanted": {n: [c.text() for c in cs] for n, cs in sorted(self.wanted.items())},
-            "drained_by_ntp_manager": [{"node": s.name, "state": s.state, "reason": s.reason}
-                                       for s in self.drained_now.values() if owned(s.reason)],
-            "held": [{"node": n, "why": why} for n, why in (d.held if d else ())],
-            "refused": sorted(self.refused), "drains_in_window": len(self.recent),
+            "wanted": {n: [c.text() for c in cs] for n, cs in wanted},
+            "drained_by_ntp_manager": [{"node": s.name, "state": s.state, "reason": s.reason} for s in ours],
+            "held": [{"node": n, "why": why} for n, why in heapq.nsmallest(limit, held)],
+            "refused": heapq.nsmallest(limit, self.refused),
+            "counts": {"wanted": len(self.wanted), "held": len(held), "refused": len(self.refused),
+                       "drained_by_ntp_manager": sum(1 for s in self.drained_now.values() if owned(s.reason))},
+            "limit": limit, "drains_in_window": len(self.recent),
             "max_drains": self.options.max_drains, "window_s": self.options.window_s,
         }

@@ -2,8 +2,9 @@
 
 SQLite (aiosqlite) is the embedded default: WAL journal, synchronous=FULL (an acknowledged write
 survives a SIGKILL or power loss), foreign keys on. PostgreSQL (asyncpg) is the production store.
-Migrations are Alembic's, in `migrations/`; `upgrade()` runs them on an open async connection so it
-works both from the CLI and inside the running manager.
+Migrations are Alembic's, in the package (`ntp_manager/store/migrations/`, found through
+importlib.resources, so an installed wheel carries them); `upgrade()` runs them on an open async
+connection so it works both from the CLI and inside the running manager.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from importlib import resources
 from json.encoder import encode_basestring_ascii
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,8 @@ from sqlalchemy import event, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
-MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
+# a directory on disk (Alembic reads env.py and versions/ from it): the package is installed unzipped
+MIGRATIONS = Path(str(resources.files("ntp_manager.store") / "migrations"))
 
 
 CHUNK = 256

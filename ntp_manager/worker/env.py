@@ -12,6 +12,8 @@
     NTP_GPU_UUID   this rank's GPU (under a manager)
     NTP_MANAGER    the manager's gRPC address; absent when ntp-run publishes the layouts itself
     NTP_TOKEN      a worker-scope token for the manager
+    NTP_TLS_CA / NTP_TLS_CERT / NTP_TLS_KEY   optional: the manager's CA, this node's client
+                   certificate and key (TLS, mTLS: ntp-run's --tls-* flags)
     NTP_LOCAL_RANK / NTP_NPROC   this process's index among ntp-run's, and their number
     NTP_DEVICE     optional: "cpu" or "cuda" (default: cuda when torch sees a GPU)
     NTP_BACKEND    optional: "auto" (default: comm.choose_backend), "gloo" or "nccl"
@@ -42,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ntp_manager.contract.tls import TlsFiles
 from ntp_manager.logs import configure_logging
 from ntp_manager.worker.pipeline import Pipeline
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig, TimelineEvent
@@ -159,7 +162,7 @@ def worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
     if manager:
         if not gpu:
             raise RuntimeError("NTP_MANAGER is set but NTP_GPU_UUID is not: under a manager every rank is a GPU")
-        inner = GrpcLayoutSource(manager, e.get("NTP_TOKEN", ""), job, gpu, worker)
+        inner = GrpcLayoutSource(manager, e.get("NTP_TOKEN", ""), job, gpu, worker, tls=TlsFiles.from_env(e))
     else:
         inner = StoreLayoutSource(store, job, worker)
     device = e.get("NTP_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")

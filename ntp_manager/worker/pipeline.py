@@ -307,6 +307,47 @@ def backwards_before(ops: Sequence[Op], op: Op) -> set[int]:
     return {k for what, k in ops[: ops.index(op)] if what == "B"}
 
 
+@dataclass(frozen=True)
+class Comm:
+    """The point-to-point messages a stage posts together between two of its operations: the
+    sends of the operation just run and the receive the next one needs, as one group (NCCL:
+    one `batch_isend_irecv`). An activation's receive comes in two parts: its header goes in the
+    group, its payload (whose shape the header gives) right after."""
+
+    send_out: int | None = None  # micro-batch whose output goes to the next stage
+    send_grad: int | None = None  # micro-batch whose input gradient goes to the previous stage
+    recv_grad: int | None = None  # micro-batch whose output gradient comes from the next stage
+    recv_in: int | None = None  # micro-batch whose input comes from the previous stage
+
+
+Step = Op | Comm
+
+
+def stage_steps(kind: str, n_stages: int, stage: int, n_micro: int) -> list[Step]:
+    """`schedule_ops` with its messages: before each operation one `Comm` with the previous
+    operation's sends and this one's receive (Megatron's send_forward_recv_backward and
+    send_backward_recv_forward), and one after the last with its sends (pure).
+
+    Why together: on NCCL a send does not complete until the peer posts the matching receive, and
+    a rank's point-to-point operations run in the order posted. In 1F1B's steady state stage s
+    sends output k and then wants gradient i while stage s+1 sends gradient i and then wants input
+    k: posted apart, each send waits for a receive its peer posts only after its own send, and
+    both hang (gloo buffers sends, so it does not show there). Posted together they meet.
+    tests/worker/test_pipeline.py simulates every small shape with blocking sends."""
+    last, first = stage == n_stages - 1, stage == 0
+    out: list[Step] = []
+    sends: dict[str, int] = {}
+    for what, k in schedule_ops(kind, n_stages, stage, n_micro):
+        recv = {"recv_in": k} if what == "F" and not first else {"recv_grad": k} if what == "B" and not last else {}
+        if sends or recv:
+            out.append(Comm(**sends, **recv))
+        out.append((what, k))
+        sends = {"send_out": k} if what == "F" and not last else {"send_grad": k} if what == "B" and not first else {}
+    if sends:
+        out.append(Comm(**sends))
+    return out
+
+
 # ---- moving activations -------------------------------------------------------------------------
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _MAX_DIMS = 6
@@ -328,13 +369,7 @@ class Tag:
 def send_activation(t: torch.Tensor, dsts: Sequence[int], group: Any, tag: Tag) -> list[Any]:
     """Send a whole activation (header, then payload) to each of `dsts` (global ranks); returns
     the pending sends, which keep `t` alive."""
-    if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
-        raise ValueError(f"activations between stages must be float tensors of at most {_MAX_DIMS} dims, "
-                         f"got {t.dtype} of shape {tuple(t.shape)}")
-    head = torch.zeros(_HEADER, dtype=torch.int64)
-    head[0], head[1] = _DTYPES.index(t.dtype), t.dim()
-    head[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    head[2 + _MAX_DIMS :] = torch.tensor([SCHEDULES.index(tag.schedule), tag.micro_batch, tag.n_micro])
+    head = _header(t, tag)
     t = t.contiguous()
     return comm.exchange([comm.P2P(True, x, d) for d in dsts for x in (head, t)], group)
 
@@ -344,6 +379,25 @@ def recv_activation(src: int, group: Any, device: torch.device | str, expect: Ta
     ValueError when the sender ran another schedule or micro-batch than `expect` says."""
     head = torch.zeros(_HEADER, dtype=torch.int64)
     comm.irecv(head, src=src, group=group).wait()
+    t = _payload_for(head, src, device, expect)
+    comm.irecv(t, src=src, group=group).wait()
+    return t
+
+
+def _header(t: torch.Tensor, tag: Tag) -> torch.Tensor:
+    if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
+        raise ValueError(f"activations between stages must be float tensors of at most {_MAX_DIMS} dims, "
+                         f"got {t.dtype} of shape {tuple(t.shape)}")
+    head = torch.zeros(_HEADER, dtype=torch.int64)
+    head[0], head[1] = _DTYPES.index(t.dtype), t.dim()
+    head[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    head[2 + _MAX_DIMS :] = torch.tensor([SCHEDULES.index(tag.schedule), tag.micro_batch, tag.n_micro])
+    return head
+
+
+def _payload_for(head: torch.Tensor, src: int, device: torch.device | str, expect: Tag) -> torch.Tensor:
+    """The empty tensor a received header announces; raises ValueError when the sender ran another
+    schedule or micro-batch than `expect` says."""
     code, k, n = (int(x) for x in head[2 + _MAX_DIMS :])
     got = Tag(SCHEDULES[code] if 0 <= code < len(SCHEDULES) else f"#{code}", k, n)
     if got != expect:
@@ -352,9 +406,7 @@ def recv_activation(src: int, group: Any, device: torch.device | str, expect: Ta
                          f"{expect.schedule!r} was due: every rank of a job must run the same RuntimeConfig.schedule "
                          "and Pipeline.micro_batches")
     dtype, ndim = _DTYPES[int(head[0])], int(head[1])
-    t = torch.empty([int(x) for x in head[2 : 2 + ndim]], dtype=dtype, device=device)
-    comm.irecv(t, src=src, group=group).wait()
-    return t
+    return torch.empty([int(x) for x in head[2 : 2 + ndim]], dtype=dtype, device=device)
 
 
 # ---- running a stage ----------------------------------------------------------------------------
@@ -390,6 +442,28 @@ class StageLinks:
         return self.stage == self.n_stages - 1
 
 
+Msg = tuple[bool, int, str, int]  # (send?, peer's global rank, "head" | "act" | "grad", micro-batch)
+
+
+def comm_phases(c: Comm, links: StageLinks) -> list[list[Msg]]:
+    """The messages of `c` on this rank, in the groups they are posted in (pure): the sends and
+    the receive of a gradient or of an activation's header, then the activation's payload. Each
+    output goes to every rank of `links.send_output` as header then payload (`send_activation`'s
+    order)."""
+    group: list[Msg] = []
+    if c.send_out is not None:
+        group += [(True, d, w, c.send_out) for d in links.send_output for w in ("head", "act")]
+    if c.send_grad is not None:
+        group += [(True, d, "grad", c.send_grad) for d in links.send_grad]
+    if c.recv_grad is not None:
+        assert links.recv_grad is not None
+        group.append((False, links.recv_grad, "grad", c.recv_grad))
+    if c.recv_in is None:
+        return [group]
+    assert links.recv_input is not None
+    return [[*group, (False, links.recv_input, "head", c.recv_in)], [(False, links.recv_input, "act", c.recv_in)]]
+
+
 @dataclass(frozen=True)
 class PassResult:
     loss: float  # the replica's loss (sum of count_k / local_batch x micro-batch k's mean); 0 off the last stage
@@ -406,22 +480,68 @@ def run_stage(model: nn.Module, pipe: Pipeline, kind: str, links: StageLinks, pa
     the parameters' `.grad`; micro-batch k's loss is weighted count_k / local_batch, so the
     replica's gradient and loss are the means over its samples, as one pass would give.
 
-    Sends are asynchronous and their buffers are let go as soon as the peer provably has them:
+    The messages go as `stage_steps` and `comm_phases` say: between two operations the sends of
+    the first and the receive of the second are posted together, so the schedule completes on
+    NCCL (where a send waits for its receive) as on gloo. Sends are not waited for at once; their
+    buffers are let go as soon as the peer provably has them:
     an output once its gradient is back, an input gradient once the previous stage has sent an
     input that its schedule runs after that backward. So what a stage keeps alive between
     operations is what the schedule says (`peak_live` micro-batches), not every message of the
     step."""
     n = len(parts)
-    ops = schedule_ops(kind, links.n_stages, links.stage, n)
+    steps = stage_steps(kind, links.n_stages, links.stage, n)
     prev_ops = schedule_ops(kind, links.n_stages, links.stage - 1, n) if not links.first else []
     group = links.group
     inputs: dict[int, torch.Tensor | None] = {}  # micro-batch -> its received input (grad wanted)
     outputs: dict[int, torch.Tensor] = {}  # micro-batch -> its output (last stage: weighted loss)
+    outgoing: dict[tuple[str, int], torch.Tensor] = {}  # ("head"|"act"|"grad", micro-batch) -> to send
+    incoming: dict[tuple[str, int], torch.Tensor] = {}  # ("act"|"grad", micro-batch) -> received
     out_sends: dict[int, list[Any]] = {}  # micro-batch -> pending sends of its output
     grad_sends: dict[int, list[Any]] = {}  # micro-batch -> pending sends of its input gradient
     losses: list[torch.Tensor] = []
     live = peak = 0
-    for what, k in ops:
+
+    def post(c: Comm) -> None:
+        """Post `c`'s groups (`comm_phases`), each as one exchange, and wait for their receives."""
+        payload: torch.Tensor | None = None
+        for msgs in comm_phases(c, links):
+            ops = []
+            for send, peer, what, k in msgs:
+                if send:
+                    t = outgoing[(what, k)]
+                elif what == "head":
+                    t = torch.zeros(_HEADER, dtype=torch.int64)
+                elif what == "act":
+                    assert payload is not None
+                    t = payload
+                else:
+                    t = torch.empty_like(outputs[k])
+                ops.append(comm.P2P(send, t, peer))
+            works = comm.exchange(ops, group)
+            for (send, _, what, k), w in zip(msgs, works, strict=True):
+                if send:
+                    (grad_sends if what == "grad" else out_sends).setdefault(k, []).append(w)
+            for (send, peer, what, k), op, w in zip(msgs, ops, works, strict=True):
+                if send:
+                    continue
+                w.wait()
+                if what == "head":
+                    payload = _payload_for(op.tensor, peer, device, Tag(kind, k, n))
+                else:
+                    incoming[(what, k)] = op.tensor
+            del ops, works
+        # posted (the pending sends keep them alive), or nobody to send them to (a rank of a wider
+        # stage whose index no rank of the narrower neighbour maps to)
+        if c.send_out is not None:
+            del outgoing[("head", c.send_out)], outgoing[("act", c.send_out)]
+        if c.send_grad is not None:
+            del outgoing[("grad", c.send_grad)]
+
+    for step in steps:
+        if isinstance(step, Comm):
+            post(step)
+            continue
+        what, k = step
         off, count = parts[k]
         tag = Tag(kind, k, n)
         if what == "F":
@@ -429,8 +549,7 @@ def run_stage(model: nn.Module, pipe: Pipeline, kind: str, links: StageLinks, pa
             if links.first:
                 x, keep = pipe.inputs(mb), None
             else:
-                assert links.recv_input is not None
-                keep = recv_activation(links.recv_input, group, device, tag).requires_grad_(True)
+                keep = incoming.pop(("act", k)).requires_grad_(True)
                 x = keep
                 # the previous stage sent this input after every backward its schedule runs first:
                 # those input gradients have arrived there
@@ -443,7 +562,8 @@ def run_stage(model: nn.Module, pipe: Pipeline, kind: str, links: StageLinks, pa
                 losses.append(loss.detach())
                 outputs[k] = loss
             else:
-                out_sends[k] = send_activation(y.detach(), links.send_output, group, tag)
+                outgoing[("head", k)] = _header(y, tag)
+                outgoing[("act", k)] = y.detach().contiguous()
                 outputs[k] = y
             inputs[k] = keep
             live += 1
@@ -453,23 +573,19 @@ def run_stage(model: nn.Module, pipe: Pipeline, kind: str, links: StageLinks, pa
             if links.last:
                 torch.autograd.backward(out)
             else:
-                assert links.recv_grad is not None
-                grad = torch.empty_like(out)
-                comm.irecv(grad, src=links.recv_grad, group=group).wait()
-                for w in out_sends.pop(k):  # the next stage has run this backward: it had the output
+                grad = incoming.pop(("grad", k))
+                for w in out_sends.pop(k, []):  # the next stage has run this backward: it had the output
                     w.wait()
                 torch.autograd.backward(out, grad)
                 del grad
             x_in = inputs.pop(k)
             if x_in is not None:
-                g = x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
-                grad_sends[k] = comm.exchange([comm.P2P(True, g, d) for d in links.send_grad], group)
-                del g
+                outgoing[("grad", k)] = x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
             del out, x_in
             live -= 1
     for pending in (*out_sends.values(), *grad_sends.values()):
         for w in pending:
             w.wait()
-    assert not outputs and not inputs
+    assert not outputs and not inputs and not outgoing and not incoming, (outputs, inputs, outgoing, incoming)
     total = float(torch.stack(losses).double().sum().item()) if losses else 0.0  # one host sync per pass
     return PassResult(total, peak)

@@ -7,7 +7,8 @@ peer: every replica holds every unit, so a failed rank's shards always have a li
 replica of the stage survives). Moves between different ranks are grouped per (source,
 destination, family).
 
-`apply_reshard` executes the moves with point-to-point sends over the current process group and
+`apply_reshard` executes the moves with point-to-point messages over the current process group
+(coalesced per peer pair by comm.FlatExchange: a few large messages, not one per tensor) and
 rebuilds the sharded modules and the optimizer state (SGD momentum, Adam/AdamW moments, amsgrad's
 maximum and step) for the new unit lists; each rebuilt parameter stays in its parameter group.
 Replicated parameters and their state are untouched.
@@ -237,7 +238,11 @@ def apply_reshard(
                     view = unit_slice(new_tensors[mv.family][k], dim, b * us, n * us)
                     assert view.is_contiguous()  # received into a tensor made unit-major above
                     ops.append(P2P(False, view, mv.src))
-    reqs = comm.exchange(ops, group)  # on NCCL one group call: no order of moves can deadlock
+    # coalesced: one byte stream per peer pair and direction, in bounded chunks (one message per
+    # chunk; on NCCL one group call per round, so no order of moves can deadlock); else one
+    # message per slice (on NCCL one group call for all)
+    flat = comm.FlatExchange(ops, group).start() if comm.coalescing() else None
+    reqs = comm.exchange(ops, group) if flat is None else []
     if in_new and rank in alive:
         for f, entries in fam_tensors.items():
             tpos = {u: i for i, u in enumerate(new_units[f])}
@@ -253,6 +258,8 @@ def apply_reshard(
                 _copy_stretches(nt, t, dim, mod.unit_size, stretches[key])
     for r in reqs:
         r.wait()
+    if flat is not None:
+        flat.wait()
 
     if not in_new:
         return optimizer

@@ -17,7 +17,10 @@ and watches the processes:
   layouts come from the manager's watch stream; on a GPU machine each rank sees only its GPU
   (CUDA_VISIBLE_DEVICES=<uuid>). A rank whose process dies is restarted after `--restart-delay`
   while `--max-restarts` allows (a repaired GPU's fresh process: it waits until the manager gives
-  it a place again, then joins by copying its shards from peers).
+  it a place again, then joins by copying its shards from peers). With `--tls-ca` (NTP_TLS_CA)
+  the ranks reach the manager over TLS, and with `--tls-cert` + `--tls-key` (NTP_TLS_CERT,
+  NTP_TLS_KEY) over mTLS (the manager's TLS listener, docs/security.md); the files are checked
+  here and handed to the ranks as NTP_TLS_* (absolute paths).
 - Without a manager ntp-run publishes the layouts itself: `--replicas R` equal replicas of
   nproc / R ranks (or `--tp 4,2`), each with local batch `--batch-per-rank` x its TP degree. When
   a rank's process dies and restarts are allowed, it publishes the layout without it (the
@@ -73,6 +76,7 @@ from typing import IO, Any, BinaryIO, NoReturn
 
 import structlog
 
+from ntp_manager.contract.tls import ENV_CA, ENV_CERT, ENV_KEY, TlsFiles
 from ntp_manager.worker import slurm_env
 
 log = structlog.get_logger("ntp.run")
@@ -142,6 +146,7 @@ class Options:
     pin_gpus: bool
     output: Output = field(default_factory=Output)
     slurm: Any = None  # --slurm: a slurm_env.SlurmRun (the step; the job node 0 registers)
+    tls: TlsFiles = field(default_factory=TlsFiles)  # the ranks' channel to the manager (contract/tls.py)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -154,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     """ntp-run's arguments (tools/doccheck.py checks the docs' ntp-run lines against it)."""
     p = _Parser(
         prog="ntp-run", description="Run a training script once per rank under the NTP runtime (like torchrun).",
-        epilog="Environment: NTP_MANAGER, NTP_TOKEN / NTP_TOKEN_FILE, NTP_JOB, NTP_GPUS stand in for the flags.")
+        epilog="Environment: NTP_MANAGER, NTP_TOKEN / NTP_TOKEN_FILE, NTP_JOB, NTP_GPUS, NTP_TLS_CA, NTP_TLS_CERT, "
+               "NTP_TLS_KEY stand in for the flags.")
     p.add_argument("--nproc", type=int, default=0, help="rank processes (default: one per --gpus entry, else 1)")
     p.add_argument("--replicas", type=int, default=1, help="without a manager: equal DP replicas")
     p.add_argument("--tp", default="", help="without a manager: TP degree of each replica, e.g. 4,2")
@@ -164,6 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--manager", default=os.environ.get("NTP_MANAGER", ""), help="the manager's gRPC address")
     p.add_argument("--token-file", default=os.environ.get("NTP_TOKEN_FILE", ""), help="a worker-scope token")
     p.add_argument("--gpus", default=os.environ.get("NTP_GPUS", ""), help="comma-separated GPU UUIDs, one rank each")
+    p.add_argument("--tls-ca", default=os.environ.get(ENV_CA, ""),
+                   help="CA of the manager's certificate (PEM): the ranks reach the manager over TLS")
+    p.add_argument("--tls-cert", default=os.environ.get(ENV_CERT, ""),
+                   help="this node's client certificate (PEM): mTLS; with --tls-key")
+    p.add_argument("--tls-key", default=os.environ.get(ENV_KEY, ""), help="its private key (PEM)")
     p.add_argument("--store", default="", help="HOST:PORT of another ntp-run's store (multi-node)")
     p.add_argument("--store-host", default="127.0.0.1", help="address the hosted store listens on")
     p.add_argument("--store-port", type=int, default=0, help="port of the hosted store (default: a free one)")
@@ -212,6 +223,14 @@ def parse(argv: Sequence[str]) -> Options:
     except ValueError:
         raise UsageError(f"--tp must be comma-separated integers, not {a.tp!r}") from None
     nproc = a.nproc or len(gpus) or (sum(tp_list) if tp_list else a.replicas)
+    try:
+        tls = TlsFiles(Path(a.tls_ca) if a.tls_ca else None, Path(a.tls_cert) if a.tls_cert else None,
+                       Path(a.tls_key) if a.tls_key else None, labels=("--tls-ca", "--tls-cert", "--tls-key"))
+        tls.check()  # the ranks read the files again; a bad one is refused here, once
+    except (OSError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    if tls.enabled and not a.manager:
+        raise UsageError("--tls-ca/--tls-cert/--tls-key are for runs under a manager (--manager)")
     if a.manager:
         if not gpus:
             raise UsageError("--manager needs --gpus (one rank per GPU UUID)")
@@ -248,7 +267,8 @@ def parse(argv: Sequence[str]) -> Options:
                    token=token, gpus=gpus, store=a.store, store_host=a.store_host, store_port=a.store_port,
                    fail_at=a.fail_at, repair_at=a.repair_at, max_restarts=a.max_restarts,
                    restart_delay=a.restart_delay, device=a.device, pin_gpus=not a.no_pin_gpus,
-                   output=_output(a, nproc), slurm=slurm)
+                   output=_output(a, nproc), slurm=slurm,
+                   tls=tls.resolved())
 
 
 def std_map(flag: str, text: str, nproc: int) -> dict[int, int]:
@@ -413,11 +433,11 @@ class Launcher:
         env = dict(os.environ)
         env.update(NTP_STORE=f"{self.store_addr[0]}:{self.store_addr[1]}", NTP_JOB=self.o.job, NTP_WORKER_ID=r.worker,
                    NTP_LOCAL_RANK=str(index), NTP_NPROC=str(self.o.nproc))
-        for k in ("NTP_MANAGER", "NTP_TOKEN", "NTP_GPU_UUID"):
+        for k in ("NTP_MANAGER", "NTP_TOKEN", "NTP_GPU_UUID", ENV_CA, ENV_CERT, ENV_KEY):
             env.pop(k, None)
         env.pop("NTP_LOCAL_GPUS", None)
         if self.o.manager:
-            env.update(NTP_MANAGER=self.o.manager, NTP_TOKEN=self.o.token, NTP_GPU_UUID=r.gpu)
+            env.update(NTP_MANAGER=self.o.manager, NTP_TOKEN=self.o.token, NTP_GPU_UUID=r.gpu, **self.o.tls.env())
             if self.o.pin_gpus and r.gpu.startswith("GPU-"):
                 env["CUDA_VISIBLE_DEVICES"] = r.gpu
                 # each rank sees its GPU only: tell the backend choice how many GPUs the ranks use
@@ -609,7 +629,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     fmt = auto_format(sys.stderr)
     configure_logging(fmt, stream=stderr)
     try:
+        if o.slurm is not None:
+            o.slurm.wait_for_store(say)  # a node up before node 0: wait (bounded) for its store
         launcher = Launcher(o, stdout, stderr, log_format=fmt)
+    except slurm_env.SlurmEnvError as e:
+        print(f"ntp-run: error: {e}", file=sys.stderr)
+        return 2
     except UsageError as e:
         print(f"ntp-run: error: {e}", file=sys.stderr)
         return 2

@@ -22,6 +22,10 @@ from the step's environment and its node's agent:
   ranks on GPUs the job does not have), is refused with an error naming it. The other nodes' ntp-run
   wait for the registration in the store; when the run ends, node 0 deletes the job it registered
   (after the other nodes are done, or a minute).
+
+A node may come up before its agent has written the state file, or before node 0's ntp-run hosts
+the store: ntp-run says in one line what it waits for and waits up to `--slurm-wait` seconds
+(NTP_SLURM_WAIT_S, default 120), then stops with one line saying what never came.
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ import argparse
 import json
 import os
 import re
+import socket
+import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +47,9 @@ from ntp_manager import limits
 DEFAULT_AGENT_STATE = "/run/ntp-agent/state.json"
 WAIT_REGISTERED_S = 300.0  # other nodes wait this long for node 0's registration
 WAIT_PEERS_DONE_S = 60.0  # node 0 waits this long for the other nodes before deleting its job
+WAIT_UP_S = 120.0  # default --slurm-wait: for this node's agent state file and node 0's store
+WAIT_UP_MAX_S = 3600.0
+POLL_S = 0.5
 
 
 class SlurmEnvError(ValueError):
@@ -59,6 +68,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--slurm: the manager's REST URL, to register the job")
     p.add_argument("--register-token-file", default=os.environ.get("NTP_REGISTER_TOKEN_FILE", ""),
                    help="--slurm: an operator-scope token to register the job with")
+    p.add_argument("--slurm-wait", type=_wait_seconds, default=os.environ.get("NTP_SLURM_WAIT_S", f"{WAIT_UP_S:g}"),
+                   help="--slurm: seconds to wait for this node's agent state file and for node 0's store "
+                        f"(NTP_SLURM_WAIT_S; default {WAIT_UP_S:g})")
+
+
+def _wait_seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= v <= WAIT_UP_MAX_S:
+        raise argparse.ArgumentTypeError(f"{text} is not within 0..{WAIT_UP_MAX_S:g} seconds")
+    return v
+
+
+def _stderr(msg: str) -> None:
+    print(f"ntp-run: {msg}", file=sys.stderr, flush=True)
+
+
+Say = Callable[[str], None]
 
 
 # ---- the step's environment (pure) ----------------------------------------------------------------
@@ -175,20 +204,64 @@ def map_gpus(doc: Mapping[str, Any], node: str, gpu_ids: tuple[int, ...], where:
     return out
 
 
-def read_agent_state(template: str, node: str) -> tuple[dict[str, Any], str]:
-    """The agent's state document and its path (`{node}` replaced). SlurmEnvError when it cannot be read."""
+def read_agent_state(template: str, node: str, wait_s: float = 0.0, say: Say = _stderr,
+                     sleep: Callable[[float], None] = time.sleep) -> tuple[dict[str, Any], str]:
+    """The agent's state document and its path (`{node}` replaced). While the file does not exist
+    (the agent not up yet) it says so once and waits up to `wait_s` seconds. SlurmEnvError when it
+    never comes or cannot be read (the agent writes it atomically: a file that is there is whole)."""
     path = template.replace("{node}", node)
+    deadline = time.monotonic() + wait_s
+    said = False
+    while True:
+        try:
+            raw = Path(path).read_bytes()[: 1 << 20]
+            break
+        except FileNotFoundError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                waited = f" after waiting {wait_s:g}s" if wait_s > 0 else ""
+                raise SlurmEnvError(f"no agent state file at {path}{waited}: run ntp-agent with --state-file on "
+                                    "every node (or give --agent-state; --slurm-wait to wait longer)") from None
+            if not said:
+                say(f"waiting up to {wait_s:g}s for the agent's state file at {path} (ntp-agent on {node} not up yet)")
+                said = True
+            sleep(min(POLL_S, left))
+        except OSError as e:
+            raise SlurmEnvError(f"{path}: cannot read the agent's state ({e})") from None
     try:
-        raw = Path(path).read_bytes()[: 1 << 20]
         doc = json.loads(raw)
-    except FileNotFoundError:
-        raise SlurmEnvError(f"no agent state file at {path}: run ntp-agent with --state-file on every node "
-                            "(or give --agent-state)") from None
-    except (OSError, ValueError) as e:
+    except ValueError as e:
         raise SlurmEnvError(f"{path}: cannot read the agent's state ({e})") from None
     if not isinstance(doc, dict) or doc.get("format") != 1:
         raise SlurmEnvError(f"{path}: not an ntp-agent state file")
     return doc, path
+
+
+def wait_for_store(host: str, port: int, wait_s: float, say: Say = _stderr,
+                   sleep: Callable[[float], None] = time.sleep) -> None:
+    """Wait up to `wait_s` seconds until node 0's store accepts connections at host:port, saying
+    once what it waits for; SlurmEnvError when it does not come up (or the host does not resolve).
+    The store client itself would retry silently and then fail with c10d's stack on stderr."""
+    deadline = time.monotonic() + wait_s
+    said = False
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, left))):
+                return
+        except socket.gaierror as e:
+            raise SlurmEnvError(f"node 0's store host {host!r} (SLURM_LAUNCH_NODE_IPADDR) does not resolve: "
+                                f"{e.strerror or e}") from None
+        except OSError as e:  # refused (not listening yet), timed out, unreachable
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SlurmEnvError(f"node 0's store at {host}:{port} did not come up within {wait_s:g}s "
+                                    f"({e.strerror or e}): is node 0's ntp-run running, with the same "
+                                    "--store-port? (--slurm-wait to wait longer)") from None
+            if not said:
+                say(f"waiting up to {wait_s:g}s for node 0's store at {host}:{port} (node 0's ntp-run not up yet)")
+                said = True
+            sleep(min(POLL_S, left))
 
 
 # ---- registering the job with the manager --------------------------------------------------------------
@@ -202,6 +275,13 @@ class SlurmRun:
     http: str = ""
     token: str = ""
     registered: bool = False
+    store_port: int = 0
+    wait_s: float = WAIT_UP_S
+
+    def wait_for_store(self, say: Say = _stderr) -> None:
+        """Nodes other than node 0: wait (bounded) until node 0 hosts the store."""
+        if not self.hosts_store:
+            wait_for_store(self.step.launch_host, self.store_port, self.wait_s, say)
 
     @property
     def hosts_store(self) -> bool:
@@ -221,6 +301,8 @@ class SlurmRun:
         import datetime as dt
 
         if not self.hosts_store:
+            if not store.check([self._key("ready")]):
+                say(f"waiting up to {WAIT_REGISTERED_S:g}s for node 0's ntp-run to get job {self.job} ready")
             try:
                 store.wait([self._key("ready")], dt.timedelta(seconds=WAIT_REGISTERED_S))
             except Exception:
@@ -307,9 +389,10 @@ def _detail(r: Any) -> str:
         return str(r.text)[:300]
 
 
-def prepare(a: argparse.Namespace, env: Mapping[str, str]) -> SlurmRun:
+def prepare(a: argparse.Namespace, env: Mapping[str, str], say: Say = _stderr) -> SlurmRun:
     """Fill in ntp-run's arguments from the step (`a` is changed: gpus, job, store) and say what the
-    run registers. Raises SlurmEnvError for anything missing or wrong, before anything starts."""
+    run registers; waits (bounded, `a.slurm_wait`) for the agent's state file. Raises SlurmEnvError
+    for anything missing or wrong, before anything starts."""
     step = read_step(env)
     if a.gpus:
         raise SlurmEnvError("--slurm takes the GPUs from Slurm: leave --gpus (NTP_GPUS) out")
@@ -318,14 +401,14 @@ def prepare(a: argparse.Namespace, env: Mapping[str, str]) -> SlurmRun:
     if not a.store_port:
         raise SlurmEnvError("--slurm needs --store-port (the same on every node; train.sbatch derives it from "
                             "the job id)")
-    doc, path = read_agent_state(a.agent_state, step.node)
+    doc, path = read_agent_state(a.agent_state, step.node, a.slurm_wait, say)
     a.gpus = ",".join(map_gpus(doc, step.node, step.gpu_ids, path))
     a.job = a.job or job_name(step)
     if step.node_id == 0:
         a.store_host = step.launch_host
     else:
         a.store = f"{step.launch_host}:{a.store_port}"
-    run = SlurmRun(step, a.job)
+    run = SlurmRun(step, a.job, store_port=int(a.store_port), wait_s=a.slurm_wait)
     if a.job_spec and step.node_id == 0:
         if not a.manager_http:
             raise SlurmEnvError("--job-spec needs --manager-http (NTP_MANAGER_HTTP) to register the job")

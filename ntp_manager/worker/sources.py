@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import structlog
 
+from ntp_manager.contract.tls import TlsFiles
 from ntp_manager.planner.ranks import check_degrees, global_rank, locate, stage_ranks, world_size
 from ntp_manager.worker.sync import ReplicaGroup, SyncLayout
 
@@ -301,32 +302,16 @@ class StoreLayoutSource:
 
 
 # ---- the manager's gRPC watch stream ------------------------------------------------------------
-# A manager that hangs keeps the watch's connection open: HTTP/2 pings find it out and the watch
-# moves on (the server accepts a ping every 5 s at most).
-# how a call to a manager that is gone ends (a standby that names the leader is not one of them;
-# "Internal error from Core" is how grpc reports some refusals whose status it lost): by name, so
-# that this module does not import grpc before a source is made
-UNREACHABLE_CODES = frozenset({"UNAVAILABLE", "INTERNAL", "UNKNOWN"})
-CLIENT_KEEPALIVE = [("grpc.keepalive_time_ms", 6_000), ("grpc.keepalive_timeout_ms", 3_000),
-                    ("grpc.http2.ping_timeout_ms", 3_000),  # else a ping waits a minute for its ack
-                    ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+# The channel, its keepalive and TLS, leader hints and failover are the manager client's
+# (contract/client.py, the agent's too), imported when a source is made: importing this module
+# does not import grpc.
 
 
 def manager_addresses(target: str | Sequence[str]) -> list[str]:
     """One address or several ("a:1,b:2" or a list) -> the list, blanks dropped."""
-    parts = target.split(",") if isinstance(target, str) else list(target)
-    return [p.strip() for p in parts if p.strip()]
+    from ntp_manager.contract.client import manager_addresses as addresses
 
-
-def _leader_hint(e: Any) -> str | None:
-    """The leader's address a standby named (trailing metadata `ntp-leader`), if any."""
-    try:
-        for k, v in e.trailing_metadata() or ():
-            if k == "ntp-leader" and isinstance(v, str) and v:
-                return v
-    except Exception:
-        return None
-    return None
+    return addresses(target)
 
 
 def layout_from_pb(msg: Any, gpu_uuid: str) -> WorkerLayout:
@@ -385,26 +370,31 @@ class GrpcLayoutSource:
     leader and standbys: a standby answers UNAVAILABLE naming the leader (trailing metadata
     `ntp-leader`) and the watch goes there at once; any other failure moves it to the next address,
     with exponential backoff and full jitter once every address has failed in a row. Training goes
-    on with the layout in hand meanwhile: nothing waits for the watch but the next version."""
+    on with the layout in hand meanwhile: nothing waits for the watch but the next version.
+
+    `tls` (contract/tls.py `TlsFiles`: CA, client certificate and key; `TlsFiles.from_env` reads
+    NTP_TLS_CA/CERT/KEY) makes the channel TLS or mTLS; the files are read here once, so a bad
+    path is refused at once. A TLS handshake that fails before the first layout (a CA that did
+    not sign the manager's certificate, a certificate the manager refuses) ends the set-up with
+    one line saying so instead of retrying until `connect_timeout_s`."""
 
     def __init__(self, target: str | Sequence[str], token: str, job: str, gpu_uuid: str,
-                 worker_id: str | None = None, connect_timeout_s: float = 30.0) -> None:
-        import grpc
-
+                 worker_id: str | None = None, connect_timeout_s: float = 30.0, tls: TlsFiles | None = None) -> None:
         from ntp_manager._proto.ntp.v1 import worker_pb2_grpc
+        from ntp_manager.contract.client import ManagerClient
 
-        self.targets = manager_addresses(target)
-        if not self.targets:
-            raise ValueError("target: give at least one manager address (host:port)")
+        try:
+            self.client = ManagerClient(target, tls)
+        except ValueError as e:
+            raise ValueError(f"target: {e}") from None
+        self.client.tls.check()  # OSError naming a file that cannot be used
         self.job, self.gpu_uuid, self.worker_id = job, gpu_uuid, worker_id or gpu_uuid
+        self._token = token
         self._md = (("authorization", f"Bearer {token}"),)
-        self._grpc, self._stubs = grpc, worker_pb2_grpc
-        self.target = self.targets[0]
-        self._channel = grpc.insecure_channel(self.target, options=CLIENT_KEEPALIVE)
+        self._stubs = worker_pb2_grpc
+        self._channel = self.client.channel()
         self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)  # type: ignore[no-untyped-call]  # generated
         self._switch_lock = threading.Lock()
-        self.failovers = 0
-        self.unreachable: str | None = None  # the manager the last watch could not reach (told to the next)
         self.history = _History()
         self._stop = threading.Event()
         self._refused = threading.Event()  # the watch was refused for good and has ended
@@ -421,25 +411,47 @@ class GrpcLayoutSource:
                and not self._refused.is_set() and time.monotonic() < deadline):
             pass
         if self.history.newest is None and self.history.error:
-            raise RuntimeError(f"cannot watch the layout of {job!r}: {self.history.error}")
+            self.close()
+            error = self.history.error
+            if not self._refused.is_set() and "socket closed" in error.lower():
+                # TLS 1.3: the client's side of the handshake ends before the manager checks its
+                # certificate, so a refused one reads as a connection closed; so does plaintext
+                # sent to a TLS port
+                error += (f" (over {self.client.tls.describe()}: a manager that requires client certificates "
+                          f"closes the connection of one it refuses; check {self.client.tls.labels[1]})"
+                          if self.client.tls.enabled else
+                          " (over plaintext: a TLS port closes plaintext connections; give the manager's CA)")
+            raise RuntimeError(f"cannot watch the layout of {job!r}: {error}")
+
+    # the connection's state, kept by the manager client
+    @property
+    def targets(self) -> list[str]:
+        return self.client.targets
+
+    @property
+    def target(self) -> str:
+        """The manager watched now."""
+        return self.client.target
+
+    @property
+    def failovers(self) -> int:
+        """Moves to another manager."""
+        return self.client.failovers
+
+    @property
+    def unreachable(self) -> str | None:
+        """The manager the last watch could not reach (told to the next)."""
+        return self.client.unreachable
 
     def _move(self, hint: str | None) -> None:
         """Watch, ack and report through the leader a standby named, else the next address."""
-        if hint:
-            nxt = hint
-        elif len(self.targets) > 1:
-            i = self.targets.index(self.target) if self.target in self.targets else -1
-            nxt = self.targets[(i + 1) % len(self.targets)]
-        else:
-            return
-        if nxt == self.target:
-            return
         with self._switch_lock:
             old = self._channel
-            self.target = nxt
-            self._channel = self._grpc.insecure_channel(nxt, options=CLIENT_KEEPALIVE)
+            nxt = self.client.move(hint)
+            if nxt is None:
+                return
+            self._channel = self.client.channel()
             self._stub = self._stubs.WorkerServiceStub(self._channel)  # type: ignore[no-untyped-call]  # generated
-            self.failovers += 1
         log.info("layout watch moves to another manager", manager=nxt)
         old.close()
 
@@ -447,9 +459,7 @@ class GrpcLayoutSource:
         """The watch's metadata: the token, and the manager the last attempt could not reach (as the
         agent does: a standby then holds the watch until it has taken over, instead of sending it
         back to a leader that is gone; rpc/server.py)."""
-        if self.unreachable and self.unreachable != self.target:
-            return (*self._md, ("ntp-leader-unreachable", self.unreachable))
-        return self._md
+        return self.client.metadata(self._token)
 
     def _watch(self) -> None:
         import random
@@ -457,6 +467,7 @@ class GrpcLayoutSource:
         import grpc
 
         from ntp_manager._proto.ntp.v1 import worker_pb2
+        from ntp_manager.contract.client import code_of, handshake_failure
 
         delay, failed_here = 0.1, 0
         while not self._stop.is_set():
@@ -468,23 +479,29 @@ class GrpcLayoutSource:
                 )
                 for msg in self._call:
                     self.history.add(layout_from_pb(msg, self.gpu_uuid))
-                    delay, failed_here, self.unreachable = 0.1, 0, None
+                    delay, failed_here = 0.1, 0
+                    self.client.reached()
                 self._move(None)  # the stream ended: that manager stopped or stepped down
             except grpc.RpcError as e:
                 if self._stop.is_set():
                     return
-                code = e.code() if hasattr(e, "code") else None
+                code = code_of(e)
                 self.history.error = f"{code}: {e.details() if hasattr(e, 'details') else e}"
-                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
-                            grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                # a handshake that fails before any layout: the set-up is wrong (CA, certificate,
+                # a TLS port for a plaintext one); later (a manager's certificate renewed wrongly,
+                # a failover) the watch goes on trying, saying so
+                tls_refused = handshake_failure(e) and self.history.newest is None
+                if tls_refused or code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                                           grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                    self.history.error = self.client.refusal(e)
                     log.error("layout watch refused", error=self.history.error)
                     self._refused.set()
                     with self.history.cond:
                         self.history.cond.notify_all()
                     return
-                hint = _leader_hint(e)
-                if hint is None and code is not None and code.name in UNREACHABLE_CODES:  # refused, reset, gone silent
-                    self.unreachable = self.target
+                if handshake_failure(e):
+                    log.error("layout watch: TLS handshake failed", error=self.client.refusal(e))
+                hint = self.client.failed(e)
                 failed_here += 1
                 log.warning("layout watch lost; reconnecting", error=self.history.error, leader=hint)
                 self._move(hint)

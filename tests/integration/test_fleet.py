@@ -111,6 +111,17 @@ async def applied_all(pg: str) -> bool:
     return bool(c["cursor"] == c["head"])
 
 
+async def settled(pg: str, agent: Agent) -> bool:
+    """Every report the agent has had acknowledged is applied: the node's stored seq caught up with
+    it and the outbox is drained (an ack means durable, not yet applied by the leader)."""
+    conn = await asyncpg.connect(pg)
+    try:
+        last_seq = await conn.fetchval("SELECT last_seq FROM nodes WHERE name = $1", agent.cfg.node)
+    finally:
+        await conn.close()
+    return bool(last_seq == agent.last_acked) and await applied_all(pg)
+
+
 async def layout(base: str, tok: str) -> dict[str, Any] | None:
     with contextlib.suppress(Exception):
         return dict(await get(base, tok, "/v1/jobs/llm/layout"))
@@ -148,6 +159,7 @@ async def test_a_report_a_standby_acknowledged_is_applied_by_the_leader(tmp_path
             await eventually(lambda: applied_all(c["pg"]), what="the outbox applied")
             assert (await counters(c["pg"]))["quarantined"] == 0
             assert all(x.failovers == 0 for x in agents)
+            await eventually(lambda: settled(c["pg"], agents[1]), what="acknowledged reports applied")
             await check_reports(c["pg"], agents[1])
         finally:
             await stop_agents(agents, tasks)
@@ -182,6 +194,7 @@ async def test_a_leader_change_moves_only_the_planner_role(tmp_path: Path) -> No
             assert after["cursor"] > before["cursor"] and after["epoch"] == took["epoch"]  # replayed from the cursor
             assert after["quarantined"] == 0
             assert all(x.failovers == 0 and x.target == b.grpc for x in agents)  # no stream reconnected
+            await eventually(lambda: settled(c["pg"], agents[1]), what="acknowledged reports applied")
             await check_reports(c["pg"], agents[1])
         finally:
             await stop_agents(agents, tasks)
@@ -213,6 +226,7 @@ async def test_a_deposed_leader_applies_nothing_when_it_wakes(tmp_path: Path) ->
             await eventually(lambda: applied_all(c["pg"]), what="the outbox applied")
             assert (await counters(c["pg"]))["quarantined"] == 0
             assert await write_log.writes_since(c["url"], "b", since) > 0  # the log counts
+            await eventually(lambda: settled(c["pg"], agents[1]), what="acknowledged reports applied")
             await check_reports(c["pg"], agents[1])
         finally:
             await stop_agents(agents, tasks)
@@ -300,6 +314,7 @@ async def test_a_manager_that_dies_drops_only_its_own_streams(tmp_path: Path) ->
             assert a.proc.poll() is None and (await get(a.http, op, "/v1/status"))["leader_epoch"] == a.info["epoch"]
             await eventually(lambda: applied_all(c["pg"]), what="the outbox applied")
             assert (await counters(c["pg"]))["quarantined"] == 0
+            await eventually(lambda: settled(c["pg"], agents[0]), what="acknowledged reports applied")
             await check_reports(c["pg"], agents[0])
         finally:
             await stop_agents(agents, tasks)
@@ -331,6 +346,7 @@ async def test_a_standby_cut_off_from_the_database_acknowledges_nothing(tmp_path
                 assert agents[0].failovers == 0
                 await eventually(lambda: applied_all(c["pg"]), what="the outbox applied")
                 assert (await counters(c["pg"]))["quarantined"] == 0
+                await eventually(lambda: settled(c["pg"], agents[1]), what="acknowledged reports applied")
                 await check_reports(c["pg"], agents[1])
             finally:
                 await stop_agents(agents, tasks)

@@ -3,86 +3,29 @@ manager's server certificate, two node certificates, and a certificate from a CA
 
 With a client CA configured, agents must come through the TLS listener with a certificate the CA
 signed; an agent token bound to one certificate's fingerprint is refused with any other. Workers
-keep using the plaintext listener (the worker library has no TLS options yet)."""
+may still use the plaintext listener (their mTLS: test_worker_mtls.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
-import ipaddress
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from sqlalchemy import select
 
 from agent.backends.fake import FakeBackend, parse_scenario
 from agent.core import Agent, AgentConfig
 from ntp_manager._proto.ntp.v1 import worker_pb2, worker_pb2_grpc
-from ntp_manager.rpc.tls import channel_credentials, fingerprint_of_pem
 from ntp_manager.store.models import AuditRow
 from tests.fakes.agent_client import ScriptedAgent, gpu_uuids
+from tests.fakes.pki import Pki, make_pki
 from tests.integration.conftest import Service, eventually, running_service
-
-
-@dataclass
-class Pki:
-    ca: Path
-    server_cert: Path
-    server_key: Path
-    clients: dict[str, tuple[Path, Path]]  # name -> (cert, key)
-
-    def fingerprint(self, name: str) -> str:
-        return fingerprint_of_pem(self.clients[name][0].read_bytes())
-
-    def creds(self, name: str | None) -> grpc.ChannelCredentials:
-        if name is None:
-            return channel_credentials(self.ca)
-        cert, key = self.clients[name]
-        return channel_credentials(self.ca, cert, key)
-
-
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _issue(dir: Path, stem: str, cn: str, issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None,
-           *, ca: bool = False, server: bool = False) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.UTC)
-    b = (x509.CertificateBuilder().subject_name(_name(cn))
-         .issuer_name(issuer[0].subject if issuer else _name(cn))
-         .public_key(key.public_key()).serial_number(x509.random_serial_number())
-         .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
-         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-    if server:
-        b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                            critical=False)
-    cert = b.sign(issuer[1] if issuer else key, hashes.SHA256())
-    (dir / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (dir / f"{stem}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                                        serialization.PrivateFormat.PKCS8,
-                                                        serialization.NoEncryption()))
-    return cert, key
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    d = tmp_path_factory.mktemp("pki")
-    ca = _issue(d, "ca", "ntp test CA", None, ca=True)
-    _issue(d, "server", "manager", ca, server=True)
-    _issue(d, "node-a", "node-a", ca)
-    _issue(d, "node-b", "node-b", ca)
-    rogue = _issue(d, "rogue-ca", "rogue CA", None, ca=True)
-    _issue(d, "rogue", "node-a", rogue)
-    return Pki(d / "ca.pem", d / "server.pem", d / "server.key",
-               {n: (d / f"{n}.pem", d / f"{n}.key") for n in ("node-a", "node-b", "rogue")})
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture
@@ -117,7 +60,7 @@ async def test_mtls_agent_with_its_own_certificate_registers(mtls_service: Servi
         agent.stopping.set()
         await asyncio.wait_for(task, 10)
 
-    # workers keep the plaintext listener
+    # workers may still use the plaintext listener
     async with svc.client() as c:
         assert (await c.post("/v1/jobs", json={"name": "j", "tp": 2, "replicas": 1, "local_batch": 1,
                                                "heads": 2})).status_code == 201

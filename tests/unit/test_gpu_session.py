@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -46,3 +48,40 @@ def test_the_guard_refuses_every_nvml_write_and_lets_reads_through(tmp_path: Pat
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'bench/gpu_guard'}{os.pathsep}{tmp_path}")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "guarded", out.stderr
+
+
+def _probe(*uuids: str) -> dict[str, object]:
+    """The shape of `ntp-agent probe --json` (the H200 run's probe.json): each GPU's uuid appears
+    in its inventory and again in its sample."""
+    return {"backend": "nvml", "gpus": [{"static": {"uuid": u, "index": i}, "sample": {"uuid": u, "usage_mw": 78000}}
+                                        for i, u in enumerate(uuids)],
+            "backend_info": {"fabric": {u: {"state": 0} for u in uuids}}}
+
+
+def test_the_session_counts_gpus_not_uuid_strings(tmp_path: Path) -> None:
+    """Issue 32: one H200 was reported as "2 GPU(s) sampled" (uuid counted twice per GPU)."""
+    import json
+
+    sys.path.insert(0, str(ROOT))
+    from bench.gpu_report import gpu_count
+
+    one = _probe("GPU-0f98e174")
+    assert json.dumps(one).count('"uuid"') == 2  # what the old count saw
+    assert gpu_count(one) == 1
+    assert gpu_count(_probe(*(f"GPU-{i}" for i in range(8)))) == 8
+    assert gpu_count(_probe()) == 0
+    for bad, why in (({}, "no 'gpus' list"), ({"gpus": [{"sample": {}}]}, r"gpus\[0\] has no static.uuid"),
+                     (_probe("GPU-a", "GPU-a"), "lists a GPU twice")):
+        with pytest.raises(ValueError, match=why):
+            gpu_count(bad)
+    # the script calls it so, and prints its number
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps(_probe("GPU-a", "GPU-b")))
+    out = subprocess.run([sys.executable, "bench/gpu_report.py", "gpus", str(path)], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert (out.returncode, out.stdout.strip()) == (0, "2")
+    path.write_text("{")
+    out = subprocess.run([sys.executable, "bench/gpu_report.py", "gpus", str(path)], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert out.returncode == 1 and "unreadable" in out.stderr
+    assert "bench/gpu_report.py gpus" in (ROOT / "bench/gpu_session.sh").read_text()

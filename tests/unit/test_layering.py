@@ -137,6 +137,8 @@ RULES = [
                                "ntp_manager.server", "ntp_manager.demo", "agent")),
     (("agent",), ("ntp_manager.store", "ntp_manager.service", "ntp_manager.api", "ntp_manager.cli",
                   "ntp_manager.server", "ntp_manager.demo", "ntp_manager.worker")),
+    # the agent and the worker reach the manager through the contract's client, never the server's rpc/
+    (("agent", "ntp_manager.worker"), ("ntp_manager.rpc",)),
 ]
 
 
@@ -151,3 +153,30 @@ def test_the_demo_uses_only_the_agents_entry_point(demo: str) -> None:
     # agent.local is the agent's public in-process entry point; its internals stay its own
     used = {t for t in GRAPH[demo] if _under(t, ("agent",))}
     assert used == {"agent.local"}
+
+
+# what crosses a process boundary (issue 35): the contract imports none of the three processes
+CONTRACT = "ntp_manager.contract"
+
+
+def test_the_contract_imports_only_itself() -> None:
+    assert GRAPH[f"{CONTRACT}.client"] == {f"{CONTRACT}.tls"}  # the reader sees the contract's own edges
+    bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items() if _under(m, (CONTRACT,))
+                 for t in ts if not _under(t, (CONTRACT,)))
+    assert bad == []
+
+
+def test_the_agent_and_the_worker_share_one_manager_client() -> None:
+    """Both import the manager client from the contract, and neither opens a gRPC channel itself
+    (its keepalive, TLS and failover would diverge from the other's again)."""
+    assert f"{CONTRACT}.client" in GRAPH["agent.core"]
+    assert f"{CONTRACT}.client" in GRAPH["ntp_manager.worker.sources"]
+    opens: list[str] = []
+    for name, path in MODULES.items():
+        if not _under(name, ("agent", "ntp_manager.worker")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("insecure_channel", "secure_channel",
+                                                                 "ssl_channel_credentials"):
+                opens.append(f"{name}: {node.attr}")
+    assert opens == []

@@ -5,6 +5,7 @@ GPU numbers mapped to UUIDs through the agent's state file, the job spec to regi
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,9 @@ from ntp_manager.worker.slurm_env import (
     job_name,
     load_spec,
     map_gpus,
+    read_agent_state,
     read_step,
+    wait_for_store,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,7 +94,9 @@ def test_ntp_run_slurm_refuses_with_one_line(tmp_path: Path) -> None:
     base = ["--agent-state", str(tmp_path / "agent-{node}.json"), "--store-port", "29999"]
     for env, args, msg in [
         ({}, base, "not set: start ntp-run with srun"),
-        (STEP, ["--store-port", "29999", "--agent-state", str(tmp_path / "none.json")], "no agent state file"),
+        (STEP, ["--store-port", "29999", "--agent-state", str(tmp_path / "none.json"), "--slurm-wait", "0"],
+         "no agent state file"),
+        (STEP, [*base, "--slurm-wait", "-1"], "--slurm-wait: -1 is not within 0..3600"),
         (STEP, ["--agent-state", str(st)], "needs --store-port"),
         (STEP, [*base, "--gpus", "GPU-1"], "leave --gpus"),
         ({**STEP, "SLURM_NODEID": "0"}, [*base, "--job-spec", str(tmp_path / "j.yaml")], "needs --manager-http"),
@@ -99,3 +104,68 @@ def test_ntp_run_slurm_refuses_with_one_line(tmp_path: Path) -> None:
         r = run(env, *args)
         assert r.returncode == 2 and r.stderr.startswith("ntp-run: error: ") and msg in r.stderr, (args, r.stderr)
         assert r.stderr.count("\n") == 1  # one line, no traceback
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_late_agent_state_file_is_waited_for_with_one_line_and_a_bound(tmp_path: Path) -> None:
+    tpl = str(tmp_path / "agent-{node}.json")
+    said: list[str] = []
+    naps: list[float] = []
+
+    def agent_comes_up(s: float) -> None:  # the agent writes its file while ntp-run waits
+        naps.append(s)
+        if len(naps) == 3:
+            (tmp_path / "agent-sn2.json").write_text(json.dumps(state()))
+
+    doc, path = read_agent_state(tpl, "sn2", 60.0, said.append, agent_comes_up)
+    assert doc["node"] == "sn2" and path == str(tmp_path / "agent-sn2.json") and len(naps) == 3
+    assert len(said) == 1 and said[0].startswith("waiting up to 60s for the agent's state file at ")
+    said.clear()
+    with pytest.raises(SlurmEnvError, match=r"no agent state file at .*agent-sn9.json after waiting 0.2s"):
+        read_agent_state(tpl, "sn9", 0.2, said.append)
+    assert len(said) == 1 and "agent-sn9.json" in said[0]
+    (tmp_path / "agent-sn3.json").write_text("{")  # there but not the agent's: refused at once, not waited for
+    with pytest.raises(SlurmEnvError, match="cannot read the agent's state"):
+        read_agent_state(tpl, "sn3", 60.0, said.append, lambda s: pytest.fail("waited"))
+
+
+def test_node_0s_store_is_waited_for_with_one_line_and_a_bound() -> None:
+    port = _free_port()
+    said: list[str] = []
+    server: list[socket.socket] = []
+
+    def node_0_comes_up(s: float) -> None:  # node 0's ntp-run starts listening while this node waits
+        if not server:
+            server.append(socket.create_server(("127.0.0.1", port)))
+
+    try:
+        wait_for_store("127.0.0.1", port, 60.0, said.append, node_0_comes_up)
+    finally:
+        for x in server:
+            x.close()
+    assert len(said) == 1 and said[0] == f"waiting up to 60s for node 0's store at 127.0.0.1:{port} (node 0's " \
+                                         "ntp-run not up yet)"
+    with pytest.raises(SlurmEnvError, match=rf"node 0's store at 127.0.0.1:{port} did not come up within 0.3s"):
+        wait_for_store("127.0.0.1", port, 0.3, said.append)
+    with pytest.raises(SlurmEnvError, match="does not resolve"):
+        wait_for_store("no-such-host.invalid", port, 60.0, said.append)
+
+
+def test_ntp_run_slurm_on_a_node_up_before_node_0_waits_then_stops_with_one_error_line(tmp_path: Path) -> None:
+    (tmp_path / "agent-sn2.json").write_text(json.dumps(state()))
+    port = _free_port()  # nothing listens: node 0's ntp-run never comes up
+    env = {"PATH": "/usr/bin:/bin", **STEP, "SLURM_LAUNCH_NODE_IPADDR": "127.0.0.1", "NTP_TOKEN": "t"}
+    args = ["--slurm", "--manager", "127.0.0.1:1", "--agent-state", str(tmp_path / "agent-{node}.json"),
+            "--store-port", str(port), "--slurm-wait", "1", "examples/train_tiny_gpt.py"]
+    r = subprocess.run([sys.executable, "-m", "ntp_manager.worker.run", *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, env=env)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2, r.stderr
+    assert len(lines) == 2 and f"waiting up to 1s for node 0's store at 127.0.0.1:{port}" in lines[0], r.stderr
+    assert lines[1].startswith(f"ntp-run: error: node 0's store at 127.0.0.1:{port} did not come up within 1s"), \
+        r.stderr

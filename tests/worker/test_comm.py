@@ -400,3 +400,134 @@ def test_the_default_group_connects_lazily_and_a_dead_peer_still_fails_at_once()
         assert not env_left and total == world
     for r, (what, out) in after.items():
         assert what == "raised" and out[0], (r, what, out)  # a comm failure the runtime recovers from
+
+
+# ---- FlatExchange: coalesced point to point ------------------------------------------------------
+def _payload(src: int, dst: int) -> list[torch.Tensor]:
+    """What rank `src` sends rank `dst`: mixed dtypes, an empty tensor, sizes around a 4 KiB chunk."""
+    g = torch.Generator().manual_seed(100 * src + dst)
+    return [torch.randn(37, 50, generator=g),  # 7400 bytes: crosses a chunk
+            torch.randint(-(2**40), 2**40, (300,), generator=g),  # int64
+            torch.empty(0),
+            torch.randn(64, generator=g).to(torch.bfloat16),
+            torch.rand(33, generator=g) > 0.5,  # bool: one byte each
+            torch.randn(8, 16, generator=g)]
+
+
+def _flat_comm_worker(rank: int, world: int, port: int, staged: bool, q: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=dt.timedelta(seconds=60))
+    comm.configure(force_staging=staged, chunk_bytes=4096)
+    out: dict[str, Any] = {}
+    ops: list[P2P] = []
+    got: dict[int, list[torch.Tensor]] = {}
+    for peer in range(world):
+        if peer == rank:
+            continue
+        ops += [P2P(True, t, peer) for t in _payload(rank, peer)]
+        like = _payload(peer, rank)
+        recv = [torch.zeros_like(t) for t in like]
+        recv[-1] = torch.zeros(16, 8).t()  # a strided target: received into a temporary, copied in
+        got[peer] = recv
+        ops += [P2P(False, t, peer) for t in recv]
+    msgs = comm.stats.p2p_messages
+    ex = comm.FlatExchange(ops)
+    ex.start().wait()
+    ex.wait()  # a second wait does nothing
+    out["messages"] = (comm.stats.p2p_messages - msgs, ex.messages, ex.rounds)
+    out["ok"] = all(torch.equal(a, b) for peer, recv in got.items() for a, b in zip(recv, _payload(peer, rank),
+                                                                                         strict=True))
+    out["kept"] = comm._flat_pool.bytes
+    comm.release_buffers()  # a switch: the chunk buffers stay
+    out["kept_after_release"] = comm._flat_pool.bytes
+    hits = comm.stats.pool_hits
+    comm.FlatExchange(ops).start().wait()
+    out["reused"] = comm.stats.pool_hits - hits
+    out["zero_copy"] = comm.stats.flat_zero_copy
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_flat_exchange_moves_mixed_dtypes_in_chunks_per_peer_pair(staged: bool):
+    """Three ranks, everyone to everyone: each pair's tensors (five dtypes, an empty one, a strided
+    receive target) travel as one byte stream per direction cut into 4 KiB chunks, and arrive
+    exactly; the chunk buffers survive release_buffers() and serve the next exchange."""
+    world = 3
+    q = worker_context().SimpleQueue()
+    mp.start_processes(_flat_comm_worker, args=(world, free_port(), staged, q), nprocs=world, join=True,
+                       start_method="forkserver")
+    res = dict(q.get() for _ in range(world))
+    per_pair = sum(t.numel() * t.element_size() for t in _payload(0, 1))
+    chunks = -(-per_pair // 4096)
+    for rank, out in res.items():
+        assert out["ok"], rank
+        posted, counted, rounds = out["messages"]
+        assert posted == counted == 2 * (world - 1) * chunks  # per peer: a send and a receive stream
+        assert rounds == chunks
+        assert out["kept"] > 0 and out["kept_after_release"] == out["kept"]
+        assert out["reused"] >= 2 * (world - 1)
+        assert (out["zero_copy"] > 0) == (not staged)  # the 7400-byte tensor's chunk-sized stretch
+
+
+def test_chunk_size_out_of_bounds_is_refused_with_its_name(monkeypatch: pytest.MonkeyPatch):
+    with pytest.raises(ValueError, match="chunk_bytes=10: a message chunk must be between"):
+        comm.configure(chunk_bytes=10)
+    with pytest.raises(ValueError, match="NTP_COMM_CHUNK_BYTES='lots' is not a whole number"):
+        comm._chunk_from_env("lots")
+    with pytest.raises(ValueError, match="NTP_COMM_CHUNK_BYTES=1099511627776"):
+        comm._chunk_from_env(str(1 << 40))
+    assert comm._chunk_from_env("") == comm.CHUNK_BYTES
+
+
+def _nccl_flat_worker(rank: int, world: int, port: int, q: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    feats = comm.detect_features()
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    comm.configure(device=device)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=dt.timedelta(seconds=60))
+    comm.init_default_group("nccl", dist.PrefixStore("v1", store), rank, world, dt.timedelta(seconds=60), device,
+                            feats)
+    dist.barrier()
+    calls: list[int] = []
+    real = dist.batch_isend_irecv
+
+    def spy(ops: list[Any]) -> Any:
+        calls.append(len(ops))
+        return real(ops)
+
+    dist.batch_isend_irecv = spy  # type: ignore[assignment]
+    out: dict[str, Any] = {}
+    for chunk in (comm.CHUNK_BYTES, 4096):
+        comm.configure(chunk_bytes=chunk)
+        ops: list[P2P] = []
+        got: dict[int, list[torch.Tensor]] = {}
+        for peer in range(world):
+            if peer != rank:
+                ops += [P2P(True, t.to(device), peer) for t in _payload(rank, peer)]
+                got[peer] = [torch.zeros_like(t, device=device) for t in _payload(peer, rank)]
+                ops += [P2P(False, t, peer) for t in got[peer]]
+        calls.clear()
+        ex = comm.FlatExchange(ops)
+        ex.start().wait()
+        out[chunk] = (list(calls), ex.rounds, all(torch.equal(a.cpu(), b) for p, r in got.items()
+                                                  for a, b in zip(r, _payload(p, rank), strict=True)))
+    q.put((rank, out))
+    comm.leave("nccl", feats)
+
+
+@two_gpus
+def test_nccl_flat_exchange_posts_one_group_call_per_round():
+    """A switch's moves on NCCL: one batch_isend_irecv per round, holding one send and one receive
+    per peer pair -- with the default chunk a single group call for the whole reshard."""
+    world = 2
+    q = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_nccl_flat_worker, args=(world, free_port(), q), nprocs=world, join=True, start_method="spawn")
+    res = dict(q.get() for _ in range(world))
+    per_pair = sum(t.numel() * t.element_size() for t in _payload(0, 1))
+    for rank, out in res.items():
+        calls, rounds, ok = out[comm.CHUNK_BYTES]
+        assert ok and rounds == 1 and calls == [2 * (world - 1)], (rank, calls)
+        calls, rounds, ok = out[4096]
+        assert ok and rounds == -(-per_pair // 4096) and calls == [2 * (world - 1)] * rounds, (rank, calls)

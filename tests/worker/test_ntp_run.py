@@ -39,6 +39,9 @@ def test_ntp_run_refuses_bad_arguments() -> None:
         (["--nproc", "2", "--local-ranks-filter", "a", "examples/train_hf_llama.py"], "comma-separated local ranks"),
         (["--nproc", "2", "--local-ranks-filter", "0,5", "examples/train_hf_llama.py"], "no local rank 5"),
         (["--nproc", "2", "--log-dir", "README.md", "examples/train_hf_llama.py"], "not a directory"),
+        (["--nproc", "2", "--tls-ca", "README.md", "examples/train_hf_llama.py"], "--tls-ca README.md: not a PEM"),
+        (["--nproc", "2", "--tls-cert", "c.pem", "examples/train_hf_llama.py"], "--tls-cert and --tls-key go together"),
+        (["--nproc", "2", "--tls-ca", "no/ca.pem", "examples/train_hf_llama.py"], "--tls-ca no/ca.pem: cannot read"),
     ]:
         r = run(*args)
         assert r.returncode == 2 and msg in r.stderr, (args, r.stderr)

@@ -7,6 +7,9 @@ unknown schedule)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given
@@ -15,14 +18,20 @@ from torch import nn
 
 from ntp_manager.worker.pipeline import (
     SCHEDULES,
+    Comm,
+    Msg,
     Op,
+    StageLinks,
+    Step,
     activation_peers,
+    comm_phases,
     micro_batches,
     peak_live,
     schedule_ops,
     split_layers,
     stage_module,
     stage_plan,
+    stage_steps,
 )
 from ntp_manager.worker.plans import plan_for
 from ntp_manager.worker.recompute import RecomputeError, enable_recompute
@@ -119,6 +128,112 @@ def test_stages_on_different_schedules_would_pair_the_wrong_micro_batches() -> N
     stage on GPipe and the next on 1F1B the gradients of equal shapes come back in another order."""
     with pytest.raises(AssertionError, match="with the message of micro-batch"):
         simulate(["gpipe", "1f1b"], 3)
+
+
+def simulate_blocking(degrees: list[int], kind: str, n_micro: int,
+                      steps_of: Callable[[str, int, int, int], list[Step]] = stage_steps) -> None:
+    """Every rank of a replica whose stages have TP `degrees` runs its `steps_of` (the runtime's:
+    `stage_steps`) with the messages `comm_phases` gives it, sends modelled as NCCL's can block: a
+    group of messages posted together completes only once each message's counterpart has been
+    posted by the peer (a send's receive, a receive's send), and a rank posts nothing more until
+    its group completes (NCCL runs a rank's point-to-point groups in order). Each operation is a
+    barrier of its stage's ranks (their TP all-reduces). Each (sender, receiver) channel pairs its
+    messages in order; asserts that every receive gets the message it expects and that no rank
+    ever waits for good (a send whose receive the peer would post only after it)."""
+    n = len(degrees)
+    ranks = [[sum(degrees[:s]) + j for j in range(d)] for s, d in enumerate(degrees)]
+    # each rank's program: ("msgs", [Msg...]) groups and ("op", stage, Op) barriers
+    prog: dict[int, list[tuple[str, Any]]] = {}
+    for s in range(n):
+        for j, r in enumerate(ranks[s]):
+            links = StageLinks.of(ranks, s, j, None)
+            prog[r] = []
+            for step in steps_of(kind, n, s, n_micro):
+                if isinstance(step, Comm):
+                    prog[r] += [("msgs", g) for g in comm_phases(step, links) if g]
+                else:
+                    prog[r].append(("op", (s, step)))
+    pos = dict.fromkeys(prog, 0)
+    matched: dict[int, set[int]] = {r: set() for r in prog}  # message indices of the current group
+    sends: dict[tuple[int, int], list[tuple[int, int, str, int]]] = {}  # (src, dst) -> posted, unmatched
+    recvs: dict[tuple[int, int], list[tuple[int, int, str, int]]] = {}
+
+    def post(r: int) -> None:
+        if pos[r] < len(prog[r]) and prog[r][pos[r]][0] == "msgs":
+            for i, (send, peer, what, k) in enumerate(prog[r][pos[r]][1]):
+                ch = (r, peer) if send else (peer, r)
+                (sends if send else recvs).setdefault(ch, []).append((r, i, what, k))
+
+    for r in prog:
+        post(r)
+    while any(pos[r] < len(prog[r]) for r in prog):
+        moved = False
+        for ch in list(sends):  # pair the posted messages of each channel, in order
+            while sends.get(ch) and recvs.get(ch):
+                (sr, si, sw, sk), (rr, ri, rw, rk) = sends[ch].pop(0), recvs[ch].pop(0)
+                assert (sw, sk) == (rw, rk), f"rank {rr} receives {rw}{rk} from {ch[0]}, which sent {sw}{sk}"
+                matched[sr].add(si)
+                matched[rr].add(ri)
+                moved = True
+        for r in prog:
+            if pos[r] >= len(prog[r]):
+                continue
+            what, body = prog[r][pos[r]]
+            if what == "msgs":
+                done = len(matched[r]) == len(body)
+            else:  # an operation: every rank of the stage is at it
+                s = body[0]
+                done = all(pos[q] < len(prog[q]) and prog[q][pos[q]] == ("op", body) for q in ranks[s])
+            if done:
+                if what == "op":  # the whole stage passes the barrier together
+                    for q in ranks[body[0]]:
+                        pos[q] += 1
+                        post(q)
+                else:
+                    matched[r] = set()
+                    pos[r] += 1
+                    post(r)
+                moved = True
+        stuck = {r: prog[r][pos[r]] for r in prog if pos[r] < len(prog[r])}
+        assert moved, f"deadlock: {stuck}"
+    assert not any(sends.values()) and not any(recvs.values())
+
+
+def _apart(kind: str, n_stages: int, stage: int, n_micro: int) -> list[Step]:
+    """The order before the fix: an operation's sends posted on their own right after it, the
+    next operation's receive on its own."""
+    out: list[Step] = []
+    for step in stage_steps(kind, n_stages, stage, n_micro):
+        if isinstance(step, Comm):
+            out += [c for c in (Comm(send_out=step.send_out, send_grad=step.send_grad),
+                                Comm(recv_grad=step.recv_grad, recv_in=step.recv_in)) if c != Comm()]
+        else:
+            out.append(step)
+    return out
+
+
+@given(st.lists(st.integers(1, 3), min_size=1, max_size=5), st.integers(1, 9), st.sampled_from(SCHEDULES))
+def test_schedules_complete_when_sends_block_as_on_nccl(degrees: list[int], n_micro: int, kind: str) -> None:
+    simulate_blocking(degrees, kind, n_micro)
+
+
+def test_sends_posted_apart_from_the_next_receive_deadlock_1f1b_when_sends_block() -> None:
+    """The negative control: with each send posted before the peer's matching receive, 1F1B's
+    steady state hangs (stage s sends output k, then wants gradient i; stage s+1 sends gradient i,
+    then wants input k), as it did on NCCL; GPipe's order happens to survive it."""
+    with pytest.raises(AssertionError, match="deadlock"):
+        simulate_blocking([1, 1], "1f1b", 2, _apart)
+    with pytest.raises(AssertionError, match="deadlock"):
+        simulate_blocking([2, 1, 2], "1f1b", 6, _apart)
+    simulate_blocking([1, 1, 1], "gpipe", 4, _apart)
+    # the schedule's steps: every comm carries the previous operation's sends and the next one's receive
+    assert stage_steps("1f1b", 2, 0, 2) == [("F", 0), Comm(send_out=0), ("F", 1), Comm(send_out=1, recv_grad=0),
+                                            ("B", 0), Comm(recv_grad=1), ("B", 1)]
+    assert stage_steps("1f1b", 2, 1, 2) == [Comm(recv_in=0), ("F", 0), ("B", 0), Comm(send_grad=0, recv_in=1),
+                                            ("F", 1), ("B", 1), Comm(send_grad=1)]
+    links = StageLinks.of([[0, 1], [2]], 0, 0, None)  # stage 0 at TP2 sends to stage 1's only rank
+    msgs: list[list[Msg]] = comm_phases(Comm(send_out=3, recv_grad=2), links)
+    assert msgs == [[(True, 2, "head", 3), (True, 2, "act", 3), (False, 2, "grad", 2)]]
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])

@@ -82,10 +82,11 @@ def router(manager: Manager) -> APIRouter:
         return {"open": m.breaker_open, "reason": m.breaker_reason}
 
     @r.get("/slurm")
-    async def slurm(_: Viewer) -> dict[str, Any]:
+    async def slurm(_: Viewer, limit: Limit = 100) -> dict[str, Any]:
         """What ntp-manager does to Slurm (docs/slurm.md): the nodes it wants drained and why, those
-        it drained, those it holds back (and why), the last error."""
-        return m.slurm.status()
+        it drained, those it holds back (and why), the last error; at most `limit` of each, with
+        `counts` of all."""
+        return m.slurm.status(limit)
 
     @r.post("/breaker/reset", responses=E4)
     async def breaker_reset(request: Request, body: ReasonBody, who: Operator, key: IdemKey = None) -> Response:

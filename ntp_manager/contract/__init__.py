@@ -1,0 +1,11 @@
+"""What crosses a process boundary between the manager, its agents and the workers.
+
+Each of the three imports the others only through this package (tests/unit/test_layering.py):
+
+- `contract.tls`: client TLS/mTLS credentials from PEM files (`TlsFiles`, `channel_credentials`).
+- `contract.client`: the one manager client the agent and the worker share: channels with the
+  keepalive options, TLS, the addresses of a leader and its standbys, leader hints and failover.
+
+Nothing here imports FastAPI, SQLAlchemy or torch: a worker's or an agent's installation
+(`pip install ntp-manager[worker]`) has what this package needs.
+"""
