@@ -124,19 +124,19 @@ def test_no_import_cycles() -> None:
 
 PURE = ("ntp_manager.topology", "ntp_manager.planner", "ntp_manager.detect", "ntp_manager.sim")
 ABOVE_STORE = ("ntp_manager.service", "ntp_manager.api", "ntp_manager.rpc", "ntp_manager.cli", "ntp_manager.server",
-               "ntp_manager.demo", "ntp_manager.demo_slow", "ntp_manager.planner_demo", "ntp_manager.worker", "agent")
+               "ntp_manager.demos", "ntp_manager.worker", "agent")
 
 # (layer, what it must not import)
 RULES = [
     (PURE, ("ntp_manager.store", *ABOVE_STORE)),
     (("ntp_manager.store",), ABOVE_STORE),
     (("ntp_manager.service",), ABOVE_STORE[1:]),
-    (("ntp_manager.api", "ntp_manager.rpc"), ("ntp_manager.cli", "ntp_manager.server", "ntp_manager.demo",
+    (("ntp_manager.api", "ntp_manager.rpc"), ("ntp_manager.cli", "ntp_manager.server", "ntp_manager.demos",
                                               "ntp_manager.worker", "agent")),
     (("ntp_manager.worker",), ("ntp_manager.store", "ntp_manager.service", "ntp_manager.api", "ntp_manager.cli",
-                               "ntp_manager.server", "ntp_manager.demo", "agent")),
+                               "ntp_manager.server", "ntp_manager.demos", "agent")),
     (("agent",), ("ntp_manager.store", "ntp_manager.service", "ntp_manager.api", "ntp_manager.cli",
-                  "ntp_manager.server", "ntp_manager.demo", "ntp_manager.worker")),
+                  "ntp_manager.server", "ntp_manager.demos", "ntp_manager.worker")),
     # the agent and the worker reach the manager through the contract's client, never the server's rpc/
     (("agent", "ntp_manager.worker"), ("ntp_manager.rpc",)),
 ]
@@ -148,7 +148,7 @@ def test_imports_point_downward(layer: tuple[str, ...], banned: tuple[str, ...])
     assert bad == []
 
 
-@pytest.mark.parametrize("demo", ["ntp_manager.demo", "ntp_manager.demo_slow"])
+@pytest.mark.parametrize("demo", ["ntp_manager.demos.demo", "ntp_manager.demos.demo_slow"])
 def test_the_demo_uses_only_the_agents_entry_point(demo: str) -> None:
     # agent.local is the agent's public in-process entry point; its internals stay its own
     used = {t for t in GRAPH[demo] if _under(t, ("agent",))}
