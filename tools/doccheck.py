@@ -539,7 +539,7 @@ class Checker:
                         yield f"{sn.context} has no option {flag} (in no subcommand either)"
 
     def _names(self, text: str) -> Iterator[str]:
-        """`suspect_after_s`, `make_plan(...)`, `planner.ranks`, `XidPolicy.default()`: in the code."""
+        """`suspect_after_s`, `make_plan(...)`, `contract.ranks`, `XidPolicy.default()`: in the code."""
         # a message and its fields (`Welcome{a, b}`), a metric and its labels (`ntp_x_seconds{job}`)
         msg = re.fullmatch(r"([A-Za-z_]\w*)\{([\w\s,]*)\}", text)
         if msg is not None:

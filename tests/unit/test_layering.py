@@ -180,3 +180,44 @@ def test_the_agent_and_the_worker_share_one_manager_client() -> None:
                                                                  "ssl_channel_credentials"):
                 opens.append(f"{name}: {node.attr}")
     assert opens == []
+
+
+def _external_imports(path: Path) -> set[str]:
+    """Top-level names of what a module imports from outside the package (ignoring TYPE_CHECKING)."""
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+    visit(ast.parse(path.read_text()))
+    return out - {"ntp_manager", "agent", "__future__"}
+
+
+def test_the_contract_the_pure_layers_use_is_pure_too() -> None:
+    """Rank numbering and the unit map moved from planner/ into the contract (issue 35): what the
+    planner and topology import from it (and the contract package's __init__, run on any import of
+    it) imports the standard library only, never grpc, protobuf or torch."""
+    import sys
+    used = {t for m, ts in GRAPH.items() if _under(m, PURE) for t in ts if _under(t, (CONTRACT,))}
+    assert {f"{CONTRACT}.ranks", f"{CONTRACT}.ntp_map"} <= used  # the reader sees the planner's edges
+    bad = sorted(f"{m} imports {x}" for m in (*used, CONTRACT) for x in _external_imports(MODULES[m])
+                 if x not in sys.stdlib_module_names)
+    bad += sorted(f"{m} -> {t}" for m in used for t in GRAPH[m] if t not in used)
+    assert bad == []
+
+
+def test_the_worker_takes_ranks_and_unit_maps_only_from_the_contract() -> None:
+    """The worker numbers ranks and maps units with the contract's modules, not the manager's planner."""
+    assert f"{CONTRACT}.ranks" in GRAPH["ntp_manager.worker.sources"]
+    assert f"{CONTRACT}.ntp_map" in GRAPH["ntp_manager.worker.sync"]
+    bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items() if _under(m, ("ntp_manager.worker",))
+                 for t in ts if _under(t, ("ntp_manager.planner",)))
+    assert bad == []
