@@ -221,3 +221,20 @@ def test_the_worker_takes_ranks_and_unit_maps_only_from_the_contract() -> None:
     bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items() if _under(m, ("ntp_manager.worker",))
                  for t in ts if _under(t, ("ntp_manager.planner",)))
     assert bad == []
+
+
+def test_the_agent_and_the_worker_take_gpu_states_only_from_the_contract() -> None:
+    """GPU states cross the agent/manager boundary: the agent and the worker import them from the
+    contract, never through the manager's topology (nor the unit map or rank numbering elsewhere)."""
+    assert f"{CONTRACT}.gpu" in GRAPH["agent.core"]
+    contract_names = {"GpuState", "NtpMap", "Transfer", "Range", "even_chunks", "ntp_map", "sync_groups",
+                      "stage_ranks", "global_rank", "locate", "check_degrees", "world_size"}
+    bad: list[str] = []
+    for name, path in MODULES.items():
+        if not _under(name, ("agent", "ntp_manager.worker")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith(CONTRACT):
+                bad += [f"{name}: {a.name} from {node.module}" for a in node.names if a.name in contract_names
+                        and node.module.startswith("ntp_manager")]
+    assert bad == []

@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner import Scheme, make_plan
 from ntp_manager.planner.export import plan_to_dict
 from ntp_manager.planner.layout import AsideDoc, GroupDoc, LayoutDoc, MovesDoc, ReplicaDoc
 from ntp_manager.store import layout_codec as codec
-from ntp_manager.topology import GpuState
 from tests.fakes.builders import cluster_from_counts, job
 
 UUIDS = [f"GPU-{i:04d}-{'x' * (i % 3)}" for i in range(300)]
