@@ -47,17 +47,17 @@ $(SLURM_STAMP): | $(BIN)/python
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m ntp_manager.demo
+	$(BIN)/python -m ntp_manager.demos.demo
 
 # Two managers on PostgreSQL (a fresh database on NTP_HA_DEMO_POSTGRES, default the local server),
 # the leader SIGKILLed while the demo job trains; no Docker needed (docker-compose.yml: the same
 # with containers, `docker compose up`).
 ha-demo: $(STAMP)
-	$(BIN)/python -m ntp_manager.ha_demo
+	$(BIN)/python -m ntp_manager.demos.ha_demo
 
 # Fail-slow (issue 21): one rank made slow, detected, its GPU degraded, the layout changed.
 slow-demo: $(STAMP)
-	$(BIN)/python -m ntp_manager.demo_slow
+	$(BIN)/python -m ntp_manager.demos.demo_slow
 
 lint: $(STAMP)
 	$(BIN)/ruff check ntp_manager agent tests bench examples tools

@@ -51,8 +51,8 @@ from agent.power import PowerController
 from agent.state import STATE_EVERY_S, expand, write_state
 from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from ntp_manager.contract.client import ManagerClient, code_of
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.contract.tls import TlsFiles
-from ntp_manager.topology import GpuState
 
 log = structlog.get_logger("ntp.agent")
 

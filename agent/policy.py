@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from ntp_manager.topology import GpuState
+from ntp_manager.contract.gpu import GpuState
 
 
 class XidAction(StrEnum):

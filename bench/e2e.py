@@ -26,7 +26,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ntp_manager import demo
+from ntp_manager.demos import demo
 
 PARTS = ["detection", "plan", "push + regroup", "reshard", "first step"]
 

@@ -35,9 +35,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner import JobSpec, Plan, Scheme, diff_assignments, make_plan
 from ntp_manager.sim import FailureModel, SimSetup, make_trace, preset, preset_cluster
-from ntp_manager.topology import DEFAULT_POWER, Cluster, GpuState, PowerLimits, generate_cluster
+from ntp_manager.topology import DEFAULT_POWER, Cluster, PowerLimits, generate_cluster
 
 SIZES = [8_192, 32_768, 100_000, 1_000_000]
 SHAPES = [("NVL32", 32, 32), ("NVL72", 72, 64)]  # (name, domain size, TP)

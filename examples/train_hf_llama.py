@@ -170,7 +170,7 @@ def check(env: Any, rt: Any, losses: dict[int, float], args: argparse.Namespace)
 
 # ---- the whole system on this machine --------------------------------------------------------------
 def demo(args: argparse.Namespace) -> int:
-    from ntp_manager.demo import stop_on_signals
+    from ntp_manager.demos.demo import stop_on_signals
 
     with stop_on_signals():  # Ctrl-C or SIGTERM: every process stopped, quietly
         return _demo(args)
@@ -183,7 +183,7 @@ def _demo(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from agent.local import FakeFleet
-    from ntp_manager.demo import NODES, create_token, demo_logs, manager_process, wait
+    from ntp_manager.demos.demo import NODES, create_token, demo_logs, manager_process, wait
     from ntp_manager.worker.env import pid_key, progress_key
 
     root = Path(tempfile.mkdtemp(prefix="ntp-llama-"))

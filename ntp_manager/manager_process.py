@@ -1,5 +1,5 @@
 """An `ntp-manager serve` child process, for the programs that start managers and wait on them:
-the HA demo (ha_demo.py), the HA benchmark (bench/ha.py) and the HA fault tests.
+the HA demo (demos/ha_demo.py), the HA benchmark (bench/ha.py) and the HA fault tests.
 
 `serve` prints one line when it listens (`NTP-MANAGER READY {json}`: its addresses, its role and
 epoch) and a standby one more when it takes over (`NTP-MANAGER LEADING {json}`: its epoch). Its

@@ -43,6 +43,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
 from ntp_manager import limits
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner.spec import (
     CHECKPOINT_DIR_MAX,
     CHECKPOINT_INTERVAL_MAX,
@@ -53,16 +54,7 @@ from ntp_manager.planner.spec import (
     PowerModel,
     Scheme,
 )
-from ntp_manager.topology import (
-    Cluster,
-    Domain,
-    Gpu,
-    GpuState,
-    PowerLimits,
-    TopologyError,
-    generate_cluster,
-    synthetic_gpu_uuid,
-)
+from ntp_manager.topology import Cluster, Domain, Gpu, PowerLimits, TopologyError, generate_cluster, synthetic_gpu_uuid
 
 
 class SpecError(ValueError):

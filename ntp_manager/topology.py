@@ -20,36 +20,14 @@ from __future__ import annotations
 import uuid as _uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 from functools import cached_property
+
+from ntp_manager.contract.gpu import GpuState
 
 
 class TopologyError(ValueError):
     """A cluster description is inconsistent (duplicate UUID, unknown GPU, bad sizes)."""
 
-
-class GpuState(StrEnum):
-    HEALTHY = "healthy"
-    SUSPECT = "suspect"
-    DEGRADED = "degraded"
-    FAILED = "failed"
-    CORDONED = "cordoned"
-    DRAINING = "draining"
-    MAINTENANCE = "maintenance"
-
-    @property
-    def placeable(self) -> bool:
-        """True when the planner may give this GPU TP work."""
-        return self in _PLACEABLE
-
-    @property
-    def operator_state(self) -> bool:
-        """States that only an operator sets and clears (automation never undoes them)."""
-        return self in _OPERATOR_STATES
-
-
-_PLACEABLE = frozenset({GpuState.HEALTHY, GpuState.SUSPECT})
-_OPERATOR_STATES = frozenset({GpuState.CORDONED, GpuState.DRAINING, GpuState.MAINTENANCE})
 
 DEFAULT_TDP_W = 1000.0
 _UUID_NAMESPACE = _uuid.UUID("6f1c4b1e-2f0a-4d55-9a43-6a0c8d7e5b21")

@@ -156,13 +156,13 @@ def module_command(module: str) -> Cmd | None:
 
 
 def every_flag(clis: dict[str, Cmd]) -> set[str]:
-    """Flags of the console scripts, of `python -m ntp_manager.X` commands, and those the example and
-    bench scripts spell out (`"--steps"`, or a typer parameter `fail_at: ... typer.Option`)."""
+    """Flags of the console scripts, of `python -m ntp_manager.X` (and `ntp_manager.demos.X`) commands, and those the
+    example and bench scripts spell out (`"--steps"`, or a typer parameter `fail_at: ... typer.Option`)."""
     flags = {f for c in clis.values() for f in _all_flags(c)}
-    for path in (ROOT / "ntp_manager").glob("*.py"):
+    for path in [*(ROOT / "ntp_manager").glob("*.py"), *(ROOT / "ntp_manager" / "demos").glob("*.py")]:
         text = path.read_text()
         if "typer.run(main)" in text or "typer.Typer(" in text:
-            cmd = module_command(f"ntp_manager.{path.stem}")
+            cmd = module_command(".".join(path.relative_to(ROOT).with_suffix("").parts))
             if cmd is not None:
                 flags |= _all_flags(cmd)
     for path in [*(ROOT / "examples").glob("*.py"), *(ROOT / "bench").glob("*.py")]:
@@ -539,7 +539,7 @@ class Checker:
                         yield f"{sn.context} has no option {flag} (in no subcommand either)"
 
     def _names(self, text: str) -> Iterator[str]:
-        """`suspect_after_s`, `make_plan(...)`, `planner.ranks`, `XidPolicy.default()`: in the code."""
+        """`suspect_after_s`, `make_plan(...)`, `contract.ranks`, `XidPolicy.default()`: in the code."""
         # a message and its fields (`Welcome{a, b}`), a metric and its labels (`ntp_x_seconds{job}`)
         msg = re.fullmatch(r"([A-Za-z_]\w*)\{([\w\s,]*)\}", text)
         if msg is not None:

@@ -5,6 +5,12 @@ Each of the three imports the others only through this package (tests/unit/test_
 - `contract.tls`: client TLS/mTLS credentials from PEM files (`TlsFiles`, `channel_credentials`).
 - `contract.client`: the one manager client the agent and the worker share: channels with the
   keepalive options, TLS, the addresses of a leader and its standbys, leader hints and failover.
+- `contract.ranks`: how global ranks number the GPUs (replica by replica, stage by stage), which
+  the planner and the workers must agree on; standard library only (the planner imports it).
+- `contract.ntp_map`: the map of a layer's units onto a TP group's ranks, and the sync groups
+  between TP degrees; standard library only (the planner imports it).
+- `contract.gpu`: GPU states (`GpuState`), which agents report and the manager plans with;
+  standard library only (topology imports it).
 
 Nothing here imports FastAPI, SQLAlchemy or torch: a worker's or an agent's installation
 (`pip install ntp-manager[worker]`) has what this package needs.

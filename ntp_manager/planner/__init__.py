@@ -4,7 +4,6 @@ No I/O, no clock, no framework imports: the simulator and the live manager call 
 """
 
 from ntp_manager.planner.moves import MoveSummary, PreviousLayout, diff_assignments
-from ntp_manager.planner.ntp_map import NtpMap, Transfer, even_chunks, ntp_map, sync_groups
 from ntp_manager.planner.plan import GroupPlan, Plan, ReplicaPlan, SetAside, make_plan
 from ntp_manager.planner.spec import PAPER_POWER_CURVE, JobSpec, PlanError, PowerModel, Scheme
 
@@ -13,7 +12,6 @@ __all__ = [
     "GroupPlan",
     "JobSpec",
     "MoveSummary",
-    "NtpMap",
     "Plan",
     "PlanError",
     "PowerModel",
@@ -21,10 +19,6 @@ __all__ = [
     "ReplicaPlan",
     "Scheme",
     "SetAside",
-    "Transfer",
     "diff_assignments",
-    "even_chunks",
     "make_plan",
-    "ntp_map",
-    "sync_groups",
 ]

@@ -9,7 +9,7 @@ string keys. Only the edges turn it into something else: a dict for REST (`to_di
 rpc/, bytes in the store.
 
 Global ranks are the GPUs' positions in `gpus()`: replica by replica (ascending id), stage by
-stage, TP index by TP index, as `planner.ranks.stage_ranks` numbers them for the workers.
+stage, TP index by TP index, as `contract.ranks.stage_ranks` numbers them for the workers.
 
 Records are NamedTuples: immutable, compared field by field in C, and cheaper to make than
 dataclasses (a layout of 100K one-GPU replicas holds 200K of them).
@@ -21,9 +21,9 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import accumulate, pairwise
 from typing import Any, NamedTuple, overload
 
+from ntp_manager.contract.ranks import stage_ranks
 from ntp_manager.planner.moves import PreviousLayout
 from ntp_manager.planner.plan import Plan, SetAside
-from ntp_manager.planner.ranks import stage_ranks
 from ntp_manager.planner.spec import PlanError
 
 PLAN_SCHEMA_VERSION = 1
@@ -192,7 +192,7 @@ class LayoutDoc:
             object.__setattr__(self, name, v)
         for name, v in zip(COLUMNS, columns, strict=True):
             object.__setattr__(self, name, v)
-        # global ranks number the GPUs replica by replica, stage by stage (planner.ranks): a
+        # global ranks number the GPUs replica by replica, stage by stage (contract.ranks): a
         # group's ranks are the running sum of the TP degrees before it
         object.__setattr__(self, "gpu_starts", (0, *accumulate(self.group_tps)))
         ids = self.replica_ids
@@ -248,12 +248,12 @@ class LayoutDoc:
 
     @property
     def degrees(self) -> tuple[tuple[int, ...], ...]:
-        """Per replica, each stage's TP degree (the input of `planner.ranks`)."""
+        """Per replica, each stage's TP degree (the input of `contract.ranks`)."""
         t, st = self.group_tps, self.group_starts
         return tuple(t[st[i] : st[i + 1]] for i in range(len(self.replica_ids)))
 
     def ranks(self) -> list[list[range]]:
-        """[replica index][stage] -> that group's global ranks (`planner.ranks.stage_ranks`)."""
+        """[replica index][stage] -> that group's global ranks (`contract.ranks.stage_ranks`)."""
         return stage_ranks(self.degrees) if self.replica_ids else []
 
     @property

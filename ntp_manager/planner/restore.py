@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ntp_manager.contract.ntp_map import ntp_map
 from ntp_manager.planner.layout import LayoutDoc
-from ntp_manager.planner.ntp_map import ntp_map
 
 Range = tuple[int, int]
 

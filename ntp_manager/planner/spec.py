@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from ntp_manager.planner.ntp_map import max_units_per_rank
+from ntp_manager.contract.ntp_map import max_units_per_rank
 from ntp_manager.planner.steptime import StepModel, StepModelError
 
 

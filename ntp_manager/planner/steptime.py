@@ -49,7 +49,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ntp_manager.planner.ntp_map import max_units_per_rank
+from ntp_manager.contract.ntp_map import max_units_per_rank
 
 
 class StepModelError(ValueError):

@@ -31,6 +31,7 @@ from grpc_reflection.v1alpha import reflection
 from ntp_manager import limits
 from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from ntp_manager.auth import parse_bearer
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.rpc import tls
 from ntp_manager.rpc.guard import GuardInterceptor, abort, code_of, peer_fingerprint, principal_of
 from ntp_manager.rpc.tally import Tally
@@ -40,7 +41,6 @@ from ntp_manager.service.agents import Ack, AgentCommand, Drain, EndStream, Rele
 from ntp_manager.service.errors import InvalidArgument, ServiceError
 from ntp_manager.service.manager import GpuInventory, GpuReport, Manager
 from ntp_manager.service.restores import RestoreReport
-from ntp_manager.topology import GpuState
 
 log = structlog.get_logger("ntp.rpc")
 

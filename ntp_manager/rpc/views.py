@@ -8,7 +8,7 @@ kept: a push to a watcher is a few dict look-ups and a byte concatenation (proto
 merges messages), so the per-version work does not grow with the number of watchers.
 
 Global ranks number GPUs replica by replica (ascending id), stage by stage, TP rank by TP rank
-(`LayoutDoc.ranks`, which is `planner.ranks.stage_ranks`, the function the workers number them
+(`LayoutDoc.ranks`, which is `contract.ranks.stage_ranks`, the function the workers number them
 with). Every summary carries each stage's TP degree, so a worker can find its stage's peers in
 every replica.
 """

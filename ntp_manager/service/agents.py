@@ -18,6 +18,7 @@ from datetime import datetime
 import structlog
 
 from ntp_manager.auth import Principal
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.service import policy
 from ntp_manager.service.errors import (
     FailedPrecondition,
@@ -40,7 +41,6 @@ from ntp_manager.service.state import (
     health_to,
 )
 from ntp_manager.settings import Settings
-from ntp_manager.topology import GpuState
 
 log = structlog.get_logger("ntp.agents")
 

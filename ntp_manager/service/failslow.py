@@ -34,6 +34,7 @@ import structlog
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.detect import (
     DetectError,
     DetectorOptions,
@@ -51,7 +52,6 @@ from ntp_manager.service.step_assembly import StepAssembler, observation
 from ntp_manager.service.steps import StepSample
 from ntp_manager.service.telemetry import TelemetryStore
 from ntp_manager.store.models import FailSlowOptionsRow
-from ntp_manager.topology import GpuState
 
 log = structlog.get_logger("ntp.failslow")
 

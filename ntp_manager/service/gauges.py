@@ -11,10 +11,10 @@ import asyncio
 from collections import Counter
 from dataclasses import dataclass
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.service.kernel import Kernel, Tx
 from ntp_manager.service.metrics import Metrics
 from ntp_manager.service.state import GpuRec, LayoutRec
-from ntp_manager.topology import GpuState
 
 
 class Gauges:

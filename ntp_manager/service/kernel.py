@@ -41,10 +41,10 @@ from sqlalchemy import Table, bindparam, insert, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from ntp_manager.clock import Clock
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.service.leader import NotLeader
 from ntp_manager.service.state import SHAPE_FIELDS, GpuChange, GpuRec, NodeChange, NodeRec, World, apply
 from ntp_manager.store.models import AuditRow, DomainRow, GpuRow, HealthEventRow, NodeRow
-from ntp_manager.topology import GpuState
 
 log = structlog.get_logger("ntp.kernel")
 T = TypeVar("T")

@@ -5,12 +5,12 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.service import offloop
 from ntp_manager.service.state import GpuRec, HealthSource, JobRec, LayoutRec, NodeRec, World
 from ntp_manager.specfile import job_from_dict
 from ntp_manager.store.layouts import chain_length, decode_rows, newest_rows
 from ntp_manager.store.models import DomainRow, GpuRow, JobRow, NodeRow
-from ntp_manager.topology import GpuState
 
 
 async def load_world(s: AsyncSession, base_cap: float | None, now_mono: float) -> World:

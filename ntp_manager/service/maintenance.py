@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy import select
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.service import policy
 from ntp_manager.service.errors import InvalidArgument, NotFound
 from ntp_manager.service.kernel import Kernel, Tx
@@ -20,7 +21,6 @@ from ntp_manager.service.operators import Operators
 from ntp_manager.service.queries import aware, maintenance_view
 from ntp_manager.service.state import NodeChange
 from ntp_manager.store.models import MaintenanceRow
-from ntp_manager.topology import GpuState
 
 
 class Maintenance:

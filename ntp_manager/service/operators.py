@@ -11,12 +11,12 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.service.agents import Agents, Drain
 from ntp_manager.service.errors import FailedPrecondition, InvalidArgument, NotFound
 from ntp_manager.service.kernel import Kernel, Tx
 from ntp_manager.service.queries import gpu_view
 from ntp_manager.service.state import GpuRec, HealthSource, NodeChange, NodeRec, admin_to, health_to
-from ntp_manager.topology import GpuState
 
 
 class Operators:

@@ -16,12 +16,13 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner import JobSpec, PlanError, PreviousLayout, make_plan
 from ntp_manager.planner.layout import LayoutDoc, MovesDoc
 from ntp_manager.planner.restore import restore_step
 from ntp_manager.service.state import LayoutRec
 from ntp_manager.store import layout_codec as codec
-from ntp_manager.topology import Cluster, GpuState
+from ntp_manager.topology import Cluster
 
 
 @dataclass(frozen=True)

@@ -47,12 +47,13 @@ from typing import Any
 
 import structlog
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner import JobSpec
 from ntp_manager.planner.layout import COLUMNS, HEADER, LayoutDoc
 from ntp_manager.service import offloop, planning
 from ntp_manager.service.state import LayoutRec
 from ntp_manager.store import layout_codec as codec
-from ntp_manager.topology import Cluster, Domain, Gpu, GpuState, PowerLimits
+from ntp_manager.topology import Cluster, Domain, Gpu, PowerLimits
 
 log = structlog.get_logger(__name__)
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.service.state import SILENCE_SOURCES, HealthSource
-from ntp_manager.topology import GpuState
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy import Select, func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner.layout import LayoutDoc
 from ntp_manager.service import layout_views as views
 from ntp_manager.service import offloop
@@ -24,7 +25,6 @@ from ntp_manager.service.worker_reports import WorkerReports
 from ntp_manager.store.layout_codec import UuidAt
 from ntp_manager.store.layouts import decode_rows, rows_for
 from ntp_manager.store.models import AuditRow, HealthEventRow, LayoutRow, MaintenanceRow
-from ntp_manager.topology import GpuState
 
 
 def page(items: list[Any], total: int, limit: int, offset: int) -> dict[str, Any]:

@@ -43,6 +43,7 @@ import structlog
 from sqlalchemy import select
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.service.kernel import Kernel, Tx
 from ntp_manager.service.slurm_policy import (
     SINFO_FORMAT,
@@ -62,7 +63,6 @@ from ntp_manager.service.slurm_policy import (
 )
 from ntp_manager.settings import Settings
 from ntp_manager.store.models import AuditRow
-from ntp_manager.topology import GpuState
 
 log = structlog.get_logger("ntp.slurm")
 

@@ -31,8 +31,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.service.state import SILENCE_SOURCES, HealthSource
-from ntp_manager.topology import GpuState
 
 MARKER = "ntp-manager:"
 REASON_MAX = 240  # characters of a drain reason (Slurm keeps more; people read it in `sinfo -R`)

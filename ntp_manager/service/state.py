@@ -19,10 +19,11 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any, TypedDict, cast
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner import JobSpec
 from ntp_manager.planner.layout import LayoutDoc
 from ntp_manager.service import offloop
-from ntp_manager.topology import Cluster, Domain, Gpu, GpuState, PowerLimits
+from ntp_manager.topology import Cluster, Domain, Gpu, PowerLimits
 
 HEALTH_STATES = frozenset({GpuState.HEALTHY, GpuState.SUSPECT, GpuState.DEGRADED, GpuState.FAILED})
 

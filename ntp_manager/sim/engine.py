@@ -21,11 +21,12 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner import JobSpec, Plan, Scheme, make_plan
 from ntp_manager.planner.plan import Packing
 from ntp_manager.sim.failures import FailureModel, SimError
 from ntp_manager.sim.stall import STALL_PRESETS, StallModel
-from ntp_manager.topology import Cluster, GpuState
+from ntp_manager.topology import Cluster
 
 Progress = Callable[[int], None]
 

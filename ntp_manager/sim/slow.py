@@ -23,8 +23,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner import JobSpec, Plan, make_plan
-from ntp_manager.topology import Cluster, GpuState
+from ntp_manager.topology import Cluster
 
 
 @dataclass(frozen=True, slots=True)

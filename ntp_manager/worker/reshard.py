@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ntp_manager.planner.ntp_map import Range
+from ntp_manager.contract.ntp_map import Range
 from ntp_manager.worker import comm
 from ntp_manager.worker.comm import P2P
 from ntp_manager.worker.sync import SyncLayout

@@ -3,7 +3,7 @@ that a test or a launcher controls.
 
 Both give the runtime the same thing, a `WorkerLayout`: the version, every replica's local batch and
 the TP degree of each of its pipeline stages, in global-rank order (replica by replica, stage by
-stage, TP rank by TP rank: `planner.ranks`, as the manager numbers them), and this worker's global
+stage, TP rank by TP rank: `contract.ranks`, as the manager numbers them), and this worker's global
 rank in it (None when its GPU has no place). Sources keep every version they have seen, so ranks
 can agree on one version even when some saw it later than others.
 """
@@ -19,8 +19,8 @@ from typing import Any, Protocol
 
 import structlog
 
+from ntp_manager.contract.ranks import check_degrees, global_rank, locate, stage_ranks, world_size
 from ntp_manager.contract.tls import TlsFiles
-from ntp_manager.planner.ranks import check_degrees, global_rank, locate, stage_ranks, world_size
 from ntp_manager.worker.sync import ReplicaGroup, SyncLayout
 
 log = structlog.get_logger("ntp.worker")
@@ -29,7 +29,7 @@ log = structlog.get_logger("ntp.worker")
 @dataclass(frozen=True)
 class WorkerLayout:
     """One version of the job's layout as a worker sees it. A replica is a pipeline of stages,
-    each a TP group of its own degree; ranks are numbered by `planner.ranks` (replica by replica,
+    each a TP group of its own degree; ranks are numbered by `contract.ranks` (replica by replica,
     stage by stage, TP index by TP index)."""
 
     version: int
@@ -317,7 +317,7 @@ def manager_addresses(target: str | Sequence[str]) -> list[str]:
 def layout_from_pb(msg: Any, gpu_uuid: str) -> WorkerLayout:
     """`ntp.v1.Layout` (one worker's view) -> WorkerLayout. Pipelines need each replica's stage
     degrees (`ReplicaSummary.stage_tp_degrees`); a summary without them is one stage. The
-    worker's rank is the one the manager gave it, checked against `planner.ranks`' numbering.
+    worker's rank is the one the manager gave it, checked against `contract.ranks`' numbering.
     Raises ValueError for a view whose stages or ranks do not add up."""
     reps, degrees = [], []
     for s in msg.replicas:

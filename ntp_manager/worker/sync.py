@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ntp_manager.planner.ntp_map import NtpMap, ntp_map, sync_groups
+from ntp_manager.contract.ntp_map import NtpMap, ntp_map, sync_groups
 from ntp_manager.worker import comm
 from ntp_manager.worker.comm import P2P
 from ntp_manager.worker.tp import ShardedModule, unit_major_view, unit_slice

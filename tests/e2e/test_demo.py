@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ntp_manager.demo import run_demo
+from ntp_manager.demos.demo import run_demo
 
 # a structlog line, as the console renderer or the JSON renderer writes it
 LOG_LINE = re.compile(r"^\s*(\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}|\{.*\"event\": )"

@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from ntp_manager.demo_slow import run_slow_demo
+from ntp_manager.demos.demo_slow import run_slow_demo
 from tests.fakes.procs import descendants, still_running
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ def test_sigterm_stops_every_process_quietly(tmp_path: Path) -> None:
     resource tracker), nothing is printed on stderr (before: 'resource_tracker: There appear to
     be 12 leaked semaphore objects'), and it says on stdout that it stopped. Only the demo's own
     process gets the signal."""
-    proc = subprocess.Popen([sys.executable, "-m", "ntp_manager.demo_slow", "--no-wait", "--step-delay", "0.1",
+    proc = subprocess.Popen([sys.executable, "-m", "ntp_manager.demos.demo_slow", "--no-wait", "--step-delay", "0.1",
                              "--data-dir", str(tmp_path / "slow")], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     assert proc.stdout is not None and proc.stderr is not None

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner import JobSpec, Scheme
-from ntp_manager.topology import Cluster, Domain, Gpu, GpuState, PowerLimits
+from ntp_manager.topology import Cluster, Domain, Gpu, PowerLimits
 
 
 def cluster_from_counts(

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.service.errors import InvalidArgument
 from ntp_manager.service.inputs import GpuInventory, GpuReport
 from ntp_manager.service.kernel import Tx
@@ -19,7 +20,6 @@ from ntp_manager.service.manager import Manager
 from ntp_manager.service.state import GpuChange, GpuRec, NodeChange, NodeRec, admin_to
 from ntp_manager.settings import Settings
 from ntp_manager.store.models import AuditRow, GpuRow, HealthEventRow, NodeRow
-from ntp_manager.topology import GpuState
 from tests.fakes.clock import FakeClock
 from tests.integration.conftest import database
 

@@ -21,13 +21,13 @@ from sqlalchemy import func, select, text
 
 from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from ntp_manager.api.app import create_app
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.rpc import server as rpc_server
 from ntp_manager.rpc.server import HEALTH_SERVICES, RpcServer
 from ntp_manager.service.leader import AnotherManager, NotLeader
 from ntp_manager.service.manager import GpuInventory, GpuReport, Manager
 from ntp_manager.settings import Settings
 from ntp_manager.store.models import AuditRow, HealthEventRow, LeaderRow
-from ntp_manager.topology import GpuState
 from tests.fakes.clock import FakeClock
 from tests.fakes.partition import Partition
 from tests.integration.conftest import PG, _Server, database

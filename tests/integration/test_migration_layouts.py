@@ -11,6 +11,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner import make_plan
 from ntp_manager.planner.export import plan_to_dict
 from ntp_manager.planner.layout import LayoutDoc
@@ -18,7 +19,6 @@ from ntp_manager.store import db
 from ntp_manager.store import layout_codec as codec
 from ntp_manager.store.layouts import chain_length, decode_rows, rows_for
 from ntp_manager.store.models import GpuRow, LayoutRow
-from ntp_manager.topology import GpuState
 from tests.fakes.builders import cluster_from_counts, job
 
 NOW = datetime(2026, 11, 23, tzinfo=UTC)

@@ -124,19 +124,19 @@ def test_no_import_cycles() -> None:
 
 PURE = ("ntp_manager.topology", "ntp_manager.planner", "ntp_manager.detect", "ntp_manager.sim")
 ABOVE_STORE = ("ntp_manager.service", "ntp_manager.api", "ntp_manager.rpc", "ntp_manager.cli", "ntp_manager.server",
-               "ntp_manager.demo", "ntp_manager.demo_slow", "ntp_manager.planner_demo", "ntp_manager.worker", "agent")
+               "ntp_manager.demos", "ntp_manager.worker", "agent")
 
 # (layer, what it must not import)
 RULES = [
     (PURE, ("ntp_manager.store", *ABOVE_STORE)),
     (("ntp_manager.store",), ABOVE_STORE),
     (("ntp_manager.service",), ABOVE_STORE[1:]),
-    (("ntp_manager.api", "ntp_manager.rpc"), ("ntp_manager.cli", "ntp_manager.server", "ntp_manager.demo",
+    (("ntp_manager.api", "ntp_manager.rpc"), ("ntp_manager.cli", "ntp_manager.server", "ntp_manager.demos",
                                               "ntp_manager.worker", "agent")),
     (("ntp_manager.worker",), ("ntp_manager.store", "ntp_manager.service", "ntp_manager.api", "ntp_manager.cli",
-                               "ntp_manager.server", "ntp_manager.demo", "agent")),
+                               "ntp_manager.server", "ntp_manager.demos", "agent")),
     (("agent",), ("ntp_manager.store", "ntp_manager.service", "ntp_manager.api", "ntp_manager.cli",
-                  "ntp_manager.server", "ntp_manager.demo", "ntp_manager.worker")),
+                  "ntp_manager.server", "ntp_manager.demos", "ntp_manager.worker")),
     # the agent and the worker reach the manager through the contract's client, never the server's rpc/
     (("agent", "ntp_manager.worker"), ("ntp_manager.rpc",)),
 ]
@@ -148,7 +148,7 @@ def test_imports_point_downward(layer: tuple[str, ...], banned: tuple[str, ...])
     assert bad == []
 
 
-@pytest.mark.parametrize("demo", ["ntp_manager.demo", "ntp_manager.demo_slow"])
+@pytest.mark.parametrize("demo", ["ntp_manager.demos.demo", "ntp_manager.demos.demo_slow"])
 def test_the_demo_uses_only_the_agents_entry_point(demo: str) -> None:
     # agent.local is the agent's public in-process entry point; its internals stay its own
     used = {t for t in GRAPH[demo] if _under(t, ("agent",))}
@@ -180,3 +180,61 @@ def test_the_agent_and_the_worker_share_one_manager_client() -> None:
                                                                  "ssl_channel_credentials"):
                 opens.append(f"{name}: {node.attr}")
     assert opens == []
+
+
+def _external_imports(path: Path) -> set[str]:
+    """Top-level names of what a module imports from outside the package (ignoring TYPE_CHECKING)."""
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+    visit(ast.parse(path.read_text()))
+    return out - {"ntp_manager", "agent", "__future__"}
+
+
+def test_the_contract_the_pure_layers_use_is_pure_too() -> None:
+    """Rank numbering and the unit map moved from planner/ into the contract (issue 35): what the
+    planner and topology import from it (and the contract package's __init__, run on any import of
+    it) imports the standard library only, never grpc, protobuf or torch."""
+    import sys
+    used = {t for m, ts in GRAPH.items() if _under(m, PURE) for t in ts if _under(t, (CONTRACT,))}
+    assert {f"{CONTRACT}.ranks", f"{CONTRACT}.ntp_map"} <= used  # the reader sees the planner's edges
+    bad = sorted(f"{m} imports {x}" for m in (*used, CONTRACT) for x in _external_imports(MODULES[m])
+                 if x not in sys.stdlib_module_names)
+    bad += sorted(f"{m} -> {t}" for m in used for t in GRAPH[m] if t not in used)
+    assert bad == []
+
+
+def test_the_worker_takes_ranks_and_unit_maps_only_from_the_contract() -> None:
+    """The worker numbers ranks and maps units with the contract's modules, not the manager's planner."""
+    assert f"{CONTRACT}.ranks" in GRAPH["ntp_manager.worker.sources"]
+    assert f"{CONTRACT}.ntp_map" in GRAPH["ntp_manager.worker.sync"]
+    bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items() if _under(m, ("ntp_manager.worker",))
+                 for t in ts if _under(t, ("ntp_manager.planner",)))
+    assert bad == []
+
+
+def test_the_agent_and_the_worker_take_gpu_states_only_from_the_contract() -> None:
+    """GPU states cross the agent/manager boundary: the agent and the worker import them from the
+    contract, never through the manager's topology (nor the unit map or rank numbering elsewhere)."""
+    assert f"{CONTRACT}.gpu" in GRAPH["agent.core"]
+    contract_names = {"GpuState", "NtpMap", "Transfer", "Range", "even_chunks", "ntp_map", "sync_groups",
+                      "stage_ranks", "global_rank", "locate", "check_degrees", "world_size"}
+    bad: list[str] = []
+    for name, path in MODULES.items():
+        if not _under(name, ("agent", "ntp_manager.worker")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith(CONTRACT):
+                bad += [f"{name}: {a.name} from {node.module}" for a in node.names if a.name in contract_names
+                        and node.module.startswith("ntp_manager")]
+    assert bad == []

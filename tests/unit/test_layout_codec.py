@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner import Scheme, make_plan
 from ntp_manager.planner.export import plan_to_dict
 from ntp_manager.planner.layout import AsideDoc, GroupDoc, LayoutDoc, MovesDoc, ReplicaDoc
 from ntp_manager.store import layout_codec as codec
-from ntp_manager.topology import GpuState
 from tests.fakes.builders import cluster_from_counts, job
 
 UUIDS = [f"GPU-{i:04d}-{'x' * (i % 3)}" for i in range(300)]
@@ -222,7 +222,7 @@ def test_long_columns_are_written_and_read_a_chunk_per_line(monkeypatch: pytest.
 @settings(max_examples=30, deadline=None)
 @given(layouts())
 def test_gpus_are_kept_in_the_global_rank_order_of_planner_ranks(doc: LayoutDoc) -> None:
-    """A layout keeps every GPU at its global rank as `planner.ranks.stage_ranks` numbers them (the
+    """A layout keeps every GPU at its global rank as `contract.ranks.stage_ranks` numbers them (the
     workers' numbering), and its records read back the groups it was made of."""
     numbered = [r for stages in doc.ranks() for r in stages]
     assert [doc.group_ranks(g) for g in range(len(doc.group_ids))] == numbered

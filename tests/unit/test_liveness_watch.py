@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.service import policy
 from ntp_manager.service.liveness import SilenceWatch, walk
 from ntp_manager.service.state import GpuRec, NodeRec, World
-from ntp_manager.topology import GpuState
 
 HEALTH = [GpuState.HEALTHY, GpuState.SUSPECT, GpuState.DEGRADED, GpuState.FAILED]
 

@@ -1,8 +1,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ntp_manager.planner import ntp_map, sync_groups
-from ntp_manager.planner.ntp_map import even_chunks, max_units_per_rank
+from ntp_manager.contract.ntp_map import even_chunks, max_units_per_rank, ntp_map, sync_groups
 
 
 @st.composite

@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner import JobSpec, PlanError, PowerModel, PreviousLayout, Scheme, make_plan
 from ntp_manager.planner.power import domain_budget_w
-from ntp_manager.topology import GpuState, PowerLimits, TopologyError, generate_cluster
+from ntp_manager.topology import PowerLimits, TopologyError, generate_cluster
 from tests.fakes.builders import cluster_from_counts, cluster_with_usable, job
 
 

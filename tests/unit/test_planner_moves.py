@@ -10,10 +10,11 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner import PlanError, PreviousLayout, Scheme, diff_assignments, make_plan
 from ntp_manager.planner.export import plan_to_dict
 from ntp_manager.planner.packing import Item, pack
-from ntp_manager.topology import GpuState, generate_cluster
+from ntp_manager.topology import generate_cluster
 from tests.fakes.builders import cluster_from_counts, cluster_with_usable, job
 from tests.unit.test_planner import check_invariants, scenarios
 

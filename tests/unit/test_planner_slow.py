@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner import Scheme, make_plan
 from ntp_manager.planner.slow import choose, group_value
-from ntp_manager.topology import Cluster, GpuState, TopologyError
+from ntp_manager.topology import Cluster, TopologyError
 from tests.fakes.builders import cluster_from_counts, job
 from tests.unit.test_planner import check_invariants
 

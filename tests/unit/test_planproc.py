@@ -16,10 +16,11 @@ from typing import Any
 
 import pytest
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner import PlanError
 from ntp_manager.service import planning, planproc
 from ntp_manager.service.state import LayoutRec
-from ntp_manager.topology import Cluster, GpuState, TopologyError
+from ntp_manager.topology import Cluster, TopologyError
 from tests.fakes.builders import cluster_from_counts, job
 
 

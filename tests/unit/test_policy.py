@@ -6,9 +6,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from ntp_manager.contract.gpu import GpuState as S
 from ntp_manager.service import policy
 from ntp_manager.service.policy import WindowAction
-from ntp_manager.topology import GpuState as S
 
 LIVE = policy.LivenessOptions(suspect_after_s=6, fail_after_s=20)
 

@@ -1,4 +1,4 @@
-"""Global rank numbering of pipelines (planner/ranks.py): replica by replica, stage by stage, TP
+"""Global rank numbering of pipelines (contract/ranks.py): replica by replica, stage by stage, TP
 index by TP index; `locate` inverts `global_rank`."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ntp_manager.planner.ranks import check_degrees, global_rank, locate, stage_ranks, world_size
+from ntp_manager.contract.ranks import check_degrees, global_rank, locate, stage_ranks, world_size
 
 
 def test_the_documented_example() -> None:

@@ -8,11 +8,11 @@ from collections.abc import Callable
 
 import pytest
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner.layout import GroupDoc, LayoutDoc, MovesDoc, ReplicaDoc
 from ntp_manager.service import planning
 from ntp_manager.service.state import LayoutRec
 from ntp_manager.store import layout_codec as codec
-from ntp_manager.topology import GpuState
 from tests.fakes.builders import cluster_from_counts, job
 
 

@@ -12,11 +12,12 @@ import pytest
 from typer.testing import CliRunner
 
 from ntp_manager.cli.manager import app as cli_app
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner import PAPER_POWER_CURVE, JobSpec, PreviousLayout, Scheme, make_plan
 from ntp_manager.sim import FailureModel, SimError, SimSetup, make_trace, preset, preset_cluster, replay, static_sweep
 from ntp_manager.sim.engine import Event, Trace, job_pool_size, min_spares_never_pause, placement
 from ntp_manager.sim.stall import STALL_PRESETS, reshard_s
-from ntp_manager.topology import GpuState, PowerLimits, generate_cluster
+from ntp_manager.topology import PowerLimits, generate_cluster
 
 
 def flat_setup(domains=64, size=8, pp=1, model=FailureModel(), max_spares=0):

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.service.manager import Manager
 from ntp_manager.service.slurm import SlurmCommands, SlurmError
 from ntp_manager.service.slurm_policy import (
@@ -33,7 +34,6 @@ from ntp_manager.service.slurm_policy import (
 )
 from ntp_manager.service.state import HealthSource
 from ntp_manager.settings import Settings
-from ntp_manager.topology import GpuState
 
 NOW = 10_000.0
 

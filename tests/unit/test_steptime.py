@@ -7,10 +7,11 @@ import math
 
 import pytest
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner import JobSpec, PlanError, Scheme, make_plan
 from ntp_manager.planner.steptime import Hardware, Layout, ModelShape, StepModel, best_layout
 from ntp_manager.sim.engine import plan_throughput
-from ntp_manager.topology import GpuState, generate_cluster
+from ntp_manager.topology import generate_cluster
 
 PAPER = ModelShape()  # 100 layers, hidden 20,480, 128 heads, FFN 81,920, 16K tokens
 

@@ -1,7 +1,8 @@
 import pytest
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.specfile import SpecError, cluster_from_dict, job_from_dict
-from ntp_manager.topology import Cluster, Domain, Gpu, GpuState, TopologyError, generate_cluster
+from ntp_manager.topology import Cluster, Domain, Gpu, TopologyError, generate_cluster
 
 
 def test_generated_cluster_is_deterministic_and_shaped():

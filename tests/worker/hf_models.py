@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ntp_manager.planner import ntp_map
+from ntp_manager.contract.ntp_map import ntp_map
 from ntp_manager.worker.tp import ShardedModule
 
 VOCAB = 64

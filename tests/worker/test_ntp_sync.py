@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from ntp_manager.planner import sync_groups
+from ntp_manager.contract.ntp_map import sync_groups
 from ntp_manager.worker import sync as sync_mod
 from ntp_manager.worker.sync import (
     NtpGradSync,

@@ -1,5 +1,5 @@
 """Layouts with pipeline stages, from the planner through the manager's export to the worker: every
-GPU's rank, stage and peers agree with `planner.ranks`, and a view whose stages do not add up is
+GPU's rank, stage and peers agree with `contract.ranks`, and a view whose stages do not add up is
 refused."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import datetime as dt
 import pytest
 
 from ntp_manager._proto.ntp.v1 import common_pb2 as pb
+from ntp_manager.contract.ranks import global_rank
 from ntp_manager.planner import PowerModel, Scheme, make_plan
 from ntp_manager.planner.layout import LayoutDoc
-from ntp_manager.planner.ranks import global_rank
 from ntp_manager.rpc.views import build_views
 from ntp_manager.service.state import LayoutRec
 from ntp_manager.worker.sources import layout_from_doc, layout_from_pb

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ntp_manager.planner import ntp_map
+from ntp_manager.contract.ntp_map import ntp_map
 from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan, unit_counts
 from ntp_manager.worker.tp import ColwiseUnits, RowwiseUnits, parallelize, unit_major_view, unit_slice
 from ntp_manager.worker.tp import unit_counts as counts_of_model

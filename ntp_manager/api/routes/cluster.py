@@ -7,8 +7,8 @@ from fastapi import APIRouter, Depends, Path, Query
 from ntp_manager import __version__
 from ntp_manager.api.edge import NOT_FOUND, Limit, Offset, require
 from ntp_manager.auth import Principal
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.service.manager import Manager
-from ntp_manager.topology import GpuState
 
 
 def router(manager: Manager) -> APIRouter:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ntp_manager.planner.ntp_map import even_chunks
+from ntp_manager.contract.ntp_map import even_chunks
 from ntp_manager.worker.sync import SyncLayout
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ntp_manager.planner.ranks import locate, stage_ranks
+from ntp_manager.contract.ranks import locate, stage_ranks
 from ntp_manager.worker import comm
 from ntp_manager.worker.reshard import Move, apply_reshard, reshard_moves
 from ntp_manager.worker.runtime.base import log

@@ -33,7 +33,16 @@ import typer
 from rich.console import Console
 
 from agent.local import FakeFleet
-from ntp_manager.demo import JOB, NODES, demo_logs, serve_until_interrupted, start_ranks, stop_on_signals, table, wait
+from ntp_manager.demos.demo import (
+    JOB,
+    NODES,
+    demo_logs,
+    serve_until_interrupted,
+    start_ranks,
+    stop_on_signals,
+    table,
+    wait,
+)
 from ntp_manager.manager_process import LEADING, ManagerProcess
 
 console = Console(soft_wrap=True)  # lines never broken (URLs, tokens), tables wrap their cells

@@ -1,4 +1,4 @@
-"""`make slow-demo` (`python -m ntp_manager.demo_slow`): a fail-slow GPU found and planned around,
+"""`make slow-demo` (`python -m ntp_manager.demos.demo_slow`): a fail-slow GPU found and planned around,
 live (issue 21 item 5).
 
 The same machinery as `make demo` (a real manager process on SQLite, a real agent on the fake GPU
@@ -38,7 +38,7 @@ import typer
 from rich.markup import escape
 
 from agent.local import FakeNode
-from ntp_manager.demo import (
+from ntp_manager.demos.demo import (
     DATA_DIR,
     VERBOSE,
     console,

@@ -570,7 +570,7 @@ def main(
     verbose: bool = VERBOSE,
     data_dir: Path | None = DATA_DIR,
 ) -> None:
-    """The failure demo (`make demo`); the fail-slow one is `make slow-demo` (ntp_manager/demo_slow.py)."""
+    """The failure demo (`make demo`); the fail-slow one is `make slow-demo` (ntp_manager/demos/demo_slow.py)."""
     with stop_on_signals():
         res = run_demo(keep_up=not no_wait, step_delay_s=step_delay, verbose=verbose, data=data_dir)
     worst = max((abs(a - b) / abs(b) for _, _, a, b in res.losses), default=0.0)

@@ -13,8 +13,9 @@ from rich.console import Console
 from rich.table import Table
 
 from ntp_manager.cli.manager import render_plan
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner import JobSpec, Scheme, make_plan
-from ntp_manager.topology import GpuState, generate_cluster
+from ntp_manager.topology import generate_cluster
 
 
 def main(seed: int = 7) -> None:
