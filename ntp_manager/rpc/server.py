@@ -61,6 +61,7 @@ REVOKED = "the token of this stream was revoked"
 
 
 AGENT_SERVICE = "ntp.v1.AgentService"
+WORKER_SERVICE = "ntp.v1.WorkerService"
 LEADER_KEY = "ntp-leader"  # trailing metadata: host:port of the leader's gRPC server
 # request metadata from a client that could not reach the leader a standby named (or the one it
 # was connected to) just now: host:port of that leader. A standby holds such a call (`_hold`).
@@ -94,8 +95,8 @@ class StandbyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     ) -> Any:
         service = details.method.lstrip("/").split("/")[0]
         fleet = self.manager.fleet
-        if service == AGENT_SERVICE and fleet is not None and fleet.ready:
-            return await continuation(details)  # fleet mode: every manager takes agent streams
+        if service in (AGENT_SERVICE, WORKER_SERVICE) and fleet is not None and fleet.ready:
+            return await continuation(details)  # fleet mode: every manager takes agent and worker calls
         if service in SERVICE_PERMISSION and not self.manager.acting:
             await self._hold(details)
         handler = await continuation(details)
@@ -349,6 +350,8 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                         if kind == "heartbeat":
                             if fleet is not None:
                                 fleet.agents.heartbeat(node)
+                                if msg.heartbeat.gpus:
+                                    fleet.telemetry(node, msg.heartbeat.gpus)
                             else:
                                 self.m.heartbeat(node, msg.heartbeat.gpus)
                         elif kind == "report":
@@ -466,9 +469,14 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
         if not request.job:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "job: watch needs a job name")
         self.m.workers.check_ids(request.job, request.worker_id)
-        if request.job not in self.m.world.jobs:
+        fleet = self.m.fleet
+        feed = fleet.feed if fleet is not None else None  # fleet mode: every manager, from the database
+        if feed is not None:
+            await feed.current(request.job)  # NotFound for an unknown job
+        elif request.job not in self.m.world.jobs:
             await abort(context, grpc.StatusCode.NOT_FOUND, f"job: unknown job {request.job!r}")
-        if request.gpu_uuid and request.gpu_uuid not in self.m.world.gpus:
+        if request.gpu_uuid and not (await feed.known_gpu(request.gpu_uuid) if feed is not None
+                                     else request.gpu_uuid in self.m.world.gpus):
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"gpu_uuid: unknown GPU {request.gpu_uuid[:200]!r}")
         principal = principal_of(self.m.tokens, context)
         if principal is None:
@@ -479,6 +487,8 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
         def on_revoke() -> None:
             revoked.set()
             self.m.wake_watchers()
+            if feed is not None:
+                feed.wake_all()
 
         unwatch = self.m.token_service.watch(principal.token_id, on_revoke)
         seen = (-1, -1)
@@ -486,7 +496,8 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
         try:
             while True:
                 try:
-                    rec = await self.m.wait_layout(request.job, seen, revoked.is_set)
+                    rec = await (feed.wait(request.job, seen, revoked.is_set) if feed is not None
+                                 else self.m.wait_layout(request.job, seen, revoked.is_set))
                 except ServiceError as e:  # the job was deleted
                     await abort(context, code_of(e), e.message)
                 if revoked.is_set():
@@ -512,6 +523,12 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
                 raise InvalidArgument("restored: a failed ack cannot report a restore")
             r = request.restored
             restored = RestoreReport(int(r.step), r.checkpoint, r.reason, tuple(r.skipped)).check()
+        fleet = self.m.fleet
+        if fleet is not None and not self.m.acting:  # checked here, stored, applied by the leader
+            rec = await fleet.workers.ack(request.job, request.worker_id, request.stamp.leader_epoch,
+                                          request.stamp.version, ok, restored)
+            return worker_pb2.AckLayoutResponse(
+                current=common_pb2.LayoutStamp(leader_epoch=rec.leader_epoch, version=rec.version))
         rec = self.m.ack_layout(request.job, request.worker_id, request.stamp.leader_epoch, request.stamp.version, ok)
         if restored is not None:
             await self.m.record_restore(request.job, request.worker_id, request.stamp.leader_epoch,
@@ -523,7 +540,11 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
     async def ReportSteps(
         self, request: worker_pb2.StepReport, context: grpc.aio.ServicerContext
     ) -> worker_pb2.StepReportResponse:
-        await self.m.record_steps(request.job, request.worker_id, request)
+        fleet = self.m.fleet
+        if fleet is not None and not self.m.acting:  # checked here, stored, applied by the leader
+            await fleet.workers.report_steps(request.job, request.worker_id, request)
+        else:
+            await self.m.record_steps(request.job, request.worker_id, request)
         return worker_pb2.StepReportResponse(accepted=True)
 
 

@@ -31,6 +31,8 @@ from ntp_manager.service.inputs import GpuInventory, GpuReport
 from ntp_manager.service.kernel import Tx
 from ntp_manager.service.leader import NotLeader
 from ntp_manager.service.state import GpuChange
+from ntp_manager.service.watch import KINDS as WORKER_KINDS
+from ntp_manager.service.watch import apply_row as apply_worker_row
 from ntp_manager.store import outbox
 from ntp_manager.store.models import OutboxRow
 
@@ -155,6 +157,8 @@ class Consumer:
         elif r.kind == outbox.SEEN:
             nodes = [str(n) for n in p["nodes"]]
             tx.after.append(lambda: self._seen(nodes))
+        elif r.kind in WORKER_KINDS:  # workers' acks and step reports, agents' telemetry
+            apply_worker_row(self.m, tx, r)
         else:
             raise ServiceError(f"unknown outbox row kind {r.kind!r}")
 

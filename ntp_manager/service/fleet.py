@@ -30,6 +30,7 @@ from ntp_manager.service.agents import Ack, AgentCommand, Drain, ReleasePower, S
 from ntp_manager.service.consumer import Consumer
 from ntp_manager.service.ingest import AgentIngest, Ingest
 from ntp_manager.service.leader import NotLeader
+from ntp_manager.service.watch import LayoutFeed, TelemetryRelay, WorkerIngest
 from ntp_manager.store import outbox
 
 if TYPE_CHECKING:
@@ -69,6 +70,10 @@ class Fleet:
         self.agents = AgentIngest(self.ingest, manager.sm, manager.clock, manager.agents.sessions,
                                   manager.metrics.agents.set)
         self.consumer: Consumer | None = None
+        # workers and telemetry on every manager (service/watch.py)
+        self.feed = LayoutFeed(manager)
+        self.workers = WorkerIngest(manager, self.feed, self.ingest.submit)
+        self.relay = TelemetryRelay(self.ingest.submit, s.leader_id)
         self.ready = False  # taking agent streams (its token table is loaded)
         self.delivered = 0  # commands of agent_commands sent to this manager's agents
         self._tasks: list[asyncio.Task[None]] = []
@@ -91,6 +96,7 @@ class Fleet:
             asyncio.create_task(self._listen(), name="fleet-listen"),
             asyncio.create_task(self._seen_loop(), name="fleet-seen"),
             asyncio.create_task(self._deliver_loop(), name="fleet-commands-in"),
+            asyncio.create_task(self.feed.run(), name="fleet-layout-feed"),
         ]
         self.ready = True
         log.info("fleet mode: taking agent streams", manager=m.settings.leader_id)
@@ -98,11 +104,13 @@ class Fleet:
     async def lead(self) -> None:
         """The world is loaded: apply the outbox, write commands for other managers' agents."""
         self.consumer = Consumer(self.m)
+        self.m.jobs.on_layout.append(self._offer_layouts)
         self._tasks += [asyncio.create_task(self.consumer.run(), name="fleet-consumer"),
                         asyncio.create_task(self._commands_loop(), name="fleet-commands-out")]
 
     async def stop(self) -> None:
         self.ready = False
+        self.feed.close()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -126,6 +134,7 @@ class Fleet:
                 self._listener = conn
                 await conn.add_listener(outbox.CHANNEL, self._on_outbox)
                 await conn.add_listener(outbox.COMMANDS, self._on_commands)
+                await conn.add_listener(outbox.LAYOUTS, self._on_layouts)
                 while not conn.is_closed():
                     await asyncio.sleep(self.m.settings.fleet_poll_s)
             except (OSError, asyncpg.PostgresError, TimeoutError) as e:
@@ -139,12 +148,36 @@ class Fleet:
     def _on_commands(self, *_: Any) -> None:
         self._commands_wake.set()
 
+    def _on_layouts(self, _conn: Any, _pid: Any, _channel: Any, payload: Any) -> None:
+        self.feed.notify(str(payload or ""))
+
+    def _offer_layouts(self) -> None:
+        """The leader published a layout: its watchers here get it from the world, not a read back."""
+        self.feed.offer(j.layout for j in self.m.world.jobs.values() if j.layout is not None)
+
+    def telemetry(self, node: str, gpus: Any) -> None:
+        """A heartbeat's GPU counters: the leader keeps its own agents'; another manager relays them."""
+        m = self.m
+        now = m.clock.now().timestamp()
+        if m.acting:
+            rec = m.world.nodes.get(node)
+            if rec is not None:
+                m.telemetry.record(node, rec.gpus, gpus, now)
+            return
+        st = self.agents.streams.get(node)
+        if st is not None:
+            self.relay.record(node, st.gpus, gpus, now)
+
     async def _seen_loop(self) -> None:
         while True:
             await asyncio.sleep(self.m.settings.heartbeat_interval_s)
             fut = self.agents.flush_seen()
             if fut is not None:
                 with contextlib.suppress(Exception):  # a store hiccup: the next heartbeats are counted
+                    await fut
+            fut = None if self.m.acting else self.relay.flush()
+            if fut is not None:
+                with contextlib.suppress(Exception):  # lost: the next heartbeats carry newer samples
                     await fut
 
     async def _deliver_loop(self) -> None:

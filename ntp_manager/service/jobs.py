@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
+from sqlalchemy import text
 
 from ntp_manager.planner import JobSpec, PlanError
 from ntp_manager.planner.layout import LayoutDoc
@@ -28,6 +29,7 @@ from ntp_manager.service.steps import StepSample
 from ntp_manager.service.worker_reports import WorkerReports
 from ntp_manager.settings import Settings
 from ntp_manager.specfile import SpecError, job_from_dict
+from ntp_manager.store import outbox
 from ntp_manager.store.models import JobRow, LayoutRow
 from ntp_manager.topology import TopologyError
 
@@ -174,6 +176,9 @@ class Jobs:
         t.session.add(LayoutRow(job=job.name, version=version, leader_epoch=self.epoch(), plan=None,
                                 body=d.encoded.body, base_version=d.encoded.base_version, reason=d.why,
                                 created_at=t.now))
+        if self.settings.fleet_ingest:  # every manager's watchers (service/watch.py); sent on commit
+            await t.session.execute(text("SELECT pg_notify(:c, :p)"),
+                                    {"c": outbox.LAYOUTS, "p": f"{self.epoch()}:{version}:{job.name}"})
         t.audit(t.now, "layout.update", job.name, before={"version": version - 1} if version > 1 else None,
                 after={"version": version, **d.summary}, reason=d.why)
         rec = LayoutRec(job.name, version, self.epoch(), d.doc, d.why, t.now, self.kernel.clock.monotonic(),

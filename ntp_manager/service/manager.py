@@ -212,6 +212,8 @@ class Manager:
         self.jobs.stopping = True
         self.ready = False
         self.agents.close_all()
+        if self.fleet is not None:
+            self.fleet.feed.close()  # the layout watches this manager holds end
         async with self.jobs.layout_changed:
             self.jobs.layout_changed.notify_all()
 

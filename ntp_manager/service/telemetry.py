@@ -81,6 +81,16 @@ class TelemetryStore:
             )
             self.by_node[node].add(g.uuid)
 
+    def put(self, uuid: str, t: GpuTelemetry) -> None:
+        """Keep a sample another manager took (fleet mode: service/watch.py); the caller checked
+        that the GPU is registered on `t.node`."""
+        old = self.latest.get(uuid)
+        if old is not None and old.node != t.node:
+            self.by_node.get(old.node, set()).discard(uuid)
+        if old is None or old.at <= t.at:
+            self.latest[uuid] = t
+            self.by_node.setdefault(t.node, set()).add(uuid)
+
     def get(self, uuid: str) -> GpuTelemetry | None:
         return self.latest.get(uuid)
 

@@ -17,120 +17,38 @@ Each checks the counters: no report applied twice, none acknowledged and lost, n
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import asyncpg
 import grpc
 import pytest
 
-from agent.core import Agent
 from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
-from ntp_manager.manager_process import ManagerProcess
 from ntp_manager.store import write_log
 from tests.fakes.partition import Partition
-from tests.integration.conftest import PG, database
+from tests.integration.conftest import PG
+from tests.integration.fleet_fixtures import (
+    agents_on,
+    applied_all,
+    counters,
+    failed_on,
+    fleet,
+    layout,
+    settled,
+    started,
+)
 from tests.integration.test_ha import (
-    LEASE,
     check_reports,
     eventually,
     get,
     job_on,
     lease_since,
-    make_agent,
-    prepare,
     stop_agents,
 )
 
 pytestmark = pytest.mark.skipif(not PG, reason="NTP_TEST_POSTGRES_URL is not set (no PostgreSQL server to test with)")
-
-FLEET = {**LEASE, "NTP_FLEET_INGEST": "1", "NTP_FLEET_POLL_S": "0.2"}
-LEADER_TABLES = (*write_log.TABLES, "outbox_state", "outbox_quarantine", "agent_commands")
-
-
-@contextlib.asynccontextmanager
-async def fleet(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
-    async with database("postgres", tmp_path) as url:
-        tokens = await prepare(url)
-        await write_log.install(url, LEADER_TABLES)
-        procs: list[ManagerProcess] = []
-
-        def start(name: str, via: str | None = None, **extra: str) -> ManagerProcess:
-            p = ManagerProcess(name, via or url, tmp_path / f"manager-{name}.log", {**FLEET, **extra})
-            procs.append(p)
-            return p
-
-        try:
-            yield {"url": url, "pg": url.replace("postgresql+asyncpg://", "postgresql://"), "tokens": tokens,
-                   "start": start}
-        finally:
-            for p in procs:
-                p.stop(graceful=False)
-
-
-async def started(c: dict[str, Any], *names: str) -> list[ManagerProcess]:
-    """Managers started one after the other: the first leads."""
-    out = []
-    for n in names:
-        p = c["start"](n)
-        await p.ready_async()
-        out.append(p)
-    assert out[0].info["role"] == "leader" and all(p.info["role"] == "standby" for p in out[1:])
-    return out
-
-
-async def agents_on(c: dict[str, Any], lists: list[list[str]]) -> tuple[list[Agent], list[Any], list[Any]]:
-    agents, backends, tasks = [], [], []
-    for i, managers in enumerate(lists):
-        a, b = make_agent(f"node-{i}", f"nvl-{i}", c["tokens"][f"node-{i}"], managers)
-        agents.append(a)
-        backends.append(b)
-        tasks.append(asyncio.create_task(a.run()))
-    await eventually(lambda: all(a.connected.is_set() for a in agents), what="agents connected")
-    return agents, backends, tasks
-
-
-async def counters(pg: str) -> dict[str, int]:
-    """The outbox's state: rows, the leader's cursor, quarantined rows."""
-    conn = await asyncpg.connect(pg)
-    try:
-        head = await conn.fetchval("SELECT coalesce(max(seq), 0) FROM outbox")
-        cursor = await conn.fetchval("SELECT coalesce(max(last_seq), 0) FROM outbox_state WHERE consumer = 'leader'")
-        quarantined = await conn.fetchval("SELECT count(*) FROM outbox_quarantine")
-        epoch = await conn.fetchval("SELECT coalesce(max(epoch), 0) FROM outbox_state")
-    finally:
-        await conn.close()
-    return {"head": head, "cursor": cursor, "quarantined": quarantined, "epoch": epoch}
-
-
-async def applied_all(pg: str) -> bool:
-    c = await counters(pg)
-    return bool(c["cursor"] == c["head"])
-
-
-async def settled(pg: str, agent: Agent) -> bool:
-    """Every report the agent has had acknowledged is applied: the node's stored seq caught up with
-    it and the outbox is drained (an ack means durable, not yet applied by the leader)."""
-    conn = await asyncpg.connect(pg)
-    try:
-        last_seq = await conn.fetchval("SELECT last_seq FROM nodes WHERE name = $1", agent.cfg.node)
-    finally:
-        await conn.close()
-    return bool(last_seq == agent.last_acked) and await applied_all(pg)
-
-
-async def layout(base: str, tok: str) -> dict[str, Any] | None:
-    with contextlib.suppress(Exception):
-        return dict(await get(base, tok, "/v1/jobs/llm/layout"))
-    return None
-
-
-async def failed_on(base: str, tok: str) -> set[str]:
-    return {g["uuid"] for g in (await get(base, tok, "/v1/gpus?state=failed"))["items"]}
-
 
 async def test_a_report_a_standby_acknowledged_is_applied_by_the_leader(tmp_path: Path) -> None:
     async with fleet(tmp_path) as c:

@@ -1,0 +1,465 @@
+"""Fleet mode: what every manager (standbys too) does for workers (service/fleet.py).
+
+- Layout watches (`LayoutFeed`): every manager serves `WorkerService.WatchLayout` from the layouts
+  table, not from a world it would have to lead to hold. The leader sends `NOTIFY ntp_layouts`
+  (payload `epoch:version:job`) in the transaction that writes a layout version; every manager
+  LISTENs (service/fleet.py's listener connection) and reads the new version of the jobs it has
+  watchers for, decodes it once (in a worker thread) and wakes those watchers. It also polls the
+  newest version of those jobs every `fleet_poll_s`, so a notification lost (a listener
+  reconnecting) delays a layout by one poll. The leader offers what it publishes straight from
+  its world (no read back). A leader change moves nothing here: the watches stay on the manager
+  that holds them and get the new leader's first layout like any other.
+- Acks and step reports (`WorkerIngest`): a manager that does not lead checks them as the leader
+  would (ids, bounds, the stamp against the layout it serves, the ranks' places), stores them as
+  outbox rows (kinds `worker_ack`, `steps`) and answers once they are durable; the leader applies
+  them in sequence order (service/consumer.py hands these kinds to `apply_row`), after the
+  transaction that moves its cursor: the ack table and the step windows are memory, as on the
+  leader's own path. The leader takes its own workers' calls directly.
+- Telemetry (`TelemetryRelay`): the GPU counters agents send with heartbeats, which the fail-slow
+  detector reads as evidence. A manager that does not lead keeps the newest sample of each GPU of
+  its agents and stores them as one `telemetry` outbox row every heartbeat period; the leader puts
+  them in its telemetry store. The leader records its own agents' samples directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import astuple, dataclass
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from sqlalchemy import func, select
+from sqlalchemy.exc import SQLAlchemyError
+
+from ntp_manager.service import offloop, steps
+from ntp_manager.service.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ServiceError,
+    Unavailable,
+)
+from ntp_manager.service.restores import RestoreReport
+from ntp_manager.service.state import LayoutRec
+from ntp_manager.service.telemetry import GpuTelemetry, TelemetryStore
+from ntp_manager.service.worker_reports import WorkerReports
+from ntp_manager.store import layout_codec, outbox
+from ntp_manager.store.layouts import chain_length, decode_rows, newest_rows
+from ntp_manager.store.models import GpuRow, JobRow, LayoutRow
+
+if TYPE_CHECKING:
+    from ntp_manager.service.kernel import Tx
+    from ntp_manager.service.manager import Manager
+
+log = structlog.get_logger("ntp.watch")
+
+WORKER_ACK, STEPS, TELEMETRY = "worker_ack", "steps", "telemetry"
+KINDS = (WORKER_ACK, STEPS, TELEMETRY)
+
+
+def notify_payload(job: str, epoch: int, version: int) -> str:
+    return f"{epoch}:{version}:{job}"
+
+
+def parse_payload(payload: str) -> tuple[str, int, int] | None:
+    """(job, epoch, version) of a `ntp_layouts` notification; None when it is not one."""
+    parts = payload.split(":", 2)
+    if len(parts) != 3:
+        return None
+    try:
+        return parts[2], int(parts[0]), int(parts[1])
+    except ValueError:
+        return None
+
+
+@dataclass
+class _Job:
+    layout: LayoutRec | None = None
+    gone: bool = False
+    watchers: int = 0
+
+
+class LayoutFeed:
+    """The newest layout of each job some watch on this manager follows, read from PostgreSQL."""
+
+    def __init__(self, manager: Manager) -> None:
+        self.m = manager
+        self.jobs: dict[str, _Job] = {}
+        self.changed = asyncio.Condition()
+        self.closed = False
+        self.loads = 0  # layout versions read from the database
+        self.offered = 0  # versions the leader offered from its world
+        self.notified = 0  # notifications received
+        self._due: set[str] = set()  # jobs a notification named, to read
+        self._wake = asyncio.Event()
+        self._uuid_at: dict[int, str] = {}
+        self._uuids: set[str] = set()
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # ---- what wakes it ----------------------------------------------------------------------
+    def notify(self, payload: str) -> None:
+        """A `ntp_layouts` notification (the listener's callback)."""
+        self.notified += 1
+        parsed = parse_payload(payload)
+        if parsed is None:
+            self._due.update(self.jobs)
+        else:
+            job, epoch, version = parsed
+            j = self.jobs.get(job)
+            if j is None or (j.layout is not None and (epoch, version) <= (j.layout.leader_epoch, j.layout.version)):
+                return
+            self._due.add(job)
+        self._wake.set()
+
+    def offer(self, recs: Iterable[LayoutRec]) -> None:
+        """Layouts the leader published (its world's): newer ones replace what is held, at once."""
+        woke = False
+        for rec in recs:
+            j = self.jobs.get(rec.job)
+            if j is None:
+                continue
+            if j.layout is None or (rec.leader_epoch, rec.version) > (j.layout.leader_epoch, j.layout.version):
+                j.layout = rec
+                self.offered += 1
+                woke = True
+        if woke:
+            self.wake_all()
+
+    def wake_all(self) -> None:
+        async def notify() -> None:
+            async with self.changed:
+                self.changed.notify_all()
+
+        asyncio.get_running_loop().create_task(notify())
+
+    def close(self) -> None:
+        self.closed = True
+        self.wake_all()
+
+    async def run(self) -> None:
+        """Read what notifications named; every `fleet_poll_s`, the newest versions of every job watched."""
+        poll = self.m.settings.fleet_poll_s
+        loop = asyncio.get_running_loop()
+        next_poll = loop.time() + poll
+        while not self.closed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), max(0.0, next_poll - loop.time()))
+            self._wake.clear()
+            try:
+                if loop.time() >= next_poll:
+                    next_poll = loop.time() + poll
+                    await self.poll()
+                due, self._due = self._due, set()
+                for job in due:
+                    if job in self.jobs:
+                        await self.load(job)
+            except (OSError, SQLAlchemyError, layout_codec.CodecError) as e:
+                log.warning("cannot read layouts for the watches held here", error=str(e).splitlines()[0][:200])
+
+    async def poll(self) -> None:
+        """Jobs deleted, and jobs whose newest version is newer than the one held."""
+        names = list(self.jobs)
+        if not names:
+            return
+        async with self.m.sm() as s:
+            alive = set((await s.scalars(select(JobRow.name).where(JobRow.name.in_(names)))).all())
+            newest = dict((await s.execute(select(LayoutRow.job, func.max(LayoutRow.version))
+                                           .where(LayoutRow.job.in_(names)).group_by(LayoutRow.job))).all())
+        gone = False
+        for name in names:
+            j = self.jobs.get(name)
+            if j is None:
+                continue
+            if name not in alive:
+                j.gone = gone = True
+                continue
+            v = newest.get(name)
+            if v is not None and (j.layout is None or int(v) > j.layout.version):
+                self._due.add(name)
+        if gone:
+            self.wake_all()
+
+    # ---- reading layouts --------------------------------------------------------------------
+    async def load(self, job: str) -> LayoutRec | None:
+        """Read `job`'s newest version (when newer than the one held) and wake its watchers."""
+        lock = self._locks.setdefault(job, asyncio.Lock())
+        async with lock:
+            j = self.jobs.setdefault(job, _Job())
+            held = j.layout
+            async with self.m.sm() as s:
+                if not await s.scalar(select(func.count()).select_from(JobRow).where(JobRow.name == job)):
+                    j.gone = True
+                    self.wake_all()
+                    return None
+                j.gone = False
+                newest = await s.scalar(select(func.max(LayoutRow.version)).where(LayoutRow.job == job))
+                if newest is None or (held is not None and int(newest) <= held.version):
+                    return held
+                row = (await s.scalars(select(LayoutRow).where(LayoutRow.job == job,
+                                                               LayoutRow.version == int(newest)))).one()
+                if held is not None and row.base_version == held.version and row.body is not None:
+                    rows, base = [row], held  # one delta on the version held
+                else:
+                    rows, base = await newest_rows(s, job), None
+            doc = await self._decode(rows, base)
+            last = rows[-1]
+            rec = LayoutRec(last.job, last.version, last.leader_epoch, doc, last.reason, last.created_at,
+                            self.m.clock.monotonic(), (base.chain + 1) if base is not None else chain_length(rows))
+            cur = j.layout
+            if cur is None or (rec.leader_epoch, rec.version) > (cur.leader_epoch, cur.version):
+                j.layout = rec
+                self.loads += 1
+                self.wake_all()
+            return j.layout
+
+    async def _decode(self, rows: list[LayoutRow], base: LayoutRec | None) -> Any:
+        for attempt in (0, 1):
+            missed: list[int] = []
+            table = self._uuid_at
+
+            def uuid_at(pos: int, table: dict[int, str] = table, missed: list[int] = missed) -> str:
+                try:
+                    return table[pos]
+                except KeyError:
+                    missed.append(pos)
+                    raise
+
+            try:
+                if base is not None:
+                    assert rows[0].body is not None
+                    return await offloop.run(layout_codec.decode, rows[0].body, uuid_at, base.doc)
+                return (await offloop.run(decode_rows, rows, uuid_at))[-1]
+            except layout_codec.CodecError:
+                if attempt or not missed:
+                    raise
+                await self._load_positions()  # GPUs registered since the map was read
+        raise AssertionError("unreachable")
+
+    async def _load_positions(self) -> None:
+        async with self.m.sm() as s:
+            rows = (await s.execute(select(GpuRow.pos, GpuRow.uuid))).all()
+        self._uuid_at = {int(p): str(u) for p, u in rows}
+        self._uuids = set(self._uuid_at.values())
+
+    async def known_gpu(self, gpu: str) -> bool:
+        if gpu not in self._uuids:
+            await self._load_positions()
+        return gpu in self._uuids
+
+    # ---- watchers ---------------------------------------------------------------------------
+    async def current(self, job: str) -> LayoutRec | None:
+        """The newest layout of `job` held (read now when the job is not followed yet, or when
+        `fresh`); NotFound for a job that does not exist."""
+        j = self.jobs.get(job)
+        if j is None or j.gone:
+            await self.load(job)
+            j = self.jobs[job]
+            if j.gone:
+                if j.watchers == 0:
+                    self.jobs.pop(job, None)
+                raise NotFound(f"job: unknown job {job!r}")
+        return j.layout
+
+    async def refreshed(self, job: str) -> LayoutRec | None:
+        """The newest layout of `job`, read from the database now (a worker holds a newer stamp
+        than this manager has seen: the notification may be on its way)."""
+        rec = await self.load(job)
+        if self.jobs.get(job, _Job(gone=True)).gone:
+            raise NotFound(f"job: unknown job {job!r}")
+        return rec
+
+    async def wait(self, job: str, newer_than: tuple[int, int], stop: Callable[[], bool] | None = None
+                   ) -> LayoutRec | None:
+        """Like Jobs.wait_layout: a layout of `job` newer than `newer_than`; None when closing or
+        `stop()`; NotFound when the job is (or becomes) unknown."""
+        await self.current(job)
+        j = self.jobs[job]
+        j.watchers += 1
+        try:
+            async with self.changed:
+                while not self.closed and not (stop is not None and stop()):
+                    if j.gone:
+                        raise NotFound(f"unknown job {job!r}")
+                    lay = j.layout
+                    if lay is not None and (lay.leader_epoch, lay.version) > newer_than:
+                        return lay
+                    await self.changed.wait()
+            return None
+        finally:
+            j.watchers -= 1
+            if j.watchers == 0 and (j.gone or self.closed):
+                self.jobs.pop(job, None)
+
+    def watchers(self) -> int:
+        return sum(j.watchers for j in self.jobs.values())
+
+
+class WorkerIngest:
+    """Acks and step reports taken by a manager that does not lead: checked, stored, answered."""
+
+    def __init__(self, manager: Manager, feed: LayoutFeed, submit: Callable[[outbox.Entry], asyncio.Future[None]]
+                 ) -> None:
+        self.m = manager
+        self.feed = feed
+        self.submit = submit
+        self.places = WorkerReports()  # only its places cache: the ranks' places are checked here
+        self.acks = 0
+        self.steps = 0
+
+    async def _layout(self, job: str, stamp: tuple[int, int]) -> LayoutRec | None:
+        rec = await self.feed.current(job)
+        if rec is None or stamp > (rec.leader_epoch, rec.version):
+            rec = await self.feed.refreshed(job)  # a newer layout than this manager has read yet
+        return rec
+
+    async def ack(self, job: str, worker: str, epoch: int, version: int, ok: bool,
+                  restored: RestoreReport | None) -> LayoutRec:
+        """Check an ack as Jobs.ack / WorkerReports.record_ack do, store it; the current layout."""
+        self.places.check_ids(job, worker)
+        rec = await self._layout(job, (epoch, version))
+        if rec is None:
+            raise InvalidArgument(f"stamp: job {job!r} has no layout yet")
+        if epoch < rec.leader_epoch:
+            raise FailedPrecondition(f"stamp.leader_epoch: layout epoch {epoch} was overtaken; the current layout "
+                                     f"is ({rec.leader_epoch}, {rec.version})")
+        if epoch > rec.leader_epoch or version > rec.version or version < 1:
+            raise InvalidArgument(f"stamp: job {job!r} has no layout ({epoch}, {version})")
+        payload: dict[str, Any] = {"job": job, "worker": worker, "epoch": epoch, "version": version, "ok": ok,
+                                   "at": self.m.clock.now().isoformat()}
+        if restored is not None:
+            payload["restored"] = [restored.step, restored.checkpoint, restored.reason, list(restored.skipped)]
+        await self._store(outbox.Entry(WORKER_ACK, "", payload,
+                                       f"wack:{job}:{worker}:{epoch}:{version}:{int(ok)}:{uuid.uuid4().hex[:8]}"))
+        self.acks += 1
+        return rec
+
+    async def report_steps(self, job: str, worker: str, report: Any) -> None:
+        """Check a step report as WorkerReports.record_steps does (the ranks' places too), store it."""
+        self.places.check_ids(job, worker)
+        steps.check_report(report)
+        stamp = (0, 0)
+        if report.HasField("stamp"):
+            stamp = (int(report.stamp.leader_epoch), int(report.stamp.version))
+        rec = await (self._layout(job, stamp) if stamp != (0, 0) else self.feed.current(job))
+        at = self.m.clock.now().timestamp()
+        if stamp != (0, 0):
+            if rec is None or stamp > (rec.leader_epoch, rec.version):
+                raise InvalidArgument(f"stamp: job {job!r} has no layout {stamp}")
+            if stamp == (rec.leader_epoch, rec.version):
+                steps.samples_of(report, at, await self.places.places(job, rec))  # InvalidArgument: misplaced
+        body = base64.b64encode(report.SerializeToString()).decode()
+        await self._store(outbox.Entry(STEPS, "", {"job": job, "worker": worker, "at": at, "report": body},
+                                       f"steps:{uuid.uuid4().hex}"))
+        self.steps += 1
+
+    async def _store(self, entry: outbox.Entry) -> None:
+        try:
+            await self.submit(entry)
+        except ServiceError:
+            raise
+        except Exception as e:  # pragma: no cover - the ingest turns store errors into Unavailable
+            raise Unavailable("this manager cannot store worker reports right now; try another manager") from e
+
+
+class TelemetryRelay:
+    """GPU counters from a non-leader manager's agents, stored for the leader every heartbeat period."""
+
+    def __init__(self, submit: Callable[[outbox.Entry], asyncio.Future[None]], me: str) -> None:
+        self.submit = submit
+        self.me = me
+        self.pending = TelemetryStore()
+        self.sent = 0  # samples stored
+
+    def record(self, node: str, registered: Iterable[str], gpus: Any, at: float) -> None:
+        self.pending.record(node, list(registered), gpus, at)
+
+    def flush(self) -> asyncio.Future[None] | None:
+        if not self.pending.latest:
+            return None
+        samples = [[*astuple(t), u] for u, t in self.pending.latest.items()]
+        self.pending = TelemetryStore()
+        self.sent += len(samples)
+        return self.submit(outbox.Entry(TELEMETRY, "", {"samples": samples},
+                                        f"telemetry:{self.me}:{uuid.uuid4().hex}"))
+
+
+def apply_row(m: Manager, tx: Tx, r: outbox.Stored) -> None:
+    """The leader's part of a worker/telemetry outbox row (the consumer's transaction `tx`): what
+    it changes is memory, so it runs after the commit that moves the cursor past it."""
+    p = r.payload
+    if r.kind == WORKER_ACK:
+        tx.after.append(lambda: _ack(m, p))
+    elif r.kind == STEPS:
+        tx.after.append(lambda: _spawn(_steps(m, p)))
+    elif r.kind == TELEMETRY:
+        tx.after.append(lambda: _telemetry(m, p))
+    else:
+        raise ServiceError(f"unknown outbox row kind {r.kind!r}")
+
+
+_background: set[asyncio.Task[None]] = set()
+
+
+def _spawn(coro: Any) -> None:
+    t = asyncio.get_running_loop().create_task(coro)
+    _background.add(t)
+    t.add_done_callback(_background.discard)
+
+
+def _ack(m: Manager, p: dict[str, Any]) -> None:
+    job, worker, epoch, version, ok = str(p["job"]), str(p["worker"]), int(p["epoch"]), int(p["version"]), \
+        bool(p["ok"])
+    try:
+        m.ack_layout(job, worker, epoch, version, ok)
+    except ServiceError as e:  # overtaken meanwhile (a newer leader's layout), or the job deleted
+        log.info("a stored layout ack no longer applies", job=job, worker=worker, version=version, reason=e.message)
+        return
+    if p.get("restored") is not None:
+        step, checkpoint, reason, skipped = p["restored"]
+        report = RestoreReport(int(step), str(checkpoint), str(reason), tuple(str(x) for x in skipped))
+        _spawn(_restore(m, job, worker, epoch, version, report))
+
+
+async def _restore(m: Manager, job: str, worker: str, epoch: int, version: int, report: RestoreReport) -> None:
+    try:
+        await m.record_restore(job, worker, epoch, version, report)
+    except ServiceError as e:
+        log.info("a stored restore report no longer applies", job=job, version=version, reason=e.message)
+    except Exception:
+        log.exception("recording a stored restore report failed", job=job, version=version)
+
+
+async def _steps(m: Manager, p: dict[str, Any]) -> None:
+    from ntp_manager._proto.ntp.v1 import worker_pb2
+
+    job, worker = str(p["job"]), str(p["worker"])
+    try:
+        report = worker_pb2.StepReport.FromString(base64.b64decode(p["report"]))
+        rec = m.world.jobs.get(job)
+        if rec is None:
+            return
+        samples = await m.workers.record_steps(job, rec.layout, worker, report, float(p["at"]))
+        if m.world.jobs.get(job) is not rec:
+            m.workers.forget(job)
+            return
+        m.failslow.offer(job, rec, samples)
+    except ServiceError as e:  # a newer layout meanwhile placed the ranks elsewhere
+        log.info("a stored step report no longer applies", job=job, worker=worker, reason=e.message)
+    except Exception:
+        log.exception("applying a stored step report failed", job=job, worker=worker)
+
+
+def _telemetry(m: Manager, p: dict[str, Any]) -> None:
+    w = m.world
+    for s in p["samples"]:
+        *fields, gpu = s
+        t = GpuTelemetry(*fields)
+        g = w.gpus.get(str(gpu))
+        if g is None or g.node != t.node:
+            m.telemetry.ignored += 1
+            continue
+        m.telemetry.put(str(gpu), t)

@@ -1,0 +1,132 @@
+"""Fleet mode (issue 30): workers on every manager. Real `ntp-manager serve` processes with
+`NTP_FLEET_INGEST=1` on a real PostgreSQL, real agents (fake GPU backend) and real workers'
+layout watches (`GrpcLayoutSource`) over gRPC on loopback.
+
+- A worker's layout watch on a standby gets the leader's layouts (NOTIFY ntp_layouts, read from
+  PostgreSQL); its acks and step reports, taken by the standby, reach the leader (the outbox).
+- The leader is killed: the watch on the standby stays connected (no reconnect, same manager) and
+  gets the new leader's layout at the new epoch.
+- A standby that dies drops only its own watches, which reconnect to another manager; the others
+  stay where they are.
+- GPU counters (the fail-slow detector's evidence) of agents on a standby reach the leader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ntp_manager.worker.sources import GrpcLayoutSource, WorkerLayout
+from tests.integration.conftest import PG
+from tests.integration.fleet_fixtures import agents_on, applied_all, counters, fleet, layout, started
+from tests.integration.test_ha import eventually, get, job_on, stop_agents
+
+pytestmark = pytest.mark.skipif(not PG, reason="NTP_TEST_POSTGRES_URL is not set (no PostgreSQL server to test with)")
+
+
+async def watch(c: dict[str, Any], managers: list[str], gpu: str) -> GrpcLayoutSource:
+    """A worker's layout watch on the first of `managers` (the others to move to), once it has a layout."""
+    return await asyncio.to_thread(GrpcLayoutSource, managers, c["tokens"]["worker"], "llm", gpu, None, 60.0)
+
+
+async def newer(w: GrpcLayoutSource, than: WorkerLayout, what: str, timeout: float = 60) -> WorkerLayout:
+    got = await asyncio.to_thread(w.wait_newer, than.version, timeout)
+    assert got is not None, f"{what}: no layout after version {than.version} in {timeout} s ({w.history.error})"
+    return got
+
+
+async def test_a_watch_on_a_standby_stays_through_a_leader_change(tmp_path: Path) -> None:
+    async with fleet(tmp_path) as c:
+        a, b = await started(c, "a", "b")
+        op = c["tokens"]["operator"]
+        agents, backends, tasks = await agents_on(c, [[b.grpc, a.grpc], [b.grpc, a.grpc]])
+        watches: list[GrpcLayoutSource] = []
+        try:
+            await job_on(a.http, op, agents)
+            await eventually(lambda: layout(a.http, op), what="first layout")
+            first = await layout(a.http, op)
+            assert first is not None
+            gpu = agents[0].statics[0].uuid
+            w = await watch(c, [b.grpc, a.grpc], gpu)  # on the standby
+            watches.append(w)
+            got = w.latest()
+            assert got is not None and w.target == b.grpc
+            if (got.epoch, got.version) != (first["leader_epoch"], first["version"]):  # a newer one meanwhile
+                lay = await layout(a.http, op)
+                assert lay is not None and (got.epoch, got.version) == (lay["leader_epoch"], lay["version"])
+            assert got.rank is not None  # the standby built this GPU's view of the layout
+
+            # an ack and a step report taken by the standby reach the leader through the outbox
+            w.ack(got, True)
+            w.report_step(got, 7, 0.25, 1024)
+
+            async def acked() -> bool:
+                job = await get(a.http, op, "/v1/jobs/llm")
+                return bool(job["acks"].get(str(got.version), {}).get("ok") == 1)
+
+            await eventually(acked, what="the standby's ack applied by the leader")
+
+            async def stepped() -> bool:
+                steps = await get(a.http, op, "/v1/jobs/llm/steps")
+                return any(s["step"] == 7 for s in steps["recent"])
+
+            await eventually(stepped, what="the standby's step report applied by the leader")
+
+            # the agents' GPU counters (the fail-slow detector's evidence) reach the leader too
+            async def counters_on_leader() -> bool:
+                return (await get(a.http, op, f"/v1/gpus/{gpu}"))["telemetry"] is not None
+
+            await eventually(counters_on_leader, what="telemetry of an agent on the standby at the leader")
+
+            # the leader dies; a GPU fails while nobody leads; b takes over and replans
+            a.proc.kill()
+            backends[1].inject("xid", 0, xid=79)
+            took = await b.leading()
+            assert took["epoch"] > got.epoch
+            nxt = await newer(w, got, "the new leader's layout")
+            while nxt.epoch < took["epoch"]:
+                nxt = await newer(w, nxt, "the new leader's layout")
+            assert nxt.epoch == took["epoch"] and len(nxt.replicas) == 1
+            assert w.failovers == 0 and w.target == b.grpc  # the watch never reconnected
+            assert all(x.failovers == 0 for x in agents)
+            await eventually(lambda: applied_all(c["pg"]), what="the outbox applied")
+            assert (await counters(c["pg"]))["quarantined"] == 0
+        finally:
+            for x in watches:
+                x.close()
+            await stop_agents(agents, tasks)
+
+
+async def test_a_standby_that_dies_drops_only_its_own_watches(tmp_path: Path) -> None:
+    async with fleet(tmp_path) as c:
+        a, b, s = await started(c, "a", "b", "c")
+        op = c["tokens"]["operator"]
+        agents, backends, tasks = await agents_on(c, [[s.grpc, a.grpc], [s.grpc, a.grpc]])
+        watches: list[GrpcLayoutSource] = []
+        try:
+            await job_on(a.http, op, agents)
+            await eventually(lambda: layout(a.http, op), what="first layout")
+            gpus = [agents[0].statics[0].uuid, agents[1].statics[0].uuid]
+            on_b = await watch(c, [b.grpc, s.grpc], gpus[0])
+            watches.append(on_b)
+            on_c = await watch(c, [s.grpc, b.grpc], gpus[1])
+            watches.append(on_c)
+            assert (on_b.target, on_c.target) == (b.grpc, s.grpc)
+            before_b, before_c = on_b.latest(), on_c.latest()
+            assert before_b is not None and before_c is not None
+
+            b.proc.kill()  # a standby dies: its watch moves to c, c's stays
+            backends[1].inject("xid", 0, xid=79)  # a new layout, from the same leader
+            got_b = await newer(on_b, before_b, "the moved watch's next layout")
+            got_c = await newer(on_c, before_c, "the staying watch's next layout")
+            assert got_b.epoch == got_c.epoch == a.info["epoch"]
+            assert on_b.failovers >= 1 and on_b.target == s.grpc
+            assert on_c.failovers == 0 and on_c.target == s.grpc
+            assert a.proc.poll() is None and s.proc.poll() is None
+        finally:
+            for x in watches:
+                x.close()
+            await stop_agents(agents, tasks)
