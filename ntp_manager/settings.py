@@ -83,6 +83,14 @@ class Settings(BaseSettings):
                                 "manager for agent commands) at least this often, without a notification")
     fleet_store_timeout_s: float = Field(5.0, gt=0, le=60, description="fleet mode: a manager that cannot store a "
                                          "report within this answers UNAVAILABLE (the agent goes to another)")
+    fleet_balance_s: float = Field(30.0, ge=0, description="fleet mode: how often a manager compares the agent "
+                                   "streams and layout watches it holds with its share (their total over the "
+                                   "managers alive) and tells those over it to move to the manager holding the "
+                                   "fewest (service/balance.py); 0: never")
+    fleet_balance_tolerance: float = Field(0.1, ge=0, le=10, description="fleet mode: a manager moves clients only "
+                                           "once it holds more than its share plus this fraction of it")
+    fleet_balance_max: int = Field(500, ge=1, description="fleet mode: the most streams of each kind (agents, "
+                                   "watches) a manager tells to move in one balance pass")
     group_commit_window_ms: float = Field(1.0, ge=0, le=5, description="group commit: an idle committer waits this "
                                           "long for more reports before it commits (0: at once)")
     # gRPC TLS: server certificate and key (PEM); with a client CA, agents must present a

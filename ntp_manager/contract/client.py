@@ -10,6 +10,8 @@ when managers run as a leader and standbys (docs/operations.md).
 - Failover: a standby answers UNAVAILABLE naming the leader (trailing metadata `ntp-leader`) and the
   client goes there at once; any other failure moves it to the next address. The leader advertises
   its plaintext port, so a TLS client follows a hint only to an address of its own list.
+- Balance (fleet mode): a manager holding more than its share ends a stream with UNAVAILABLE and
+  `ntp-move-to` naming the manager to go to; the client goes there at once, like to a leader hint.
 - The manager the last attempt could not reach is told to the next one (`ntp-leader-unreachable`):
   a standby then holds the call until it has taken over, rather than send the client back to a
   leader that is gone (rpc/server.py).
@@ -47,11 +49,15 @@ def manager_addresses(target: str | Sequence[str]) -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
+HINT_KEYS = ("ntp-leader", "ntp-move-to")  # a standby naming the leader; a manager moving a client for balance
+
+
 def leader_hint(e: Any) -> str | None:
-    """The leader's address a standby named in its trailing metadata (`ntp-leader`), if any."""
+    """Where a manager sent the client in its trailing metadata: the leader a standby named
+    (`ntp-leader`), or the manager one told it to move to for balance (`ntp-move-to`, fleet mode)."""
     with contextlib.suppress(Exception):
         for k, v in e.trailing_metadata() or ():
-            if k == "ntp-leader" and isinstance(v, str) and v:
+            if k in HINT_KEYS and isinstance(v, str) and v:
                 return v
     return None
 

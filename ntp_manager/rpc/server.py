@@ -38,6 +38,7 @@ from ntp_manager.rpc.tally import Tally
 from ntp_manager.rpc.views import LayoutViews, build_views
 from ntp_manager.service import offloop
 from ntp_manager.service.agents import Ack, AgentCommand, Drain, EndStream, ReleasePower, SetPower
+from ntp_manager.service.balance import MOVE_KEY, MOVE_MESSAGE
 from ntp_manager.service.errors import InvalidArgument, ServiceError
 from ntp_manager.service.manager import GpuInventory, GpuReport, Manager
 from ntp_manager.service.restores import RestoreReport
@@ -383,8 +384,8 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 except _Abort as e:
                     await _settle(pending)
                     session.outbox.put_nowait(EndStream(e.code.name, e.msg))
-                except (asyncio.CancelledError, grpc.aio.AioRpcError):
-                    pass
+                except (asyncio.CancelledError, grpc.aio.AioRpcError, grpc.aio.AbortError):
+                    pass  # the stream ended (AbortError: this side ended it: a revoked token, a move)
                 except Exception:  # a failed message never ends the stream with OK
                     log.exception("agent stream failed", node=node)
                     session.outbox.put_nowait(EndStream(grpc.StatusCode.INTERNAL.name,
@@ -407,6 +408,8 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                     if item is None or session.closed:
                         break
                     if isinstance(item, EndStream):
+                        if item.move_to:  # told to move for balance (service/balance.py)
+                            context.set_trailing_metadata(((MOVE_KEY, item.move_to),))
                         await abort(context, grpc.StatusCode[item.status], item.message)
                         break
                     yield self._command(item)
@@ -493,15 +496,24 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
         unwatch = self.m.token_service.watch(principal.token_id, on_revoke)
         seen = (-1, -1)
         self.m.metrics.watchers.inc()
+        held = feed.hold() if feed is not None else None  # the balancer may tell it to move
+
+        def stop() -> bool:
+            return revoked.is_set() or (held is not None and held.told is not None)
         try:
             while True:
                 try:
-                    rec = await (feed.wait(request.job, seen, revoked.is_set) if feed is not None
-                                 else self.m.wait_layout(request.job, seen, revoked.is_set))
+                    if feed is not None:
+                        rec = await feed.wait(request.job, seen, stop)
+                    else:
+                        rec = await self.m.wait_layout(request.job, seen, revoked.is_set)
                 except ServiceError as e:  # the job was deleted
                     await abort(context, code_of(e), e.message)
                 if revoked.is_set():
                     await abort(context, grpc.StatusCode.UNAUTHENTICATED, REVOKED)
+                if held is not None and held.told is not None:
+                    context.set_trailing_metadata(((MOVE_KEY, held.told),))
+                    await abort(context, grpc.StatusCode.UNAVAILABLE, MOVE_MESSAGE.format(target=held.told))
                 if rec is None:
                     return
                 seen = (rec.leader_epoch, rec.version)
@@ -512,6 +524,8 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
         finally:
             unwatch()
             self.m.metrics.watchers.dec()
+            if feed is not None and held is not None:
+                feed.release(held)
 
     async def AckLayout(
         self, request: worker_pb2.AckLayoutRequest, context: grpc.aio.ServicerContext

@@ -71,10 +71,12 @@ class Drain:
 
 @dataclass(frozen=True, slots=True)
 class EndStream:
-    """End the agent's stream with a gRPC status (its name, e.g. "UNAUTHENTICATED")."""
+    """End the agent's stream with a gRPC status (its name, e.g. "UNAUTHENTICATED"); `move_to`: the
+    manager (host:port) the agent should go to (service/balance.py)."""
 
     status: str
     message: str
+    move_to: str | None = None
 
 
 AgentCommand = Ack | SetPower | ReleasePower | Drain

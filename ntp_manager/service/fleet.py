@@ -27,6 +27,7 @@ import structlog
 from sqlalchemy.exc import SQLAlchemyError
 
 from ntp_manager.service.agents import Ack, AgentCommand, Drain, ReleasePower, SetPower
+from ntp_manager.service.balance import Balancer
 from ntp_manager.service.consumer import Consumer
 from ntp_manager.service.ingest import AgentIngest, Ingest
 from ntp_manager.service.leader import NotLeader
@@ -74,6 +75,7 @@ class Fleet:
         self.feed = LayoutFeed(manager)
         self.workers = WorkerIngest(manager, self.feed, self.ingest.submit)
         self.relay = TelemetryRelay(self.ingest.submit, s.leader_id)
+        self.balance = Balancer(manager, self)
         self.ready = False  # taking agent streams (its token table is loaded)
         self.delivered = 0  # commands of agent_commands sent to this manager's agents
         self._tasks: list[asyncio.Task[None]] = []
@@ -97,6 +99,7 @@ class Fleet:
             asyncio.create_task(self._seen_loop(), name="fleet-seen"),
             asyncio.create_task(self._deliver_loop(), name="fleet-commands-in"),
             asyncio.create_task(self.feed.run(), name="fleet-layout-feed"),
+            asyncio.create_task(self.balance.run(), name="fleet-balance"),
         ]
         self.ready = True
         log.info("fleet mode: taking agent streams", manager=m.settings.leader_id)
@@ -117,6 +120,7 @@ class Fleet:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks = []
+        await self.balance.leave()
         await self.ingest.stop()
         if self._listener is not None:
             with contextlib.suppress(Exception):

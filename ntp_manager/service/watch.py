@@ -76,6 +76,15 @@ def parse_payload(payload: str) -> tuple[str, int, int] | None:
         return None
 
 
+class Held:
+    """A layout watch this manager holds; `told`: the manager the balancer told it to move to."""
+
+    __slots__ = ("told",)
+
+    def __init__(self) -> None:
+        self.told: str | None = None
+
+
 @dataclass
 class _Job:
     layout: LayoutRec | None = None
@@ -99,6 +108,7 @@ class LayoutFeed:
         self._uuid_at: dict[int, str] = {}
         self._uuids: set[str] = set()
         self._locks: dict[str, asyncio.Lock] = {}
+        self._held: dict[Held, None] = {}  # the watches held here, oldest first
 
     # ---- what wakes it ----------------------------------------------------------------------
     def notify(self, payload: str) -> None:
@@ -294,8 +304,31 @@ class LayoutFeed:
             if j.watchers == 0 and (j.gone or self.closed):
                 self.jobs.pop(job, None)
 
-    def watchers(self) -> int:
-        return sum(j.watchers for j in self.jobs.values())
+    def hold(self) -> Held:
+        h = Held()
+        self._held[h] = None
+        return h
+
+    def release(self, h: Held) -> None:
+        self._held.pop(h, None)
+
+    def held(self) -> int:
+        """Layout watches this manager holds."""
+        return len(self._held)
+
+    def move(self, target: str, n: int) -> int:
+        """Tell `n` watches (the newest not told yet) to move to `target`; how many were told."""
+        told = 0
+        for h in reversed(list(self._held)):
+            if told >= n:
+                break
+            if h.told is None:
+                h.told = target
+                told += 1
+        if told:
+            log.info("layout watches told to move for balance", watches=told, to=target)
+            self.wake_all()
+        return told
 
 
 class WorkerIngest:

@@ -20,7 +20,8 @@ from ntp_manager.store import write_log
 from tests.integration.conftest import database
 from tests.integration.test_ha import LEASE, eventually, get, make_agent, prepare
 
-FLEET = {**LEASE, "NTP_FLEET_INGEST": "1", "NTP_FLEET_POLL_S": "0.2"}
+# balance off unless a test turns it on: the tests place their clients on chosen managers
+FLEET = {**LEASE, "NTP_FLEET_INGEST": "1", "NTP_FLEET_POLL_S": "0.2", "NTP_FLEET_BALANCE_S": "0"}
 LEADER_TABLES = (*write_log.TABLES, "outbox_state", "outbox_quarantine", "agent_commands")
 
 
@@ -44,11 +45,11 @@ async def fleet(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
                 p.stop(graceful=False)
 
 
-async def started(c: dict[str, Any], *names: str) -> list[ManagerProcess]:
-    """Managers started one after the other: the first leads."""
+async def started(c: dict[str, Any], *names: str, **extra: str) -> list[ManagerProcess]:
+    """Managers started one after the other (with the settings `extra` besides FLEET): the first leads."""
     out = []
     for n in names:
-        p = c["start"](n)
+        p = c["start"](n, **extra)
         await p.ready_async()
         out.append(p)
     assert out[0].info["role"] == "leader" and all(p.info["role"] == "standby" for p in out[1:])

@@ -9,6 +9,8 @@ layout watches (`GrpcLayoutSource`) over gRPC on loopback.
 - A standby that dies drops only its own watches, which reconnect to another manager; the others
   stay where they are.
 - GPU counters (the fail-slow detector's evidence) of agents on a standby reach the leader.
+- A manager holding more than its share of agents and watches tells the extra ones to move
+  (`ntp-move-to`), and they go to the manager holding fewer; nothing moves back.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import pytest
 
 from ntp_manager.worker.sources import GrpcLayoutSource, WorkerLayout
 from tests.integration.conftest import PG
-from tests.integration.fleet_fixtures import agents_on, applied_all, counters, fleet, layout, started
+from tests.integration.fleet_fixtures import agents_on, applied_all, counters, failed_on, fleet, layout, started
 from tests.integration.test_ha import eventually, get, job_on, stop_agents
 
 pytestmark = pytest.mark.skipif(not PG, reason="NTP_TEST_POSTGRES_URL is not set (no PostgreSQL server to test with)")
@@ -126,6 +128,39 @@ async def test_a_standby_that_dies_drops_only_its_own_watches(tmp_path: Path) ->
             assert on_b.failovers >= 1 and on_b.target == s.grpc
             assert on_c.failovers == 0 and on_c.target == s.grpc
             assert a.proc.poll() is None and s.proc.poll() is None
+        finally:
+            for x in watches:
+                x.close()
+            await stop_agents(agents, tasks)
+
+
+async def test_a_manager_over_its_share_tells_clients_to_move(tmp_path: Path) -> None:
+    async with fleet(tmp_path) as c:
+        a, b = await started(c, "a", "b", NTP_FLEET_BALANCE_S="1")
+        op = c["tokens"]["operator"]
+        agents, backends, tasks = await agents_on(c, [[b.grpc, a.grpc], [b.grpc, a.grpc]])  # both start on b
+        watches: list[GrpcLayoutSource] = []
+        try:
+            await eventually(lambda: sorted(x.target for x in agents) == sorted([a.grpc, b.grpc])
+                             and all(x.connected.is_set() for x in agents), what="one agent moved to a")
+            moved = next(x for x in agents if x.target == a.grpc)
+            assert moved.failovers == 1 and sum(x.failovers for x in agents) == 1
+            await job_on(a.http, op, agents)
+            await eventually(lambda: layout(a.http, op), what="first layout")
+            for x in agents:
+                watches.append(await watch(c, [b.grpc, a.grpc], x.statics[0].uuid))
+            await eventually(lambda: sorted(w.target for w in watches) == sorted([a.grpc, b.grpc]),
+                             what="one watch moved to a")
+            before = [w.latest() for w in watches]
+            # both keep working where they are: a GPU of the moved agent fails, both watches get the layout
+            backends[agents.index(moved)].inject("xid", 0, xid=79)
+            await eventually(lambda: failed_on(a.http, op), what="the moved agent's report applied")
+            for w, old in zip(watches, before, strict=True):
+                assert old is not None
+                await newer(w, old, "the layout after the failure")
+            assert sum(x.failovers for x in agents) == 1  # nothing moved back
+            assert sorted(w.failovers for w in watches) == [0, 1]
+            assert (await counters(c["pg"]))["quarantined"] == 0
         finally:
             for x in watches:
                 x.close()

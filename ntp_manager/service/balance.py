@@ -1,0 +1,154 @@
+"""Fleet mode: managers that hold more than their share of streams tell some clients to move.
+
+Every manager writes its row of `fleet_members` every heartbeat period (its gRPC address, the
+agent streams and layout watches it holds; the database's clock). Every `fleet_balance_s` it reads
+the rows seen within `MEMBER_TTL_BEATS` heartbeat periods (the managers alive) and, per kind of
+stream, compares what it holds with the fair share (the kind's total over the managers alive,
+rounded up). Holding more than the share plus `fleet_balance_tolerance` of it, it ends streams
+down to the share, at most `fleet_balance_max` per kind and pass, each with UNAVAILABLE and the
+trailing metadata `ntp-move-to` naming the manager holding the fewest (counting the moves already
+told); the agent and the worker go there at once (contract/client.py). A move that would not make
+the target hold fewer than this manager is not made, so two managers never trade clients back and
+forth. Clients that ignore the key move to the next address of their list.
+
+Agents and workers start anywhere in their lists (they take the first address), so without moves
+a manager added to a running fleet would hold nothing until others die; and one that comes back
+after a restart would too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections import Counter
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import structlog
+from sqlalchemy import text
+from sqlalchemy.exc import SQLAlchemyError
+
+from ntp_manager.service.agents import EndStream
+
+if TYPE_CHECKING:
+    from ntp_manager.service.fleet import Fleet
+    from ntp_manager.service.manager import Manager
+
+log = structlog.get_logger("ntp.balance")
+
+MOVE_KEY = "ntp-move-to"  # trailing metadata: host:port of the manager the client should go to
+MEMBER_TTL_BEATS = 3  # a manager whose row is older than this many heartbeat periods is gone
+MOVE_MESSAGE = "this manager holds more than its share of the fleet's streams; move to {target}"
+
+
+def moves(mine: int, me: str, loads: Mapping[str, int], tolerance: float, limit: int) -> dict[str, int]:
+    """How many of this manager's `mine` streams of one kind to send to each other manager, given
+    every live manager's load (`loads`: address -> streams, this one at `me` included). Pure.
+    Nothing while `mine` is within the fair share (ceil(total / managers)) plus `tolerance` of it;
+    else down to the share, `limit` at most, each to the manager holding the fewest at that point,
+    and only while that one would still hold fewer than this one."""
+    others = {a: n for a, n in loads.items() if a and a != me}
+    if not others or mine <= 0:
+        return {}
+    total = mine + sum(others.values())
+    fair = math.ceil(total / (len(others) + 1))
+    if mine <= fair + math.floor(fair * tolerance):
+        return {}
+    out: Counter[str] = Counter()
+    left = mine
+    for _ in range(min(mine - fair, limit)):
+        target = min(others, key=lambda a: (others[a], a))
+        if others[target] + 1 >= left:
+            break
+        others[target] += 1
+        left -= 1
+        out[target] += 1
+    return dict(out)
+
+
+class Balancer:
+    def __init__(self, manager: Manager, fleet: Fleet) -> None:
+        self.m = manager
+        self.fleet = fleet
+        self.moved_agents = 0  # agents this manager told to move
+        self.moved_watchers = 0  # layout watches this manager told to move
+        self._told: set[int] = set()  # ids of the agent sessions told already (their streams are ending)
+
+    def held(self) -> tuple[int, int]:
+        """(agent streams, layout watches) this manager holds."""
+        return len(self.fleet.agents.sessions), self.fleet.feed.held()
+
+    async def run(self) -> None:
+        s = self.m.settings
+        loop = asyncio.get_running_loop()
+        next_pass = loop.time() + s.fleet_balance_s
+        while True:
+            try:
+                await self.publish()
+                if s.fleet_balance_s > 0 and loop.time() >= next_pass:
+                    next_pass = loop.time() + s.fleet_balance_s
+                    await self.balance()
+            except (OSError, SQLAlchemyError) as e:
+                log.warning("cannot write or read the fleet's members", error=str(e).splitlines()[0][:200])
+            await asyncio.sleep(s.heartbeat_interval_s)
+
+    async def publish(self) -> None:
+        agents, watchers = self.held()
+        async with self.m.sm() as session, session.begin():
+            await session.execute(text(
+                "INSERT INTO fleet_members (manager, grpc_address, agents, watchers, seen_at) "
+                "VALUES (:m, :g, :a, :w, now()) ON CONFLICT (manager) DO UPDATE SET "
+                "grpc_address = excluded.grpc_address, agents = excluded.agents, watchers = excluded.watchers, "
+                "seen_at = excluded.seen_at"),
+                {"m": self.m.settings.leader_id, "g": self.m.leadership.grpc, "a": agents, "w": watchers})
+
+    async def members(self) -> list[tuple[str, int, int]]:
+        """(gRPC address, agents, watchers) of every manager seen lately, this one included."""
+        ttl = MEMBER_TTL_BEATS * self.m.settings.heartbeat_interval_s
+        async with self.m.sm() as session:
+            rows = (await session.execute(text(
+                "SELECT grpc_address, agents, watchers FROM fleet_members "
+                "WHERE seen_at > now() - make_interval(secs => :ttl)"), {"ttl": ttl})).all()
+        return [(str(r[0]), int(r[1]), int(r[2])) for r in rows]
+
+    async def leave(self) -> None:
+        """This manager stops: its row goes (the others stop counting it at once)."""
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(2), self.m.sm() as session, session.begin():
+                await session.execute(text("DELETE FROM fleet_members WHERE manager = :m"),
+                                      {"m": self.m.settings.leader_id})
+
+    async def balance(self) -> None:
+        """One pass: read who is alive, tell the streams over this manager's share to move."""
+        me = self.m.leadership.grpc
+        if not me:
+            return
+        rows = await self.members()
+        agents, watchers = self.held()
+        s = self.m.settings
+        agent_loads = {a: n for a, n, _ in rows}
+        agent_loads[me] = agents
+        watch_loads = {a: w for a, _, w in rows}
+        watch_loads[me] = watchers
+        for target, n in moves(agents, me, agent_loads, s.fleet_balance_tolerance, s.fleet_balance_max).items():
+            self.moved_agents += self._move_agents(target, n)
+        for target, n in moves(watchers, me, watch_loads, s.fleet_balance_tolerance, s.fleet_balance_max).items():
+            self.moved_watchers += self.fleet.feed.move(target, n)
+
+    def _move_agents(self, target: str, n: int) -> int:
+        """End `n` agent streams (the newest) with a move to `target`; how many were told."""
+        told = 0
+        sessions = list(self.fleet.agents.sessions.values())
+        self._told &= {id(x) for x in sessions}
+        for sess in reversed(sessions):
+            if told >= n:
+                break
+            if sess.closed or id(sess) in self._told:
+                continue
+            sess.outbox.put_nowait(EndStream("UNAVAILABLE", MOVE_MESSAGE.format(target=target), target))
+            self._told.add(id(sess))
+            told += 1
+        if told:
+            log.info("agents told to move for balance", agents=told, to=target)
+        return told
