@@ -21,7 +21,14 @@ Phases (the figures each one prints):
    deposed leader's sessions wrote after the takeover (a trigger logs each row's session), outbox
    rows quarantined.
 
+With `--watchers N`, N layout watches (bench/fleet_watchers.py, in `--watcher-procs` processes of
+their own) spread over the three managers once the job has its first layout; each failover round
+then also reports the watch streams that reconnected although their manager lived (the goal: 0)
+and how long until every watch had the new epoch's layout, and the standby kill how many watches
+moved and how long they were without a stream.
+
 Usage: python bench/fleet.py [--agents 2000] [--reports 3] [--rounds 4] [--procs 3]
+                             [--watchers 0] [--watcher-procs 3]
                              [--lease-ttl 2] [--renew 0.4] [--json out.json]
 """
 
@@ -90,6 +97,113 @@ class Gen:
         return cpu_seconds(self.proc.pid)
 
 
+class WatchGen:
+    """One process of simulated layout watches (bench/fleet_watchers.py)."""
+
+    def __init__(self, targets: list[str], token: str, gpus: list[str]) -> None:
+        self.n = len(gpus)
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("fleet_watchers.py"))],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._send({"targets": targets, "token": token, "job": "fleet", "gpus": gpus})
+
+    def _send(self, d: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(d) + "\n")
+        self.proc.stdin.flush()
+
+    async def ask(self, d: dict[str, Any]) -> dict[str, Any]:
+        self._send(d)
+        assert self.proc.stdout is not None
+        line = await asyncio.to_thread(self.proc.stdout.readline)
+        if not line:
+            raise RuntimeError(f"watch generator ended (status {self.proc.poll()})")
+        return dict(json.loads(line))
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._send({"cmd": "quit"})
+        with contextlib.suppress(Exception):
+            self.proc.wait(10)
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+
+async def watchers_start(args: argparse.Namespace, grpcs: list[str], token: str, nodes: list[str]) -> list[WatchGen]:
+    """`--watchers` layout watches over `--watcher-procs` processes, spread over the managers."""
+    if args.watchers <= 0:
+        return []
+    gpus = [f"GPU-{nodes[i % len(nodes)]}-{(i // len(nodes)) % 8}" for i in range(args.watchers)]
+    t0 = time.perf_counter()
+    gens = [WatchGen(grpcs[k % 3:] + grpcs[:k % 3], token, gpus[k::args.watcher_procs])
+            for k in range(args.watcher_procs)]
+    ready = await asyncio.gather(*(g.ask({"cmd": "ready"}) for g in gens))
+    print(f"{args.watchers} layout watches: all have a layout {time.perf_counter() - t0:.1f} s "
+          f"(generator CPU {[round(r['cpu_s'], 1) for r in ready]} s)", flush=True)
+    return gens
+
+
+async def watchers_stats(gens: list[WatchGen]) -> dict[str, Any]:
+    st = await asyncio.gather(*(g.ask({"cmd": "stats"}) for g in gens))
+    lost: dict[str, int] = {}
+    epochs: dict[int, int] = {}
+    for s in st:
+        for k, v in s["lost_from"].items():
+            lost[k] = lost.get(k, 0) + v
+        for e, v in s["epochs"].items():
+            epochs[int(e)] = epochs.get(int(e), 0) + v
+    return {"connected": sum(s["connected"] for s in st), "reconnects": sum(s["reconnects"] for s in st),
+            "moved": sum(s["moved"] for s in st), "lost_from": lost, "epochs": epochs,
+            "gaps_s": [g for s in st for g in s["gaps_s"]], "on": [a for s in st for a in s["on"]],
+            "cpu_s": [round(s["cpu_s"], 1) for s in st]}
+
+
+def _lost_from(before: dict[str, Any], after: dict[str, Any], addr: str) -> int:
+    return int(after["lost_from"].get(addr, 0) - before["lost_from"].get(addr, 0))
+
+
+async def watchers_failover(gens: list[WatchGen], before: dict[str, Any], epoch_before: int, t_kill: float,
+                            killed: str) -> dict[str, Any] | None:
+    """After a leader failure: how long until every watch had a layout of a newer epoch, and how
+    many watch streams reconnected although their manager lived (the goal: 0)."""
+    if not gens:
+        return None
+    total = sum(g.n for g in gens)
+    while True:
+        now = await watchers_stats(gens)
+        if sum(v for e, v in now["epochs"].items() if e > epoch_before) >= total:
+            break
+        if time.perf_counter() - t_kill > 120:
+            break
+        await asyncio.sleep(0.1)
+    all_s = time.perf_counter() - t_kill
+    delta = now["reconnects"] - before["reconnects"]
+    of_killed = _lost_from(before, now, killed)
+    return {"all_new_epoch_s": all_s, "reconnects_of_live_managers": delta - of_killed,
+            "reconnects_of_the_killed_leader": of_killed, "new_epoch_watchers":
+            sum(v for e, v in now["epochs"].items() if e > epoch_before), "watchers": total}
+
+
+async def watchers_standby_kill(gens: list[WatchGen], before: dict[str, Any], t_kill: float,
+                                killed: str) -> dict[str, Any] | None:
+    """After a standby's SIGKILL: its watches served elsewhere (how long), the others untouched."""
+    if not gens:
+        return None
+    total = sum(g.n for g in gens)
+    while True:
+        now = await watchers_stats(gens)
+        if now["connected"] >= total and time.perf_counter() - t_kill > 1:
+            break
+        if time.perf_counter() - t_kill > 120:
+            break
+        await asyncio.sleep(0.1)
+    gaps = now["gaps_s"][len(before["gaps_s"]):]
+    of_killed = _lost_from(before, now, killed)
+    return {"all_served_s": time.perf_counter() - t_kill, "moved": of_killed,
+            "reconnects_of_live_managers": now["reconnects"] - before["reconnects"] - of_killed,
+            "gap_max_s": max(gaps) if gaps else None, "gap_p50_s": statistics.median(gaps) if gaps else None,
+            "connected": now["connected"], "watchers": total}
+
+
 async def outbox_state(pg: str) -> tuple[int, int, int]:
     c = await asyncpg.connect(pg)
     try:
@@ -133,6 +247,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="ntp-fleet-bench-"))
     procs: dict[str, ManagerProcess] = {}
     gens: list[Gen] = []
+    wgens: list[WatchGen] = []
     out: dict[str, Any] = {"agents": args.agents, "gpus": args.agents * 8, "machine": machine_line()}
     try:
         n = args.agents
@@ -141,6 +256,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         nodes = [f"f-{i:05d}" for i in range(n)]
         tokens = await m.token_service.create_agents(nodes, "bench")
         op = await m.create_token("bench-op", "operator")
+        wtok = await m.create_token("bench-worker", "worker")  # --watchers
         await m.engine.dispose()
         await write_log.install(url, LEADER_TABLES)
         env = {"NTP_FLEET_INGEST": "1", "NTP_LEASE_TTL_S": str(args.lease_ttl), "NTP_LEASE_RENEW_S": str(args.renew),
@@ -219,6 +335,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 raise TimeoutError("no first layout in 300 s (is the circuit breaker open?)")
             await asyncio.sleep(0.1)
         out["first_layout_s"] = time.perf_counter() - t_job
+        wgens = await watchers_start(args, grpcs, wtok, nodes)
+        wrounds: list[dict[str, Any] | None] = []
         rounds = []
         leader = 0
         for rnd in range(args.rounds):
@@ -226,6 +344,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             old = slots[leader]
             epoch_before = await layout_epoch(old.info["http"], op) or 0
             others = [k for k in range(3) if k != leader]
+            w0 = await watchers_stats(wgens) if wgens else {}
             t_kill = time.perf_counter()
             old.signal(signal.SIGKILL if mode == "SIGKILL" else signal.SIGSTOP)
             for g in gens:  # one agent on a manager left reports a GPU failed: the layout must change
@@ -241,6 +360,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                         break
                 else:
                     await asyncio.sleep(0.02)
+            wround = await watchers_failover(wgens, w0, epoch_before, t_kill, old.grpc) if first else None
+            wrounds.append(wround)
+            if wround is not None:
+                print(f"round {rnd}: watches: all at the new epoch {wround['all_new_epoch_s']:.2f} s, reconnects "
+                      f"of watches on live managers {wround['reconnects_of_live_managers']}", flush=True)
             exit_code = None
             if mode == "SIGSTOP":
                 old.signal(signal.SIGCONT)
@@ -266,6 +390,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         before = [len(s["gaps_s"]) for s in st0]
         on = [a for s in st0 for a in s["on"]]
         standby = max((k for k in range(3) if k != leader), key=lambda k: on.count(slots[k].grpc))  # the busiest
+        w0 = await watchers_stats(wgens) if wgens else {}
         slots[standby].signal(signal.SIGKILL)
         t_kill = time.perf_counter()
         while True:
@@ -282,6 +407,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                                "gap_p50_s": statistics.median(gaps) if gaps else None}
         print(f"standby SIGKILL: {len(gaps)} agents moved, the longest without a stream "
               f"{out['standby_kill']['gap_max_s']}", flush=True)
+        wkill = await watchers_standby_kill(wgens, w0, t_kill, slots[standby].grpc)
+        if wgens:
+            out["watchers"] = {"count": args.watchers, "rounds": wrounds, "standby_kill": wkill}
+            print(f"standby SIGKILL: watches {wkill}", flush=True)
 
         # ---- 5. counters ------------------------------------------------------------------------
         await asyncio.sleep(2.5)  # the last liveness rows
@@ -315,6 +444,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         for g in gens:
             g.close()
+        for wg in wgens:
+            wg.close()
         for p in procs.values():
             p.stop(graceful=False)
         with contextlib.suppress(Exception):
@@ -327,6 +458,8 @@ def main() -> None:
     ap.add_argument("--reports", type=int, default=3, help="state-changing reports per agent per ingest phase")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--procs", type=int, default=3, help="load-generator processes (a multiple of 3)")
+    ap.add_argument("--watchers", type=int, default=0, help="layout watches spread over the managers (0: none)")
+    ap.add_argument("--watcher-procs", type=int, default=3, help="processes of simulated layout watches")
     ap.add_argument("--lease-ttl", type=float, default=2.0)
     ap.add_argument("--renew", type=float, default=0.4)
     ap.add_argument("--postgres", default=os.environ.get("NTP_TEST_POSTGRES_URL",

@@ -1,0 +1,135 @@
+"""The worker side of bench/fleet.py (`--watchers N`): simulated layout watches
+(`WorkerService.WatchLayout`) in a process of their own, so that the benchmark measures the managers.
+
+Started with a JSON line on stdin: {"targets": [grpc addresses, the preferred first], "token": a
+worker token, "job": name, "gpus": [GPU UUID per watcher]}. Each watcher keeps one stream; when it
+ends (the manager died, or told it to move: trailing metadata `ntp-move-to` / `ntp-leader`) it
+records a reconnect, goes to the address named or else the next one, and records how long it was
+without a stream (until its first layout on the new one). Each layout is parsed for its stamp only.
+Then reads commands on stdin, answering each with one JSON line on stdout:
+
+- {"cmd": "ready"}: once every watcher has a layout: {"wall_s", "cpu_s"}
+- {"cmd": "stats"}: {"connected", "reconnects", "moved" (told to move), "lost_from" (reconnects by
+  the manager the stream was lost from), "gaps_s" (per reconnect),
+  "epochs": {epoch: watchers whose newest layout is of it}, "on": [address per connected watcher],
+  "cpu_s"}
+- {"cmd": "quit"}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ntp_manager._proto.ntp.v1 import common_pb2, worker_pb2
+from ntp_manager.contract.client import CLIENT_KEEPALIVE, leader_hint
+
+CHANNELS = 8  # per address
+
+
+def stamp_of(data: bytes) -> tuple[int, int]:
+    """(epoch, version) of a serialized ntp.v1.Layout, reading its stamp field alone."""
+    msg = common_pb2.Layout()
+    msg.ParseFromString(data)
+    return int(msg.stamp.leader_epoch), int(msg.stamp.version)
+
+
+class Watcher:
+    def __init__(self, i: int, gpu: str, targets: list[str], chans: dict[str, list[Any]], token: str,
+                 job: str) -> None:
+        self.i, self.gpu, self.targets, self.chans, self.job = i, gpu, targets, chans, job
+        self.md = (("authorization", f"Bearer {token}"),)
+        self.target = targets[i % len(targets)]  # spread over the managers
+        self.connected = asyncio.Event()
+        self.newest = (0, 0)
+        self.reconnects = 0
+        self.moved = 0
+        self.gaps: list[float] = []
+        self.lost_at: float | None = None
+        self.lost_from: Counter[str] = Counter()  # reconnects by the manager the stream was lost from
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            hint = None
+            ch = self.chans[self.target][self.i % CHANNELS]
+            call = ch.unary_stream("/ntp.v1.WorkerService/WatchLayout",
+                                   request_serializer=worker_pb2.WatchLayoutRequest.SerializeToString,
+                                   response_deserializer=lambda b: b)(
+                worker_pb2.WatchLayoutRequest(job=self.job, worker_id=f"bench-{self.i}", gpu_uuid=self.gpu),
+                metadata=self.md)
+            try:
+                async for data in call:
+                    self.newest = max(self.newest, stamp_of(data))
+                    if self.lost_at is not None:
+                        self.gaps.append(time.perf_counter() - self.lost_at)
+                        self.lost_at = None
+                    self.connected.set()
+            except grpc.aio.AioRpcError as e:
+                hint = leader_hint(e)
+            if stop.is_set():
+                return
+            if self.connected.is_set():
+                self.reconnects += 1
+                self.lost_from[self.target] += 1
+                self.moved += hint is not None
+                self.lost_at = time.perf_counter()
+            self.connected.clear()
+            if hint is not None and hint in self.chans:
+                self.target = hint
+            else:
+                self.target = self.targets[(self.targets.index(self.target) + 1) % len(self.targets)]
+                await asyncio.sleep(0.05)
+
+
+async def main() -> None:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    cfg = json.loads(await reader.readline())
+    opts = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", 256 << 20),
+            *CLIENT_KEEPALIVE]
+    chans = {t: [grpc.aio.insecure_channel(t, options=opts) for _ in range(CHANNELS)] for t in cfg["targets"]}
+    stop = asyncio.Event()
+    t0 = time.perf_counter()
+    ws = [Watcher(i, g, cfg["targets"], chans, cfg["token"], cfg["job"]) for i, g in enumerate(cfg["gpus"])]
+    tasks = [asyncio.create_task(w.run(stop)) for w in ws]
+
+    def out(d: dict[str, Any]) -> None:
+        sys.stdout.write(json.dumps(d) + "\n")
+        sys.stdout.flush()
+
+    while line := await reader.readline():
+        c = json.loads(line)
+        if c["cmd"] == "ready":
+            for w in ws:
+                await w.connected.wait()
+            out({"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time()})
+        elif c["cmd"] == "stats":
+            out({"connected": sum(w.connected.is_set() for w in ws), "reconnects": sum(w.reconnects for w in ws),
+                 "moved": sum(w.moved for w in ws),
+                 "lost_from": dict(sum((w.lost_from for w in ws), Counter())),
+                 "gaps_s": [g for w in ws for g in w.gaps],
+                 "epochs": dict(Counter(w.newest[0] for w in ws)),
+                 "on": [w.target for w in ws if w.connected.is_set()], "cpu_s": time.process_time()})
+        elif c["cmd"] == "quit":
+            break
+    stop.set()
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(BaseException):
+            await t
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
