@@ -422,7 +422,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await acker
                 if fleet is not None:
-                    fleet.agents.disconnect(session)
+                    fleet.disconnected(session)
                 else:
                     self.m.disconnect_agent(session)
                 self.disconnected_log.add(node)

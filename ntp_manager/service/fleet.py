@@ -152,6 +152,13 @@ class Fleet:
     def _on_commands(self, *_: Any) -> None:
         self._commands_wake.set()
 
+    def disconnected(self, session: Any) -> None:
+        """An agent stream this manager held ended (rpc/server.py)."""
+        st = self.agents.streams.get(session.node)
+        if st is not None and st.session is session:
+            self.relay.forget(st.gpus)
+        self.agents.disconnect(session)
+
     def _on_layouts(self, _conn: Any, _pid: Any, _channel: Any, payload: Any) -> None:
         self.feed.notify(str(payload or ""))
 
