@@ -102,6 +102,8 @@ class LayoutFeed:
         self.changed = asyncio.Condition()
         self.closed = False
         self.loads = 0  # layout versions read from the database
+        self.read_on_notify = 0  # of them, read because a notification named them
+        self.read_on_poll = 0  # of them, found by the poll (a notification lost or late)
         self.offered = 0  # versions the leader offered from its world
         self.notified = 0  # notifications received
         self._due: set[str] = set()  # jobs a notification named, to read
@@ -161,21 +163,29 @@ class LayoutFeed:
                 await asyncio.wait_for(self._wake.wait(), max(0.0, next_poll - loop.time()))
             self._wake.clear()
             try:
+                polled: set[str] = set()
                 if loop.time() >= next_poll:
                     next_poll = loop.time() + poll
-                    await self.poll()
+                    polled = await self.poll()
                 due, self._due = self._due, set()
-                for job in due:
+                for job in due | polled:
                     if job in self.jobs:
+                        before = self.loads
                         await self.load(job)
+                        if self.loads > before:
+                            if job in due:
+                                self.read_on_notify += 1
+                            else:
+                                self.read_on_poll += 1
             except (OSError, SQLAlchemyError, layout_codec.CodecError) as e:
                 log.warning("cannot read layouts for the watches held here", error=str(e).splitlines()[0][:200])
 
-    async def poll(self) -> None:
-        """Jobs deleted, and jobs whose newest version is newer than the one held."""
+    async def poll(self) -> set[str]:
+        """Marks the jobs deleted; returns those whose newest version is newer than the one held."""
         names = list(self.jobs)
+        newer: set[str] = set()
         if not names:
-            return
+            return newer
         async with self.m.sm() as s:
             alive = set((await s.scalars(select(JobRow.name).where(JobRow.name.in_(names)))).all())
             newest = dict((await s.execute(select(LayoutRow.job, func.max(LayoutRow.version))
@@ -190,9 +200,10 @@ class LayoutFeed:
                 continue
             v = newest.get(name)
             if v is not None and (j.layout is None or int(v) > j.layout.version):
-                self._due.add(name)
+                newer.add(name)
         if gone:
             self.wake_all()
+        return newer
 
     # ---- reading layouts --------------------------------------------------------------------
     async def load(self, job: str) -> LayoutRec | None:

@@ -9,6 +9,8 @@ layout watches (`GrpcLayoutSource`) over gRPC on loopback.
 - A standby that dies drops only its own watches, which reconnect to another manager; the others
   stay where they are.
 - GPU counters (the fail-slow detector's evidence) of agents on a standby reach the leader.
+- In process: a standby reads a new layout version (a keyframe, then a delta on it) when the
+  leader's NOTIFY names it, not by polling, and decodes it to what the leader holds.
 - A manager holding more than its share of agents and watches tells the extra ones to move
   (`ntp-move-to`), and they go to the manager holding fewer; nothing moves back.
 """
@@ -21,10 +23,13 @@ from typing import Any
 
 import pytest
 
+from ntp_manager.service.errors import NotFound
+from ntp_manager.service.manager import GpuInventory, Manager
+from ntp_manager.settings import Settings
 from ntp_manager.worker.sources import GrpcLayoutSource, WorkerLayout
-from tests.integration.conftest import PG
+from tests.integration.conftest import PG, database
 from tests.integration.fleet_fixtures import agents_on, applied_all, counters, failed_on, fleet, layout, started
-from tests.integration.test_ha import eventually, get, job_on, stop_agents
+from tests.integration.test_ha import JOB, eventually, get, job_on, stop_agents
 
 pytestmark = pytest.mark.skipif(not PG, reason="NTP_TEST_POSTGRES_URL is not set (no PostgreSQL server to test with)")
 
@@ -165,3 +170,42 @@ async def test_a_manager_over_its_share_tells_clients_to_move(tmp_path: Path) ->
             for x in watches:
                 x.close()
             await stop_agents(agents, tasks)
+
+
+async def test_a_standby_reads_a_new_layout_when_the_leader_notifies_it(tmp_path: Path) -> None:
+    async with database("postgres", tmp_path) as url:
+        # a poll every 10 s: a layout read before then came with a notification
+        kw: dict[str, Any] = {"fleet_ingest": True, "fleet_poll_s": 10.0, "fleet_balance_s": 0,
+                              "lease_ttl_s": 6.0, "lease_renew_s": 0.5, "takeover_grace_s": 0.0}
+        a = Manager(Settings(data_dir=tmp_path / "a", database_url=url, leader_id="a", **kw))
+        await a.start()
+        b = Manager(Settings(data_dir=tmp_path / "b", database_url=url, leader_id="b", **kw))
+        await b.start()
+        try:
+            assert a.acting and not b.leading and b.fleet is not None
+            feed = b.fleet.feed
+            with pytest.raises(NotFound):
+                await feed.current("llm")
+            for n in range(2):  # GPUs the standby has never seen: it reads their positions when it decodes
+                await a.register_agent(f"node-{n}", f"nvl-{n}", [
+                    GpuInventory(f"GPU-{n}-{i}", i, "H100", 80 << 30, 700_000, 200_000, 700_000) for i in range(4)],
+                    "boot", "t")
+            async with a.mutation("test") as tx:
+                await a.create_job(tx, dict(JOB))
+            await feed.current("llm")  # the job exists now: followed from here on
+            first = await asyncio.wait_for(feed.wait("llm", (-1, -1)), 60)
+            assert first is not None
+            lead = a.world.jobs["llm"].layout
+            assert lead is not None and (first.leader_epoch, first.version) == (lead.leader_epoch, lead.version)
+            assert first.doc.to_dict() == lead.doc.to_dict()
+            async with a.mutation("test") as tx:  # a new version: a delta on the one the standby holds
+                await a.cordon(tx, "GPU-1-0", "test")
+            second = await asyncio.wait_for(feed.wait("llm", (first.leader_epoch, first.version)), 60)
+            assert second is not None
+            lead = a.world.jobs["llm"].layout
+            assert lead is not None and second.version == lead.version == first.version + 1
+            assert second.doc.to_dict() == lead.doc.to_dict() and second.chain == lead.chain
+            assert feed.read_on_notify == 2 and feed.read_on_poll == 0 and feed.notified >= 2
+        finally:
+            await b.stop()
+            await a.stop()
