@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("ntp.watch")
 
+UNREACHABLE = "this manager cannot read layouts from its database right now; try another manager"
 WORKER_ACK, STEPS, TELEMETRY = "worker_ack", "steps", "telemetry"
 KINDS = (WORKER_ACK, STEPS, TELEMETRY)
 
@@ -112,6 +113,10 @@ class LayoutFeed:
         self._uuids: set[str] = set()
         self._locks: dict[str, asyncio.Lock] = {}
         self._held: dict[Held, None] = {}  # the watches held here, oldest first
+        # the database unreachable (or slower than fleet_store_timeout_s) since; past that timeout
+        # the watches held here end with UNAVAILABLE, so that their workers go to another manager
+        self._failing_since: float | None = None
+        self.cut_off = False
 
     # ---- what wakes it ----------------------------------------------------------------------
     def notify(self, payload: str) -> None:
@@ -166,7 +171,8 @@ class LayoutFeed:
                 polled: set[str] = set()
                 if loop.time() >= next_poll:
                     next_poll = loop.time() + poll
-                    polled = await self.poll()
+                    async with asyncio.timeout(self.m.settings.fleet_store_timeout_s):
+                        polled = await self.poll()
                 due, self._due = self._due, set()
                 for job in due | polled:
                     if job in self.jobs:
@@ -177,8 +183,23 @@ class LayoutFeed:
                                 self.read_on_notify += 1
                             else:
                                 self.read_on_poll += 1
-            except (OSError, SQLAlchemyError, layout_codec.CodecError) as e:
-                log.warning("cannot read layouts for the watches held here", error=str(e).splitlines()[0][:200])
+            except (OSError, SQLAlchemyError, TimeoutError, layout_codec.CodecError) as e:
+                reason = "took too long" if isinstance(e, TimeoutError) else str(e).splitlines()[0][:200]
+                log.warning("cannot read layouts for the watches held here", error=reason)
+                if not isinstance(e, layout_codec.CodecError):
+                    self._failed(loop.time())
+            else:
+                self._failing_since = None
+                self.cut_off = False
+
+    def _failed(self, now: float) -> None:
+        if self._failing_since is None:
+            self._failing_since = now
+        if not self.cut_off and now - self._failing_since >= self.m.settings.fleet_store_timeout_s:
+            self.cut_off = True
+            log.warning("the database is out of reach: the layout watches held here end (UNAVAILABLE)",
+                        watches=self.held())
+            self.wake_all()
 
     async def poll(self) -> set[str]:
         """Marks the jobs deleted; returns those whose newest version is newer than the one held."""
@@ -212,7 +233,7 @@ class LayoutFeed:
         async with lock:
             j = self.jobs.setdefault(job, _Job())
             held = j.layout
-            async with self.m.sm() as s:
+            async with asyncio.timeout(self.m.settings.fleet_store_timeout_s), self.m.sm() as s:
                 if not await s.scalar(select(func.count()).select_from(JobRow).where(JobRow.name == job)):
                     j.gone = True
                     self.wake_all()
@@ -273,12 +294,22 @@ class LayoutFeed:
         return gpu in self._uuids
 
     # ---- watchers ---------------------------------------------------------------------------
+    async def _load_or_unavailable(self, job: str) -> LayoutRec | None:
+        if self.cut_off:
+            raise Unavailable(UNREACHABLE)
+        try:
+            return await self.load(job)
+        except (OSError, SQLAlchemyError, TimeoutError) as e:
+            raise Unavailable(UNREACHABLE) from e
+
     async def current(self, job: str) -> LayoutRec | None:
-        """The newest layout of `job` held (read now when the job is not followed yet, or when
-        `fresh`); NotFound for a job that does not exist."""
+        """The newest layout of `job` held (read now when the job is not followed yet); NotFound
+        for a job that does not exist, Unavailable when the database cannot be read."""
+        if self.cut_off:
+            raise Unavailable(UNREACHABLE)
         j = self.jobs.get(job)
         if j is None or j.gone:
-            await self.load(job)
+            await self._load_or_unavailable(job)
             j = self.jobs[job]
             if j.gone:
                 if j.watchers == 0:
@@ -289,7 +320,7 @@ class LayoutFeed:
     async def refreshed(self, job: str) -> LayoutRec | None:
         """The newest layout of `job`, read from the database now (a worker holds a newer stamp
         than this manager has seen: the notification may be on its way)."""
-        rec = await self.load(job)
+        rec = await self._load_or_unavailable(job)
         if self.jobs.get(job, _Job(gone=True)).gone:
             raise NotFound(f"job: unknown job {job!r}")
         return rec
@@ -304,6 +335,8 @@ class LayoutFeed:
         try:
             async with self.changed:
                 while not self.closed and not (stop is not None and stop()):
+                    if self.cut_off:
+                        raise Unavailable(UNREACHABLE)
                     if j.gone:
                         raise NotFound(f"unknown job {job!r}")
                     lay = j.layout
