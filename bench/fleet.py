@@ -90,6 +90,63 @@ class Gen:
         return cpu_seconds(self.proc.pid)
 
 
+class Profile:
+    """`py-spy record` of one manager process over a window (`--profile`): sampled stacks in py-spy's
+    raw (collapsed) format, summed at the end into the functions that cost the most, self and total."""
+
+    def __init__(self, pid: int, label: str, out: Path) -> None:
+        self.label, self.out = label, out
+        exe = Path(sys.executable).with_name("py-spy")
+        self.proc = subprocess.Popen([str(exe), "record", "--pid", str(pid), "--rate", "200", "--format", "raw",
+                                      "--nonblocking", "--threads", "-o", str(out)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def stop(self, top: int = 15) -> dict[str, Any]:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        if not self.out.exists():
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            print(f"profile of {self.label}: py-spy wrote nothing ({err.strip()[-300:]})", flush=True)
+            return {}
+        return summarize(self.out, self.label, top)
+
+
+def summarize(path: Path, label: str, top: int = 15) -> dict[str, Any]:
+    """The busiest functions of a py-spy raw profile: self samples (the frame on top) and total samples
+    (anywhere on the stack), the main thread's and the worker threads' apart; idle samples (a thread
+    waiting in select/epoll or on a lock) are counted, not ranked."""
+    self_n: dict[str, int] = {}
+    total_n: dict[str, int] = {}
+    busy = idle = 0
+    idle_leaves = ("select (selectors.py", "poll (", "wait (threading.py", "_worker (concurrent", "sleep (")
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        frames = stack.split(";")
+        if any(frames[-1].startswith(x) or x in frames[-1] for x in idle_leaves):
+            idle += int(n)
+            continue
+        busy += int(n)
+        thread = frames[0].split(" ")[0] if frames[0].startswith("thread") or frames[0].startswith("process") else ""
+        leaf = frames[-1]
+        self_n[leaf] = self_n.get(leaf, 0) + int(n)
+        for f in set(frames[1:]) if thread else set(frames):
+            total_n[f] = total_n.get(f, 0) + int(n)
+    rank_self = sorted(self_n.items(), key=lambda kv: -kv[1])[:top]
+    rank_total = sorted(((f, k) for f, k in total_n.items() if "ntp_manager" in f or "sqlalchemy" in f
+                         or "asyncpg" in f), key=lambda kv: -kv[1])[:top]
+    print(f"profile of {label}: {busy} busy samples, {idle} idle ({path})", flush=True)
+    for f, k in rank_self:
+        print(f"  self  {k / max(1, busy):6.1%}  {f[:150]}", flush=True)
+    for f, k in rank_total:
+        print(f"  total {k / max(1, busy):6.1%}  {f[:150]}", flush=True)
+    return {"busy_samples": busy, "idle_samples": idle, "self": rank_self, "total": rank_total, "raw": str(path)}
+
+
 async def outbox_state(pg: str) -> tuple[int, int, int]:
     c = await asyncpg.connect(pg)
     try:
@@ -163,6 +220,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
         # ---- 1. registration --------------------------------------------------------------------
         per = args.procs
+        rcpu0 = [cpu_seconds(p.proc.pid) for p in slots]
         t0 = time.perf_counter()
         for g in range(per):
             home = g % 3
@@ -171,10 +229,19 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         ready = await asyncio.gather(*(g.ask({"cmd": "ready"}) for g in gens))
         t_welcomed = time.perf_counter()
         t_applied = await until_applied(pg, n)
+        rcpu = [cpu_seconds(p.proc.pid) - c for p, c in zip(slots, rcpu0, strict=True)]
+        # each generator's agents say hello to its home manager first; the leader applies every hello
+        taken = [sum(len(g.nodes) for g in gens if g.home == k) for k in range(3)]
         out["registration"] = {"welcomed_s": t_welcomed - t0, "applied_s": t_applied - t0,
-                               "generator_cpu_s": [r["cpu_s"] for r in ready]}
+                               "generator_cpu_s": [r["cpu_s"] for r in ready],
+                               "manager_cpu_s": [round(c, 3) for c in rcpu], "hellos_taken": taken,
+                               "leader_cpu_us_per_hello_applied": round(rcpu[0] / n * 1e6, 1),
+                               "standby_cpu_us_per_hello_taken": [round(rcpu[k] / taken[k] * 1e6, 1)
+                                                                  for k in (1, 2) if taken[k]]}
         print(f"registration of {n} nodes: all welcomed {t_welcomed - t0:.1f} s, applied by the leader "
-              f"{t_applied - t0:.1f} s", flush=True)
+              f"{t_applied - t0:.1f} s; CPU per hello: leader (takes {taken[0]}, applies all) "
+              f"{out['registration']['leader_cpu_us_per_hello_applied']} us, standbys (take) "
+              f"{out['registration']['standby_cpu_us_per_hello_taken']} us", flush=True)
 
         # ---- 2. ingest --------------------------------------------------------------------------
         out["ingest"] = []
@@ -182,10 +249,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             busy = [g for g in gens if g.home in homes]
             cpu0 = {k: cpu_seconds(p.proc.pid) for k, p in enumerate(slots)}
             gcpu0 = [g.cpu() for g in busy]
+            profs = [Profile(slots[0].proc.pid, "the leader (consuming)", tmp / "profile-leader.txt"),
+                     Profile(slots[1].proc.pid, "standby m1 (ingesting)", tmp / "profile-standby.txt")] \
+                if args.profile and homes == [1, 2] else []
             t1 = time.perf_counter()
             res = await asyncio.gather(*(g.ask({"cmd": "reports", "k": args.reports}) for g in busy))
             t_acked = time.perf_counter()
             t_done = await until_applied(pg)
+            if profs:
+                out["profile"] = {p.label: p.stop() for p in profs}
             cpu1 = {k: cpu_seconds(p.proc.pid) for k, p in enumerate(slots)}
             reports = sum(r["reports"] for r in res)
             per_mgr = {}
@@ -228,9 +300,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             others = [k for k in range(3) if k != leader]
             t_kill = time.perf_counter()
             old.signal(signal.SIGKILL if mode == "SIGKILL" else signal.SIGSTOP)
-            for g in gens:  # one agent on a manager left reports a GPU failed: the layout must change
-                if (await g.ask({"cmd": "fail", "not": old.grpc}))["node"] is not None:
+            failed = None
+            for g in gens:  # one agent on a manager left reports its node failed: the layout must change
+                if (failed := (await g.ask({"cmd": "fail", "not": old.grpc}))["node"]) is not None:
                     break
+            if failed is None:
+                raise RuntimeError(f"round {rnd}: no agent left to fail on a surviving manager")
             first = None
             new = None
             while first is None and time.perf_counter() - t_kill < 120:
@@ -332,6 +407,10 @@ def main() -> None:
     ap.add_argument("--postgres", default=os.environ.get("NTP_TEST_POSTGRES_URL",
                                                          "postgresql+asyncpg://postgres@127.0.0.1:5432/test"))
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--profile", action="store_true",
+                    help="py-spy record the leader and a standby over the ingest phase with two ingesting "
+                         "managers (the leader only consumes) and print their busiest functions "
+                         "(pip install py-spy)")
     args = ap.parse_args()
     s = asyncio.run(main_async(args))
     text = json.dumps(s, indent=2, default=str)

@@ -13,8 +13,10 @@ JSON line on stdout:
   degraded, ...: failed ones would trip the circuit breaker), one after another (the next once
   the last is acknowledged): {"reports", "wall_s",
   "cpu_s"}
-- {"cmd": "fail", "not": ADDRESS}: an agent connected elsewhere than ADDRESS reports GPU 0 failed
-  (not waited for): {"node"}
+- {"cmd": "fail", "not": ADDRESS}: an agent connected elsewhere than ADDRESS (not failed yet)
+  reports every GPU of its node failed (not waited for): {"node"}. Every GPU, not GPU 0 alone: a GPU
+  the ingest phases left degraded is out of the layout already, so failing it changes no layout (at
+  2,000 agents with an odd --reports the failover waited for a layout that never came)
 - {"cmd": "stats"}: {"acked": {node: seq}, "moves", "gaps_s": [time without a stream, per move],
   "cpu_s", "connected"}
 - {"cmd": "quit"}
@@ -69,8 +71,11 @@ class Sim:
         return self.next_seq - 1
 
     def _msg(self, p: tuple[int, int]) -> agent_pb2.AgentMessage:
+        # FAILED (the "fail" command) is reported for every GPU of the node: whatever the ingest phases
+        # left degraded (out of the layout), the node's replica must go, so the layout must change
+        uuids = self.uuids if p[1] == FAILED else self.uuids[:1]
         return agent_pb2.AgentMessage(report=agent_pb2.HealthReport(seq=p[0], gpus=[agent_pb2.GpuHealth(
-            uuid=self.uuids[0], state=p[1], reasons=["bench"])]))
+            uuid=u, state=p[1], reasons=["bench"]) for u in uuids]))
 
     async def _requests(self, q: asyncio.Queue[Any]) -> Any:
         while (m := await q.get()) is not None:
