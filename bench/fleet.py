@@ -15,8 +15,8 @@ Phases (the figures each one prints):
    kill one agent on a standby reports a GPU failed; the time from the kill to the first layout at
    the new epoch (REST on the managers left); a SIGSTOPped leader is woken and must exit 75; the
    failed manager is started again as a standby;
-4. a standby SIGKILLed: how long its agents were without a stream before another manager
-   welcomed them;
+4. (run before the leader failures of 3, while each manager holds a third of the agents) a standby
+   SIGKILLed: how long its agents were without a stream before another manager welcomed them;
 5. the counters, against the database: acknowledged reports lost, reports applied twice, rows a
    deposed leader's sessions wrote after the takeover (a trigger logs each row's session), outbox
    rows quarantined.
@@ -244,6 +244,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
               f"{out['registration']['standby_cpu_us_per_hello_taken']} us", flush=True)
 
         # ---- 2. ingest --------------------------------------------------------------------------
+        # each manager's CPU while its agents only send heartbeats: subtracted from the leader's CPU
+        # in the phases it consumes, so that its CPU per report consumed is the consuming alone
+        idle0, ti = [cpu_seconds(p.proc.pid) for p in slots], time.perf_counter()
+        await asyncio.sleep(args.idle_s)
+        idle_rate = [(cpu_seconds(p.proc.pid) - c) / (time.perf_counter() - ti) for p, c in zip(slots, idle0,
+                                                                                               strict=True)]
+        out["idle_cpu_share"] = [round(r, 3) for r in idle_rate]
+        print(f"idle (heartbeats only): managers' CPU {[f'{r:.1%}' for r in idle_rate]}", flush=True)
         out["ingest"] = []
         for homes in ([1], [1, 2], [0, 1, 2]):
             busy = [g for g in gens if g.home in homes]
@@ -272,12 +280,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                    "applied_per_s": reports / (t_done - t1),
                    "leader_cpu_us_per_report_consumed": round((cpu1[0] - cpu0[0]) / reports * 1e6, 1)
                    if 0 not in homes else None,
+                   "leader_cpu_us_per_report_consumed_net_of_idle":
+                       round((cpu1[0] - cpu0[0] - idle_rate[0] * (t_done - t1)) / reports * 1e6, 1)
+                   if 0 not in homes else None,
                    "managers": per_mgr, "generator_cpu_s": [round(g.cpu() - c, 2) for g, c in zip(busy, gcpu0,
                                                                                              strict=True)]}
             out["ingest"].append(row)
             print(f"ingest with {len(homes)} manager(s): {reports} reports, {row['reports_per_s']:.0f}/s acked, "
                   f"{row['applied_per_s']:.0f}/s applied; leader CPU/report consumed "
-                  f"{row['leader_cpu_us_per_report_consumed']} us; {per_mgr}", flush=True)
+                  f"{row['leader_cpu_us_per_report_consumed']} us "
+                  f"({row['leader_cpu_us_per_report_consumed_net_of_idle']} us net of idle); {per_mgr}", flush=True)
 
         # ---- 3. failovers -----------------------------------------------------------------------
         async with httpx.AsyncClient(base_url=f"http://{slots[0].info['http']}", timeout=120,
@@ -291,8 +303,42 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 raise TimeoutError("no first layout in 300 s (is the circuit breaker open?)")
             await asyncio.sleep(0.1)
         out["first_layout_s"] = time.perf_counter() - t_job
-        rounds = []
         leader = 0
+        # ---- 4. a standby killed (before the leader rounds: each manager still holds a third of the
+        # agents then; agents move only when their stream breaks, so after a few leader changes the
+        # standbys may hold none) ----------------------------------------------------------------------
+        st0 = [await g.ask({"cmd": "stats"}) for g in gens]
+        before = [len(s["gaps_s"]) for s in st0]
+        on = [a for s in st0 for a in s["on"]]
+        standby = max((k for k in range(3) if k != leader), key=lambda k: on.count(slots[k].grpc))  # the busiest
+        on_it = on.count(slots[standby].grpc)
+        slots[standby].signal(signal.SIGKILL)
+        t_kill = time.perf_counter()
+        while True:
+            st = [await g.ask({"cmd": "stats"}) for g in gens]
+            if all(s["connected"] == len(g.nodes) for s, g in zip(st, gens, strict=True)) and \
+                    time.perf_counter() - t_kill > 1:
+                break
+            if time.perf_counter() - t_kill > 120:
+                raise TimeoutError("agents of the killed standby not served elsewhere in 120 s")
+            await asyncio.sleep(0.1)
+        gaps = [x for s, b in zip(st, before, strict=True) for x in s["gaps_s"][b:]]
+        out["standby_kill"] = {"agents_on_it": on_it, "agents_moved": len(gaps),
+                               "all_served_s": time.perf_counter() - t_kill,
+                               "gap_max_s": max(gaps) if gaps else None,
+                               "gap_p50_s": statistics.median(gaps) if gaps else None}
+        print(f"standby SIGKILL: {len(gaps)} agents moved, the longest without a stream "
+              f"{out['standby_kill']['gap_max_s']}", flush=True)
+
+        killed = slots[standby]
+        killed.proc.wait(10)
+        p = start(standby)
+        await p.ready_async(300)
+        for g in gens:
+            await g.ask({"cmd": "retarget", "old": killed.grpc, "new": p.grpc})
+        slots[standby] = p
+
+        rounds = []
         for rnd in range(args.rounds):
             mode = "SIGKILL" if rnd % 2 == 0 else "SIGSTOP"
             old = slots[leader]
@@ -334,30 +380,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                   + (f", woken: exit {exit_code}" if exit_code is not None else ""), flush=True)
             p = start(leader)
             await p.ready_async(300)
+            for g in gens:
+                await g.ask({"cmd": "retarget", "old": old.grpc, "new": p.grpc})
             slots[leader] = p
             leader = new
-        # ---- 4. a standby killed ----------------------------------------------------------------
-        st0 = [await g.ask({"cmd": "stats"}) for g in gens]
-        before = [len(s["gaps_s"]) for s in st0]
-        on = [a for s in st0 for a in s["on"]]
-        standby = max((k for k in range(3) if k != leader), key=lambda k: on.count(slots[k].grpc))  # the busiest
-        slots[standby].signal(signal.SIGKILL)
-        t_kill = time.perf_counter()
-        while True:
-            st = [await g.ask({"cmd": "stats"}) for g in gens]
-            if all(s["connected"] == len(g.nodes) for s, g in zip(st, gens, strict=True)) and \
-                    time.perf_counter() - t_kill > 1:
-                break
-            if time.perf_counter() - t_kill > 120:
-                raise TimeoutError("agents of the killed standby not served elsewhere in 120 s")
-            await asyncio.sleep(0.1)
-        gaps = [x for s, b in zip(st, before, strict=True) for x in s["gaps_s"][b:]]
-        out["standby_kill"] = {"agents_moved": len(gaps), "all_served_s": time.perf_counter() - t_kill,
-                               "gap_max_s": max(gaps) if gaps else None,
-                               "gap_p50_s": statistics.median(gaps) if gaps else None}
-        print(f"standby SIGKILL: {len(gaps)} agents moved, the longest without a stream "
-              f"{out['standby_kill']['gap_max_s']}", flush=True)
-
         # ---- 5. counters ------------------------------------------------------------------------
         await asyncio.sleep(2.5)  # the last liveness rows
         await until_applied(pg)
@@ -407,6 +433,7 @@ def main() -> None:
     ap.add_argument("--postgres", default=os.environ.get("NTP_TEST_POSTGRES_URL",
                                                          "postgresql+asyncpg://postgres@127.0.0.1:5432/test"))
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--idle-s", type=float, default=3.0, help="the idle window measured before the ingest phases")
     ap.add_argument("--profile", action="store_true",
                     help="py-spy record the leader and a standby over the ingest phase with two ingesting "
                          "managers (the leader only consumes) and print their busiest functions "
