@@ -83,6 +83,9 @@ class Settings(BaseSettings):
                                 "manager for agent commands) at least this often, without a notification")
     fleet_store_timeout_s: float = Field(5.0, gt=0, le=60, description="fleet mode: a manager that cannot store a "
                                          "report within this answers UNAVAILABLE (the agent goes to another)")
+    fleet_command_retention_s: float = Field(300.0, ge=10, le=86_400, description="fleet mode: the leader deletes "
+                                             "agent_commands rows older than this (every manager reads new ones "
+                                             "within `fleet_poll_s`; an agent that reconnects is sent its caps again)")
     group_commit_window_ms: float = Field(1.0, ge=0, le=5, description="group commit: an idle committer waits this "
                                           "long for more reports before it commits (0: at once)")
     # gRPC TLS: server certificate and key (PEM); with a client CA, agents must present a

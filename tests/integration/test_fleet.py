@@ -11,6 +11,8 @@
 - A manager that dies drops only its own streams; their agents move, the others stay.
 - A standby cut off from PostgreSQL acknowledges nothing it cannot store: it answers UNAVAILABLE,
   and the agent re-sends to another manager.
+- `agent_commands` stays bounded: rows older than the retention are deleted, fenced (a manager
+  that does not lead deletes nothing).
 - PostgreSQL restarted (a throwaway cluster of the test's own: `initdb`/`pg_ctl`, skipped when
   absent) while an agent reports a failure: the report is acknowledged once the server is back,
   applied once, the layout follows; a leader that lost its lease meanwhile wrote nothing after.
@@ -488,3 +490,36 @@ async def test_postgres_restarted_while_an_agent_reports(tmp_path: Path) -> None
         for p in procs:
             p.stop(graceful=False)
         await asyncio.to_thread(cluster.remove)
+
+
+async def test_agent_commands_older_than_the_retention_are_pruned_by_the_leader_only(tmp_path: Path) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from ntp_manager.service.leader import NotLeader
+    from ntp_manager.service.manager import Manager
+    from ntp_manager.settings import Settings
+    from ntp_manager.store import outbox
+
+    async with database("postgres", tmp_path) as url:
+        await prepare(url)
+        m = Manager(Settings(database_url=url, fleet_ingest=True, fleet_command_retention_s=60))
+        try:
+            now = datetime.now(UTC)
+            async with m.sm() as s, s.begin():
+                old = now - timedelta(seconds=120)
+                await outbox.push_commands(s, [("node-0", {"release_power": "g0"})] * 3, 1, old)
+                await outbox.push_commands(s, [("node-1", {"release_power": "g1"})] * 2, 1, now)
+            assert m.fleet is not None
+            with pytest.raises(NotLeader):  # a standby (or a deposed leader) deletes nothing
+                await m.fleet.prune_commands()
+            async with m.sm() as s:
+                assert len(await outbox.commands_after(s, 0)) == 5
+            assert await m.leadership.try_acquire()
+            assert await m.fleet.prune_commands() == 3  # the old ones only
+            async with m.sm() as s:
+                left = await outbox.commands_after(s, 0)
+            assert [n for _, n, _ in left] == ["node-1", "node-1"]
+            assert await m.fleet.prune_commands() == 0
+        finally:
+            await m.leadership.release()
+            await m.engine.dispose()
