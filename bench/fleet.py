@@ -15,8 +15,8 @@ Phases (the figures each one prints):
    kill one agent on a standby reports a GPU failed; the time from the kill to the first layout at
    the new epoch (REST on the managers left); a SIGSTOPped leader is woken and must exit 75; the
    failed manager is started again as a standby;
-4. a standby SIGKILLed: how long its agents were without a stream before another manager
-   welcomed them;
+4. (run before the leader failures of 3, while each manager holds a third of the agents) a standby
+   SIGKILLed: how long its agents were without a stream before another manager welcomed them;
 5. the counters, against the database: acknowledged reports lost, reports applied twice, rows a
    deposed leader's sessions wrote after the takeover (a trigger logs each row's session), outbox
    rows quarantined.
@@ -202,6 +202,61 @@ async def watchers_standby_kill(gens: list[WatchGen], before: dict[str, Any], t_
             "reconnects_of_live_managers": now["reconnects"] - before["reconnects"] - of_killed,
             "gap_max_s": max(gaps) if gaps else None, "gap_p50_s": statistics.median(gaps) if gaps else None,
             "connected": now["connected"], "watchers": total}
+class Profile:
+    """`py-spy record` of one manager process over a window (`--profile`): sampled stacks in py-spy's
+    raw (collapsed) format, summed at the end into the functions that cost the most, self and total."""
+
+    def __init__(self, pid: int, label: str, out: Path) -> None:
+        self.label, self.out = label, out
+        exe = Path(sys.executable).with_name("py-spy")
+        self.proc = subprocess.Popen([str(exe), "record", "--pid", str(pid), "--rate", "200", "--format", "raw",
+                                      "--nonblocking", "--threads", "-o", str(out)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def stop(self, top: int = 15) -> dict[str, Any]:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        if not self.out.exists():
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            print(f"profile of {self.label}: py-spy wrote nothing ({err.strip()[-300:]})", flush=True)
+            return {}
+        return summarize(self.out, self.label, top)
+
+
+def summarize(path: Path, label: str, top: int = 15) -> dict[str, Any]:
+    """The busiest functions of a py-spy raw profile: self samples (the frame on top) and total samples
+    (anywhere on the stack), the main thread's and the worker threads' apart; idle samples (a thread
+    waiting in select/epoll or on a lock) are counted, not ranked."""
+    self_n: dict[str, int] = {}
+    total_n: dict[str, int] = {}
+    busy = idle = 0
+    idle_leaves = ("select (selectors.py", "poll (", "wait (threading.py", "_worker (concurrent", "sleep (")
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        frames = stack.split(";")
+        if any(frames[-1].startswith(x) or x in frames[-1] for x in idle_leaves):
+            idle += int(n)
+            continue
+        busy += int(n)
+        thread = frames[0].split(" ")[0] if frames[0].startswith("thread") or frames[0].startswith("process") else ""
+        leaf = frames[-1]
+        self_n[leaf] = self_n.get(leaf, 0) + int(n)
+        for f in set(frames[1:]) if thread else set(frames):
+            total_n[f] = total_n.get(f, 0) + int(n)
+    rank_self = sorted(self_n.items(), key=lambda kv: -kv[1])[:top]
+    rank_total = sorted(((f, k) for f, k in total_n.items() if "ntp_manager" in f or "sqlalchemy" in f
+                         or "asyncpg" in f), key=lambda kv: -kv[1])[:top]
+    print(f"profile of {label}: {busy} busy samples, {idle} idle ({path})", flush=True)
+    for f, k in rank_self:
+        print(f"  self  {k / max(1, busy):6.1%}  {f[:150]}", flush=True)
+    for f, k in rank_total:
+        print(f"  total {k / max(1, busy):6.1%}  {f[:150]}", flush=True)
+    return {"busy_samples": busy, "idle_samples": idle, "self": rank_self, "total": rank_total, "raw": str(path)}
 
 
 async def outbox_state(pg: str) -> tuple[int, int, int]:
@@ -279,6 +334,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
         # ---- 1. registration --------------------------------------------------------------------
         per = args.procs
+        rcpu0 = [cpu_seconds(p.proc.pid) for p in slots]
         t0 = time.perf_counter()
         for g in range(per):
             home = g % 3
@@ -287,21 +343,43 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         ready = await asyncio.gather(*(g.ask({"cmd": "ready"}) for g in gens))
         t_welcomed = time.perf_counter()
         t_applied = await until_applied(pg, n)
+        rcpu = [cpu_seconds(p.proc.pid) - c for p, c in zip(slots, rcpu0, strict=True)]
+        # each generator's agents say hello to its home manager first; the leader applies every hello
+        taken = [sum(len(g.nodes) for g in gens if g.home == k) for k in range(3)]
         out["registration"] = {"welcomed_s": t_welcomed - t0, "applied_s": t_applied - t0,
-                               "generator_cpu_s": [r["cpu_s"] for r in ready]}
+                               "generator_cpu_s": [r["cpu_s"] for r in ready],
+                               "manager_cpu_s": [round(c, 3) for c in rcpu], "hellos_taken": taken,
+                               "leader_cpu_us_per_hello_applied": round(rcpu[0] / n * 1e6, 1),
+                               "standby_cpu_us_per_hello_taken": [round(rcpu[k] / taken[k] * 1e6, 1)
+                                                                  for k in (1, 2) if taken[k]]}
         print(f"registration of {n} nodes: all welcomed {t_welcomed - t0:.1f} s, applied by the leader "
-              f"{t_applied - t0:.1f} s", flush=True)
+              f"{t_applied - t0:.1f} s; CPU per hello: leader (takes {taken[0]}, applies all) "
+              f"{out['registration']['leader_cpu_us_per_hello_applied']} us, standbys (take) "
+              f"{out['registration']['standby_cpu_us_per_hello_taken']} us", flush=True)
 
         # ---- 2. ingest --------------------------------------------------------------------------
+        # each manager's CPU while its agents only send heartbeats: subtracted from the leader's CPU
+        # in the phases it consumes, so that its CPU per report consumed is the consuming alone
+        idle0, ti = [cpu_seconds(p.proc.pid) for p in slots], time.perf_counter()
+        await asyncio.sleep(args.idle_s)
+        idle_rate = [(cpu_seconds(p.proc.pid) - c) / (time.perf_counter() - ti) for p, c in zip(slots, idle0,
+                                                                                               strict=True)]
+        out["idle_cpu_share"] = [round(r, 3) for r in idle_rate]
+        print(f"idle (heartbeats only): managers' CPU {[f'{r:.1%}' for r in idle_rate]}", flush=True)
         out["ingest"] = []
         for homes in ([1], [1, 2], [0, 1, 2]):
             busy = [g for g in gens if g.home in homes]
             cpu0 = {k: cpu_seconds(p.proc.pid) for k, p in enumerate(slots)}
             gcpu0 = [g.cpu() for g in busy]
+            profs = [Profile(slots[0].proc.pid, "the leader (consuming)", tmp / "profile-leader.txt"),
+                     Profile(slots[1].proc.pid, "standby m1 (ingesting)", tmp / "profile-standby.txt")] \
+                if args.profile and homes == [1, 2] else []
             t1 = time.perf_counter()
             res = await asyncio.gather(*(g.ask({"cmd": "reports", "k": args.reports}) for g in busy))
             t_acked = time.perf_counter()
             t_done = await until_applied(pg)
+            if profs:
+                out["profile"] = {p.label: p.stop() for p in profs}
             cpu1 = {k: cpu_seconds(p.proc.pid) for k, p in enumerate(slots)}
             reports = sum(r["reports"] for r in res)
             per_mgr = {}
@@ -316,12 +394,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                    "applied_per_s": reports / (t_done - t1),
                    "leader_cpu_us_per_report_consumed": round((cpu1[0] - cpu0[0]) / reports * 1e6, 1)
                    if 0 not in homes else None,
+                   "leader_cpu_us_per_report_consumed_net_of_idle":
+                       round((cpu1[0] - cpu0[0] - idle_rate[0] * (t_done - t1)) / reports * 1e6, 1)
+                   if 0 not in homes else None,
                    "managers": per_mgr, "generator_cpu_s": [round(g.cpu() - c, 2) for g, c in zip(busy, gcpu0,
                                                                                              strict=True)]}
             out["ingest"].append(row)
             print(f"ingest with {len(homes)} manager(s): {reports} reports, {row['reports_per_s']:.0f}/s acked, "
                   f"{row['applied_per_s']:.0f}/s applied; leader CPU/report consumed "
-                  f"{row['leader_cpu_us_per_report_consumed']} us; {per_mgr}", flush=True)
+                  f"{row['leader_cpu_us_per_report_consumed']} us "
+                  f"({row['leader_cpu_us_per_report_consumed_net_of_idle']} us net of idle); {per_mgr}", flush=True)
 
         # ---- 3. failovers -----------------------------------------------------------------------
         async with httpx.AsyncClient(base_url=f"http://{slots[0].info['http']}", timeout=120,
@@ -337,8 +419,46 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         out["first_layout_s"] = time.perf_counter() - t_job
         wgens = await watchers_start(args, grpcs, wtok, nodes)
         wrounds: list[dict[str, Any] | None] = []
-        rounds = []
         leader = 0
+        # ---- 4. a standby killed (before the leader rounds: each manager still holds a third of the
+        # agents then; agents move only when their stream breaks, so after a few leader changes the
+        # standbys may hold none) ----------------------------------------------------------------------
+        st0 = [await g.ask({"cmd": "stats"}) for g in gens]
+        before = [len(s["gaps_s"]) for s in st0]
+        on = [a for s in st0 for a in s["on"]]
+        standby = max((k for k in range(3) if k != leader), key=lambda k: on.count(slots[k].grpc))  # the busiest
+        on_it = on.count(slots[standby].grpc)
+        w0 = await watchers_stats(wgens) if wgens else {}
+        slots[standby].signal(signal.SIGKILL)
+        t_kill = time.perf_counter()
+        while True:
+            st = [await g.ask({"cmd": "stats"}) for g in gens]
+            if all(s["connected"] == len(g.nodes) for s, g in zip(st, gens, strict=True)) and \
+                    time.perf_counter() - t_kill > 1:
+                break
+            if time.perf_counter() - t_kill > 120:
+                raise TimeoutError("agents of the killed standby not served elsewhere in 120 s")
+            await asyncio.sleep(0.1)
+        gaps = [x for s, b in zip(st, before, strict=True) for x in s["gaps_s"][b:]]
+        out["standby_kill"] = {"agents_on_it": on_it, "agents_moved": len(gaps),
+                               "all_served_s": time.perf_counter() - t_kill,
+                               "gap_max_s": max(gaps) if gaps else None,
+                               "gap_p50_s": statistics.median(gaps) if gaps else None}
+        print(f"standby SIGKILL: {len(gaps)} agents moved, the longest without a stream "
+              f"{out['standby_kill']['gap_max_s']}", flush=True)
+        wkill = await watchers_standby_kill(wgens, w0, t_kill, slots[standby].grpc)
+        if wgens:
+            print(f"standby SIGKILL: watches {wkill}", flush=True)
+
+        killed = slots[standby]
+        killed.proc.wait(10)
+        p = start(standby)
+        await p.ready_async(300)
+        for g in gens:
+            await g.ask({"cmd": "retarget", "old": killed.grpc, "new": p.grpc})
+        slots[standby] = p
+
+        rounds = []
         for rnd in range(args.rounds):
             mode = "SIGKILL" if rnd % 2 == 0 else "SIGSTOP"
             old = slots[leader]
@@ -347,9 +467,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             w0 = await watchers_stats(wgens) if wgens else {}
             t_kill = time.perf_counter()
             old.signal(signal.SIGKILL if mode == "SIGKILL" else signal.SIGSTOP)
-            for g in gens:  # one agent on a manager left reports a GPU failed: the layout must change
-                if (await g.ask({"cmd": "fail", "not": old.grpc}))["node"] is not None:
+            failed = None
+            for g in gens:  # one agent on a manager left reports its node failed: the layout must change
+                if (failed := (await g.ask({"cmd": "fail", "not": old.grpc}))["node"]) is not None:
                     break
+            if failed is None:
+                raise RuntimeError(f"round {rnd}: no agent left to fail on a surviving manager")
             first = None
             new = None
             while first is None and time.perf_counter() - t_kill < 120:
@@ -383,34 +506,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                   + (f", woken: exit {exit_code}" if exit_code is not None else ""), flush=True)
             p = start(leader)
             await p.ready_async(300)
+            for g in gens:
+                await g.ask({"cmd": "retarget", "old": old.grpc, "new": p.grpc})
             slots[leader] = p
             leader = new
-        # ---- 4. a standby killed ----------------------------------------------------------------
-        st0 = [await g.ask({"cmd": "stats"}) for g in gens]
-        before = [len(s["gaps_s"]) for s in st0]
-        on = [a for s in st0 for a in s["on"]]
-        standby = max((k for k in range(3) if k != leader), key=lambda k: on.count(slots[k].grpc))  # the busiest
-        w0 = await watchers_stats(wgens) if wgens else {}
-        slots[standby].signal(signal.SIGKILL)
-        t_kill = time.perf_counter()
-        while True:
-            st = [await g.ask({"cmd": "stats"}) for g in gens]
-            if all(s["connected"] == len(g.nodes) for s, g in zip(st, gens, strict=True)) and \
-                    time.perf_counter() - t_kill > 1:
-                break
-            if time.perf_counter() - t_kill > 120:
-                raise TimeoutError("agents of the killed standby not served elsewhere in 120 s")
-            await asyncio.sleep(0.1)
-        gaps = [x for s, b in zip(st, before, strict=True) for x in s["gaps_s"][b:]]
-        out["standby_kill"] = {"agents_moved": len(gaps), "all_served_s": time.perf_counter() - t_kill,
-                               "gap_max_s": max(gaps) if gaps else None,
-                               "gap_p50_s": statistics.median(gaps) if gaps else None}
-        print(f"standby SIGKILL: {len(gaps)} agents moved, the longest without a stream "
-              f"{out['standby_kill']['gap_max_s']}", flush=True)
-        wkill = await watchers_standby_kill(wgens, w0, t_kill, slots[standby].grpc)
         if wgens:
             out["watchers"] = {"count": args.watchers, "rounds": wrounds, "standby_kill": wkill}
-            print(f"standby SIGKILL: watches {wkill}", flush=True)
 
         # ---- 5. counters ------------------------------------------------------------------------
         await asyncio.sleep(2.5)  # the last liveness rows
@@ -465,6 +566,11 @@ def main() -> None:
     ap.add_argument("--postgres", default=os.environ.get("NTP_TEST_POSTGRES_URL",
                                                          "postgresql+asyncpg://postgres@127.0.0.1:5432/test"))
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--idle-s", type=float, default=3.0, help="the idle window measured before the ingest phases")
+    ap.add_argument("--profile", action="store_true",
+                    help="py-spy record the leader and a standby over the ingest phase with two ingesting "
+                         "managers (the leader only consumes) and print their busiest functions "
+                         "(pip install py-spy)")
     args = ap.parse_args()
     s = asyncio.run(main_async(args))
     text = json.dumps(s, indent=2, default=str)

@@ -13,8 +13,11 @@ JSON line on stdout:
   degraded, ...: failed ones would trip the circuit breaker), one after another (the next once
   the last is acknowledged): {"reports", "wall_s",
   "cpu_s"}
-- {"cmd": "fail", "not": ADDRESS}: an agent connected elsewhere than ADDRESS reports GPU 0 failed
-  (not waited for): {"node"}
+- {"cmd": "fail", "not": ADDRESS}: an agent connected elsewhere than ADDRESS if any, else any (not failed yet)
+  reports every GPU of its node failed (not waited for): {"node"}. Every GPU, not GPU 0 alone: a GPU
+  the ingest phases left degraded is out of the layout already, so failing it changes no layout (at
+  2,000 agents with an odd --reports the failover waited for a layout that never came)
+- {"cmd": "retarget", "old": ADDRESS, "new": ADDRESS}: a manager restarted elsewhere: {"ok"}
 - {"cmd": "stats"}: {"acked": {node: seq}, "moves", "gaps_s": [time without a stream, per move],
   "cpu_s", "connected"}
 - {"cmd": "quit"}
@@ -69,8 +72,11 @@ class Sim:
         return self.next_seq - 1
 
     def _msg(self, p: tuple[int, int]) -> agent_pb2.AgentMessage:
+        # FAILED (the "fail" command) is reported for every GPU of the node: whatever the ingest phases
+        # left degraded (out of the layout), the node's replica must go, so the layout must change
+        uuids = self.uuids if p[1] == FAILED else self.uuids[:1]
         return agent_pb2.AgentMessage(report=agent_pb2.HealthReport(seq=p[0], gpus=[agent_pb2.GpuHealth(
-            uuid=self.uuids[0], state=p[1], reasons=["bench"])]))
+            uuid=u, state=p[1], reasons=["bench"]) for u in uuids]))
 
     async def _requests(self, q: asyncio.Queue[Any]) -> Any:
         while (m := await q.get()) is not None:
@@ -169,12 +175,18 @@ async def main() -> None:
             out({"reports": len(sims) * int(c["k"]), "wall_s": time.perf_counter() - t1,
                  "cpu_s": time.process_time() - c1})
         elif cmd == "fail":  # an agent connected to a manager other than c["not"] (the leader)
-            s = next((x for x in sims if x.connected.is_set() and x.state != FAILED
-                      and x.targets[x.t % len(x.targets)] != c.get("not")), None)
+            live = [x for x in sims if x.connected.is_set() and x.state != FAILED]
+            # one on another manager than c["not"] if any (else one on it: it re-sends after reconnecting)
+            s = next((x for x in live if x.targets[x.t % len(x.targets)] != c.get("not")), live[0] if live else None)
             if s is not None:
                 s.state = FAILED
                 s.report(FAILED)
             out({"node": None if s is None else s.node})
+        elif cmd == "retarget":  # a manager restarted on a new address: the agents' lists name it
+            chans.setdefault(c["new"], [grpc.aio.insecure_channel(c["new"], options=opts) for _ in range(CHANNELS)])
+            for x in sims:
+                x.targets = [c["new"] if t == c["old"] else t for t in x.targets]
+            out({"ok": True})
         elif cmd == "stats":
             out({"acked": {s.node: s.acked for s in sims}, "moves": sum(s.moves for s in sims),
                  "gaps_s": [g for s in sims for g in s.gaps], "cpu_s": time.process_time(),

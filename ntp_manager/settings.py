@@ -91,6 +91,9 @@ class Settings(BaseSettings):
                                            "once it holds more than its share plus this fraction of it")
     fleet_balance_max: int = Field(500, ge=1, description="fleet mode: the most streams of each kind (agents, "
                                    "watches) a manager tells to move in one balance pass")
+    fleet_command_retention_s: float = Field(300.0, ge=10, le=86_400, description="fleet mode: the leader deletes "
+                                             "agent_commands rows older than this (every manager reads new ones "
+                                             "within `fleet_poll_s`; an agent that reconnects is sent its caps again)")
     group_commit_window_ms: float = Field(1.0, ge=0, le=5, description="group commit: an idle committer waits this "
                                           "long for more reports before it commits (0: at once)")
     # gRPC TLS: server certificate and key (PEM); with a client CA, agents must present a

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
@@ -84,6 +84,7 @@ class Fleet:
         self._commands_wake = asyncio.Event()
         self._cursor = 0  # the last agent_commands id looked at
         self._listener: asyncpg.Connection | None = None
+        self.pruned = 0  # agent_commands rows this manager deleted as the leader
 
     # ---- every manager ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -109,7 +110,8 @@ class Fleet:
         self.consumer = Consumer(self.m)
         self.m.jobs.on_layout.append(self._offer_layouts)
         self._tasks += [asyncio.create_task(self.consumer.run(), name="fleet-consumer"),
-                        asyncio.create_task(self._commands_loop(), name="fleet-commands-out")]
+                        asyncio.create_task(self._commands_loop(), name="fleet-commands-out"),
+                        asyncio.create_task(self._prune_loop(), name="fleet-commands-prune")]
 
     async def stop(self) -> None:
         self.ready = False
@@ -239,3 +241,28 @@ class Fleet:
                 await asyncio.sleep(m.settings.fleet_poll_s)
                 self._commands_kick.set()
 
+    async def prune_commands(self) -> int:
+        """Delete the agent commands older than `fleet_command_retention_s` (fenced: a deposed
+        leader deletes nothing). Raises NotLeader."""
+        m = self.m
+        before = m.clock.now() - timedelta(seconds=m.settings.fleet_command_retention_s)
+        async with m.sm() as s, s.begin():
+            await m.leadership.fence(s)
+            n = await outbox.prune_commands(s, before)
+        self.pruned += n
+        return n
+
+    async def _prune_loop(self) -> None:
+        """`agent_commands` stays bounded: what the leader wrote in the last retention period."""
+        every = min(60.0, self.m.settings.fleet_command_retention_s / 4)
+        while True:
+            await asyncio.sleep(every)
+            try:
+                n = await self.prune_commands()
+            except NotLeader:
+                return
+            except (OSError, SQLAlchemyError) as e:
+                log.warning("cannot prune agent commands", error=str(e).splitlines()[0][:200])
+                continue
+            if n:
+                log.info("agent commands pruned", rows=n)

@@ -62,6 +62,10 @@ class LoopWatchdog:
         loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._stop.clear()
+        # the loop is not held now: without this the thread would measure from the last beat of an
+        # earlier run, or from construction (a standby starts the watchdog only when it takes over,
+        # and every takeover logged a false "event loop is blocked" as long as it had stood by)
+        self._beat = time.monotonic()
         self._thread = threading.Thread(target=self._watch, name="loop-watchdog", daemon=True)
         self._thread.start()
         gc.callbacks.append(self._on_gc)

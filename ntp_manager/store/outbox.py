@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import delete, func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
@@ -168,3 +168,11 @@ async def commands_after(conn: AsyncConnection | AsyncSession, after: int, limit
 async def last_command_id(conn: AsyncConnection | AsyncSession) -> int:
     v = (await conn.execute(select(func.max(AgentCommandRow.id)))).scalar_one_or_none()
     return int(v or 0)
+
+
+async def prune_commands(session: AsyncSession, before: datetime) -> int:
+    """Delete the agent commands written before `before` (in the leader's fenced transaction): every
+    manager has read them by then (it reads new ones within a poll; one that starts skips the older
+    ones anyway). How many were deleted."""
+    res = await session.execute(delete(AgentCommandRow).where(AgentCommandRow.created_at < before))
+    return int(getattr(res, "rowcount", 0) or 0)

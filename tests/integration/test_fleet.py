@@ -11,13 +11,25 @@
 - A manager that dies drops only its own streams; their agents move, the others stay.
 - A standby cut off from PostgreSQL acknowledges nothing it cannot store: it answers UNAVAILABLE,
   and the agent re-sends to another manager.
+- `agent_commands` stays bounded: rows older than the retention are deleted, fenced (a manager
+  that does not lead deletes nothing).
+- PostgreSQL restarted (a throwaway cluster of the test's own: `initdb`/`pg_ctl`, skipped when
+  absent) while an agent reports a failure: the report is acknowledged once the server is back,
+  applied once, the layout follows; a leader that lost its lease meanwhile wrote nothing after.
 Each checks the counters: no report applied twice, none acknowledged and lost, nothing quarantined.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import glob
+import os
+import shutil
 import signal
+import socket
+import subprocess
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -26,10 +38,13 @@ import grpc
 import pytest
 
 from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+from ntp_manager.manager_process import ManagerProcess
 from ntp_manager.store import write_log
 from tests.fakes.partition import Partition
-from tests.integration.conftest import PG
+from tests.integration.conftest import PG, database
 from tests.integration.fleet_fixtures import (
+    FLEET,
+    LEADER_TABLES,
     agents_on,
     applied_all,
     counters,
@@ -45,6 +60,8 @@ from tests.integration.test_ha import (
     get,
     job_on,
     lease_since,
+    make_agent,
+    prepare,
     stop_agents,
 )
 
@@ -270,3 +287,163 @@ async def test_a_standby_cut_off_from_the_database_acknowledges_nothing(tmp_path
                 await stop_agents(agents, tasks)
         finally:
             await proxy.stop()
+
+
+# ---- PostgreSQL restarted: a throwaway cluster, so that the shared server other tests use stays up ----
+PG_BIN = sorted(glob.glob("/usr/lib/postgresql/*/bin"))[-1:] or [""]
+INITDB, PG_CTL = os.path.join(PG_BIN[0], "initdb"), os.path.join(PG_BIN[0], "pg_ctl")
+
+
+class Cluster:
+    """A PostgreSQL cluster in a temporary directory on a free port (trust auth, no fsync), run as
+    the `postgres` user when this process is root (initdb refuses root)."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="ntp-pgc-"))
+        with socket.socket() as so:
+            so.bind(("127.0.0.1", 0))
+            self.port = so.getsockname()[1]
+        self.as_user: list[str] = []
+        if os.geteuid() == 0:
+            shutil.chown(self.dir, "postgres")
+            self.as_user = ["runuser", "-u", "postgres", "--"]
+        self.data = self.dir / "data"
+        self.opts = f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off"
+
+    def _run(self, *args: str) -> None:
+        subprocess.run([*self.as_user, *args], check=True, capture_output=True, timeout=60)
+
+    def init(self) -> None:
+        self._run(INITDB, "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8")
+        self.start()
+
+    def start(self) -> None:
+        self._run(PG_CTL, "-D", str(self.data), "-l", str(self.dir / "log"), "-w", "-o", self.opts, "start")
+
+    def stop(self, mode: str = "fast") -> None:
+        self._run(PG_CTL, "-D", str(self.data), "-w", "-m", mode, "stop")
+
+    def remove(self) -> None:
+        with contextlib.suppress(Exception):
+            self.stop("immediate")
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/postgres"
+
+
+def _can_run_cluster() -> str | None:
+    if not (os.access(INITDB, os.X_OK) and os.access(PG_CTL, os.X_OK)):
+        return "no initdb/pg_ctl under /usr/lib/postgresql/*/bin"
+    if os.geteuid() == 0 and shutil.which("runuser") is None:
+        return "root without runuser: initdb refuses root"
+    return None
+
+
+@pytest.mark.skipif(_can_run_cluster() is not None, reason=str(_can_run_cluster()))
+async def test_postgres_restarted_while_an_agent_reports(tmp_path: Path) -> None:
+    cluster = Cluster()
+    procs: list[ManagerProcess] = []
+    try:
+        await asyncio.to_thread(cluster.init)
+        url = cluster.url
+        pg = url.replace("postgresql+asyncpg://", "postgresql://")
+        tokens = await prepare(url)
+        await write_log.install(url, LEADER_TABLES)
+        names = iter(("a", "b"))
+
+        def start() -> ManagerProcess:
+            n = next(names)
+            p = ManagerProcess(n, url, tmp_path / f"manager-{n}.log", FLEET)
+            procs.append(p)
+            return p
+
+        a = start()
+        await a.ready_async()
+        b = start()
+        assert (await b.ready_async())["role"] == "standby"
+        op = tokens["operator"]
+        agents, backends = [], []
+        for i in range(2):
+            ag, be = make_agent(f"node-{i}", f"nvl-{i}", tokens[f"node-{i}"], [b.grpc, a.grpc])
+            agents.append(ag)
+            backends.append(be)
+        tasks = [asyncio.create_task(x.run()) for x in agents]
+        try:
+            await job_on(a.http, op, agents)
+            await eventually(lambda: layout(a.http, op), what="first layout")
+            first = await layout(a.http, op)
+            assert first is not None and first["counts"]["replicas"] == 2
+            await eventually(lambda: applied_all(pg), what="the hellos applied")
+            before = await counters(pg)
+
+            await asyncio.to_thread(cluster.stop)  # every session of every manager ends
+            backends[1].inject("xid", 0, xid=79)
+            await eventually(lambda: agents[1].sent_upto >= 1, what="report sent while the database is down")
+            await asyncio.sleep(1.0)
+            assert agents[1].last_acked == 0  # nothing durable, nothing acknowledged
+            await asyncio.to_thread(cluster.start)
+
+            await eventually(lambda: agents[1].last_acked >= 1, timeout=60, what="acknowledged after the restart")
+            conn = await asyncpg.connect(pg)
+            try:
+                holder = await conn.fetchval("SELECT holder FROM leader WHERE id = 1")
+            finally:
+                await conn.close()
+            if holder != "a":  # a lost its lease while the server was down: it must have stopped
+                rc = await asyncio.to_thread(a.proc.wait, 60)
+                assert rc == 75, a.log.read_text()[-3000:]
+                assert await write_log.writes_since(url, "a", await lease_since(pg, str(holder))) == 0
+            leader = a if holder == "a" else b
+
+            async def one_replica() -> bool:
+                lay = await layout(leader.http, op)
+                return lay is not None and lay["counts"]["replicas"] == 1
+
+            await eventually(one_replica, timeout=60, what="a layout without the failed node")
+            assert await failed_on(leader.http, op) == {g.uuid for g in agents[1].statics}
+            await eventually(lambda: applied_all(pg), what="the outbox applied")
+            after = await counters(pg)
+            assert after["cursor"] > before["cursor"] and after["quarantined"] == 0
+            await eventually(lambda: settled(pg, agents[1]), what="acknowledged reports applied")
+            await check_reports(pg, agents[1])
+        finally:
+            await stop_agents(agents, tasks)
+    finally:
+        for p in procs:
+            p.stop(graceful=False)
+        await asyncio.to_thread(cluster.remove)
+
+
+async def test_agent_commands_older_than_the_retention_are_pruned_by_the_leader_only(tmp_path: Path) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from ntp_manager.service.leader import NotLeader
+    from ntp_manager.service.manager import Manager
+    from ntp_manager.settings import Settings
+    from ntp_manager.store import outbox
+
+    async with database("postgres", tmp_path) as url:
+        await prepare(url)
+        m = Manager(Settings(database_url=url, fleet_ingest=True, fleet_command_retention_s=60))
+        try:
+            now = datetime.now(UTC)
+            async with m.sm() as s, s.begin():
+                old = now - timedelta(seconds=120)
+                await outbox.push_commands(s, [("node-0", {"release_power": "g0"})] * 3, 1, old)
+                await outbox.push_commands(s, [("node-1", {"release_power": "g1"})] * 2, 1, now)
+            assert m.fleet is not None
+            with pytest.raises(NotLeader):  # a standby (or a deposed leader) deletes nothing
+                await m.fleet.prune_commands()
+            async with m.sm() as s:
+                assert len(await outbox.commands_after(s, 0)) == 5
+            assert await m.leadership.try_acquire()
+            assert await m.fleet.prune_commands() == 3  # the old ones only
+            async with m.sm() as s:
+                left = await outbox.commands_after(s, 0)
+            assert [n for _, n, _ in left] == ["node-1", "node-1"]
+            assert await m.fleet.prune_commands() == 0
+        finally:
+            await m.leadership.release()
+            await m.engine.dispose()
