@@ -55,7 +55,7 @@ class LayoutViews:
         doc = self.doc
         r, first = doc.replica(i), doc.group_starts[i]
         return pb.ReplicaDetail(replica_id=r.id, groups=[
-            pb.TpGroup(group_id=g.group, domain=g.domain, stage=g.stage, tp_degree=g.tp, gpu_uuids=g.gpus,
+            pb.TpGroup(group_id=g.group, domain=g.domain, stage=g.stage, tp=g.tp, gpu_uuids=g.gpus,
                        global_ranks=list(doc.group_ranks(first + g.stage)), power_ratio=g.power_ratio)
             for g in r.groups])
 
@@ -73,7 +73,7 @@ def build_views(rec: LayoutRec, rendezvous: str = "") -> LayoutViews:
     head = pb.Layout(
         job=rec.job,
         stamp=pb.LayoutStamp(leader_epoch=rec.leader_epoch, version=rec.version, created_at=ts),
-        healthy_tp_degree=doc.tp,
+        healthy_tp=doc.tp,
         target_batch=doc.target_batch,
         global_batch=doc.global_batch,
         rendezvous=rendezvous,
@@ -86,8 +86,8 @@ def build_views(rec: LayoutRec, rendezvous: str = "") -> LayoutViews:
     ids, tps, batches, degrees = doc.replica_ids, doc.replica_tps, doc.local_batches, doc.degrees
     for lo in range(0, len(ids), CHUNK):
         parts.append(pb.Layout(replicas=[
-            pb.ReplicaSummary(replica_id=ids[i], tp_degree=tps[i], local_batch=batches[i],
-                              stage_tp_degrees=degrees[i]) for i in range(lo, min(lo + CHUNK, len(ids)))
+            pb.ReplicaSummary(replica_id=ids[i], tp=tps[i], local_batch=batches[i],
+                              stage_tps=degrees[i]) for i in range(lo, min(lo + CHUNK, len(ids)))
         ]).SerializeToString())
     replica_of: dict[str, int] = {}
     gs, us = doc.group_starts, doc.gpu_starts

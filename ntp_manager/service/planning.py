@@ -117,7 +117,7 @@ def summary(doc: LayoutDoc, old: LayoutDoc | None) -> dict[str, Any]:
                or [g.placement() for g in b.groups] != [g.placement() for g in r.groups]]
     by_tp = Counter(doc.replica_tps)
     out: dict[str, Any] = {
-        "replicas": len(doc.replica_ids), "tp_degrees": {str(t): by_tp[t] for t in sorted(by_tp)},
+        "replicas": len(doc.replica_ids), "tp_counts": {str(t): by_tp[t] for t in sorted(by_tp)},
         "global_batch": doc.global_batch, "relative_throughput": doc.relative_throughput,
         "changed": len(changed), "changed_replicas": [[r.id, r.tp, r.local_batch] for r in changed[:AUDITED]],
         "removed_replicas": sorted(set(before) - set(doc.replica_ids))[:AUDITED],
@@ -148,7 +148,7 @@ def human_bytes(n: int) -> str:
 LISTED = 16  # replicas whose TP degrees a reason lists one by one
 
 
-def tp_degrees(doc: LayoutDoc) -> str:
+def tps_text(doc: LayoutDoc) -> str:
     """The replicas' TP degrees, ascending ("[3, 4]"), or counted for a large job ("TP7 x 1,
     TP8 x 12499"): a reason travels with every layout message, so its size must not grow with
     the job."""
@@ -166,8 +166,8 @@ def why(old: LayoutDoc | None, new: LayoutDoc, given: str = "") -> str:
         text = f"initial layout: {len(new.replica_ids)} replicas, throughput {new.relative_throughput:.4f}"
     else:
         text = (
-            f"replanned: replicas {len(old.replica_ids)} -> {len(new.replica_ids)}, TP degrees {tp_degrees(old)} -> "
-            f"{tp_degrees(new)}, throughput {old.relative_throughput:.4f} -> {new.relative_throughput:.4f}"
+            f"replanned: replicas {len(old.replica_ids)} -> {len(new.replica_ids)}, TP degrees {tps_text(old)} -> "
+            f"{tps_text(new)}, throughput {old.relative_throughput:.4f} -> {new.relative_throughput:.4f}"
         )
     slow = [r for r in new.reasons if "degraded" in r]  # fail-slow decisions (planner/slow.py)
     if slow:

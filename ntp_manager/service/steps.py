@@ -197,7 +197,7 @@ def check_report(report: Any) -> None:
                 limits.ident(f"ranks[{i}].gpu_uuid", r.gpu_uuid, limits.GPU_ID_MAX)
             if r.tp_group_id:
                 limits.ident(f"ranks[{i}].tp_group_id", r.tp_group_id, limits.DOMAIN_MAX + 16)
-            limits.integer(f"ranks[{i}].tp_degree", r.tp_degree, 0, limits.TP_MAX)
+            limits.integer(f"ranks[{i}].tp", r.tp, 0, limits.TP_MAX)
             if r.HasField("stage"):
                 limits.integer(f"ranks[{i}].stage", r.stage, 0, STAGE_MAX)
             if r.HasField("replica_id"):
@@ -221,12 +221,12 @@ def samples_of(report: Any, at: float, places: Mapping[str, Place] | None) -> li
     for i, r in enumerate(report.ranks):
         stage = r.stage if r.HasField("stage") else None
         replica = r.replica_id if r.HasField("replica_id") else None
-        group, tp = r.tp_group_id, r.tp_degree
+        group, tp = r.tp_group_id, r.tp
         place = places.get(r.gpu_uuid) if places is not None else None
         if place is not None:
             for name, said, truth in (("stage", stage, place.stage), ("replica_id", replica, place.replica),
                                       ("tp_group_id", group or None, place.group),
-                                      ("tp_degree", tp or None, place.tp)):
+                                      ("tp", tp or None, place.tp)):
                 if said is not None and said != truth:
                     raise InvalidArgument(
                         f"ranks[{i}].{name}: GPU {r.gpu_uuid} has {name} {truth!r} in layout {version}, "

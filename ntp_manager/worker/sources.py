@@ -316,13 +316,13 @@ def manager_addresses(target: str | Sequence[str]) -> list[str]:
 
 def layout_from_pb(msg: Any, gpu_uuid: str) -> WorkerLayout:
     """`ntp.v1.Layout` (one worker's view) -> WorkerLayout. Pipelines need each replica's stage
-    degrees (`ReplicaSummary.stage_tp_degrees`); a summary without them is one stage. The
+    degrees (`ReplicaSummary.stage_tps`); a summary without them is one stage. The
     worker's rank is the one the manager gave it, checked against `contract.ranks`' numbering.
     Raises ValueError for a view whose stages or ranks do not add up."""
     reps, degrees = [], []
     for s in msg.replicas:
-        reps.append((int(s.tp_degree), int(s.local_batch)))
-        degrees.append(tuple(int(d) for d in s.stage_tp_degrees) or (int(s.tp_degree),))
+        reps.append((int(s.tp), int(s.local_batch)))
+        degrees.append(tuple(int(d) for d in s.stage_tps) or (int(s.tp),))
     rank = None
     if reps:
         check_degrees(degrees)

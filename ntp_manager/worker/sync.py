@@ -18,7 +18,7 @@ Steps 1 and 3 stay inside a replica (NVLink on a GPU). On CPU, where a socket wo
 byte to both ends, a core maps its extra's gradient memory and copies the units itself
 (`NtpGradSync._share`); across hosts and on NCCL they are point-to-point messages.
 Parameters that are not sharded (position embeddings, norms, row-wise biases) are replicated
-inside a TP group; one all-reduce over every rank, each contributing local_batch / tp_degree of
+inside a TP group; one all-reduce over every rank, each contributing local_batch / tp of
 its gradient, gives the same sample-weighted mean. It starts first and overlaps all of the above.
 
 Uniform replicas (all the same degree) have no transfers: the procedure degenerates to a bucketed

@@ -58,7 +58,7 @@ async def test_sigkill_loses_nothing_acknowledged(tmp_path: Path):
                                 metadata=(("authorization", f"Bearer {tokens['worker']}"),))
                             async for msg in call:
                                 seen.append((msg.stamp.leader_epoch, msg.stamp.version))
-                                shown[msg.stamp.version] = [(r.replica_id, r.tp_degree, list(r.stage_tp_degrees))
+                                shown[msg.stamp.version] = [(r.replica_id, r.tp, list(r.stage_tps))
                                                             for r in msg.replicas]
                     except grpc.aio.AioRpcError:
                         await asyncio.sleep(0.2)  # manager gone: retry

@@ -61,7 +61,7 @@ async def test_failure_report_produces_new_layout_on_watch_stream(service: Servi
         await eventually(lambda: len(seen) == 1)
         first = seen[0]
         assert first.stamp.version == 1 and first.stamp.leader_epoch == service.manager.epoch
-        assert sorted(r.tp_degree for r in first.replicas) == [4, 4]
+        assert sorted(r.tp for r in first.replicas) == [4, 4]
         assert first.own.groups[0].gpu_uuids  # the worker's own replica, with ranks
         assert len(first.peers) == 1  # a donor to fetch state from
 
@@ -69,7 +69,7 @@ async def test_failure_report_produces_new_layout_on_watch_stream(service: Servi
         await eventually(lambda: len(seen) == 2)
         second = seen[1]
         assert second.stamp.version == 2
-        assert sorted(r.tp_degree for r in second.replicas) == [3, 4]
+        assert sorted(r.tp for r in second.replicas) == [3, 4]
         assert not second.HasField("own")  # the failed GPU's worker has no place any more
         assert second.world_size == 7
 

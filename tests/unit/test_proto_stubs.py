@@ -23,10 +23,10 @@ def test_stubs_import_and_round_trip():
 
     layout = common_pb2.Layout(
         job="j", stamp=common_pb2.LayoutStamp(leader_epoch=1, version=7),
-        replicas=[common_pb2.ReplicaSummary(replica_id=0, tp_degree=3, local_batch=6)],
+        replicas=[common_pb2.ReplicaSummary(replica_id=0, tp=3, local_batch=6)],
     )
     again = common_pb2.Layout.FromString(layout.SerializeToString())
-    assert again.stamp.version == 7 and again.replicas[0].tp_degree == 3
+    assert again.stamp.version == 7 and again.replicas[0].tp == 3
     msg = agent_pb2.AgentMessage(report=agent_pb2.HealthReport(seq=5))
     assert msg.WhichOneof("body") == "report"
     assert hasattr(worker_pb2_grpc, "WorkerServiceStub")

@@ -80,8 +80,8 @@ def test_previous_of_a_layout_that_cannot_be_kept_is_none() -> None:
 def test_reasons_stay_short_for_large_jobs_and_moves_read_in_words() -> None:
     d = doc()
     big = d.replace(replicas=tuple(d.replicas[0]._replace(id=i, tp=8 - (i == 5)) for i in range(100)))
-    assert planning.tp_degrees(big) == "TP7 x 1, TP8 x 99"
-    assert planning.tp_degrees(d) == "[4]"
+    assert planning.tps_text(big) == "TP7 x 1, TP8 x 99"
+    assert planning.tps_text(d) == "[4]"
     assert planning.moves_text(None) == ""
     text = planning.moves_text(MovesDoc(2, 1, 0, 1, 3_000_000_000))
     assert text == "2 group(s) moved, 1 changing stage (0 newly placed), 1 left, ~3.0 GB to load"
@@ -96,7 +96,7 @@ def test_the_audit_summary_names_what_changed_and_stays_bounded() -> None:
     new_reps = [r0._replace(id=i) if i != 7 else r0._replace(id=7, tp=3, groups=(g3,)) for i in range(200) if i != 9]
     new = old.replace(replicas=(*new_reps, r0._replace(id=300)))
     s = planning.summary(new, old)
-    assert s["replicas"] == 200 and s["tp_degrees"] == {"3": 1, "4": 199}
+    assert s["replicas"] == 200 and s["tp_counts"] == {"3": 1, "4": 199}
     assert s["changed"] == 2 and s["changed_replicas"] == [[7, 3, 8], [300, 4, 8]] and s["removed_replicas"] == [9]
     # a first layout: every replica is new, but only AUDITED of them are listed
     first = planning.summary(new, None)

@@ -89,7 +89,7 @@ def test_the_layout_places_ranks_and_a_report_that_disagrees_is_refused() -> Non
     (worker_pb2.RankStep(comm_wait_s=-1.0), "comm_wait_s"),
     (worker_pb2.RankStep(step_time_s=float("inf")), "step_time_s"),
     (worker_pb2.RankStep(tokens=10, sequence_sq_sum=101), "sequence_sq_sum"),
-    (worker_pb2.RankStep(tp_degree=5000), "tp_degree"),
+    (worker_pb2.RankStep(tp=5000), "tp"),
     (worker_pb2.RankStep(stage=10_000), "stage"),
     (worker_pb2.RankStep(tp_group_id="a b"), "tp_group_id"),
 ])

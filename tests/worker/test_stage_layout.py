@@ -53,17 +53,17 @@ def test_views_carry_stage_degrees_and_every_gpu_finds_its_rank() -> None:
 
 
 def test_a_view_without_stage_degrees_cannot_place_a_later_stage() -> None:
-    """A summary without stage_tp_degrees (a manager from before pipelines) is one stage: a group
+    """A summary without stage_tps (a manager from before pipelines) is one stage: a group
     of stage 1 in it contradicts that and is refused rather than numbered wrongly."""
-    msg = pb.Layout(replicas=[pb.ReplicaSummary(replica_id=0, tp_degree=2, local_batch=2)])
+    msg = pb.Layout(replicas=[pb.ReplicaSummary(replica_id=0, tp=2, local_batch=2)])
     msg.own.replica_id = 0
-    msg.own.groups.append(pb.TpGroup(stage=0, tp_degree=2, gpu_uuids=["a", "b"], global_ranks=[0, 1]))
-    msg.own.groups.append(pb.TpGroup(stage=1, tp_degree=2, gpu_uuids=["c", "d"], global_ranks=[2, 3]))
+    msg.own.groups.append(pb.TpGroup(stage=0, tp=2, gpu_uuids=["a", "b"], global_ranks=[0, 1]))
+    msg.own.groups.append(pb.TpGroup(stage=1, tp=2, gpu_uuids=["c", "d"], global_ranks=[2, 3]))
     assert layout_from_pb(msg, "b").rank == 1
     with pytest.raises(ValueError, match="does not match replica 0's stage degrees"):
         layout_from_pb(msg, "c")
     # and a rank that disagrees with the numbering is refused
-    msg.replicas[0].stage_tp_degrees.extend([2, 2])
+    msg.replicas[0].stage_tps.extend([2, 2])
     msg.own.groups[1].global_ranks[:] = [3, 2]
     with pytest.raises(ValueError, match="the stage numbering gives 2"):
         layout_from_pb(msg, "c")

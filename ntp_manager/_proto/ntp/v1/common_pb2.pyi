@@ -66,34 +66,34 @@ class LayoutStamp(_message.Message):
     def __init__(self, leader_epoch: _Optional[int] = ..., version: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class TpGroup(_message.Message):
-    __slots__ = ("group_id", "domain", "stage", "tp_degree", "gpu_uuids", "global_ranks", "power_ratio")
+    __slots__ = ("group_id", "domain", "stage", "tp", "gpu_uuids", "global_ranks", "power_ratio")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     DOMAIN_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
-    TP_DEGREE_FIELD_NUMBER: _ClassVar[int]
+    TP_FIELD_NUMBER: _ClassVar[int]
     GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_RANKS_FIELD_NUMBER: _ClassVar[int]
     POWER_RATIO_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     domain: str
     stage: int
-    tp_degree: int
+    tp: int
     gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
     global_ranks: _containers.RepeatedScalarFieldContainer[int]
     power_ratio: float
-    def __init__(self, group_id: _Optional[str] = ..., domain: _Optional[str] = ..., stage: _Optional[int] = ..., tp_degree: _Optional[int] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., global_ranks: _Optional[_Iterable[int]] = ..., power_ratio: _Optional[float] = ...) -> None: ...
+    def __init__(self, group_id: _Optional[str] = ..., domain: _Optional[str] = ..., stage: _Optional[int] = ..., tp: _Optional[int] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., global_ranks: _Optional[_Iterable[int]] = ..., power_ratio: _Optional[float] = ...) -> None: ...
 
 class ReplicaSummary(_message.Message):
-    __slots__ = ("replica_id", "tp_degree", "local_batch", "stage_tp_degrees")
+    __slots__ = ("replica_id", "tp", "local_batch", "stage_tps")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
-    TP_DEGREE_FIELD_NUMBER: _ClassVar[int]
+    TP_FIELD_NUMBER: _ClassVar[int]
     LOCAL_BATCH_FIELD_NUMBER: _ClassVar[int]
-    STAGE_TP_DEGREES_FIELD_NUMBER: _ClassVar[int]
+    STAGE_TPS_FIELD_NUMBER: _ClassVar[int]
     replica_id: int
-    tp_degree: int
+    tp: int
     local_batch: int
-    stage_tp_degrees: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, replica_id: _Optional[int] = ..., tp_degree: _Optional[int] = ..., local_batch: _Optional[int] = ..., stage_tp_degrees: _Optional[_Iterable[int]] = ...) -> None: ...
+    stage_tps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, replica_id: _Optional[int] = ..., tp: _Optional[int] = ..., local_batch: _Optional[int] = ..., stage_tps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReplicaDetail(_message.Message):
     __slots__ = ("replica_id", "groups")
@@ -104,10 +104,10 @@ class ReplicaDetail(_message.Message):
     def __init__(self, replica_id: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[TpGroup, _Mapping]]] = ...) -> None: ...
 
 class Layout(_message.Message):
-    __slots__ = ("job", "stamp", "healthy_tp_degree", "target_batch", "global_batch", "replicas", "own", "peers", "world_size", "rendezvous", "reason", "restore_step")
+    __slots__ = ("job", "stamp", "healthy_tp", "target_batch", "global_batch", "replicas", "own", "peers", "world_size", "rendezvous", "reason", "restore_step")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAMP_FIELD_NUMBER: _ClassVar[int]
-    HEALTHY_TP_DEGREE_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_TP_FIELD_NUMBER: _ClassVar[int]
     TARGET_BATCH_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_BATCH_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -119,7 +119,7 @@ class Layout(_message.Message):
     RESTORE_STEP_FIELD_NUMBER: _ClassVar[int]
     job: str
     stamp: LayoutStamp
-    healthy_tp_degree: int
+    healthy_tp: int
     target_batch: int
     global_batch: int
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaSummary]
@@ -129,4 +129,4 @@ class Layout(_message.Message):
     rendezvous: str
     reason: str
     restore_step: int
-    def __init__(self, job: _Optional[str] = ..., stamp: _Optional[_Union[LayoutStamp, _Mapping]] = ..., healthy_tp_degree: _Optional[int] = ..., target_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaSummary, _Mapping]]] = ..., own: _Optional[_Union[ReplicaDetail, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[ReplicaDetail, _Mapping]]] = ..., world_size: _Optional[int] = ..., rendezvous: _Optional[str] = ..., reason: _Optional[str] = ..., restore_step: _Optional[int] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., stamp: _Optional[_Union[LayoutStamp, _Mapping]] = ..., healthy_tp: _Optional[int] = ..., target_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaSummary, _Mapping]]] = ..., own: _Optional[_Union[ReplicaDetail, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[ReplicaDetail, _Mapping]]] = ..., world_size: _Optional[int] = ..., rendezvous: _Optional[str] = ..., reason: _Optional[str] = ..., restore_step: _Optional[int] = ...) -> None: ...

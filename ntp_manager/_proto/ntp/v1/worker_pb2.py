@@ -26,15 +26,15 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from ntp_manager._proto.ntp.v1 import common_pb2 as ntp_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13ntp/v1/worker.proto\x12\x06ntp.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x13ntp/v1/common.proto\"j\n\x12WatchLayoutRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x03 \x01(\t\x12\"\n\x05known\x18\x04 \x01(\x0b\x32\x13.ntp.v1.LayoutStamp\"\xb6\x01\n\x10\x41\x63kLayoutRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\"\n\x05stamp\x18\x03 \x01(\x0b\x32\x13.ntp.v1.LayoutStamp\x12!\n\x06status\x18\x04 \x01(\x0e\x32\x11.ntp.v1.AckStatus\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12+\n\x08restored\x18\x06 \x01(\x0b\x32\x19.ntp.v1.CheckpointRestore\"V\n\x11\x43heckpointRestore\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x12\n\ncheckpoint\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07skipped\x18\x04 \x03(\t\"9\n\x11\x41\x63kLayoutResponse\x12$\n\x07\x63urrent\x18\x01 \x01(\x0b\x32\x13.ntp.v1.LayoutStamp\"\x98\x02\n\x08RankStep\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x10\n\x08gpu_uuid\x18\x02 \x01(\t\x12\x13\n\x0bstep_time_s\x18\x03 \x01(\x01\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\x12\x18\n\x10sequence_lengths\x18\x05 \x03(\r\x12\x11\n\tcompute_s\x18\x06 \x01(\x01\x12\x13\n\x0b\x63omm_wait_s\x18\x07 \x01(\x01\x12\x17\n\x0fsequence_sq_sum\x18\x08 \x01(\x04\x12\x12\n\x05stage\x18\t \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btp_group_id\x18\n \x01(\t\x12\x11\n\ttp_degree\x18\x0b \x01(\r\x12\x17\n\nreplica_id\x18\x0c \x01(\rH\x01\x88\x01\x01\x42\x08\n\x06_stageB\r\n\x0b_replica_id\"\xa7\x01\n\nStepReport\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\"\n\x05stamp\x18\x03 \x01(\x0b\x32\x13.ntp.v1.LayoutStamp\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12&\n\x02\x61t\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1f\n\x05ranks\x18\x06 \x03(\x0b\x32\x10.ntp.v1.RankStep\"&\n\x12StepReportResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08*V\n\tAckStatus\x12\x1a\n\x16\x41\x43K_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12\x41\x43K_STATUS_APPLIED\x10\x01\x12\x15\n\x11\x41\x43K_STATUS_FAILED\x10\x02\x32\xcd\x01\n\rWorkerService\x12;\n\x0bWatchLayout\x12\x1a.ntp.v1.WatchLayoutRequest\x1a\x0e.ntp.v1.Layout0\x01\x12@\n\tAckLayout\x12\x18.ntp.v1.AckLayoutRequest\x1a\x19.ntp.v1.AckLayoutResponse\x12=\n\x0bReportSteps\x12\x12.ntp.v1.StepReport\x1a\x1a.ntp.v1.StepReportResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13ntp/v1/worker.proto\x12\x06ntp.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x13ntp/v1/common.proto\"j\n\x12WatchLayoutRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x03 \x01(\t\x12\"\n\x05known\x18\x04 \x01(\x0b\x32\x13.ntp.v1.LayoutStamp\"\xb6\x01\n\x10\x41\x63kLayoutRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\"\n\x05stamp\x18\x03 \x01(\x0b\x32\x13.ntp.v1.LayoutStamp\x12!\n\x06status\x18\x04 \x01(\x0e\x32\x11.ntp.v1.AckStatus\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12+\n\x08restored\x18\x06 \x01(\x0b\x32\x19.ntp.v1.CheckpointRestore\"V\n\x11\x43heckpointRestore\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x12\n\ncheckpoint\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07skipped\x18\x04 \x03(\t\"9\n\x11\x41\x63kLayoutResponse\x12$\n\x07\x63urrent\x18\x01 \x01(\x0b\x32\x13.ntp.v1.LayoutStamp\"\x91\x02\n\x08RankStep\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x10\n\x08gpu_uuid\x18\x02 \x01(\t\x12\x13\n\x0bstep_time_s\x18\x03 \x01(\x01\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\x12\x18\n\x10sequence_lengths\x18\x05 \x03(\r\x12\x11\n\tcompute_s\x18\x06 \x01(\x01\x12\x13\n\x0b\x63omm_wait_s\x18\x07 \x01(\x01\x12\x17\n\x0fsequence_sq_sum\x18\x08 \x01(\x04\x12\x12\n\x05stage\x18\t \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btp_group_id\x18\n \x01(\t\x12\n\n\x02tp\x18\x0b \x01(\r\x12\x17\n\nreplica_id\x18\x0c \x01(\rH\x01\x88\x01\x01\x42\x08\n\x06_stageB\r\n\x0b_replica_id\"\xa7\x01\n\nStepReport\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\"\n\x05stamp\x18\x03 \x01(\x0b\x32\x13.ntp.v1.LayoutStamp\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12&\n\x02\x61t\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1f\n\x05ranks\x18\x06 \x03(\x0b\x32\x10.ntp.v1.RankStep\"&\n\x12StepReportResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08*V\n\tAckStatus\x12\x1a\n\x16\x41\x43K_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12\x41\x43K_STATUS_APPLIED\x10\x01\x12\x15\n\x11\x41\x43K_STATUS_FAILED\x10\x02\x32\xcd\x01\n\rWorkerService\x12;\n\x0bWatchLayout\x12\x1a.ntp.v1.WatchLayoutRequest\x1a\x0e.ntp.v1.Layout0\x01\x12@\n\tAckLayout\x12\x18.ntp.v1.AckLayoutRequest\x1a\x19.ntp.v1.AckLayoutResponse\x12=\n\x0bReportSteps\x12\x12.ntp.v1.StepReport\x1a\x1a.ntp.v1.StepReportResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ntp.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ACKSTATUS']._serialized_start=1018
-  _globals['_ACKSTATUS']._serialized_end=1104
+  _globals['_ACKSTATUS']._serialized_start=1011
+  _globals['_ACKSTATUS']._serialized_end=1097
   _globals['_WATCHLAYOUTREQUEST']._serialized_start=85
   _globals['_WATCHLAYOUTREQUEST']._serialized_end=191
   _globals['_ACKLAYOUTREQUEST']._serialized_start=194
@@ -44,11 +44,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ACKLAYOUTRESPONSE']._serialized_start=466
   _globals['_ACKLAYOUTRESPONSE']._serialized_end=523
   _globals['_RANKSTEP']._serialized_start=526
-  _globals['_RANKSTEP']._serialized_end=806
-  _globals['_STEPREPORT']._serialized_start=809
-  _globals['_STEPREPORT']._serialized_end=976
-  _globals['_STEPREPORTRESPONSE']._serialized_start=978
-  _globals['_STEPREPORTRESPONSE']._serialized_end=1016
-  _globals['_WORKERSERVICE']._serialized_start=1107
-  _globals['_WORKERSERVICE']._serialized_end=1312
+  _globals['_RANKSTEP']._serialized_end=799
+  _globals['_STEPREPORT']._serialized_start=802
+  _globals['_STEPREPORT']._serialized_end=969
+  _globals['_STEPREPORTRESPONSE']._serialized_start=971
+  _globals['_STEPREPORTRESPONSE']._serialized_end=1009
+  _globals['_WORKERSERVICE']._serialized_start=1100
+  _globals['_WORKERSERVICE']._serialized_end=1305
 # @@protoc_insertion_point(module_scope)

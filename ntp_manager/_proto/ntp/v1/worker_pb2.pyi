@@ -67,7 +67,7 @@ class AckLayoutResponse(_message.Message):
     def __init__(self, current: _Optional[_Union[_common_pb2.LayoutStamp, _Mapping]] = ...) -> None: ...
 
 class RankStep(_message.Message):
-    __slots__ = ("rank", "gpu_uuid", "step_time_s", "tokens", "sequence_lengths", "compute_s", "comm_wait_s", "sequence_sq_sum", "stage", "tp_group_id", "tp_degree", "replica_id")
+    __slots__ = ("rank", "gpu_uuid", "step_time_s", "tokens", "sequence_lengths", "compute_s", "comm_wait_s", "sequence_sq_sum", "stage", "tp_group_id", "tp", "replica_id")
     RANK_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -78,7 +78,7 @@ class RankStep(_message.Message):
     SEQUENCE_SQ_SUM_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     TP_GROUP_ID_FIELD_NUMBER: _ClassVar[int]
-    TP_DEGREE_FIELD_NUMBER: _ClassVar[int]
+    TP_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     rank: int
     gpu_uuid: str
@@ -90,9 +90,9 @@ class RankStep(_message.Message):
     sequence_sq_sum: int
     stage: int
     tp_group_id: str
-    tp_degree: int
+    tp: int
     replica_id: int
-    def __init__(self, rank: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., step_time_s: _Optional[float] = ..., tokens: _Optional[int] = ..., sequence_lengths: _Optional[_Iterable[int]] = ..., compute_s: _Optional[float] = ..., comm_wait_s: _Optional[float] = ..., sequence_sq_sum: _Optional[int] = ..., stage: _Optional[int] = ..., tp_group_id: _Optional[str] = ..., tp_degree: _Optional[int] = ..., replica_id: _Optional[int] = ...) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., step_time_s: _Optional[float] = ..., tokens: _Optional[int] = ..., sequence_lengths: _Optional[_Iterable[int]] = ..., compute_s: _Optional[float] = ..., comm_wait_s: _Optional[float] = ..., sequence_sq_sum: _Optional[int] = ..., stage: _Optional[int] = ..., tp_group_id: _Optional[str] = ..., tp: _Optional[int] = ..., replica_id: _Optional[int] = ...) -> None: ...
 
 class StepReport(_message.Message):
     __slots__ = ("job", "worker_id", "stamp", "step", "at", "ranks")
