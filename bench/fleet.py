@@ -346,9 +346,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             others = [k for k in range(3) if k != leader]
             t_kill = time.perf_counter()
             old.signal(signal.SIGKILL if mode == "SIGKILL" else signal.SIGSTOP)
-            failed = None
-            for g in gens:  # one agent on a manager left reports its node failed: the layout must change
-                if (failed := (await g.ask({"cmd": "fail", "not": old.grpc}))["node"]) is not None:
+            failed, via_killed = None, False
+            # one agent on a manager left reports its node failed: the layout must change (when every
+            # agent sits on the failed leader, one of those: its report waits for its stream to move)
+            for strict in (True, False):
+                for g in gens:
+                    got = await g.ask({"cmd": "fail", "not": old.grpc, "strict": strict})
+                    if got["node"] is not None:
+                        failed, via_killed = got["node"], bool(got["on_it"])
+                        break
+                if failed is not None:
                     break
             if failed is None:
                 raise RuntimeError(f"round {rnd}: no agent left to fail on a surviving manager")
@@ -375,8 +382,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             finally:
                 await c.close()
             rounds.append({"mode": mode, "first_layout_s": first, "exit": exit_code, "killed": old.name,
-                           "since": since})
+                           "since": since, "failed_agent_on_killed_leader": via_killed})
             print(f"round {rnd}: {mode} of the leader -> first layout at the new epoch {first:.2f} s"
+                  + (" (the failing agent's stream was on the failed leader: it had to move first)"
+                     if via_killed else "")
                   + (f", woken: exit {exit_code}" if exit_code is not None else ""), flush=True)
             p = start(leader)
             await p.ready_async(300)
@@ -400,8 +409,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         zombie = 0
         for rr in rounds:
             zombie += await write_log.writes_since(url, rr["killed"], rr["since"])
-        kills = [r["first_layout_s"] for r in rounds if r["mode"] == "SIGKILL"]
-        stops = [r["first_layout_s"] for r in rounds if r["mode"] == "SIGSTOP"]
+        # the failover figures count the rounds whose failing agent was on a manager left (the case
+        # measured: its report goes through at once); the others are listed in "rounds"
+        direct = [r for r in rounds if not r["failed_agent_on_killed_leader"]]
+        kills = [r["first_layout_s"] for r in direct if r["mode"] == "SIGKILL"]
+        stops = [r["first_layout_s"] for r in direct if r["mode"] == "SIGSTOP"]
         out.update({
             "rounds": [{k: v for k, v in r.items() if k != "since"} for r in rounds],
             "sigkill_first_layout_p50_s": statistics.median(kills) if kills else None,
