@@ -221,6 +221,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         # ---- 1. registration --------------------------------------------------------------------
         per = args.procs
         rcpu0 = [cpu_seconds(p.proc.pid) for p in slots]
+        rprofs = [Profile(slots[0].proc.pid, "the leader (registration)", tmp / "profile-reg-leader.txt"),
+                  Profile(slots[1].proc.pid, "standby m1 (registration)", tmp / "profile-reg-standby.txt")] \
+            if args.profile else []
         t0 = time.perf_counter()
         for g in range(per):
             home = g % 3
@@ -230,6 +233,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         t_welcomed = time.perf_counter()
         t_applied = await until_applied(pg, n)
         rcpu = [cpu_seconds(p.proc.pid) - c for p, c in zip(slots, rcpu0, strict=True)]
+        if rprofs:
+            out["profile_registration"] = {p.label: p.stop() for p in rprofs}
         # each generator's agents say hello to its home manager first; the leader applies every hello
         taken = [sum(len(g.nodes) for g in gens if g.home == k) for k in range(3)]
         out["registration"] = {"welcomed_s": t_welcomed - t0, "applied_s": t_applied - t0,
@@ -447,8 +452,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--idle-s", type=float, default=3.0, help="the idle window measured before the ingest phases")
     ap.add_argument("--profile", action="store_true",
-                    help="py-spy record the leader and a standby over the ingest phase with two ingesting "
-                         "managers (the leader only consumes) and print their busiest functions "
+                    help="py-spy record the leader and a standby over the registration and over the ingest "
+                         "phase with two ingesting managers (the leader only consumes) and print their busiest "
+                         "functions "
                          "(pip install py-spy)")
     args = ap.parse_args()
     s = asyncio.run(main_async(args))
