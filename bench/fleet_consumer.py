@@ -118,8 +118,7 @@ async def drain(m: Manager, cons: Any, batch: int) -> int:
     """Apply every row after the cursor, `batch` rows a transaction, as Consumer.run does."""
     n = 0
     while True:
-        async with m.sm() as s:
-            rows = await outbox.read_after(s, cons.last, batch)
+        rows = await cons.read(batch)
         if not rows:
             return n
         await cons.apply(rows)

@@ -47,7 +47,34 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("ntp.consumer")
 
-BATCH = 2048  # rows applied in one transaction
+BATCH = 2048  # rows applied in one transaction, at most
+WEIGHT = 2048  # and at most this many rows written for them (below)
+
+
+def weight(r: outbox.Stored) -> int:
+    """About how many rows applying `r` writes: a hello one per GPU and the node and its audit row,
+    a report one per GPU reported (its event) and the node; liveness rows write nothing."""
+    if r.kind == outbox.HELLO:
+        return len(r.payload.get("gpus", ())) + 2
+    if r.kind == outbox.REPORT:
+        return len(r.payload.get("gpus", ())) + 1
+    if r.kind == outbox.POWER:
+        return len(r.payload.get("readings", ())) or 1
+    return 1
+
+
+def batch_end(rows: list[outbox.Stored], budget: int = WEIGHT) -> int:
+    """How many of `rows` (at least one) go into one transaction. Its fence holds the lease row
+    `FOR SHARE` until it commits, and the lease renewal waits for that (store/lease.py): a
+    transaction of 2,048 hellos (16,000 GPU rows and more) took seconds on a loaded machine, longer
+    than a short lease, and the leader deposed itself, and the next one did the same with the
+    backlog it found. Capped by what they write, a backlog of hellos goes a few hundred at a time."""
+    total = 0
+    for i, r in enumerate(rows):
+        total += weight(r)
+        if total > budget and i > 0:
+            return i
+    return len(rows)
 
 
 class Consumer:
@@ -62,6 +89,8 @@ class Consumer:
         self.caught_up = asyncio.Event()  # set once the rows stored before it started are applied
         self.apply_s = 0.0  # CPU-ish (wall) seconds spent inside apply, for the bench
         self.batches = 0  # transactions that applied rows
+        self._pending: list[outbox.Stored] = []  # read, not applied yet (batch_end cut them off)
+        self._reader = manager.engine.execution_options(isolation_level="AUTOCOMMIT")
 
     async def run(self) -> None:
         m = self.m
@@ -72,13 +101,17 @@ class Consumer:
         window = m.settings.fleet_apply_window_ms / 1000
         while not m.jobs.stopping:
             try:
-                async with m.sm() as s:
-                    rows = await outbox.read_after(s, self.last, BATCH)
+                # rows read and not applied yet (a cut batch's rest) first: they follow the cursor
+                backlog = bool(self._pending)
+                rows = self._pending or await self.read(BATCH)
                 if rows:
-                    await self.apply(rows)
-                    if rows[-1].seq >= head:
+                    cut = batch_end(rows)
+                    await self.apply(rows[:cut])
+                    self._pending = rows[cut:]
+                    if rows[cut - 1].seq >= head:
                         self.caught_up.set()
-                    if len(rows) < BATCH and window > 0:
+                    backlog = backlog or len(rows) == BATCH or cut < len(rows)
+                    if not backlog and window > 0:
                         await asyncio.sleep(window)  # let the next appends' rows gather into one batch
                     continue
                 self.caught_up.set()
@@ -89,6 +122,12 @@ class Consumer:
             self.wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), m.settings.fleet_poll_s)
+
+    async def read(self, limit: int) -> list[outbox.Stored]:
+        """The next rows after the cursor: one statement in autocommit (no BEGIN and ROLLBACK
+        around it: two round trips of a batch's dozen; the rows it sees are committed ones)."""
+        async with self._reader.connect() as c:
+            return await outbox.read_after(c, self.last, limit)
 
     async def apply(self, rows: list[outbox.Stored]) -> None:
         t0 = time.perf_counter()

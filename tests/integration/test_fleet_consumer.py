@@ -1,7 +1,8 @@
 """The fleet leader's outbox consumer batches a steady stream of appends (issue 30: its CPU per
 report). Every append notifies the consumer; what it costs is per transaction, so rows appended one
-transaction at a time must still be applied many to a transaction (`fleet_apply_window_ms`), and a
-backlog in full batches. In process, one manager leading a database of its own on PostgreSQL.
+transaction at a time must still be applied many to a transaction (`fleet_apply_window_ms`), a
+backlog in full batches, and a backlog of hellos in transactions of bounded size (their fence holds
+the lease renewal back: store/lease.py). In process, one manager leading a database of its own on PostgreSQL.
 """
 
 from __future__ import annotations
@@ -27,6 +28,16 @@ async def _append_seen(m: Manager, n: int, key: str) -> None:
     async with m.sm() as s, s.begin():
         await outbox.append(s, [outbox.Entry(outbox.SEEN, "", {"nodes": []}, f"seen:{key}:{i}") for i in range(n)],
                             "test", datetime.now(UTC))
+
+
+async def _append_hellos(m: Manager, n: int) -> None:
+    """`n` nodes of 8 GPUs registering, in one transaction (as a takeover finds them stored)."""
+    entries = [outbox.Entry(outbox.HELLO, f"n-{i}", {
+        "domain": "d0", "boot_id": "b", "agent_version": "test", "token": None, "peer": "",
+        "gpus": [[f"GPU-n-{i}-{k}", k, "H100", 80 << 30, 700_000, 200_000, 700_000] for k in range(8)]},
+        f"hello:n-{i}") for i in range(n)]
+    async with m.sm() as s, s.begin():
+        await outbox.append(s, entries, "test", datetime.now(UTC))
 
 
 async def _head(m: Manager) -> int:
@@ -62,6 +73,15 @@ async def test_rows_appended_one_transaction_at_a_time_are_applied_many_to_a_tra
             before = cons.batches
             await eventually(lambda: cons.last >= head, 60, "the backlog applied")
             backlog = cons.batches - before
+            # a backlog of hellos: cut by the rows they write (204 hellos of 8 GPUs a transaction),
+            # the rest of a read applied from memory, in order, none lost
+            await _append_hellos(m, 500)
+            head = await _head(m)
+            before = cons.batches
+            await eventually(lambda: cons.last >= head, 60, "the hellos applied")
+            hellos = cons.batches - before
+            assert len(m.kernel.world.nodes) == 500
+            assert len(m.kernel.world.gpus) == 500 * 8
             assert cons.quarantined == 0
         finally:
             await m.stop()
@@ -74,3 +94,4 @@ async def test_rows_appended_one_transaction_at_a_time_are_applied_many_to_a_tra
         # no window: a transaction per notification, or nearly (this case shows the test can fail)
         assert stream > 8, stream
     assert backlog <= 4, backlog  # 2 full batches and the rest (+1 if a read split it)
+    assert 3 <= hellos <= 4, hellos  # 204 + 204 + 92 (+1 if a read split them)
