@@ -349,6 +349,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             old = slots[leader]
             epoch_before = await layout_epoch(old.info["http"], op) or 0
             others = [k for k in range(3) if k != leader]
+            tprofs = [Profile(slots[k].proc.pid, f"{slots[k].name} (round 0 takeover)",
+                              tmp / f"profile-takeover-{k}.txt")
+                      for k in others] if args.profile and rnd == 0 else []
             t_kill = time.perf_counter()
             old.signal(signal.SIGKILL if mode == "SIGKILL" else signal.SIGSTOP)
             failed, via_killed = None, False
@@ -374,6 +377,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                         break
                 else:
                     await asyncio.sleep(0.02)
+            if tprofs:  # the one that took over is the one with the busy samples
+                out["profile_takeover"] = {p.label: p.stop() for p in tprofs}
             exit_code = None
             if mode == "SIGSTOP":
                 old.signal(signal.SIGCONT)
