@@ -13,7 +13,8 @@ JSON line on stdout:
   degraded, ...: failed ones would trip the circuit breaker), one after another (the next once
   the last is acknowledged): {"reports", "wall_s",
   "cpu_s"}
-- {"cmd": "fail", "not": ADDRESS}: an agent connected elsewhere than ADDRESS if any, else any (not failed yet)
+- {"cmd": "fail", "not": ADDRESS, "strict": bool}: an agent connected elsewhere than ADDRESS if any, else
+  (unless strict) any (not failed yet)
   reports every GPU of its node failed (not waited for): {"node"}. Every GPU, not GPU 0 alone: a GPU
   the ingest phases left degraded is out of the layout already, so failing it changes no layout (at
   2,000 agents with an odd --reports the failover waited for a layout that never came)
@@ -177,11 +178,13 @@ async def main() -> None:
         elif cmd == "fail":  # an agent connected to a manager other than c["not"] (the leader)
             live = [x for x in sims if x.connected.is_set() and x.state != FAILED]
             # one on another manager than c["not"] if any (else one on it: it re-sends after reconnecting)
-            s = next((x for x in live if x.targets[x.t % len(x.targets)] != c.get("not")), live[0] if live else None)
+            s = next((x for x in live if x.targets[x.t % len(x.targets)] != c.get("not")),
+                     None if c.get("strict") or not live else live[0])
             if s is not None:
                 s.state = FAILED
                 s.report(FAILED)
-            out({"node": None if s is None else s.node})
+            out({"node": None if s is None else s.node,
+                 "on_it": s is not None and s.targets[s.t % len(s.targets)] == c.get("not")})
         elif cmd == "retarget":  # a manager restarted on a new address: the agents' lists name it
             chans.setdefault(c["new"], [grpc.aio.insecure_channel(c["new"], options=opts) for _ in range(CHANNELS)])
             for x in sims:

@@ -91,6 +91,10 @@ class Settings(BaseSettings):
                                            "once it holds more than its share plus this fraction of it")
     fleet_balance_max: int = Field(500, ge=1, description="fleet mode: the most streams of each kind (agents, "
                                    "watches) a manager tells to move in one balance pass")
+    fleet_apply_window_ms: float = Field(50.0, ge=0, le=1000, description="fleet mode: after applying a batch "
+                                         "of outbox rows smaller than a full one, the leader waits this long for "
+                                         "more before it reads again (one transaction per window under load; the "
+                                         "first row after an idle period is applied at once; 0: no wait)")
     fleet_command_retention_s: float = Field(300.0, ge=10, le=86_400, description="fleet mode: the leader deletes "
                                              "agent_commands rows older than this (every manager reads new ones "
                                              "within `fleet_poll_s`; an agent that reconnects is sent its caps again)")

@@ -62,6 +62,7 @@ class Ingest:
         self.duplicates = 0  # rows whose idempotency key was stored already
         self.batches = 0
         self.failed = 0  # group commits that did not get through (UNAVAILABLE to their callers)
+        self.stuck_ended = 0  # sessions of managers stuck inside an append that this one ended
         self._queue: deque[_Item] = deque()
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -105,13 +106,17 @@ class Ingest:
                 await self._run(batch)
 
     async def _run(self, items: list[_Item]) -> None:
+        wait_ms = int(self.timeout_s * 500)  # for the append lock: half the store timeout
         try:
             async with asyncio.timeout(self.timeout_s):
                 async with self.sm() as s, s.begin():
-                    seqs = await outbox.append(s, [i.entry for i in items], self.me, self.clock.now())
+                    seqs = await outbox.append(s, [i.entry for i in items], self.me, self.clock.now(),
+                                               lock_wait_ms=wait_ms)
         except (OSError, SQLAlchemyError, TimeoutError) as e:
             self.failed += 1
             reason = "took too long" if isinstance(e, TimeoutError) else str(e).splitlines()[0][:200]
+            if _lock_timeout(e):  # the lock's holder may be a manager stopped inside its append
+                await self._end_stuck_appenders(wait_ms)
             log.warning("cannot store agent reports", rows=len(items), error=reason)
             err = Unavailable(f"this manager cannot store reports in its database right now ({reason}); "
                               "try another manager")
@@ -125,6 +130,25 @@ class Ingest:
         for i in items:
             if not i.fut.done():
                 i.fut.set_result(None)
+
+
+    async def _end_stuck_appenders(self, older_than_ms: int) -> None:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                async with self.sm() as s, s.begin():
+                    ended = await outbox.end_stuck_appenders(s, older_than_ms)
+        except (OSError, SQLAlchemyError, TimeoutError) as e:
+            log.warning("cannot end a stuck outbox append", error=str(e).splitlines()[0][:200])
+            return
+        if ended:
+            self.stuck_ended += ended
+            log.warning("ended the session of a manager stuck inside an outbox append (it held every "
+                        "manager's appends)", sessions=ended, held_ms_over=older_than_ms)
+
+
+def _lock_timeout(e: BaseException) -> bool:
+    orig = getattr(e, "orig", None)
+    return "LockNotAvailable" in type(orig).__name__ or "lock timeout" in str(e).lower()
 
 
 @dataclass

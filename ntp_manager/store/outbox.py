@@ -70,12 +70,16 @@ class Stored:
     manager: str
 
 
-async def append(session: AsyncSession, entries: Sequence[Entry], manager: str, now: datetime) -> list[int]:
+async def append(session: AsyncSession, entries: Sequence[Entry], manager: str, now: datetime,
+                 lock_wait_ms: int | None = None) -> list[int]:
     """Append `entries` in this transaction (in their order); the sequence numbers of those stored.
     An entry whose idempotency key is already stored is skipped (a report re-sent to another
-    manager): it is durable already. Takes the append lock until the transaction ends."""
+    manager): it is durable already. Takes the append lock until the transaction ends; with
+    `lock_wait_ms`, waits that long at most for it (then a lock-timeout error: see `end_stuck_appenders`)."""
     if not entries:
         return []
+    if lock_wait_ms is not None:
+        await session.execute(text(f"SET LOCAL lock_timeout = {max(1, int(lock_wait_ms))}"))
     await session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": APPEND_LOCK})
     stmt = (pg_insert(OutboxRow)
             .values([{"kind": e.kind, "node": e.node, "report_seq": e.report_seq, "payload": e.payload,
@@ -86,6 +90,25 @@ async def append(session: AsyncSession, entries: Sequence[Entry], manager: str, 
     if seqs:
         await session.execute(text("SELECT pg_notify(:c, '')"), {"c": CHANNEL})
     return seqs
+
+
+async def end_stuck_appenders(conn: AsyncConnection | AsyncSession, older_than_ms: int) -> int:
+    """End the sessions that have held the append lock in a transaction older than `older_than_ms`;
+    how many. An append holds it for one INSERT and its commit, so such a holder is a manager that
+    stopped inside its append (SIGSTOP, a frozen VM): its connection stays open, and every
+    manager's appends, the whole fleet's ingest, would wait for as long as it is stopped. The
+    server's idle-in-transaction timeout does not always end it (seen at 2,000 agents: ingest held
+    for minutes after a SIGSTOP, with that timeout at 2 s; the likely way: a manager stopped halfway
+    through sending a large multi-row INSERT leaves its session waiting for the rest of the
+    message, which the server does not count as idle). Ending it is safe: its rows were not
+    committed, so nothing of them was acknowledged, and its agents re-send them to another manager."""
+    rows = (await conn.execute(text(
+        "SELECT pg_terminate_backend(l.pid) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+        "WHERE l.locktype = 'advisory' AND l.granted AND l.classid = :hi AND l.objid = :lo AND l.objsubid = 1 "
+        "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+        "AND a.xact_start < clock_timestamp() - make_interval(secs => :s) AND l.pid <> pg_backend_pid()"),
+        {"hi": APPEND_LOCK >> 32, "lo": APPEND_LOCK & 0xFFFFFFFF, "s": older_than_ms / 1000})).all()
+    return sum(1 for r in rows if r[0])
 
 
 async def read_after(conn: AsyncConnection | AsyncSession, after: int, limit: int) -> list[Stored]:

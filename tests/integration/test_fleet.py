@@ -447,3 +447,53 @@ async def test_agent_commands_older_than_the_retention_are_pruned_by_the_leader_
         finally:
             await m.leadership.release()
             await m.engine.dispose()
+
+
+async def test_a_manager_stuck_inside_its_append_is_cut_off_and_the_others_store(tmp_path: Path) -> None:
+    """The append lock orders every manager's appends. A manager stopped halfway through sending its
+    append (SIGSTOP, a frozen VM) keeps its connection and the lock, and its session is not idle in
+    the transaction, so the server's idle timeout never ends it: in the 2,000-agent bench every
+    manager left answered 'took too long' to every report for minutes after a SIGSTOP. Another
+    manager whose append times out on the lock now ends that session (nothing of it was committed,
+    so nothing was acknowledged), and its next group commit stores."""
+    from ntp_manager.clock import SystemClock
+    from ntp_manager.service.errors import Unavailable
+    from ntp_manager.service.ingest import Ingest
+    from ntp_manager.store import db, outbox
+
+    async with database("postgres", tmp_path) as url:
+        await prepare(url)
+        pg = url.replace("postgresql+asyncpg://", "postgresql://")
+        stuck = await asyncpg.connect(pg, server_settings={"idle_in_transaction_session_timeout": "0"})
+        await stuck.execute("BEGIN")
+        await stuck.execute("SELECT pg_advisory_xact_lock($1)", outbox.APPEND_LOCK)  # and stops here
+        engine = db.make_engine(url)
+        ing = Ingest(db.sessionmaker(engine), "b", SystemClock(), 0.0, 1.0)
+        ing.start()
+        try:
+            stored, attempts = False, 0
+            while not stored:  # an agent re-sends what was answered UNAVAILABLE
+                attempts += 1
+                assert attempts <= 20, "the stuck append was never cut off"
+                try:
+                    await ing.submit(outbox.Entry(outbox.SEEN, "node-1", {"nodes": ["node-1"]}, "seen:node-1:1"))
+                    stored = True
+                except Unavailable:
+                    pass
+            assert ing.stuck_ended == 1
+            assert stuck.is_closed() or not await _alive(stuck)
+            async with db.sessionmaker(engine)() as s:
+                assert [r.node for r in await outbox.read_after(s, 0, 10)] == ["node-1"]
+        finally:
+            await ing.stop()
+            await engine.dispose()
+            with contextlib.suppress(Exception):
+                await stuck.close(timeout=1)
+
+
+async def _alive(conn: asyncpg.Connection) -> bool:
+    try:
+        await conn.fetchval("SELECT 1", timeout=2)
+    except Exception:
+        return False
+    return True

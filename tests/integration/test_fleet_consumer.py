@@ -1,0 +1,97 @@
+"""The fleet leader's outbox consumer batches a steady stream of appends (issue 30: its CPU per
+report). Every append notifies the consumer; what it costs is per transaction, so rows appended one
+transaction at a time must still be applied many to a transaction (`fleet_apply_window_ms`), a
+backlog in full batches, and a backlog of hellos in transactions of bounded size (their fence holds
+the lease renewal back: store/lease.py). In process, one manager leading a database of its own on PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from ntp_manager.service.consumer import BATCH
+from ntp_manager.service.manager import Manager
+from ntp_manager.settings import Settings
+from ntp_manager.store import outbox
+from tests.integration.conftest import PG, database
+from tests.integration.test_ha import eventually
+
+pytestmark = pytest.mark.skipif(not PG, reason="NTP_TEST_POSTGRES_URL is not set (no PostgreSQL server to test with)")
+
+
+async def _append_seen(m: Manager, n: int, key: str) -> None:
+    """`n` liveness rows (no node: they touch nothing the test has not made) in one transaction."""
+    async with m.sm() as s, s.begin():
+        await outbox.append(s, [outbox.Entry(outbox.SEEN, "", {"nodes": []}, f"seen:{key}:{i}") for i in range(n)],
+                            "test", datetime.now(UTC))
+
+
+async def _append_hellos(m: Manager, n: int) -> None:
+    """`n` nodes of 8 GPUs registering, in one transaction (as a takeover finds them stored)."""
+    entries = [outbox.Entry(outbox.HELLO, f"n-{i}", {
+        "domain": "d0", "boot_id": "b", "agent_version": "test", "token": None, "peer": "",
+        "gpus": [[f"GPU-n-{i}-{k}", k, "H100", 80 << 30, 700_000, 200_000, 700_000] for k in range(8)]},
+        f"hello:n-{i}") for i in range(n)]
+    async with m.sm() as s, s.begin():
+        await outbox.append(s, entries, "test", datetime.now(UTC))
+
+
+async def _head(m: Manager) -> int:
+    async with m.sm() as s:
+        rows = await outbox.read_after(s, 0, 10**6)
+    return rows[-1].seq if rows else 0
+
+
+@pytest.mark.parametrize("window_ms", [1000.0, 0.0])
+async def test_rows_appended_one_transaction_at_a_time_are_applied_many_to_a_transaction(
+        tmp_path: Path, window_ms: float) -> None:
+    async with database("postgres", tmp_path) as url:
+        m = Manager(Settings(database_url=url, fleet_ingest=True, fleet_apply_window_ms=window_ms,
+                             fleet_poll_s=0.05))
+        try:
+            await m.start()
+            await m.wait_leading()
+            assert m.fleet is not None
+            await eventually(lambda: m.fleet is not None and m.fleet.consumer is not None, 30, "the consumer")
+            cons = m.fleet.consumer
+            assert cons is not None
+            await eventually(cons.caught_up.is_set, 30, "caught up")
+            before = cons.batches
+            for i in range(30):  # a steady stream: one append (and one notification) every 20 ms
+                await _append_seen(m, 1, f"s{i}")
+                await asyncio.sleep(0.02)
+            head = await _head(m)
+            await eventually(lambda: cons.last >= head, 30, "all applied")
+            stream = cons.batches - before
+            # a backlog: full batches, read one after the other without the window
+            await _append_seen(m, 2 * BATCH + 5, "backlog")
+            head = await _head(m)
+            before = cons.batches
+            await eventually(lambda: cons.last >= head, 60, "the backlog applied")
+            backlog = cons.batches - before
+            # a backlog of hellos: cut by the rows they write (204 hellos of 8 GPUs a transaction),
+            # the rest of a read applied from memory, in order, none lost
+            await _append_hellos(m, 500)
+            head = await _head(m)
+            before = cons.batches
+            await eventually(lambda: cons.last >= head, 60, "the hellos applied")
+            hellos = cons.batches - before
+            assert len(m.kernel.world.nodes) == 500
+            assert len(m.kernel.world.gpus) == 500 * 8
+            assert cons.quarantined == 0
+        finally:
+            await m.stop()
+            await m.engine.dispose()
+    if window_ms:
+        # the 30 rows came within about 0.6 s (more on a loaded machine): a 1 s window makes them
+        # one or two transactions, a few more if the appends were slowed down a lot
+        assert stream <= 8, stream
+    else:
+        # no window: a transaction per notification, or nearly (this case shows the test can fail)
+        assert stream > 8, stream
+    assert backlog <= 4, backlog  # 2 full batches and the rest (+1 if a read split it)
+    assert 3 <= hellos <= 4, hellos  # 204 + 204 + 92 (+1 if a read split them)
