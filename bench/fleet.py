@@ -456,6 +456,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         await p.ready_async(300)
         for g in gens:
             await g.ask({"cmd": "retarget", "old": killed.grpc, "new": p.grpc})
+        for wg in wgens:
+            await wg.ask({"cmd": "retarget", "old": killed.grpc, "new": p.grpc})
         slots[standby] = p
 
         rounds = []
@@ -508,6 +510,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             await p.ready_async(300)
             for g in gens:
                 await g.ask({"cmd": "retarget", "old": old.grpc, "new": p.grpc})
+            for wg in wgens:
+                await wg.ask({"cmd": "retarget", "old": old.grpc, "new": p.grpc})
             slots[leader] = p
             leader = new
         if wgens:
