@@ -178,7 +178,9 @@ async def watchers_failover(gens: list[WatchGen], before: dict[str, Any], epoch_
     all_s = time.perf_counter() - t_kill
     delta = now["reconnects"] - before["reconnects"]
     of_killed = _lost_from(before, now, killed)
-    return {"all_new_epoch_s": all_s, "reconnects_of_live_managers": delta - of_killed,
+    balance = now["moved"] - before["moved"]  # told to move for balance (service/balance.py): not the failover's
+    return {"all_new_epoch_s": all_s, "reconnects_of_live_managers": delta - of_killed - balance,
+            "moved_for_balance": balance,
             "reconnects_of_the_killed_leader": of_killed, "new_epoch_watchers":
             sum(v for e, v in now["epochs"].items() if e > epoch_before), "watchers": total}
 
@@ -199,7 +201,9 @@ async def watchers_standby_kill(gens: list[WatchGen], before: dict[str, Any], t_
     gaps = now["gaps_s"][len(before["gaps_s"]):]
     of_killed = _lost_from(before, now, killed)
     return {"all_served_s": time.perf_counter() - t_kill, "moved": of_killed,
-            "reconnects_of_live_managers": now["reconnects"] - before["reconnects"] - of_killed,
+            "reconnects_of_live_managers": now["reconnects"] - before["reconnects"] - of_killed
+            - (now["moved"] - before["moved"]),
+            "moved_for_balance": now["moved"] - before["moved"],
             "gap_max_s": max(gaps) if gaps else None, "gap_p50_s": statistics.median(gaps) if gaps else None,
             "connected": now["connected"], "watchers": total}
 class Profile:
@@ -461,6 +465,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         await p.ready_async(300)
         for g in gens:
             await g.ask({"cmd": "retarget", "old": killed.grpc, "new": p.grpc})
+        for wg in wgens:
+            await wg.ask({"cmd": "retarget", "old": killed.grpc, "new": p.grpc})
         slots[standby] = p
 
         rounds = []
@@ -527,6 +533,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             await p.ready_async(300)
             for g in gens:
                 await g.ask({"cmd": "retarget", "old": old.grpc, "new": p.grpc})
+            for wg in wgens:
+                await wg.ask({"cmd": "retarget", "old": old.grpc, "new": p.grpc})
             slots[leader] = p
             leader = new
         if wgens:

@@ -13,6 +13,7 @@ Then reads commands on stdin, answering each with one JSON line on stdout:
   the manager the stream was lost from), "gaps_s" (per reconnect),
   "epochs": {epoch: watchers whose newest layout is of it}, "on": [address per connected watcher],
   "cpu_s"}
+- {"cmd": "retarget", "old": ADDRESS, "new": ADDRESS}: a manager restarted on a new address: {"ok"}
 - {"cmd": "quit"}
 """
 
@@ -87,7 +88,8 @@ class Watcher:
             if hint is not None and hint in self.chans:
                 self.target = hint
             else:
-                self.target = self.targets[(self.targets.index(self.target) + 1) % len(self.targets)]
+                i = self.targets.index(self.target) if self.target in self.targets else -1
+                self.target = self.targets[(i + 1) % len(self.targets)]
                 await asyncio.sleep(0.05)
 
 
@@ -121,6 +123,11 @@ async def main() -> None:
                  "gaps_s": [g for w in ws for g in w.gaps],
                  "epochs": dict(Counter(w.newest[0] for w in ws)),
                  "on": [w.target for w in ws if w.connected.is_set()], "cpu_s": time.process_time()})
+        elif c["cmd"] == "retarget":
+            chans.setdefault(c["new"], [grpc.aio.insecure_channel(c["new"], options=opts) for _ in range(CHANNELS)])
+            for w in ws:
+                w.targets = [c["new"] if t == c["old"] else t for t in w.targets]
+            out({"ok": True})
         elif c["cmd"] == "quit":
             break
     stop.set()
