@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from agent.backends.base import BackendError, GpuBackend, GpuLost, GpuStatic, NoPermission, NotSupported
+from ntp_manager.agent.backends.base import BackendError, GpuBackend, GpuLost, GpuStatic, NoPermission, NotSupported
 from ntp_manager.topology import base_cap_w
 
 
