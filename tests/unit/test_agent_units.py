@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from ntp_manager.agent.backends.base import GpuStatic
 from ntp_manager.agent.backends.fake import FakeBackend, ScenarioError, parse_scenario
 from ntp_manager.agent.policy import GpuEvidence, HealthPolicy, PolicyError, Thresholds, XidAction, XidPolicy
-from ntp_manager.agent.power import PowerController
+from ntp_manager.agent.power import PowerController, base_target_mw
+from ntp_manager.topology import PowerLimits
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,6 +79,17 @@ def test_power_clamps_reads_back_restores_and_reconciles():
     assert pc.reconcile() == [u] and be.get_limit_mw(u) == 910_000 and pc.drift_events == 1
     pc.release(u)
     assert be.get_limit_mw(u) == 700_000 and u not in pc.caps
+
+
+@pytest.mark.parametrize(("limits_w", "ratio"), [((700, 200, 700), 0.85), ((700, 200, 700), 0.1),
+                                                ((1000, 200, 1300), 0.9), ((1000, 200, 1300), 0.7),
+                                                ((700, 200, 700), 1.0), ((700, 200, 700), None)])
+def test_power_reset_goes_to_the_base_the_manager_plans_with(limits_w, ratio):
+    """`ntp-agent power-reset` and the manager take the base cap from the same contract arithmetic."""
+    tdp, lo, hi = limits_w
+    g = GpuStatic("u", 0, "m", 0, min_mw=lo * 1000, max_mw=hi * 1000, default_mw=tdp * 1000)
+    manager = PowerLimits(tdp, lo, hi).with_base_cap(ratio).nominal_w
+    assert abs(base_target_mw(g, ratio) - manager * 1000) < 1  # mW, truncated
 
 
 def test_refused_power_set_is_reported_not_raised():
