@@ -7,7 +7,6 @@ ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
 RUN pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml README.md ./
 COPY ntp_manager ntp_manager
-COPY agent agent
 COPY proto proto
 COPY examples examples
 COPY deploy deploy

@@ -60,8 +60,8 @@ slow-demo: $(STAMP)
 	$(BIN)/python -m ntp_manager.demos.demo_slow
 
 lint: $(STAMP)
-	$(BIN)/ruff check ntp_manager agent tests bench examples tools
-	$(BIN)/mypy ntp_manager agent tools  # pyproject's `files`, and the docs tools (not a STAMP input)
+	$(BIN)/ruff check ntp_manager tests bench examples tools
+	$(BIN)/mypy ntp_manager tools  # pyproject's `files`, and the docs tools (not a STAMP input)
 
 # Tests are independent (own ports, own databases): one worker per core, whole files kept together
 # so that module-scoped fixtures are built once.

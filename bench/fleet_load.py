@@ -3,7 +3,7 @@ the benchmark measures the managers, not the client.
 
 Started with a JSON line on stdin: {"targets": [grpc addresses, the preferred first], "nodes":
 [[node, token], ...], "gpus": 8, "heartbeat_s": 2}. Each agent keeps one stream (the protocol of
-agent/core.py reduced to its bones): hello, welcome (re-send what was not applied), reports
+ntp_manager/agent/core.py reduced to its bones): hello, welcome (re-send what was not applied), reports
 acknowledged cumulatively, heartbeats; when its stream ends it goes to the next address and
 records how long it was without a stream. Then reads commands on stdin, answering each with one
 JSON line on stdout:

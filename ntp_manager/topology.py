@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from ntp_manager.contract.gpu import GpuState
+from ntp_manager.contract.power import base_cap_w
 
 
 class TopologyError(ValueError):
@@ -73,16 +74,11 @@ class PowerLimits:
         """These limits under a fleet base cap of `ratio` x the maximum (None: no base cap)."""
         if ratio is None:
             return PowerLimits(self.tdp_w, self.min_w, self.max_w)
-        return PowerLimits(self.tdp_w, self.min_w, self.max_w, base_cap_w(self.min_w, self.tdp_w, self.max_w, ratio))
-
-
-def base_cap_w(min_w: float, default_w: float, max_w: float, ratio: float) -> float:
-    """The base limit of a GPU under a fleet base cap `ratio` (a share of its maximum limit, in
-    (0, 1]): ratio x max, raised to the GPU's minimum and never above its default limit (a base cap
-    only ever lowers a healthy GPU). Raises TopologyError for a ratio outside (0, 1]."""
-    if not 0 < ratio <= 1:
-        raise TopologyError(f"a base power cap is a share of the maximum limit in (0, 1], got {ratio}")
-    return min(default_w, max(min_w, ratio * max_w))
+        try:  # the contract's arithmetic: the agent's power-reset computes the same base
+            base = base_cap_w(self.min_w, self.tdp_w, self.max_w, ratio)
+        except ValueError as e:
+            raise TopologyError(str(e)) from None
+        return PowerLimits(self.tdp_w, self.min_w, self.max_w, base)
 
 
 DEFAULT_POWER = PowerLimits()

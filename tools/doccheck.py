@@ -43,7 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 CLIS = ("ntp-manager", "ntpctl", "ntp-agent", "ntp-run")
 ENDS = {"|", "||", "&&", ";", ">", ">>", "2>", "2>&1", "<", "&"}
-TOP_DIRS = ("ntp_manager", "agent", "docs", "examples", "bench", "tests", "proto", "deploy", "tools",
+TOP_DIRS = ("ntp_manager", "docs", "examples", "bench", "tests", "proto", "deploy", "tools",
             ".ci")
 
 
@@ -124,7 +124,7 @@ def _from_argparse(name: str, parser: argparse.ArgumentParser) -> Cmd:
 
 def commands() -> dict[str, Cmd]:
     """The console scripts of pyproject.toml, built from their real parsers."""
-    from agent import main as agent_main
+    from ntp_manager.agent import main as agent_main
     from ntp_manager.cli import ctl, manager
     from ntp_manager.worker import run
 
@@ -142,7 +142,7 @@ def commands() -> dict[str, Cmd]:
 
 def module_command(module: str) -> Cmd | None:
     """`python -m MODULE`: a typer `main` function or app of one of ours, else None."""
-    if not module.startswith(("ntp_manager", "agent")):
+    if not module.startswith("ntp_manager"):
         return None
     try:
         mod = importlib.import_module(module)
@@ -255,7 +255,7 @@ def grpc_names() -> set[str]:
 def setting_defaults() -> dict[str, float]:
     """Numeric defaults of the manager's and the agent's settings, by field name and by variable
     (a field both have, like heartbeat_interval_s, by the manager's)."""
-    from agent.main import AgentSettings
+    from ntp_manager.agent.main import AgentSettings
     from ntp_manager.settings import Settings
 
     out: dict[str, float] = {}
@@ -268,7 +268,7 @@ def setting_defaults() -> dict[str, float]:
 
 def env_names() -> set[str]:
     """NTP_ variables: settings fields (prefix + name) and every name spelled out outside the docs."""
-    from agent.main import AgentSettings
+    from ntp_manager.agent.main import AgentSettings
     from ntp_manager.settings import Settings
 
     names = {f"NTP_{f.upper()}" for f in Settings.model_fields} | {f"NTP_AGENT_{f.upper()}"
@@ -294,7 +294,7 @@ def code_words() -> set[str]:
 
 
 def _source_files() -> Iterator[Path]:
-    for top in ("ntp_manager", "agent", "tests", "bench", "examples", "deploy", "tools", ".ci"):
+    for top in ("ntp_manager", "tests", "bench", "examples", "deploy", "tools", ".ci"):
         for p in (ROOT / top).rglob("*"):
             if p.is_file() and p.suffix in (".py", ".sh", ".yml", ".yaml", ".service", ".toml", ".cfg", "") \
                     and "_proto" not in p.parts and p.name not in ("doccheck.py", "test_docs.py"):
@@ -675,7 +675,7 @@ class Checker:
             return i
         if toks[i] == "-m" and i + 1 < len(toks):
             module = toks[i + 1]
-            if module.startswith(("ntp_manager", "agent")):
+            if module.startswith("ntp_manager"):
                 try:
                     found = importlib.util.find_spec(module) is not None
                 except ImportError:
@@ -733,9 +733,9 @@ def _all_flags(cmd: Cmd) -> set[str]:
 def doc_files(root: Path = ROOT) -> list[Path]:
     """The docs, and the scripts that run our commands (their command lines are checked the same way)."""
     scripts = [*sorted((root / "deploy").glob("*.sh")), *sorted((root / "bench").glob("*.sh")),
-               *sorted((root / "agent" / "systemd").glob("*.service")), *sorted((root / ".ci").glob("*")),
+               *sorted((root / "deploy" / "systemd").glob("*.service")), *sorted((root / ".ci").glob("*")),
                # the command-line modules' docstrings (their usage examples)
-               *sorted((root / "ntp_manager" / "cli").glob("*.py")), root / "agent" / "main.py",
+               *sorted((root / "ntp_manager" / "cli").glob("*.py")), root / "ntp_manager" / "agent" / "main.py",
                root / "ntp_manager" / "worker" / "run.py"]
     return [root / "README.md", *sorted((root / "docs").glob("*.md")), *scripts]
 

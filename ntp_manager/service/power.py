@@ -14,13 +14,13 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import structlog
 
+from ntp_manager.contract.power import base_cap_w
 from ntp_manager.planner.layout import LayoutDoc
 from ntp_manager.service import offloop
 from ntp_manager.service.agents import Agents, ReleasePower, SetPower
 from ntp_manager.service.kernel import Kernel, Tx
 from ntp_manager.service.state import GpuChange
 from ntp_manager.settings import Settings
-from ntp_manager.topology import base_cap_w
 
 log = structlog.get_logger("ntp.power")
 

@@ -17,6 +17,7 @@ import sqlite3
 import subprocess
 import sys
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,7 @@ def _run(cmd: list[str], cwd: Path, timeout: float = 300) -> str:
 def _wheel(tmp: Path) -> Path:
     """The wheel of the tracked sources, built from a clean copy (no stale build/ or egg-info)."""
     src = tmp / "src"
-    files = _run(["git", "ls-files", "-z", "pyproject.toml", "README.md", "ntp_manager", "agent"], ROOT).split("\0")
+    files = _run(["git", "ls-files", "-z", "pyproject.toml", "README.md", "ntp_manager"], ROOT).split("\0")
     for f in filter(None, files):
         (src / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / f, src / f)
@@ -44,6 +45,9 @@ def _wheel(tmp: Path) -> Path:
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"),
           str(src)], tmp)
     (whl,) = (tmp / "dist").glob("ntp_manager-*.whl")
+    with zipfile.ZipFile(whl) as z:  # one top-level package: the agent lives under it (issue 35)
+        tops = {n.split("/")[0] for n in z.namelist() if not n.split("/")[0].endswith((".dist-info", ".data"))}
+    assert tops == {"ntp_manager"}, tops
     return whl
 
 
@@ -77,8 +81,9 @@ print(json.dumps({{"file": w.__file__, "names": len(api),
     _run([*pip, f"{whl}[agent]"], tmp_path, timeout=400)
     out = _run([str(py), "-c", f"""
 import importlib.util, json, sys
-import agent.main, agent.core, agent.local, agent.backends.nvml, agent.backends.fake
-print(json.dumps({{"file": agent.main.__file__,
+import ntp_manager.agent.main, ntp_manager.agent.core, ntp_manager.agent.local
+import ntp_manager.agent.backends.nvml, ntp_manager.agent.backends.fake
+print(json.dumps({{"file": ntp_manager.agent.main.__file__,
                   "installed": [m for m in {SERVICE_ONLY!r} if importlib.util.find_spec(m)]}}))
 """], tmp_path)
     got = json.loads(out.strip().splitlines()[-1])

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from agent.backends.fake import FakeBackend, parse_scenario
-from agent.core import Agent, AgentConfig
-from agent.guard import GpuHung, GuardedBackend
+from ntp_manager.agent.backends.fake import FakeBackend, parse_scenario
+from ntp_manager.agent.core import Agent, AgentConfig
+from ntp_manager.agent.guard import GpuHung, GuardedBackend
 
 TIMEOUT_S = 0.3
 

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.backends.fake import FakeBackend, ScenarioError, parse_scenario
-from agent.policy import GpuEvidence, HealthPolicy, PolicyError, Thresholds, XidAction, XidPolicy
-from agent.power import PowerController
+from ntp_manager.agent.backends.base import GpuStatic
+from ntp_manager.agent.backends.fake import FakeBackend, ScenarioError, parse_scenario
+from ntp_manager.agent.policy import GpuEvidence, HealthPolicy, PolicyError, Thresholds, XidAction, XidPolicy
+from ntp_manager.agent.power import PowerController, base_target_mw
+from ntp_manager.topology import PowerLimits
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,6 +81,17 @@ def test_power_clamps_reads_back_restores_and_reconciles():
     assert be.get_limit_mw(u) == 700_000 and u not in pc.caps
 
 
+@pytest.mark.parametrize(("limits_w", "ratio"), [((700, 200, 700), 0.85), ((700, 200, 700), 0.1),
+                                                ((1000, 200, 1300), 0.9), ((1000, 200, 1300), 0.7),
+                                                ((700, 200, 700), 1.0), ((700, 200, 700), None)])
+def test_power_reset_goes_to_the_base_the_manager_plans_with(limits_w, ratio):
+    """`ntp-agent power-reset` and the manager take the base cap from the same contract arithmetic."""
+    tdp, lo, hi = limits_w
+    g = GpuStatic("u", 0, "m", 0, min_mw=lo * 1000, max_mw=hi * 1000, default_mw=tdp * 1000)
+    manager = PowerLimits(tdp, lo, hi).with_base_cap(ratio).nominal_w
+    assert abs(base_target_mw(g, ratio) - manager * 1000) < 1  # mW, truncated
+
+
 def test_refused_power_set_is_reported_not_raised():
     be = FakeBackend(parse_scenario({"gpus": 1, "faults": [{"at": 0, "gpu": 0, "kind": "power_set_refused"}]}))
     st = PowerController(be).set(be.gpus()[0].uuid, 1_100_000)
@@ -109,7 +122,8 @@ def test_scenario_is_deterministic():
 
 
 def run_agent(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "agent.main", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "ntp_manager.agent.main", *args], capture_output=True, text=True,
+                          timeout=60)
 
 
 def test_cli_bad_input_is_one_clear_line(tmp_path):
@@ -131,15 +145,15 @@ def test_cli_bad_input_is_one_clear_line(tmp_path):
 
 def test_systemd_unit_is_well_formed():
     cp = configparser.ConfigParser(strict=False)
-    cp.read(ROOT / "agent" / "systemd" / "ntp-agent.service")
+    cp.read(ROOT / "deploy" / "systemd" / "ntp-agent.service")
     assert cp["Service"]["Type"] == "notify" and cp["Service"]["Restart"] == "on-failure"
     assert "nvidia-persistenced.service" in cp["Unit"]["After"]
     assert int(cp["Service"]["WatchdogSec"]) > 0 and "ntp-agent" in cp["Service"]["ExecStart"]
 
 
 def test_buffer_coalesces_only_unsent_reports_and_renumbers_after_welcome():
-    from agent.core import Agent, AgentConfig
-    from agent.policy import Verdict
+    from ntp_manager.agent.core import Agent, AgentConfig
+    from ntp_manager.agent.policy import Verdict
 
     be = FakeBackend(parse_scenario({"gpus": 3}))
     a = Agent(be, AgentConfig(manager="x", token="t", node="n", domain="d", max_buffer=3))
@@ -168,8 +182,8 @@ def test_buffer_coalesces_only_unsent_reports_and_renumbers_after_welcome():
 
 
 def test_welcome_before_the_sent_report_was_applied_resends_it():
-    from agent.core import Agent, AgentConfig
-    from agent.policy import Verdict
+    from ntp_manager.agent.core import Agent, AgentConfig
+    from ntp_manager.agent.policy import Verdict
 
     be = FakeBackend(parse_scenario({"gpus": 1}))
     a = Agent(be, AgentConfig(manager="x", token="t", node="n", domain="d"))
@@ -183,8 +197,8 @@ def test_welcome_before_the_sent_report_was_applied_resends_it():
 def test_example_scenarios_load_and_repair_clears_a_node_wide_failure():
     import time as _time
 
-    from agent.backends.fake import load_scenario
-    from agent.core import Agent, AgentConfig
+    from ntp_manager.agent.backends.fake import load_scenario
+    from ntp_manager.agent.core import Agent, AgentConfig
 
     for path in (ROOT / "examples" / "scenarios").glob("*.yaml"):
         load_scenario(path)
@@ -209,8 +223,8 @@ async def test_the_agent_tells_the_next_manager_which_one_it_could_not_reach_and
     that no manager acknowledged (a takeover serves those agents first)."""
     import asyncio
 
-    from agent.core import Agent, AgentConfig
-    from agent.policy import Verdict
+    from ntp_manager.agent.core import Agent, AgentConfig
+    from ntp_manager.agent.policy import Verdict
 
     be = FakeBackend(parse_scenario({"gpus": 2}))
     a = Agent(be, AgentConfig(manager="127.0.0.1:1,127.0.0.1:2", token="t", node="n", domain="d",

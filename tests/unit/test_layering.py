@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for top in ("ntp_manager", "agent"):
+    for top in ("ntp_manager",):
         for path in (ROOT / top).rglob("*.py"):
             rel = path.relative_to(ROOT).with_suffix("")
             if "_proto" in rel.parts:
@@ -124,7 +124,7 @@ def test_no_import_cycles() -> None:
 
 PURE = ("ntp_manager.topology", "ntp_manager.planner", "ntp_manager.detect", "ntp_manager.sim")
 ABOVE_STORE = ("ntp_manager.service", "ntp_manager.api", "ntp_manager.rpc", "ntp_manager.cli", "ntp_manager.server",
-               "ntp_manager.demos", "ntp_manager.worker", "agent")
+               "ntp_manager.demos", "ntp_manager.worker", "ntp_manager.agent")
 
 # (layer, what it must not import)
 RULES = [
@@ -132,13 +132,13 @@ RULES = [
     (("ntp_manager.store",), ABOVE_STORE),
     (("ntp_manager.service",), ABOVE_STORE[1:]),
     (("ntp_manager.api", "ntp_manager.rpc"), ("ntp_manager.cli", "ntp_manager.server", "ntp_manager.demos",
-                                              "ntp_manager.worker", "agent")),
+                                              "ntp_manager.worker", "ntp_manager.agent")),
     (("ntp_manager.worker",), ("ntp_manager.store", "ntp_manager.service", "ntp_manager.api", "ntp_manager.cli",
-                               "ntp_manager.server", "ntp_manager.demos", "agent")),
-    (("agent",), ("ntp_manager.store", "ntp_manager.service", "ntp_manager.api", "ntp_manager.cli",
+                               "ntp_manager.server", "ntp_manager.demos", "ntp_manager.agent")),
+    (("ntp_manager.agent",), ("ntp_manager.store", "ntp_manager.service", "ntp_manager.api", "ntp_manager.cli",
                   "ntp_manager.server", "ntp_manager.demos", "ntp_manager.worker")),
     # the agent and the worker reach the manager through the contract's client, never the server's rpc/
-    (("agent", "ntp_manager.worker"), ("ntp_manager.rpc",)),
+    (("ntp_manager.agent", "ntp_manager.worker"), ("ntp_manager.rpc",)),
 ]
 
 
@@ -151,8 +151,8 @@ def test_imports_point_downward(layer: tuple[str, ...], banned: tuple[str, ...])
 @pytest.mark.parametrize("demo", ["ntp_manager.demos.demo", "ntp_manager.demos.demo_slow"])
 def test_the_demo_uses_only_the_agents_entry_point(demo: str) -> None:
     # agent.local is the agent's public in-process entry point; its internals stay its own
-    used = {t for t in GRAPH[demo] if _under(t, ("agent",))}
-    assert used == {"agent.local"}
+    used = {t for t in GRAPH[demo] if _under(t, ("ntp_manager.agent",))}
+    assert used == {"ntp_manager.agent.local"}
 
 
 # what crosses a process boundary (issue 35): the contract imports none of the three processes
@@ -169,11 +169,11 @@ def test_the_contract_imports_only_itself() -> None:
 def test_the_agent_and_the_worker_share_one_manager_client() -> None:
     """Both import the manager client from the contract, and neither opens a gRPC channel itself
     (its keepalive, TLS and failover would diverge from the other's again)."""
-    assert f"{CONTRACT}.client" in GRAPH["agent.core"]
+    assert f"{CONTRACT}.client" in GRAPH["ntp_manager.agent.core"]
     assert f"{CONTRACT}.client" in GRAPH["ntp_manager.worker.sources"]
     opens: list[str] = []
     for name, path in MODULES.items():
-        if not _under(name, ("agent", "ntp_manager.worker")):
+        if not _under(name, ("ntp_manager.agent", "ntp_manager.worker")):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in ("insecure_channel", "secure_channel",
@@ -198,7 +198,7 @@ def _external_imports(path: Path) -> set[str]:
         for child in ast.iter_child_nodes(node):
             visit(child)
     visit(ast.parse(path.read_text()))
-    return out - {"ntp_manager", "agent", "__future__"}
+    return out - {"ntp_manager", "__future__"}
 
 
 def test_the_contract_the_pure_layers_use_is_pure_too() -> None:
@@ -226,12 +226,12 @@ def test_the_worker_takes_ranks_and_unit_maps_only_from_the_contract() -> None:
 def test_the_agent_and_the_worker_take_gpu_states_only_from_the_contract() -> None:
     """GPU states cross the agent/manager boundary: the agent and the worker import them from the
     contract, never through the manager's topology (nor the unit map or rank numbering elsewhere)."""
-    assert f"{CONTRACT}.gpu" in GRAPH["agent.core"]
+    assert f"{CONTRACT}.gpu" in GRAPH["ntp_manager.agent.core"]
     contract_names = {"GpuState", "NtpMap", "Transfer", "Range", "even_chunks", "ntp_map", "sync_groups",
                       "stage_ranks", "global_rank", "locate", "check_degrees", "world_size"}
     bad: list[str] = []
     for name, path in MODULES.items():
-        if not _under(name, ("agent", "ntp_manager.worker")):
+        if not _under(name, ("ntp_manager.agent", "ntp_manager.worker")):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith(CONTRACT):

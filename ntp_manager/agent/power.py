@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from agent.backends.base import BackendError, GpuBackend, GpuLost, GpuStatic, NoPermission, NotSupported
-from ntp_manager.topology import base_cap_w
+from ntp_manager.agent.backends.base import BackendError, GpuBackend, GpuLost, GpuStatic, NoPermission, NotSupported
+from ntp_manager.contract.power import base_cap_w
 
 
 def base_target_mw(g: GpuStatic, base_cap: float | None) -> int | None:
     """The limit a GPU goes back to when no job boosts it (`ntp-agent power-reset`): the fleet
-    base cap `base_cap` x its maximum, within [minimum, default] (ntp_manager/topology.py
+    base cap `base_cap` x its maximum, within [minimum, default] (contract/power.py
     `base_cap_w`, as the manager computes it); without a base cap, its default limit. None when
     its constraints are unknown (nothing is set then)."""
     if g.min_mw <= 0 or g.max_mw < g.min_mw or g.default_mw <= 0:
