@@ -95,3 +95,29 @@ async def test_rows_appended_one_transaction_at_a_time_are_applied_many_to_a_tra
         assert stream > 8, stream
     assert backlog <= 4, backlog  # 2 full batches and the rest (+1 if a read split it)
     assert 3 <= hellos <= 4, hellos  # 204 + 204 + 92 (+1 if a read split them)
+
+
+async def test_append_stores_each_idempotency_key_once_in_order(tmp_path: Path) -> None:
+    from ntp_manager.store import db
+
+    async with database("postgres", tmp_path) as url:
+        m = Manager(Settings(database_url=url))
+        try:
+            await db.upgrade(m.engine)
+
+            def entries(keys: str) -> list[outbox.Entry]:
+                return [outbox.Entry(outbox.REPORT, f"n-{k}", {"gpus": [[f"G-{k}", "healthy", [], [], None]]},
+                                     f"report:{k}", report_seq=1) for k in keys]
+
+            async with m.sm() as s, s.begin():
+                first = await outbox.append(s, entries("abc"), "m0", datetime.now(UTC))
+            async with m.sm() as s, s.begin():
+                again = await outbox.append(s, entries("bcd"), "m1", datetime.now(UTC))  # b, c re-sent
+            assert len(first) == 3 and len(again) == 1 and min(again) > max(first)
+            async with m.sm() as s:
+                rows = await outbox.read_after(s, 0, 100)
+            assert [(r.node, r.manager) for r in rows] == [("n-a", "m0"), ("n-b", "m0"), ("n-c", "m0"), ("n-d", "m1")]
+            assert [r.seq for r in rows] == sorted(first + again)
+            assert rows[0].payload == {"gpus": [["G-a", "healthy", [], [], None]]}
+        finally:
+            await m.engine.dispose()
