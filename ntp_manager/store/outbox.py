@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Table, delete, func, select, text
+from sqlalchemy import Table, bindparam, delete, func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
@@ -116,12 +116,14 @@ async def end_stuck_appenders(conn: AsyncConnection | AsyncSession, older_than_m
     return sum(1 for r in rows if r[0])
 
 
+_READ_AFTER = (select(_OUTBOX.c.seq, _OUTBOX.c.kind, _OUTBOX.c.node, _OUTBOX.c.report_seq, _OUTBOX.c.payload,
+                      _OUTBOX.c.manager)
+               .where(_OUTBOX.c.seq > bindparam("after")).order_by(_OUTBOX.c.seq).limit(bindparam("lim")))
+
+
 async def read_after(conn: AsyncConnection | AsyncSession, after: int, limit: int) -> list[Stored]:
     """Up to `limit` rows after `after`, in sequence order."""
-    rows = (await conn.execute(
-        select(OutboxRow.seq, OutboxRow.kind, OutboxRow.node, OutboxRow.report_seq, OutboxRow.payload,
-               OutboxRow.manager)
-        .where(OutboxRow.seq > after).order_by(OutboxRow.seq).limit(limit))).all()
+    rows = (await conn.execute(_READ_AFTER, {"after": after, "lim": limit})).all()
     return [Stored(int(r[0]), str(r[1]), str(r[2]), None if r[3] is None else int(r[3]), dict(r[4]), str(r[5]))
             for r in rows]
 
@@ -133,14 +135,22 @@ async def last_applied(conn: AsyncConnection | AsyncSession, consumer: str = LEA
     return 0 if v is None else int(v)
 
 
+def _set_applied_stmt() -> Any:
+    t = OutboxStateRow.__table__
+    assert isinstance(t, Table)
+    ins = pg_insert(t).values({c: bindparam(c) for c in ("consumer", "last_seq", "epoch", "applied_at")})
+    return ins.on_conflict_do_update(
+        index_elements=[t.c.consumer],
+        set_={"last_seq": func.greatest(t.c.last_seq, ins.excluded.last_seq),
+              "epoch": ins.excluded.epoch, "applied_at": ins.excluded.applied_at})
+
+
+_SET_APPLIED = _set_applied_stmt()  # built once: the leader moves its cursor in every batch
+
+
 async def set_applied(session: AsyncSession, seq: int, epoch: int, now: datetime, consumer: str = LEADER) -> None:
     """Move the cursor to `seq` in this (fenced) transaction; it never moves back."""
-    stmt = pg_insert(OutboxStateRow).values(consumer=consumer, last_seq=seq, epoch=epoch, applied_at=now)
-    stmt = stmt.on_conflict_do_update(
-        index_elements=[OutboxStateRow.consumer],
-        set_={"last_seq": func.greatest(OutboxStateRow.last_seq, stmt.excluded.last_seq),
-              "epoch": stmt.excluded.epoch, "applied_at": stmt.excluded.applied_at})
-    await session.execute(stmt)
+    await session.execute(_SET_APPLIED, {"consumer": consumer, "last_seq": seq, "epoch": epoch, "applied_at": now})
 
 
 async def quarantine(session: AsyncSession, items: Iterable[tuple[int, str]], epoch: int, now: datetime) -> None:
