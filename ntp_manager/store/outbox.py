@@ -214,3 +214,16 @@ async def prune_commands(session: AsyncSession, before: datetime) -> int:
     ones anyway). How many were deleted."""
     res = await session.execute(delete(AgentCommandRow).where(AgentCommandRow.created_at < before))
     return int(getattr(res, "rowcount", 0) or 0)
+
+
+async def prune_applied(session: AsyncSession, upto: int, before: datetime, limit: int = 10_000) -> int:
+    """Delete up to `limit` rows the leader has applied (seq <= `upto`, its cursor) that were stored
+    before `before`; quarantined ones stay (their payload is the evidence). Safe for what the rows
+    are still read for: a report re-sent after its row is gone is stored again and found a replay
+    (nodes.last_seq), and what a hello is told is max(applied, stored). How many were deleted."""
+    old = (select(OutboxRow.seq)
+           .where(OutboxRow.seq <= upto, OutboxRow.created_at < before,
+                  ~select(OutboxQuarantineRow.seq).where(OutboxQuarantineRow.seq == OutboxRow.seq).exists())
+           .order_by(OutboxRow.seq).limit(limit))
+    res = await session.execute(delete(OutboxRow).where(OutboxRow.seq.in_(old.scalar_subquery())))
+    return int(getattr(res, "rowcount", 0) or 0)

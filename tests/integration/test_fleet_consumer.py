@@ -121,3 +121,45 @@ async def test_append_stores_each_idempotency_key_once_in_order(tmp_path: Path) 
             assert rows[0].payload == {"gpus": [["G-a", "healthy", [], [], None]]}
         finally:
             await m.engine.dispose()
+
+
+async def test_applied_rows_older_than_the_retention_are_pruned_by_the_leader_only(tmp_path: Path) -> None:
+    from datetime import timedelta
+
+    from ntp_manager.service.consumer import Consumer
+    from ntp_manager.service.leader import NotLeader
+
+    async with database("postgres", tmp_path) as url:
+        m = Manager(Settings(database_url=url, fleet_ingest=True, fleet_outbox_retention_s=600, fleet_poll_s=0.05))
+        other = Manager(Settings(database_url=url, fleet_ingest=True))
+        try:
+            await m.start()
+            await m.wait_leading()
+            await eventually(lambda: m.fleet is not None and m.fleet.consumer is not None, 30, "the consumer")
+            assert m.fleet is not None and m.fleet.consumer is not None
+            cons = m.fleet.consumer
+            old = datetime.now(UTC) - timedelta(hours=1)
+            async with m.sm() as s, s.begin():
+                seqs = await outbox.append(s, [outbox.Entry(outbox.SEEN, "", {"nodes": []}, f"seen:old:{i}")
+                                               for i in range(5)], "m0", old)
+                bad = await outbox.append(s, [outbox.Entry("bogus", "n-x", {}, "bogus:1")], "m0", old)
+                await outbox.append(s, [outbox.Entry(outbox.SEEN, "", {"nodes": []}, f"seen:new:{i}")
+                                        for i in range(2)], "m0", datetime.now(UTC))
+            head = await _head(m)
+            await eventually(lambda: cons.last >= head, 30, "all applied")
+            assert cons.quarantined == 1
+            # never past the cursor: rows not applied yet stay, however old
+            async with m.sm() as s, s.begin():
+                assert await outbox.prune_applied(s, seqs[2], datetime.now(UTC)) == 3
+            with pytest.raises(NotLeader):  # a manager that does not lead deletes nothing
+                await Consumer(other).prune()
+            assert await cons.prune() == 2  # the other old applied rows; the fresh ones stay
+            assert await cons.prune() == 0
+            async with m.sm() as s:
+                left = await outbox.read_after(s, 0, 100)
+            assert left[0].seq == bad[0]  # the quarantined row stays
+            assert len(left) == 3 and [r.kind for r in left] == ["bogus", outbox.SEEN, outbox.SEEN]
+        finally:
+            await m.stop()
+            await m.engine.dispose()
+            await other.engine.dispose()
