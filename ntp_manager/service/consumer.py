@@ -111,6 +111,8 @@ class Consumer:
                     await self.prune()
                 # rows read and not applied yet (a cut batch's rest) first: they follow the cursor
                 backlog = bool(self._pending)
+                if not backlog:  # cleared before the read: a notification during it is not lost
+                    self.wake.clear()
                 rows = self._pending or await self.read(BATCH)
                 if rows:
                     cut = batch_end(rows)
@@ -127,7 +129,6 @@ class Consumer:
                 return  # the lease is gone: the process stops (service/leader.py)
             except (OSError, SQLAlchemyError) as e:
                 log.warning("cannot read the outbox", error=str(e).splitlines()[0][:200])
-            self.wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), m.settings.fleet_poll_s)
 
