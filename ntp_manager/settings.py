@@ -95,6 +95,9 @@ class Settings(BaseSettings):
                                          "of outbox rows smaller than a full one, the leader waits this long for "
                                          "more before it reads again (one transaction per window under load; the "
                                          "first row after an idle period is applied at once; 0: no wait)")
+    fleet_outbox_retention_s: float = Field(600.0, ge=10, le=30 * 86_400, description="fleet mode: the leader "
+                                            "deletes outbox rows it applied longer ago than this (quarantined ones "
+                                            "stay)")
     fleet_command_retention_s: float = Field(300.0, ge=10, le=86_400, description="fleet mode: the leader deletes "
                                              "agent_commands rows older than this (every manager reads new ones "
                                              "within `fleet_poll_s`; an agent that reconnects is sent its caps again)")

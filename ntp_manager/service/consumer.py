@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import structlog
@@ -91,6 +92,8 @@ class Consumer:
         self.caught_up = asyncio.Event()  # set once the rows stored before it started are applied
         self.apply_s = 0.0  # CPU-ish (wall) seconds spent inside apply, for the bench
         self.batches = 0  # transactions that applied rows
+        self.pruned = 0  # applied rows this manager deleted (older than fleet_outbox_retention_s)
+        self._next_prune = 0.0
         self._pending: list[outbox.Stored] = []  # read, not applied yet (batch_end cut them off)
         self._reader = manager.engine.execution_options(isolation_level="AUTOCOMMIT")
 
@@ -101,10 +104,17 @@ class Consumer:
             head = await _head(s)
         log.info("applying the outbox", after=self.last, head=head)
         window = m.settings.fleet_apply_window_ms / 1000
+        # the first prune a while after taking over, not in the way of the replay
+        self._next_prune = time.monotonic() + min(60.0, m.settings.fleet_outbox_retention_s / 4)
         while not m.jobs.stopping:
             try:
+                if time.monotonic() >= self._next_prune:
+                    self._next_prune = time.monotonic() + min(60.0, m.settings.fleet_outbox_retention_s / 4)
+                    await self.prune()
                 # rows read and not applied yet (a cut batch's rest) first: they follow the cursor
                 backlog = bool(self._pending)
+                if not backlog:  # cleared before the read: a notification during it is not lost
+                    self.wake.clear()
                 rows = self._pending or await self.read(BATCH)
                 if rows:
                     cut = batch_end(rows)
@@ -121,9 +131,22 @@ class Consumer:
                 return  # the lease is gone: the process stops (service/leader.py)
             except (OSError, SQLAlchemyError) as e:
                 log.warning("cannot read the outbox", error=str(e).splitlines()[0][:200])
-            self.wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), m.settings.fleet_poll_s)
+
+    async def prune(self) -> int:
+        """Delete the applied rows older than `fleet_outbox_retention_s`, a bounded number per call,
+        fenced (a deposed leader deletes nothing: NotLeader), so the outbox holds what the managers
+        stored in that period and what is not applied yet."""
+        m = self.m
+        before = m.clock.now() - timedelta(seconds=m.settings.fleet_outbox_retention_s)
+        async with m.sm() as s, s.begin():
+            await m.leadership.fence(s)
+            n = await outbox.prune_applied(s, self.last, before)
+        self.pruned += n
+        if n:
+            log.info("applied outbox rows pruned", rows=n, upto=self.last)
+        return n
 
     async def read(self, limit: int) -> list[outbox.Stored]:
         """The next rows after the cursor: one statement in autocommit (no BEGIN and ROLLBACK

@@ -69,7 +69,7 @@ class Fleet:
         self.ingest = Ingest(manager.sm, s.leader_id, manager.clock, s.group_commit_window_ms / 1000,
                              s.fleet_store_timeout_s)
         self.agents = AgentIngest(self.ingest, manager.sm, manager.clock, manager.agents.sessions,
-                                  manager.metrics.agents.set)
+                                  manager.metrics.agents.set, engine=manager.engine)
         self.consumer: Consumer | None = None
         # workers and telemetry on every manager (service/watch.py)
         self.feed = LayoutFeed(manager)

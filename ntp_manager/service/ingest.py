@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -24,9 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
-from sqlalchemy import select
+from sqlalchemy import String, bindparam, select, text
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from ntp_manager.auth import Principal
 from ntp_manager.clock import Clock
@@ -151,6 +153,13 @@ def _lock_timeout(e: BaseException) -> bool:
     return "LockNotAvailable" in type(orig).__name__ or "lock timeout" in str(e).lower()
 
 
+HELLO_VIEW = text(
+    "SELECT (SELECT domain_id FROM nodes WHERE name = :n), (SELECT last_seq FROM nodes WHERE name = :n), "
+    "(SELECT max(report_seq) FROM outbox WHERE node = :n), (SELECT epoch FROM leader WHERE id = 1), "
+    "(SELECT json_object_agg(uuid, node)::text FROM gpus WHERE uuid = ANY(:u))"
+).bindparams(bindparam("n", type_=String()), bindparam("u", type_=ARRAY(String())))
+
+
 @dataclass
 class StreamState:
     """What this manager knows of one agent stream it holds."""
@@ -165,9 +174,13 @@ class AgentIngest:
     """The agent edge of a manager in fleet mode: hellos, reports, power read-backs, liveness."""
 
     def __init__(self, ingest: Ingest, sm: async_sessionmaker[AsyncSession], clock: Clock,
-                 sessions: dict[str, AgentSession], on_sessions: Callable[[int], None]) -> None:
+                 sessions: dict[str, AgentSession], on_sessions: Callable[[int], None],
+                 engine: AsyncEngine | None = None) -> None:
         self.ingest = ingest
         self.sm = sm
+        # hellos read in autocommit on PostgreSQL (one statement, no BEGIN/ROLLBACK)
+        self._reader = (engine.execution_options(isolation_level="AUTOCOMMIT")
+                        if engine is not None and engine.dialect.name == "postgresql" else None)
         self.clock = clock
         self.sessions = sessions  # shared with service/agents.py: where commands go
         self.on_sessions = on_sessions
@@ -186,11 +199,7 @@ class AgentIngest:
             async with asyncio.timeout(self.ingest.timeout_s):
                 if problem is not None:
                     await self._deny(principal, node, peer_fingerprint, peer, problem)
-                async with self.sm() as s:
-                    known_domain = await outbox.node_domain(s, node)
-                    owners = await outbox.gpu_owners(s, [g.uuid for g in gpus])
-                    last_seq = await outbox.node_last_seq(s, node)
-                    epoch = (await s.execute(select(LeaderRow.epoch).where(LeaderRow.id == 1))).scalar_one_or_none()
+                known_domain, owners, last_seq, epoch = await self._hello_view(node, [g.uuid for g in gpus])
         except (OSError, SQLAlchemyError, TimeoutError) as e:
             raise Unavailable("this manager cannot reach its database right now; try another manager") from e
         if problem is not None:
@@ -217,6 +226,23 @@ class AgentIngest:
         self.seen.add(node)
         self.on_sessions(len(self.sessions))
         return session, last_seq, int(epoch or 0)
+
+    async def _hello_view(self, node: str, uuids: list[str]) -> tuple[str | None, dict[str, str], int, int | None]:
+        """What a hello is checked against, in one statement out of any transaction (a hello is the
+        costliest thing a standby does, and each round trip costs it CPU: BEGIN, four reads and
+        ROLLBACK were six): the node's domain, the node each of these GPUs is registered on, the
+        node's last durable report seq (applied, or stored and not applied yet: store/outbox.py's
+        node_last_seq) and the leader epoch."""
+        if self._reader is None:
+            async with self.sm() as s:
+                return (await outbox.node_domain(s, node), await outbox.gpu_owners(s, uuids),
+                        await outbox.node_last_seq(s, node),
+                        (await s.execute(select(LeaderRow.epoch).where(LeaderRow.id == 1))).scalar_one_or_none())
+        async with self._reader.connect() as c:
+            row = (await c.execute(HELLO_VIEW, {"n": node, "u": uuids})).one()
+        owners = json.loads(row[4]) if row[4] else {}
+        return (row[0], {str(k): str(v) for k, v in owners.items()}, max(int(row[1] or 0), int(row[2] or 0)),
+                None if row[3] is None else int(row[3]))
 
     async def _deny(self, principal: Principal, node: str, fp: str | None, peer: str, problem: str) -> None:
         log.warning("agent identity refused", token=principal.token_id, node=node[:64], problem=problem)

@@ -20,9 +20,14 @@ async def load_world(s: AsyncSession, base_cap: float | None, now_mono: float) -
     w = World(base_cap=base_cap)
     for d in (await s.scalars(select(DomainRow))).all():
         w.domains[d.id] = d.power_budget_w
-    for n in (await s.scalars(select(NodeRow))).all():
-        w.nodes[n.name] = NodeRec(n.name, n.domain_id, [], n.last_seq, n.boot_id, now_mono, False, n.drain_deadline,
-                                  n.drain_reason, n.agent_version)
+    # plain rows, as the GPUs below: ORM object loading was ~13 % of a new leader's samples in a
+    # 5,000-node takeover (bench/fleet.py --profile)
+    node_cols = (NodeRow.name, NodeRow.domain_id, NodeRow.last_seq, NodeRow.boot_id, NodeRow.drain_deadline,
+                 NodeRow.drain_reason, NodeRow.agent_version)
+    for name, domain_id, last_seq, boot_id, drain_deadline, drain_reason, agent_version in (
+            await s.execute(select(*node_cols))).all():
+        w.nodes[name] = NodeRec(name, domain_id, [], last_seq, boot_id, now_mono, False, drain_deadline, drain_reason,
+                                agent_version)
     # plain rows, not ORM objects: a new leader loads every GPU on its way to serving (a failover
     # waits for it), and the ORM's per-object bookkeeping tripled the cost
     gpu_cols = (GpuRow.uuid, GpuRow.node, GpuRow.domain_id, GpuRow.idx, GpuRow.tdp_mw, GpuRow.min_mw,

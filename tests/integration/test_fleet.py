@@ -497,3 +497,52 @@ async def _alive(conn: asyncpg.Connection) -> bool:
     except Exception:
         return False
     return True
+
+
+async def test_a_hellos_one_statement_view_reads_what_the_four_reads_did(tmp_path: Path) -> None:
+    """A standby checks a hello against one autocommit statement (service/ingest.py): the node's
+    domain, the owners of the GPUs it names, its last durable seq (the larger of the applied one and
+    the one stored in the outbox, not applied yet) and the epoch; the same as the reads it replaces."""
+    from datetime import UTC, datetime
+
+    from sqlalchemy import insert
+
+    from ntp_manager.clock import SystemClock
+    from ntp_manager.contract.gpu import GpuState
+    from ntp_manager.service.ingest import AgentIngest, Ingest
+    from ntp_manager.service.kernel import DOMAINS, GPUS, NODES
+    from ntp_manager.service.state import HealthSource
+    from ntp_manager.store import db, outbox
+
+    async with database("postgres", tmp_path) as url:
+        await prepare(url)
+        engine = db.make_engine(url)
+        sm = db.sessionmaker(engine)
+        now = datetime.now(UTC)
+        try:
+            async with sm() as s, s.begin():
+                await s.execute(insert(DOMAINS), [{"id": "nvl-0", "power_budget_w": None, "created_at": now}])
+                await s.execute(insert(NODES), [
+                    {"name": n, "domain_id": "nvl-0", "boot_id": "b", "agent_version": "v", "last_seq": seq,
+                     "drain_deadline": None, "drain_reason": None, "registered_at": now}
+                    for n, seq in (("node-0", 4), ("node-1", 9))])
+                await s.execute(insert(GPUS), [
+                    {"uuid": f"g-{n}-{i}", "pos": k * 2 + i, "node": n, "domain_id": "nvl-0", "idx": i, "model": "m",
+                     "memory_bytes": 1, "tdp_mw": 700_000, "min_mw": 200_000, "max_mw": 700_000,
+                     "health": GpuState.HEALTHY, "health_reason": "", "health_source": HealthSource.AGENT,
+                     "health_since": now, "admin": None, "admin_owner": None, "admin_reason": None,
+                     "desired_mw": None, "enforced_mw": None, "speed": None}
+                    for k, n in enumerate(("node-0", "node-1")) for i in range(2)])
+                await outbox.append(s, [outbox.Entry(outbox.REPORT, "node-0", {"gpus": []}, "r:node-0:7", 7)],
+                                    "b", now)
+            ing = Ingest(sm, "b", SystemClock(), 0.0, 5.0)
+            one = AgentIngest(ing, sm, SystemClock(), {}, lambda _: None, engine=engine)
+            four = AgentIngest(ing, sm, SystemClock(), {}, lambda _: None)  # the reads one by one
+            asked = ["g-node-0-0", "g-node-1-1", "g-new-0"]
+            for ai in (one, four):
+                assert await ai._hello_view("node-0", asked) == (
+                    "nvl-0", {"g-node-0-0": "node-0", "g-node-1-1": "node-1"}, 7, 0)  # stored seq 7 > applied 4
+                assert await ai._hello_view("node-1", []) == ("nvl-0", {}, 9, 0)  # epoch 0: nobody has led yet
+                assert await ai._hello_view("node-9", ["g-new-0"]) == (None, {}, 0, 0)
+        finally:
+            await engine.dispose()

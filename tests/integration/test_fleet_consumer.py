@@ -95,3 +95,71 @@ async def test_rows_appended_one_transaction_at_a_time_are_applied_many_to_a_tra
         assert stream > 8, stream
     assert backlog <= 4, backlog  # 2 full batches and the rest (+1 if a read split it)
     assert 3 <= hellos <= 4, hellos  # 204 + 204 + 92 (+1 if a read split them)
+
+
+async def test_append_stores_each_idempotency_key_once_in_order(tmp_path: Path) -> None:
+    from ntp_manager.store import db
+
+    async with database("postgres", tmp_path) as url:
+        m = Manager(Settings(database_url=url))
+        try:
+            await db.upgrade(m.engine)
+
+            def entries(keys: str) -> list[outbox.Entry]:
+                return [outbox.Entry(outbox.REPORT, f"n-{k}", {"gpus": [[f"G-{k}", "healthy", [], [], None]]},
+                                     f"report:{k}", report_seq=1) for k in keys]
+
+            async with m.sm() as s, s.begin():
+                first = await outbox.append(s, entries("abc"), "m0", datetime.now(UTC))
+            async with m.sm() as s, s.begin():
+                again = await outbox.append(s, entries("bcd"), "m1", datetime.now(UTC))  # b, c re-sent
+            assert len(first) == 3 and len(again) == 1 and min(again) > max(first)
+            async with m.sm() as s:
+                rows = await outbox.read_after(s, 0, 100)
+            assert [(r.node, r.manager) for r in rows] == [("n-a", "m0"), ("n-b", "m0"), ("n-c", "m0"), ("n-d", "m1")]
+            assert [r.seq for r in rows] == sorted(first + again)
+            assert rows[0].payload == {"gpus": [["G-a", "healthy", [], [], None]]}
+        finally:
+            await m.engine.dispose()
+
+
+async def test_applied_rows_older_than_the_retention_are_pruned_by_the_leader_only(tmp_path: Path) -> None:
+    from datetime import timedelta
+
+    from ntp_manager.service.consumer import Consumer
+    from ntp_manager.service.leader import NotLeader
+
+    async with database("postgres", tmp_path) as url:
+        m = Manager(Settings(database_url=url, fleet_ingest=True, fleet_outbox_retention_s=600, fleet_poll_s=0.05))
+        other = Manager(Settings(database_url=url, fleet_ingest=True))
+        try:
+            await m.start()
+            await m.wait_leading()
+            await eventually(lambda: m.fleet is not None and m.fleet.consumer is not None, 30, "the consumer")
+            assert m.fleet is not None and m.fleet.consumer is not None
+            cons = m.fleet.consumer
+            old = datetime.now(UTC) - timedelta(hours=1)
+            async with m.sm() as s, s.begin():
+                seqs = await outbox.append(s, [outbox.Entry(outbox.SEEN, "", {"nodes": []}, f"seen:old:{i}")
+                                               for i in range(5)], "m0", old)
+                bad = await outbox.append(s, [outbox.Entry("bogus", "n-x", {}, "bogus:1")], "m0", old)
+                await outbox.append(s, [outbox.Entry(outbox.SEEN, "", {"nodes": []}, f"seen:new:{i}")
+                                        for i in range(2)], "m0", datetime.now(UTC))
+            head = await _head(m)
+            await eventually(lambda: cons.last >= head, 30, "all applied")
+            assert cons.quarantined == 1
+            # never past the cursor: rows not applied yet stay, however old
+            async with m.sm() as s, s.begin():
+                assert await outbox.prune_applied(s, seqs[2], datetime.now(UTC)) == 3
+            with pytest.raises(NotLeader):  # a manager that does not lead deletes nothing
+                await Consumer(other).prune()
+            assert await cons.prune() == 2  # the other old applied rows; the fresh ones stay
+            assert await cons.prune() == 0
+            async with m.sm() as s:
+                left = await outbox.read_after(s, 0, 100)
+            assert left[0].seq == bad[0]  # the quarantined row stays
+            assert len(left) == 3 and [r.kind for r in left] == ["bogus", outbox.SEEN, outbox.SEEN]
+        finally:
+            await m.stop()
+            await m.engine.dispose()
+            await other.engine.dispose()
