@@ -22,8 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ntp_manager import limits
 from ntp_manager.auth import Principal, parse_bearer
+from ntp_manager.jsontext import StoredJson, dumps_in_pieces
 from ntp_manager.service.manager import Manager, Mut
-from ntp_manager.store.db import StoredJson, dumps_in_pieces
 
 Limit = Annotated[int, Query(ge=1, le=1000, description="page size")]
 Offset = Annotated[int, Query(ge=0, le=10_000_000, description="items to skip")]

@@ -182,22 +182,16 @@ def _settings(**overrides: object) -> Settings:
         fail(f"settings: {' '.join(str(e).split())}")
 
 
-def _run_db(coro_fn: Callable[[Any], Awaitable[Any]], settings: Settings) -> Any:
+def _run_db(coro_fn: Callable[[], Awaitable[Any]], settings: Settings) -> Any:
     import asyncio
 
     from alembic.util import CommandError
     from sqlalchemy.exc import SQLAlchemyError
 
-    from ntp_manager.store.db import make_engine
-
     async def go() -> Any:
         if settings.effective_database_url.startswith("sqlite"):
             settings.data_dir.mkdir(parents=True, exist_ok=True)
-        engine = make_engine(settings.effective_database_url)
-        try:
-            return await coro_fn(engine)
-        finally:
-            await engine.dispose()
+        return await coro_fn()
 
     try:
         return asyncio.run(go())
@@ -256,39 +250,31 @@ def serve(
 def db_upgrade(revision: Annotated[str, typer.Argument(help="target revision")] = "head", data_dir: DataDir = None,
                database_url: DbUrl = None) -> None:
     """Apply migrations up to REVISION (default head)."""
-    from ntp_manager.store import db
+    from ntp_manager.service import schema
 
     settings = _settings(data_dir=data_dir, database_url=database_url)
-
-    async def go(engine: Any) -> str | None:
-        await db.upgrade(engine, revision)
-        return await db.current_revision(engine)
-
-    print(f"database at revision {_run_db(go, settings)}")
+    at = _run_db(lambda: schema.migrate(settings.effective_database_url, revision), settings)
+    print(f"database at revision {at}")
 
 
 @db_app.command("downgrade")
 def db_downgrade(revision: Annotated[str, typer.Argument(help="target revision (base: an empty schema)")] = "base",
                  data_dir: DataDir = None, database_url: DbUrl = None) -> None:
     """Revert migrations down to REVISION (default base: an empty schema)."""
-    from ntp_manager.store import db
+    from ntp_manager.service import schema
 
     settings = _settings(data_dir=data_dir, database_url=database_url)
-
-    async def go(engine: Any) -> str | None:
-        await db.downgrade(engine, revision)
-        return await db.current_revision(engine)
-
-    print(f"database at revision {_run_db(go, settings)}")
+    at = _run_db(lambda: schema.migrate(settings.effective_database_url, revision, down=True), settings)
+    print(f"database at revision {at}")
 
 
 def _with_manager(settings: Settings, fn: Callable[[Any], Awaitable[Any]]) -> Any:
+    from ntp_manager.service import schema
     from ntp_manager.service.errors import ServiceError
     from ntp_manager.service.manager import Manager
-    from ntp_manager.store import db
 
-    async def go(engine: Any) -> Any:
-        await db.upgrade(engine)
+    async def go() -> Any:
+        await schema.migrate(settings.effective_database_url)
         m = Manager(settings)
         try:
             return await fn(m)

@@ -23,47 +23,10 @@ from sqlalchemy import event, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
+from ntp_manager.jsontext import StoredJson
+
 # a directory on disk (Alembic reads env.py and versions/ from it): the package is installed unzipped
 MIGRATIONS = Path(str(resources.files("ntp_manager.store") / "migrations"))
-
-
-CHUNK = 256
-
-
-def dumps_in_pieces(obj: Any, sort_keys: bool = False) -> str:
-    """`json.dumps(obj)` (compact, finite numbers only), made piece by piece: dicts key by key and
-    long lists `CHUNK` items at a time. The C encoder holds the GIL for a whole call, so one call
-    over a 100K-GPU plan would stop the event loop for as long as it runs even from a worker
-    thread; between pieces the loop gets its turn."""
-    if isinstance(obj, dict):
-        keys = sorted(obj) if sort_keys else list(obj)
-        parts = [json.dumps(_key(k)) + ":" + dumps_in_pieces(obj[k], sort_keys) for k in keys]
-        return "{" + ",".join(parts) + "}"
-    if isinstance(obj, list | tuple) and len(obj) > CHUNK:
-        pieces = [json.dumps(obj[i : i + CHUNK], allow_nan=False, separators=(",", ":"), sort_keys=sort_keys)[1:-1]
-                  for i in range(0, len(obj), CHUNK)]
-        return "[" + ",".join(p for p in pieces if p) + "]"
-    return json.dumps(obj, allow_nan=False, separators=(",", ":"), sort_keys=sort_keys)
-
-
-def _key(k: Any) -> str:
-    """A dict key as `json.dumps` writes it."""
-    if isinstance(k, str):
-        return k
-    if k is True or k is False or k is None:
-        return json.dumps(k)
-    return json.dumps(k) if isinstance(k, int | float) else str(k)
-
-
-class StoredJson(dict[str, Any]):
-    """A JSON document with its text made once, where it was built (off the event loop for
-    plans); `json_text` writes that text instead of encoding the dict again."""
-
-    __slots__ = ("text",)
-
-    def __init__(self, doc: dict[str, Any]) -> None:
-        super().__init__(doc)
-        self.text = dumps_in_pieces(doc)
 
 
 _ENCODER = json.JSONEncoder(allow_nan=False)  # one for all (json.dumps builds one per call given allow_nan)

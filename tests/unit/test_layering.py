@@ -137,6 +137,8 @@ RULES = [
                                "ntp_manager.server", "ntp_manager.demos", "ntp_manager.agent")),
     (("ntp_manager.agent",), ("ntp_manager.store", "ntp_manager.service", "ntp_manager.api", "ntp_manager.cli",
                   "ntp_manager.server", "ntp_manager.demos", "ntp_manager.worker")),
+    # the edges (REST, gRPC, command line) reach the database through the service, never the store
+    (("ntp_manager.api", "ntp_manager.rpc", "ntp_manager.cli"), ("ntp_manager.store",)),
     # the agent and the worker reach the manager through the contract's client, never the server's rpc/
     (("ntp_manager.agent", "ntp_manager.worker"), ("ntp_manager.rpc",)),
 ]

@@ -10,13 +10,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from ntp_manager import limits
 from ntp_manager.api.edge import E4, NOT_FOUND, Error, GpuId, IdemKey, Limit, Offset, json_reply, mutate, require
 from ntp_manager.auth import Principal
+from ntp_manager.jsontext import StoredJson
 from ntp_manager.planner.layout import LayoutDoc
 from ntp_manager.service import layout_views as views
 from ntp_manager.service import offloop
 from ntp_manager.service.errors import FailedPrecondition, InvalidArgument, NotFound
 from ntp_manager.service.manager import Manager, Mut
 from ntp_manager.specfile import JobFile
-from ntp_manager.store.db import StoredJson
 
 
 class PlanBody(BaseModel):
