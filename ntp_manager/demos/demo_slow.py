@@ -145,6 +145,28 @@ def _restore_env(name: str, value: str | None) -> None:
         os.environ[name] = value
 
 
+def _new_verdicts(view: dict[str, Any], res: SlowDemoResult, seen: int) -> int:
+    """Record and print the verdicts of a detector view not seen yet; returns how many are seen."""
+    verdicts = list(reversed(view["verdicts"]))  # oldest first
+    for v in verdicts[seen:]:
+        res.verdicts.append(v)
+        who = res.labels.get(v.get("gpu", ""), v.get("gpu") or v.get("group", ""))
+        console.rule(f"[red]verdict: {v['kind']} {who}" + (f" factor {v['factor']:.2f}" if "factor" in v else ""))
+        console.print(escape(v.get("reason", "")))
+    return len(verdicts)
+
+
+def _victim_health(api: httpx.Client, res: SlowDemoResult, shown: str) -> str:
+    """Record the slowed GPU's health, printing it when it differs from `shown`; returns it."""
+    g = api.get(f"/v1/gpus/{res.victim}").json()
+    if g["state"] != shown:
+        res.victim_state, res.victim_speed = g["state"], g.get("speed")
+        console.print(f"GPU {res.labels[res.victim]}: {g['state']}"
+                      + (f" at speed {g['speed']}" if g.get("speed") is not None else "")
+                      + (f" ({g.get('health_reason')})" if g.get("health_reason") else ""))
+    return str(g["state"])
+
+
 def _watch(api: httpx.Client, launcher: Any, res: SlowDemoResult, old: int, timeout_s: float) -> int:
     """Follow the detector (per-rank factors, each step it has observed), its verdicts, the victim's
     health and the layout, printing as they come, until a layout after `old` gives a fail-slow
@@ -165,20 +187,8 @@ def _watch(api: httpx.Client, launcher: Any, res: SlowDemoResult, old: int, time
                 f"{res.labels.get(r['gpu'], r['gpu'][:10])} {_fmt(r['factor'])}{'*' if r['slow'] else ''}"
                 for r in sorted(view["ranks"], key=lambda r: res.labels.get(r["gpu"], r["gpu"])))
             console.print(f"detector step {shown_step:>3} (observed {view['observed_steps']}): {line}")
-        verdicts = list(reversed(view["verdicts"]))  # oldest first
-        for v in verdicts[seen_verdicts:]:
-            res.verdicts.append(v)
-            who = res.labels.get(v.get("gpu", ""), v.get("gpu") or v.get("group", ""))
-            console.rule(f"[red]verdict: {v['kind']} {who}" + (f" factor {v['factor']:.2f}" if "factor" in v else ""))
-            console.print(escape(v.get("reason", "")))
-        seen_verdicts = len(verdicts)
-        g = api.get(f"/v1/gpus/{res.victim}").json()
-        if g["state"] != state:
-            state = g["state"]
-            res.victim_state, res.victim_speed = state, g.get("speed")
-            console.print(f"GPU {res.labels[res.victim]}: {state}"
-                          + (f" at speed {g['speed']}" if g.get("speed") is not None else "")
-                          + (f" ({g.get('health_reason')})" if g.get("health_reason") else ""))
+        seen_verdicts = _new_verdicts(view, res, seen_verdicts)
+        state = _victim_health(api, res, state)
         version = int(api.get(f"/v1/jobs/{JOB}").json()["layout_version"] or 0)
         if version and version > old:
             reason = layout_of(api, JOB, version)["reason"]
@@ -187,6 +197,11 @@ def _watch(api: httpx.Client, launcher: Any, res: SlowDemoResult, old: int, time
             _print_layout(api, version, res)
             old = version
             if "fail-slow:" in reason:
+                # the verdict, the GPU's new health and this layout can all land between this poll's
+                # first read and the layout read: read the detector once more so the verdict behind
+                # the layout is shown and recorded before it
+                _new_verdicts(api.get(f"/v1/jobs/{JOB}/slow").json(), res, seen_verdicts)
+                _victim_health(api, res, state)
                 return version
         time.sleep(0.5)
     raise TimeoutError(f"no fail-slow layout within {timeout_s:.0f} s (verdicts: {res.verdicts})")
