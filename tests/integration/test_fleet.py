@@ -27,8 +27,8 @@ import asyncpg
 import grpc
 import pytest
 
-from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from ntp_manager.agent.core import Agent
+from ntp_manager.contract.proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from ntp_manager.manager_process import ManagerProcess
 from ntp_manager.store import write_log
 from tests.fakes.partition import Partition
