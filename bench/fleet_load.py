@@ -38,8 +38,8 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from ntp_manager.contract.client import CLIENT_KEEPALIVE
+from ntp_manager.contract.proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 HEALTHY, FAILED, DEGRADED = common_pb2.GPU_STATE_HEALTHY, common_pb2.GPU_STATE_FAILED, common_pb2.GPU_STATE_DEGRADED
 CHANNELS = 8  # per address (HTTP/2 connections the agents of this process share)

@@ -32,8 +32,8 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ntp_manager._proto.ntp.v1 import common_pb2, worker_pb2
 from ntp_manager.contract.client import CLIENT_KEEPALIVE, leader_hint
+from ntp_manager.contract.proto.ntp.v1 import common_pb2, worker_pb2
 
 CHANNELS = 8  # per address
 

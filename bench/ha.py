@@ -52,8 +52,8 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import drop_postgres, fresh_postgres, until_none
-from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from ntp_manager.contract.client import CLIENT_KEEPALIVE
+from ntp_manager.contract.proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from ntp_manager.manager_process import ManagerProcess
 from ntp_manager.service.manager import Manager
 from ntp_manager.settings import Settings

@@ -48,8 +48,8 @@ from sqlalchemy import create_engine, insert
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import HealthzProbe, create_tokens, lag_buckets, machine_line, serve, stop, worst_bucket
-from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from ntp_manager.contract.gpu import GpuState
+from ntp_manager.contract.proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from ntp_manager.jsontext import dumps_in_pieces
 from ntp_manager.planner import make_plan
 from ntp_manager.planner.export import plan_to_dict

@@ -69,7 +69,7 @@ from bench.common import (
     until_none,
     worst_bucket,
 )
-from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
+from ntp_manager.contract.proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 
 BIG_NODE = "big-node"
 MAX_GPUS = 100_000 + 128  # the ingest cluster plus one largest hello

@@ -1,6 +1,6 @@
-"""Generate the Python gRPC stubs from proto/ntp/v1 into ntp_manager/_proto (`make proto`).
+"""Generate the Python gRPC stubs from proto/ntp/v1 into ntp_manager/contract/proto (`make proto`).
 
-Imports inside the generated files are rewritten to be package-relative to `ntp_manager._proto`,
+Imports inside the generated files are rewritten to be package-relative to `ntp_manager.contract.proto`,
 so the stubs work from an installed package. `generate(dest)` is also used by the test that fails
 when the checked-in stubs differ from a fresh generation.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto"
-OUT_DIR = Path(__file__).resolve().parent / "_proto"
+OUT_DIR = Path(__file__).resolve().parent / "contract" / "proto"
 _IMPORT = re.compile(r"^from ntp\.v1 import ", re.MULTILINE)
 
 
@@ -45,7 +45,7 @@ def generate(dest: Path) -> list[Path]:
         src_root = Path(tmp) / "ntp" / "v1"
         (dest / "ntp" / "v1").mkdir(parents=True, exist_ok=True)
         for f in sorted(src_root.iterdir()):
-            text = _IMPORT.sub("from ntp_manager._proto.ntp.v1 import ", f.read_text())
+            text = _IMPORT.sub("from ntp_manager.contract.proto.ntp.v1 import ", f.read_text())
             target = dest / "ntp" / "v1" / f.name
             target.write_text(text)
             out.append(target)

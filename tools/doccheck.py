@@ -242,8 +242,8 @@ def _template_regex(template: str) -> re.Pattern[str]:
 def grpc_names() -> set[str]:
     """`ntp.v1.Service`, `Service`, `ntp.v1.Service/Method`, `Service/Method`, `ntp.v1.Message` of the stubs."""
     names: set[str] = set()
-    for pkg in (ROOT / "ntp_manager/_proto/ntp/v1").glob("*_pb2.py"):
-        mod = importlib.import_module(f"ntp_manager._proto.ntp.v1.{pkg.stem}")
+    for pkg in (ROOT / "ntp_manager/contract/proto/ntp/v1").glob("*_pb2.py"):
+        mod = importlib.import_module(f"ntp_manager.contract.proto.ntp.v1.{pkg.stem}")
         names |= {f"ntp.v1.{m}" for m in mod.DESCRIPTOR.message_types_by_name}
         for svc in mod.DESCRIPTOR.services_by_name.values():
             names |= {svc.full_name, svc.name}
@@ -293,11 +293,14 @@ def code_words() -> set[str]:
     return words
 
 
+STUBS = ROOT / "ntp_manager" / "contract" / "proto"  # generated: their words are protoc's
+
+
 def _source_files() -> Iterator[Path]:
     for top in ("ntp_manager", "tests", "bench", "examples", "deploy", "tools", ".ci"):
         for p in (ROOT / top).rglob("*"):
             if p.is_file() and p.suffix in (".py", ".sh", ".yml", ".yaml", ".service", ".toml", ".cfg", "") \
-                    and "_proto" not in p.parts and p.name not in ("doccheck.py", "test_docs.py"):
+                    and STUBS not in p.parents and p.name not in ("doccheck.py", "test_docs.py"):
                 yield p
     for name in ("Makefile", "Dockerfile", "docker-compose.yml", "pyproject.toml"):
         if (ROOT / name).is_file():

@@ -44,7 +44,6 @@ import grpc
 import structlog
 from tenacity import RetryCallState, wait_exponential_jitter
 
-from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from ntp_manager.agent.backends.base import (
     BackendError,
     BackendEvent,
@@ -60,6 +59,7 @@ from ntp_manager.agent.power import PowerController
 from ntp_manager.agent.state import STATE_EVERY_S, expand, write_state
 from ntp_manager.contract.client import ManagerClient, code_of
 from ntp_manager.contract.gpu import GpuState
+from ntp_manager.contract.proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from ntp_manager.contract.tls import TlsFiles
 
 log = structlog.get_logger("ntp.agent")

@@ -11,6 +11,12 @@ Each of the three imports the others only through this package (tests/unit/test_
   between TP degrees; standard library only (the planner imports it).
 - `contract.gpu`: GPU states (`GpuState`), which agents report and the manager plans with;
   standard library only (topology imports it).
+- `contract.power`: the fleet base power cap's arithmetic (`base_cap_w`), which `ntp-agent
+  power-reset` and the manager must agree on; standard library only (topology imports it).
+- `contract.checkpoint_format`: the on-disk names and manifest of unit-addressed checkpoints,
+  which the workers write and the manager lists; standard library only.
+- `contract.proto`: the generated gRPC stubs of proto/ntp/v1 (`make proto`; ntp_manager/protogen.py),
+  the wire itself.
 
 Nothing here imports FastAPI, SQLAlchemy or torch: a worker's or an agent's installation
 (`pip install ntp-manager[worker]`) has what this package needs.

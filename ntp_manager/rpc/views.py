@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from ntp_manager._proto.ntp.v1 import common_pb2 as pb
+from ntp_manager.contract.proto.ntp.v1 import common_pb2 as pb
 from ntp_manager.planner.layout import LayoutDoc
 from ntp_manager.service.state import LayoutRec
 

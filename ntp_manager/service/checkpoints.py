@@ -1,7 +1,7 @@
 """A job's checkpoints as the manager sees them: read from the directory its spec names.
 
 The workers write unit-addressed checkpoints under the spec's `checkpoint.dir` (a shared
-filesystem); the manager reads the same directory when it can see it (ntp_manager/checkpoint_format.py:
+filesystem); the manager reads the same directory when it can see it (ntp_manager/contract/checkpoint_format.py:
 names, manifests, sizes; no torch, no shard contents). Two uses:
 
 - operators list them (`ntpctl checkpoints`, GET /v1/jobs/{name}/checkpoints): step, time,
@@ -23,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from ntp_manager.checkpoint_format import Listing, list_checkpoints
+from ntp_manager.contract.checkpoint_format import Listing, list_checkpoints
 from ntp_manager.service.errors import FailedPrecondition, NotFound
 from ntp_manager.service.kernel import Kernel
 

@@ -549,7 +549,7 @@ async def _restore(m: Manager, job: str, worker: str, epoch: int, version: int, 
 
 
 async def _steps(m: Manager, p: dict[str, Any]) -> None:
-    from ntp_manager._proto.ntp.v1 import worker_pb2
+    from ntp_manager.contract.proto.ntp.v1 import worker_pb2
 
     job, worker = str(p["job"]), str(p["worker"])
     try:

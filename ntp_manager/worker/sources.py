@@ -352,7 +352,7 @@ def layout_from_pb(msg: Any, gpu_uuid: str) -> WorkerLayout:
 def step_report(job: str, worker_id: str, gpu_uuid: str, layout: WorkerLayout, step: int, step_time_s: float,
                 tokens: int, work: StepWork | None = None) -> Any:
     """One rank's ntp.v1.StepReport (the manager places it by its layout)."""
-    from ntp_manager._proto.ntp.v1 import common_pb2, worker_pb2
+    from ntp_manager.contract.proto.ntp.v1 import common_pb2, worker_pb2
 
     r = worker_pb2.RankStep(rank=layout.rank or 0, gpu_uuid=gpu_uuid, step_time_s=step_time_s, tokens=tokens)
     if work is not None:
@@ -380,8 +380,8 @@ class GrpcLayoutSource:
 
     def __init__(self, target: str | Sequence[str], token: str, job: str, gpu_uuid: str,
                  worker_id: str | None = None, connect_timeout_s: float = 30.0, tls: TlsFiles | None = None) -> None:
-        from ntp_manager._proto.ntp.v1 import worker_pb2_grpc
         from ntp_manager.contract.client import ManagerClient
+        from ntp_manager.contract.proto.ntp.v1 import worker_pb2_grpc
 
         try:
             self.client = ManagerClient(target, tls)
@@ -466,8 +466,8 @@ class GrpcLayoutSource:
 
         import grpc
 
-        from ntp_manager._proto.ntp.v1 import worker_pb2
         from ntp_manager.contract.client import code_of, handshake_failure
+        from ntp_manager.contract.proto.ntp.v1 import worker_pb2
 
         delay, failed_here = 0.1, 0
         while not self._stop.is_set():
@@ -522,7 +522,7 @@ class GrpcLayoutSource:
         return self.history.wait_newer(version, timeout)
 
     def ack(self, layout: WorkerLayout, ok: bool, detail: str = "", restored: RestoreNote | None = None) -> None:
-        from ntp_manager._proto.ntp.v1 import common_pb2, worker_pb2
+        from ntp_manager.contract.proto.ntp.v1 import common_pb2, worker_pb2
 
         req = worker_pb2.AckLayoutRequest(
             job=self.job, worker_id=self.worker_id,

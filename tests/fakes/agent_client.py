@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+from ntp_manager.contract.proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 STATES = {
     "healthy": common_pb2.GPU_STATE_HEALTHY,

@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from ntp_manager._proto.ntp.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from ntp_manager.contract.proto.ntp.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from ntp_manager.store.models import AuditRow
 from ntp_manager.worker.sources import GrpcLayoutSource, RestoreNote
 from tests.integration.conftest import Service, audit_rows, eventually, submit_job

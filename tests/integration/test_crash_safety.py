@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import httpx
 
-from ntp_manager._proto.ntp.v1 import worker_pb2, worker_pb2_grpc
+from ntp_manager.contract.proto.ntp.v1 import worker_pb2, worker_pb2_grpc
 from tests.fakes.agent_client import ScriptedAgent, gpu_uuids
 from tests.fakes.procs import create_agent_tokens, create_token, free_port, start_manager, stop_process
 from tests.integration.conftest import eventually

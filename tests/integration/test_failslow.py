@@ -9,8 +9,8 @@ from typing import Any
 
 import grpc
 
-from ntp_manager._proto.ntp.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from ntp_manager.api.dashboard import dashboard_snapshot
+from ntp_manager.contract.proto.ntp.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from ntp_manager.store.models import FailSlowOptionsRow
 from tests.integration.conftest import Service, audit_rows, eventually, submit_job
 from tests.integration.test_service import JOB, start_agents

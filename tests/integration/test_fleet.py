@@ -37,7 +37,7 @@ import asyncpg
 import grpc
 import pytest
 
-from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+from ntp_manager.contract.proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from ntp_manager.manager_process import ManagerProcess
 from ntp_manager.store import write_log
 from tests.fakes.partition import Partition

@@ -29,7 +29,7 @@ HOLD_S = 1.0  # the manager's loop held on after the agents have opened their st
 CLIENT = r'''
 import asyncio, collections, json, sys
 import grpc
-from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+from ntp_manager.contract.proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 async def main() -> None:
     target, tokens = sys.argv[1], json.loads(sys.stdin.readline())

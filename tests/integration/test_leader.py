@@ -19,9 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import ValidationError
 from sqlalchemy import func, select, text
 
-from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from ntp_manager.api.app import create_app
 from ntp_manager.contract.gpu import GpuState
+from ntp_manager.contract.proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from ntp_manager.rpc import server as rpc_server
 from ntp_manager.rpc.server import HEALTH_SERVICES, RpcServer
 from ntp_manager.service.leader import AnotherManager, NotLeader

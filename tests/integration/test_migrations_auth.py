@@ -8,7 +8,7 @@ import grpc
 import pytest
 from sqlalchemy import inspect
 
-from ntp_manager._proto.ntp.v1 import agent_pb2, agent_pb2_grpc, worker_pb2, worker_pb2_grpc
+from ntp_manager.contract.proto.ntp.v1 import agent_pb2, agent_pb2_grpc, worker_pb2, worker_pb2_grpc
 from ntp_manager.store import db
 from ntp_manager.store.models import Base
 from tests.integration.conftest import Service

@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 from sqlalchemy import select
 
-from ntp_manager._proto.ntp.v1 import agent_pb2, common_pb2
+from ntp_manager.contract.proto.ntp.v1 import agent_pb2, common_pb2
 from ntp_manager.store.models import AuditRow, GpuRow, TokenRow
 from tests.fakes.agent_client import ScriptedAgent, gpu_uuids
 from tests.integration.conftest import Service, eventually

@@ -15,8 +15,8 @@ import pytest
 from google.protobuf import message_factory
 from starlette.routing import Route
 
-from ntp_manager._proto.ntp.v1 import agent_pb2, common_pb2, worker_pb2
 from ntp_manager.api.app import create_app
+from ntp_manager.contract.proto.ntp.v1 import agent_pb2, common_pb2, worker_pb2
 from tests.fakes.agent_client import ScriptedAgent, gpu_uuids
 from tests.integration.conftest import Service, eventually
 

@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import func, select
 
 from ntp_manager import limits
-from ntp_manager._proto.ntp.v1 import agent_pb2, common_pb2, worker_pb2, worker_pb2_grpc
+from ntp_manager.contract.proto.ntp.v1 import agent_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 from ntp_manager.store.models import AuditRow, HealthEventRow, JobRow
 from tests.fakes.agent_client import ScriptedAgent, gpu_uuids
 from tests.integration.conftest import Service, eventually

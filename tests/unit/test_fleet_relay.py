@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from ntp_manager._proto.ntp.v1 import agent_pb2
+from ntp_manager.contract.proto.ntp.v1 import agent_pb2
 from ntp_manager.service.telemetry import GpuTelemetry, TelemetryStore
 from ntp_manager.service.watch import TELEMETRY, TELEMETRY_REFRESH_S, TelemetryRelay, notify_payload, parse_payload
 from ntp_manager.store import outbox

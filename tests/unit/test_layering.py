@@ -20,7 +20,7 @@ def _modules() -> dict[str, Path]:
     for top in ("ntp_manager",):
         for path in (ROOT / top).rglob("*.py"):
             rel = path.relative_to(ROOT).with_suffix("")
-            if "_proto" in rel.parts:
+            if rel.parts[:3] == ("ntp_manager", "contract", "proto"):  # generated stubs
                 continue
             parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
             out[".".join(parts)] = path

@@ -317,7 +317,7 @@ def test_unknown_constraints_mean_no_limit_is_ever_set():
 
 
 def test_agent_reports_the_clamp_and_the_enforced_limit_to_the_manager():
-    from ntp_manager._proto.ntp.v1 import agent_pb2
+    from ntp_manager.contract.proto.ntp.v1 import agent_pb2
 
     be, _ = backend(Device.h100("GPU-a"))
     agent = Agent(be, AgentConfig(manager="127.0.0.1:1", token="t", node="n", domain="d"))

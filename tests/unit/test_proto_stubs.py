@@ -19,7 +19,7 @@ def test_checked_in_stubs_match_fresh_generation(tmp_path: Path):
 
 
 def test_stubs_import_and_round_trip():
-    from ntp_manager._proto.ntp.v1 import agent_pb2, common_pb2, worker_pb2, worker_pb2_grpc
+    from ntp_manager.contract.proto.ntp.v1 import agent_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 
     layout = common_pb2.Layout(
         job="j", stamp=common_pb2.LayoutStamp(leader_epoch=1, version=7),

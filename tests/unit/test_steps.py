@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ntp_manager._proto.ntp.v1 import common_pb2, worker_pb2
+from ntp_manager.contract.proto.ntp.v1 import common_pb2, worker_pb2
 from ntp_manager.service.errors import InvalidArgument
 from ntp_manager.service.steps import Place, StepSample, StepWindow, check_report, places_of, samples_of
 

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from ntp_manager.checkpoint_format import list_checkpoints
+from ntp_manager.contract.checkpoint_format import list_checkpoints
 from ntp_manager.worker.checkpoint import (
     MANIFEST,
     Checkpointer,
@@ -310,7 +310,7 @@ def test_the_layouts_restore_step_bounds_the_checkpoint_loaded(tmp_path: Path) -
 
 
 def test_the_managers_listing_reads_what_the_workers_wrote(tmp_path: Path) -> None:
-    """ntp_manager/checkpoint_format.py (no torch): complete, verified (manifest hash, sizes), the
+    """ntp_manager/contract/checkpoint_format.py (no torch): complete, verified (manifest hash, sizes), the
     reason one does not verify, an attempt that never completed."""
     ref1, opt1 = reference("sgd", steps=1)
     save_all(tmp_path, 1, "sgd", ref1, opt1, TARGETS["TP1"])

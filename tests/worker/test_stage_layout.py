@@ -8,7 +8,7 @@ import datetime as dt
 
 import pytest
 
-from ntp_manager._proto.ntp.v1 import common_pb2 as pb
+from ntp_manager.contract.proto.ntp.v1 import common_pb2 as pb
 from ntp_manager.contract.ranks import global_rank
 from ntp_manager.planner import PowerModel, Scheme, make_plan
 from ntp_manager.planner.layout import LayoutDoc

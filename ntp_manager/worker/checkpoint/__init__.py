@@ -63,7 +63,7 @@ the errors and results they share.
 
 from __future__ import annotations
 
-from ntp_manager.checkpoint_format import MANIFEST, step_dir_name
+from ntp_manager.contract.checkpoint_format import MANIFEST, step_dir_name
 from ntp_manager.worker.checkpoint.base import (
     DATA_STATE_MAX_BYTES,
     CheckpointError,

@@ -15,12 +15,12 @@ from typing import Any
 import structlog
 import torch
 
-from ntp_manager.checkpoint_format import MANIFEST, STEP_DIR, TMP_PREFIX
+from ntp_manager.contract.checkpoint_format import MANIFEST, STEP_DIR, TMP_PREFIX
 from ntp_manager.worker.checkpoint.policy import Retention
 
 log = structlog.get_logger("ntp.worker.checkpoint")
 
-_STEP_DIR, _TMP_PREFIX = STEP_DIR, TMP_PREFIX  # the names on disk: ntp_manager/checkpoint_format.py
+_STEP_DIR, _TMP_PREFIX = STEP_DIR, TMP_PREFIX  # the names on disk: ntp_manager/contract/checkpoint_format.py
 DATA_STATE_MAX_BYTES = 1 << 20  # the data-loader position is a small JSON document
 # dcp_save(no_dist=True) warns on every call that it saves "in a single process": intended here
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ntp_manager.checkpoint_format import canonical
+from ntp_manager.contract.checkpoint_format import canonical
 
 
 def _fsync_dir(path: Path) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from ntp_manager.checkpoint_format import MANIFEST, manifest_problem
+from ntp_manager.contract.checkpoint_format import MANIFEST, manifest_problem
 from ntp_manager.worker import comm
 from ntp_manager.worker.checkpoint.base import (
     CheckpointError,

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from ntp_manager.checkpoint_format import FORMAT, MANIFEST, step_dir_name
+from ntp_manager.contract.checkpoint_format import FORMAT, MANIFEST, step_dir_name
 from ntp_manager.worker import comm
 from ntp_manager.worker.checkpoint.base import (
     _TMP_PREFIX,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from ntp_manager._proto.ntp.v1 import agent_pb2 as ntp_dot_v1_dot_agent__pb2
+from ntp_manager.contract.proto.ntp.v1 import agent_pb2 as ntp_dot_v1_dot_agent__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
