@@ -31,7 +31,7 @@ import httpx
 import pytest
 from sqlalchemy import insert
 
-from ntp_manager import limits
+from ntp_manager.contract import limits
 from ntp_manager.store.db import make_engine, upgrade
 from ntp_manager.store.models import DomainRow, GpuRow, NodeRow
 from tests.fakes.agent_client import ScriptedAgent, gpu_uuids
