@@ -9,6 +9,8 @@ Each of the three imports the others only through this package (tests/unit/test_
   the planner and the workers must agree on; standard library only (the planner imports it).
 - `contract.ntp_map`: the map of a layer's units onto a TP group's ranks, and the sync groups
   between TP degrees; standard library only (the planner imports it).
+- `contract.layout`: a worker's view of a layout version on the wire (`WireLayout`) and its codec
+  to and from `ntp.v1.Layout`: the manager encodes with it (rpc/views.py), the workers decode with it.
 - `contract.gpu`: GPU states (`GpuState`), which agents report and the manager plans with;
   standard library only (topology imports it).
 - `contract.power`: the fleet base power cap's arithmetic (`base_cap_w`), which `ntp-agent
