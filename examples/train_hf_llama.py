@@ -94,7 +94,7 @@ def train(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ntp_manager.logs import configure_logging
+    from ntp_manager.contract.logs import configure_logging
     from ntp_manager.worker import TimelineEvent, worker_env
 
     # the runtime logs every event at info level (stderr); the lines printed below (stdout) say

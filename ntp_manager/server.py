@@ -29,7 +29,7 @@ import structlog
 import uvicorn
 
 from ntp_manager.api.app import create_app
-from ntp_manager.logs import configure_logging
+from ntp_manager.contract.logs import configure_logging
 from ntp_manager.manager_process import LEADING, READY
 from ntp_manager.rpc.server import RpcServer
 from ntp_manager.service import offloop

@@ -42,7 +42,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
-from ntp_manager import limits
+from ntp_manager.contract import limits
 from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner.spec import (
     CHECKPOINT_DIR_MAX,

@@ -37,7 +37,7 @@ class FakeNode:
 
 async def _as_node(node: str, agent: Agent) -> None:
     """Run `agent` with `node` bound for its log lines: the agents share one process, and a demo
-    writes each node's lines to a file of its own (ntp_manager.logs.RoutedFiles). The binding is
+    writes each node's lines to a file of its own (ntp_manager.contract.logs.RoutedFiles). The binding is
     this task's own (gather gives each agent a task with a copy of the context), and reaches the
     tasks and threads it starts."""
     structlog.contextvars.bind_contextvars(node=node)

@@ -220,7 +220,7 @@ def main_cmd(
         fail(f"settings: {'.'.join(str(x) for x in first['loc'])}: {first['msg']}")
     except ValueError as e:  # pydantic-settings: an NTP_AGENT_ value it cannot parse (xid_policy is JSON)
         fail(f"settings: {' '.join(str(e).split())} (NTP_AGENT_XID_POLICY takes JSON, e.g. '{{\"94\": \"fail\"}}')")
-    from ntp_manager.logs import configure_logging
+    from ntp_manager.contract.logs import configure_logging
 
     configure_logging(settings.log_format)
     agent = build(settings)
@@ -379,8 +379,8 @@ def power_reset_cmd(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The `ntp-agent` console script: the exit status (usage errors are one line, ntp_manager/usage.py)."""
-    from ntp_manager.usage import run_app
+    """The `ntp-agent` console script: the exit status (usage errors are one line, ntp_manager/contract/usage.py)."""
+    from ntp_manager.contract.usage import run_app
 
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["probe"]:

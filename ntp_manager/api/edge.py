@@ -3,7 +3,7 @@ permission, JSON made off the event loop, and idempotent mutations.
 
 The edge: a body is read only after its bearer token checks out and only up to
 `max_request_bytes` (api/guard.py: 401 / 413); every string is bounded and free of control
-characters, every number finite and in range, every time zone-aware (limits.py), so bad input is
+characters, every number finite and in range, every time zone-aware (contract/limits.py), so bad input is
 a 4xx naming the field and never reaches the service.
 """
 
@@ -20,8 +20,8 @@ from fastapi.responses import Response
 from pydantic import AfterValidator, AwareDatetime, BaseModel, StringConstraints
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ntp_manager import limits
 from ntp_manager.auth import Principal, parse_bearer
+from ntp_manager.contract import limits
 from ntp_manager.jsontext import StoredJson, dumps_in_pieces
 from ntp_manager.service.manager import Manager, Mut
 

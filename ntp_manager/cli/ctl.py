@@ -39,7 +39,7 @@ from rich.console import Console
 from rich.table import Table
 from tenacity import RetryCallState, wait_exponential_jitter
 
-from ntp_manager.usage import run_app
+from ntp_manager.contract.usage import run_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Operate an ntp-manager cluster.")
 token_app = typer.Typer(no_args_is_help=True, help="Manage API tokens (admin scope).")
@@ -597,7 +597,7 @@ def token_revoke(c: typer.Context, token_id: str, as_json: JsonOpt = False) -> N
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The `ntpctl` console script: the exit status (usage errors are one line, ntp_manager/usage.py).
+    """The `ntpctl` console script: the exit status (usage errors are one line, ntp_manager/contract/usage.py).
     JSON that lacks what a command reads (--url names another JSON service, or a manager of another
     version) is one line too, status 1, with what was missing."""
     try:

@@ -21,12 +21,12 @@ from rich.table import Table
 from ntp_manager.cli.common import fail
 from ntp_manager.cli.simulate import simulate
 from ntp_manager.contract.gpu import GpuState
+from ntp_manager.contract.usage import run_app
 from ntp_manager.planner import GroupPlan, Plan, PlanError, PreviousLayout, ReplicaPlan, make_plan
 from ntp_manager.planner.export import plan_to_dict
 from ntp_manager.settings import Settings
 from ntp_manager.specfile import SpecError, load_cluster, load_job
 from ntp_manager.topology import Cluster, TopologyError
-from ntp_manager.usage import run_app
 
 app = typer.Typer(
     name="ntp-manager",
@@ -355,7 +355,7 @@ app.command("simulate")(simulate)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The `ntp-manager` console script: the exit status (usage errors are one line, ntp_manager/usage.py)."""
+    """The `ntp-manager` console script: the exit status (usage errors are one line, ntp_manager/contract/usage.py)."""
     return run_app(app, argv, "ntp-manager")
 
 

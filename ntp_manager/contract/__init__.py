@@ -9,12 +9,19 @@ Each of the three imports the others only through this package (tests/unit/test_
   the planner and the workers must agree on; standard library only (the planner imports it).
 - `contract.ntp_map`: the map of a layer's units onto a TP group's ranks, and the sync groups
   between TP degrees; standard library only (the planner imports it).
+- `contract.layout`: a worker's view of a layout version on the wire (`WireLayout`) and its codec
+  to and from `ntp.v1.Layout`: the manager encodes with it (rpc/views.py), the workers decode with it.
 - `contract.gpu`: GPU states (`GpuState`), which agents report and the manager plans with;
   standard library only (topology imports it).
 - `contract.power`: the fleet base power cap's arithmetic (`base_cap_w`), which `ntp-agent
   power-reset` and the manager must agree on; standard library only (topology imports it).
 - `contract.checkpoint_format`: the on-disk names and manifest of unit-addressed checkpoints,
   which the workers write and the manager lists; standard library only.
+- `contract.limits`: the sizes and ranges every input is held to (what the wire and the REST
+  edge accept, what ntp-run derives names within); standard library only.
+- `contract.logs`: the log line format all three processes write (structlog, text or JSON).
+- `contract.usage`: how the command lines answer bad input (one line, exit 2); needs typer, which
+  the `[manager]` and `[agent]` extras carry (the worker's ntp-run uses argparse).
 - `contract.proto`: the generated gRPC stubs of proto/ntp/v1 (`make proto`; ntp_manager/protogen.py),
   the wire itself.
 

@@ -55,7 +55,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ntp_manager.agent.local import FakeFleet, FakeNode
-from ntp_manager.logs import RoutedFiles, configure_logging
+from ntp_manager.contract.logs import RoutedFiles, configure_logging
 
 if TYPE_CHECKING:
     from ntp_manager.worker.launch import Launcher

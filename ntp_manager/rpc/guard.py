@@ -19,7 +19,7 @@ import grpc
 import structlog
 
 from ntp_manager.auth import Principal, parse_bearer
-from ntp_manager.limits import cap_message
+from ntp_manager.contract.limits import cap_message
 from ntp_manager.rpc.tls import fingerprint_of_pem
 from ntp_manager.service.errors import ServiceError
 from ntp_manager.service.leader import NotLeader

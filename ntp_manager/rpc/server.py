@@ -28,8 +28,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from ntp_manager import limits
 from ntp_manager.auth import parse_bearer
+from ntp_manager.contract import limits
 from ntp_manager.contract.gpu import GpuState
 from ntp_manager.contract.proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from ntp_manager.rpc import tls

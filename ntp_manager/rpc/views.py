@@ -11,15 +11,24 @@ Global ranks number GPUs replica by replica (ascending id), stage by stage, TP r
 (`LayoutDoc.ranks`, which is `contract.ranks.stage_ranks`, the function the workers number them
 with). Every summary carries each stage's TP degree, so a worker can find its stage's peers in
 every replica.
+
+The message's fields are written by `contract.layout` (the parts of a `WireLayout`), which the
+workers decode with: the two sides cannot read a field differently.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from google.protobuf.timestamp_pb2 import Timestamp
-
-from ntp_manager.contract.proto.ntp.v1 import common_pb2 as pb
+from ntp_manager.contract.layout import (
+    WireGroup,
+    WireLayout,
+    WireReplica,
+    head_part,
+    own_part,
+    peers_part,
+    summaries_part,
+)
 from ntp_manager.planner.layout import LayoutDoc
 from ntp_manager.service.state import LayoutRec
 
@@ -41,23 +50,23 @@ class LayoutViews:
             return self.base
         own = self._own.get(i)
         if own is None:
-            own = self._own[i] = pb.Layout(own=self.detail(i)).SerializeToString()
+            own = self._own[i] = own_part(self.detail(i))
         donor = next((f for f in self.full if f != i), None)
         if donor is None:
             return self.base + own
         peer = self._peer.get(donor)
         if peer is None:
-            peer = self._peer[donor] = pb.Layout(peers=[self.detail(donor)]).SerializeToString()
+            peer = self._peer[donor] = peers_part([self.detail(donor)])
         return self.base + own + peer
 
-    def detail(self, i: int) -> pb.ReplicaDetail:
+    def detail(self, i: int) -> WireReplica:
         """Replica `i`'s groups with their GPUs and global ranks. O(its GPUs)."""
         doc = self.doc
         r, first = doc.replica(i), doc.group_starts[i]
-        return pb.ReplicaDetail(replica_id=r.id, groups=[
-            pb.TpGroup(group_id=g.group, domain=g.domain, stage=g.stage, tp=g.tp, gpu_uuids=g.gpus,
-                       global_ranks=list(doc.group_ranks(first + g.stage)), power_ratio=g.power_ratio)
-            for g in r.groups])
+        return WireReplica(r.id, tuple(
+            WireGroup(g.group, g.domain, g.stage, g.tp, g.gpus, tuple(doc.group_ranks(first + g.stage)),
+                      g.power_ratio)
+            for g in r.groups))
 
 
 CHUNK = 4096  # replica summaries per protobuf call (each call holds the GIL throughout)
@@ -68,27 +77,15 @@ def build_views(rec: LayoutRec, rendezvous: str = "") -> LayoutViews:
     serialized in pieces (protobuf concatenation appends repeated fields), so no single C call
     spans 100K replica summaries."""
     doc = rec.doc
-    ts = Timestamp()
-    ts.FromDatetime(rec.created_at)
-    head = pb.Layout(
-        job=rec.job,
-        stamp=pb.LayoutStamp(leader_epoch=rec.leader_epoch, version=rec.version, created_at=ts),
-        healthy_tp=doc.tp,
-        target_batch=doc.target_batch,
-        global_batch=doc.global_batch,
-        rendezvous=rendezvous,
-        reason=rec.reason,
-        world_size=doc.world_size,
-    )
-    if doc.restore_step is not None:  # issue 22: no survivor holds some unit
-        head.restore_step = doc.restore_step
-    parts = [head.SerializeToString()]
+    head = WireLayout(job=rec.job, version=rec.version, epoch=rec.leader_epoch, created_at=rec.created_at,
+                      healthy_tp=doc.tp, target_batch=doc.target_batch, global_batch=doc.global_batch,
+                      world_size=doc.world_size, rendezvous=rendezvous, reason=rec.reason,
+                      restore_step=doc.restore_step)  # restore_step: issue 22, no survivor holds some unit
+    parts = [head_part(head)]
     ids, tps, batches, degrees = doc.replica_ids, doc.replica_tps, doc.local_batches, doc.degrees
     for lo in range(0, len(ids), CHUNK):
-        parts.append(pb.Layout(replicas=[
-            pb.ReplicaSummary(replica_id=ids[i], tp=tps[i], local_batch=batches[i],
-                              stage_tps=degrees[i]) for i in range(lo, min(lo + CHUNK, len(ids)))
-        ]).SerializeToString())
+        hi = lo + CHUNK  # plain tuples in WireSummary's field order: no object per replica
+        parts.append(summaries_part(zip(ids[lo:hi], tps[lo:hi], batches[lo:hi], degrees[lo:hi], strict=True)))
     replica_of: dict[str, int] = {}
     gs, us = doc.group_starts, doc.gpu_starts
     for i in range(len(ids)):

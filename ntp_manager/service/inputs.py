@@ -1,5 +1,5 @@
 """What agents send, as transport-neutral records, and the checks every one passes before it can
-touch memory or the store (the limits are in `ntp_manager.limits`, the same on SQLite and
+touch memory or the store (the limits are in `ntp_manager.contract.limits`, the same on SQLite and
 PostgreSQL). A check that fails raises InvalidArgument naming the field; nothing is written then."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ntp_manager import limits
+from ntp_manager.contract import limits
 from ntp_manager.service.errors import InvalidArgument
 
 

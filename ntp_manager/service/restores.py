@@ -27,7 +27,7 @@ from typing import Any
 import structlog
 from sqlalchemy import update
 
-from ntp_manager import limits
+from ntp_manager.contract import limits
 from ntp_manager.service.errors import InvalidArgument, NotFound
 from ntp_manager.service.kernel import Kernel
 from ntp_manager.service.metrics import Metrics

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ntp_manager import limits
+from ntp_manager.contract import limits
 from ntp_manager.planner.layout import LayoutDoc
 from ntp_manager.service.errors import InvalidArgument
 

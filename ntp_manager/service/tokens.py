@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from sqlalchemy import func, select
 
-from ntp_manager import limits
 from ntp_manager.auth import SCOPES, Principal, StoredToken, hash_token, new_token
+from ntp_manager.contract import limits
 from ntp_manager.service.errors import InvalidArgument, NotFound
 from ntp_manager.store.models import TokenRow
 

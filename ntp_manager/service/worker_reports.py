@@ -8,7 +8,7 @@
 - Step reports: each rank's step goes into its job's `StepWindow` (service/steps.py: at most
   `STEP_BYTES_PER_JOB` bytes of samples per job, oldest first out), placed by the current layout
   when the report's stamp is that layout. Every number must be finite and non-negative, and each
-  list is bounded (`ntp_manager.limits`).
+  list is bounded (`ntp_manager.contract.limits`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from ntp_manager import limits
+from ntp_manager.contract import limits
 from ntp_manager.service import steps
 from ntp_manager.service.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from ntp_manager.service.state import LayoutRec

@@ -44,8 +44,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ntp_manager.contract.logs import configure_logging
 from ntp_manager.contract.tls import TlsFiles
-from ntp_manager.logs import configure_logging
 from ntp_manager.worker.pipeline import Pipeline
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig, TimelineEvent
 from ntp_manager.worker.sources import (

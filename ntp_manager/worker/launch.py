@@ -203,7 +203,7 @@ def _rank_output(rank: RankSpec, log: str, fmt: str) -> None:
     traceback, what torch or gloo print from C++) is appended there: its stdout and stderr
     descriptors are pointed at the file. The log itself is structlog's, to stderr, every line
     naming the rank (`worker=<name>`); `fmt` as `configure_logging` takes it."""
-    from ntp_manager.logs import configure_logging
+    from ntp_manager.contract.logs import configure_logging
 
     if log:
         sys.stdout.flush()

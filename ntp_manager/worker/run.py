@@ -617,7 +617,7 @@ class Launcher:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ntp_manager.logs import auto_format, configure_logging
+    from ntp_manager.contract.logs import auto_format, configure_logging
 
     try:
         o = parse(sys.argv[1:] if argv is None else argv)

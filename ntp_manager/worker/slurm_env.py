@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ntp_manager import limits
+from ntp_manager.contract import limits
 
 DEFAULT_AGENT_STATE = "/run/ntp-agent/state.json"
 WAIT_REGISTERED_S = 300.0  # other nodes wait this long for node 0's registration

@@ -15,13 +15,16 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
 from ntp_manager.contract.ranks import check_degrees, global_rank, locate, stage_ranks, world_size
 from ntp_manager.contract.tls import TlsFiles
 from ntp_manager.worker.sync import ReplicaGroup, SyncLayout
+
+if TYPE_CHECKING:
+    from ntp_manager.contract.layout import WireLayout
 
 log = structlog.get_logger("ntp.worker")
 
@@ -315,38 +318,23 @@ def manager_addresses(target: str | Sequence[str]) -> list[str]:
 
 
 def layout_from_pb(msg: Any, gpu_uuid: str) -> WorkerLayout:
-    """`ntp.v1.Layout` (one worker's view) -> WorkerLayout. Pipelines need each replica's stage
-    degrees (`ReplicaSummary.stage_tps`); a summary without them is one stage. The
-    worker's rank is the one the manager gave it, checked against `contract.ranks`' numbering.
-    Raises ValueError for a view whose stages or ranks do not add up."""
-    reps, degrees = [], []
-    for s in msg.replicas:
-        reps.append((int(s.tp), int(s.local_batch)))
-        degrees.append(tuple(int(d) for d in s.stage_tps) or (int(s.tp),))
-    rank = None
-    if reps:
-        check_degrees(degrees)
-    ids = [int(s.replica_id) for s in msg.replicas]
-    for g in msg.own.groups:
-        if gpu_uuid not in g.gpu_uuids:
-            continue
-        index = list(g.gpu_uuids).index(gpu_uuid)
-        rank = int(g.global_ranks[index])
-        if msg.own.replica_id not in ids:
-            raise ValueError(f"layout {msg.stamp.version}: own replica {msg.own.replica_id} has no summary")
-        ri = ids.index(msg.own.replica_id)
-        stage = int(g.stage)
-        if stage >= len(degrees[ri]) or len(g.gpu_uuids) != degrees[ri][stage]:
-            raise ValueError(f"layout {msg.stamp.version}: group {g.group_id} (stage {stage}, {len(g.gpu_uuids)} GPUs) "
-                             f"does not match replica {msg.own.replica_id}'s stage degrees {list(degrees[ri])}")
-        expected = global_rank(degrees, ri, stage, index)
-        if rank != expected:
-            raise ValueError(f"layout {msg.stamp.version}: the manager gives {gpu_uuid} rank {rank}, the stage "
-                             f"numbering gives {expected} (replica {ri}, stage {stage}, TP index {index})")
+    """`ntp.v1.Layout` (one worker's view) -> WorkerLayout, decoded by the contract's codec
+    (`contract.layout.WireLayout`, which the manager encodes with). Pipelines need each replica's
+    stage degrees (`ReplicaSummary.stage_tps`); a summary without them is one stage. The worker's
+    rank is the one the manager gave it, checked against `contract.ranks`' numbering. Raises
+    ValueError for a view whose stages or ranks do not add up."""
+    from ntp_manager.contract.layout import WireLayout
+
+    return layout_from_wire(WireLayout.decode(msg), gpu_uuid)
+
+
+def layout_from_wire(wire: WireLayout, gpu_uuid: str) -> WorkerLayout:
+    """A decoded view -> the WorkerLayout of the worker on `gpu_uuid`."""
+    degrees = wire.degrees
+    rank = wire.rank_of(gpu_uuid)
     multi = any(len(d) > 1 for d in degrees)
-    return WorkerLayout(int(msg.stamp.version), tuple(reps), rank, msg.reason, int(msg.stamp.leader_epoch),
-                        stages=tuple(degrees) if multi else (),
-                        restore_step=int(msg.restore_step) if msg.HasField("restore_step") else None)
+    return WorkerLayout(wire.version, tuple((s.tp, s.local_batch) for s in wire.replicas), rank, wire.reason,
+                        wire.epoch, stages=degrees if multi else (), restore_step=wire.restore_step)
 
 
 def step_report(job: str, worker_id: str, gpu_uuid: str, layout: WorkerLayout, step: int, step_time_s: float,

@@ -31,7 +31,7 @@ import httpx
 import pytest
 from sqlalchemy import insert
 
-from ntp_manager import limits
+from ntp_manager.contract import limits
 from ntp_manager.store.db import make_engine, upgrade
 from ntp_manager.store.models import DomainRow, GpuRow, NodeRow
 from tests.fakes.agent_client import ScriptedAgent, gpu_uuids
@@ -89,7 +89,8 @@ async def test_largest_spec_and_hello_keep_healthz_answering(sqlite_service: Ser
     # What held the loop, when something did: never our heavy work (planning, layout encoding,
     # protobuf views, which held it for seconds at this size when they ran on it). A loaded machine
     # can delay the loop anywhere, so the bounds on time are coarse (the goal, 100 ms, is in bench/).
-    heavy = ("ntp_manager/planner/", "layout_codec", "service/planning", "rpc/views", "store/layouts")
+    heavy = ("ntp_manager/planner/", "layout_codec", "service/planning", "rpc/views", "contract/layout",
+             "store/layouts")
     ours = [w for w in svc.manager.watchdog.stall_stacks if any(h in w for h in heavy)]
     assert not ours, ours[0]
     assert lag < 3.0, lag
@@ -132,7 +133,7 @@ WIDEST = int(os.environ.get("NTP_TEST_WIDEST_GPUS", "20000"))
 PER_NODE, NODES_PER_DOMAIN = 8, 9  # NVL72 domains, as bench/layouts.py
 NODES = WIDEST // PER_NODE
 # code that reads layouts, stages power or draws the dashboard: O(replicas or GPUs), never on the loop
-HEAVY = ("ntp_manager/planner/", "layout_codec", "service/planning", "rpc/views", "store/layouts",
+HEAVY = ("ntp_manager/planner/", "layout_codec", "service/planning", "rpc/views", "contract/layout", "store/layouts",
          "service/layout_views", "in _differing", "in _domains", "in acks_view", "in job_part",
          # the monitor tick's own work: the liveness pass (it walked every node and GPU), the
          # maintenance listing of a domain window (it walked every GPU), the dashboard's parts

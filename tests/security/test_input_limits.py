@@ -1,7 +1,7 @@
 """Bad input at the edge, on SQLite and PostgreSQL alike: over-long strings, NUL bytes and lone
 surrogates, integers past a column's range, NaN and infinity, wrong types, oversized bodies. Each is
 a 4xx / INVALID_ARGUMENT (or the matching code) naming the field, changes nothing, and never shows a
-client SQL text or a 5xx. The limits themselves are in ntp_manager/limits.py."""
+client SQL text or a 5xx. The limits themselves are in ntp_manager/contract/limits.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
-from ntp_manager import limits
+from ntp_manager.contract import limits
 from ntp_manager.contract.proto.ntp.v1 import agent_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 from ntp_manager.store.models import AuditRow, HealthEventRow, JobRow
 from tests.fakes.agent_client import ScriptedAgent, gpu_uuids

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from ntp_manager.logs import RoutedFiles, auto_format, configure_logging
+from ntp_manager.contract.logs import RoutedFiles, auto_format, configure_logging
 
 
 @pytest.fixture

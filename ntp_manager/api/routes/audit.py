@@ -4,9 +4,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path
 
-from ntp_manager import limits
 from ntp_manager.api.edge import NOT_FOUND, Limit, Offset, ident, require
 from ntp_manager.auth import Principal
+from ntp_manager.contract import limits
 from ntp_manager.service.manager import Manager
 
 

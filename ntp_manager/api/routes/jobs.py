@@ -7,9 +7,9 @@ from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from ntp_manager import limits
 from ntp_manager.api.edge import E4, NOT_FOUND, Error, GpuId, IdemKey, Limit, Offset, json_reply, mutate, require
 from ntp_manager.auth import Principal
+from ntp_manager.contract import limits
 from ntp_manager.jsontext import StoredJson
 from ntp_manager.planner.layout import LayoutDoc
 from ntp_manager.service import layout_views as views

@@ -6,9 +6,9 @@ from fastapi import APIRouter, Depends, Path, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from ntp_manager import limits
 from ntp_manager.api.edge import E4, IdemKey, Limit, Offset, OptReason, Reason, When, mutate, require
 from ntp_manager.auth import Principal
+from ntp_manager.contract import limits
 from ntp_manager.service.manager import Manager
 
 

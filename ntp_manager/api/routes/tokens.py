@@ -5,9 +5,9 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Path
 from pydantic import BaseModel, ConfigDict, Field
 
-from ntp_manager import limits
 from ntp_manager.api.edge import E4, require
 from ntp_manager.auth import Principal
+from ntp_manager.contract import limits
 from ntp_manager.service.manager import Manager
 from ntp_manager.service.queries import page
 
