@@ -75,8 +75,10 @@ def test_the_job_spec_is_checked_before_anything_starts(tmp_path: Path) -> None:
     p = tmp_path / "job.yaml"
     p.write_text("tp: 2\nreplicas: 2\nlocal_batch: 4\nmin_tp: 1\nheads: 6\nmlp_columns: 96\n")
     assert load_spec(str(p), "j-1")["tp"] == 2
-    for text, msg in [("tp: 2\n", "replicas"), ("name: x\ntp: 2\nreplicas: 1\nlocal_batch: 1\n", "leave 'name' out"),
-                      ("- 1\n", "mapping"), ("tp: [\n", "not YAML")]:
+    # its fields are the manager's to check, at registration (tests/integration/test_slurm_register.py)
+    for text, msg in [("name: x\ntp: 2\nreplicas: 1\nlocal_batch: 1\n", "leave 'name' out"),
+                      ("domains: [d]\ntp: 2\n", "leave 'domains' out"), ("- 1\n", "mapping"),
+                      ("1: 2\n", "mapping"), ("tp: [\n", "not YAML")]:
         p.write_text(text)
         with pytest.raises(SlurmEnvError, match=msg):
             load_spec(str(p), "j-1")
