@@ -147,7 +147,7 @@ class Sim:
 
 async def main() -> None:
     loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
+    reader = asyncio.StreamReader(limit=64 << 20)  # the config line lists every agent (MBs at 12,500)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     cfg = json.loads(await reader.readline())
     opts = [("grpc.use_local_subchannel_pool", 1), *CLIENT_KEEPALIVE]  # a stopped manager is noticed
