@@ -62,70 +62,58 @@ from ntp_manager.store import db, write_log
 LEADER_TABLES = (*write_log.TABLES, "outbox_state", "outbox_quarantine", "agent_commands")
 
 
-class Gen:
+class Child:
+    """A generator process of the bench: one JSON line in (its config, then commands), one JSON line
+    out per command."""
+
+    def __init__(self, script: str, label: str, config: dict[str, Any]) -> None:
+        self.label = label
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name(script))],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._send(config)
+
+    def _send(self, d: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(d) + "\n")
+        self.proc.stdin.flush()
+
+    async def ask(self, d: dict[str, Any]) -> dict[str, Any]:
+        self._send(d)
+        assert self.proc.stdout is not None
+        line = await asyncio.to_thread(self.proc.stdout.readline)
+        if not line:
+            raise RuntimeError(f"{self.label} ended (status {self.proc.poll()})")
+        return dict(json.loads(line))
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._send({"cmd": "quit"})
+        with contextlib.suppress(Exception):
+            self.proc.wait(10)
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+
+class Gen(Child):
     """One load-generator process (bench/fleet_load.py)."""
 
     def __init__(self, targets: list[str], nodes: list[tuple[str, str]], home: int) -> None:
         self.home = home  # the index of the manager its agents prefer
         self.nodes = [n for n, _ in nodes]
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("fleet_load.py"))],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._send({"targets": targets, "nodes": nodes, "gpus": 8, "heartbeat_s": 2.0})
-
-    def _send(self, d: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(d) + "\n")
-        self.proc.stdin.flush()
-
-    async def ask(self, d: dict[str, Any]) -> dict[str, Any]:
-        self._send(d)
-        assert self.proc.stdout is not None
-        line = await asyncio.to_thread(self.proc.stdout.readline)
-        if not line:
-            raise RuntimeError(f"load generator {self.home} ended (status {self.proc.poll()})")
-        return dict(json.loads(line))
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self._send({"cmd": "quit"})
-        with contextlib.suppress(Exception):
-            self.proc.wait(10)
-        if self.proc.poll() is None:
-            self.proc.kill()
+        super().__init__("fleet_load.py", f"load generator {home}",
+                         {"targets": targets, "nodes": nodes, "gpus": 8, "heartbeat_s": 2.0})
 
     def cpu(self) -> float:
         return cpu_seconds(self.proc.pid)
 
 
-class WatchGen:
+class WatchGen(Child):
     """One process of simulated layout watches (bench/fleet_watchers.py)."""
 
     def __init__(self, targets: list[str], token: str, gpus: list[str]) -> None:
         self.n = len(gpus)
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("fleet_watchers.py"))],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._send({"targets": targets, "token": token, "job": "fleet", "gpus": gpus})
-
-    def _send(self, d: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(d) + "\n")
-        self.proc.stdin.flush()
-
-    async def ask(self, d: dict[str, Any]) -> dict[str, Any]:
-        self._send(d)
-        assert self.proc.stdout is not None
-        line = await asyncio.to_thread(self.proc.stdout.readline)
-        if not line:
-            raise RuntimeError(f"watch generator ended (status {self.proc.poll()})")
-        return dict(json.loads(line))
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self._send({"cmd": "quit"})
-        with contextlib.suppress(Exception):
-            self.proc.wait(10)
-        if self.proc.poll() is None:
-            self.proc.kill()
+        super().__init__("fleet_watchers.py", "watch generator",
+                         {"targets": targets, "token": token, "job": "fleet", "gpus": gpus})
 
 
 async def watchers_start(args: argparse.Namespace, grpcs: list[str], token: str, nodes: list[str]) -> list[WatchGen]:
