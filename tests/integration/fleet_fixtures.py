@@ -17,6 +17,7 @@ import asyncpg
 from ntp_manager.agent.core import Agent
 from ntp_manager.manager_process import ManagerProcess
 from ntp_manager.store import write_log
+from tests.fakes.partition import Partition
 from tests.integration.conftest import database
 from tests.integration.test_ha import LEASE, eventually, get, make_agent, prepare
 
@@ -43,6 +44,23 @@ async def fleet(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
         finally:
             for p in procs:
                 p.stop(graceful=False)
+
+
+@contextlib.asynccontextmanager
+async def leader_and_cut_off_standby(c: dict[str, Any]) -> AsyncIterator[tuple[ManagerProcess, ManagerProcess,
+                                                                               Partition]]:
+    """Manager a leading, and standby b reaching PostgreSQL through a proxy the test can cut
+    (`proxy.cut()`: nobody is told, b's calls hang) with a 1 s store timeout."""
+    proxy = Partition.to(c["url"])
+    await proxy.start()
+    try:
+        a = c["start"]("a")
+        await a.ready_async()
+        b = c["start"]("b", via=proxy.url(c["url"]), NTP_FLEET_STORE_TIMEOUT_S="1")
+        assert (await b.ready_async())["role"] == "standby"
+        yield a, b, proxy
+    finally:
+        await proxy.stop()
 
 
 async def started(c: dict[str, Any], *names: str, **extra: str) -> list[ManagerProcess]:

@@ -40,7 +40,6 @@ import pytest
 from ntp_manager.contract.proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from ntp_manager.manager_process import ManagerProcess
 from ntp_manager.store import write_log
-from tests.fakes.partition import Partition
 from tests.integration.conftest import PG, database
 from tests.integration.fleet_fixtures import (
     FLEET,
@@ -51,6 +50,7 @@ from tests.integration.fleet_fixtures import (
     failed_on,
     fleet,
     layout,
+    leader_and_cut_off_standby,
     settled,
     started,
 )
@@ -256,37 +256,28 @@ async def test_a_manager_that_dies_drops_only_its_own_streams(tmp_path: Path) ->
 
 
 async def test_a_standby_cut_off_from_the_database_acknowledges_nothing(tmp_path: Path) -> None:
-    async with fleet(tmp_path) as c:
-        proxy = Partition.to(c["url"])
-        await proxy.start()
+    async with fleet(tmp_path) as c, leader_and_cut_off_standby(c) as (a, b, proxy):
+        op = c["tokens"]["operator"]
+        agents, backends, tasks = await agents_on(c, [[a.grpc, b.grpc], [b.grpc, a.grpc]])
         try:
-            a = c["start"]("a")
-            await a.ready_async()
-            b = c["start"]("b", via=proxy.url(c["url"]), NTP_FLEET_STORE_TIMEOUT_S="1")
-            assert (await b.ready_async())["role"] == "standby"
-            op = c["tokens"]["operator"]
-            agents, backends, tasks = await agents_on(c, [[a.grpc, b.grpc], [b.grpc, a.grpc]])
-            try:
-                assert [x.target for x in agents] == [a.grpc, b.grpc]
-                await job_on(a.http, op, agents)
-                await eventually(lambda: layout(a.http, op), what="first layout")
-                proxy.cut()  # b cannot reach PostgreSQL; nobody is told, its calls hang
-                backends[1].inject("xid", 0, xid=79)
-                await eventually(lambda: agents[1].sent_upto >= 1, what="report sent to the cut-off standby")
-                # b could not store it, so it answered UNAVAILABLE (never an ack); the agent went to a
-                await eventually(lambda: agents[1].last_acked >= 1, what="report acknowledged by a")
-                assert agents[1].failovers >= 1 and agents[1].target == a.grpc
-                await eventually(lambda: failed_on(a.http, op), what="the leader applied it")
-                assert await failed_on(a.http, op) == {g.uuid for g in agents[1].statics}
-                assert agents[0].failovers == 0
-                await eventually(lambda: applied_all(c["pg"]), what="the outbox applied")
-                assert (await counters(c["pg"]))["quarantined"] == 0
-                await eventually(lambda: settled(c["pg"], agents[1]), what="acknowledged reports applied")
-                await check_reports(c["pg"], agents[1])
-            finally:
-                await stop_agents(agents, tasks)
+            assert [x.target for x in agents] == [a.grpc, b.grpc]
+            await job_on(a.http, op, agents)
+            await eventually(lambda: layout(a.http, op), what="first layout")
+            proxy.cut()  # b cannot reach PostgreSQL; nobody is told, its calls hang
+            backends[1].inject("xid", 0, xid=79)
+            await eventually(lambda: agents[1].sent_upto >= 1, what="report sent to the cut-off standby")
+            # b could not store it, so it answered UNAVAILABLE (never an ack); the agent went to a
+            await eventually(lambda: agents[1].last_acked >= 1, what="report acknowledged by a")
+            assert agents[1].failovers >= 1 and agents[1].target == a.grpc
+            await eventually(lambda: failed_on(a.http, op), what="the leader applied it")
+            assert await failed_on(a.http, op) == {g.uuid for g in agents[1].statics}
+            assert agents[0].failovers == 0
+            await eventually(lambda: applied_all(c["pg"]), what="the outbox applied")
+            assert (await counters(c["pg"]))["quarantined"] == 0
+            await eventually(lambda: settled(c["pg"], agents[1]), what="acknowledged reports applied")
+            await check_reports(c["pg"], agents[1])
         finally:
-            await proxy.stop()
+            await stop_agents(agents, tasks)
 
 
 # ---- PostgreSQL restarted: a throwaway cluster, so that the shared server other tests use stays up ----

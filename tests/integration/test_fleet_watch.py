@@ -29,9 +29,17 @@ from ntp_manager.service.errors import NotFound
 from ntp_manager.service.manager import GpuInventory, Manager
 from ntp_manager.settings import Settings
 from ntp_manager.worker.sources import GrpcLayoutSource, WorkerLayout
-from tests.fakes.partition import Partition
 from tests.integration.conftest import PG, database
-from tests.integration.fleet_fixtures import agents_on, applied_all, counters, failed_on, fleet, layout, started
+from tests.integration.fleet_fixtures import (
+    agents_on,
+    applied_all,
+    counters,
+    failed_on,
+    fleet,
+    layout,
+    leader_and_cut_off_standby,
+    started,
+)
 from tests.integration.test_ha import JOB, eventually, get, job_on, stop_agents
 
 pytestmark = pytest.mark.skipif(not PG, reason="NTP_TEST_POSTGRES_URL is not set (no PostgreSQL server to test with)")
@@ -215,32 +223,23 @@ async def test_a_standby_reads_a_new_layout_when_the_leader_notifies_it(tmp_path
 
 
 async def test_a_standby_cut_off_from_the_database_ends_its_watches(tmp_path: Path) -> None:
-    async with fleet(tmp_path) as c:
-        proxy = Partition.to(c["url"])
-        await proxy.start()
+    async with fleet(tmp_path) as c, leader_and_cut_off_standby(c) as (a, b, proxy):
+        op = c["tokens"]["operator"]
+        agents, backends, tasks = await agents_on(c, [[a.grpc, b.grpc], [a.grpc, b.grpc]])
+        watches: list[GrpcLayoutSource] = []
         try:
-            a = c["start"]("a")
-            await a.ready_async()
-            b = c["start"]("b", via=proxy.url(c["url"]), NTP_FLEET_STORE_TIMEOUT_S="1")
-            assert (await b.ready_async())["role"] == "standby"
-            op = c["tokens"]["operator"]
-            agents, backends, tasks = await agents_on(c, [[a.grpc, b.grpc], [a.grpc, b.grpc]])
-            watches: list[GrpcLayoutSource] = []
-            try:
-                await job_on(a.http, op, agents)
-                await eventually(lambda: layout(a.http, op), what="first layout")
-                w = await watch(c, [b.grpc, a.grpc], agents[0].statics[0].uuid)
-                watches.append(w)
-                old = w.latest()
-                assert old is not None and w.target == b.grpc
-                proxy.cut()  # b cannot reach PostgreSQL: it would never see a new layout
-                await eventually(lambda: w.target == a.grpc and w.failovers >= 1, what="the watch moved to a")
-                backends[1].inject("xid", 0, xid=79)
-                got = await newer(w, old, "the next layout, from a")
-                assert len(got.replicas) == 1 and w.target == a.grpc
-            finally:
-                for x in watches:
-                    x.close()
-                await stop_agents(agents, tasks)
+            await job_on(a.http, op, agents)
+            await eventually(lambda: layout(a.http, op), what="first layout")
+            w = await watch(c, [b.grpc, a.grpc], agents[0].statics[0].uuid)
+            watches.append(w)
+            old = w.latest()
+            assert old is not None and w.target == b.grpc
+            proxy.cut()  # b cannot reach PostgreSQL: it would never see a new layout
+            await eventually(lambda: w.target == a.grpc and w.failovers >= 1, what="the watch moved to a")
+            backends[1].inject("xid", 0, xid=79)
+            got = await newer(w, old, "the next layout, from a")
+            assert len(got.replicas) == 1 and w.target == a.grpc
         finally:
-            await proxy.stop()
+            for x in watches:
+                x.close()
+            await stop_agents(agents, tasks)
