@@ -18,8 +18,7 @@ from ntp_manager.agent.core import Agent
 from ntp_manager.manager_process import ManagerProcess
 from ntp_manager.store import write_log
 from tests.fakes.partition import Partition
-from tests.integration.conftest import database
-from tests.integration.test_ha import LEASE, eventually, get, make_agent, prepare
+from tests.integration.test_ha import LEASE, cluster, eventually, get, make_agent
 
 # balance off unless a test turns it on: the tests place their clients on chosen managers
 FLEET = {**LEASE, "NTP_FLEET_INGEST": "1", "NTP_FLEET_POLL_S": "0.2", "NTP_FLEET_BALANCE_S": "0"}
@@ -28,22 +27,9 @@ LEADER_TABLES = (*write_log.TABLES, "outbox_state", "outbox_quarantine", "agent_
 
 @contextlib.asynccontextmanager
 async def fleet(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
-    async with database("postgres", tmp_path) as url:
-        tokens = await prepare(url)
-        await write_log.install(url, LEADER_TABLES)
-        procs: list[ManagerProcess] = []
-
-        def start(name: str, via: str | None = None, **extra: str) -> ManagerProcess:
-            p = ManagerProcess(name, via or url, tmp_path / f"manager-{name}.log", {**FLEET, **extra})
-            procs.append(p)
-            return p
-
-        try:
-            yield {"url": url, "pg": url.replace("postgresql+asyncpg://", "postgresql://"), "tokens": tokens,
-                   "start": start}
-        finally:
-            for p in procs:
-                p.stop(graceful=False)
+    """test_ha's cluster with fleet mode on and the outbox's leader tables in the write log."""
+    async with cluster(tmp_path, FLEET, LEADER_TABLES) as c:
+        yield c
 
 
 @contextlib.asynccontextmanager

@@ -65,17 +65,19 @@ async def prepare(url: str) -> dict[str, str]:
 
 
 @contextlib.asynccontextmanager
-async def cluster(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
-    """A fresh database, migrated, with the write log and tokens; managers are started by the test
-    (`start(name)`) and all killed at the end."""
+async def cluster(tmp_path: Path, env: dict[str, str] | None = None,
+                  logged: tuple[str, ...] = write_log.TABLES) -> AsyncIterator[dict[str, Any]]:
+    """A fresh database, migrated, with the write log (on `logged`) and tokens; managers are started
+    by the test (`start(name)`, with `env`, default LEASE) and all killed at the end."""
     async with database("postgres", tmp_path) as url:
         tokens = await prepare(url)
-        await write_log.install(url)
+        await write_log.install(url, logged)
         procs: list[ManagerProcess] = []
 
         def start(name: str, via: str | None = None, **extra: str) -> ManagerProcess:
             """Manager `name` on the database (`via`: the database's URL through a proxy)."""
-            p = ManagerProcess(name, via or url, tmp_path / f"manager-{name}.log", {**LEASE, **extra})
+            base = LEASE if env is None else env
+            p = ManagerProcess(name, via or url, tmp_path / f"manager-{name}.log", {**base, **extra})
             procs.append(p)
             return p
 
