@@ -27,8 +27,6 @@ JSON line on stdout:
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import sys
 import time
 from pathlib import Path
@@ -38,11 +36,10 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ntp_manager.contract.client import CLIENT_KEEPALIVE
+from bench.fleet_child import CHANNELS, ChildLoop
 from ntp_manager.contract.proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 HEALTHY, FAILED, DEGRADED = common_pb2.GPU_STATE_HEALTHY, common_pb2.GPU_STATE_FAILED, common_pb2.GPU_STATE_DEGRADED
-CHANNELS = 8  # per address (HTTP/2 connections the agents of this process share)
 
 
 class Sim:
@@ -146,64 +143,45 @@ class Sim:
 
 
 async def main() -> None:
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(limit=64 << 20)  # the config line lists every agent (MBs at 12,500)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    cfg = json.loads(await reader.readline())
-    opts = [("grpc.use_local_subchannel_pool", 1), *CLIENT_KEEPALIVE]  # a stopped manager is noticed
-    chans = {t: [grpc.aio.insecure_channel(t, options=opts)
-                 for _ in range(CHANNELS)] for t in cfg["targets"]}
+    child = ChildLoop()  # keepalive options: a stopped manager is noticed
+    cfg = await child.config()
     stop = asyncio.Event()
     t0 = time.perf_counter()
-    sims = [Sim(i, n, tok, cfg["targets"], cfg.get("gpus", 8), chans, cfg.get("heartbeat_s", 2.0))
+    sims = [Sim(i, n, tok, cfg["targets"], cfg.get("gpus", 8), child.chans, cfg.get("heartbeat_s", 2.0))
             for i, (n, tok) in enumerate(cfg["nodes"])]
     tasks = [asyncio.create_task(s.run(stop)) for s in sims]
 
-    def out(d: dict[str, Any]) -> None:
-        sys.stdout.write(json.dumps(d) + "\n")
-        sys.stdout.flush()
+    async def ready(c: dict[str, Any]) -> dict[str, Any]:
+        for s in sims:
+            await s.connected.wait()
+        return {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time()}
 
-    while line := await reader.readline():
-        c = json.loads(line)
-        cmd = c["cmd"]
-        if cmd == "ready":
-            for s in sims:
-                await s.connected.wait()
-            out({"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time()})
-        elif cmd == "reports":
-            t1, c1 = time.perf_counter(), time.process_time()
-            await asyncio.gather(*(s.reports(int(c["k"])) for s in sims))
-            out({"reports": len(sims) * int(c["k"]), "wall_s": time.perf_counter() - t1,
-                 "cpu_s": time.process_time() - c1})
-        elif cmd == "fail":  # an agent connected to a manager other than c["not"] (the leader)
-            live = [x for x in sims if x.connected.is_set() and x.state != FAILED]
-            # one on another manager than c["not"] if any (else one on it: it re-sends after reconnecting)
-            s = next((x for x in live if x.targets[x.t % len(x.targets)] != c.get("not")),
-                     None if c.get("strict") or not live else live[0])
-            if s is not None:
-                s.state = FAILED
-                s.report(FAILED)
-            out({"node": None if s is None else s.node,
-                 "on_it": s is not None and s.targets[s.t % len(s.targets)] == c.get("not")})
-        elif cmd == "retarget":  # a manager restarted on a new address: the agents' lists name it
-            chans.setdefault(c["new"], [grpc.aio.insecure_channel(c["new"], options=opts) for _ in range(CHANNELS)])
-            for x in sims:
-                x.targets = [c["new"] if t == c["old"] else t for t in x.targets]
-            out({"ok": True})
-        elif cmd == "stats":
-            out({"acked": {s.node: s.acked for s in sims}, "moves": sum(s.moves for s in sims),
-                 "gaps_s": [g for s in sims for g in s.gaps], "cpu_s": time.process_time(),
-                 "connected": sum(s.connected.is_set() for s in sims),
-                 "on": [s.targets[s.t % len(s.targets)] for s in sims if s.connected.is_set()]})
-        elif cmd == "quit":
-            break
-    stop.set()
-    for t in tasks:
-        t.cancel()
-    for t in tasks:
-        with contextlib.suppress(BaseException):
-            await t
-    out({"bye": True})
+    async def reports(c: dict[str, Any]) -> dict[str, Any]:
+        t1, c1 = time.perf_counter(), time.process_time()
+        await asyncio.gather(*(s.reports(int(c["k"])) for s in sims))
+        return {"reports": len(sims) * int(c["k"]), "wall_s": time.perf_counter() - t1,
+                "cpu_s": time.process_time() - c1}
+
+    async def fail(c: dict[str, Any]) -> dict[str, Any]:  # an agent connected to a manager other than c["not"]
+        live = [x for x in sims if x.connected.is_set() and x.state != FAILED]
+        # one on another manager than c["not"] if any (else one on it: it re-sends after reconnecting)
+        s = next((x for x in live if x.targets[x.t % len(x.targets)] != c.get("not")),
+                 None if c.get("strict") or not live else live[0])
+        if s is not None:
+            s.state = FAILED
+            s.report(FAILED)
+        return {"node": None if s is None else s.node,
+                "on_it": s is not None and s.targets[s.t % len(s.targets)] == c.get("not")}
+
+    async def stats(c: dict[str, Any]) -> dict[str, Any]:
+        return {"acked": {s.node: s.acked for s in sims}, "moves": sum(s.moves for s in sims),
+                "gaps_s": [g for s in sims for g in s.gaps], "cpu_s": time.process_time(),
+                "connected": sum(s.connected.is_set() for s in sims),
+                "on": [s.targets[s.t % len(s.targets)] for s in sims if s.connected.is_set()]}
+
+    await child.serve({"ready": ready, "reports": reports, "fail": fail, "stats": stats}, sims)
+    await child.finish(stop, tasks)
+    child.out({"bye": True})
 
 
 if __name__ == "__main__":

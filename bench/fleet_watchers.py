@@ -20,8 +20,6 @@ Then reads commands on stdin, answering each with one JSON line on stdout:
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import sys
 import time
 from collections import Counter
@@ -32,10 +30,9 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ntp_manager.contract.client import CLIENT_KEEPALIVE, leader_hint
+from bench.fleet_child import CHANNELS, ChildLoop
+from ntp_manager.contract.client import leader_hint
 from ntp_manager.contract.proto.ntp.v1 import common_pb2, worker_pb2
-
-CHANNELS = 8  # per address
 
 
 def stamp_of(data: bytes) -> tuple[int, int]:
@@ -94,48 +91,28 @@ class Watcher:
 
 
 async def main() -> None:
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(limit=64 << 20)  # the config line lists every agent (MBs at 12,500)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    cfg = json.loads(await reader.readline())
-    opts = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", 256 << 20),
-            *CLIENT_KEEPALIVE]
-    chans = {t: [grpc.aio.insecure_channel(t, options=opts) for _ in range(CHANNELS)] for t in cfg["targets"]}
+    child = ChildLoop([("grpc.max_receive_message_length", 256 << 20)])
+    cfg = await child.config()
     stop = asyncio.Event()
     t0 = time.perf_counter()
-    ws = [Watcher(i, g, cfg["targets"], chans, cfg["token"], cfg["job"]) for i, g in enumerate(cfg["gpus"])]
+    ws = [Watcher(i, g, cfg["targets"], child.chans, cfg["token"], cfg["job"]) for i, g in enumerate(cfg["gpus"])]
     tasks = [asyncio.create_task(w.run(stop)) for w in ws]
 
-    def out(d: dict[str, Any]) -> None:
-        sys.stdout.write(json.dumps(d) + "\n")
-        sys.stdout.flush()
+    async def ready(c: dict[str, Any]) -> dict[str, Any]:
+        for w in ws:
+            await w.connected.wait()
+        return {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time()}
 
-    while line := await reader.readline():
-        c = json.loads(line)
-        if c["cmd"] == "ready":
-            for w in ws:
-                await w.connected.wait()
-            out({"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time()})
-        elif c["cmd"] == "stats":
-            out({"connected": sum(w.connected.is_set() for w in ws), "reconnects": sum(w.reconnects for w in ws),
-                 "moved": sum(w.moved for w in ws),
-                 "lost_from": dict(sum((w.lost_from for w in ws), Counter())),
-                 "gaps_s": [g for w in ws for g in w.gaps],
-                 "epochs": dict(Counter(w.newest[0] for w in ws)),
-                 "on": [w.target for w in ws if w.connected.is_set()], "cpu_s": time.process_time()})
-        elif c["cmd"] == "retarget":
-            chans.setdefault(c["new"], [grpc.aio.insecure_channel(c["new"], options=opts) for _ in range(CHANNELS)])
-            for w in ws:
-                w.targets = [c["new"] if t == c["old"] else t for t in w.targets]
-            out({"ok": True})
-        elif c["cmd"] == "quit":
-            break
-    stop.set()
-    for t in tasks:
-        t.cancel()
-    for t in tasks:
-        with contextlib.suppress(BaseException):
-            await t
+    async def stats(c: dict[str, Any]) -> dict[str, Any]:
+        return {"connected": sum(w.connected.is_set() for w in ws), "reconnects": sum(w.reconnects for w in ws),
+                "moved": sum(w.moved for w in ws),
+                "lost_from": dict(sum((w.lost_from for w in ws), Counter())),
+                "gaps_s": [g for w in ws for g in w.gaps],
+                "epochs": dict(Counter(w.newest[0] for w in ws)),
+                "on": [w.target for w in ws if w.connected.is_set()], "cpu_s": time.process_time()}
+
+    await child.serve({"ready": ready, "stats": stats}, ws)
+    await child.finish(stop, tasks)
 
 
 if __name__ == "__main__":
