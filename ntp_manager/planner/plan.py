@@ -573,6 +573,11 @@ def _power_aware_selection(
             keep.pop()
         saved = {id(c): (list(c.group_power), c.batch) for c in keep}
         if not _regrant_selected(ctx, job, keep, others):
+            # no batch rose: the grants it raised are undone too. They assumed every replica in
+            # `others` draws nominal, and a trimmed last replica is still selected and runs boosted
+            # (its rack went over budget: a TP6 raised to 1.3x beside its TP7 rack-mate at 1.23x)
+            for c in keep:
+                c.group_power[:], c.batch = saved[id(c)]
             return chosen, total
         viable.sort(key=lambda c: (-c.batch, -c.stayers))
         again, again_total = _select(intact + viable, target)

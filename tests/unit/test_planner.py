@@ -282,6 +282,22 @@ def test_power_curve_is_used_when_given():
     assert pm.power_for_speed(1.2) == math.inf
 
 
+def test_a_regrant_that_lifts_no_batch_is_undone_and_the_rack_stays_in_budget():
+    # Found by the property test below (CI, 2026-11-28). One rack of 16 (budget 1.0 x 16,000 W), GPUs
+    # 0, 1 and 8 failed: a TP6 and a TP7 group, both granted 16,000 / 13 = 1.2308x; target 3 samples
+    # = TP6 (batch 2) + TP7 trimmed to 1. Granted again as if the trimmed TP7 drew nominal, the TP6
+    # rose to 1.3x, which lifted no batch, so the selection stayed: the TP7 still ran at 1.2308x and
+    # the rack drew 16,415 W. The raise is now undone when no batch rises.
+    cluster = cluster_from_counts([16], [(0, 0), (0, 1), (0, 8)])
+    spec = job(tp=8, replicas=1, spares=1, batch=3, min_tp=1, scheme=Scheme.NTP_PW,
+               power=PowerModel(max_boost=1.5, rack_headroom=1.0))
+    plan = make_plan(cluster, spec)
+    assert plan.global_batch == 3
+    assert sorted(r.tp for r in plan.replicas) == [6, 7]
+    assert sum(plan.power_caps_w.values()) <= 16_000 + 1e-6
+    assert all(w == pytest.approx(16_000 / 13, abs=1e-3) for w in plan.power_caps_w.values())
+
+
 @settings(max_examples=200, deadline=None)
 @given(scenarios(), st.floats(0.9, 1.4), st.floats(1.0, 1.5))
 def test_power_caps_never_exceed_rack_budget_or_gpu_cap(sc, headroom, max_boost):
