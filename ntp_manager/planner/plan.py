@@ -581,8 +581,11 @@ def _power_aware_selection(
             return chosen, total
         viable.sort(key=lambda c: (-c.batch, -c.stayers))
         again, again_total = _select(intact + viable, target)
-        if dropping and any(c is last for c, _ in again):
-            for c in keep:  # undo: the trimmed replica still runs and draws its own grant
+        out = {id(c) for c in others}
+        if any(id(c) in out for c, _ in again):
+            # undo: a replica the grants counted at nominal (the trimmed last one, or one standing
+            # by) runs after all, at the grant it had before
+            for c in keep:
                 c.group_power[:], c.batch = saved[id(c)]
             viable.sort(key=lambda c: (-c.batch, -c.stayers))
             return _select(intact + viable, target)
