@@ -44,6 +44,7 @@ from ntp_manager.clock import Clock
 from ntp_manager.contract.gpu import GpuState
 from ntp_manager.service.leader import NotLeader
 from ntp_manager.service.state import SHAPE_FIELDS, GpuChange, GpuRec, NodeChange, NodeRec, World, apply
+from ntp_manager.store import pgbulk
 from ntp_manager.store.models import AuditRow, DomainRow, GpuRow, HealthEventRow, NodeRow
 
 log = structlog.get_logger("ntp.kernel")
@@ -173,6 +174,9 @@ class Tx:
     async def flush(self) -> None:
         """Write everything staged: inserts, then ORM rows, then updates, events and audits."""
         s, now = self.session, self.now
+        if pgbulk.usable(s):
+            await self._flush_pg()
+            return
         if self._new_domains:
             await s.execute(insert(DOMAINS), [{"id": d, "power_budget_w": None, "created_at": now}
                                               for d in self._new_domains])
@@ -190,6 +194,28 @@ class Tx:
             await s.execute(insert(EVENTS), self._events)
         if self._audits:
             await s.execute(insert(AUDIT), self._audits)
+
+    async def _flush_pg(self) -> None:
+        """`flush` on PostgreSQL: the same rows, one statement per table with its rows as arrays
+        (store/pgbulk.py: no per-row parameter processing in SQLAlchemy)."""
+        s, now = self.session, self.now
+        if self._new_domains:
+            await pgbulk.insert(s, DOMAINS, [{"id": d, "power_budget_w": None, "created_at": now}
+                                             for d in self._new_domains])
+        if self._new_nodes:
+            await pgbulk.insert(s, NODES, [
+                {"name": n.name, "domain_id": n.domain, "boot_id": n.boot_id, "agent_version": n.agent_version,
+                 "last_seq": n.last_seq, "drain_deadline": n.drain_deadline, "drain_reason": n.drain_reason,
+                 "registered_at": now} for n in self._new_nodes.values()])
+        if self._new_gpus:
+            await pgbulk.insert(s, GPUS, [_gpu_row(g, now) for g in self._new_gpus.values()])
+        await s.flush()
+        for table, key, columns, changes, views in ((NODES, "name", NODE_COLUMNS, self._nodes, self._node_views),
+                                                    (GPUS, "uuid", GPU_COLUMNS, self._gpus, self._views)):
+            if changes:
+                await pgbulk.update(s, table, key, columns, [_update_row(columns, pk, views[pk]) for pk in changes])
+        await pgbulk.insert(s, EVENTS, self._events)
+        await pgbulk.insert(s, AUDIT, self._audits)
 
     def publish(self, world: World) -> None:
         """Apply the committed changes to memory (the same values the rows got)."""
@@ -243,13 +269,13 @@ async def _bulk_update(s: AsyncSession, table: Table, key: str, columns: tuple[s
     if stmt is None:
         stmt = update(table).where(table.c[key] == bindparam("pk_")).values({c: bindparam(c) for c in columns})
         _UPDATES[table.name] = stmt
-    params = []
-    for pk in changes:
-        view = views[pk]
-        row = {c: getattr(view, c) for c in columns}
-        row["pk_"] = pk
-        params.append(row)
-    await s.execute(stmt, params)
+    await s.execute(stmt, [_update_row(columns, pk, views[pk]) for pk in changes])
+
+
+def _update_row(columns: tuple[str, ...], pk: str, view: Any) -> dict[str, Any]:
+    row = {c: getattr(view, c) for c in columns}
+    row["pk_"] = pk
+    return row
 
 
 @dataclass
