@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ntp_manager.service.balance import moves
+from ntp_manager.service.balance import Landing, moves
 
 
 def test_a_manager_within_its_share_moves_nothing() -> None:
@@ -30,3 +30,30 @@ def test_alone_or_holding_nothing_it_moves_nothing() -> None:
     assert moves(100, "a", {"a": 100}, 0.1, 100) == {}
     assert moves(0, "a", {"a": 0, "b": 7}, 0.1, 100) == {}
     assert moves(4, "a", {"a": 4, "": 0}, 0.0, 100) == {}  # a manager that advertises no address
+
+
+def test_a_closed_manager_counts_for_the_share_but_gets_nothing() -> None:
+    assert moves(60, "a", {"a": 60, "b": 60, "c": 0}, 0.1, 100, {"c"}) == {}  # b holds as many: no move
+    assert moves(90, "a", {"a": 90, "b": 30, "c": 0}, 0.0, 100, {"c"}) == {"b": 30}  # share 40; b until even
+
+
+def test_moves_that_do_not_land_close_the_target_until_they_do_or_the_hold_ends() -> None:
+    land = Landing(hold=2)
+    assert land.closed({"a": 2600, "c": 1900}) == set()
+    land.told("c", 1900, 300)
+    assert land.closed({"a": 2300, "c": 1950}) == {"c"}  # grew by 50 of 300: not landed
+    assert moves(2300, "a", {"a": 2300, "b": 2600, "c": 1950}, 0.1, 500, {"c"}) == {}
+    assert land.closed({"a": 2300, "c": 1960}) == {"c"}
+    assert land.closed({"a": 2300, "c": 1960}) == set()  # held 2 passes: tried again
+    land.told("c", 1960, 100)
+    assert land.closed({"c": 2010}) == set()  # half of them arrived: landed
+    land.told("c", 2010, 10)
+    assert land.closed({"a": 5}) == set()  # the target is gone
+
+
+def test_moves_told_in_one_pass_add_up() -> None:
+    land = Landing()
+    land.told("c", 100, 40)
+    land.told("c", 130, 40)  # a second call in the same pass: base stays at 100, told 80
+    assert land.closed({"c": 130}) == {"c"}
+    assert land.closed({"c": 140}) == set()
