@@ -27,6 +27,7 @@ JSON line on stdout:
 from __future__ import annotations
 
 import asyncio
+import random
 import sys
 import time
 from pathlib import Path
@@ -37,8 +38,10 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.fleet_child import CHANNELS, ChildLoop
+from ntp_manager.contract.client import leader_hint
 from ntp_manager.contract.proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
+BACKOFF_INITIAL_S, BACKOFF_MAX_S = 0.2, 10.0  # the agent's defaults (AgentConfig)
 HEALTHY, FAILED, DEGRADED = common_pb2.GPU_STATE_HEALTHY, common_pb2.GPU_STATE_FAILED, common_pb2.GPU_STATE_DEGRADED
 
 
@@ -58,6 +61,8 @@ class Sim:
         self.connected = asyncio.Event()
         self.acked_ev = asyncio.Event()
         self.moves = 0
+        self.failed_here = 0  # addresses failed in a row (no welcome)
+        self.rounds_failed = 0  # rounds of every address failed in a row
         self.gaps: list[float] = []
         self.lost_at: float | None = None
         self.state = HEALTHY
@@ -90,6 +95,8 @@ class Sim:
                     min_mw=200_000, max_mw=1_300_000, default_mw=1_000_000)) for k, u in enumerate(self.uuids)])))
             target = self.targets[self.t % len(self.targets)]
             beat: asyncio.Task[None] | None = None
+            welcomed = False
+            hint: str | None = None
             try:
                 stub = agent_pb2_grpc.AgentServiceStub(self.chans[target][self.i % CHANNELS])
                 call = stub.Connect(self._requests(q), metadata=(("authorization", f"Bearer {self.token}"),))
@@ -107,13 +114,14 @@ class Sim:
                             self.gaps.append(time.perf_counter() - self.lost_at)
                             self.lost_at = None
                         self.connected.set()
+                        welcomed, self.rounds_failed = True, 0
                         beat = asyncio.create_task(self._beat(q))
                     elif kind == "ack":
                         self.acked = max(self.acked, msg.ack.seq)
                         self.pending = [p for p in self.pending if p[0] > msg.ack.seq]
                         self.acked_ev.set()
-            except grpc.aio.AioRpcError:
-                pass
+            except grpc.aio.AioRpcError as e:
+                hint = leader_hint(e)  # told to move (balance) or to the leader: go there, as the agent does
             finally:
                 if beat is not None:
                     beat.cancel()
@@ -124,9 +132,23 @@ class Sim:
                 q.put_nowait(None)
             if stop.is_set():
                 return
-            self.t += 1
             self.moves += 1
-            await asyncio.sleep(0.05 if self.t % len(self.targets) else 0.5)
+            if hint is not None and hint in self.targets:
+                self.t = self.targets.index(hint)
+                self.failed_here = 0
+                await asyncio.sleep(random.uniform(0, BACKOFF_INITIAL_S))
+                continue
+            self.t += 1
+            # as the real agent waits (ntp_manager/agent/core.py connect_forever): the next address at
+            # once (jittered), and after a round of failures exponentially longer, up to 10 s
+            self.failed_here = 0 if welcomed else self.failed_here + 1
+            if self.failed_here < len(self.targets):
+                await asyncio.sleep(random.uniform(0, BACKOFF_INITIAL_S))
+            else:
+                self.failed_here = 0
+                self.rounds_failed += 1
+                await asyncio.sleep(min(BACKOFF_MAX_S, BACKOFF_INITIAL_S * 2 ** self.rounds_failed)
+                                    + random.uniform(0, BACKOFF_INITIAL_S))
 
     async def _beat(self, q: asyncio.Queue[Any]) -> None:
         while True:
