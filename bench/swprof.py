@@ -47,9 +47,15 @@ def attach(pid: int, out: Path) -> subprocess.Popen[bytes]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
+def signal_stop(spy: subprocess.Popen[bytes]) -> None:
+    """Tells a sampler to stop (SIGINT: it writes its file), without waiting for it."""
+    if spy.poll() is None:
+        spy.send_signal(signal.SIGINT)
+
+
 def stop(spy: subprocess.Popen[bytes]) -> None:
-    """Stops a sampler (SIGINT: it writes its file) and waits for it."""
-    spy.send_signal(signal.SIGINT)
+    """Stops a sampler and waits for its file."""
+    signal_stop(spy)
     _, err = spy.communicate(timeout=120)
     if spy.returncode not in (0, -signal.SIGINT):
         print(f"py-spy exited {spy.returncode}: {err.decode(errors='replace')[-500:]}", file=sys.stderr)
@@ -91,8 +97,12 @@ class RankProfile:
         return sorted(self.own.items(), key=lambda kv: kv[1], reverse=True)[:n]
 
 
+_RECOVER = re.compile(r"^(\w+\.)?_recover ")  # py-spy names methods Class.method
+_RUNTIME = re.compile(r"^(\w+\.)?(_recover|train_step) ")
+
+
 def _in_recover(stack: Sequence[str]) -> bool:
-    return any(f.startswith("_recover ") for f in stack)
+    return any(_RECOVER.match(f) for f in stack)
 
 
 Sample = tuple[list[str], float]  # frames root -> leaf, seconds
@@ -127,7 +137,7 @@ def main_thread_samples(doc: dict[str, Any]) -> list[Sample]:
     best_hits = -1
     for prof in doc["profiles"]:
         samples = [([frames[i] for i in s], float(w)) for s, w in zip(prof["samples"], prof["weights"], strict=True)]
-        hits = sum(1 for s, _ in samples if any(f.startswith(("train_step ", "_recover ")) for f in s))
+        hits = sum(1 for s, _ in samples if any(_RUNTIME.match(f) for f in s))
         if hits > best_hits:
             best, best_hits = samples, hits
     return best

@@ -388,7 +388,7 @@ def bench_switch(size: str, device: str, staged: bool, chunk: int | None = None,
         if msg[0] == "timeline":
             done[msg[1]] = msg[2:]
         elif msg[2] >= park_at and msg[1] in spies:  # its first step at the new layout: stop sampling
-            swprof.stop(spies.pop(msg[1]))
+            swprof.signal_stop(spies[msg[1]])
         elif msg[2] < park_at:
             steps.setdefault(msg[2], []).append(msg[4])
     for spy in spies.values():

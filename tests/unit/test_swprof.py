@@ -12,10 +12,10 @@ from bench import swprof
 # frames as py-spy --native --format speedscope writes them (name, file, line; native ones from a .so)
 FRAMES = [
     {"name": "<module>", "file": "<string>", "line": 1},                                         # 0
-    {"name": "train_step", "file": "/w/ntp_manager/worker/runtime/__init__.py", "line": 98},     # 1
+    {"name": "Runtime.train_step", "file": "/w/ntp_manager/worker/runtime/__init__.py", "line": 98},     # 1
     {"name": "_try_step", "file": "/w/ntp_manager/worker/runtime/step.py", "line": 60},          # 2
     {"name": "wait", "file": "/w/.venv/lib/torch/distributed/distributed_c10d.py", "line": 10},  # 3
-    {"name": "_recover", "file": "/w/ntp_manager/worker/runtime/switch.py", "line": 86},         # 4
+    {"name": "_Switching._recover", "file": "/w/ntp_manager/worker/runtime/switch.py", "line": 86},         # 4
     {"name": "_apply", "file": "/w/ntp_manager/worker/runtime/switch.py", "line": 337},          # 5
     {"name": "apply_reshard", "file": "/w/ntp_manager/worker/reshard.py", "line": 200},          # 6
     {"name": "reshard_moves", "file": "/w/ntp_manager/worker/reshard.py", "line": 60},           # 7
@@ -87,7 +87,7 @@ def test_no_switch_seen_is_all_detection_wait() -> None:
 
 def test_wait_under_a_copy_name_goes_by_the_leaf() -> None:
     # the staged exchange's `_finish` (a copy) waiting on its recv: the leaf-most match decides
-    stack = ["<module> (<string>)", "_recover (switch.py)", "_finish (/w/ntp_manager/worker/comm.py)",
+    stack = ["<module> (<string>)", "_Switching._recover (switch.py)", "_finish (/w/ntp_manager/worker/comm.py)",
              "gloo::transport::tcp::UnboundBuffer::waitRecv (libtorch_cpu.so)"]
     assert swprof.switch_category(stack) == "gloo waits"
     assert swprof.switch_category(stack[:-1]) == "copies"
