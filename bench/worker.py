@@ -37,6 +37,7 @@ from torch.nn.utils import clip_grads_with_norm_
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import swprof
 from bench.common import FAILOVER_PARTS, failover_row, kill_parked, last_event, show
 from ntp_manager.worker.comm import P2P
 from ntp_manager.worker.launch import free_port
@@ -355,11 +356,13 @@ def _switch_worker(wid: str, index: int, port: int, cfg: GptConfig, device: str,
 
 
 def bench_switch(size: str, device: str, staged: bool, chunk: int | None = None, per_tensor: bool = False,
-                 park_at: int = 4) -> dict[str, Any]:
+                 park_at: int = 4, profile: Path | None = None) -> dict[str, Any]:
     """2 replicas x TP4, AdamW; w3 is killed inside step `park_at`; the survivors go to TP3 + TP4.
     Returns the seconds of each phase (the last rank to reach it), the steady step (median over the
     steps before the failure, slowest rank, after one warm-up step), and the reshard's bytes and
-    GB/s per rank (sent + received, over the rank's own reshard-moves phase)."""
+    GB/s per rank (sent + received, over the rank's own reshard-moves phase). With `profile` (a
+    folder) py-spy samples each survivor from the kill until it reports its first step at the new
+    layout (bench/swprof.py), one speedscope file per rank."""
     cfg = SWITCH_SIZES[size]
     params = sum(p.numel() for p in TinyGpt(cfg).parameters())
     port = free_port()
@@ -375,6 +378,8 @@ def bench_switch(size: str, device: str, staged: bool, chunk: int | None = None,
     for p in procs.values():
         p.start()
     t_kill = kill_parked(store, procs["w3"].pid)
+    spies = {w: swprof.attach(p.pid, profile / f"{w}.json") for w, p in procs.items()
+             if w != "w3" and p.pid is not None} if profile else {}
     publish_layout(store, "bench", 2, [(a[:3], 3), (b, 4)], "w3 failed")
     done: dict[str, tuple[Any, ...]] = {}
     steps: dict[int, list[float]] = {}
@@ -382,8 +387,12 @@ def bench_switch(size: str, device: str, staged: bool, chunk: int | None = None,
         msg = q.get(timeout=1800)
         if msg[0] == "timeline":
             done[msg[1]] = msg[2:]
+        elif msg[2] >= park_at and msg[1] in spies:  # its first step at the new layout: stop sampling
+            swprof.signal_stop(spies[msg[1]])
         elif msg[2] < park_at:
             steps.setdefault(msg[2], []).append(msg[4])
+    for spy in spies.values():
+        swprof.stop(spy)
     for p in procs.values():
         p.join(timeout=60)
     timelines = {w: d[0] for w, d in done.items()}
@@ -412,7 +421,8 @@ def bench_switch(size: str, device: str, staged: bool, chunk: int | None = None,
             "bytes max": max(moved), "messages max": max(msgs),
             "GB/s busiest": max(moved) / moves_s[moved.index(max(moved))] / 1e9 if max(moved) else float("nan"),
             "GB/s min": min(rates) if rates else float("nan"),
-            "GB/s median": statistics.median(rates) if rates else float("nan"), "phases": phases}
+            "GB/s median": statistics.median(rates) if rates else float("nan"), "phases": phases,
+            "moved by rank": {w: d[2][0] for w, d in done.items()}, "profile": profile}
 
 
 def show_switch(console: Console, runs: list[dict[str, Any]]) -> None:
@@ -434,6 +444,29 @@ def show_switch(console: Console, runs: list[dict[str, Any]]) -> None:
     ph = {k: statistics.median(r["phases"][k] for r in runs) for k in r0["phases"]}
     show(console, "  by when the last rank finished each phase (s after the kill, median)",
          tuple(ph), [tuple(f"{v:.2f}" for v in ph.values())])
+    for r in runs:
+        if r["profile"] is not None:
+            show_profile(console, r["profile"], r["moved by rank"])
+
+
+def show_profile(console: Console, folder: Path, moved: dict[str, int]) -> None:
+    """The per-rank categories of the switch's py-spy profile, the busiest rank (most bytes moved)
+    and the median one first, then the busiest rank's top leaf frames."""
+    profs = {p.rank: p for p in (swprof.load(f) for f in sorted(folder.glob("w*.json")))}
+    order = sorted(profs, key=lambda w: moved.get(w, 0), reverse=True)
+    if not order:
+        console.print(f"no profiles in {folder}")
+        return
+    busiest, median = order[0], order[len(order) // 2]
+    rows = swprof.table([profs[w] for w in order])
+    rows = [(r[0] + (" (busiest)" if r[0] == busiest else " (median)" if r[0] == median else ""),
+             f"{moved.get(r[0], 0) / 1e6:.0f}", *r[1:]) for r in rows]
+    show(console, f"  where each rank's time went, kill -> its first step (py-spy {swprof.RATE:g} Hz, share (s))",
+         ("rank", "MB moved", "s sampled", *swprof.CATEGORIES), rows)
+    for w in (busiest, median):
+        top = profs[w].top(12)
+        show(console, f"  {w}: top leaf frames from the switch's start to the first step (s)",
+             ("frame", "s"), [(f[:110], f"{n:.2f}") for f, n in top])
 
 
 # ---- 6. the transport alone: a pair of ranks swapping a reshard's worth of tensors ----------------
@@ -492,6 +525,8 @@ def main() -> None:
     ap.add_argument("--chunk-mb", type=float, help="switch: FlatExchange chunk size (default comm.CHUNK_BYTES)")
     ap.add_argument("--per-tensor", action="store_true",
                     help="switch: the old reshard transport, one message per tensor slice (for comparison)")
+    ap.add_argument("--profile", type=Path, metavar="DIR",
+                    help="switch: py-spy each surviving rank from the kill to its first step, write DIR/<run>/w*.json")
     ap.add_argument("--repeat", type=int, default=3, help="failover runs per batch size (median reported)")
     ap.add_argument("--bucket-mb", type=float, action="append",
                     help="DP all-reduce bucket size for the sync part (repeat it to compare sizes)")
@@ -519,8 +554,9 @@ def main() -> None:
     if "switch" in parts:
         chunk = int(args.chunk_mb * 2**20) if args.chunk_mb else None
         for size in args.size or (["quick"] if args.quick else ["118m"]):
-            show_switch(console, [bench_switch(size, args.device, args.staged, chunk, args.per_tensor)
-                                  for _ in range(args.repeat)])
+            show_switch(console, [bench_switch(size, args.device, args.staged, chunk, args.per_tensor,
+                                               profile=args.profile / f"{size}-{i}" if args.profile else None)
+                                  for i in range(args.repeat)])
     if "failover" not in parts:
         return
     rows = []
