@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import structlog
@@ -169,23 +169,23 @@ class Balancer:
             return
         rows = await self.members()
         agents, watchers = self.held()
-        s = self.m.settings
         agent_loads = {a: n for a, n, _ in rows}
         agent_loads[me] = agents
         watch_loads = {a: w for a, _, w in rows}
         watch_loads[me] = watchers
-        land = self.landing["agents"]
-        for target, n in moves(agents, me, agent_loads, s.fleet_balance_tolerance, s.fleet_balance_max,
-                               land.closed(agent_loads)).items():
-            told = self._move_agents(target, n)
-            land.told(target, agent_loads[target], told)
-            self.moved_agents += told
-        land = self.landing["watchers"]
-        for target, n in moves(watchers, me, watch_loads, s.fleet_balance_tolerance, s.fleet_balance_max,
-                               land.closed(watch_loads)).items():
-            told = self.fleet.feed.move(target, n)
-            land.told(target, watch_loads[target], told)
-            self.moved_watchers += told
+        self.moved_agents += self._pass(agents, me, agent_loads, self.landing["agents"], self._move_agents)
+        self.moved_watchers += self._pass(watchers, me, watch_loads, self.landing["watchers"], self.fleet.feed.move)
+
+    def _pass(self, mine: int, me: str, loads: dict[str, int], land: Landing, move: Callable[[str, int], int]) -> int:
+        """One kind's moves of a pass (`move(target, n)` tells them); how many were told."""
+        s = self.m.settings
+        total = 0
+        for target, n in moves(mine, me, loads, s.fleet_balance_tolerance, s.fleet_balance_max,
+                               land.closed(loads)).items():
+            told = move(target, n)
+            land.told(target, loads[target], told)
+            total += told
+        return total
 
     def _move_agents(self, target: str, n: int) -> int:
         """End `n` agent streams (the newest) with a move to `target`; how many were told."""

@@ -31,10 +31,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import structlog
 from sqlalchemy import Table, bindparam, insert, update
@@ -172,50 +172,24 @@ class Tx:
 
     # ---- commit -----------------------------------------------------------------------------
     async def flush(self) -> None:
-        """Write everything staged: inserts, then ORM rows, then updates, events and audits."""
+        """Write everything staged: inserts, then ORM rows, then updates, events and audits. On
+        PostgreSQL through asyncpg each table's rows go as one statement with the rows as arrays
+        (store/pgbulk.py: no per-row parameter processing in SQLAlchemy), elsewhere as an executemany."""
         s, now = self.session, self.now
-        if pgbulk.usable(s):
-            await self._flush_pg()
-            return
-        if self._new_domains:
-            await s.execute(insert(DOMAINS), [{"id": d, "power_budget_w": None, "created_at": now}
-                                              for d in self._new_domains])
-        if self._new_nodes:
-            await s.execute(insert(NODES), [
-                {"name": n.name, "domain_id": n.domain, "boot_id": n.boot_id, "agent_version": n.agent_version,
-                 "last_seq": n.last_seq, "drain_deadline": n.drain_deadline, "drain_reason": n.drain_reason,
-                 "registered_at": now} for n in self._new_nodes.values()])
-        if self._new_gpus:
-            await s.execute(insert(GPUS), [_gpu_row(g, now) for g in self._new_gpus.values()])
-        await s.flush()
-        await _bulk_update(s, NODES, "name", NODE_COLUMNS, self._nodes, self._node_views)
-        await _bulk_update(s, GPUS, "uuid", GPU_COLUMNS, self._gpus, self._views)
-        if self._events:
-            await s.execute(insert(EVENTS), self._events)
-        if self._audits:
-            await s.execute(insert(AUDIT), self._audits)
-
-    async def _flush_pg(self) -> None:
-        """`flush` on PostgreSQL: the same rows, one statement per table with its rows as arrays
-        (store/pgbulk.py: no per-row parameter processing in SQLAlchemy)."""
-        s, now = self.session, self.now
-        if self._new_domains:
-            await pgbulk.insert(s, DOMAINS, [{"id": d, "power_budget_w": None, "created_at": now}
-                                             for d in self._new_domains])
-        if self._new_nodes:
-            await pgbulk.insert(s, NODES, [
-                {"name": n.name, "domain_id": n.domain, "boot_id": n.boot_id, "agent_version": n.agent_version,
-                 "last_seq": n.last_seq, "drain_deadline": n.drain_deadline, "drain_reason": n.drain_reason,
-                 "registered_at": now} for n in self._new_nodes.values()])
-        if self._new_gpus:
-            await pgbulk.insert(s, GPUS, [_gpu_row(g, now) for g in self._new_gpus.values()])
+        writer: _Writer = _PgWriter(s) if pgbulk.usable(s) else _OrmWriter(s)
+        await writer.insert(DOMAINS, [{"id": d, "power_budget_w": None, "created_at": now} for d in self._new_domains])
+        await writer.insert(NODES, [
+            {"name": n.name, "domain_id": n.domain, "boot_id": n.boot_id, "agent_version": n.agent_version,
+             "last_seq": n.last_seq, "drain_deadline": n.drain_deadline, "drain_reason": n.drain_reason,
+             "registered_at": now} for n in self._new_nodes.values()])
+        await writer.insert(GPUS, [_gpu_row(g, now) for g in self._new_gpus.values()])
         await s.flush()
         for table, key, columns, changes, views in ((NODES, "name", NODE_COLUMNS, self._nodes, self._node_views),
                                                     (GPUS, "uuid", GPU_COLUMNS, self._gpus, self._views)):
             if changes:
-                await pgbulk.update(s, table, key, columns, [_update_row(columns, pk, views[pk]) for pk in changes])
-        await pgbulk.insert(s, EVENTS, self._events)
-        await pgbulk.insert(s, AUDIT, self._audits)
+                await writer.update(table, key, columns, [_update_row(columns, pk, views[pk]) for pk in changes])
+        await writer.insert(EVENTS, self._events)
+        await writer.insert(AUDIT, self._audits)
 
     def publish(self, world: World) -> None:
         """Apply the committed changes to memory (the same values the rows got)."""
@@ -257,19 +231,46 @@ NODE_COLUMNS = tuple(NodeChange.__annotations__)
 _UPDATES: dict[str, Any] = {}
 
 
-async def _bulk_update(s: AsyncSession, table: Table, key: str, columns: tuple[str, ...],
-                       changes: Mapping[str, Any], views: Mapping[str, Any]) -> None:
-    """One UPDATE executemany for every changed row of `table`. Each row gets every changeable
-    column from the transaction's view of its record: the record as it is plus this transaction's
-    changes, which is what the commit then applies to the record itself. (One statement however the
-    changes vary: a group commit's cost does not grow with the kinds of change in it.)"""
-    if not changes:
-        return
-    stmt = _UPDATES.get(table.name)
-    if stmt is None:
-        stmt = update(table).where(table.c[key] == bindparam("pk_")).values({c: bindparam(c) for c in columns})
-        _UPDATES[table.name] = stmt
-    await s.execute(stmt, [_update_row(columns, pk, views[pk]) for pk in changes])
+class _Writer(Protocol):
+    """How a transaction's bulk rows reach the store (`Tx.flush`)."""
+
+    async def insert(self, table: Table, rows: list[dict[str, Any]]) -> None: ...
+
+    async def update(self, table: Table, key: str, columns: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
+        """Each row (its key under "pk_") gets every one of `columns`: the record as it is plus this
+        transaction's changes, which is what the commit then applies to the record itself. (One
+        statement however the changes vary: a group commit's cost does not grow with their kinds.)"""
+
+
+class _OrmWriter:
+    """SQLAlchemy Core executemany (SQLite, and PostgreSQL through another driver)."""
+
+    def __init__(self, session: AsyncSession) -> None:
+        self.s = session
+
+    async def insert(self, table: Table, rows: list[dict[str, Any]]) -> None:
+        if rows:
+            await self.s.execute(insert(table), rows)
+
+    async def update(self, table: Table, key: str, columns: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
+        stmt = _UPDATES.get(table.name)
+        if stmt is None:
+            stmt = update(table).where(table.c[key] == bindparam("pk_")).values({c: bindparam(c) for c in columns})
+            _UPDATES[table.name] = stmt
+        await self.s.execute(stmt, rows)
+
+
+class _PgWriter:
+    """One statement per table, the rows as arrays (store/pgbulk.py)."""
+
+    def __init__(self, session: AsyncSession) -> None:
+        self.s = session
+
+    async def insert(self, table: Table, rows: list[dict[str, Any]]) -> None:
+        await pgbulk.insert(self.s, table, rows)
+
+    async def update(self, table: Table, key: str, columns: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
+        await pgbulk.update(self.s, table, key, columns, rows)
 
 
 def _update_row(columns: tuple[str, ...], pk: str, view: Any) -> dict[str, Any]:
