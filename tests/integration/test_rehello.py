@@ -13,6 +13,7 @@ from sqlalchemy import event, select
 from ntp_manager.service.inputs import GpuInventory
 from ntp_manager.service.manager import Manager
 from ntp_manager.settings import Settings
+from ntp_manager.store import pgbulk
 from ntp_manager.store.models import AuditRow, NodeRow
 from tests.fakes.clock import FakeClock
 
@@ -32,12 +33,27 @@ def inventory(n: int = 4) -> list[GpuInventory]:
 
 
 class Statements:
-    """The INSERT/UPDATE statements the manager's engine sends, by table."""
+    """The INSERT/UPDATE statements the manager sends, by table: through the engine, and on
+    PostgreSQL the kernel's bulk statements that go straight to asyncpg (store/pgbulk.py)."""
 
     def __init__(self, m: Manager) -> None:
         self.seen: list[str] = []
         self.engine = m.engine.sync_engine
         event.listen(self.engine, "before_cursor_execute", self._on)
+        self._real = (pgbulk.insert, pgbulk.update)
+        real_insert, real_update = self._real
+
+        async def bulk_insert(session: Any, table: Any, rows: Any) -> None:
+            if rows:
+                self.seen.append(f"INSERT {table.name}")
+            await real_insert(session, table, rows)
+
+        async def bulk_update(session: Any, table: Any, key: str, columns: Any, rows: Any) -> None:
+            if rows:
+                self.seen.append(f"UPDATE {table.name}")
+            await real_update(session, table, key, columns, rows)
+
+        pgbulk.insert, pgbulk.update = bulk_insert, bulk_update  # type: ignore[assignment]
 
     def _on(self, conn: Any, cursor: Any, statement: str, *args: Any) -> None:
         words = statement.split()
@@ -48,6 +64,7 @@ class Statements:
 
     def close(self) -> None:
         event.remove(self.engine, "before_cursor_execute", self._on)
+        pgbulk.insert, pgbulk.update = self._real  # type: ignore[assignment]
 
 
 async def _audits(m: Manager, action: str) -> list[AuditRow]:
