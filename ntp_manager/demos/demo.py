@@ -458,10 +458,12 @@ def _timeline(res: DemoResult, api: httpx.Client, launcher: Any, victims: list[s
     evs = [r for r in launcher.records if r["kind"] == "event" and r["at"] >= t0]
     fresh = set(victims) if label == "repair" else set()
 
-    def at(what: str, version: int | None, pick: Any = min, fresh_ranks: bool | None = None) -> float | None:
-        """The first (`pick`: last) event `what` of `version` (None: any), of every rank, the
-        fresh ones (True) or the others (False)."""
-        ts = [r["at"] for r in evs if r["what"] == what and (version is None or r["version"] == version)
+    def at(what: str | tuple[str, ...], version: int | None, pick: Any = min,
+           fresh_ranks: bool | None = None) -> float | None:
+        """The first (`pick`: last) event `what` (or any of several) of `version` (None: any), of
+        every rank, the fresh ones (True) or the others (False)."""
+        whats = (what,) if isinstance(what, str) else what
+        ts = [r["at"] for r in evs if r["what"] in whats and (version is None or r["version"] == version)
               and (fresh_ranks is None or (r["worker"] in fresh) == fresh_ranks)]
         return pick(ts) if ts else None
 
@@ -488,7 +490,9 @@ def _timeline(res: DemoResult, api: httpx.Client, launcher: Any, victims: list[s
         rows += [
             ("fresh process up (last)", at("process up", None, max, True),
              "spawn, imports: the survivors wait for it"),
-            ("layout pushed (first worker has it)", at("layout agreed", new, min, False),
+            # agreed at a step boundary; or, when one GPU came back before the other, received while
+            # the survivors were meeting for the intermediate version (that switch is superseded)
+            ("layout pushed (first worker has it)", at(("layout agreed", "layout received"), new, min, False),
              "the survivors' next step boundary"),
             (f"fresh ranks have it ({n_fresh})", fresh_have(), "they waited for a place"),
         ]
