@@ -91,6 +91,10 @@ class Settings(BaseSettings):
                                            "once it holds more than its share plus this fraction of it")
     fleet_balance_max: int = Field(500, ge=1, description="fleet mode: the most streams of each kind (agents, "
                                    "watches) a manager tells to move in one balance pass")
+    fleet_balance_busy_rows: int = Field(1024, ge=0, description="fleet mode: a manager with more rows of work "
+                                         "queued than this (reports and hellos waiting for its group commit; on "
+                                         "the leader, outbox rows not applied yet) is sent no clients until it "
+                                         "has caught up")
     fleet_apply_window_ms: float = Field(50.0, ge=0, le=1000, description="fleet mode: after applying a batch "
                                          "of outbox rows smaller than a full one, the leader waits this long for "
                                          "more before it reads again (one transaction per window under load; the "

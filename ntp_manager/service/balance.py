@@ -1,7 +1,7 @@
 """Fleet mode: managers that hold more than their share of streams tell some clients to move.
 
 Every manager writes its row of `fleet_members` every heartbeat period (its gRPC address, the
-agent streams and layout watches it holds; the database's clock). Every `fleet_balance_s` it reads
+agent streams and layout watches it holds, its backlog; the database's clock). Every `fleet_balance_s` it reads
 the rows seen within `MEMBER_TTL_BEATS` heartbeat periods (the managers alive) and, per kind of
 stream, compares what it holds with the fair share (the kind's total over the managers alive,
 rounded up). Holding more than the share plus `fleet_balance_tolerance` of it, it ends streams
@@ -10,6 +10,12 @@ trailing metadata `ntp-move-to` naming the manager holding the fewest (counting 
 told); the agent and the worker go there at once (contract/client.py). A move that would not make
 the target hold fewer than this manager is not made, so two managers never trade clients back and
 forth. Clients that ignore the key move to the next address of their list.
+
+A manager that is behind is sent nothing: one whose backlog (the rows waiting for its group commit;
+on the leader, besides, the outbox rows stored and not applied yet) exceeds
+`fleet_balance_busy_rows` counts for the share but is no target until it has caught up. At 12,500
+agents on a 2-core VM the standbys kept telling agents to move to the leader while it was applying
+their hellos; it welcomed few of them in time, and the rest came back, over and over.
 
 Agents and workers start anywhere in their lists (they take the first address), so without moves
 a manager added to a running fleet would hold nothing until others die; and one that comes back
@@ -23,6 +29,7 @@ import contextlib
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import structlog
@@ -109,6 +116,16 @@ class Landing:
             self._sent[target] = (base, before + n, self.hold)
 
 
+@dataclass(frozen=True)
+class Member:
+    """A manager's row of `fleet_members`: its gRPC address, the streams it holds, its backlog."""
+
+    address: str
+    agents: int
+    watchers: int
+    backlog: int
+
+
 class Balancer:
     def __init__(self, manager: Manager, fleet: Fleet) -> None:
         self.m = manager
@@ -117,6 +134,7 @@ class Balancer:
         self.moved_watchers = 0  # layout watches this manager told to move
         self._told: set[int] = set()  # ids of the agent sessions told already (their streams are ending)
         self.landing = {"agents": Landing(), "watchers": Landing()}
+        self.busy_passes = 0  # passes that found a manager behind (sent it nothing)
 
     def held(self) -> tuple[int, int]:
         """(agent streams, layout watches) this manager holds."""
@@ -137,23 +155,30 @@ class Balancer:
             await asyncio.sleep(s.heartbeat_interval_s)
 
     async def publish(self) -> None:
+        """Write this manager's row: address, streams held, backlog. The leader's backlog counts the
+        outbox rows after its cursor, read in the same statement (the outbox's head by its key)."""
         agents, watchers = self.held()
+        consumer = self.fleet.consumer if self.m.leading else None
         async with self.m.sm() as session, session.begin():
             await session.execute(text(
-                "INSERT INTO fleet_members (manager, grpc_address, agents, watchers, seen_at) "
-                "VALUES (:m, :g, :a, :w, now()) ON CONFLICT (manager) DO UPDATE SET "
-                "grpc_address = excluded.grpc_address, agents = excluded.agents, watchers = excluded.watchers, "
+                "INSERT INTO fleet_members (manager, grpc_address, agents, watchers, backlog, seen_at) "
+                "VALUES (:m, :g, :a, :w, :q + CASE WHEN :lead THEN "
+                "GREATEST(0, (SELECT coalesce(max(seq), 0) FROM outbox) - :applied) ELSE 0 END, now()) "
+                "ON CONFLICT (manager) DO UPDATE SET grpc_address = excluded.grpc_address, "
+                "agents = excluded.agents, watchers = excluded.watchers, backlog = excluded.backlog, "
                 "seen_at = excluded.seen_at"),
-                {"m": self.m.settings.leader_id, "g": self.m.leadership.grpc, "a": agents, "w": watchers})
+                {"m": self.m.settings.leader_id, "g": self.m.leadership.grpc, "a": agents, "w": watchers,
+                 "q": self.fleet.ingest.queued(), "lead": consumer is not None,
+                 "applied": consumer.last if consumer is not None else 0})
 
-    async def members(self) -> list[tuple[str, int, int]]:
-        """(gRPC address, agents, watchers) of every manager seen lately, this one included."""
+    async def members(self) -> list[Member]:
+        """Every manager seen lately, this one included."""
         ttl = MEMBER_TTL_BEATS * self.m.settings.heartbeat_interval_s
         async with self.m.sm() as session:
             rows = (await session.execute(text(
-                "SELECT grpc_address, agents, watchers FROM fleet_members "
+                "SELECT grpc_address, agents, watchers, backlog FROM fleet_members "
                 "WHERE seen_at > now() - make_interval(secs => :ttl)"), {"ttl": ttl})).all()
-        return [(str(r[0]), int(r[1]), int(r[2])) for r in rows]
+        return [Member(str(r[0]), int(r[1]), int(r[2]), int(r[3])) for r in rows]
 
     async def leave(self) -> None:
         """This manager stops: its row goes (the others stop counting it at once)."""
@@ -169,19 +194,27 @@ class Balancer:
             return
         rows = await self.members()
         agents, watchers = self.held()
-        agent_loads = {a: n for a, n, _ in rows}
+        agent_loads = {r.address: r.agents for r in rows}
         agent_loads[me] = agents
-        watch_loads = {a: w for a, _, w in rows}
+        watch_loads = {r.address: r.watchers for r in rows}
         watch_loads[me] = watchers
-        self.moved_agents += self._pass(agents, me, agent_loads, self.landing["agents"], self._move_agents)
-        self.moved_watchers += self._pass(watchers, me, watch_loads, self.landing["watchers"], self.fleet.feed.move)
+        busy = {r.address for r in rows if r.backlog > self.m.settings.fleet_balance_busy_rows} - {me}
+        if busy:
+            self.busy_passes += 1
+            log.info("managers behind on their work are sent no clients this pass",
+                     managers=sorted(busy)[:8], backlog=max(r.backlog for r in rows))
+        self.moved_agents += self._pass(agents, me, agent_loads, self.landing["agents"], busy, self._move_agents)
+        self.moved_watchers += self._pass(watchers, me, watch_loads, self.landing["watchers"], busy,
+                                          self.fleet.feed.move)
 
-    def _pass(self, mine: int, me: str, loads: dict[str, int], land: Landing, move: Callable[[str, int], int]) -> int:
-        """One kind's moves of a pass (`move(target, n)` tells them); how many were told."""
+    def _pass(self, mine: int, me: str, loads: dict[str, int], land: Landing, busy: set[str],
+              move: Callable[[str, int], int]) -> int:
+        """One kind's moves of a pass (`move(target, n)` tells them), none toward a manager in
+        `busy`; how many were told."""
         s = self.m.settings
         total = 0
         for target, n in moves(mine, me, loads, s.fleet_balance_tolerance, s.fleet_balance_max,
-                               land.closed(loads)).items():
+                               land.closed(loads) | busy).items():
             told = move(target, n)
             land.told(target, loads[target], told)
             total += told

@@ -87,6 +87,10 @@ class Ingest:
             if not item.fut.done():
                 item.fut.set_exception(Unavailable("this manager is stopping; try another"))
 
+    def queued(self) -> int:
+        """Rows waiting for a group commit (the one running is not counted)."""
+        return len(self._queue)
+
     def submit(self, entry: outbox.Entry) -> asyncio.Future[None]:
         """Store `entry` in the next group commit: the future resolves once it is durable."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -282,12 +282,14 @@ class AgentCommandRow(Base):
 
 
 class FleetMemberRow(Base):
-    """A manager in fleet mode: its gRPC address and the streams it holds, written every heartbeat
-    period (service/balance.py); one not seen lately is gone."""
+    """A manager in fleet mode: its gRPC address, the streams it holds and its backlog, written every
+    heartbeat period (service/balance.py); one not seen lately is gone."""
 
     __tablename__ = "fleet_members"
     manager: Mapped[str] = mapped_column(String(256), primary_key=True)
     grpc_address: Mapped[str] = mapped_column(String(512), default="", server_default="")
     agents: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     watchers: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # rows of work queued in it (its group commit's queue; the leader: outbox rows not applied yet)
+    backlog: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     seen_at: Mapped[datetime] = mapped_column(UtcDateTime)

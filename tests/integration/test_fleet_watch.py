@@ -15,19 +15,25 @@ layout watches (`GrpcLayoutSource`) over gRPC on loopback.
   leader's NOTIFY names it, not by polling, and decodes it to what the leader holds.
 - A manager holding more than its share of agents and watches tells the extra ones to move
   (`ntp-move-to`), and they go to the manager holding fewer; nothing moves back.
+- In process: a leader behind on the outbox publishes its backlog and is sent no clients until it
+  has caught up.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ntp_manager.service.agents import AgentSession
+from ntp_manager.service.consumer import Consumer
 from ntp_manager.service.errors import NotFound
 from ntp_manager.service.manager import GpuInventory, Manager
 from ntp_manager.settings import Settings
+from ntp_manager.store import outbox
 from ntp_manager.worker.sources import GrpcLayoutSource, WorkerLayout
 from tests.integration.conftest import PG, database
 from tests.integration.fleet_fixtures import (
@@ -243,3 +249,53 @@ async def test_a_standby_cut_off_from_the_database_ends_its_watches(tmp_path: Pa
             for x in watches:
                 x.close()
             await stop_agents(agents, tasks)
+
+
+async def test_a_leader_behind_on_the_outbox_is_sent_no_clients_until_it_catches_up(tmp_path: Path) -> None:
+    """In process: the leader's consumer stopped with outbox rows after its cursor; the leader
+    publishes that backlog in `fleet_members`, and a standby over its share moves nothing to it;
+    once the consumer has applied them, the standby's next pass moves agents there."""
+    async with database("postgres", tmp_path) as url:
+        kw: dict[str, Any] = {"fleet_ingest": True, "fleet_poll_s": 0.2, "fleet_balance_s": 0,
+                              "fleet_balance_busy_rows": 10, "lease_ttl_s": 6.0, "lease_renew_s": 0.5,
+                              "takeover_grace_s": 0.0}
+        a = Manager(Settings(data_dir=tmp_path / "a", database_url=url, leader_id="a", **kw))
+        await a.start()
+        b = Manager(Settings(data_dir=tmp_path / "b", database_url=url, leader_id="b", **kw))
+        await b.start()
+        try:
+            assert a.acting and a.fleet is not None and b.fleet is not None and not b.leading
+            # the addresses they publish (in process: no gRPC server, so none is set)
+            a.leadership.grpc, b.leadership.grpc = "127.0.0.1:1", "127.0.0.1:2"
+            consumer = next(t for t in a.fleet._tasks if t.get_name() == "fleet-consumer")
+            consumer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await consumer
+            async with a.sm() as s, s.begin():  # 40 rows after the cursor (liveness rows: harmless)
+                await outbox.append(s, [outbox.Entry(outbox.SEEN, "", {"nodes": []}, f"seen:test:{i}")
+                                        for i in range(40)], "b", a.clock.now())
+            for i in range(4):  # b holds four agent streams, a none
+                b.agents.sessions[f"node-{i}"] = AgentSession(f"node-{i}")
+
+            async def backlogs() -> dict[str, int]:
+                await a.fleet.balance.publish()
+                await b.fleet.balance.publish()
+                return {m.address: m.backlog for m in await b.fleet.balance.members()}
+
+            assert await backlogs() == {a.leadership.grpc: 40, b.leadership.grpc: 0}
+            await b.fleet.balance.balance()
+            assert b.fleet.balance.moved_agents == 0 and b.fleet.balance.busy_passes == 1
+            assert not any(x.closed for x in b.agents.sessions.values())
+
+            a.fleet.consumer = Consumer(a)  # caught up: the next pass sends it agents
+            a.fleet._tasks.append(asyncio.create_task(a.fleet.consumer.run(), name="fleet-consumer"))
+            await asyncio.wait_for(a.fleet.consumer.caught_up.wait(), 30)
+            assert a.fleet.consumer.applied == 40
+            assert await backlogs() == {a.leadership.grpc: 0, b.leadership.grpc: 0}
+            await b.fleet.balance.balance()
+            assert b.fleet.balance.moved_agents == 2 and b.fleet.balance.busy_passes == 1
+            assert sum(x.closed or not x.outbox.empty() for x in b.agents.sessions.values()) == 2
+        finally:
+            b.agents.sessions.clear()
+            await b.stop()
+            await a.stop()
