@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -197,13 +197,15 @@ def show(console: Console, title: str, cols: tuple[str, ...], rows: list[tuple[s
 FAILOVER_PARTS = ("detection", "regroup", "reshard", "first step", "total", "step before")
 
 
-def kill_parked(store: Any, pid: int) -> float:
+def kill_parked(store: Any, pid: int, parked: Callable[[], None] | None = None, settle_s: float = 1.0) -> float:
     """Waits until the victim rank has set "bench/parked" in `store` (it sleeps at a step boundary
-    while its peers go into the step and block on it), gives them a second to get there, then
-    SIGKILLs process `pid`; returns the time of the kill (epoch seconds)."""
+    while its peers go into the step and block on it), calls `parked` (if given), gives the peers
+    `settle_s` to get there, then SIGKILLs process `pid`; returns the time of the kill (epoch seconds)."""
     while not store.check(["bench/parked"]):
         time.sleep(0.05)
-    time.sleep(1.0)  # the peers are inside the step, blocked on the victim
+    if parked is not None:
+        parked()
+    time.sleep(settle_s)  # the peers are inside the step, blocked on the victim
     t_kill = time.time()
     os.kill(pid, signal.SIGKILL)
     return t_kill

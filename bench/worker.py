@@ -362,7 +362,9 @@ def bench_switch(size: str, device: str, staged: bool, chunk: int | None = None,
     steps before the failure, slowest rank, after one warm-up step), and the reshard's bytes and
     GB/s per rank (sent + received, over the rank's own reshard-moves phase). With `profile` (a
     folder) py-spy samples each survivor from the kill until it reports its first step at the new
-    layout (bench/swprof.py), one speedscope file per rank."""
+    layout (bench/swprof.py), one speedscope file per rank; the samplers attach while the victim is
+    parked, 6 s before the kill (so their symbols are loaded by then): the profile's "detection wait"
+    holds those seconds too (the phase table's detection is from the kill)."""
     cfg = SWITCH_SIZES[size]
     params = sum(p.numel() for p in TinyGpt(cfg).parameters())
     port = free_port()
@@ -377,9 +379,14 @@ def bench_switch(size: str, device: str, staged: bool, chunk: int | None = None,
              for i, w in enumerate(a + b)}
     for p in procs.values():
         p.start()
-    t_kill = kill_parked(store, procs["w3"].pid)
-    spies = {w: swprof.attach(p.pid, profile / f"{w}.json") for w, p in procs.items()
-             if w != "w3" and p.pid is not None} if profile else {}
+    spies: dict[str, Any] = {}
+
+    def attach() -> None:  # before the kill: py-spy --native resolves symbols for seconds after attaching
+        assert profile is not None
+        spies.update({w: swprof.attach(p.pid, profile / f"{w}.json") for w, p in procs.items()
+                      if w != "w3" and p.pid is not None})
+
+    t_kill = kill_parked(store, procs["w3"].pid, attach if profile else None, 6.0 if profile else 1.0)
     publish_layout(store, "bench", 2, [(a[:3], 3), (b, 4)], "w3 failed")
     done: dict[str, tuple[Any, ...]] = {}
     steps: dict[int, list[float]] = {}
