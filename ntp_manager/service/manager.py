@@ -175,24 +175,32 @@ class Manager:
         return self.leadership.lost
 
     async def _lead(self) -> None:
-        """Become the leader: load the world the database holds after the takeover, replan."""
+        """Become the leader: load the world the database holds after the takeover, replan.
+
+        The lease is renewed from the moment it is taken, not once the world is loaded: at 100,000
+        GPUs on a loaded machine the load took 7 s, longer than the bench's 6 s lease, and the next
+        standby took the lease over meanwhile (a second takeover, ~6 s more; bench/RESULTS.md).
+        A lease lost while loading (the loop starved past it) ends the takeover before it acts."""
         self.epoch = self.leadership.epoch
         self.liveness.quiet_until = self.clock.monotonic() + self.settings.takeover_grace_s
+        self._tasks = [asyncio.create_task(self.leadership.keep(), name="lease"),
+                       asyncio.create_task(self._on_lost(), name="lease-lost")]
         async with self.sm() as s:
             self.kernel.world = await load_world(s, self.settings.power_base_cap, self.liveness.quiet_until)
             await self.breaker.load(s)
             await self.failslow.load(s)
         offloop.keep_out_of_gc(every_s=0.0)  # the world's records (a standby takes over long after start-up)
         await self.token_service.reload()
+        if self.leadership.lost.is_set():  # lost while loading: stopping (server.py), never acting
+            log.error("the lease was lost while the state was loading; not taking over", epoch=self.epoch)
+            return
         self.gauges.mark_stale()
         self.kernel.mark_all_dirty()
         self.kernel.start()
-        self._tasks = [
+        self._tasks += [
             asyncio.create_task(self.jobs.control_loop(), name="control-loop"),
             asyncio.create_task(self._monitor_loop(), name="monitor"),
             asyncio.create_task(self.watchdog.run(), name="loop-watchdog"),
-            asyncio.create_task(self.leadership.keep(), name="lease"),
-            asyncio.create_task(self._on_lost(), name="lease-lost"),
         ]
         if self.fleet is None:  # in fleet mode the token table is polled from the start, on every role
             self._tasks.append(asyncio.create_task(self.token_service.poll_forever(), name="token-poll"))
