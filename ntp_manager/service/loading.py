@@ -18,18 +18,19 @@ async def load_world(s: AsyncSession, base_cap: float | None, now_mono: float) -
     `now_mono` before they count as silent. Raises CodecError when a stored layout cannot be read
     (the manager does not start on a layout it would have to guess)."""
     w = World(base_cap=base_cap)
-    for d in (await s.scalars(select(DomainRow))).all():
-        w.domains[d.id] = d.power_budget_w
-    # plain rows, as the GPUs below: ORM object loading was ~13 % of a new leader's samples in a
-    # 5,000-node takeover (bench/fleet.py --profile)
+    # Core rows on the session's connection, not ORM objects nor the ORM session's rows: ORM object
+    # loading was ~13 % of a new leader's samples in a 5,000-node takeover (bench/fleet.py
+    # --profile), and the session's row processing still ~10 % at 12,500 nodes; a new leader
+    # loads every domain, node and GPU on its way to serving (a failover waits for it)
+    conn = await s.connection()
+    for domain_id, budget in (await conn.execute(select(DomainRow.id, DomainRow.power_budget_w))).all():
+        w.domains[domain_id] = budget
     node_cols = (NodeRow.name, NodeRow.domain_id, NodeRow.last_seq, NodeRow.boot_id, NodeRow.drain_deadline,
                  NodeRow.drain_reason, NodeRow.agent_version)
     for name, domain_id, last_seq, boot_id, drain_deadline, drain_reason, agent_version in (
-            await s.execute(select(*node_cols))).all():
+            await conn.execute(select(*node_cols))).all():
         w.nodes[name] = NodeRec(name, domain_id, [], last_seq, boot_id, now_mono, False, drain_deadline, drain_reason,
                                 agent_version)
-    # plain rows, not ORM objects: a new leader loads every GPU on its way to serving (a failover
-    # waits for it), and the ORM's per-object bookkeeping tripled the cost
     gpu_cols = (GpuRow.uuid, GpuRow.node, GpuRow.domain_id, GpuRow.idx, GpuRow.tdp_mw, GpuRow.min_mw,
                 GpuRow.max_mw, GpuRow.health, GpuRow.health_reason, GpuRow.health_source, GpuRow.health_since,
                 GpuRow.admin, GpuRow.admin_owner, GpuRow.admin_reason, GpuRow.desired_mw, GpuRow.enforced_mw,
@@ -37,7 +38,7 @@ async def load_world(s: AsyncSession, base_cap: float | None, now_mono: float) -
     states = {st.value: st for st in GpuState}
     sources = {src.value: src for src in HealthSource}
     for (uuid, node, domain, idx, tdp, lo, hi, health, reason, source, since, admin, owner, admin_reason,
-         desired, enforced, model, memory, pos, speed) in (await s.execute(select(*gpu_cols))).all():
+         desired, enforced, model, memory, pos, speed) in (await conn.execute(select(*gpu_cols))).all():
         w.gpus[uuid] = GpuRec(
             uuid, node, domain, idx, tdp, lo, hi, states[health], reason, sources[source], since,
             None if admin is None else states[admin], owner, admin_reason, desired, enforced, model, memory, pos,
