@@ -1,10 +1,10 @@
 """Fleet mode: managers that hold more than their share of streams tell some clients to move.
 
 Every manager writes its row of `fleet_members` every heartbeat period (its gRPC address, the
-agent streams and layout watches it holds, its backlog; the database's clock). Every `fleet_balance_s` it reads
-the rows seen within `MEMBER_TTL_BEATS` heartbeat periods (the managers alive) and, per kind of
-stream, compares what it holds with the fair share (the kind's total over the managers alive,
-rounded up). Holding more than the share plus `fleet_balance_tolerance` of it, it ends streams
+agent streams and layout watches it holds, its backlog; the database's clock). Every
+`fleet_balance_s` it reads the rows seen within `MEMBER_TTL_BEATS` heartbeat periods (the managers
+alive) and, per kind of stream, compares what it holds with the fair share (the kind's total over
+the managers alive, rounded up). Holding more than the share plus `fleet_balance_tolerance` of it, it ends streams
 down to the share, at most `fleet_balance_max` per kind and pass, each with UNAVAILABLE and the
 trailing metadata `ntp-move-to` naming the manager holding the fewest (counting the moves already
 told); the agent and the worker go there at once (contract/client.py). A move that would not make

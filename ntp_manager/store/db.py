@@ -82,8 +82,8 @@ def _closed_is_stale(_dbapi: Any, record: Any, _proxy: Any) -> None:
     """A pooled PostgreSQL connection whose socket the server has closed (a restart, a backend
     ended by a new leader) is replaced at checkout, without a round trip: asyncpg learns of the
     close as soon as the event loop reads it. SQLAlchemy's `pool_pre_ping` would send BEGIN, a
-    query and ROLLBACK on every checkout (three round trips: 15-20 % of a manager's CPU while
-    12,500 agents registered, bench/RESULTS.md). A connection that hangs without being closed (a
+    query and ROLLBACK on every checkout (three round trips; 15-19 % of a manager's profile samples
+    while 12,500 agents registered, bench/RESULTS.md). A connection that hangs without being closed (a
     partition) is found by the statement's own timeout, as it would be by a ping's."""
     driver = record.driver_connection
     if driver is not None and driver.is_closed():
