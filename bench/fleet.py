@@ -457,9 +457,21 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             await wg.ask({"cmd": "retarget", "old": killed.grpc, "new": p.grpc})
         slots[standby] = p
 
+        async def lease_now() -> tuple[int, str]:
+            c = await asyncpg.connect(pg)
+            try:
+                row = await c.fetchrow("SELECT epoch, holder FROM leader WHERE id = 1")
+            finally:
+                await c.close()
+            return int(row["epoch"]), str(row["holder"])
+
         rounds = []
         for rnd in range(args.rounds):
             mode = "SIGKILL" if rnd % 2 == 0 else "SIGSTOP"
+            # the leader as the lease names it: a loaded leader may have lost its lease to another
+            # manager since the last round (the bench must not stop one that no longer leads)
+            lease_epoch, holder = await lease_now()
+            leader = next((k for k in range(3) if slots[k].name == holder), leader)
             old = slots[leader]
             epoch_before = await layout_epoch(old.info["http"], op) or 0
             others = [k for k in range(3) if k != leader]
@@ -511,12 +523,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 since = await c.fetchval("SELECT since FROM leader WHERE id = 1")
             finally:
                 await c.close()
+            # more than one: a new leader lost its lease to the next one while loading or catching up
+            takeovers = (await lease_now())[0] - lease_epoch
             rounds.append({"mode": mode, "first_layout_s": first, "exit": exit_code, "killed": old.name,
-                           "since": since, "failed_agent_on_killed_leader": via_killed})
+                           "since": since, "failed_agent_on_killed_leader": via_killed, "takeovers": takeovers})
             print(f"round {rnd}: {mode} of the leader -> first layout at the new epoch {first:.2f} s"
                   + (" (the failing agent's stream was on the failed leader: it had to move first)"
                      if via_killed else "")
-                  + (f", woken: exit {exit_code}" if exit_code is not None else ""), flush=True)
+                  + (f", woken: exit {exit_code}" if exit_code is not None else "")
+                  + (f"; {takeovers} takeovers (a new leader lost its lease)" if takeovers > 1 else ""), flush=True)
             p = start(leader)
             await p.ready_async(300)
             for g in gens:
