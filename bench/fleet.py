@@ -457,20 +457,21 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             await wg.ask({"cmd": "retarget", "old": killed.grpc, "new": p.grpc})
         slots[standby] = p
 
-        async def lease_now() -> tuple[int, str]:
+        async def lease_now() -> tuple[int, str, Any]:
+            """The lease row: epoch, holder, since."""
             c = await asyncpg.connect(pg)
             try:
-                row = await c.fetchrow("SELECT epoch, holder FROM leader WHERE id = 1")
+                row = await c.fetchrow("SELECT epoch, holder, since FROM leader WHERE id = 1")
             finally:
                 await c.close()
-            return int(row["epoch"]), str(row["holder"])
+            return int(row["epoch"]), str(row["holder"]), row["since"]
 
         rounds = []
         for rnd in range(args.rounds):
             mode = "SIGKILL" if rnd % 2 == 0 else "SIGSTOP"
             # the leader as the lease names it: a loaded leader may have lost its lease to another
             # manager since the last round (the bench must not stop one that no longer leads)
-            lease_epoch, holder = await lease_now()
+            lease_epoch, holder, _ = await lease_now()
             leader = next((k for k in range(3) if slots[k].name == holder), leader)
             old = slots[leader]
             epoch_before = await layout_epoch(old.info["http"], op) or 0
@@ -518,13 +519,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             else:
                 old.proc.wait(10)
             assert new is not None, f"round {rnd}: no layout at a new epoch within 120 s"
-            c = await asyncpg.connect(pg)
-            try:
-                since = await c.fetchval("SELECT since FROM leader WHERE id = 1")
-            finally:
-                await c.close()
-            # more than one: a new leader lost its lease to the next one while loading or catching up
-            takeovers = (await lease_now())[0] - lease_epoch
+            epoch_after, _, since = await lease_now()
+            takeovers = epoch_after - lease_epoch  # more than one: a new leader lost its lease to the next
             rounds.append({"mode": mode, "first_layout_s": first, "exit": exit_code, "killed": old.name,
                            "since": since, "failed_agent_on_killed_leader": via_killed, "takeovers": takeovers})
             print(f"round {rnd}: {mode} of the leader -> first layout at the new epoch {first:.2f} s"

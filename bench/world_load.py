@@ -2,7 +2,7 @@
 12,500 nodes (one NVLink domain each) and 100,000 GPUs on a scratch PostgreSQL database, four
 times in one process, wall and CPU seconds each.
 
-    .venv/bin/python bench/world_load.py [--postgres URL]   # creates and drops ntp_world_load
+    .venv/bin/python bench/world_load.py [--postgres URL]   # a scratch database, dropped at the end
 """
 
 from __future__ import annotations
@@ -18,20 +18,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import asyncpg
 
+from bench.common import drop_postgres, fresh_postgres
 from ntp_manager.service.loading import load_world
 from ntp_manager.service.manager import Manager
 from ntp_manager.settings import Settings
 from ntp_manager.store import db
 
-DB = "ntp_world_load"
 
 async def main(base: str) -> None:
-    admin = base.replace("postgresql+asyncpg://", "postgresql://", 1)
-    url = base.rsplit("/", 1)[0] + "/" + DB
-    c = await asyncpg.connect(admin)
-    await c.execute(f"DROP DATABASE IF EXISTS {DB}")
-    await c.execute(f"CREATE DATABASE {DB}")
-    await c.close()
+    url = await fresh_postgres(base, "ntp_world_load")
     try:
         m = Manager(Settings(database_url=url))
         await db.upgrade(m.engine)
@@ -55,9 +50,7 @@ async def main(base: str) -> None:
                   f"CPU {time.process_time() - c0:.3f} s", flush=True)
         await m.engine.dispose()
     finally:
-        c = await asyncpg.connect(admin)
-        await c.execute(f"DROP DATABASE IF EXISTS {DB}")
-        await c.close()
+        await drop_postgres(base, url)
 
 
 if __name__ == "__main__":
