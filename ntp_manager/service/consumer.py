@@ -68,10 +68,10 @@ def weight(r: outbox.Stored) -> int:
 
 def batch_end(rows: list[outbox.Stored], budget: int = WEIGHT) -> int:
     """How many of `rows` (at least one) go into one transaction. Its fence holds the lease row
-    `FOR SHARE` until it commits, and the lease renewal waits for that (store/lease.py): a
-    transaction of 2,048 hellos (16,000 GPU rows and more) took seconds on a loaded machine, longer
-    than a short lease, and the leader deposed itself, and the next one did the same with the
-    backlog it found. Capped by what they write, a backlog of hellos goes a few hundred at a time."""
+    `FOR KEY SHARE` until it commits, and a takeover waits for that (store/lease.py): a transaction
+    of 2,048 hellos (16,000 GPU rows and more) took seconds on a loaded machine. (When the fence took
+    `FOR SHARE`, the leader's own renewals waited as well, and it deposed itself.) Capped by what
+    they write, a backlog of hellos goes a few hundred at a time, each transaction short."""
     total = 0
     for i, r in enumerate(rows):
         total += weight(r)

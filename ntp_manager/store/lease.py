@@ -6,15 +6,22 @@ Time is the database's: on PostgreSQL every expiry is computed and compared with
 pattern). SQLite holds one manager at a time (service/leader.py keeps a second one out with a lock
 file), so there the manager's own clock is used and `acquire` always succeeds.
 
-- `acquire`: one conditional UPDATE, taken only when the lease is free (never held, released or
-  expired), bumping the epoch; two managers racing for it are serialized by the row lock, and the
-  second finds the lease live and gets nothing.
+- `acquire`: locks the row `FOR UPDATE` while the lease is free (never held, released or expired),
+  then bumps the epoch; two managers racing for it are serialized by the row lock, and the second
+  finds the lease live and gets nothing.
 - `renew`: extends the lease only while the row still carries this manager's epoch and name.
-- `fence`: run inside a write transaction; reads the epoch with `FOR SHARE` (PostgreSQL), so a
-  takeover's UPDATE waits until that transaction has ended: either the write commits before the
-  new epoch exists (and the new leader, which loads after its takeover, sees it), or the fence
-  sees the new epoch and the transaction is rolled back. Nothing commits under an old epoch after
-  a takeover.
+- `fence`: run inside a write transaction; reads the epoch with `FOR KEY SHARE` (PostgreSQL), so a
+  takeover (its `FOR UPDATE`) waits until that transaction has ended: either the write commits
+  before the new epoch exists (and the new leader, which loads after its takeover, sees it), or
+  the fence sees the new epoch and the transaction is rolled back. Nothing commits under an old
+  epoch after a takeover.
+
+The two lock modes are chosen so that a renewal never waits for the leader's own writes: a plain
+UPDATE of a column that is not a key takes `FOR NO KEY UPDATE`, which does not conflict with
+`FOR KEY SHARE`, while `FOR UPDATE` conflicts with every other lock on the row. With `FOR SHARE`
+in the fence (as before), each renewal queued behind whichever of the leader's transactions was
+open, and a leader with long ones (a backlog of hellos on a loaded machine) could fail to renew
+and depose itself.
 """
 
 from __future__ import annotations
@@ -52,14 +59,16 @@ def _pg(conn: AsyncConnection | AsyncSession) -> bool:
 _READ_PG = text("SELECT epoch, holder, http_address, grpc_address, "
                 "EXTRACT(EPOCH FROM (expires_at - clock_timestamp()))::float8, "
                 "EXTRACT(EPOCH FROM expires_at)::float8 FROM leader WHERE id = 1")
+_FREE = "(expires_at IS NULL OR expires_at <= clock_timestamp())"
+_LOCK_FREE_PG = text(f"SELECT epoch FROM leader WHERE id = 1 AND {_FREE} FOR UPDATE")
 _ACQUIRE_PG = text(
     "UPDATE leader SET epoch = epoch + 1, holder = :me, since = clock_timestamp(), "
     "expires_at = clock_timestamp() + make_interval(secs => :ttl), http_address = :http, grpc_address = :grpc "
-    "WHERE id = 1 AND (expires_at IS NULL OR expires_at <= clock_timestamp()) RETURNING epoch")
+    f"WHERE id = 1 AND {_FREE} RETURNING epoch")
 _RENEW_PG = text("UPDATE leader SET expires_at = clock_timestamp() + make_interval(secs => :ttl) "
                  "WHERE id = 1 AND epoch = :epoch AND holder = :me RETURNING epoch")
 _RELEASE_PG = text("UPDATE leader SET expires_at = clock_timestamp() WHERE id = 1 AND epoch = :epoch AND holder = :me")
-_FENCE_PG = text("SELECT epoch FROM leader WHERE id = 1 FOR SHARE")
+_FENCE_PG = text("SELECT epoch FROM leader WHERE id = 1 FOR KEY SHARE")
 
 
 async def read(conn: AsyncConnection) -> LeaseView | None:
@@ -85,6 +94,10 @@ async def read(conn: AsyncConnection) -> LeaseView | None:
 async def acquire(conn: AsyncConnection, me: str, ttl_s: float, http: str, grpc: str) -> int | None:
     """Take the lease when it is free; the new epoch, or None when another manager holds it."""
     if _pg(conn):
+        # the lock first: it waits for every fenced transaction of the old leader (the UPDATE alone
+        # would not: FOR NO KEY UPDATE and the fence's FOR KEY SHARE do not conflict)
+        if (await conn.execute(_LOCK_FREE_PG)).first() is None:
+            return None
         row = (await conn.execute(_ACQUIRE_PG, {"me": me, "ttl": ttl_s, "http": http, "grpc": grpc})).first()
         return None if row is None else int(row[0])
     # SQLite: the caller holds the database's lock file, so no other manager can run; the lease is
@@ -121,8 +134,9 @@ async def release(conn: AsyncConnection, me: str, epoch: int) -> None:
 
 
 async def fence(session: AsyncSession) -> int:
-    """The epoch as this transaction sees it, share-locked until the transaction ends (PostgreSQL;
-    SQLite's single writer serializes transactions anyway)."""
+    """The epoch as this transaction sees it, key-share-locked until the transaction ends, which
+    holds off a takeover but not a renewal (PostgreSQL; SQLite's single writer serializes
+    transactions anyway)."""
     if _pg(session):
         epoch = (await session.execute(_FENCE_PG)).scalar_one_or_none()
     else:

@@ -18,6 +18,7 @@ import uvicorn
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import ValidationError
 from sqlalchemy import func, select, text
+from sqlalchemy.exc import DBAPIError
 
 from ntp_manager.api.app import create_app
 from ntp_manager.contract.gpu import GpuState
@@ -28,6 +29,7 @@ from ntp_manager.service import manager as manager_mod
 from ntp_manager.service.leader import AnotherManager, NotLeader
 from ntp_manager.service.manager import GpuInventory, GpuReport, Manager
 from ntp_manager.settings import Settings
+from ntp_manager.store import lease
 from ntp_manager.store.models import AuditRow, HealthEventRow, LeaderRow
 from tests.fakes.clock import FakeClock
 from tests.fakes.partition import Partition
@@ -160,6 +162,58 @@ async def test_a_write_that_finds_another_epoch_commits_nothing(tmp_path: Path) 
         finally:
             await a.stop()
         assert await lease_row(a) == (a.epoch + 1, "b")  # its stop did not release another's lease
+
+
+@needs_pg
+async def test_the_fence_holds_off_a_takeover_but_not_a_renewal(tmp_path: Path) -> None:
+    """The row locks of store/lease.py: while a write transaction holds the fence, the leader's
+    renewal goes through at once, and a takeover of the expired lease waits until that transaction
+    ends (its lock_timeout fires meanwhile); once it ends, the takeover bumps the epoch and the
+    transaction's fence, had it come later, would have seen the new one."""
+    async with pg_url(tmp_path) as url:
+        a = Manager(settings(tmp_path, url, "a", lease_ttl_s=30.0, lease_renew_s=10.0))
+        await a.start()
+        try:
+            epoch = a.epoch
+            eng = a.leadership.engine
+            async with a.sm() as s, s.begin():
+                assert await lease.fence(s) == epoch  # held until this block ends
+                async with eng.begin() as conn:
+                    await conn.exec_driver_sql("SET LOCAL lock_timeout = 2000")
+                    assert await lease.renew(conn, "a", epoch, 30.0)  # not blocked (FOR SHARE blocked it)
+                async with eng.begin() as conn:  # the lease runs out (as if "a" had stopped renewing)
+                    await conn.exec_driver_sql("SET LOCAL lock_timeout = 2000")
+                    await conn.execute(text("UPDATE leader SET expires_at = clock_timestamp() WHERE id = 1"))
+                with pytest.raises(DBAPIError, match="lock timeout"):
+                    async with eng.begin() as conn:
+                        await conn.exec_driver_sql("SET LOCAL lock_timeout = 300")
+                        await lease.acquire(conn, "b", 30.0, "", "")
+            async with eng.begin() as conn:
+                assert await lease.acquire(conn, "b", 30.0, "", "") == epoch + 1
+            async with a.sm() as s, s.begin():
+                assert await lease.fence(s) == epoch + 1
+        finally:
+            await a.stop()
+
+
+@needs_pg
+async def test_a_leader_inside_a_long_write_keeps_its_lease(tmp_path: Path) -> None:
+    """A write transaction of the leader's that runs longer than the lease (a big batch on a loaded
+    machine) does not hold up the renewals: the leader still leads when it commits."""
+    async with pg_url(tmp_path) as url:
+        a = Manager(settings(tmp_path, url, "a", lease_ttl_s=1.5, lease_renew_s=0.2))
+        await a.start()
+        try:
+            async with a.mutation("t") as tx:
+                tx.audit(tx.now, "test.long-write", "x")
+                await a.leadership.fence(tx.session)
+                await tx.session.execute(text("SELECT pg_sleep(3)"))  # two leases, busy (not idle)
+            assert a.leading and not a.lost.is_set()
+            async with a.sm() as s:
+                assert await s.scalar(select(func.count()).select_from(AuditRow)
+                                      .where(AuditRow.action == "test.long-write")) == 1
+        finally:
+            await a.stop()
 
 
 @needs_pg
