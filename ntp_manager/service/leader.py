@@ -1,15 +1,15 @@
 """Leadership: which manager acts, at which epoch, and where the others send their clients.
 
 PostgreSQL: any number of managers run against one database; one leads through the lease row
-(store/lease.py). The leader renews every `lease_renew_s` on a connection pool of its own (a busy
-main pool never delays a renewal); a standby reads the row, learns who leads and where (clients of
-the standby are sent there), and tries to take the lease over when it has expired, bumping the
-epoch. Every write transaction runs `fence` (kernel.py): it reads the epoch in that transaction and
-refuses to commit unless it is this manager's, so a leader that was paused (SIGSTOP, a long GC, a
-partition from the database) and wakes up after a takeover commits nothing. Its sessions carry an
-idle-in-transaction timeout of one lease, and a new leader that finds the row lock held by the
-manager it replaces ends that manager's sessions, so a leader paused inside a transaction cannot
-hold the lease row forever.
+(store/lease.py). The leader renews every `lease_renew_s` from a thread of its own, with its own
+event loop and connection (a busy main pool or loop never delays a renewal: `keep`); a standby
+reads the row, learns who leads and where (clients of the standby are sent there), and tries to
+take the lease over when it has expired, bumping the epoch. Every write transaction runs `fence`
+(kernel.py): it reads the epoch in that transaction and refuses to commit unless it is this
+manager's, so a leader that was paused (SIGSTOP, a long GC, a partition from the database) and
+wakes up after a takeover commits nothing. Its sessions carry an idle-in-transaction timeout of one
+lease, and a new leader that finds the row lock held by the manager it replaces ends that manager's
+sessions, so a leader paused inside a transaction cannot hold the lease row forever.
 
 A leader that finds its lease gone (the row has another epoch, or no renewal got through for a
 whole lease) stops: `lost` is set and the process exits for its supervisor to start it again as a
@@ -26,7 +26,9 @@ import asyncio
 import contextlib
 import fcntl
 import os
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -89,6 +91,8 @@ class Leadership:
         self.refused = 0  # write transactions the fence refused (tests and metrics)
         self.renewed_mono = 0.0  # when the last renewal that got through was sent
         self._lock_file: IO[str] | None = None
+        self._keeper: threading.Thread | None = None  # the renewal thread (PostgreSQL)
+        self._stop_keeper: Callable[[], None] | None = None
         self._viewed: asyncio.Future[None] | None = None  # resolved at the next read of the lease
 
     # ---- start ------------------------------------------------------------------------------
@@ -220,6 +224,87 @@ class Leadership:
         """Renew the lease every `lease_renew_s` while leading; set `lost` when it is gone: a
         renewal finds another epoch, or none got through for a whole lease.
 
+        On PostgreSQL the renewals run in a thread of their own, with an event loop and a database
+        connection of their own. On the manager's loop a renewal waited behind every callback ready
+        before it: with thousands of agent streams and watches on a machine short of CPU, a new
+        leader catching up (100,000 GPUs loaded, the outbox replayed) went seconds between turns of
+        its loop, and lost a lease of 6 s that nobody else wanted (bench/RESULTS.md). A thread
+        waits only for the GIL, which the loop's thread gives up every switch interval. A process
+        that is stopped (SIGSTOP) or cut off from the database still loses the lease: its renewals
+        stop, or do not get through."""
+        if not self.postgres:
+            await self._keep(self.engine, self.lose)
+            return
+        main = asyncio.get_running_loop()
+        ended: asyncio.Future[None] = main.create_future()
+        started = threading.Event()
+        box: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+        def stop_thread() -> None:
+            started.wait(5.0)
+            if box:
+                loop, stop = box[0]
+                with contextlib.suppress(RuntimeError):  # its loop has closed already
+                    loop.call_soon_threadsafe(stop.set)
+
+        def lose(reason: str) -> None:
+            with contextlib.suppress(RuntimeError):  # the manager's loop has closed (the process exits)
+                main.call_soon_threadsafe(self.lose, reason)
+
+        def finish() -> None:
+            if not ended.done():
+                ended.set_result(None)
+
+        async def in_thread() -> None:
+            stop = asyncio.Event()
+            box.append((asyncio.get_running_loop(), stop))
+            started.set()
+            engine = db.make_engine(self.settings.effective_database_url,
+                                    application_name(self.me) + " renew", self.settings.lease_ttl_s, pool_size=1)
+            try:
+                keeping = asyncio.ensure_future(self._keep(engine, lose))
+                stopping = asyncio.ensure_future(stop.wait())
+                await asyncio.wait({keeping, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                for t in (keeping, stopping):
+                    t.cancel()
+                await asyncio.gather(keeping, stopping, return_exceptions=True)
+            finally:
+                with contextlib.suppress(Exception):  # a connection cut off may not close soon
+                    async with asyncio.timeout(1.0):
+                        await engine.dispose()
+
+        def body() -> None:
+            try:
+                asyncio.run(in_thread())
+            except Exception as e:  # reported, and the lease treated as lost
+                log.error("the lease renewal thread failed", error=repr(e)[:200])
+                lose(f"the lease renewal thread failed: {e!r}"[:300])
+            finally:
+                started.set()
+                with contextlib.suppress(RuntimeError):
+                    main.call_soon_threadsafe(finish)
+
+        self._keeper = threading.Thread(target=body, name=f"lease-renewal-{self.me}"[:60], daemon=True)
+        self._stop_keeper = stop_thread
+        self._keeper.start()
+        try:
+            await asyncio.shield(ended)
+        finally:
+            if not ended.done():  # cancelled (the manager stops): end the thread, wait a little for it
+                await self._end_keeper()
+
+    async def _end_keeper(self) -> None:
+        """End the renewal thread and wait (a little) until it has: no renewal may follow a release."""
+        keeper, stop = self._keeper, self._stop_keeper
+        if keeper is None or stop is None:
+            return
+        await asyncio.to_thread(stop)
+        await asyncio.to_thread(keeper.join, 2.0)
+
+    async def _keep(self, engine: AsyncEngine, lose: Callable[[str], None]) -> None:
+        """The renewal loop of `keep`, on whichever loop runs it: renewals through `engine`, and
+        `lose(reason)` once the lease is gone (then it returns).
+
         A renewal is never waited on past the end of the lease it would extend: when the database
         is cut off by a partition that drops packets (rather than refusing them), the call hangs
         for as long as TCP retries, while a standby takes the lease over as soon as it expires. A
@@ -238,7 +323,7 @@ class Leadership:
             left = self.renewed_mono + ttl - sent
             if left <= 0:
                 left = min(period, ttl / 4)
-            call = asyncio.ensure_future(self._renew(ttl))
+            call = asyncio.ensure_future(self._renew(engine, ttl))
             try:
                 done, _ = await asyncio.wait({call}, timeout=left)
             finally:
@@ -246,27 +331,27 @@ class Leadership:
                     call.cancel()
                     call.add_done_callback(_consume)
             if not done:
-                self.lose(f"no renewal got through for {ttl:g} s (lease_ttl_s; the last one has been waiting "
-                          f"{time.monotonic() - sent:.1f} s): another manager may lead now")
+                lose(f"no renewal got through for {ttl:g} s (lease_ttl_s; the last one has been waiting "
+                     f"{time.monotonic() - sent:.1f} s): another manager may lead now")
                 return
             try:
                 ok = call.result()
             except (OSError, SQLAlchemyError) as e:
                 log.warning("lease renewal failed", error=str(e).splitlines()[0][:200])
                 if time.monotonic() - self.renewed_mono >= ttl:
-                    self.lose(f"no renewal got through for {ttl:g} s (lease_ttl_s): another manager may lead now")
+                    lose(f"no renewal got through for {ttl:g} s (lease_ttl_s): another manager may lead now")
                     return
                 continue
             if not ok:
-                self.lose(f"the lease of epoch {self.epoch} was taken over")
+                lose(f"the lease of epoch {self.epoch} was taken over")
                 return
             if sent - self.renewed_mono >= ttl:  # paused past the lease, but nobody took it: still ours
                 log.warning("renewed a lease that had expired", epoch=self.epoch,
                             late_s=round(sent - self.renewed_mono, 3))
             self.renewed_mono = sent
 
-    async def _renew(self, ttl: float) -> bool:
-        async with self.engine.begin() as conn:
+    async def _renew(self, engine: AsyncEngine, ttl: float) -> bool:
+        async with engine.begin() as conn:
             return await lease.renew(conn, self.me, self.epoch, ttl)
 
     def lose(self, reason: str) -> None:
@@ -305,6 +390,7 @@ class Leadership:
         if not self.leading:
             return
         self.leading = False
+        await self._end_keeper()
         with contextlib.suppress(OSError, OperationalError, DBAPIError):
             async with self.engine.begin() as conn:
                 await lease.release(conn, self.me, self.epoch)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,7 @@ from ntp_manager.service import manager as manager_mod
 from ntp_manager.service.leader import AnotherManager, NotLeader
 from ntp_manager.service.manager import GpuInventory, GpuReport, Manager
 from ntp_manager.settings import Settings
-from ntp_manager.store import lease
+from ntp_manager.store import db, lease
 from ntp_manager.store.models import AuditRow, HealthEventRow, LeaderRow
 from tests.fakes.clock import FakeClock
 from tests.fakes.partition import Partition
@@ -212,6 +214,42 @@ async def test_a_leader_inside_a_long_write_keeps_its_lease(tmp_path: Path) -> N
             async with a.sm() as s:
                 assert await s.scalar(select(func.count()).select_from(AuditRow)
                                       .where(AuditRow.action == "test.long-write")) == 1
+        finally:
+            await a.stop()
+
+
+@needs_pg
+async def test_a_leader_whose_loop_is_held_keeps_renewing(tmp_path: Path) -> None:
+    """The renewals run in a thread of their own (service/leader.py): while the manager's event loop
+    is held for two leases (a starved process: every ready callback before a renewal), the lease
+    in the database stays live and the leader still leads afterwards."""
+    async with pg_url(tmp_path) as url:
+        a = Manager(settings(tmp_path, url, "a", lease_ttl_s=1.5, lease_renew_s=0.2))
+        await a.start()
+        try:
+            seen: list[lease.LeaseView | None] = []
+
+            async def read() -> lease.LeaseView | None:
+                eng = db.make_engine(url, "test reader", pool_size=1)
+                try:
+                    async with eng.connect() as c:
+                        return await lease.read(c)
+                finally:
+                    await eng.dispose()
+
+            def read_later() -> None:
+                time.sleep(2.5)
+                seen.append(asyncio.run(read()))
+
+            reader = threading.Thread(target=read_later)
+            reader.start()
+            time.sleep(3.0)  # holds this loop: a renewal on it could not run
+            reader.join()
+            view = seen[0]
+            assert view is not None and (view.epoch, view.holder) == (a.epoch, "a")
+            assert view.remaining_s is not None and view.remaining_s > 0
+            await asyncio.sleep(0.5)
+            assert a.leading and not a.lost.is_set()
         finally:
             await a.stop()
 
