@@ -28,7 +28,7 @@ from ntp_manager.api.edge import Error
 from ntp_manager.api.guard import AuthFirst
 from ntp_manager.api.routes import audit, cluster, dashboard, jobs, operations, tokens
 from ntp_manager.api.standby import LEADER_HEADER, StandbyEdge, leader_doc
-from ntp_manager.service.errors import ServiceError
+from ntp_manager.service.errors import ServiceError, database_unreachable
 from ntp_manager.service.leader import NotLeader
 from ntp_manager.service.manager import Manager
 
@@ -75,9 +75,16 @@ def create_app(manager: Manager) -> FastAPI:
             response = await call_next(request)
         except Exception as exc:
             # never the exception's text (SQL, paths, values) to a client; the log has it all
-            log.error("request failed", path=request.url.path[:200], request_id=request.state.request_id,
-                      error=type(exc).__name__, exc_info=exc)
-            response = JSONResponse({"detail": "internal error; the manager's log has the details"}, 500)
+            unreachable = database_unreachable(exc)
+            if unreachable is not None:
+                log.warning("request failed: the database is out of reach", path=request.url.path[:200],
+                            request_id=request.state.request_id, error=type(exc).__name__)
+                response = JSONResponse({"detail": unreachable.message}, unreachable.http_status,
+                                        headers={"Retry-After": "1"})
+            else:
+                log.error("request failed", path=request.url.path[:200], request_id=request.state.request_id,
+                          error=type(exc).__name__, exc_info=exc)
+                response = JSONResponse({"detail": "internal error; the manager's log has the details"}, 500)
         response.headers["x-request-id"] = request.state.request_id
         return response
 

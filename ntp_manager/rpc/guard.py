@@ -21,7 +21,7 @@ import structlog
 from ntp_manager.auth import Principal, parse_bearer
 from ntp_manager.contract.limits import cap_message
 from ntp_manager.rpc.tls import fingerprint_of_pem
-from ntp_manager.service.errors import ServiceError
+from ntp_manager.service.errors import ServiceError, database_unreachable
 from ntp_manager.service.leader import NotLeader
 
 log = structlog.get_logger("ntp.rpc")
@@ -88,6 +88,11 @@ async def _fail(context: grpc.aio.ServicerContext, method: str, exc: BaseExcepti
         context.set_trailing_metadata((("ntp-leader", exc.leader.grpc),))  # where to go instead
     if isinstance(exc, ServiceError):
         await abort(context, code_of(exc), exc.message)
+    unreachable = database_unreachable(exc)
+    if unreachable is not None:
+        log.warning("rpc failed: the database is out of reach", method=method,
+                    error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+        await abort(context, code_of(unreachable), unreachable.message)
     log.error("rpc failed", method=method, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, INTERNAL)
 

@@ -51,3 +51,17 @@ class Unavailable(ServiceError):
 
     http_status = 503
     grpc_code = "UNAVAILABLE"
+
+
+def database_unreachable(exc: BaseException) -> Unavailable | None:
+    """An error that says the database could not be reached or dropped the call: the connection
+    failed, was closed or ended by the server (a restart; a session ended by a new leader; an
+    idle-in-transaction timeout on a loaded machine), or a call timed out. The client gets
+    UNAVAILABLE / 503 and tries again (another manager, in fleet mode); anything else that escapes
+    a handler stays INTERNAL / 500. Either way the exception's text (SQL, values) stays in the log."""
+    from sqlalchemy import exc as sa_exc  # the manager's dependency; this module stays importable without it
+
+    if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError,
+                        OSError, TimeoutError)) or (isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated):
+        return Unavailable("this manager cannot reach its database right now; try again, or another manager")
+    return None
