@@ -33,6 +33,8 @@ class ChildLoop:
         self.options = [("grpc.use_local_subchannel_pool", 1), *extra_options, *CLIENT_KEEPALIVE]
         self.chans: Channels = {}
         self.reader = asyncio.StreamReader(limit=64 << 20)  # the config line lists every client (MBs at 12,500)
+        self._lag = 0.0
+        self._probe: asyncio.Task[None] | None = None
 
     async def config(self) -> dict[str, Any]:
         """The config line; opens the channels to its "targets"."""
@@ -43,6 +45,25 @@ class ChildLoop:
         for t in cfg["targets"]:
             self._open(t)
         return cfg
+
+    def start_lag_probe(self, period_s: float = 0.05) -> None:
+        """Measure this process's own event-loop lag (how late a `period_s` sleep wakes): a
+        generator starved of CPU delivers its clients' messages late, and a figure measured
+        through it is the generator's, not the managers'. `lag_max()` reads and resets it."""
+        self._lag = 0.0
+
+        async def probe() -> None:
+            loop = asyncio.get_running_loop()
+            while True:
+                t = loop.time()
+                await asyncio.sleep(period_s)
+                self._lag = max(self._lag, loop.time() - t - period_s)
+
+        self._probe = asyncio.get_running_loop().create_task(probe())
+
+    def lag_max(self) -> float:
+        lag, self._lag = self._lag, 0.0
+        return round(lag, 3)
 
     def _open(self, target: str) -> None:
         self.chans.setdefault(target, [grpc.aio.insecure_channel(target, options=self.options)

@@ -21,6 +21,8 @@ JSON line on stdout:
 - {"cmd": "retarget", "old": ADDRESS, "new": ADDRESS}: a manager restarted elsewhere: {"ok"}
 - {"cmd": "stats"}: {"acked": {node: seq}, "moves", "gaps_s": [time without a stream, per move],
   "cpu_s", "connected"}
+- {"cmd": "connected"}: {"connected", "lag_max_s": this process's longest event-loop lag since the last
+  "connected" (bench/fleet_child.py)}
 - {"cmd": "quit"}
 """
 
@@ -172,6 +174,7 @@ async def main() -> None:
     sims = [Sim(i, n, tok, cfg["targets"], cfg.get("gpus", 8), child.chans, cfg.get("heartbeat_s", 2.0))
             for i, (n, tok) in enumerate(cfg["nodes"])]
     tasks = [asyncio.create_task(s.run(stop)) for s in sims]
+    child.start_lag_probe()
 
     async def ready(c: dict[str, Any]) -> dict[str, Any]:
         for s in sims:
@@ -201,7 +204,11 @@ async def main() -> None:
                 "connected": sum(s.connected.is_set() for s in sims),
                 "on": [s.targets[s.t % len(s.targets)] for s in sims if s.connected.is_set()]}
 
-    await child.serve({"ready": ready, "reports": reports, "fail": fail, "stats": stats}, sims)
+    async def connected(c: dict[str, Any]) -> dict[str, Any]:  # polled often while a kill is measured: small
+        return {"connected": sum(s.connected.is_set() for s in sims), "lag_max_s": child.lag_max()}
+
+    await child.serve({"ready": ready, "reports": reports, "fail": fail, "stats": stats, "connected": connected},
+                      sims)
     await child.finish(stop, tasks)
     child.out({"bye": True})
 

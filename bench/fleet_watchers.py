@@ -13,6 +13,8 @@ Then reads commands on stdin, answering each with one JSON line on stdout:
   the manager the stream was lost from), "gaps_s" (per reconnect),
   "epochs": {epoch: watchers whose newest layout is of it}, "on": [address per connected watcher],
   "cpu_s"}
+- {"cmd": "epochs"}: {"epochs", "connected" as above, "lag_max_s": this process's longest event-loop lag since the
+  last "epochs" (bench/fleet_child.py)}
 - {"cmd": "retarget", "old": ADDRESS, "new": ADDRESS}: a manager restarted on a new address: {"ok"}
 - {"cmd": "quit"}
 """
@@ -97,11 +99,16 @@ async def main() -> None:
     t0 = time.perf_counter()
     ws = [Watcher(i, g, cfg["targets"], child.chans, cfg["token"], cfg["job"]) for i, g in enumerate(cfg["gpus"])]
     tasks = [asyncio.create_task(w.run(stop)) for w in ws]
+    child.start_lag_probe()
 
     async def ready(c: dict[str, Any]) -> dict[str, Any]:
         for w in ws:
             await w.connected.wait()
         return {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time()}
+
+    async def epochs(c: dict[str, Any]) -> dict[str, Any]:  # polled often while a round waits: small
+        return {"epochs": dict(Counter(w.newest[0] for w in ws)), "connected": sum(w.connected.is_set() for w in ws),
+                "lag_max_s": child.lag_max()}
 
     async def stats(c: dict[str, Any]) -> dict[str, Any]:
         return {"connected": sum(w.connected.is_set() for w in ws), "reconnects": sum(w.reconnects for w in ws),
@@ -111,7 +118,7 @@ async def main() -> None:
                 "epochs": dict(Counter(w.newest[0] for w in ws)),
                 "on": [w.target for w in ws if w.connected.is_set()], "cpu_s": time.process_time()}
 
-    await child.serve({"ready": ready, "stats": stats}, ws)
+    await child.serve({"ready": ready, "stats": stats, "epochs": epochs}, ws)
     await child.finish(stop, tasks)
 
 
