@@ -45,6 +45,9 @@ from ntp_manager.store.db import application_name
 
 log = structlog.get_logger("ntp.leader")
 
+LOOP_STUCK_S = 30.0  # a leader whose event loop has not turned for this long (or a lease) stops renewing
+WARM_CHECK_S = 10.0  # a standby's renewal connection is checked this often
+
 
 @dataclass(frozen=True)
 class LeaderInfo:
@@ -91,8 +94,8 @@ class Leadership:
         self.refused = 0  # write transactions the fence refused (tests and metrics)
         self.renewed_mono = 0.0  # when the last renewal that got through was sent
         self._lock_file: IO[str] | None = None
-        self._keeper: threading.Thread | None = None  # the renewal thread (PostgreSQL)
-        self._stop_keeper: Callable[[], None] | None = None
+        self._keeper: _RenewalThread | None = None  # PostgreSQL
+        self._loop_mono = time.monotonic()  # when the manager's event loop last turned (`_tick`)
         self._viewed: asyncio.Future[None] | None = None  # resolved at the next read of the lease
 
     # ---- start ------------------------------------------------------------------------------
@@ -232,74 +235,46 @@ class Leadership:
         waits only for the GIL, which the loop's thread gives up every switch interval. A process
         that is stopped (SIGSTOP) or cut off from the database still loses the lease: its renewals
         stop, or do not get through."""
-        if not self.postgres:
-            await self._keep(self.engine, self.lose)
-            return
-        main = asyncio.get_running_loop()
-        ended: asyncio.Future[None] = main.create_future()
-        started = threading.Event()
-        box: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-
-        def stop_thread() -> None:
-            started.wait(5.0)
-            if box:
-                loop, stop = box[0]
-                with contextlib.suppress(RuntimeError):  # its loop has closed already
-                    loop.call_soon_threadsafe(stop.set)
-
-        def lose(reason: str) -> None:
-            with contextlib.suppress(RuntimeError):  # the manager's loop has closed (the process exits)
-                main.call_soon_threadsafe(self.lose, reason)
-
-        def finish() -> None:
-            if not ended.done():
-                ended.set_result(None)
-
-        async def in_thread() -> None:
-            stop = asyncio.Event()
-            box.append((asyncio.get_running_loop(), stop))
-            started.set()
-            engine = db.make_engine(self.settings.effective_database_url,
-                                    application_name(self.me) + " renew", self.settings.lease_ttl_s, pool_size=1)
-            try:
-                keeping = asyncio.ensure_future(self._keep(engine, lose))
-                stopping = asyncio.ensure_future(stop.wait())
-                await asyncio.wait({keeping, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                for t in (keeping, stopping):
-                    t.cancel()
-                await asyncio.gather(keeping, stopping, return_exceptions=True)
-            finally:
-                with contextlib.suppress(Exception):  # a connection cut off may not close soon
-                    async with asyncio.timeout(1.0):
-                        await engine.dispose()
-
-        def body() -> None:
-            try:
-                asyncio.run(in_thread())
-            except Exception as e:  # reported, and the lease treated as lost
-                log.error("the lease renewal thread failed", error=repr(e)[:200])
-                lose(f"the lease renewal thread failed: {e!r}"[:300])
-            finally:
-                started.set()
-                with contextlib.suppress(RuntimeError):
-                    main.call_soon_threadsafe(finish)
-
-        self._keeper = threading.Thread(target=body, name=f"lease-renewal-{self.me}"[:60], daemon=True)
-        self._stop_keeper = stop_thread
-        self._keeper.start()
+        self._loop_mono = time.monotonic()
+        tick = asyncio.ensure_future(self._tick())
         try:
-            await asyncio.shield(ended)
+            if not self.postgres:
+                await self._keep(self.engine, self.lose)
+                return
+            if self._keeper is None:
+                self.start_renewals()
+            assert self._keeper is not None
+            self._keeper.go.set()
+            try:
+                await asyncio.shield(self._keeper.ended)
+            finally:
+                if not self._keeper.ended.done():  # cancelled (the manager stops): end the thread
+                    await self._end_keeper()
         finally:
-            if not ended.done():  # cancelled (the manager stops): end the thread, wait a little for it
-                await self._end_keeper()
+            tick.cancel()
+
+    def start_renewals(self) -> None:
+        """PostgreSQL: start the renewal thread now (a manager starting; `keep` starts it otherwise).
+        A standby's thread waits with its connection open, so that the first renewal after a
+        takeover does not pay for a new connection on a process busy loading the world (the bench
+        saw it 3.3 s late)."""
+        if self.postgres and self._keeper is None:
+            self._keeper = _RenewalThread(self, asyncio.get_running_loop())
+
+    async def _tick(self) -> None:
+        """Mark the manager's event loop as turning: the renewal thread stops renewing for a loop
+        that has not turned for `max(lease_ttl_s, LOOP_STUCK_S)` (wedged; not merely slow)."""
+        while True:
+            self._loop_mono = time.monotonic()
+            await asyncio.sleep(min(1.0, self.settings.lease_renew_s))
 
     async def _end_keeper(self) -> None:
         """End the renewal thread and wait (a little) until it has: no renewal may follow a release."""
-        keeper, stop = self._keeper, self._stop_keeper
-        if keeper is None or stop is None:
+        keeper = self._keeper
+        if keeper is None:
             return
-        await asyncio.to_thread(stop)
-        await asyncio.to_thread(keeper.join, 2.0)
+        keeper.stop.set()
+        await asyncio.to_thread(keeper.thread.join, 2.0)
 
     async def _keep(self, engine: AsyncEngine, lose: Callable[[str], None]) -> None:
         """The renewal loop of `keep`, on whichever loop runs it: renewals through `engine`, and
@@ -317,6 +292,10 @@ class Leadership:
             if not self.leading:
                 return
             sent = time.monotonic()
+            stuck = sent - self._loop_mono
+            if stuck > max(ttl, LOOP_STUCK_S):
+                lose(f"the manager's event loop has not turned for {stuck:.0f} s: it is wedged")
+                return
             # until the lease ends as this manager reckons it (it counts from when the last renewal
             # that got through was sent, so it ends here no later than in the database); a loop held
             # past it still gets one short try: nobody may have taken the lease meanwhile
@@ -375,6 +354,15 @@ class Leadership:
             self.lose(f"a write found epoch {current} in the database, not this manager's {self.epoch}")
             raise self.not_leader()
 
+    async def give_up(self, reason: str) -> None:
+        """A takeover that cannot go on (its state would not load): give the lease up now, so that
+        the next standby takes it at once rather than when it expires, and stop as a leader that
+        lost it does (`lost`: the process exits for its supervisor)."""
+        await self.release()
+        self.lost_reason = reason
+        log.error("gave the lease up; this manager stops", epoch=self.epoch, reason=reason)
+        self.lost.set()
+
     def not_leader(self) -> NotLeader:
         who = self.leader
         if self.leading:  # it has just taken the lease and is loading: no address to go to, back off
@@ -397,6 +385,7 @@ class Leadership:
             log.info("released the lease", epoch=self.epoch)
 
     async def close(self) -> None:
+        await self._end_keeper()
         if self.postgres:
             await self.engine.dispose()
         if self._lock_file is not None:
@@ -413,3 +402,65 @@ def _consume(task: asyncio.Future[bool]) -> None:
 def _lock_timeout(e: Exception) -> bool:
     orig = getattr(e, "orig", None)
     return "LockNotAvailable" in type(orig).__name__ or "lock timeout" in str(e).lower()
+
+
+class _RenewalThread:
+    """The leader's renewals on PostgreSQL (`Leadership.keep`): a thread with an event loop and a
+    database connection of its own. Started with the manager, it waits until `go` (this manager
+    leads), checking its connection every WARM_CHECK_S, then renews until the lease is lost or
+    released or `stop` is set. `ended` (a future of the manager's loop) resolves when it ends."""
+
+    def __init__(self, lead: Leadership, main: asyncio.AbstractEventLoop) -> None:
+        self.lead, self.main = lead, main
+        self.go, self.stop = threading.Event(), threading.Event()
+        self.ended: asyncio.Future[None] = main.create_future()
+        self.thread = threading.Thread(target=self._body, name=f"lease-renewal-{lead.me}"[:60], daemon=True)
+        self.thread.start()
+
+    def _lose(self, reason: str) -> None:
+        with contextlib.suppress(RuntimeError):  # the manager's loop has closed (the process exits)
+            self.main.call_soon_threadsafe(self.lead.lose, reason)
+
+    def _finish(self) -> None:
+        if not self.ended.done():
+            self.ended.set_result(None)
+
+    def _body(self) -> None:
+        try:
+            asyncio.run(self._run())
+        except Exception as e:  # reported, and the lease treated as lost
+            log.error("the lease renewal thread failed", error=repr(e)[:200])
+            self._lose(f"the lease renewal thread failed: {e!r}"[:300])
+        finally:
+            with contextlib.suppress(RuntimeError):
+                self.main.call_soon_threadsafe(self._finish)
+
+    async def _until(self, event: threading.Event, timeout: float) -> bool:
+        """Wait (polling: this loop has nothing else to do) until `event` or `stop` is set, or `timeout`."""
+        end = time.monotonic() + timeout
+        while not (event.is_set() or self.stop.is_set()) and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        return event.is_set()
+
+    async def _run(self) -> None:
+        s = self.lead.settings
+        engine = db.make_engine(s.effective_database_url, application_name(self.lead.me) + " renew",
+                                s.lease_ttl_s, pool_size=1)
+        try:
+            while not self.stop.is_set() and not self.go.is_set():
+                with contextlib.suppress(Exception):  # checked again later; a renewal reconnects anyway
+                    async with asyncio.timeout(s.lease_ttl_s), engine.connect() as c:
+                        await c.exec_driver_sql("SELECT 1")
+                await self._until(self.go, WARM_CHECK_S)
+            if self.stop.is_set():
+                return
+            keeping = asyncio.ensure_future(self.lead._keep(engine, self._lose))
+            stopping = asyncio.ensure_future(self._until(self.stop, float("inf")))
+            await asyncio.wait({keeping, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            for t in (keeping, stopping):
+                t.cancel()
+            await asyncio.gather(keeping, stopping, return_exceptions=True)
+        finally:
+            with contextlib.suppress(Exception):  # a connection cut off may not close soon
+                async with asyncio.timeout(1.0):
+                    await engine.dispose()

@@ -29,6 +29,7 @@ from datetime import datetime
 from typing import Any
 
 import structlog
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from ntp_manager.auth import Principal, TokenTable
 from ntp_manager.clock import Clock, SystemClock
@@ -129,6 +130,7 @@ class Manager:
             await db.upgrade(self.engine)
         if self.fleet is not None:
             await self.fleet.start()
+        self.leadership.start_renewals()  # PostgreSQL: its thread waits, connected, until this manager leads
         if await self.leadership.try_acquire():
             await self._lead()
         else:
@@ -185,12 +187,16 @@ class Manager:
         self.liveness.quiet_until = self.clock.monotonic() + self.settings.takeover_grace_s
         self._tasks = [asyncio.create_task(self.leadership.keep(), name="lease"),
                        asyncio.create_task(self._on_lost(), name="lease-lost")]
-        async with self.sm() as s:
-            self.kernel.world = await load_world(s, self.settings.power_base_cap, self.liveness.quiet_until)
-            await self.breaker.load(s)
-            await self.failslow.load(s)
-        offloop.keep_out_of_gc(every_s=0.0)  # the world's records (a standby takes over long after start-up)
-        await self.token_service.reload()
+        try:
+            await self._load()
+        except Exception as e:
+            # a leader that cannot load would hold the lease without ever acting (its renewals go on):
+            # give it up now, so the next standby takes over at once, and exit as a lost lease does
+            first = str(e).splitlines()[0][:200] if str(e) else ""
+            reason = f"the takeover could not load the state: {type(e).__name__}: {first}"
+            log.error("giving the lease up", epoch=self.epoch, reason=reason)
+            await self.leadership.give_up(reason)
+            return
         if self.leadership.lost.is_set():  # lost while loading: stopping (server.py), never acting
             log.error("the lease was lost while the state was loading; not taking over", epoch=self.epoch)
             return
@@ -214,6 +220,30 @@ class Manager:
         self.ready = True
         self.acting_event.set()
         log.info("manager started", epoch=self.epoch, gpus=len(self.world.gpus), jobs=len(self.world.jobs))
+
+    async def _load(self) -> None:
+        """The world and the leader's other state, as the database holds it after the takeover.
+
+        On PostgreSQL the reads run outside any transaction (each statement on its own, as READ
+        COMMITTED gives them anyway; nobody else writes these rows once the lease is taken: the
+        fence): between them this manager decodes and builds 100,000 GPUs' records, which on a
+        loaded machine took longer than the idle-in-transaction timeout (one lease), and the server
+        ended the session under the load."""
+        if self.engine.dialect.name == "postgresql":
+            async with self.engine.connect() as c:
+                conn = await c.execution_options(isolation_level="AUTOCOMMIT")
+                async with self.sm(bind=conn) as s:
+                    await self._load_in(s)
+        else:
+            async with self.sm() as s:
+                await self._load_in(s)
+        offloop.keep_out_of_gc(every_s=0.0)  # the world's records (a standby takes over long after start-up)
+        await self.token_service.reload()
+
+    async def _load_in(self, s: AsyncSession) -> None:
+        self.kernel.world = await load_world(s, self.settings.power_base_cap, self.liveness.quiet_until)
+        await self.breaker.load(s)
+        await self.failslow.load(s)
 
     async def begin_shutdown(self) -> None:
         """Stop taking work: readiness off, agent streams and layout watches end."""

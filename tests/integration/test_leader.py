@@ -27,6 +27,7 @@ from ntp_manager.contract.gpu import GpuState
 from ntp_manager.contract.proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from ntp_manager.rpc import server as rpc_server
 from ntp_manager.rpc.server import HEALTH_SERVICES, RpcServer
+from ntp_manager.service import leader as leader_mod
 from ntp_manager.service import manager as manager_mod
 from ntp_manager.service.leader import AnotherManager, NotLeader
 from ntp_manager.service.manager import GpuInventory, GpuReport, Manager
@@ -130,6 +131,74 @@ async def test_a_takeover_whose_state_loads_for_longer_than_the_lease_keeps_it(
         finally:
             await b.stop()
             await c.stop()
+
+
+@needs_pg
+async def test_a_takeover_that_cannot_load_gives_the_lease_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new leader whose state will not load does not sit on the lease (its renewals would go on
+    while it never acts): it gives the lease up and stops as a lost leader does, and the next
+    standby takes over at once, long before the 30 s lease would have expired."""
+    async with pg_url(tmp_path) as url:
+        long = {"lease_ttl_s": 30.0, "lease_renew_s": 0.2}
+        a = Manager(settings(tmp_path, url, "a", **long))
+        await a.start()
+        b, c = Manager(settings(tmp_path, url, "b", **long)), Manager(settings(tmp_path, url, "c", **long))
+        await b.start()
+        await c.start()
+        real = manager_mod.load_world
+        failed: list[int] = []
+
+        async def fails_once(*args: Any, **kw: Any) -> Any:
+            if not failed:
+                failed.append(1)
+                raise OSError("connection reset while loading")
+            return await real(*args, **kw)
+
+        monkeypatch.setattr(manager_mod, "load_world", fails_once)
+        epoch, _ = await lease_row(a)
+        try:
+            await a.stop()  # gives the lease up: one of b and c takes it, cannot load, gives it up
+            await asyncio.wait_for(asyncio.wait({asyncio.ensure_future(b.lost.wait()),
+                                                 asyncio.ensure_future(c.lost.wait())},
+                                                return_when=asyncio.FIRST_COMPLETED), 15)
+            gave_up, other = (b, c) if b.lost.is_set() else (c, b)
+            assert "could not load the state" in gave_up.leadership.lost_reason
+            assert not gave_up.acting and gave_up.epoch == epoch + 1
+            await asyncio.wait_for(other.wait_leading(), 15)  # well inside the 30 s lease
+            assert other.acting and other.epoch == epoch + 2
+            assert await lease_row(other) == (epoch + 2, other.settings.leader_id)
+        finally:
+            await b.stop()
+            await c.stop()
+
+
+@needs_pg
+async def test_a_takeover_whose_load_idles_past_the_lease_still_loads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The new leader's reads run outside a transaction: a pause between them longer than the
+    idle-in-transaction timeout (one lease; a starved machine building 100,000 GPUs' records)
+    does not get its session ended under the load."""
+    async with pg_url(tmp_path) as url:
+        short = {"lease_ttl_s": 1.5, "lease_renew_s": 0.2}
+        a = Manager(settings(tmp_path, url, "a", **short))
+        await a.start()
+        b = Manager(settings(tmp_path, url, "b", **short))
+        await b.start()
+        await a.register_agent("n0", "d0", [GpuInventory("G0", 0)], "boot", "v")
+        real_load = b.breaker.load
+
+        async def after_a_pause(s: Any) -> None:
+            await asyncio.sleep(3.0)  # two leases, after load_world's reads on the same session
+            await real_load(s)
+
+        monkeypatch.setattr(b.breaker, "load", after_a_pause)
+        try:
+            await a.stop()
+            await asyncio.wait_for(b.wait_leading(), 20)
+            assert b.acting and not b.lost.is_set() and "G0" in b.world.gpus
+        finally:
+            await b.stop()
 
 
 @needs_pg
@@ -250,6 +319,22 @@ async def test_a_leader_whose_loop_is_held_keeps_renewing(tmp_path: Path) -> Non
             assert view.remaining_s is not None and view.remaining_s > 0
             await asyncio.sleep(0.5)
             assert a.leading and not a.lost.is_set()
+        finally:
+            await a.stop()
+
+
+@needs_pg
+async def test_a_leader_whose_loop_is_wedged_stops_renewing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The renewal thread keeps a slow loop's lease, not a wedged one's: past max(lease,
+    LOOP_STUCK_S) without a turn of the manager's loop it stops renewing and the lease is lost."""
+    monkeypatch.setattr(leader_mod, "LOOP_STUCK_S", 0.0)  # the lease (1.5 s) bounds it here
+    async with pg_url(tmp_path) as url:
+        a = Manager(settings(tmp_path, url, "a", lease_ttl_s=1.5, lease_renew_s=0.2))
+        await a.start()
+        try:
+            time.sleep(3.0)  # holds this loop past the lease
+            await asyncio.sleep(0.1)
+            assert a.lost.is_set() and "wedged" in a.leadership.lost_reason
         finally:
             await a.stop()
 
