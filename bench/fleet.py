@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -281,6 +282,30 @@ async def layout_epoch(http: str, op: str) -> int | None:
     return None
 
 
+TIMELINE = {"leading": "lease taken", "manager started": "state loaded", "applying the outbox": "replay began",
+            "outbox caught up": "replay done"}
+
+
+def takeover_timeline(log: Path, epoch: int, t_kill_wall: float) -> dict[str, float]:
+    """Seconds from the kill to each step of the takeover at `epoch`, from the managers' log
+    (JSON lines; the managers and the bench share this machine's clock)."""
+    out: dict[str, float] = {}
+    with contextlib.suppress(OSError), log.open() as f:
+        for line in f:
+            if '"epoch": ' + str(epoch) not in line or not line.startswith("{"):
+                continue
+            try:
+                d = json.loads(line)
+            except ValueError:
+                continue
+            step = TIMELINE.get(d.get("event", ""))
+            if step is None or d.get("epoch") != epoch or step in out:
+                continue
+            at = datetime.fromisoformat(str(d["timestamp"]).replace("Z", "+00:00")).timestamp()
+            out[step] = round(at - t_kill_wall, 2)
+    return out
+
+
 def pct(xs: list[float], p: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, round(p / 100 * len(s) + 0.5) - 1))]
@@ -497,7 +522,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             tprofs = [Profile(slots[k].proc.pid, f"{slots[k].name} (round 0 takeover)",
                               tmp / f"profile-takeover-{k}.txt")
                       for k in others] if args.profile and rnd == 0 else []
-            t_kill = time.perf_counter()
+            t_kill, t_kill_wall = time.perf_counter(), time.time()
             old.signal(signal.SIGKILL if mode == "SIGKILL" else signal.SIGSTOP)
             failed, via_killed = None, False
             # one agent on a manager left reports its node failed: the layout must change (when every
@@ -540,8 +565,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             assert new is not None, f"round {rnd}: no layout at a new epoch within 120 s"
             epoch_after, _, since = await lease_now()
             takeovers = epoch_after - lease_epoch  # more than one: a new leader lost its lease to the next
+            steps = takeover_timeline(tmp / "managers.log", epoch_after, t_kill_wall)
             rounds.append({"mode": mode, "first_layout_s": first, "exit": exit_code, "killed": old.name,
-                           "since": since, "failed_agent_on_killed_leader": via_killed, "takeovers": takeovers})
+                           "since": since, "failed_agent_on_killed_leader": via_killed, "takeovers": takeovers,
+                           "timeline_s": steps})
+            print(f"round {rnd}: takeover at epoch {epoch_after}, seconds after the {mode}: "
+                  + ", ".join(f"{k} {v}" for k, v in steps.items()) + f", first layout {first:.2f}", flush=True)
             print(f"round {rnd}: {mode} of the leader -> first layout at the new epoch {first:.2f} s"
                   + (" (the failing agent's stream was on the failed leader: it had to move first)"
                      if via_killed else "")

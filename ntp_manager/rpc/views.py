@@ -1,7 +1,10 @@
 """A layout version -> the `ntp.v1.Layout` each worker watches.
 
 Each worker's view holds every replica's summary plus the full rank lists of its own replica and of
-one peer it can fetch state from: O(replicas + TP), never the job's whole GPU list. The shared part
+one peer it can fetch state from: O(replicas + TP), never the job's whole GPU list; the summaries
+go as runs of consecutive replicas that share one (`summary_runs_part`), so the bytes a push sends
+grow with the job's distinct replica shapes (a few, while GPUs fail here and there), not with its
+replicas. The shared part
 (summaries, stamp) is built and serialized once per version, in a worker thread, with the GPU ->
 replica map; a replica's detail is built and serialized the first time a watcher of it asks, and
 kept: a push to a watcher is a few dict look-ups and a byte concatenation (protobuf concatenation
@@ -27,7 +30,7 @@ from ntp_manager.contract.layout import (
     head_part,
     own_part,
     peers_part,
-    summaries_part,
+    summary_runs_part,
 )
 from ntp_manager.planner.layout import LayoutDoc
 from ntp_manager.service.state import LayoutRec
@@ -85,7 +88,7 @@ def build_views(rec: LayoutRec, rendezvous: str = "") -> LayoutViews:
     ids, tps, batches, degrees = doc.replica_ids, doc.replica_tps, doc.local_batches, doc.degrees
     for lo in range(0, len(ids), CHUNK):
         hi = lo + CHUNK  # plain tuples in WireSummary's field order: no object per replica
-        parts.append(summaries_part(zip(ids[lo:hi], tps[lo:hi], batches[lo:hi], degrees[lo:hi], strict=True)))
+        parts.append(summary_runs_part(list(zip(ids[lo:hi], tps[lo:hi], batches[lo:hi], degrees[lo:hi], strict=True))))
     replica_of: dict[str, int] = {}
     gs, us = doc.group_starts, doc.gpu_starts
     for i in range(len(ids)):

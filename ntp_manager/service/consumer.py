@@ -97,12 +97,17 @@ class Consumer:
         self._pending: list[outbox.Stored] = []  # read, not applied yet (batch_end cut them off)
         self._reader = manager.engine.execution_options(isolation_level="AUTOCOMMIT")
 
+    def _caught_up(self) -> None:
+        if not self.caught_up.is_set():
+            self.caught_up.set()
+            log.info("outbox caught up", applied=self.applied, cursor=self.last, epoch=self.m.epoch)
+
     async def run(self) -> None:
         m = self.m
         async with m.sm() as s:
             self.last = self.started_at = await outbox.last_applied(s)
             head = await _head(s)
-        log.info("applying the outbox", after=self.last, head=head)
+        log.info("applying the outbox", after=self.last, head=head, epoch=m.epoch)
         window = m.settings.fleet_apply_window_ms / 1000
         # the first prune a while after taking over, not in the way of the replay
         self._next_prune = time.monotonic() + min(60.0, m.settings.fleet_outbox_retention_s / 4)
@@ -121,12 +126,12 @@ class Consumer:
                     await self.apply(rows[:cut])
                     self._pending = rows[cut:]
                     if rows[cut - 1].seq >= head:
-                        self.caught_up.set()
+                        self._caught_up()
                     backlog = backlog or len(rows) == BATCH or cut < len(rows)
                     if not backlog and window > 0:
                         await asyncio.sleep(window)  # let the next appends' rows gather into one batch
                     continue
-                self.caught_up.set()
+                self._caught_up()
             except NotLeader:
                 return  # the lease is gone: the process stops (service/leader.py)
             except (OSError, SQLAlchemyError) as e:

@@ -9,6 +9,7 @@ import grpc
 import pytest
 from sqlalchemy import func, select
 
+from ntp_manager.contract.layout import WireLayout
 from ntp_manager.contract.proto.ntp.v1 import agent_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 from ntp_manager.store.models import AuditRow, HealthEventRow, LayoutRow
 from tests.fakes.agent_client import ScriptedAgent, gpu_uuids
@@ -61,7 +62,7 @@ async def test_failure_report_produces_new_layout_on_watch_stream(service: Servi
         await eventually(lambda: len(seen) == 1)
         first = seen[0]
         assert first.stamp.version == 1 and first.stamp.leader_epoch == service.manager.epoch
-        assert sorted(r.tp for r in first.replicas) == [4, 4]
+        assert sorted(r.tp for r in WireLayout.decode(first).replicas) == [4, 4]  # two TP4: a run
         assert first.own.groups[0].gpu_uuids  # the worker's own replica, with ranks
         assert len(first.peers) == 1  # a donor to fetch state from
 
@@ -69,7 +70,7 @@ async def test_failure_report_produces_new_layout_on_watch_stream(service: Servi
         await eventually(lambda: len(seen) == 2)
         second = seen[1]
         assert second.stamp.version == 2
-        assert sorted(r.tp for r in second.replicas) == [3, 4]
+        assert sorted(r.tp for r in WireLayout.decode(second).replicas) == [3, 4]
         assert not second.HasField("own")  # the failed GPU's worker has no place any more
         assert second.world_size == 7
 

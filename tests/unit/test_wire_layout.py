@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ntp_manager.contract import layout as layout_mod
 from ntp_manager.contract.layout import (
     WireGroup,
     WireLayout,
@@ -22,6 +23,7 @@ from ntp_manager.contract.layout import (
     own_part,
     peers_part,
     summaries_part,
+    summary_runs_part,
 )
 from ntp_manager.contract.proto.ntp.v1 import common_pb2 as pb
 from ntp_manager.contract.ranks import stage_ranks
@@ -75,7 +77,9 @@ def test_every_message_field_has_a_place() -> None:
         return {f.name for f in msg.DESCRIPTOR.fields}  # type: ignore[attr-defined]
 
     fields = {f.name for f in dataclasses.fields(WireLayout)}
-    assert names(pb.Layout) - {"stamp"} == fields - {"version", "epoch", "created_at"}
+    # replica_runs is a second encoding of `replicas` (runs of summaries: see the tests below)
+    assert names(pb.Layout) - {"stamp", "replica_runs"} == fields - {"version", "epoch", "created_at"}
+    assert names(pb.ReplicaRun) == {"first_id", "count"} | set(WireSummary._fields) - {"replica_id"}
     assert names(pb.LayoutStamp) == {"leader_epoch", "version", "created_at"}
     assert names(pb.ReplicaSummary) == set(WireSummary._fields)
     assert names(pb.ReplicaDetail) == {f.name for f in dataclasses.fields(WireReplica)}
@@ -146,3 +150,67 @@ def test_views_that_do_not_add_up_are_refused() -> None:
     one_stage = dataclasses.replace(view, replicas=tuple(s._replace(stage_tps=()) for s in view.replicas))
     with pytest.raises(ValueError, match="does not match replica 1's stage degrees"):
         one_stage.rank_of("r1s1t0")
+
+
+# ---- summaries as runs (views.py sends them so) ---------------------------------------------------
+
+shapes = st.tuples(st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2]),
+                   st.sampled_from([(), (4,), (8, 8), (8, 4)]))
+
+
+@st.composite
+def ascending_summaries(draw: st.DrawFn) -> list[WireSummary]:
+    """Summaries as a plan has them: ascending ids, mostly consecutive, few distinct shapes."""
+    steps = draw(st.lists(st.tuples(st.sampled_from([1, 1, 1, 2, 7]), shapes), max_size=60))
+    out, rid = [], draw(st.integers(0, 5))
+    for gap, (tp, batch, stage_tps) in steps:
+        out.append(WireSummary(rid, tp, batch, stage_tps))
+        rid += gap
+    return out
+
+
+@given(ascending_summaries(), st.data())
+@settings(max_examples=300, deadline=None)
+def test_summaries_as_runs_decode_to_the_same_view(summ: list[WireSummary], data: st.DataObject) -> None:
+    """Runs in chunks cut anywhere (the manager encodes a large job a few thousand at a time),
+    merged with the single summaries, decode to the summaries in id order."""
+    w = WireLayout(job="j", version=3, epoch=2, replicas=tuple(summ))
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(summ)), max_size=3)))
+    bounds = [0, *cuts, len(summ)]
+    parts = [head_part(w)] + [summary_runs_part(summ[a:b]) for a, b in itertools.pairwise(bounds)]
+    assert WireLayout.from_bytes(b"".join(parts)) == w
+
+
+def test_a_large_job_is_a_few_runs() -> None:
+    """12,500 replicas at TP8 with three of them reduced: a few dozen bytes of runs, where the
+    summaries one by one are ~100 KB (what each of 12,500 watchers was sent per version)."""
+    summ = [WireSummary(i, 8, 2, (8,)) for i in range(12_500)]
+    for i in (17, 4_000, 4_001):
+        summ[i] = WireSummary(i, 7, 2, (7,))
+    runs, plain = summary_runs_part(summ), summaries_part(summ)
+    assert len(runs) < 200 and len(plain) > 100_000
+    msg = pb.Layout.FromString(runs)
+    assert len(msg.replica_runs) == 4 and len(msg.replicas) == 1  # 4,000-4,001 are a run too
+    assert WireLayout.from_bytes(runs).replicas == tuple(summ)
+
+
+def test_summaries_whose_ids_do_not_ascend_go_one_by_one() -> None:
+    summ = [WireSummary(5, 8, 1, ()), WireSummary(6, 8, 1, ()), WireSummary(2, 8, 1, ())]
+    data = summary_runs_part(summ)
+    assert data == summaries_part(summ) and WireLayout.from_bytes(data).replicas == tuple(summ)
+
+
+@pytest.mark.parametrize(("runs", "singles", "error"), [
+    ([pb.ReplicaRun(first_id=3, count=0, tp=8)], [], "run from replica 3 lists no replica"),
+    ([pb.ReplicaRun(first_id=0, count=4, tp=8)], [pb.ReplicaSummary(replica_id=2, tp=8)], "replica 2 is listed twice"),
+    ([pb.ReplicaRun(first_id=0, count=4, tp=8), pb.ReplicaRun(first_id=3, count=2, tp=8)], [],
+     "replica 3 is listed twice"),
+    ([pb.ReplicaRun(first_id=0, count=2**32 - 1, tp=8)], [], "more than"),
+])
+def test_runs_that_do_not_add_up_are_refused(runs: list[pb.ReplicaRun], singles: list[pb.ReplicaSummary],
+                                             error: str) -> None:
+    """A worker refuses such a view (ValueError: worker/sources.py) before it allocates for it."""
+    msg = pb.Layout(job="j", replicas=singles, replica_runs=runs)
+    with pytest.raises(ValueError, match=error):
+        WireLayout.decode(msg)
+    assert layout_mod.MAX_REPLICAS < 2**32 - 1

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13ntp/v1/common.proto\x12\x06ntp.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"F\n\x10PowerConstraints\x12\x0e\n\x06min_mw\x18\x01 \x01(\r\x12\x0e\n\x06max_mw\x18\x02 \x01(\r\x12\x12\n\ndefault_mw\x18\x03 \x01(\r\"\x88\x01\n\x07GpuInfo\x12\x0c\n\x04uuid\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05model\x18\x03 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\'\n\x05power\x18\x05 \x01(\x0b\x32\x18.ntp.v1.PowerConstraints\x12\x12\n\npci_bus_id\x18\x06 \x01(\t\"d\n\x0bLayoutStamp\x12\x14\n\x0cleader_epoch\x18\x01 \x01(\x04\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12.\n\ncreated_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x84\x01\n\x07TpGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64omain\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\n\n\x02tp\x18\x04 \x01(\r\x12\x11\n\tgpu_uuids\x18\x05 \x03(\t\x12\x14\n\x0cglobal_ranks\x18\x06 \x03(\r\x12\x13\n\x0bpower_ratio\x18\x07 \x01(\x01\"X\n\x0eReplicaSummary\x12\x12\n\nreplica_id\x18\x01 \x01(\r\x12\n\n\x02tp\x18\x02 \x01(\r\x12\x13\n\x0blocal_batch\x18\x03 \x01(\r\x12\x11\n\tstage_tps\x18\x04 \x03(\r\"D\n\rReplicaDetail\x12\x12\n\nreplica_id\x18\x01 \x01(\r\x12\x1f\n\x06groups\x18\x02 \x03(\x0b\x32\x0f.ntp.v1.TpGroup\"\xd1\x02\n\x06Layout\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\"\n\x05stamp\x18\x02 \x01(\x0b\x32\x13.ntp.v1.LayoutStamp\x12\x12\n\nhealthy_tp\x18\x03 \x01(\r\x12\x14\n\x0ctarget_batch\x18\x04 \x01(\r\x12\x14\n\x0cglobal_batch\x18\x05 \x01(\r\x12(\n\x08replicas\x18\x06 \x03(\x0b\x32\x16.ntp.v1.ReplicaSummary\x12\"\n\x03own\x18\x07 \x01(\x0b\x32\x15.ntp.v1.ReplicaDetail\x12$\n\x05peers\x18\x08 \x03(\x0b\x32\x15.ntp.v1.ReplicaDetail\x12\x12\n\nworld_size\x18\t \x01(\r\x12\x12\n\nrendezvous\x18\n \x01(\t\x12\x0e\n\x06reason\x18\x0b \x01(\t\x12\x19\n\x0crestore_step\x18\x0c \x01(\x04H\x00\x88\x01\x01\x42\x0f\n\r_restore_step*\xcc\x01\n\x08GpuState\x12\x19\n\x15GPU_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11GPU_STATE_HEALTHY\x10\x01\x12\x15\n\x11GPU_STATE_SUSPECT\x10\x02\x12\x16\n\x12GPU_STATE_DEGRADED\x10\x03\x12\x14\n\x10GPU_STATE_FAILED\x10\x04\x12\x16\n\x12GPU_STATE_CORDONED\x10\x05\x12\x16\n\x12GPU_STATE_DRAINING\x10\x06\x12\x19\n\x15GPU_STATE_MAINTENANCE\x10\x07\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13ntp/v1/common.proto\x12\x06ntp.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"F\n\x10PowerConstraints\x12\x0e\n\x06min_mw\x18\x01 \x01(\r\x12\x0e\n\x06max_mw\x18\x02 \x01(\r\x12\x12\n\ndefault_mw\x18\x03 \x01(\r\"\x88\x01\n\x07GpuInfo\x12\x0c\n\x04uuid\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05model\x18\x03 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\'\n\x05power\x18\x05 \x01(\x0b\x32\x18.ntp.v1.PowerConstraints\x12\x12\n\npci_bus_id\x18\x06 \x01(\t\"d\n\x0bLayoutStamp\x12\x14\n\x0cleader_epoch\x18\x01 \x01(\x04\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12.\n\ncreated_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x84\x01\n\x07TpGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64omain\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\n\n\x02tp\x18\x04 \x01(\r\x12\x11\n\tgpu_uuids\x18\x05 \x03(\t\x12\x14\n\x0cglobal_ranks\x18\x06 \x03(\r\x12\x13\n\x0bpower_ratio\x18\x07 \x01(\x01\"X\n\x0eReplicaSummary\x12\x12\n\nreplica_id\x18\x01 \x01(\r\x12\n\n\x02tp\x18\x02 \x01(\r\x12\x13\n\x0blocal_batch\x18\x03 \x01(\r\x12\x11\n\tstage_tps\x18\x04 \x03(\r\"a\n\nReplicaRun\x12\x10\n\x08\x66irst_id\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\n\n\x02tp\x18\x03 \x01(\r\x12\x13\n\x0blocal_batch\x18\x04 \x01(\r\x12\x11\n\tstage_tps\x18\x05 \x03(\r\"D\n\rReplicaDetail\x12\x12\n\nreplica_id\x18\x01 \x01(\r\x12\x1f\n\x06groups\x18\x02 \x03(\x0b\x32\x0f.ntp.v1.TpGroup\"\xfb\x02\n\x06Layout\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\"\n\x05stamp\x18\x02 \x01(\x0b\x32\x13.ntp.v1.LayoutStamp\x12\x12\n\nhealthy_tp\x18\x03 \x01(\r\x12\x14\n\x0ctarget_batch\x18\x04 \x01(\r\x12\x14\n\x0cglobal_batch\x18\x05 \x01(\r\x12(\n\x08replicas\x18\x06 \x03(\x0b\x32\x16.ntp.v1.ReplicaSummary\x12\"\n\x03own\x18\x07 \x01(\x0b\x32\x15.ntp.v1.ReplicaDetail\x12$\n\x05peers\x18\x08 \x03(\x0b\x32\x15.ntp.v1.ReplicaDetail\x12\x12\n\nworld_size\x18\t \x01(\r\x12\x12\n\nrendezvous\x18\n \x01(\t\x12\x0e\n\x06reason\x18\x0b \x01(\t\x12\x19\n\x0crestore_step\x18\x0c \x01(\x04H\x00\x88\x01\x01\x12(\n\x0creplica_runs\x18\r \x03(\x0b\x32\x12.ntp.v1.ReplicaRunB\x0f\n\r_restore_step*\xcc\x01\n\x08GpuState\x12\x19\n\x15GPU_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11GPU_STATE_HEALTHY\x10\x01\x12\x15\n\x11GPU_STATE_SUSPECT\x10\x02\x12\x16\n\x12GPU_STATE_DEGRADED\x10\x03\x12\x14\n\x10GPU_STATE_FAILED\x10\x04\x12\x16\n\x12GPU_STATE_CORDONED\x10\x05\x12\x16\n\x12GPU_STATE_DRAINING\x10\x06\x12\x19\n\x15GPU_STATE_MAINTENANCE\x10\x07\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ntp.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GPUSTATE']._serialized_start=1013
-  _globals['_GPUSTATE']._serialized_end=1217
+  _globals['_GPUSTATE']._serialized_start=1154
+  _globals['_GPUSTATE']._serialized_end=1358
   _globals['_POWERCONSTRAINTS']._serialized_start=64
   _globals['_POWERCONSTRAINTS']._serialized_end=134
   _globals['_GPUINFO']._serialized_start=137
@@ -44,8 +44,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TPGROUP']._serialized_end=510
   _globals['_REPLICASUMMARY']._serialized_start=512
   _globals['_REPLICASUMMARY']._serialized_end=600
-  _globals['_REPLICADETAIL']._serialized_start=602
-  _globals['_REPLICADETAIL']._serialized_end=670
-  _globals['_LAYOUT']._serialized_start=673
-  _globals['_LAYOUT']._serialized_end=1010
+  _globals['_REPLICARUN']._serialized_start=602
+  _globals['_REPLICARUN']._serialized_end=699
+  _globals['_REPLICADETAIL']._serialized_start=701
+  _globals['_REPLICADETAIL']._serialized_end=769
+  _globals['_LAYOUT']._serialized_start=772
+  _globals['_LAYOUT']._serialized_end=1151
 # @@protoc_insertion_point(module_scope)

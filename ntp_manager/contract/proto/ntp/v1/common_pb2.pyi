@@ -95,6 +95,20 @@ class ReplicaSummary(_message.Message):
     stage_tps: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, replica_id: _Optional[int] = ..., tp: _Optional[int] = ..., local_batch: _Optional[int] = ..., stage_tps: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ReplicaRun(_message.Message):
+    __slots__ = ("first_id", "count", "tp", "local_batch", "stage_tps")
+    FIRST_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    TP_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_BATCH_FIELD_NUMBER: _ClassVar[int]
+    STAGE_TPS_FIELD_NUMBER: _ClassVar[int]
+    first_id: int
+    count: int
+    tp: int
+    local_batch: int
+    stage_tps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, first_id: _Optional[int] = ..., count: _Optional[int] = ..., tp: _Optional[int] = ..., local_batch: _Optional[int] = ..., stage_tps: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class ReplicaDetail(_message.Message):
     __slots__ = ("replica_id", "groups")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
@@ -104,7 +118,7 @@ class ReplicaDetail(_message.Message):
     def __init__(self, replica_id: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[TpGroup, _Mapping]]] = ...) -> None: ...
 
 class Layout(_message.Message):
-    __slots__ = ("job", "stamp", "healthy_tp", "target_batch", "global_batch", "replicas", "own", "peers", "world_size", "rendezvous", "reason", "restore_step")
+    __slots__ = ("job", "stamp", "healthy_tp", "target_batch", "global_batch", "replicas", "own", "peers", "world_size", "rendezvous", "reason", "restore_step", "replica_runs")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STAMP_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_TP_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +131,7 @@ class Layout(_message.Message):
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     RESTORE_STEP_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_RUNS_FIELD_NUMBER: _ClassVar[int]
     job: str
     stamp: LayoutStamp
     healthy_tp: int
@@ -129,4 +144,5 @@ class Layout(_message.Message):
     rendezvous: str
     reason: str
     restore_step: int
-    def __init__(self, job: _Optional[str] = ..., stamp: _Optional[_Union[LayoutStamp, _Mapping]] = ..., healthy_tp: _Optional[int] = ..., target_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaSummary, _Mapping]]] = ..., own: _Optional[_Union[ReplicaDetail, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[ReplicaDetail, _Mapping]]] = ..., world_size: _Optional[int] = ..., rendezvous: _Optional[str] = ..., reason: _Optional[str] = ..., restore_step: _Optional[int] = ...) -> None: ...
+    replica_runs: _containers.RepeatedCompositeFieldContainer[ReplicaRun]
+    def __init__(self, job: _Optional[str] = ..., stamp: _Optional[_Union[LayoutStamp, _Mapping]] = ..., healthy_tp: _Optional[int] = ..., target_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaSummary, _Mapping]]] = ..., own: _Optional[_Union[ReplicaDetail, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[ReplicaDetail, _Mapping]]] = ..., world_size: _Optional[int] = ..., rendezvous: _Optional[str] = ..., reason: _Optional[str] = ..., restore_step: _Optional[int] = ..., replica_runs: _Optional[_Iterable[_Union[ReplicaRun, _Mapping]]] = ...) -> None: ...
