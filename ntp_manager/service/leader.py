@@ -241,9 +241,8 @@ class Leadership:
             if not self.postgres:
                 await self._keep(self.engine, self.lose)
                 return
-            if self._keeper is None:
-                self.start_renewals()
-            assert self._keeper is not None
+            if self._keeper is None or self._keeper.ended.done():  # none yet, or it failed while waiting
+                self._keeper = _RenewalThread(self, asyncio.get_running_loop())
             self._keeper.go.set()
             try:
                 await asyncio.shield(self._keeper.ended)
