@@ -54,7 +54,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import cpu_seconds, drop_postgres, fresh_postgres, machine_line
+from bench.common import cpu_seconds, drop_postgres, fresh_postgres, machine_busy, machine_line
 from ntp_manager.manager_process import ManagerProcess
 from ntp_manager.service.manager import Manager
 from ntp_manager.settings import Settings
@@ -522,6 +522,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             tprofs = [Profile(slots[k].proc.pid, f"{slots[k].name} (round 0 takeover)",
                               tmp / f"profile-takeover-{k}.txt")
                       for k in others] if args.profile and rnd == 0 else []
+            cpu_before = {k: cpu_seconds(slots[k].proc.pid) for k in others}
+            busy_before = machine_busy()
             t_kill, t_kill_wall = time.perf_counter(), time.time()
             old.signal(signal.SIGKILL if mode == "SIGKILL" else signal.SIGSTOP)
             failed, via_killed = None, False
@@ -547,6 +549,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                         break
                 else:
                     await asyncio.sleep(0.02)
+            # what the machine gave the takeover: the new leader's CPU seconds over the window, and
+            # how busy the whole machine was meanwhile (a starved takeover is slow for want of CPU)
+            window_s = time.perf_counter() - t_kill
+            busy_after = machine_busy()
+            share = {slots[k].name: round((cpu_seconds(slots[k].proc.pid) - cpu_before[k]) / window_s, 2)
+                     for k in others if slots[k].proc.poll() is None}
+            machine = round((busy_after[0] - busy_before[0]) / max(1e-9, busy_after[1] - busy_before[1]), 3)
             if tprofs:  # the one that took over is the one with the busy samples
                 out["profile_takeover"] = {p.label: p.stop() for p in tprofs}
             wround = await watchers_failover(wgens, w0, epoch_before, t_kill, old.grpc) if first else None
@@ -568,9 +577,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             steps = takeover_timeline(tmp / "managers.log", epoch_after, t_kill_wall)
             rounds.append({"mode": mode, "first_layout_s": first, "exit": exit_code, "killed": old.name,
                            "since": since, "failed_agent_on_killed_leader": via_killed, "takeovers": takeovers,
-                           "timeline_s": steps})
+                           "timeline_s": steps, "cores_used_by_standbys": share, "machine_busy": machine})
             print(f"round {rnd}: takeover at epoch {epoch_after}, seconds after the {mode}: "
-                  + ", ".join(f"{k} {v}" for k, v in steps.items()) + f", first layout {first:.2f}", flush=True)
+                  + ", ".join(f"{k} {v}" for k, v in steps.items()) + f", first layout {first:.2f}; cores the "
+                  f"managers left used meanwhile {share}, the machine {machine:.0%} busy", flush=True)
             print(f"round {rnd}: {mode} of the leader -> first layout at the new epoch {first:.2f} s"
                   + (" (the failing agent's stream was on the failed leader: it had to move first)"
                      if via_killed else "")
