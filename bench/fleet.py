@@ -340,6 +340,19 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             return p
 
         slots: list[ManagerProcess] = []
+
+        async def restart(slot: int) -> ManagerProcess:
+            """Start slot's manager again (it stopped or exited) and point every client that listed
+            the old address at the new one; returns the old process."""
+            gone = slots[slot]
+            p = start(slot)
+            await p.ready_async(300)
+            for g in gens:
+                await g.ask({"cmd": "retarget", "old": gone.grpc, "new": p.grpc})
+            for wg in wgens:
+                await wg.ask({"cmd": "retarget", "old": gone.grpc, "new": p.grpc})
+            slots[slot] = p
+            return gone
         for k in range(3):
             p = start(k)
             await p.ready_async(300)
@@ -489,15 +502,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         if wgens:
             print(f"standby SIGKILL: watches {wkill}", flush=True)
 
-        killed = slots[standby]
-        killed.proc.wait(10)
-        p = start(standby)
-        await p.ready_async(300)
-        for g in gens:
-            await g.ask({"cmd": "retarget", "old": killed.grpc, "new": p.grpc})
-        for wg in wgens:
-            await wg.ask({"cmd": "retarget", "old": killed.grpc, "new": p.grpc})
-        slots[standby] = p
+        slots[standby].proc.wait(10)
+        await restart(standby)
 
         async def lease_now() -> tuple[int, str, Any]:
             """The lease row: epoch, holder, since."""
@@ -589,14 +595,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             # a supervisor's part: start the stopped leader again, and any other manager that exited
             # meanwhile (one that lost its lease while catching up exits for its supervisor)
             for k in [leader] + [k for k in others if slots[k].proc.poll() is not None]:
-                gone = slots[k]
-                p = start(k)
-                await p.ready_async(300)
-                for g in gens:
-                    await g.ask({"cmd": "retarget", "old": gone.grpc, "new": p.grpc})
-                for wg in wgens:
-                    await wg.ask({"cmd": "retarget", "old": gone.grpc, "new": p.grpc})
-                slots[k] = p
+                gone = await restart(k)
                 if k != leader:
                     print(f"round {rnd}: {gone.name} had exited (code {gone.proc.returncode}); started again",
                           flush=True)

@@ -44,15 +44,20 @@ def test_which_errors_say_the_database_is_out_of_reach(exc: BaseException, unava
         assert got.grpc_code == "UNAVAILABLE" and got.http_status == 503 and "SELECT" not in got.message
 
 
-async def test_rest_answers_503_for_a_dropped_connection_and_500_for_a_bug(
-        sqlite_service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
-    m = sqlite_service.manager
+def failing(monkeypatch: pytest.MonkeyPatch, svc: Service, method: str) -> list[BaseException]:
+    """Make the manager's `method` raise what the returned list holds (a dropped connection first)."""
     raised: list[BaseException] = [dropped()]
 
-    async def failing(*_: Any, **__: Any) -> Any:
+    async def fail(*_: Any, **__: Any) -> Any:
         raise raised[0]
 
-    monkeypatch.setattr(m, "list_tokens", failing)
+    monkeypatch.setattr(svc.manager, method, fail)
+    return raised
+
+
+async def test_rest_answers_503_for_a_dropped_connection_and_500_for_a_bug(
+        sqlite_service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
+    raised = failing(monkeypatch, sqlite_service, "list_tokens")
     async with sqlite_service.client("admin") as c:
         r = await c.get("/v1/tokens")
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
@@ -64,21 +69,16 @@ async def test_rest_answers_503_for_a_dropped_connection_and_500_for_a_bug(
 
 async def test_grpc_answers_unavailable_for_a_dropped_connection_and_internal_for_a_bug(
         sqlite_service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
-    m = sqlite_service.manager
-    raised: list[BaseException] = [dropped()]
-
-    async def failing(*_: Any, **__: Any) -> Any:
-        raise raised[0]
-
-    monkeypatch.setattr(m, "record_steps", failing)
+    raised = failing(monkeypatch, sqlite_service, "record_steps")
     md = (("authorization", f"Bearer {sqlite_service.tokens['worker']}"),)
     async with grpc.aio.insecure_channel(sqlite_service.grpc) as ch:
         stub = worker_pb2_grpc.WorkerServiceStub(ch)  # type: ignore[no-untyped-call]
         req = worker_pb2.StepReport(job="j", worker_id="w", step=1)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.ReportSteps(req, metadata=md)
+        details = err.value.details() or ""
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "cannot reach its database" in (err.value.details() or "") and "SELECT" not in (err.value.details() or "")
+        assert "cannot reach its database" in details and "SELECT" not in details
         raised[0] = ProgrammingError(SQL, {}, Exception("no such column"))
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.ReportSteps(req, metadata=md)
