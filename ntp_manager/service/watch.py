@@ -111,6 +111,8 @@ class LayoutFeed:
         self._wake = asyncio.Event()
         self._uuid_at: dict[int, str] = {}
         self._uuids: set[str] = set()
+        self._positions_lock = asyncio.Lock()
+        self.position_reads = 0  # reads of every GPU's position done
         self._locks: dict[str, asyncio.Lock] = {}
         self._held: dict[Held, None] = {}  # the watches held here, oldest first
         # the database unreachable (or slower than fleet_store_timeout_s) since; past that timeout
@@ -283,15 +285,32 @@ class LayoutFeed:
         raise AssertionError("unreachable")
 
     async def _load_positions(self) -> None:
-        async with self.m.sm() as s:
-            rows = (await s.execute(select(GpuRow.pos, GpuRow.uuid))).all()
-        self._uuid_at = {int(p): str(u) for p, u in rows}
-        self._uuids = set(self._uuid_at.values())
+        """Read every GPU's position (what stored layouts name GPUs by). One read at a time: a
+        caller that waited while another read ran uses that one's result (a takeover's decode
+        and a burst of watches on a fresh manager each asked for all 100,000 rows at once)."""
+        done = self.position_reads
+        async with self._positions_lock:
+            if self.position_reads != done:
+                return
+            async with self.m.sm() as s:
+                rows = (await s.execute(select(GpuRow.pos, GpuRow.uuid))).all()
+            self._uuid_at = {int(p): str(u) for p, u in rows}
+            self._uuids = set(self._uuid_at.values())
+            self.position_reads += 1
 
     async def known_gpu(self, gpu: str) -> bool:
-        if gpu not in self._uuids:
-            await self._load_positions()
-        return gpu in self._uuids
+        """Whether `gpu` is registered: the map held, else one row looked up (a GPU registered
+        since the map was read joins it; an unknown one costs one indexed lookup, not a read of
+        every GPU)."""
+        if gpu in self._uuids:
+            return True
+        async with self.m.sm() as s:
+            pos = await s.scalar(select(GpuRow.pos).where(GpuRow.uuid == gpu))
+        if pos is None:
+            return False
+        self._uuid_at[int(pos)] = gpu
+        self._uuids.add(gpu)
+        return True
 
     # ---- watchers ---------------------------------------------------------------------------
     async def _load_or_unavailable(self, job: str) -> LayoutRec | None:
