@@ -456,7 +456,7 @@ async def mass_failure(info: dict[str, Any], tokens: dict[str, str], rounds: int
         stub = worker_pb2_grpc.WorkerServiceStub(channels[i % 40])
         req = worker_pb2.WatchLayoutRequest(job="mass", worker_id=f"w{i}", gpu_uuid=agents[i].uuids[0])
         async for msg in stub.WatchLayout(req, metadata=wmd):
-            replicas[i] = len(msg.replicas)
+            replicas[i] = len(msg.replicas) + sum(r.count for r in msg.replica_runs)  # runs: common.proto
             if replicas[i] == target[0] and not target[1]:
                 target[1] = time.perf_counter()
 

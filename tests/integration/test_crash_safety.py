@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import httpx
 
+from ntp_manager.contract.layout import WireLayout
 from ntp_manager.contract.proto.ntp.v1 import worker_pb2, worker_pb2_grpc
 from tests.fakes.agent_client import ScriptedAgent, gpu_uuids
 from tests.fakes.procs import create_agent_tokens, create_token, free_port, start_manager, stop_process
@@ -59,7 +60,7 @@ async def test_sigkill_loses_nothing_acknowledged(tmp_path: Path):
                             async for msg in call:
                                 seen.append((msg.stamp.leader_epoch, msg.stamp.version))
                                 shown[msg.stamp.version] = [(r.replica_id, r.tp, list(r.stage_tps))
-                                                            for r in msg.replicas]
+                                                            for r in WireLayout.decode(msg).replicas]
                     except grpc.aio.AioRpcError:
                         await asyncio.sleep(0.2)  # manager gone: retry
 
