@@ -462,6 +462,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         standby = max((k for k in range(3) if k != leader), key=lambda k: on.count(slots[k].grpc))  # the busiest
         on_it = on.count(slots[standby].grpc)
         w0 = await watchers_stats(wgens) if wgens else {}
+        # served elsewhere = every client connected, none of them to the killed standby (right after the
+        # kill its clients still count as connected there: they have not seen it die yet)
+        dead = slots[standby].grpc
         for g in gens:
             await g.ask({"cmd": "connected"})  # resets the lag probes
         for wg in wgens:
@@ -473,15 +476,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         glag, wlag = [0.0] * len(gens), [0.0] * len(wgens)
         wtotal = sum(wg.n for wg in wgens)
         while t_agents is None or t_watches is None:  # small answers, every generator at once
-            conn = await asyncio.gather(*(g.ask({"cmd": "connected"}) for g in gens))
-            wconn = await asyncio.gather(*(wg.ask({"cmd": "epochs"}) for wg in wgens))
+            conn = await asyncio.gather(*(g.ask({"cmd": "connected", "on": dead}) for g in gens))
+            wconn = await asyncio.gather(*(wg.ask({"cmd": "epochs", "on": dead}) for wg in wgens))
             glag = [max(a, float(c["lag_max_s"])) for a, c in zip(glag, conn, strict=True)]
             wlag = [max(a, float(c["lag_max_s"])) for a, c in zip(wlag, wconn, strict=True)]
             since = time.perf_counter() - t_kill
-            if t_agents is None and since > 1 and all(
+            if t_agents is None and not any(c["on"] for c in conn) and all(
                     c["connected"] == len(g.nodes) for c, g in zip(conn, gens, strict=True)):
                 t_agents = since
-            if t_watches is None and since > 1 and sum(c["connected"] for c in wconn) >= wtotal:
+            if t_watches is None and not any(c["on"] for c in wconn) and sum(c["connected"] for c in wconn) >= wtotal:
                 t_watches = since
             if since > 120:
                 if t_agents is None:

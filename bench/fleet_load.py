@@ -21,8 +21,8 @@ JSON line on stdout:
 - {"cmd": "retarget", "old": ADDRESS, "new": ADDRESS}: a manager restarted elsewhere: {"ok"}
 - {"cmd": "stats"}: {"acked": {node: seq}, "moves", "gaps_s": [time without a stream, per move],
   "cpu_s", "connected"}
-- {"cmd": "connected"}: {"connected", "lag_max_s": this process's longest event-loop lag since the last
-  "connected" (bench/fleet_child.py)}
+- {"cmd": "connected", "on": ADDRESS}: {"connected", "on" (of them, connected to ADDRESS), "lag_max_s":
+  this process's longest event-loop lag since the last "connected" (bench/fleet_child.py)}
 - {"cmd": "quit"}
 """
 
@@ -205,7 +205,10 @@ async def main() -> None:
                 "on": [s.targets[s.t % len(s.targets)] for s in sims if s.connected.is_set()]}
 
     async def connected(c: dict[str, Any]) -> dict[str, Any]:  # polled often while a kill is measured: small
-        return {"connected": sum(s.connected.is_set() for s in sims), "lag_max_s": child.lag_max()}
+        addr = c.get("on")
+        return {"connected": sum(s.connected.is_set() for s in sims),
+                "on": sum(s.connected.is_set() and s.targets[s.t % len(s.targets)] == addr for s in sims),
+                "lag_max_s": child.lag_max()}
 
     await child.serve({"ready": ready, "reports": reports, "fail": fail, "stats": stats, "connected": connected},
                       sims)

@@ -13,8 +13,8 @@ Then reads commands on stdin, answering each with one JSON line on stdout:
   the manager the stream was lost from), "gaps_s" (per reconnect),
   "epochs": {epoch: watchers whose newest layout is of it}, "on": [address per connected watcher],
   "cpu_s"}
-- {"cmd": "epochs"}: {"epochs", "connected" as above, "lag_max_s": this process's longest event-loop lag since the
-  last "epochs" (bench/fleet_child.py)}
+- {"cmd": "epochs", "on": ADDRESS}: {"epochs", "connected", "on" (of them, on ADDRESS), "lag_max_s": this process's
+  longest event-loop lag since the last "epochs" (bench/fleet_child.py)}
 - {"cmd": "retarget", "old": ADDRESS, "new": ADDRESS}: a manager restarted on a new address: {"ok"}
 - {"cmd": "quit"}
 """
@@ -108,7 +108,7 @@ async def main() -> None:
 
     async def epochs(c: dict[str, Any]) -> dict[str, Any]:  # polled often while a round waits: small
         return {"epochs": dict(Counter(w.newest[0] for w in ws)), "connected": sum(w.connected.is_set() for w in ws),
-                "lag_max_s": child.lag_max()}
+                "on": sum(w.connected.is_set() and w.target == c.get("on") for w in ws), "lag_max_s": child.lag_max()}
 
     async def stats(c: dict[str, Any]) -> dict[str, Any]:
         return {"connected": sum(w.connected.is_set() for w in ws), "reconnects": sum(w.reconnects for w in ws),
