@@ -4,11 +4,11 @@ Each worker's view holds every replica's summary plus the full rank lists of its
 one peer it can fetch state from: O(replicas + TP), never the job's whole GPU list; the summaries
 go as runs of consecutive replicas that share one (`summary_runs_part`), so the bytes a push sends
 grow with the job's distinct replica shapes (a few, while GPUs fail here and there), not with its
-replicas. The shared part
-(summaries, stamp) is built and serialized once per version, in a worker thread, with the GPU ->
-replica map; a replica's detail is built and serialized the first time a watcher of it asks, and
-kept: a push to a watcher is a few dict look-ups and a byte concatenation (protobuf concatenation
-merges messages), so the per-version work does not grow with the number of watchers.
+replicas. The shared part (summaries, stamp) is built and serialized once per version, in a worker
+thread, with the GPU -> replica map; a replica's detail is built and serialized the first time a
+watcher of it asks, and kept: a push to a watcher is a few dict look-ups and a byte concatenation
+(protobuf concatenation merges messages), so the per-version work does not grow with the number of
+watchers.
 
 Global ranks number GPUs replica by replica (ascending id), stage by stage, TP rank by TP rank
 (`LayoutDoc.ranks`, which is `contract.ranks.stage_ranks`, the function the workers number them

@@ -143,7 +143,12 @@ class Manager:
         warm = asyncio.create_task(self.jobs.planner.warm(), name="warm-planner")
         try:
             await self.leadership.wait_for_turn()
-            await self._lead()
+            try:
+                await self._lead()
+            except Exception:
+                if self.leadership.lost.is_set():  # gave the lease up (logged): the process stops
+                    return
+                raise
         finally:
             if not warm.done():
                 warm.cancel()
@@ -196,7 +201,7 @@ class Manager:
             reason = f"the takeover could not load the state: {type(e).__name__}: {first}"
             log.error("giving the lease up", epoch=self.epoch, reason=reason)
             await self.leadership.give_up(reason)
-            return
+            raise  # at start-up the manager fails to start with this error, as before
         if self.leadership.lost.is_set():  # lost while loading: stopping (server.py), never acting
             log.error("the lease was lost while the state was loading; not taking over", epoch=self.epoch)
             return

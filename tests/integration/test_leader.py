@@ -173,6 +173,23 @@ async def test_a_takeover_that_cannot_load_gives_the_lease_up(
             await c.stop()
 
 
+async def test_a_manager_whose_state_will_not_load_does_not_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At start-up a load that fails is the start's error (the CLI prints it and exits non-zero),
+    with the lease given up as in a takeover."""
+    async def broken(*_: Any, **__: Any) -> Any:
+        raise OSError("the disk went away")
+
+    monkeypatch.setattr(manager_mod, "load_world", broken)
+    m = Manager(Settings(data_dir=tmp_path))
+    try:
+        with pytest.raises(OSError, match="the disk went away"):
+            await m.start()
+        assert m.lost.is_set() and "could not load the state" in m.leadership.lost_reason and not m.acting
+    finally:
+        await m.stop()
+
+
 @needs_pg
 async def test_a_takeover_whose_load_idles_past_the_lease_still_loads(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
