@@ -52,6 +52,14 @@ def settings(tmp_path: Path, url: str, name: str, **kw: Any) -> Settings:
     return Settings(data_dir=tmp_path / name, database_url=url, leader_id=name, **{**SHORT, **kw})
 
 
+async def three_managers(tmp_path: Path, url: str, **kw: Any) -> tuple[Manager, Manager, Manager]:
+    """Managers "a" (started first: it leads), "b" and "c" (standbys) on one database."""
+    a, b, c = (Manager(settings(tmp_path, url, name, **kw)) for name in "abc")
+    for m in (a, b, c):
+        await m.start()
+    return a, b, c
+
+
 async def lease_row(m: Manager) -> tuple[int, str]:
     async with m.sm() as s:
         row = await s.get(LeaderRow, 1)
@@ -103,12 +111,7 @@ async def test_a_takeover_whose_state_loads_for_longer_than_the_lease_keeps_it(
     lease_ttl_s (100,000 GPUs on a loaded machine) is not overtaken by the next standby (before,
     renewals began once the world was loaded; the bench saw two takeovers in a row)."""
     async with pg_url(tmp_path) as url:
-        short = {"lease_ttl_s": 1.5, "lease_renew_s": 0.2}
-        a = Manager(settings(tmp_path, url, "a", **short))
-        await a.start()
-        b, c = Manager(settings(tmp_path, url, "b", **short)), Manager(settings(tmp_path, url, "c", **short))
-        await b.start()
-        await c.start()
+        a, b, c = await three_managers(tmp_path, url, lease_ttl_s=1.5, lease_renew_s=0.2)
         assert a.leading and not b.leading and not c.leading
         real = manager_mod.load_world
 
@@ -140,12 +143,7 @@ async def test_a_takeover_that_cannot_load_gives_the_lease_up(
     while it never acts): it gives the lease up and stops as a lost leader does, and the next
     standby takes over at once, long before the 30 s lease would have expired."""
     async with pg_url(tmp_path) as url:
-        long = {"lease_ttl_s": 30.0, "lease_renew_s": 0.2}
-        a = Manager(settings(tmp_path, url, "a", **long))
-        await a.start()
-        b, c = Manager(settings(tmp_path, url, "b", **long)), Manager(settings(tmp_path, url, "c", **long))
-        await b.start()
-        await c.start()
+        a, b, c = await three_managers(tmp_path, url, lease_ttl_s=30.0, lease_renew_s=0.2)
         real = manager_mod.load_world
         failed: list[int] = []
 
