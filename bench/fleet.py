@@ -170,7 +170,7 @@ async def watchers_failover(gens: list[WatchGen], before: dict[str, Any], epoch_
     now = await watchers_stats(gens)
     delta = now["reconnects"] - before["reconnects"]
     of_killed = _lost_from(before, now, killed)
-    balance = now["moved"] - before["moved"]  # told to move for balance (service/balance.py): not the failover's
+    balance = now["moved"] - before["moved"]  # moved for balance, not by the failover
     return {"all_new_epoch_s": all_s, "reconnects_of_live_managers": delta - of_killed - balance,
             "moved_for_balance": balance, "generator_lag_max_s": lag,
             "reconnects_of_the_killed_leader": of_killed, "new_epoch_watchers":

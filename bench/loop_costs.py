@@ -37,7 +37,8 @@ from bench import layouts
 from bench.common import machine_line
 from ntp_manager.api.dashboard import dashboard_snapshot
 from ntp_manager.api.edge import json_reply
-from ntp_manager.service import liveness, offloop
+from ntp_manager.service.core import offloop
+from ntp_manager.service.ingest import liveness
 from ntp_manager.service.manager import Manager
 from ntp_manager.settings import Settings
 from ntp_manager.store.db import make_engine, upgrade

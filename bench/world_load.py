@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import asyncpg
 
 from bench.common import drop_postgres, fresh_postgres
-from ntp_manager.service.loading import load_world
+from ntp_manager.service.leadership.loading import load_world
 from ntp_manager.service.manager import Manager
 from ntp_manager.settings import Settings
 from ntp_manager.store import db

@@ -3,11 +3,11 @@
 The composition root: the one place that builds the service (the manager) and the transports
 around it (api/, rpc/), so that service/ never imports the layers above it.
 
-A manager that loses its lease (service/leader.py) shuts down the same way and exits with status 75
+A manager that loses its lease (service/leadership/leader.py) shuts down the same way and exits with status 75
 for its supervisor to start it again as a standby; when that takes longer than one lease (its
 database unreachable: calls hang), it exits at once. gRPC health says, per service, what this
 manager serves now (rpc/server.py): the agent and worker services on every manager that takes
-them and is in touch with the store, `ntp.v1.Leader` on the leader alone.
+them and is in touch with the store, `ntp.leader` on the leader alone.
 
 Shutdown (SIGTERM/SIGINT): readiness and gRPC health flip to NOT_SERVING, the gRPC server stops
 accepting and gives open streams a grace period, HTTP stops, then the manager stops its loops and
@@ -33,7 +33,7 @@ from ntp_manager.api.app import create_app
 from ntp_manager.contract.logs import configure_logging
 from ntp_manager.manager_process import LEADING, READY
 from ntp_manager.rpc.server import RpcServer
-from ntp_manager.service import offloop
+from ntp_manager.service.core import offloop
 from ntp_manager.service.manager import Manager
 from ntp_manager.settings import Settings
 
@@ -84,7 +84,7 @@ async def run_service(settings: Settings, stop: asyncio.Event | None = None) -> 
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
-    offloop.freeze_long_lived()  # and what is built later to last (service/offloop.py)
+    offloop.freeze_long_lived()  # and what is built later to last (service/core/offloop.py)
     # Work that grows with the cluster runs in worker threads; a thread that computes holds the GIL
     # for up to the switch interval each time the loop's thread gives it up (every syscall), so a
     # short interval keeps the loop's callbacks from waiting 5 ms per system call.

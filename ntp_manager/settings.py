@@ -46,7 +46,7 @@ class Settings(BaseSettings):
     leader_id: str = Field(default_factory=lambda: f"{os.uname().nodename}:{os.getpid()}", min_length=1,
                            max_length=200, description="this manager's name in the lease row and the database "
                            "sessions")
-    # Several managers on PostgreSQL (service/leader.py, docs/operations.md): the leader renews its
+    # Several managers on PostgreSQL (service/leadership/leader.py, docs/operations.md): the leader renews its
     # lease every `lease_renew_s`; a standby takes over once `lease_ttl_s` passed without a renewal
     # (the database's clock). A new leader gives agents `takeover_grace_s` to reconnect before it
     # counts any node's silence against its GPUs.
@@ -70,7 +70,7 @@ class Settings(BaseSettings):
                                 "manager) take effect within this")
     loop_warn_ms: float = Field(100.0, gt=0, description="the event-loop watchdog warns, with the stack, when a "
                                 "callback holds the loop longer")
-    # plan in a process of its own (service/planproc.py); off, or where none can start: a thread
+    # plan in a process of its own (service/planning/planproc.py); off, or where none can start: a thread
     plan_process: bool = Field(True, description="plan in a long-lived process of its own (false, or where none "
                                "can start: in a thread)")
     # group commit: reports, heartbeat transitions and hellos queued while a commit runs go into the
@@ -86,7 +86,7 @@ class Settings(BaseSettings):
     fleet_balance_s: float = Field(30.0, ge=0, description="fleet mode: how often a manager compares the agent "
                                    "streams and layout watches it holds with its share (their total over the "
                                    "managers alive) and tells those over it to move to the manager holding the "
-                                   "fewest (service/balance.py); 0: never")
+                                   "fewest (service/leadership/balance.py); 0: never")
     fleet_balance_tolerance: float = Field(0.1, ge=0, le=10, description="fleet mode: a manager moves clients only "
                                            "once it holds more than its share plus this fraction of it")
     fleet_balance_max: int = Field(500, ge=1, description="fleet mode: the most streams of each kind (agents, "
@@ -118,7 +118,7 @@ class Settings(BaseSettings):
     grpc_tls_client_ca: Path | None = Field(None, description="CA (PEM) that signs agents' client certificates: "
                                             "mTLS, required of agents on the TLS port")
 
-    # Slurm (service/slurm.py, docs/slurm.md): drain the nodes whose GPUs need a person, resume them
+    # Slurm (service/operations/slurm.py, docs/slurm.md): drain the nodes whose GPUs need a person, resume them
     # when repaired; only nodes ntp-manager drained itself (the reason starts with "ntp-manager:")
     slurm_drain: bool = Field(False, description="drain Slurm nodes whose GPUs need a person (failed by their agent, "
                               "in maintenance, degraded for `slurm_degraded_after_s`) and resume them when they are "

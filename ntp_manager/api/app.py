@@ -1,10 +1,10 @@
 """Operator REST API (FastAPI) under /v1, plus /healthz, /readyz and /metrics.
 
 Routes live in one APIRouter per area (api/routes/) and read through the service's queries
-(service/queries.py); none touches the store. Every mutation accepts `Idempotency-Key`: a replay
+(service/operations/queries.py); none touches the store. Every mutation accepts `Idempotency-Key`: a replay
 with the same key and the same request returns the first response; the same key with a different
 request is a 409. The mutation, its audit record and the idempotency record commit in one
-transaction (service/idempotency.py).
+transaction (service/core/idempotency.py).
 
 The edge (api/edge.py, api/guard.py): a body is read only after its bearer token checks out and
 only up to `max_request_bytes` (401 / 413); bad input is a 4xx naming the field. The OpenAPI
@@ -28,8 +28,8 @@ from ntp_manager.api.edge import Error
 from ntp_manager.api.guard import AuthFirst
 from ntp_manager.api.routes import audit, cluster, dashboard, jobs, operations, tokens
 from ntp_manager.api.standby import LEADER_HEADER, StandbyEdge, leader_doc
-from ntp_manager.service.errors import ServiceError, database_unreachable
-from ntp_manager.service.leader import NotLeader
+from ntp_manager.service.core.errors import ServiceError, database_unreachable
+from ntp_manager.service.leadership.leader import NotLeader
 from ntp_manager.service.manager import Manager
 
 log = structlog.get_logger("ntp.api")

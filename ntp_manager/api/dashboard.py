@@ -23,7 +23,7 @@ from typing import Any
 from starlette.requests import Request
 
 from ntp_manager.planner.layout import GroupDoc, LayoutDoc
-from ntp_manager.service import offloop
+from ntp_manager.service.core import offloop
 from ntp_manager.service.manager import Manager
 
 MAX_DOMAINS = 64

@@ -16,7 +16,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from ntp_manager.service.leader import LeaderInfo
+from ntp_manager.service.leadership.leader import LeaderInfo
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

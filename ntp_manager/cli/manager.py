@@ -234,7 +234,7 @@ def serve(
                          grpc_tls_cert=grpc_tls_cert, grpc_tls_key=grpc_tls_key,
                          grpc_tls_client_ca=grpc_tls_client_ca, slurm_drain=slurm_drain or None,
                          slurm_dry_run=slurm_dry_run or None)
-    from ntp_manager.service.leader import AnotherManager
+    from ntp_manager.service.leadership.leader import AnotherManager
 
     try:
         code = asyncio.run(run_service(settings))
@@ -250,7 +250,7 @@ def serve(
 def db_upgrade(revision: Annotated[str, typer.Argument(help="target revision")] = "head", data_dir: DataDir = None,
                database_url: DbUrl = None) -> None:
     """Apply migrations up to REVISION (default head)."""
-    from ntp_manager.service import schema
+    from ntp_manager.service.core import schema
 
     settings = _settings(data_dir=data_dir, database_url=database_url)
     at = _run_db(lambda: schema.migrate(settings.effective_database_url, revision), settings)
@@ -261,7 +261,7 @@ def db_upgrade(revision: Annotated[str, typer.Argument(help="target revision")] 
 def db_downgrade(revision: Annotated[str, typer.Argument(help="target revision (base: an empty schema)")] = "base",
                  data_dir: DataDir = None, database_url: DbUrl = None) -> None:
     """Revert migrations down to REVISION (default base: an empty schema)."""
-    from ntp_manager.service import schema
+    from ntp_manager.service.core import schema
 
     settings = _settings(data_dir=data_dir, database_url=database_url)
     at = _run_db(lambda: schema.migrate(settings.effective_database_url, revision, down=True), settings)
@@ -269,8 +269,8 @@ def db_downgrade(revision: Annotated[str, typer.Argument(help="target revision (
 
 
 def _with_manager(settings: Settings, fn: Callable[[Any], Awaitable[Any]]) -> Any:
-    from ntp_manager.service import schema
-    from ntp_manager.service.errors import ServiceError
+    from ntp_manager.service.core import schema
+    from ntp_manager.service.core.errors import ServiceError
     from ntp_manager.service.manager import Manager
 
     async def go() -> Any:

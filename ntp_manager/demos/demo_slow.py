@@ -10,7 +10,7 @@ From step `slow_from`, one rank (node-a GPU 1, replica 0) runs `factor` x slower
 inside its timed forward (worker/launch.py `SlowRank`, through NTP_DEMO_SLOW_RANK), as a throttled
 GPU would compute. Nothing else is told. Then, as it happens on the console:
 
-1. the manager's detector (service/failslow.py) compares each rank's compute with what its work
+1. the manager's detector (service/planning/failslow.py) compares each rank's compute with what its work
    should take and with its peers; after `enter_count` of `enter_window` slow steps it calls the GPU
    slow, with its factor and evidence (its TP peer waits for it in the all-reduces);
 2. the GPU becomes `degraded` at its measured speed (1 / factor);

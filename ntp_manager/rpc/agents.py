@@ -1,7 +1,7 @@
 """ntp.v1.AgentService: one bidirectional stream per node agent.
 
 The first message is the hello (checked here for shape, then by the manager's `AgentDoor`:
-service/doors.py); the answer is a welcome with the last report seq that is durable. Then the agent
+service/ingest/doors.py); the answer is a welcome with the last report seq that is durable. Then the agent
 sends heartbeats, reports and power read-backs, and the manager sends acks and commands (power
 caps, drains) from the session's outbox. The edge never asks where what the agent says is stored:
 that is the door's business.
@@ -25,12 +25,12 @@ from ntp_manager.contract.gpu import GpuState
 from ntp_manager.contract.proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from ntp_manager.rpc.guard import abort, code_of, peer_fingerprint, principal_of
 from ntp_manager.rpc.tally import Tally
-from ntp_manager.service.agents import Ack, AgentCommand, AgentSession, Drain, EndStream, ReleasePower, SetPower
-from ntp_manager.service.balance import MOVE_KEY
-from ntp_manager.service.doors import AgentDoor
-from ntp_manager.service.errors import ServiceError
-from ntp_manager.service.inputs import GpuInventory, GpuReport
-from ntp_manager.service.tokens import Tokens
+from ntp_manager.service.core.errors import ServiceError
+from ntp_manager.service.core.inputs import GpuInventory, GpuReport
+from ntp_manager.service.ingest.agents import Ack, AgentCommand, AgentSession, Drain, EndStream, ReleasePower, SetPower
+from ntp_manager.service.ingest.doors import AgentDoor
+from ntp_manager.service.leadership.balance import MOVE_KEY
+from ntp_manager.service.operations.tokens import Tokens
 from ntp_manager.settings import Settings
 
 log = structlog.get_logger("ntp.rpc")
@@ -233,7 +233,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 if item is None or session.closed:
                     break
                 if isinstance(item, EndStream):
-                    if item.move_to:  # told to move for balance (service/balance.py)
+                    if item.move_to:  # told to move for balance (service/leadership/balance.py)
                         context.set_trailing_metadata(((MOVE_KEY, item.move_to),))
                     await abort(context, grpc.StatusCode[item.status], item.message)
                     break

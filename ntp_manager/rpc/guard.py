@@ -21,8 +21,8 @@ import structlog
 from ntp_manager.auth import Principal, parse_bearer
 from ntp_manager.contract.limits import cap_message
 from ntp_manager.rpc.tls import fingerprint_of_pem
-from ntp_manager.service.errors import ServiceError, database_unreachable
-from ntp_manager.service.leader import NotLeader
+from ntp_manager.service.core.errors import ServiceError, database_unreachable
+from ntp_manager.service.leadership.leader import NotLeader
 
 log = structlog.get_logger("ntp.rpc")
 

@@ -41,7 +41,7 @@ from ntp_manager.service.manager import Manager
 SERVICE_PERMISSION = {"ntp.v1.AgentService": "agent", "ntp.v1.WorkerService": "worker"}
 AGENT_SERVICE = "ntp.v1.AgentService"
 WORKER_SERVICE = "ntp.v1.WorkerService"
-LEADER_SERVICE = "ntp.v1.Leader"  # health only: SERVING on the manager that leads (plans, applies, takes writes)
+LEADER_SERVICE = "ntp.leader"  # health only: SERVING on the manager that leads (plans, applies, takes writes)
 LEADER_KEY = "ntp-leader"  # trailing metadata: host:port of the leader's gRPC server
 
 
@@ -188,7 +188,7 @@ class RpcServer:
 
     def health_now(self) -> dict[str, bool]:
         """SERVING or not, per health name: the agent and worker services wherever this manager
-        takes them and is in touch with the store (`Manager.serving`); `ntp.v1.Leader` only on
+        takes them and is in touch with the store (`Manager.serving`); `ntp.leader` only on
         the leader with its world loaded; the server as a whole ("") while it serves either."""
         clients, leads = self.manager.serving()
         return {"": clients or leads, AGENT_SERVICE: clients, WORKER_SERVICE: clients, LEADER_SERVICE: leads}

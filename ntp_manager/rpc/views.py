@@ -33,7 +33,7 @@ from ntp_manager.contract.layout import (
     summary_runs_part,
 )
 from ntp_manager.planner.layout import LayoutDoc
-from ntp_manager.service.state import LayoutRec
+from ntp_manager.service.core.state import LayoutRec
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """ntp.v1.WorkerService: layout watches, acks and step reports, through the manager's `WatchDoor`
-(service/doors.py). A watch yields pre-serialized layouts: the views of one layout version are
+(service/ingest/doors.py). A watch yields pre-serialized layouts: the views of one layout version are
 built once, off the event loop, and shared by every watcher (rpc/views.py)."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import grpc
 from ntp_manager.contract.proto.ntp.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from ntp_manager.rpc.guard import abort, code_of, principal_of
 from ntp_manager.rpc.views import LayoutViews, build_views
-from ntp_manager.service import offloop
-from ntp_manager.service.balance import MOVE_KEY, MOVE_MESSAGE
-from ntp_manager.service.doors import WatchDoor
-from ntp_manager.service.errors import InvalidArgument, ServiceError
-from ntp_manager.service.metrics import Metrics
-from ntp_manager.service.restores import RestoreReport
-from ntp_manager.service.tokens import Tokens
-from ntp_manager.service.worker_reports import WorkerReports
+from ntp_manager.service.core import offloop
+from ntp_manager.service.core.errors import InvalidArgument, ServiceError
+from ntp_manager.service.core.metrics import Metrics
+from ntp_manager.service.ingest.doors import WatchDoor
+from ntp_manager.service.ingest.worker_reports import WorkerReports
+from ntp_manager.service.leadership.balance import MOVE_KEY, MOVE_MESSAGE
+from ntp_manager.service.operations.tokens import Tokens
+from ntp_manager.service.planning.restores import RestoreReport
 
 REVOKED = "the token of this stream was revoked"
 

@@ -4,9 +4,9 @@
 Owns nothing of its own but the life cycle (start: migrate, then lead or stand by; leading: take the
 lease and its epoch, load the world, give agents `takeover_grace_s` to reconnect, replan every job;
 stop: stop taking work, commit what is queued, give the lease up, close the store). Who leads is
-service/leader.py's: with PostgreSQL several managers run and one leads; a standby serves nothing
+service/leadership/leader.py's: with PostgreSQL several managers run and one leads; a standby serves nothing
 but probes and tells clients where the leader is. Everything else lives in one
-component each, around the kernel (service/kernel.py: the world, its lock, the transaction, the
+component each, around the kernel (service/core/kernel.py: the world, its lock, the transaction, the
 dirty set):
 
     leader.py       the lease, the epoch and the fence    tokens.py       API tokens and the live table
@@ -35,34 +35,34 @@ from ntp_manager.auth import Principal, TokenTable
 from ntp_manager.clock import Clock, SystemClock
 from ntp_manager.planner import JobSpec
 from ntp_manager.planner.layout import LayoutDoc
-from ntp_manager.service import offloop
-from ntp_manager.service.agents import Agents, AgentSession
-from ntp_manager.service.breaker import Breaker
-from ntp_manager.service.checkpoints import Checkpoints
-from ntp_manager.service.doors import AgentDoor, FleetAgents, FleetWatches, LocalAgents, LocalWatches, WatchDoor
-from ntp_manager.service.failslow import FailSlow
-from ntp_manager.service.fleet import Fleet
-from ntp_manager.service.gauges import Gauges
-from ntp_manager.service.idempotency import Outcome, idempotent
-from ntp_manager.service.inputs import GpuInventory, GpuReport
-from ntp_manager.service.jobs import Jobs
-from ntp_manager.service.kernel import Kernel, Tx
-from ntp_manager.service.leader import Leadership
-from ntp_manager.service.liveness import Liveness
-from ntp_manager.service.loading import load_world
-from ntp_manager.service.maintenance import Maintenance
-from ntp_manager.service.metrics import Metrics
-from ntp_manager.service.operators import Operators
-from ntp_manager.service.power import Power
-from ntp_manager.service.queries import Queries, gpu_view
-from ntp_manager.service.restores import RestoreReport, Restores
-from ntp_manager.service.slurm import SlurmSync
-from ntp_manager.service.state import LayoutRec, World
-from ntp_manager.service.steps import StepWindow
-from ntp_manager.service.telemetry import TelemetryStore
-from ntp_manager.service.tokens import Tokens
-from ntp_manager.service.watchdog import LoopWatchdog
-from ntp_manager.service.worker_reports import WorkerReports
+from ntp_manager.service.core import offloop
+from ntp_manager.service.core.idempotency import Outcome, idempotent
+from ntp_manager.service.core.inputs import GpuInventory, GpuReport
+from ntp_manager.service.core.kernel import Kernel, Tx
+from ntp_manager.service.core.metrics import Metrics
+from ntp_manager.service.core.state import LayoutRec, World
+from ntp_manager.service.core.steps import StepWindow
+from ntp_manager.service.ingest.agents import Agents, AgentSession
+from ntp_manager.service.ingest.doors import AgentDoor, FleetAgents, FleetWatches, LocalAgents, LocalWatches, WatchDoor
+from ntp_manager.service.ingest.liveness import Liveness
+from ntp_manager.service.ingest.telemetry import TelemetryStore
+from ntp_manager.service.ingest.worker_reports import WorkerReports
+from ntp_manager.service.leadership.fleet import Fleet
+from ntp_manager.service.leadership.leader import Leadership
+from ntp_manager.service.leadership.loading import load_world
+from ntp_manager.service.operations.gauges import Gauges
+from ntp_manager.service.operations.maintenance import Maintenance
+from ntp_manager.service.operations.operators import Operators
+from ntp_manager.service.operations.queries import Queries, gpu_view
+from ntp_manager.service.operations.slurm import SlurmSync
+from ntp_manager.service.operations.tokens import Tokens
+from ntp_manager.service.operations.watchdog import LoopWatchdog
+from ntp_manager.service.planning.breaker import Breaker
+from ntp_manager.service.planning.checkpoints import Checkpoints
+from ntp_manager.service.planning.failslow import FailSlow
+from ntp_manager.service.planning.jobs import Jobs
+from ntp_manager.service.planning.power import Power
+from ntp_manager.service.planning.restores import RestoreReport, Restores
 from ntp_manager.settings import Settings
 from ntp_manager.store import db
 
@@ -85,7 +85,7 @@ class Manager:
         self.workers = WorkerReports()
         self.telemetry = TelemetryStore()  # agents' GPU counters, latest per GPU (issue 21)
         self.metrics = Metrics(self._step_windows, lambda: (self.kernel.batches, self.kernel.batched))
-        self.tokens = TokenTable()  # the live table (see service/tokens.py)
+        self.tokens = TokenTable()  # the live table (see service/operations/tokens.py)
         self.token_service = Tokens(self.sm, self.clock, self.tokens, self.mutation, settings.token_poll_s)
         self.watchdog = LoopWatchdog(self.metrics.registry, warn_s=settings.loop_warn_ms / 1000)
         self.epoch = 0
@@ -115,7 +115,7 @@ class Manager:
         self.acting_event = asyncio.Event()  # set once this manager acts as the leader
         # PostgreSQL: every manager takes agent streams and watches, the leader applies the outbox
         self.fleet: Fleet | None = Fleet(self) if settings.shared_store else None
-        # the doors the gRPC edge comes in by (service/doors.py): chosen here, once
+        # the doors the gRPC edge comes in by (service/ingest/doors.py): chosen here, once
         self.local_agents = LocalAgents(self.kernel, self.agents, self.telemetry, lambda: self.epoch)
         self.local_watches = LocalWatches(self.kernel, self.jobs, self.restores, self.failslow)
         self.agent_door: AgentDoor = self.local_agents
@@ -132,7 +132,7 @@ class Manager:
             self.settings.data_dir.mkdir(parents=True, exist_ok=True)
         for line in self.settings.deprecations:
             log.warning("deprecated setting", detail=line)
-        await offloop.warm()  # worker threads started now, not while serving (service/offloop.py)
+        await offloop.warm()  # worker threads started now, not while serving (service/core/offloop.py)
         self.leadership.lock_sqlite()
         # from now on every write checks the lease (a Manager that is never started, the CLI's
         # token commands, writes unfenced: they touch no state a leader owns in memory)
@@ -204,7 +204,7 @@ class Manager:
 
     @property
     def lost(self) -> asyncio.Event:
-        """Set when this manager led and lost its lease (it must stop: service/leader.py)."""
+        """Set when this manager led and lost its lease (it must stop: service/leadership/leader.py)."""
         return self.leadership.lost
 
     async def _lead(self) -> None:
@@ -354,15 +354,15 @@ class Manager:
         return self.workers.acks
 
     def mutation(self, actor: str, request_id: str = "") -> contextlib.AbstractAsyncContextManager[Tx]:
-        """A transaction of its own (service/kernel.py): the edges' way to change state."""
+        """A transaction of its own (service/core/kernel.py): the edges' way to change state."""
         return self.kernel.exclusive(actor, request_id)
 
     async def idempotent(self, actor: str, request_id: str, key: str | None, fingerprint: str,
                          fn: Callable[[Tx], Awaitable[Any]], status: int = 200) -> Outcome:
-        """`fn` in a mutation of its own, made once per idempotency key (service/idempotency.py)."""
+        """`fn` in a mutation of its own, made once per idempotency key (service/core/idempotency.py)."""
         return await idempotent(lambda: self.mutation(actor, request_id), key, fingerprint, fn, status)
 
-    # ---- tokens (service/tokens.py) ------------------------------------------------------------
+    # ---- tokens (service/operations/tokens.py) ------------------------------------------------------------
     async def create_token(self, name: str, scope: str, actor: str = "cli", node: str | None = None,
                            fingerprint: str | None = None) -> str:
         return await self.token_service.create(name, scope, actor, node, fingerprint)
@@ -373,7 +373,7 @@ class Manager:
     async def revoke_token(self, public_id: str, actor: str = "cli") -> None:
         await self.token_service.revoke(public_id, actor)
 
-    # ---- agents (service/agents.py) ------------------------------------------------------------
+    # ---- agents (service/ingest/agents.py) ------------------------------------------------------------
     async def register_agent(
         self, node: str, domain: str, gpus: list[GpuInventory], boot_id: str, agent_version: str,
         principal: Principal | None = None, peer_fingerprint: str | None = None, peer: str = "",
@@ -388,7 +388,7 @@ class Manager:
         self.local_agents.heartbeat(node, gpus)
 
     def apply_report(self, node: str, seq: int, gpus: list[GpuReport]) -> asyncio.Future[int]:
-        """A report on its way into the next group commit (service/agents.py): await it for the
+        """A report on its way into the next group commit (service/ingest/agents.py): await it for the
         seq to acknowledge."""
         return self.agents.submit_report(node, seq, gpus)
 
@@ -398,7 +398,7 @@ class Manager:
     async def check_heartbeats(self) -> None:
         await self.liveness.check()
 
-    # ---- operators (service/operators.py, maintenance.py, breaker.py) --------------------------
+    # ---- operators (service/operations/operators.py, maintenance.py, breaker.py) --------------------------
     async def cordon(self, m: Tx, uuid: str, reason: str) -> dict[str, Any]:
         return await self.ops.cordon(m, uuid, reason)
 
@@ -424,7 +424,7 @@ class Manager:
     async def reset_breaker(self, m: Tx, reason: str) -> dict[str, Any]:
         return await self.breaker.reset(m, reason)
 
-    # ---- jobs (service/jobs.py) ---------------------------------------------------------------
+    # ---- jobs (service/planning/jobs.py) ---------------------------------------------------------------
     def parse_job(self, spec: dict[str, Any]) -> JobSpec:
         return self.jobs.parse(spec)
 
@@ -436,7 +436,7 @@ class Manager:
         m.after.append(lambda: self.failslow.forget(name))
         return out
 
-    # ---- fail-slow (service/failslow.py) -------------------------------------------------------
+    # ---- fail-slow (service/planning/failslow.py) -------------------------------------------------------
     def failslow_view(self, job: str) -> dict[str, Any]:
         return self.failslow.view(job, self.world.jobs.get(job))
 
@@ -469,7 +469,7 @@ class Manager:
 
     async def record_restore(self, job: str, worker: str, epoch: int, version: int, report: RestoreReport) -> bool:
         """A restore from a checkpoint that workers made to apply (epoch, version) of `job`, recorded
-        once per version (service/restores.py). Call it after the worker's ack was accepted."""
+        once per version (service/planning/restores.py). Call it after the worker's ack was accepted."""
         return await self.restores.record(job, worker, epoch, version, report)
 
     async def record_steps(self, job: str, worker_id: str, report: Any) -> None:
@@ -482,7 +482,7 @@ class Manager:
         return [(name, job.layout.version if job.layout else 0, self.workers.steps[name])
                 for name, job in self.world.jobs.items() if name in self.workers.steps]
 
-    # ---- views (service/queries.py, gauges.py) --------------------------------------------------
+    # ---- views (service/operations/queries.py, gauges.py) --------------------------------------------------
     def gpu_view(self, uuid: str) -> dict[str, Any]:
         return gpu_view(self.ops.gpu(uuid))
 

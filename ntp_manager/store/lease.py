@@ -3,7 +3,7 @@ fence every write transaction runs.
 
 Time is the database's: on PostgreSQL every expiry is computed and compared with the server's
 `clock_timestamp()`, so managers whose clocks disagree still agree on who leads (the SkyPilot
-pattern). SQLite holds one manager at a time (service/leader.py keeps a second one out with a lock
+pattern). SQLite holds one manager at a time (service/leadership/leader.py keeps a second one out with a lock
 file), so there the manager's own clock is used and `acquire` always succeeds.
 
 - `acquire`: locks the row `FOR UPDATE` while the lease is free (never held, released or expired),

@@ -210,7 +210,7 @@ class MaintenanceRow(Base):
 class LeaderRow(Base):
     """One row: the leader lease. `epoch` is the fencing token, bumped by every takeover and checked
     by every write transaction; the lease is held while `expires_at` (the database's clock) lies
-    ahead (service/leader.py). The addresses tell clients of a standby where the leader is."""
+    ahead (service/leadership/leader.py). The addresses tell clients of a standby where the leader is."""
 
     __tablename__ = "leader"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -283,7 +283,7 @@ class AgentCommandRow(Base):
 
 class FleetMemberRow(Base):
     """A manager in fleet mode: its gRPC address, the streams it holds and its backlog, written every
-    heartbeat period (service/balance.py); one not seen lately is gone."""
+    heartbeat period (service/leadership/balance.py); one not seen lately is gone."""
 
     __tablename__ = "fleet_members"
     manager: Mapped[str] = mapped_column(String(256), primary_key=True)

@@ -13,7 +13,7 @@ The same transaction sends `NOTIFY ntp_outbox` (delivered on commit) to wake the
 polls, so a lost notification delays a row by one poll at most.
 
 The leader's cursor (`outbox_state`, consumer "leader") moves in the transaction that applies the
-rows, under the fence (the leader epoch, service/leader.py): a row is applied exactly once, by
+rows, under the fence (the leader epoch, service/leadership/leader.py): a row is applied exactly once, by
 whichever manager leads, and a deposed leader moves nothing.
 """
 

@@ -1,6 +1,6 @@
 """Bulk writes straight to asyncpg (PostgreSQL only): one statement per table, its rows as arrays.
 
-The kernel's group commits write many rows of a few tables (service/kernel.py `Tx.flush`): GPU and
+The kernel's group commits write many rows of a few tables (service/core/kernel.py `Tx.flush`): GPU and
 node updates, health events, audit records. Through SQLAlchemy an executemany builds and processes
 every row's parameters in Python (most of the fleet leader's cost per report it applies,
 bench/fleet_consumer.py); here each column's values go as one array parameter of a prepared

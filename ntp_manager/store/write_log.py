@@ -1,5 +1,5 @@
 """Which manager committed what: a trigger that logs, for every row written to the tables a
-manager writes, the writing session's `application_name` (service/leader.py names a manager's
+manager writes, the writing session's `application_name` (service/leadership/leader.py names a manager's
 sessions "ntp-manager <leader id>") and the time. Rows of a transaction that is rolled back (the
 fence refused it) go with it, so the log holds committed writes only.
 

@@ -123,7 +123,7 @@ class RestoreNote:
     """What an ack says when the worker applied the layout by restoring a checkpoint (issue 22):
     the checkpoint's step and directory name, why no survivor could give the state ("" when the
     job resumed), and the newer checkpoints passed over ("name: why"). The manager records it once
-    per layout version (service/restores.py)."""
+    per layout version (service/planning/restores.py)."""
 
     step: int
     checkpoint: str

@@ -1,4 +1,4 @@
-"""A stand-in for Slurm's `sinfo` and `scontrol`, as far as service/slurm.py uses them, for tests that
+"""A stand-in for Slurm's `sinfo` and `scontrol`, as far as service/operations/slurm.py uses them, for tests that
 cannot have the real Slurm (tests/integration/test_slurm.py has it). The state -- the nodes Slurm
 knows and the drained ones with their reasons -- is a JSON file; `install(bin_dir, state)` writes
 `sinfo` and `scontrol` scripts into `bin_dir` that run this module as the commands, as subprocesses.

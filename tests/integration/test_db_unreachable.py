@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
 
 from ntp_manager.contract.proto.ntp.v1 import worker_pb2, worker_pb2_grpc
-from ntp_manager.service.errors import database_unreachable
+from ntp_manager.service.core.errors import database_unreachable
 from tests.integration.conftest import Service
 
 SQL = "SELECT secret_column FROM tokens"

@@ -410,7 +410,7 @@ async def test_postgres_restarted_while_an_agent_reports(tmp_path: Path) -> None
 async def test_agent_commands_older_than_the_retention_are_pruned_by_the_leader_only(tmp_path: Path) -> None:
     from datetime import UTC, datetime, timedelta
 
-    from ntp_manager.service.leader import NotLeader
+    from ntp_manager.service.leadership.leader import NotLeader
     from ntp_manager.service.manager import Manager
     from ntp_manager.settings import Settings
     from ntp_manager.store import outbox
@@ -448,8 +448,8 @@ async def test_a_manager_stuck_inside_its_append_is_cut_off_and_the_others_store
     manager whose append times out on the lock now ends that session (nothing of it was committed,
     so nothing was acknowledged), and its next group commit stores."""
     from ntp_manager.clock import SystemClock
-    from ntp_manager.service.errors import Unavailable
-    from ntp_manager.service.ingest import Ingest
+    from ntp_manager.service.core.errors import Unavailable
+    from ntp_manager.service.ingest.outbox import Ingest
     from ntp_manager.store import db, outbox
 
     async with database("postgres", tmp_path) as url:
@@ -491,7 +491,7 @@ async def _alive(conn: asyncpg.Connection) -> bool:
 
 
 async def test_a_hellos_one_statement_view_reads_what_the_four_reads_did(tmp_path: Path) -> None:
-    """A standby checks a hello against one autocommit statement (service/ingest.py): the node's
+    """A standby checks a hello against one autocommit statement (service/ingest/outbox.py): the node's
     domain, the owners of the GPUs it names, its last durable seq (the larger of the applied one and
     the one stored in the outbox, not applied yet) and the epoch; the same as the reads it replaces."""
     from datetime import UTC, datetime
@@ -500,9 +500,9 @@ async def test_a_hellos_one_statement_view_reads_what_the_four_reads_did(tmp_pat
 
     from ntp_manager.clock import SystemClock
     from ntp_manager.contract.gpu import GpuState
-    from ntp_manager.service.ingest import AgentIngest, Ingest
-    from ntp_manager.service.kernel import DOMAINS, GPUS, NODES
-    from ntp_manager.service.state import HealthSource
+    from ntp_manager.service.core.kernel import DOMAINS, GPUS, NODES
+    from ntp_manager.service.core.state import HealthSource
+    from ntp_manager.service.ingest.outbox import AgentIngest, Ingest
     from ntp_manager.store import db, outbox
 
     async with database("postgres", tmp_path) as url:

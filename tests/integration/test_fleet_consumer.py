@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ntp_manager.service.consumer import BATCH
+from ntp_manager.service.ingest.consumer import BATCH
 from ntp_manager.service.manager import Manager
 from ntp_manager.settings import Settings
 from ntp_manager.store import outbox
@@ -126,8 +126,8 @@ async def test_append_stores_each_idempotency_key_once_in_order(tmp_path: Path) 
 async def test_applied_rows_older_than_the_retention_are_pruned_by_the_leader_only(tmp_path: Path) -> None:
     from datetime import timedelta
 
-    from ntp_manager.service.consumer import Consumer
-    from ntp_manager.service.leader import NotLeader
+    from ntp_manager.service.ingest.consumer import Consumer
+    from ntp_manager.service.leadership.leader import NotLeader
 
     async with database("postgres", tmp_path) as url:
         m = Manager(Settings(database_url=url, fleet_outbox_retention_s=600, fleet_poll_s=0.05))

@@ -28,9 +28,9 @@ from typing import Any
 
 import pytest
 
-from ntp_manager.service.agents import AgentSession
-from ntp_manager.service.consumer import Consumer
-from ntp_manager.service.errors import NotFound
+from ntp_manager.service.core.errors import NotFound
+from ntp_manager.service.ingest.agents import AgentSession
+from ntp_manager.service.ingest.consumer import Consumer
 from ntp_manager.service.manager import GpuInventory, Manager
 from ntp_manager.settings import Settings
 from ntp_manager.store import outbox

@@ -13,11 +13,11 @@ import pytest
 from sqlalchemy import func, select
 
 from ntp_manager.contract.gpu import GpuState
-from ntp_manager.service.errors import InvalidArgument
-from ntp_manager.service.inputs import GpuInventory, GpuReport
-from ntp_manager.service.kernel import Tx
+from ntp_manager.service.core.errors import InvalidArgument
+from ntp_manager.service.core.inputs import GpuInventory, GpuReport
+from ntp_manager.service.core.kernel import Tx
+from ntp_manager.service.core.state import GpuChange, GpuRec, NodeChange, NodeRec, admin_to
 from ntp_manager.service.manager import Manager
-from ntp_manager.service.state import GpuChange, GpuRec, NodeChange, NodeRec, admin_to
 from ntp_manager.settings import Settings
 from ntp_manager.store.models import AuditRow, GpuRow, HealthEventRow, NodeRow
 from tests.fakes.clock import FakeClock

@@ -27,9 +27,9 @@ from ntp_manager.contract.gpu import GpuState
 from ntp_manager.contract.proto.ntp.v1 import worker_pb2, worker_pb2_grpc
 from ntp_manager.rpc import server as rpc_server
 from ntp_manager.rpc.server import HEALTH_SERVICES, RpcServer
-from ntp_manager.service import leader as leader_mod
 from ntp_manager.service import manager as manager_mod
-from ntp_manager.service.leader import AnotherManager, NotLeader
+from ntp_manager.service.leadership import leader as leader_mod
+from ntp_manager.service.leadership.leader import AnotherManager, NotLeader
 from ntp_manager.service.manager import GpuInventory, GpuReport, Manager
 from ntp_manager.settings import Settings
 from ntp_manager.store import db, lease
@@ -302,7 +302,7 @@ async def test_a_leader_inside_a_long_write_keeps_its_lease(tmp_path: Path) -> N
 
 @needs_pg
 async def test_a_leader_whose_loop_is_held_keeps_renewing(tmp_path: Path) -> None:
-    """The renewals run in a thread of their own (service/leader.py): while the manager's event loop
+    """The renewals run in a thread of their own (service/leadership/leader.py): while the manager's event loop
     is held for two leases (a starved process: every ready callback before a renewal), the lease
     in the database stays live and the leader still leads afterwards."""
     async with pg_url(tmp_path) as url:
@@ -490,7 +490,7 @@ async def health_becomes(addr: str, want: dict[str, int], within_s: float = 10.0
 async def test_a_standby_serves_clients_and_says_so(tmp_path: Path) -> None:
     """Every manager on PostgreSQL takes agents and watches, and its health says so: gRPC health
     SERVING for the agent and worker services (and the server) on leader and standby alike,
-    `ntp.v1.Leader` on the leader only, following a takeover; /readyz 200 on both, /readyz?part=leader
+    `ntp.leader` on the leader only, following a takeover; /readyz 200 on both, /readyz?part=leader
     only on the leader. Operators' REST calls to a standby still go to the leader."""
     async with pg_url(tmp_path) as url, serving(settings(tmp_path, url, "a")) as (a, a_http, a_grpc):
         token = await a.create_token("op", "operator")

@@ -1,4 +1,4 @@
-"""Loading the world a new leader starts from (service/loading.py): what the store holds of a node
+"""Loading the world a new leader starts from (service/leadership/loading.py): what the store holds of a node
 comes back as it was stored (nodes are read as plain rows, not ORM objects)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import insert
 
-from ntp_manager.service.kernel import DOMAINS, NODES
-from ntp_manager.service.loading import load_world
+from ntp_manager.service.core.kernel import DOMAINS, NODES
+from ntp_manager.service.leadership.loading import load_world
 from ntp_manager.service.manager import Manager
 from ntp_manager.settings import Settings
 from ntp_manager.store import db

@@ -1,6 +1,6 @@
 """No process outlives the test run that started it.
 
-- A SIGKILLed manager leaves no process behind: its planner process (service/planproc.py), and the
+- A SIGKILLed manager leaves no process behind: its planner process (service/planning/planproc.py), and the
   resource tracker (and forkserver) that multiprocessing started for it, end with it. Before, they
   waited for ever, adopted by init (six such sets stayed after every CI run, one per manager
   subprocess that a test SIGKILLed; bench/ha.py left one per round), and the forkserver's socket

@@ -12,9 +12,9 @@ import asyncpg
 import pytest
 
 from ntp_manager.contract.gpu import GpuState
-from ntp_manager.service.inputs import GpuInventory, GpuReport
+from ntp_manager.service.core.inputs import GpuInventory, GpuReport
+from ntp_manager.service.core.state import NodeChange, admin_to
 from ntp_manager.service.manager import Manager
-from ntp_manager.service.state import NodeChange, admin_to
 from ntp_manager.settings import Settings
 from ntp_manager.store import pgbulk
 from tests.fakes.clock import FakeClock

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from sqlalchemy import event, select
 
-from ntp_manager.service.inputs import GpuInventory
+from ntp_manager.service.core.inputs import GpuInventory
 from ntp_manager.service.manager import Manager
 from ntp_manager.settings import Settings
 from ntp_manager.store import pgbulk

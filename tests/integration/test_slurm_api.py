@@ -6,7 +6,7 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
-from ntp_manager.service.slurm_policy import MARKER
+from ntp_manager.service.operations.slurm_policy import MARKER
 from tests.integration.conftest import eventually, running_service
 
 NODES = 30

@@ -1,4 +1,4 @@
-"""What the Slurm component remembers (service/slurm.py), with a stand-in Slurm (tests/fakes/
+"""What the Slurm component remembers (service/operations/slurm.py), with a stand-in Slurm (tests/fakes/
 fake_slurm.py: sinfo and scontrol run as subprocesses over a state file) and agents on gRPC:
 
 - a node ntp-manager drained and an operator resumed while its GPU still needs a person is not
@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ntp_manager.service.slurm_policy import MARKER, Action, ActionKind
+from ntp_manager.service.operations.slurm_policy import MARKER, Action, ActionKind
 from tests.fakes import fake_slurm
 from tests.fakes.agent_client import ScriptedAgent, gpu_uuids
 from tests.integration.conftest import Service, eventually, running_service

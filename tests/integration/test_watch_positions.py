@@ -1,4 +1,4 @@
-"""The layout feed's map of GPU positions (service/watch.py), which every watch on a fleet manager
+"""The layout feed's map of GPU positions (service/feed/layouts.py), which every watch on a fleet manager
 checks its GPU against: a GPU not in the map is looked up alone (a burst of watches on a fresh
 manager, or a watch naming a GPU nobody registered, does not read every GPU), and concurrent
 reads of the whole map are one read."""
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from ntp_manager.service.inputs import GpuInventory
+from ntp_manager.service.core.inputs import GpuInventory
+from ntp_manager.service.feed.layouts import LayoutFeed
 from ntp_manager.service.manager import Manager
-from ntp_manager.service.watch import LayoutFeed
 from ntp_manager.settings import Settings
 
 
@@ -30,7 +30,7 @@ async def manager(tmp_path: Path) -> AsyncIterator[Manager]:
 
 
 async def test_a_gpu_not_in_the_map_is_looked_up_alone(manager: Manager) -> None:
-    feed = LayoutFeed(manager)
+    feed = LayoutFeed(manager.sm, manager.settings, manager.clock)
     known = await asyncio.gather(*(feed.known_gpu(f"G{n}-{i}") for n in range(3) for i in range(4)))
     assert all(known)
     assert not await feed.known_gpu("GPU-nobody-registered")
@@ -41,7 +41,7 @@ async def test_a_gpu_not_in_the_map_is_looked_up_alone(manager: Manager) -> None
 
 
 async def test_concurrent_reads_of_every_position_are_one(manager: Manager) -> None:
-    feed = LayoutFeed(manager)
+    feed = LayoutFeed(manager.sm, manager.settings, manager.clock)
     await asyncio.gather(*(feed._load_positions() for _ in range(20)))
     assert feed.position_reads == 1 and len(feed._uuids) == 12
     await feed._load_positions()  # a later caller reads again (GPUs may have registered since)

@@ -278,7 +278,7 @@ async def test_worker_calls_are_bounded_and_finite(registered: Service) -> None:
         for i in range(100):
             big.worker_id = f"w{i}"
             assert (await code_of(stub.ReportSteps(big, metadata=md, timeout=5)))[0] == grpc.StatusCode.OK
-        from ntp_manager.service.worker_reports import STEP_BYTES_PER_JOB
+        from ntp_manager.service.ingest.worker_reports import STEP_BYTES_PER_JOB
 
         kept = svc.manager.workers.steps["j"]
         assert kept.used <= STEP_BYTES_PER_JOB and len(kept.samples) == 400
@@ -329,7 +329,7 @@ async def test_http_client_sees_no_sql_when_the_store_fails(registered: Service)
 async def test_error_text_in_grpc_trailers_is_capped(sqlite_service: Service) -> None:
     """Error text travels in trailers, which gRPC limits to ~8 KiB: however long the message the
     manager made, the client gets its status code and the text cut to 1,000 characters."""
-    from ntp_manager.service.errors import InvalidArgument
+    from ntp_manager.service.core.errors import InvalidArgument
 
     svc = sqlite_service
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from ntp_manager.service.inputs import GpuInventory
+from ntp_manager.service.core.inputs import GpuInventory
 from ntp_manager.service.manager import Manager
 from ntp_manager.settings import Settings
 from tests.fakes.agent_client import ScriptedAgent, gpu_uuids

@@ -1,8 +1,8 @@
-"""service/balance.py `moves`: which of a manager's streams go where, so the fleet evens out."""
+"""service/leadership/balance.py `moves`: which of a manager's streams go where, so the fleet evens out."""
 
 from __future__ import annotations
 
-from ntp_manager.service.balance import Landing, moves
+from ntp_manager.service.leadership.balance import Landing, moves
 
 
 def test_a_manager_within_its_share_moves_nothing() -> None:

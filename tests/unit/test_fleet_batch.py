@@ -1,9 +1,9 @@
-"""How the fleet leader cuts the outbox rows it read into transactions (service/consumer.py): at most
+"""How the fleet leader cuts the outbox rows it read into transactions (service/ingest/consumer.py): at most
 WEIGHT rows written per transaction, so its fence (which the lease renewal waits for) is short."""
 
 from __future__ import annotations
 
-from ntp_manager.service.consumer import WEIGHT, batch_end, weight
+from ntp_manager.service.ingest.consumer import WEIGHT, batch_end, weight
 from ntp_manager.store import outbox
 
 

@@ -1,4 +1,4 @@
-"""service/watch.py pieces that need no database: the `ntp_layouts` payload, and the telemetry
+"""service/feed/ pieces that need no database: the `ntp_layouts` payload, and the telemetry
 relay of a manager that does not lead (what it stores for the leader, and what it leaves out)."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import asyncio
 from typing import Any
 
 from ntp_manager.contract.proto.ntp.v1 import agent_pb2
-from ntp_manager.service.telemetry import GpuTelemetry, TelemetryStore
-from ntp_manager.service.watch import TELEMETRY, TELEMETRY_REFRESH_S, TelemetryRelay, notify_payload, parse_payload
+from ntp_manager.service.feed.layouts import notify_payload, parse_payload
+from ntp_manager.service.feed.relay import TELEMETRY, TELEMETRY_REFRESH_S, TelemetryRelay
+from ntp_manager.service.ingest.telemetry import GpuTelemetry, TelemetryStore
 from ntp_manager.store import outbox
 
 

@@ -88,10 +88,10 @@ def test_the_graph_is_read() -> None:
     # a broken reader would pass every rule below; these edges exist and must be seen
     assert "ntp_manager.cli.common" in GRAPH["ntp_manager.cli.simulate"]
     assert "ntp_manager.service.manager" in GRAPH["ntp_manager.server"]
-    assert "ntp_manager.service.doors" in GRAPH["ntp_manager.service.manager"]
+    assert "ntp_manager.service.ingest.doors" in GRAPH["ntp_manager.service.manager"]
     # under TYPE_CHECKING: not a layer's edge, but a circle's
-    assert "ntp_manager.service.fleet" not in GRAPH["ntp_manager.service.doors"]
-    assert "ntp_manager.service.fleet" in TYPED_GRAPH["ntp_manager.service.doors"]
+    assert "ntp_manager.service.leadership.fleet" not in GRAPH["ntp_manager.service.ingest.doors"]
+    assert "ntp_manager.service.leadership.fleet" in TYPED_GRAPH["ntp_manager.service.ingest.doors"]
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -302,4 +302,30 @@ def test_the_agent_and_the_worker_take_gpu_states_only_from_the_contract() -> No
             if isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith(CONTRACT):
                 bad += [f"{name}: {a.name} from {node.module}" for a in node.names if a.name in contract_names
                         and node.module.startswith("ntp_manager")]
+    assert bad == []
+
+
+SERVICE = ROOT / "ntp_manager" / "service"
+ROOMS = ("core", "feed", "ingest", "leadership", "operations", "planning")
+SERVICE_MODULE_MAX = 500
+
+
+def test_service_is_rooms_with_a_composition_root() -> None:
+    """service/ holds its rooms and the manager that composes them, nothing else; no module of it
+    is longer than a sitting's reading."""
+    flat = sorted(p.name for p in SERVICE.glob("*.py") if p.name not in ("__init__.py", "manager.py"))
+    assert flat == []
+    assert sorted(p.name for p in SERVICE.iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(ROOMS)
+    for room in ROOMS:
+        assert (SERVICE / room / "__init__.py").read_text().startswith('"""'), room  # says what it holds
+    long = sorted(f"{p.relative_to(ROOT)}: {n}" for p in SERVICE.rglob("*.py")
+                  if (n := len(p.read_text().splitlines())) > SERVICE_MODULE_MAX)
+    assert long == []
+
+
+def test_only_the_composition_root_knows_the_whole_manager() -> None:
+    """Each room's parts take what they use (a Protocol or the components themselves), never the
+    Manager: nothing under service/ but manager.py imports it, TYPE_CHECKING included."""
+    bad = sorted(m for m, ts in TYPED_GRAPH.items()
+                 if _under(m, ("ntp_manager.service",)) and "ntp_manager.service.manager" in ts)
     assert bad == []

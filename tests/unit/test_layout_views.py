@@ -1,4 +1,4 @@
-"""service/layout_views.py and `LayoutDoc.to_dict` pages: answers about a layout list a page of
+"""service/planning/layout_views.py and `LayoutDoc.to_dict` pages: answers about a layout list a page of
 its replicas (and their GPUs' power caps), cap the lists that grow with the cluster, and always
 give the totals; the pages together are the whole plan JSON."""
 
@@ -8,8 +8,8 @@ import pytest
 
 from ntp_manager.planner import Scheme, make_plan
 from ntp_manager.planner.layout import LayoutDoc
-from ntp_manager.service import layout_views as views
-from ntp_manager.service.errors import InvalidArgument
+from ntp_manager.service.core.errors import InvalidArgument
+from ntp_manager.service.planning import layout_views as views
 from tests.fakes.builders import cluster_from_counts, job
 
 
@@ -78,7 +78,7 @@ def test_a_list_may_not_ask_for_too_many_replicas() -> None:
 
 
 def test_acks_are_counted_per_version_with_the_newest_time() -> None:
-    from ntp_manager.service.queries import ACKS_LISTED, acks_view
+    from ntp_manager.service.operations.queries import ACKS_LISTED, acks_view
 
     per = [(f"w{i}", {"ok": i % 3 != 0, "at": f"2026-11-23T10:00:{i:02d}+00:00"}) for i in range(40)]
     got = acks_view([(7, per), (8, [])])

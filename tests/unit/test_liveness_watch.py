@@ -1,4 +1,4 @@
-"""The liveness pass that does not walk the cluster (service/liveness.py `SilenceWatch`) finds
+"""The liveness pass that does not walk the cluster (service/ingest/liveness.py `SilenceWatch`) finds
 exactly the GPUs the full walk finds, on random worlds driven through random histories: time
 passing, heartbeats, registrations that move `last_seen` back (takeover grace), health changes
 made as a transaction would (reported with `touched`), the pass's own decisions carried out or
@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ntp_manager.contract.gpu import GpuState
-from ntp_manager.service import policy
-from ntp_manager.service.liveness import SilenceWatch, walk
-from ntp_manager.service.state import GpuRec, NodeRec, World
+from ntp_manager.service.core import policy
+from ntp_manager.service.core.state import GpuRec, NodeRec, World
+from ntp_manager.service.ingest.liveness import SilenceWatch, walk
 
 HEALTH = [GpuState.HEALTHY, GpuState.SUSPECT, GpuState.DEGRADED, GpuState.FAILED]
 

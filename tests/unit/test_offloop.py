@@ -1,4 +1,4 @@
-"""service/offloop.py: the garbage collector is off while off-loop work runs, across overlapping
+"""service/core/offloop.py: the garbage collector is off while off-loop work runs, across overlapping
 callers and errors, and comes back as it was."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from ntp_manager.service import offloop
+from ntp_manager.service.core import offloop
 
 
 def test_collection_is_paused_while_work_runs_and_restored_after_overlapping_callers() -> None:
@@ -48,7 +48,7 @@ def test_collection_is_paused_while_work_runs_and_restored_after_overlapping_cal
 def test_a_large_cluster_snapshot_is_kept_out_of_full_collections(monkeypatch: pytest.MonkeyPatch) -> None:
     # a served manager (server.py turns this on): the planner's snapshot of >= 10,000 GPUs (2 objects
     # per GPU) goes into the collector's permanent generation, so full collections skip it
-    from ntp_manager.service.state import GpuRec, World
+    from ntp_manager.service.core.state import GpuRec, World
 
     w = World(gpus={f"GPU-{i}": GpuRec(f"GPU-{i}", f"n{i // 8}", f"d{i // 72}", i % 8, 1000, 100, 1300)
                     for i in range(10_000)}, domains={f"d{d}": None for d in range(140)})

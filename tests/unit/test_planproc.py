@@ -1,4 +1,4 @@
-"""service/planproc.py: a replan made in the planner process is the one a thread makes (layout,
+"""service/planning/planproc.py: a replan made in the planner process is the one a thread makes (layout,
 stored body, summary, reason), through failures, a degraded GPU, a worker that lost what it was
 sent and a worker that died; planner errors reach the caller; without a process, a thread plans."""
 
@@ -18,8 +18,8 @@ import pytest
 
 from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner import PlanError
-from ntp_manager.service import planning, planproc
-from ntp_manager.service.state import LayoutRec
+from ntp_manager.service.core.state import LayoutRec
+from ntp_manager.service.planning import planning, planproc
 from ntp_manager.topology import Cluster, TopologyError
 from tests.fakes.builders import cluster_from_counts, job
 

@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from ntp_manager.contract.gpu import GpuState as S
-from ntp_manager.service import policy
-from ntp_manager.service.policy import WindowAction
+from ntp_manager.service.core import policy
+from ntp_manager.service.core.policy import WindowAction
 
 LIVE = policy.LivenessOptions(suspect_after_s=6, fail_after_s=20)
 

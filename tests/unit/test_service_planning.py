@@ -1,4 +1,4 @@
-"""service/planning.py: what counts as a layout change, how a version is stored after the one
+"""service/planning/planning.py: what counts as a layout change, how a version is stored after the one
 before it, and the move summary in words."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 
 from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner.layout import GroupDoc, LayoutDoc, MovesDoc, ReplicaDoc
-from ntp_manager.service import planning
-from ntp_manager.service.state import LayoutRec
+from ntp_manager.service.core.state import LayoutRec
+from ntp_manager.service.planning import planning
 from ntp_manager.store import layout_codec as codec
 from tests.fakes.builders import cluster_from_counts, job
 

@@ -1,5 +1,5 @@
-"""The Slurm drain decisions (service/slurm_policy.py), as functions with made-up times; and the
-command runner's timeout and retries (service/slurm.py) on stand-in executables. The real Slurm
+"""The Slurm drain decisions (service/operations/slurm_policy.py), as functions with made-up times; and the
+command runner's timeout and retries (service/operations/slurm.py) on stand-in executables. The real Slurm
 is in tests/integration/test_slurm.py."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import pytest
 from pydantic import ValidationError
 
 from ntp_manager.contract.gpu import GpuState
+from ntp_manager.service.core.state import HealthSource
 from ntp_manager.service.manager import Manager
-from ntp_manager.service.slurm import SlurmCommands, SlurmError
-from ntp_manager.service.slurm_policy import (
+from ntp_manager.service.operations.slurm import SlurmCommands, SlurmError
+from ntp_manager.service.operations.slurm_policy import (
     MARKER,
     REASON_MAX,
     ActionKind,
@@ -32,7 +33,6 @@ from ntp_manager.service.slurm_policy import (
     owned,
     parse_sinfo,
 )
-from ntp_manager.service.state import HealthSource
 from ntp_manager.settings import Settings
 
 NOW = 10_000.0

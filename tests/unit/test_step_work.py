@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ntp_manager.service import steps
+from ntp_manager.service.core import steps
 from ntp_manager.worker.sources import StepWork, WorkerLayout, step_report
 
 

@@ -1,4 +1,4 @@
-"""service/steps.py: the bounded step window, its exact per-replica / per-stage sums, and how a
+"""service/core/steps.py: the bounded step window, its exact per-replica / per-stage sums, and how a
 report's ranks are placed."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from ntp_manager.contract.proto.ntp.v1 import common_pb2, worker_pb2
-from ntp_manager.service.errors import InvalidArgument
-from ntp_manager.service.steps import Place, StepSample, StepWindow, check_report, places_of, samples_of
+from ntp_manager.service.core.errors import InvalidArgument
+from ntp_manager.service.core.steps import Place, StepSample, StepWindow, check_report, places_of, samples_of
 
 
 def sample(i: int, *, version: int = 1, replica: int | None = 0, stage: int | None = 0, t: float = 1.0) -> StepSample:

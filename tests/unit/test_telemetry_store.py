@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ntp_manager.agent.backends.base import GpuSample
 from ntp_manager.agent.core import telemetry_pb
-from ntp_manager.service.telemetry import TelemetryStore
+from ntp_manager.service.ingest.telemetry import TelemetryStore
 
 
 def test_only_registered_gpus_are_kept_and_departed_ones_dropped() -> None:

@@ -1,4 +1,4 @@
-"""The event-loop watchdog (service/watchdog.py)."""
+"""The event-loop watchdog (service/operations/watchdog.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 from prometheus_client import CollectorRegistry
 
-from ntp_manager.service.watchdog import LoopWatchdog
+from ntp_manager.service.operations.watchdog import LoopWatchdog
 
 
 async def test_a_watchdog_started_late_measures_from_its_start_not_from_construction() -> None:

@@ -13,7 +13,7 @@ from ntp_manager.contract.ranks import global_rank
 from ntp_manager.planner import PowerModel, Scheme, make_plan
 from ntp_manager.planner.layout import LayoutDoc
 from ntp_manager.rpc.views import build_views
-from ntp_manager.service.state import LayoutRec
+from ntp_manager.service.core.state import LayoutRec
 from ntp_manager.worker.sources import layout_from_doc, layout_from_pb
 from tests.fakes.builders import cluster_from_counts, job
 

@@ -12,10 +12,10 @@ from ntp_manager.auth import Principal
 from ntp_manager.contract import limits
 from ntp_manager.jsontext import StoredJson
 from ntp_manager.planner.layout import LayoutDoc
-from ntp_manager.service import layout_views as views
-from ntp_manager.service import offloop
-from ntp_manager.service.errors import FailedPrecondition, InvalidArgument, NotFound
+from ntp_manager.service.core import offloop
+from ntp_manager.service.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from ntp_manager.service.manager import Manager, Mut
+from ntp_manager.service.planning import layout_views as views
 from ntp_manager.specfile import JobFile
 
 
@@ -180,6 +180,6 @@ def router(manager: Manager) -> APIRouter:
 
 
 def _answer(doc: LayoutDoc, head: dict[str, Any], limit: int, offset: int) -> StoredJson:
-    """A plan answer (a page of its replicas, service/layout_views.py) with its JSON text made
+    """A plan answer (a page of its replicas, service/planning/layout_views.py) with its JSON text made
     here, in a worker thread."""
     return StoredJson({**head, **views.plan_page(doc, limit, offset)})

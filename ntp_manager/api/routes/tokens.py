@@ -9,7 +9,7 @@ from ntp_manager.api.edge import E4, require
 from ntp_manager.auth import Principal
 from ntp_manager.contract import limits
 from ntp_manager.service.manager import Manager
-from ntp_manager.service.queries import page
+from ntp_manager.service.operations.queries import page
 
 
 class TokenBody(BaseModel):

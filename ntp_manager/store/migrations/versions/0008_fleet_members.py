@@ -8,7 +8,7 @@ With `fleet_ingest` on, every manager holds agent streams and worker layout watc
 writes its row here every heartbeat period: its gRPC address and how many agents and watches it
 holds. A manager holding more than its share (the streams of the managers seen lately, divided by
 their number) tells some of its clients to move to the one holding the fewest
-(service/balance.py). SQLite (one manager) never writes it.
+(service/leadership/balance.py). SQLite (one manager) never writes it.
 """
 
 from alembic import op

@@ -1,0 +1,336 @@
+"""Fleet mode: what any manager (standbys too) does with its agents' streams (service/leadership/fleet.py).
+
+A hello is checked as the leader checks it (bounds, the token's node and certificate, a GPU of
+another node, a node of another domain: the last two against the database) and stored as an
+outbox row; the welcome tells the agent the last report seq that is durable (applied, or stored and
+not applied yet). A report is checked against the hello's inventory and the stream's seq (a
+replay is acknowledged and not stored again, a gap refused) and stored; it is acknowledged once
+its row has committed. Rows are group-committed (`Ingest`: whatever is queued when the previous
+commit ends goes in one transaction), with the idempotency keys of store/outbox.py, so a report
+that an agent re-sends to another manager after losing its ack is stored once.
+
+A manager that cannot store (PostgreSQL unreachable, or slower than `fleet_store_timeout_s`)
+answers UNAVAILABLE and never acknowledges: the agent goes to another manager and re-sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from sqlalchemy import String, bindparam, select, text
+from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from ntp_manager.auth import Principal
+from ntp_manager.clock import Clock
+from ntp_manager.service.core.errors import InvalidArgument, PermissionDenied, ServiceError, Unavailable
+from ntp_manager.service.core.inputs import GpuInventory, GpuReport, check_hello, check_power_readings, check_report
+from ntp_manager.service.core.state import HEALTH_STATES
+from ntp_manager.service.ingest.agents import AgentSession, identity_problem
+from ntp_manager.store import outbox
+from ntp_manager.store.models import AuditRow, LeaderRow
+
+log = structlog.get_logger("ntp.ingest")
+
+MAX_BATCH = 4096  # rows in one group commit
+
+
+@dataclass
+class _Item:
+    entry: outbox.Entry
+    fut: asyncio.Future[None]
+
+
+class Ingest:
+    """Group commit of outbox rows (any manager; no fence: storing is not leading)."""
+
+    def __init__(self, sm: async_sessionmaker[AsyncSession], me: str, clock: Clock, window_s: float,
+                 timeout_s: float) -> None:
+        self.sm = sm
+        self.me = me
+        self.clock = clock
+        self.window_s = window_s
+        self.timeout_s = timeout_s
+        self.stored = 0  # rows this manager stored
+        self.duplicates = 0  # rows whose idempotency key was stored already
+        self.batches = 0
+        self.failed = 0  # group commits that did not get through (UNAVAILABLE to their callers)
+        self.stuck_ended = 0  # sessions of managers stuck inside an append that this one ended
+        self._queue: deque[_Item] = deque()
+        self._kick = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._committer(), name="ingest")
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while self._queue and loop.time() < end and self._task is not None and not self._task.done():
+            await asyncio.sleep(0.005)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        while self._queue:
+            item = self._queue.popleft()
+            if not item.fut.done():
+                item.fut.set_exception(Unavailable("this manager is stopping; try another"))
+
+    def queued(self) -> int:
+        """Rows waiting for a group commit (the one running is not counted)."""
+        return len(self._queue)
+
+    def submit(self, entry: outbox.Entry) -> asyncio.Future[None]:
+        """Store `entry` in the next group commit: the future resolves once it is durable."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self._task is None:
+            fut.set_exception(Unavailable("this manager is not taking agent reports (starting or stopping)"))
+            return fut
+        self._queue.append(_Item(entry, fut))
+        self._kick.set()
+        return fut
+
+    async def _committer(self) -> None:
+        while True:
+            await self._kick.wait()
+            self._kick.clear()
+            if self.window_s > 0 and len(self._queue) < MAX_BATCH:
+                await asyncio.sleep(self.window_s)
+            while self._queue:
+                batch = [self._queue.popleft() for _ in range(min(len(self._queue), MAX_BATCH))]
+                await self._run(batch)
+
+    async def _run(self, items: list[_Item]) -> None:
+        wait_ms = int(self.timeout_s * 500)  # for the append lock: half the store timeout
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                async with self.sm() as s, s.begin():
+                    seqs = await outbox.append(s, [i.entry for i in items], self.me, self.clock.now(),
+                                               lock_wait_ms=wait_ms)
+        except (OSError, SQLAlchemyError, TimeoutError) as e:
+            self.failed += 1
+            reason = "took too long" if isinstance(e, TimeoutError) else str(e).splitlines()[0][:200]
+            if _lock_timeout(e):  # the lock's holder may be a manager stopped inside its append
+                await self._end_stuck_appenders(wait_ms)
+            log.warning("cannot store agent reports", rows=len(items), error=reason)
+            err = Unavailable(f"this manager cannot store reports in its database right now ({reason}); "
+                              "try another manager")
+            for i in items:
+                if not i.fut.done():
+                    i.fut.set_exception(err)
+            return
+        self.batches += 1
+        self.stored += len(seqs)
+        self.duplicates += len(items) - len(seqs)
+        for i in items:
+            if not i.fut.done():
+                i.fut.set_result(None)
+
+
+    async def _end_stuck_appenders(self, older_than_ms: int) -> None:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                async with self.sm() as s, s.begin():
+                    ended = await outbox.end_stuck_appenders(s, older_than_ms)
+        except (OSError, SQLAlchemyError, TimeoutError) as e:
+            log.warning("cannot end a stuck outbox append", error=str(e).splitlines()[0][:200])
+            return
+        if ended:
+            self.stuck_ended += ended
+            log.warning("ended the session of a manager stuck inside an outbox append (it held every "
+                        "manager's appends)", sessions=ended, held_ms_over=older_than_ms)
+
+
+def _lock_timeout(e: BaseException) -> bool:
+    orig = getattr(e, "orig", None)
+    return "LockNotAvailable" in type(orig).__name__ or "lock timeout" in str(e).lower()
+
+
+HELLO_VIEW = text(
+    "SELECT (SELECT domain_id FROM nodes WHERE name = :n), (SELECT last_seq FROM nodes WHERE name = :n), "
+    "(SELECT max(report_seq) FROM outbox WHERE node = :n), (SELECT epoch FROM leader WHERE id = 1), "
+    "(SELECT json_object_agg(uuid, node)::text FROM gpus WHERE uuid = ANY(:u))"
+).bindparams(bindparam("n", type_=String()), bindparam("u", type_=ARRAY(String())))
+
+
+@dataclass
+class StreamState:
+    """What this manager knows of one agent stream it holds."""
+
+    node: str
+    gpus: frozenset[str]
+    last_seq: int  # the last report seq durable (stored or applied)
+    session: AgentSession = field(default_factory=lambda: AgentSession(""))
+
+
+class AgentIngest:
+    """The agent edge of a manager in fleet mode: hellos, reports, power read-backs, liveness."""
+
+    def __init__(self, ingest: Ingest, sm: async_sessionmaker[AsyncSession], clock: Clock,
+                 sessions: dict[str, AgentSession], on_sessions: Callable[[int], None],
+                 engine: AsyncEngine | None = None) -> None:
+        self.ingest = ingest
+        self.sm = sm
+        # hellos read in autocommit on PostgreSQL (one statement, no BEGIN/ROLLBACK)
+        self._reader = (engine.execution_options(isolation_level="AUTOCOMMIT")
+                        if engine is not None and engine.dialect.name == "postgresql" else None)
+        self.clock = clock
+        self.sessions = sessions  # shared with service/ingest/agents.py: where commands go
+        self.on_sessions = on_sessions
+        self.streams: dict[str, StreamState] = {}
+        self.seen: set[str] = set()  # nodes heard from since the last liveness row
+        self.hellos = 0
+        self.reports = 0
+
+    async def hello(self, node: str, domain: str, gpus: list[GpuInventory], boot_id: str, agent_version: str,
+                    principal: Principal, peer_fingerprint: str | None, peer: str = ""
+                    ) -> tuple[AgentSession, int, int]:
+        """Check and store a hello; its session, the last durable report seq, and the leader epoch."""
+        check_hello(node, domain, gpus, boot_id, agent_version)
+        problem = identity_problem(principal, node, peer_fingerprint)
+        try:
+            async with asyncio.timeout(self.ingest.timeout_s):
+                if problem is not None:
+                    await self._deny(principal, node, peer_fingerprint, peer, problem)
+                known_domain, owners, last_seq, epoch = await self._hello_view(node, [g.uuid for g in gpus])
+        except (OSError, SQLAlchemyError, TimeoutError) as e:
+            raise Unavailable("this manager cannot reach its database right now; try another manager") from e
+        if problem is not None:
+            raise PermissionDenied(problem)
+        if known_domain is not None and known_domain != domain:
+            raise InvalidArgument(f"hello.domain: node {node!r} is registered in domain {known_domain!r}, "
+                                  f"not {domain!r}")
+        for g in gpus:
+            other = owners.get(g.uuid)
+            if other is not None and other != node:
+                raise InvalidArgument(f"hello.gpus: GPU {g.uuid} is already registered on node {other!r}")
+        payload: dict[str, Any] = {
+            "domain": domain, "boot_id": boot_id, "agent_version": agent_version, "token": principal.token_id,
+            "peer": peer[:200],
+            "gpus": [[g.uuid, g.index, g.model, g.memory_bytes, g.default_mw, g.min_mw, g.max_mw] for g in gpus]}
+        await self.ingest.submit(outbox.Entry(outbox.HELLO, node, payload, f"hello:{node}:{uuid.uuid4().hex}"))
+        self.hellos += 1
+        old = self.sessions.get(node)
+        if old is not None:
+            old.close()
+        session = AgentSession(node)
+        self.sessions[node] = session
+        self.streams[node] = StreamState(node, frozenset(g.uuid for g in gpus), last_seq, session)
+        self.seen.add(node)
+        self.on_sessions(len(self.sessions))
+        return session, last_seq, int(epoch or 0)
+
+    async def _hello_view(self, node: str, uuids: list[str]) -> tuple[str | None, dict[str, str], int, int | None]:
+        """What a hello is checked against, in one statement out of any transaction (a hello is the
+        costliest thing a standby does, and each round trip costs it CPU: BEGIN, four reads and
+        ROLLBACK were six): the node's domain, the node each of these GPUs is registered on, the
+        node's last durable report seq (applied, or stored and not applied yet: store/outbox.py's
+        node_last_seq) and the leader epoch."""
+        if self._reader is None:
+            async with self.sm() as s:
+                return (await outbox.node_domain(s, node), await outbox.gpu_owners(s, uuids),
+                        await outbox.node_last_seq(s, node),
+                        (await s.execute(select(LeaderRow.epoch).where(LeaderRow.id == 1))).scalar_one_or_none())
+        async with self._reader.connect() as c:
+            row = (await c.execute(HELLO_VIEW, {"n": node, "u": uuids})).one()
+        owners = json.loads(row[4]) if row[4] else {}
+        return (row[0], {str(k): str(v) for k, v in owners.items()}, max(int(row[1] or 0), int(row[2] or 0)),
+                None if row[3] is None else int(row[3]))
+
+    async def _deny(self, principal: Principal, node: str, fp: str | None, peer: str, problem: str) -> None:
+        log.warning("agent identity refused", token=principal.token_id, node=node[:64], problem=problem)
+        async with self.sm() as s, s.begin():
+            s.add(AuditRow(at=self.clock.now(), actor=f"token:{principal.token_id}", action="agent.denied",
+                           target=node[:256], before=None, reason=problem, request_id="",
+                           after={"token": principal.token_id, "token_node": principal.node, "peer": peer[:200],
+                                  "peer_fingerprint": fp}))
+
+    def report(self, session: AgentSession, seq: int, gpus: list[GpuReport]) -> asyncio.Future[int]:
+        """Store a report: the future resolves to the seq to acknowledge once it is durable."""
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        try:
+            st = self._checked(session, seq, gpus)
+        except ServiceError as e:
+            fut.set_exception(e)
+            return fut
+        self.seen.add(session.node)
+        if st is None:  # a replay: durable already
+            fut.set_result(seq)
+            return fut
+        payload = {"gpus": [[g.uuid, g.state, g.reasons, g.xids, g.enforced_mw] for g in gpus]}
+        stored = self.ingest.submit(outbox.Entry(outbox.REPORT, session.node, payload,
+                                                 f"report:{session.node}:{seq}", report_seq=seq))
+
+        def done(f: asyncio.Future[None]) -> None:
+            if fut.done():
+                return
+            if f.cancelled():
+                fut.cancel()
+            elif f.exception() is not None:
+                fut.set_exception(f.exception())  # type: ignore[arg-type]
+            else:
+                self.reports += 1
+                fut.set_result(seq)
+
+        stored.add_done_callback(done)
+        return fut
+
+    def _checked(self, session: AgentSession, seq: int, gpus: list[GpuReport]) -> StreamState | None:
+        check_report(seq, gpus)
+        st = self.streams.get(session.node)
+        if st is None or st.session is not session:
+            raise Unavailable("this stream was replaced by a newer one of the same node")
+        if seq <= st.last_seq:
+            return None
+        if seq != st.last_seq + 1:
+            raise InvalidArgument(f"bad sequence number: expected {st.last_seq + 1}, got {seq}")
+        for g in gpus:
+            if g.uuid not in st.gpus:
+                raise InvalidArgument(f"report.gpus: report from {session.node!r} names unknown GPU {g.uuid!r}")
+            if g.state not in HEALTH_STATES:
+                raise InvalidArgument(
+                    f"report.gpus.state: GPU {g.uuid}: agents may report {sorted(HEALTH_STATES)}, not {g.state!r}")
+        if len({g.uuid for g in gpus}) != len(gpus):
+            raise InvalidArgument("report.gpus: a report names the same GPU twice")
+        st.last_seq = seq  # the next report follows it (a failed store ends the stream)
+        return st
+
+    async def power(self, node: str, readings: list[tuple[str, int]]) -> None:
+        check_power_readings(readings)
+        st = self.streams.get(node)
+        known = [[u, mw] for u, mw in readings if st is not None and u in st.gpus]
+        if known:
+            await self.ingest.submit(outbox.Entry(outbox.POWER, node, {"readings": known},
+                                                  f"power:{node}:{uuid.uuid4().hex}"))
+
+    def heartbeat(self, node: str) -> None:
+        self.seen.add(node)
+
+    def disconnect(self, session: AgentSession) -> None:
+        session.closed = True
+        st = self.streams.get(session.node)
+        if st is not None and st.session is session:
+            del self.streams[session.node]
+        if self.sessions.get(session.node) is session:
+            del self.sessions[session.node]
+        self.on_sessions(len(self.sessions))
+
+    def flush_seen(self) -> asyncio.Future[None] | None:
+        """Store the nodes heard from since the last call (one row): the leader counts them as seen."""
+        if not self.seen:
+            return None
+        nodes = sorted(self.seen)
+        self.seen.clear()
+        return self.ingest.submit(outbox.Entry(outbox.SEEN, "", {"nodes": nodes},
+                                               f"seen:{self.ingest.me}:{uuid.uuid4().hex}"))
