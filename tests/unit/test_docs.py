@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tools.doccheck import ROOT, Checker, Reference, check_all, doc_files
+from tools.doccheck import OUTSIDE_NAMES, ROOT, Checker, Reference, check_all, doc_files, outside_references
 
 FIX = "fix the doc (or the code), then run `.venv/bin/python tools/doccheck.py` to list what is left"
 
@@ -78,6 +78,12 @@ PLANTED = [
      "'last_acked_sequence' (in `Welcome{leader_epoch, last_acked_sequence}`) is no name"),
     ("Watch `ntp_job_stage_step_seconds{job,stag}`.", "'stag' (in `ntp_job_stage_step_seconds{job,stag}`) is no"),
     ("Set `RuntimeConfig(force_stagin=True)`.", "'force_stagin' (in `RuntimeConfig(force_stagin=True)`) is no name"),
+    # nothing outside the repository (the names are built here so that this file does not hold them)
+    ("See [the design](../../" + "shared/" + OUTSIDE_NAMES[1] + ").", "link leaves the repository"),
+    (f"As {OUTSIDE_NAMES[0]} section 1 says.", f"names {OUTSIDE_NAMES[0]}, which is not in this repository"),
+    ("The runs are in `../" + "shared/gpu-runs/`.", "names a path outside this repository"),
+    ("See [the sync](references.md#no-such-heading).", "link to a heading references.md does not have"),
+    ("See [the plan](planer.md).", "link to a missing file: planer.md"),
 ]
 
 
@@ -209,3 +215,18 @@ def test_every_ntpctl_command_takes_json(checker: Checker) -> None:
     leaves = [c for c in _tree(checker.ref.clis["ntpctl"]) if not c.subs]
     assert len(leaves) > 15
     assert [c.path() for c in leaves if "--json" not in c.options] == []
+
+
+def test_a_path_outside_the_repository_is_found_in_any_file(tmp_path: Path) -> None:
+    """Code, scripts and configuration are read too: a comment citing a background file, or a path
+    into the checkout's neighbour, is a finding with its file and line."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text(f"x = 1\n# the table of {OUTSIDE_NAMES[0]}\n")
+    (tmp_path / "run.sh").write_text("cp a ../" + "shared/b\n")
+    (tmp_path / "ok.py").write_text("# docs/references.md holds the sources\n")
+    found = sorted(str(f) for f in outside_references(tmp_path))
+    assert found == [
+        f"pkg/mod.py:2: names {OUTSIDE_NAMES[0]}, which is not in this repository (docs/design.md, "
+        "docs/references.md are)",
+        "run.sh:1: names a path outside this repository: ../" + "shared",
+    ]

@@ -1,4 +1,4 @@
-"""Imports point downward (docs: DESIGN.md, "Layers") and no module imports itself in a circle.
+"""Imports point downward (docs/design.md, "Layers") and no module imports itself in a circle.
 
 Read from the source, not from sys.modules, so an import inside a function counts as much as one
 at the top of a module (a lazy import hides a cycle, it does not remove it); imports under
