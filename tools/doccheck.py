@@ -48,7 +48,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 CLIS = ("ntp-manager", "ntpctl", "ntp-agent", "ntp-run")
 ENDS = {"|", "||", "&&", ";", ">", ">>", "2>", "2>&1", "<", "&"}
-TOP_DIRS = ("ntp_manager", "docs", "examples", "bench", "tests", "proto", "deploy", "tools",
+TOP_DIRS = ("ntp_manager", "agent", "migrations", "docs", "examples", "bench", "tests", "proto", "deploy", "tools",
             ".ci")
 
 
@@ -129,7 +129,7 @@ def _from_argparse(name: str, parser: argparse.ArgumentParser) -> Cmd:
 
 def commands() -> dict[str, Cmd]:
     """The console scripts of pyproject.toml, built from their real parsers."""
-    from ntp_manager.agent import main as agent_main
+    from ntp_agent import main as agent_main
     from ntp_manager.cli import ctl, manager
     from ntp_manager.worker import run
 
@@ -260,7 +260,7 @@ def grpc_names() -> set[str]:
 def setting_defaults() -> dict[str, float]:
     """Numeric defaults of the manager's and the agent's settings, by field name and by variable
     (a field both have, like heartbeat_interval_s, by the manager's)."""
-    from ntp_manager.agent.main import AgentSettings
+    from ntp_agent.main import AgentSettings
     from ntp_manager.settings import Settings
 
     out: dict[str, float] = {}
@@ -273,7 +273,7 @@ def setting_defaults() -> dict[str, float]:
 
 def env_names() -> set[str]:
     """NTP_ variables: settings fields (prefix + name) and every name spelled out outside the docs."""
-    from ntp_manager.agent.main import AgentSettings
+    from ntp_agent.main import AgentSettings
     from ntp_manager.settings import Settings
 
     names = {f"NTP_{f.upper()}" for f in Settings.model_fields} | {f"NTP_AGENT_{f.upper()}"
@@ -302,7 +302,7 @@ STUBS = ROOT / "ntp_manager" / "contract" / "proto"  # generated: their words ar
 
 
 def _source_files() -> Iterator[Path]:
-    for top in ("ntp_manager", "tests", "bench", "examples", "deploy", "tools", ".ci"):
+    for top in ("ntp_manager", "agent", "migrations", "tests", "bench", "examples", "deploy", "tools", ".ci"):
         for p in (ROOT / top).rglob("*"):
             if p.is_file() and p.suffix in (".py", ".sh", ".yml", ".yaml", ".service", ".toml", ".cfg", "") \
                     and STUBS not in p.parents and p.name not in ("doccheck.py", "test_docs.py"):
@@ -834,9 +834,9 @@ def _all_flags(cmd: Cmd) -> set[str]:
 def doc_files(root: Path = ROOT) -> list[Path]:
     """The docs, and the scripts that run our commands (their command lines are checked the same way)."""
     scripts = [*sorted((root / "deploy").glob("*.sh")), *sorted((root / "bench").glob("*.sh")),
-               *sorted((root / "deploy" / "systemd").glob("*.service")), *sorted((root / ".ci").glob("*")),
+               *sorted((root / "agent").glob("*.service")), *sorted((root / ".ci").glob("*")),
                # the command-line modules' docstrings (their usage examples)
-               *sorted((root / "ntp_manager" / "cli").glob("*.py")), root / "ntp_manager" / "agent" / "main.py",
+               *sorted((root / "ntp_manager" / "cli").glob("*.py")), root / "agent" / "ntp_agent" / "main.py",
                root / "ntp_manager" / "worker" / "run.py"]
     return [root / "README.md", *sorted((root / "docs").glob("*.md")), *scripts]
 

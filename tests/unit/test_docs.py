@@ -128,7 +128,7 @@ def test_the_settings_page_is_up_to_date() -> None:
 
 
 def test_the_settings_page_has_every_field_of_both_classes() -> None:
-    from ntp_manager.agent.main import AgentSettings
+    from ntp_agent.main import AgentSettings
     from ntp_manager.settings import Settings
     from tools import settings_doc
 
@@ -194,7 +194,7 @@ def test_a_script_is_checked_like_a_code_block(checker: Checker, tmp_path: Path)
     found, at = _misspelt(checker, tmp_path, "deploy/run-job.sh", "ntpctl jobs --json", "--json", "--jsn")
     assert [str(f) for f in found] == [f"deploy/run-job.sh:{at + 1}: `ntpctl jobs` has no option --jsn"]
     unit = tmp_path / "ntp-agent.service"
-    unit.write_text((ROOT / "deploy/systemd/ntp-agent.service").read_text().replace("--backend nvml", "--backnd nvml"))
+    unit.write_text((ROOT / "agent/ntp-agent.service").read_text().replace("--backend nvml", "--backnd nvml"))
     assert any("`ntp-agent` has no option --backnd" in f.what for f in checker.check_file(unit))
 
 
