@@ -37,6 +37,7 @@ import argparse
 import functools
 import importlib
 import importlib.util
+import os
 import re
 import shlex
 import sys
@@ -399,12 +400,12 @@ def outside_in_line(line: str, home: Path, root: Path, markdown: bool) -> Iterat
 
 
 def _text_files(root: Path) -> Iterator[Path]:
-    for p in sorted(root.rglob("*")):
-        rel = p.relative_to(root)
-        if any(part in _NOT_OURS or part.endswith(".egg-info") for part in rel.parts[:-1]):
-            continue
-        if p.is_file() and (p.suffix in _SCANNED or p.name in ("Makefile", "Dockerfile", "run")):
-            yield p
+    for here, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in _NOT_OURS and not d.endswith(".egg-info"))  # never walked into
+        for name in sorted(files):
+            p = Path(here) / name
+            if p.suffix in _SCANNED or name in ("Makefile", "Dockerfile", "run"):
+                yield p
 
 
 def outside_references(root: Path = ROOT) -> list[Finding]:
