@@ -14,9 +14,12 @@ ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ("ntp_manager", "agent", "migrations")  # the packages and the scripts the wheels carry
 MODULE_MAX = 800
 FUNCTION_MAX = 120
-# Explicit exceptions, each with its reason; none today. A listed one that is back under the
-# limit fails the test, so the list cannot go stale.
-EXCEPTIONS: dict[str, str] = {}
+# Explicit exceptions, each with its reason. A listed one that is back under the limit fails the
+# test, so the list cannot go stale: delete its line when it is cut up.
+EXCEPTIONS: dict[str, str] = {
+    "ntp_manager/rpc/server.py:AgentService.Connect": "being cut up with the rpc/ restructuring (issue 43 left rpc/ "
+                                                      "to it); delete this line when that lands",
+}
 
 
 def _sources() -> list[Path]:
