@@ -1,4 +1,4 @@
-"""Fleet-mode benchmark (issue 30): three managers on PostgreSQL with `NTP_FLEET_INGEST=1`, every one
+"""Fleet-mode benchmark (issue 30): three managers on PostgreSQL, every one
 taking agent streams; simulated agents in load-generator processes of their own
 (bench/fleet_load.py), so that what is measured is the managers.
 
@@ -329,7 +329,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         wtok = await m.create_token("bench-worker", "worker")  # --watchers
         await m.engine.dispose()
         await write_log.install(url, LEADER_TABLES)
-        env = {"NTP_FLEET_INGEST": "1", "NTP_LEASE_TTL_S": str(args.lease_ttl), "NTP_LEASE_RENEW_S": str(args.renew),
+        env = {"NTP_LEASE_TTL_S": str(args.lease_ttl), "NTP_LEASE_RENEW_S": str(args.renew),
                "NTP_TAKEOVER_GRACE_S": "30", "NTP_SUSPECT_AFTER_S": "60", "NTP_FAIL_AFTER_S": "120",
                "NTP_LOG_FORMAT": "json", "NTP_MAX_CLUSTER_GPUS": str(max(100_000, n * 8))}
         counter = iter(range(1000))

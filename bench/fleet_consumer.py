@@ -45,7 +45,7 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
     await c.execute(f'CREATE DATABASE "{name}"')
     await c.close()
     url = f"{a.postgres.rsplit('/', 1)[0]}/{name}"
-    m = Manager(Settings(database_url=url, fleet_ingest=True))
+    m = Manager(Settings(database_url=url))
     out: dict[str, Any] = {"nodes": a.nodes, "by_batch": {}}
     try:
         await m.start()

@@ -5,8 +5,9 @@ around it (api/, rpc/), so that service/ never imports the layers above it.
 
 A manager that loses its lease (service/leader.py) shuts down the same way and exits with status 75
 for its supervisor to start it again as a standby; when that takes longer than one lease (its
-database unreachable: calls hang), it exits at once. gRPC health is SERVING only while this
-manager leads with its world loaded (rpc/server.py follows the role).
+database unreachable: calls hang), it exits at once. gRPC health says, per service, what this
+manager serves now (rpc/server.py): the agent and worker services on every manager that takes
+them and is in touch with the store, `ntp.v1.Leader` on the leader alone.
 
 Shutdown (SIGTERM/SIGINT): readiness and gRPC health flip to NOT_SERVING, the gRPC server stops
 accepting and gives open streams a grace period, HTTP stops, then the manager stops its loops and
@@ -101,7 +102,7 @@ async def run_service(settings: Settings, stop: asyncio.Event | None = None) -> 
                                "role": "leader" if manager.leading else "standby"}
     if rpc.tls_port is not None:
         info["grpc_tls"] = f"{settings.grpc_tls_host or settings.grpc_host}:{rpc.tls_port}"
-    await rpc.set_serving(manager.acting)
+    await rpc.refresh_health()
     print(f"{READY} {json.dumps(info)}", flush=True)
     log.info("serving", **info)
     led = asyncio.create_task(_announce_leading(manager, log))
@@ -115,7 +116,7 @@ async def run_service(settings: Settings, stop: asyncio.Event | None = None) -> 
         lost.cancel()
         was_lost = manager.lost.is_set()
         log.info("shutting down", lost_lease=was_lost)
-        await rpc.set_serving(False)
+        await rpc.not_serving()
         down = asyncio.ensure_future(_shut_down(manager, rpc, server, serve_task, 0.5 if was_lost else 3.0))
         if was_lost:
             # a manager that lost its lease has nothing left to commit (the fence refuses it all),

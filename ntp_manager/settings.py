@@ -75,10 +75,10 @@ class Settings(BaseSettings):
                                "can start: in a thread)")
     # group commit: reports, heartbeat transitions and hellos queued while a commit runs go into the
     # next one; an idle committer first waits this long for more (0: commit at once)
-    fleet_ingest: bool = Field(False, description="several managers on PostgreSQL: every manager, standbys too, "
-                               "takes agent streams and stores their hellos and reports in the outbox, which the "
-                               "leader applies (service/fleet.py); a leader change moves only the planner role. "
-                               "PostgreSQL only")
+    # deprecated (one release): on PostgreSQL every manager takes agents and watches, always
+    fleet_ingest: bool | None = Field(None, description="deprecated and ignored: on PostgreSQL every manager, "
+                                      "standbys too, takes agent streams and layout watches and the leader "
+                                      "applies the outbox (there is no other mode); to be removed")
     fleet_poll_s: float = Field(0.5, gt=0, le=10, description="fleet mode: the leader looks for outbox rows (and every "
                                 "manager for agent commands) at least this often, without a notification")
     fleet_store_timeout_s: float = Field(5.0, gt=0, le=60, description="fleet mode: a manager that cannot store a "
@@ -159,13 +159,6 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
-    def _fleet(self) -> Settings:
-        if self.fleet_ingest and not self.effective_database_url.startswith("postgresql"):
-            raise ValueError("fleet_ingest needs PostgreSQL (NTP_DATABASE_URL=postgresql+asyncpg://...): on SQLite "
-                             "one manager serves everything")
-        return self
-
-    @model_validator(mode="after")
     def _slurm(self) -> Settings:
         if self.slurm_dry_run and not self.slurm_drain:
             raise ValueError("slurm_dry_run needs slurm_drain (set both to see what would be drained)")
@@ -203,6 +196,20 @@ class Settings(BaseSettings):
                 raise ValueError(f"NTP_CONFIG_FILE={config_file}: expected a mapping of setting names to values")
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=config_file))
         return tuple(sources)
+
+    @property
+    def deprecations(self) -> list[str]:
+        """Lines the manager logs at start for settings that are accepted but no longer do anything."""
+        out = []
+        if self.fleet_ingest is not None:
+            out.append("fleet_ingest (NTP_FLEET_INGEST) is deprecated and ignored: every manager on PostgreSQL "
+                       "takes agent streams and layout watches; remove it from the configuration")
+        return out
+
+    @property
+    def shared_store(self) -> bool:
+        """PostgreSQL: several managers share the store (one leads); SQLite: one manager alone."""
+        return self.effective_database_url.startswith("postgresql")
 
     @property
     def effective_database_url(self) -> str:

@@ -14,7 +14,7 @@ against it.
 
 import uuid as uuidlib
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 from fastapi import FastAPI, Request
@@ -99,15 +99,24 @@ def create_app(manager: Manager) -> FastAPI:
         return JSONResponse(body, 200 if role != "lost" else 503)
 
     @app.get("/readyz", tags=["probes"], responses={503: {"model": Error}})
-    async def readyz() -> JSONResponse:
-        """Ready = the leader, serving (a load balancer sends clients only here)."""
-        if manager.ready:
-            return JSONResponse({"ready": True, "role": "leader", "epoch": manager.epoch})
+    async def readyz(part: Literal["clients", "leader"] = "clients") -> JSONResponse:
+        """Ready for `part`: `clients` (the default), this manager takes agent streams and layout
+        watches now and is in touch with the store (on PostgreSQL every manager, standbys
+        included; point the agents' and workers' load balancer here); `leader`, it leads with its
+        world loaded (planning, operators' writes: point the REST load balancer here)."""
+        clients, leads = manager.serving()
         role = manager.role
-        detail = {"standby": "a standby: another manager leads", "lost": "lost its lease; exiting",
-                  "leader": "starting or shutting down"}[role]
-        return JSONResponse({"ready": False, "role": role, "detail": detail,
-                             "leader": leader_doc(manager.leadership.leader)}, 503)
+        serves = [name for name, on in (("clients", clients), ("leader", leads)) if on]
+        body: dict[str, Any] = {"ready": clients if part == "clients" else leads, "role": role,
+                                "epoch": manager.epoch, "serves": serves,
+                                "leader": leader_doc(manager.leadership.leader)}
+        if body["ready"]:
+            return JSONResponse(body)
+        body["detail"] = {"standby": "a standby: another manager leads", "lost": "lost its lease; exiting",
+                          "leader": "starting or shutting down"}[role]
+        if part == "clients" and role == "standby" and not manager.leadership.in_touch():
+            body["detail"] = "a standby out of touch with the store"
+        return JSONResponse(body, 503)
 
     @app.get("/metrics", tags=["probes"], response_class=PlainTextResponse)
     async def metrics() -> Response:

@@ -30,9 +30,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import structlog
-from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.ext.asyncio import AsyncSession
 
 from ntp_manager.service.agents import SetPower
 from ntp_manager.service.errors import ServiceError
@@ -43,7 +41,6 @@ from ntp_manager.service.state import GpuChange
 from ntp_manager.service.watch import KINDS as WORKER_KINDS
 from ntp_manager.service.watch import apply_row as apply_worker_row
 from ntp_manager.store import outbox
-from ntp_manager.store.models import OutboxRow
 
 if TYPE_CHECKING:
     from ntp_manager.service.manager import Manager
@@ -106,7 +103,7 @@ class Consumer:
         m = self.m
         async with m.sm() as s:
             self.last = self.started_at = await outbox.last_applied(s)
-            head = await _head(s)
+            head = await outbox.head(s)
         log.info("applying the outbox", after=self.last, head=head, epoch=m.epoch)
         window = m.settings.fleet_apply_window_ms / 1000
         # the first prune a while after taking over, not in the way of the replay
@@ -263,8 +260,3 @@ class Consumer:
             if rec is not None:
                 self.m.agents.heartbeat(n)
                 rec.connected = True
-
-
-async def _head(s: AsyncSession) -> int:
-    v = (await s.execute(select(func.max(OutboxRow.seq)))).scalar_one_or_none()
-    return int(v or 0)

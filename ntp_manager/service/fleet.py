@@ -113,6 +113,23 @@ class Fleet:
                         asyncio.create_task(self._commands_loop(), name="fleet-commands-out"),
                         asyncio.create_task(self._prune_loop(), name="fleet-commands-prune")]
 
+    async def settled(self, timeout_s: float = 30.0) -> None:
+        """On the leader: every outbox row committed before this call is applied to the world
+        (an agent's ack says its report is durable; this is read-your-writes for it). Raises
+        TimeoutError, or NotLeader on a manager that does not lead."""
+        if self.consumer is None:
+            raise self.m.leadership.not_leader()
+        async with self.m.sm() as s:
+            head = await outbox.head(s)
+        consumer = self.consumer
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        while consumer.last < head:
+            if loop.time() > end:
+                raise TimeoutError(f"the outbox was not applied up to {head} within {timeout_s} s")
+            consumer.wake.set()
+            await asyncio.sleep(0.005)
+
     async def stop(self) -> None:
         self.ready = False
         self.feed.close()

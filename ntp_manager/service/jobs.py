@@ -176,7 +176,7 @@ class Jobs:
         t.session.add(LayoutRow(job=job.name, version=version, leader_epoch=self.epoch(), plan=None,
                                 body=d.encoded.body, base_version=d.encoded.base_version, reason=d.why,
                                 created_at=t.now))
-        if self.settings.fleet_ingest:  # every manager's watchers (service/watch.py); sent on commit
+        if self.settings.shared_store:  # every manager's watchers (service/watch.py); sent on commit
             await t.session.execute(text("SELECT pg_notify(:c, :p)"),
                                     {"c": outbox.LAYOUTS, "p": f"{self.epoch()}:{version}:{job.name}"})
         t.audit(t.now, "layout.update", job.name, before={"version": version - 1} if version > 1 else None,

@@ -169,6 +169,14 @@ class Leadership:
             self.leader = None
         return view
 
+    def in_touch(self) -> bool:
+        """This manager reached the store within the last lease: a renewal got through (leading)
+        or the lease was read (standing by). Always on SQLite (a local file)."""
+        if not self.postgres:
+            return True
+        last = max(self.view_mono, self.renewed_mono)
+        return last > 0 and time.monotonic() - last <= self.settings.lease_ttl_s
+
     def next_view(self) -> asyncio.Future[None]:
         """A future resolved at this manager's next read of the lease (a standby reads it every
         `lease_renew_s`): what a call held on a standby waits on, with the end of the takeover."""

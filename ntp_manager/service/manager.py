@@ -39,6 +39,7 @@ from ntp_manager.service import offloop
 from ntp_manager.service.agents import Agents, AgentSession
 from ntp_manager.service.breaker import Breaker
 from ntp_manager.service.checkpoints import Checkpoints
+from ntp_manager.service.doors import AgentDoor, FleetAgents, FleetWatches, LocalAgents, LocalWatches, WatchDoor
 from ntp_manager.service.failslow import FailSlow
 from ntp_manager.service.fleet import Fleet
 from ntp_manager.service.gauges import Gauges
@@ -85,7 +86,7 @@ class Manager:
         self.telemetry = TelemetryStore()  # agents' GPU counters, latest per GPU (issue 21)
         self.metrics = Metrics(self._step_windows, lambda: (self.kernel.batches, self.kernel.batched))
         self.tokens = TokenTable()  # the live table (see service/tokens.py)
-        self.token_service = Tokens(self)
+        self.token_service = Tokens(self.sm, self.clock, self.tokens, self.mutation, settings.token_poll_s)
         self.watchdog = LoopWatchdog(self.metrics.registry, warn_s=settings.loop_warn_ms / 1000)
         self.epoch = 0
         self.leadership = Leadership(settings, self.engine)
@@ -112,8 +113,16 @@ class Manager:
         self._standby: asyncio.Task[None] | None = None
         self._loaded = False  # the world is loaded (once leading)
         self.acting_event = asyncio.Event()  # set once this manager acts as the leader
-        # fleet mode (PostgreSQL): every manager takes agent streams, the leader applies the outbox
-        self.fleet: Fleet | None = Fleet(self) if settings.fleet_ingest else None
+        # PostgreSQL: every manager takes agent streams and watches, the leader applies the outbox
+        self.fleet: Fleet | None = Fleet(self) if settings.shared_store else None
+        # the doors the gRPC edge comes in by (service/doors.py): chosen here, once
+        self.local_agents = LocalAgents(self.kernel, self.agents, self.telemetry, lambda: self.epoch)
+        self.local_watches = LocalWatches(self.kernel, self.jobs, self.restores, self.failslow)
+        self.agent_door: AgentDoor = self.local_agents
+        self.watch_door: WatchDoor = self.local_watches
+        if self.fleet is not None:
+            self.agent_door = FleetAgents(self.fleet)
+            self.watch_door = FleetWatches(self.fleet, self.local_watches, lambda: self.acting)
 
     # ---- life cycle -----------------------------------------------------------------------------
     async def start(self, migrate: bool = True) -> None:
@@ -121,6 +130,8 @@ class Manager:
         manager is refused: AnotherManager), else stand by until it is (`wait_leading`)."""
         if self.settings.effective_database_url.startswith("sqlite"):
             self.settings.data_dir.mkdir(parents=True, exist_ok=True)
+        for line in self.settings.deprecations:
+            log.warning("deprecated setting", detail=line)
         await offloop.warm()  # worker threads started now, not while serving (service/offloop.py)
         self.leadership.lock_sqlite()
         # from now on every write checks the lease (a Manager that is never started, the CLI's
@@ -168,6 +179,21 @@ class Manager:
     def acting(self) -> bool:
         """Leading with the world loaded: the edges serve clients (else they send them to the leader)."""
         return self.leadership.leading and self._loaded
+
+    @property
+    def serves_clients(self) -> bool:
+        """Takes agent streams and layout watches now: alone (SQLite), once it leads with its world
+        loaded; sharing PostgreSQL, every manager once its ingest is up, until it stops or loses
+        its lease."""
+        if self.fleet is None:
+            return self.acting
+        return self.fleet.ready and not self.jobs.stopping and not self.leadership.lost.is_set()
+
+    def serving(self) -> tuple[bool, bool]:
+        """(clients, leader): whether it takes agent streams and layout watches now and is in
+        touch with the store; whether it leads with its world loaded (plans, applies the outbox,
+        takes operators' writes). What gRPC health and /readyz report."""
+        return self.serves_clients and self.leadership.in_touch(), self.acting and not self.jobs.stopping
 
     @property
     def role(self) -> str:
@@ -249,6 +275,13 @@ class Manager:
         self.kernel.world = await load_world(s, self.settings.power_base_cap, self.liveness.quiet_until)
         await self.breaker.load(s)
         await self.failslow.load(s)
+
+    async def settled(self) -> None:
+        """What this manager's agents and workers were told is durable is applied to the leader's
+        world: at once alone (SQLite: an ack means applied); sharing PostgreSQL, once the leader's
+        consumer has applied the outbox up to now (on the leader; NotLeader elsewhere)."""
+        if self.fleet is not None:
+            await self.fleet.settled()
 
     async def begin_shutdown(self) -> None:
         """Stop taking work: readiness off, agent streams and layout watches end."""
@@ -352,10 +385,7 @@ class Manager:
         self.agents.disconnect(session)
 
     def heartbeat(self, node: str, gpus: Any = ()) -> None:
-        self.agents.heartbeat(node)
-        rec = self.kernel.world.nodes.get(node)
-        if rec is not None and gpus:
-            self.telemetry.record(node, rec.gpus, gpus, self.clock.now().timestamp())
+        self.local_agents.heartbeat(node, gpus)
 
     def apply_report(self, node: str, seq: int, gpus: list[GpuReport]) -> asyncio.Future[int]:
         """A report on its way into the next group commit (service/agents.py): await it for the
@@ -443,8 +473,7 @@ class Manager:
         return await self.restores.record(job, worker, epoch, version, report)
 
     async def record_steps(self, job: str, worker_id: str, report: Any) -> None:
-        rec, samples = await self.jobs.record_steps(job, worker_id, report)
-        self.failslow.offer(job, rec, samples)  # the fail-slow detector's steps (service/failslow.py)
+        await self.local_watches.report_steps(job, worker_id, report)
 
     def step_summary(self, job: str, recent: int) -> dict[str, Any]:
         return self.jobs.step_summary(job, recent)

@@ -16,25 +16,30 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractAsyncContextManager
+from typing import Any
 
 import structlog
 from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from ntp_manager.auth import SCOPES, Principal, StoredToken, hash_token, new_token
+from ntp_manager.auth import SCOPES, Principal, StoredToken, TokenTable, hash_token, new_token
+from ntp_manager.clock import Clock
 from ntp_manager.contract import limits
 from ntp_manager.service.errors import InvalidArgument, NotFound
+from ntp_manager.service.kernel import Tx
 from ntp_manager.store.models import TokenRow
-
-if TYPE_CHECKING:
-    from ntp_manager.service.manager import Manager
 
 log = structlog.get_logger("ntp.tokens")
 
 
 class Tokens:
-    def __init__(self, manager: Manager) -> None:
-        self.m = manager
+    """The token table's owner: `table` is what requests are checked against; changes go through
+    `mutation` (the kernel's transaction, fenced like every write)."""
+
+    def __init__(self, sm: async_sessionmaker[AsyncSession], clock: Clock, table: TokenTable,
+                 mutation: Callable[[str], AbstractAsyncContextManager[Tx]], poll_s: float) -> None:
+        self.sm, self.clock, self.table, self.mutation, self.poll_s = sm, clock, table, mutation, poll_s
         self._marker: tuple[Any, ...] | None = None
         self._watchers: dict[str, dict[int, Callable[[], None]]] = {}
         self._next = 0
@@ -58,8 +63,8 @@ class Tokens:
         if scope != "agent" and (node is not None or fingerprint is not None):
             raise InvalidArgument("node: only agent tokens are bound to a node or a certificate")
         public_id, token = new_token()
-        now = self.m.clock.now()
-        async with self.m.mutation(actor) as mut:
+        now = self.clock.now()
+        async with self.mutation(actor) as mut:
             mut.session.add(TokenRow(public_id=public_id, name=name, scope=scope, token_hash=hash_token(token),
                                      created_at=now, node=node, fingerprint=fingerprint))
             mut.audit(now, "token.create", public_id,
@@ -76,9 +81,9 @@ class Tokens:
             raise InvalidArgument(str(e)) from None
         if len(set(nodes)) != len(nodes):
             raise InvalidArgument("nodes: a node is named twice")
-        now = self.m.clock.now()
+        now = self.clock.now()
         made: dict[str, str] = {}
-        async with self.m.mutation(actor) as mut:
+        async with self.mutation(actor) as mut:
             for n in nodes:
                 public_id, token = new_token()
                 mut.session.add(TokenRow(public_id=public_id, name=f"agent-{n}", scope="agent",
@@ -90,17 +95,17 @@ class Tokens:
 
     async def revoke(self, public_id: str, actor: str) -> None:
         """Revoke a token (NotFound when there is none with this id); its open streams end."""
-        async with self.m.mutation(actor) as mut:
+        async with self.mutation(actor) as mut:
             row = (await mut.session.scalars(select(TokenRow).where(TokenRow.public_id == public_id))).first()
             if row is None:
                 raise NotFound(f"no token with id {public_id!r}")
             if row.revoked_at is None:
-                row.revoked_at = self.m.clock.now()
-                mut.audit(self.m.clock.now(), "token.revoke", public_id, before={"name": row.name, "scope": row.scope})
+                row.revoked_at = self.clock.now()
+                mut.audit(self.clock.now(), "token.revoke", public_id, before={"name": row.name, "scope": row.scope})
         await self.reload()
 
     async def list(self) -> list[dict[str, Any]]:
-        async with self.m.sm() as s:
+        async with self.sm() as s:
             rows = (await s.scalars(select(TokenRow).order_by(TokenRow.id))).all()
         return [
             {"id": r.public_id, "name": r.name, "scope": r.scope, "created_at": r.created_at.isoformat(),
@@ -112,10 +117,10 @@ class Tokens:
     async def reload(self) -> None:
         cols = (TokenRow.public_id, TokenRow.token_hash, TokenRow.name, TokenRow.scope, TokenRow.node,
                 TokenRow.fingerprint)
-        async with self.m.sm() as s:
+        async with self.sm() as s:
             marker = await self._read_marker(s)
             rows = (await s.execute(select(*cols).where(TokenRow.revoked_at.is_(None)))).all()
-        gone = self.m.tokens.replace([
+        gone = self.table.replace([
             StoredToken(pid, h, Principal(name, scope, pid, node, fp)) for pid, h, name, scope, node, fp in rows
         ])
         self._marker = marker
@@ -128,7 +133,7 @@ class Tokens:
 
     async def poll_once(self) -> bool:
         """Reload when the table changed since the last look; True when it did."""
-        async with self.m.sm() as s:
+        async with self.sm() as s:
             marker = await self._read_marker(s)
         if marker == self._marker:
             return False
@@ -137,7 +142,7 @@ class Tokens:
 
     async def poll_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.m.settings.token_poll_s)
+            await asyncio.sleep(self.poll_s)
             try:
                 await self.poll_once()
             except Exception:  # a store hiccup; the next poll tries again

@@ -128,6 +128,12 @@ async def read_after(conn: AsyncConnection | AsyncSession, after: int, limit: in
             for r in rows]
 
 
+async def head(conn: AsyncConnection | AsyncSession) -> int:
+    """The newest row's sequence number (0 for an empty outbox)."""
+    v = (await conn.execute(select(func.max(OutboxRow.seq)))).scalar_one_or_none()
+    return int(v or 0)
+
+
 async def last_applied(conn: AsyncConnection | AsyncSession, consumer: str = LEADER) -> int:
     """The last sequence number `consumer` applied (0: none yet)."""
     v = (await conn.execute(select(OutboxStateRow.last_seq).where(OutboxStateRow.consumer == consumer))

@@ -1,6 +1,6 @@
 """Fleet mode (issue 30) set-up shared by the fleet tests (test_fleet.py, test_fleet_watch.py):
 a fresh PostgreSQL database with tokens and the write log, real `ntp-manager serve` processes with
-`NTP_FLEET_INGEST=1` (`fleet`, `started`), agents on chosen managers (`agents_on`), and the outbox
+PostgreSQL (`fleet`, `started`), agents on chosen managers (`agents_on`), and the outbox
 counters each test checks.
 """
 
@@ -21,7 +21,7 @@ from tests.fakes.partition import Partition
 from tests.integration.test_ha import LEASE, cluster, eventually, get, make_agent
 
 # balance off unless a test turns it on: the tests place their clients on chosen managers
-FLEET = {**LEASE, "NTP_FLEET_INGEST": "1", "NTP_FLEET_POLL_S": "0.2", "NTP_FLEET_BALANCE_S": "0"}
+FLEET = {**LEASE, "NTP_FLEET_POLL_S": "0.2", "NTP_FLEET_BALANCE_S": "0"}
 LEADER_TABLES = (*write_log.TABLES, "outbox_state", "outbox_quarantine", "agent_commands")
 
 

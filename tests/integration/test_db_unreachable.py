@@ -44,20 +44,20 @@ def test_which_errors_say_the_database_is_out_of_reach(exc: BaseException, unava
         assert got.grpc_code == "UNAVAILABLE" and got.http_status == 503 and "SELECT" not in got.message
 
 
-def failing(monkeypatch: pytest.MonkeyPatch, svc: Service, method: str) -> list[BaseException]:
-    """Make the manager's `method` raise what the returned list holds (a dropped connection first)."""
+def failing(monkeypatch: pytest.MonkeyPatch, target: Any, method: str) -> list[BaseException]:
+    """Make `target`'s `method` raise what the returned list holds (a dropped connection first)."""
     raised: list[BaseException] = [dropped()]
 
     async def fail(*_: Any, **__: Any) -> Any:
         raise raised[0]
 
-    monkeypatch.setattr(svc.manager, method, fail)
+    monkeypatch.setattr(target, method, fail)
     return raised
 
 
 async def test_rest_answers_503_for_a_dropped_connection_and_500_for_a_bug(
         sqlite_service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
-    raised = failing(monkeypatch, sqlite_service, "list_tokens")
+    raised = failing(monkeypatch, sqlite_service.manager, "list_tokens")
     async with sqlite_service.client("admin") as c:
         r = await c.get("/v1/tokens")
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
@@ -69,7 +69,7 @@ async def test_rest_answers_503_for_a_dropped_connection_and_500_for_a_bug(
 
 async def test_grpc_answers_unavailable_for_a_dropped_connection_and_internal_for_a_bug(
         sqlite_service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
-    raised = failing(monkeypatch, sqlite_service, "record_steps")
+    raised = failing(monkeypatch, sqlite_service.manager.watch_door, "report_steps")
     md = (("authorization", f"Bearer {sqlite_service.tokens['worker']}"),)
     async with grpc.aio.insecure_channel(sqlite_service.grpc) as ch:
         stub = worker_pb2_grpc.WorkerServiceStub(ch)  # type: ignore[no-untyped-call]

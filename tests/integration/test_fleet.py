@@ -1,5 +1,5 @@
 """Fleet mode (issue 30) on a real PostgreSQL: real `ntp-manager serve` processes with
-`NTP_FLEET_INGEST=1`, real agents (fake GPU backend) over gRPC on loopback.
+PostgreSQL, real agents (fake GPU backend) over gRPC on loopback.
 
 - A report a standby acknowledged is applied by the leader (and replans the job there).
 - A leader change moves only the planner role: the agents' streams on the standby stay (no
@@ -417,7 +417,7 @@ async def test_agent_commands_older_than_the_retention_are_pruned_by_the_leader_
 
     async with database("postgres", tmp_path) as url:
         await prepare(url)
-        m = Manager(Settings(database_url=url, fleet_ingest=True, fleet_command_retention_s=60))
+        m = Manager(Settings(database_url=url, fleet_command_retention_s=60))
         try:
             now = datetime.now(UTC)
             async with m.sm() as s, s.begin():

@@ -50,7 +50,7 @@ async def _head(m: Manager) -> int:
 async def test_rows_appended_one_transaction_at_a_time_are_applied_many_to_a_transaction(
         tmp_path: Path, window_ms: float) -> None:
     async with database("postgres", tmp_path) as url:
-        m = Manager(Settings(database_url=url, fleet_ingest=True, fleet_apply_window_ms=window_ms,
+        m = Manager(Settings(database_url=url, fleet_apply_window_ms=window_ms,
                              fleet_poll_s=0.05))
         try:
             await m.start()
@@ -130,8 +130,8 @@ async def test_applied_rows_older_than_the_retention_are_pruned_by_the_leader_on
     from ntp_manager.service.leader import NotLeader
 
     async with database("postgres", tmp_path) as url:
-        m = Manager(Settings(database_url=url, fleet_ingest=True, fleet_outbox_retention_s=600, fleet_poll_s=0.05))
-        other = Manager(Settings(database_url=url, fleet_ingest=True))
+        m = Manager(Settings(database_url=url, fleet_outbox_retention_s=600, fleet_poll_s=0.05))
+        other = Manager(Settings(database_url=url))
         try:
             await m.start()
             await m.wait_leading()

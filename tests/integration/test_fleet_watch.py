@@ -1,5 +1,5 @@
-"""Fleet mode (issue 30): workers on every manager. Real `ntp-manager serve` processes with
-`NTP_FLEET_INGEST=1` on a real PostgreSQL, real agents (fake GPU backend) and real workers'
+"""Fleet mode (issue 30): workers on every manager. Real `ntp-manager serve` processes
+on a real PostgreSQL, real agents (fake GPU backend) and real workers'
 layout watches (`GrpcLayoutSource`) over gRPC on loopback.
 
 - A worker's layout watch on a standby gets the leader's layouts (NOTIFY ntp_layouts, read from
@@ -192,7 +192,7 @@ async def test_a_manager_over_its_share_tells_clients_to_move(tmp_path: Path) ->
 async def test_a_standby_reads_a_new_layout_when_the_leader_notifies_it(tmp_path: Path) -> None:
     async with database("postgres", tmp_path) as url:
         # a poll every 10 s: a layout read before then came with a notification
-        kw: dict[str, Any] = {"fleet_ingest": True, "fleet_poll_s": 10.0, "fleet_balance_s": 0,
+        kw: dict[str, Any] = {"fleet_poll_s": 10.0, "fleet_balance_s": 0,
                               "lease_ttl_s": 6.0, "lease_renew_s": 0.5, "takeover_grace_s": 0.0}
         a = Manager(Settings(data_dir=tmp_path / "a", database_url=url, leader_id="a", **kw))
         await a.start()
@@ -256,7 +256,7 @@ async def test_a_leader_behind_on_the_outbox_is_sent_no_clients_until_it_catches
     publishes that backlog in `fleet_members`, and a standby over its share moves nothing to it;
     once the consumer has applied them, the standby's next pass moves agents there."""
     async with database("postgres", tmp_path) as url:
-        kw: dict[str, Any] = {"fleet_ingest": True, "fleet_poll_s": 0.2, "fleet_balance_s": 0,
+        kw: dict[str, Any] = {"fleet_poll_s": 0.2, "fleet_balance_s": 0,
                               "fleet_balance_busy_rows": 10, "lease_ttl_s": 6.0, "lease_renew_s": 0.5,
                               "takeover_grace_s": 0.0}
         a = Manager(Settings(data_dir=tmp_path / "a", database_url=url, leader_id="a", **kw))

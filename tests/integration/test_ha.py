@@ -161,13 +161,17 @@ async def check_reports(pg: str, agent: Agent) -> None:
     """Nothing lost, nothing applied twice: no report seq of the agent's node applied twice to a GPU,
     every GPU of the node failed by a report, and the node's stored seq is exactly what the agent
     had acknowledged."""
-    conn = await asyncpg.connect(pg)
-    try:
-        events = await conn.fetch("SELECT gpu_uuid, seq, old_state, new_state FROM health_events "
-                                  "WHERE node = $1 AND source = 'agent' ORDER BY id", agent.cfg.node)
-        last_seq = await conn.fetchval("SELECT last_seq FROM nodes WHERE name = $1", agent.cfg.node)
-    finally:
-        await conn.close()
+    for _ in range(100):  # a report acknowledged after the caller's check is applied within moments
+        conn = await asyncpg.connect(pg)
+        try:
+            events = await conn.fetch("SELECT gpu_uuid, seq, old_state, new_state FROM health_events "
+                                      "WHERE node = $1 AND source = 'agent' ORDER BY id", agent.cfg.node)
+            last_seq = await conn.fetchval("SELECT last_seq FROM nodes WHERE name = $1", agent.cfg.node)
+        finally:
+            await conn.close()
+        if last_seq == agent.last_acked:
+            break
+        await asyncio.sleep(0.1)
     applied = [(e["gpu_uuid"], e["seq"]) for e in events]
     assert len(applied) == len(set(applied)), events
     assert {e["gpu_uuid"] for e in events if e["new_state"] == "failed"} == {g.uuid for g in agent.statics}

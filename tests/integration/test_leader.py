@@ -24,7 +24,7 @@ from sqlalchemy.exc import DBAPIError
 
 from ntp_manager.api.app import create_app
 from ntp_manager.contract.gpu import GpuState
-from ntp_manager.contract.proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
+from ntp_manager.contract.proto.ntp.v1 import worker_pb2, worker_pb2_grpc
 from ntp_manager.rpc import server as rpc_server
 from ntp_manager.rpc.server import HEALTH_SERVICES, RpcServer
 from ntp_manager.service import leader as leader_mod
@@ -67,11 +67,9 @@ async def lease_row(m: Manager) -> tuple[int, str]:
         return row.epoch, row.holder
 
 
-async def watch_refusal(addr: str, worker_token: str, unreachable: str = "") -> grpc.aio.AioRpcError:
-    """The error a layout watch for job "j" on the manager at `addr` ends with (`unreachable`: the
-    leader the client says it could not reach)."""
-    md = (("authorization", f"Bearer {worker_token}"),) + ((("ntp-leader-unreachable", unreachable),)
-                                                           if unreachable else ())
+async def watch_refusal(addr: str, worker_token: str) -> grpc.aio.AioRpcError:
+    """The error a layout watch for job "j" on the manager at `addr` ends with."""
+    md = (("authorization", f"Bearer {worker_token}"),)
     async with grpc.aio.insecure_channel(addr) as ch:
         stub = worker_pb2_grpc.WorkerServiceStub(ch)  # type: ignore[no-untyped-call]
         call = stub.WatchLayout(worker_pb2.WatchLayoutRequest(job="j", worker_id="w"), metadata=md)
@@ -439,18 +437,20 @@ async def serving(s: Settings) -> AsyncIterator[tuple[Manager, str, str]]:
 
 
 @contextlib.asynccontextmanager
-async def leader_behind_proxy(tmp_path: Path) -> AsyncIterator[
+async def behind_proxy(tmp_path: Path, proxied: str = "a") -> AsyncIterator[
         tuple[Partition, tuple[Manager, str, str], tuple[Manager, str, str]]]:
     """Two served managers on one PostgreSQL database with a short lease (2 s, renewed every 0.4 s):
-    `a`, started first and so the leader, reaches the database through a proxy the test can cut;
-    the standby `b` directly. Yields the proxy and each manager with its REST and gRPC addresses."""
+    `a`, started first and so the leader, and the standby `b`; the one named `proxied` reaches the
+    database through a proxy the test can cut, the other directly. Yields the proxy and each
+    manager with its REST and gRPC addresses."""
     async with pg_url(tmp_path) as url:
         proxy = Partition.to(url)
         await proxy.start()
         fast = {"lease_ttl_s": 2.0, "lease_renew_s": 0.4}
+        via = {name: proxy.url(url) if name == proxied else url for name in "ab"}
         try:
-            async with serving(settings(tmp_path, proxy.url(url), "a", **fast)) as a, \
-                    serving(settings(tmp_path, url, "b", **fast)) as b:
+            async with serving(settings(tmp_path, via["a"], "a", **fast)) as a, \
+                    serving(settings(tmp_path, via["b"], "b", **fast)) as b:
                 try:
                     yield proxy, a, b
                 finally:
@@ -471,10 +471,27 @@ async def health_of(addr: str) -> dict[str, int]:
                 for svc in HEALTH_SERVICES}
 
 
+CLIENT_SERVICES = ("", rpc_server.AGENT_SERVICE, rpc_server.WORKER_SERVICE)
+STANDBY = {**{svc: SERVING for svc in CLIENT_SERVICES}, rpc_server.LEADER_SERVICE: NOT_SERVING}
+
+
+async def health_becomes(addr: str, want: dict[str, int], within_s: float = 10.0) -> None:
+    """Health at `addr` reaches `want` (it follows the manager's state within a poll period)."""
+    seen: dict[str, int] = {}
+    for _ in range(int(within_s / 0.1)):
+        seen = await health_of(addr)
+        if seen == want:
+            return
+        await asyncio.sleep(0.1)
+    assert seen == want
+
+
 @needs_pg
-async def test_a_standby_sends_rest_and_grpc_clients_to_the_leader(tmp_path: Path) -> None:
-    """REST and gRPC clients of a standby are sent to the leader; gRPC health says which one leads
-    and follows a takeover."""
+async def test_a_standby_serves_clients_and_says_so(tmp_path: Path) -> None:
+    """Every manager on PostgreSQL takes agents and watches, and its health says so: gRPC health
+    SERVING for the agent and worker services (and the server) on leader and standby alike,
+    `ntp.v1.Leader` on the leader only, following a takeover; /readyz 200 on both, /readyz?part=leader
+    only on the leader. Operators' REST calls to a standby still go to the leader."""
     async with pg_url(tmp_path) as url, serving(settings(tmp_path, url, "a")) as (a, a_http, a_grpc):
         token = await a.create_token("op", "operator")
         worker = await a.create_token("w", "worker")
@@ -484,8 +501,12 @@ async def test_a_standby_sends_rest_and_grpc_clients_to_the_leader(tmp_path: Pat
             async with httpx.AsyncClient(base_url=f"http://{b_http}", timeout=10) as c:
                 health, ready = (await c.get("/healthz")), (await c.get("/readyz"))
                 assert (health.status_code, health.json()["role"]) == (200, "standby")
-                assert (ready.status_code, ready.json()["role"]) == (503, "standby")
+                assert ready.status_code == 200, ready.text
+                assert ready.json()["role"] == "standby" and ready.json()["serves"] == ["clients"]
                 assert ready.json()["leader"] == {"epoch": a.epoch, "holder": "a", "http": a_http, "grpc": a_grpc}
+                lead = await c.get("/readyz", params={"part": "leader"})
+                assert (lead.status_code, lead.json()["ready"]) == (503, False)
+                assert (await c.get("/readyz", params={"part": "everything"})).status_code == 422
                 r = await c.get("/v1/gpus?limit=5", headers=hdr)  # a read: redirected, query kept
                 assert r.status_code == 307 and r.headers["location"] == f"http://{a_http}/v1/gpus?limit=5"
                 r = await c.post("/v1/jobs", json={"name": "j", "tp": 1, "replicas": 1, "local_batch": 1,
@@ -493,18 +514,20 @@ async def test_a_standby_sends_rest_and_grpc_clients_to_the_leader(tmp_path: Pat
                 assert r.status_code == 503 and r.headers["x-ntp-leader"] == f"http://{a_http}"
                 assert r.json()["leader"]["http"] == a_http and "standby" in r.json()["detail"]
             async with httpx.AsyncClient(base_url=f"http://{a_http}", timeout=10) as c:
-                assert (await c.get("/readyz")).json() == {"ready": True, "role": "leader", "epoch": a.epoch}
+                ready = (await c.get("/readyz")).json()
+                assert (ready["ready"], ready["role"], ready["serves"]) == (True, "leader", ["clients", "leader"])
+                assert (await c.get("/readyz", params={"part": "leader"})).status_code == 200
                 assert (await c.get("/v1/status", headers=hdr)).status_code == 200
+            # the standby answers the watch itself (no such job), not by sending it to the leader
             err = await watch_refusal(b_grpc, worker)
-            assert err.code() == grpc.StatusCode.UNAVAILABLE and "the leader is a" in err.details()
-            assert ("ntp-leader", a_grpc) in tuple(err.trailing_metadata() or ())
-            # gRPC health (grpc.health.v1) finds the leader: SERVING there, NOT_SERVING on the standby
-            assert await health_of(a_grpc) == {svc: SERVING for svc in HEALTH_SERVICES}
-            assert await health_of(b_grpc) == {svc: NOT_SERVING for svc in HEALTH_SERVICES}
+            assert err.code() == grpc.StatusCode.NOT_FOUND, err.details()
+            await health_becomes(a_grpc, {svc: SERVING for svc in HEALTH_SERVICES})
+            await health_becomes(b_grpc, STANDBY)
             async with grpc.aio.insecure_channel(b_grpc) as ch:
-                watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""))
+                watch = health_pb2_grpc.HealthStub(ch).Watch(
+                    health_pb2.HealthCheckRequest(service=rpc_server.LEADER_SERVICE))
                 assert (await watch.read()).status == NOT_SERVING
-                # the leader goes: the standby takes over and serves (the token is in the database)
+                # the leader goes: the standby takes over and adds the leader's part
                 await a.stop()
                 await asyncio.wait_for(b.wait_leading(), 10)
                 assert (await asyncio.wait_for(watch.read(), 10)).status == SERVING  # flipped on takeover
@@ -513,6 +536,25 @@ async def test_a_standby_sends_rest_and_grpc_clients_to_the_leader(tmp_path: Pat
             async with httpx.AsyncClient(base_url=f"http://{b_http}", timeout=10) as c:
                 assert (await c.get("/readyz")).json()["role"] == "leader"
                 assert (await c.get("/v1/status", headers=hdr)).json()["leader_epoch"] == a.epoch + 1
+
+
+@needs_pg
+async def test_a_standby_cut_off_from_the_store_stops_serving_clients(tmp_path: Path) -> None:
+    """A standby that cannot reach PostgreSQL for a lease says NOT_SERVING for the agent and worker
+    services and 503 on /readyz (a load balancer stops sending it clients); once the store is back
+    it serves again. The leader is not affected."""
+    async with behind_proxy(tmp_path, proxied="b") as (proxy, (a, _, a_grpc), (b, b_http, b_grpc)):
+        assert a.leading and not b.leading
+        await health_becomes(b_grpc, STANDBY)
+        proxy.cut()
+        await health_becomes(b_grpc, {svc: NOT_SERVING for svc in HEALTH_SERVICES})
+        async with httpx.AsyncClient(base_url=f"http://{b_http}", timeout=10) as c:
+            r = await c.get("/readyz")
+            assert r.status_code == 503 and "out of touch" in r.json()["detail"]
+        assert await health_of(a_grpc) == {svc: SERVING for svc in HEALTH_SERVICES}
+        proxy.heal()
+        await health_becomes(b_grpc, STANDBY)
+        assert not b.leading and a.leading
 
 
 @pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=needs_pg)])
@@ -551,102 +593,3 @@ async def test_a_new_leader_gives_agents_the_grace_to_reconnect(kind: str, tmp_p
             assert {h[f"G1-{i}"] for i in range(4)} == {GpuState.FAILED}
         finally:
             await b.stop()
-
-
-@needs_pg
-async def test_a_standby_holds_calls_while_a_takeover_is_due(tmp_path: Path) -> None:
-    """The leader stops renewing (cut off from the database): a call that reaches the standby then
-    is held until the standby has taken over and is served there, instead of being sent back to
-    the leader that is gone (its client would bounce and back off)."""
-    async with leader_behind_proxy(tmp_path) as (proxy, (a, _, _), (b, _, b_grpc)):
-        worker = await a.create_token("w", "worker")
-        assert a.leading and b.leadership.takeover_due_in() is None  # a renews: nothing held
-        proxy.cut()
-        for _ in range(200):
-            if b.leadership.takeover_due_in() is not None:
-                break
-            await asyncio.sleep(0.05)
-        assert not b.leading and b.leadership.takeover_due_in() is not None
-        err = await watch_refusal(b_grpc, worker)
-        # answered by b as the leader (no such job), not sent away to a
-        assert err.code() == grpc.StatusCode.NOT_FOUND, err.details()
-        assert b.leading and a.lost.is_set()
-
-
-@needs_pg
-async def test_a_standby_holds_a_call_whose_client_found_the_leader_unreachable(tmp_path: Path) -> None:
-    """A client that could not reach the leader (killed) comes to the standby before the standby can
-    know the leader is gone (its lease still runs): the call is held from then on and served once
-    the standby has taken over, instead of being sent back to the dead leader. While the leader is
-    alive, such a call is sent to it once the standby has seen it renew."""
-    async with leader_behind_proxy(tmp_path) as (proxy, (a, _, a_grpc), (b, _, b_grpc)):
-        worker = await a.create_token("w", "worker")
-        # the leader is alive: held until renewals are seen (a few reads of the lease), then sent there
-        err = await asyncio.wait_for(watch_refusal(b_grpc, worker, unreachable=a_grpc), 10)
-        assert err.code() == grpc.StatusCode.UNAVAILABLE
-        assert dict(err.trailing_metadata() or ()).get("ntp-leader") == a_grpc
-        # the leader is cut off right after the call came, while its lease still runs
-        assert b.leadership.takeover_due_in() is None
-        call = asyncio.ensure_future(watch_refusal(b_grpc, worker, unreachable=a_grpc))
-        await asyncio.sleep(0.2)
-        assert not call.done()  # held, not sent to the leader
-        proxy.cut()
-        err = await asyncio.wait_for(call, 30)
-        # answered by b as the leader (no such job), not sent away to a
-        assert err.code() == grpc.StatusCode.NOT_FOUND, err.details()
-        assert b.leading
-
-
-async def agent_call(addr: str, token: str, node: str, md: tuple[tuple[str, str], ...],
-                     report: bool, times: dict[str, float]) -> None:
-    """An agent's stream to `addr`: hello; with `report`, one report (GPU 0 failed) after the welcome.
-    `times` gets when the welcome and the first ack came."""
-    out: asyncio.Queue[Any] = asyncio.Queue()
-    out.put_nowait(agent_pb2.AgentMessage(hello=agent_pb2.Hello(
-        node=node, domain=f"d-{node}", boot_id="b", agent_version="t", next_seq=2 if report else 1,
-        gpus=[common_pb2.GpuInfo(uuid=f"G-{node}-{i}", index=i, power=common_pb2.PowerConstraints(
-            min_mw=200_000, max_mw=1_300_000, default_mw=1_000_000)) for i in range(2)])))
-
-    async def requests() -> AsyncIterator[agent_pb2.AgentMessage]:
-        while True:
-            yield await out.get()
-
-    loop = asyncio.get_running_loop()
-    async with grpc.aio.insecure_channel(addr) as ch:
-        stub = agent_pb2_grpc.AgentServiceStub(ch)  # type: ignore[no-untyped-call]
-        async for msg in stub.Connect(requests(), metadata=(("authorization", f"Bearer {token}"), *md)):
-            kind = msg.WhichOneof("body")
-            if kind == "welcome":
-                times["welcome"] = loop.time()
-                if report:
-                    out.put_nowait(agent_pb2.AgentMessage(report=agent_pb2.HealthReport(seq=1, gpus=[
-                        agent_pb2.GpuHealth(uuid=f"G-{node}-0", state=common_pb2.GPU_STATE_FAILED)])))
-                else:
-                    return
-            elif kind == "ack":
-                times["ack"] = loop.time()
-                return
-
-
-@needs_pg
-async def test_a_takeover_serves_the_agents_with_news_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The standby holds the fleet's calls and a takeover releases them at once; an agent that holds
-    a report no manager acknowledged (metadata ntp-pending-reports: a GPU failed while there was
-    no leader) is served first: its report is acknowledged before any other held agent is welcomed."""
-    monkeypatch.setattr(rpc_server, "HEAD_START_MAX_S", 60.0)  # the order, not the cap, is under test
-    async with leader_behind_proxy(tmp_path) as (proxy, (a, _, a_grpc), (b, _, b_grpc)):
-        nodes = [f"n{i}" for i in range(30)]
-        tokens = await a.token_service.create_agents(nodes, "test")
-        proxy.cut()  # the leader is gone; its agents come to the standby
-        gone = (("ntp-leader-unreachable", a_grpc),)
-        times: dict[str, dict[str, float]] = {n: {} for n in nodes}
-        calls = [asyncio.ensure_future(agent_call(b_grpc, tokens[n], n, gone, False, times[n]))
-                 for n in nodes[1:]]
-        await asyncio.sleep(0.1)  # the news comes last of all
-        calls.append(asyncio.ensure_future(agent_call(
-            b_grpc, tokens["n0"], "n0", (*gone, ("ntp-pending-reports", "1")), True, times["n0"])))
-        await asyncio.wait_for(asyncio.gather(*calls), 60)
-        assert b.leading
-        others = min(times[n]["welcome"] for n in nodes[1:])
-        assert times["n0"]["ack"] < others, (times["n0"], others)
-        assert b.world.gpus["G-n0-0"].health == GpuState.FAILED

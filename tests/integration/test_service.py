@@ -26,6 +26,7 @@ async def start_agents(svc: Service, domains: int = 2, per_node: int = 4) -> lis
         await a.connect()
         await a.wait_for(lambda a=a: a.welcome is not None)
         agents.append(a)
+    await svc.manager.settled()  # acks say durable; the leader's world has them once applied
     return agents
 
 
@@ -187,6 +188,7 @@ async def test_malformed_agent_input_is_rejected_without_side_effects(service: S
     await agent3.report({"GPU-node-0-0": "degraded"}, seq=1)
     await agent3.report({"GPU-node-0-0": "degraded"}, seq=1)
     assert agent3.acks == [1, 1]
+    await service.manager.settled()
     assert await count(service, HealthEventRow) == events_before + 1
     # an operator state may not come from an agent
     await agent3.report({"GPU-node-0-1": "cordoned"}, seq=2, wait=False)
@@ -225,10 +227,12 @@ async def test_cordon_is_never_undone_by_automation(service: Service):
         # the agent says the GPU is healthy: evidence changes health, never the cordon
         await agents[0].report({uuid: "failed"})
         await agents[0].report({uuid: "healthy"})
+        await service.manager.settled()
         g = (await c.get(f"/v1/gpus/{uuid}")).json()
         assert g["state"] == "cordoned" and g["admin_reason"] == "flaky fan" and g["health"] == "healthy"
         # mark-healthy neither: it clears a health verdict, not a cordon
         await agents[0].report({uuid: "failed"})
+        await service.manager.settled()
         r = await c.post(f"/v1/gpus/{uuid}/mark-healthy", json={"reason": "replaced DIMM"})
         assert r.status_code == 200 and r.json()["state"] == "cordoned"
         r = await c.post(f"/v1/gpus/{uuid}/uncordon", json={"reason": "fan fixed"})

@@ -3,6 +3,8 @@ is audited, and a re-hello with a new inventory changes memory as well as the st
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 from sqlalchemy import select
 
@@ -44,6 +46,7 @@ async def test_a_token_for_one_node_cannot_speak_for_another(service: Service) -
     assert denied[0].after["token"] == thief_token.split("_")[1] and denied[0].after["token_node"] == "node-2"
     # the victim's own stream is untouched: its reports still land
     await victim.report({"GPU-node-1-0": "degraded"})
+    await svc.manager.settled()
     assert svc.manager.world.gpus["GPU-node-1-0"].health == "degraded"
     await victim.close()
 
@@ -66,6 +69,7 @@ async def test_every_rehello_is_audited_and_a_new_inventory_reaches_memory(servi
     await a.connect()
     await a.wait_for(lambda: a.welcome is not None)
     await a.close()
+    await svc.manager.settled()
     assert len(await _audit(svc, "node.register")) == 1
     assert await _audit(svc, "node.rehello") == []
 
@@ -82,6 +86,7 @@ async def test_every_rehello_is_audited_and_a_new_inventory_reaches_memory(servi
     b = ScriptedAgent(svc.grpc, token, "node-0", "nvl-0", [])
     await b.connect(hello)
     await b.wait_for(lambda: b.welcome is not None)
+    await svc.manager.settled()
     rehello = await _audit(svc, "node.rehello")
     assert len(rehello) == 1
     assert rehello[0].before["boot_id"] == "boot-1" and rehello[0].after["boot_id"] == "boot-2"
@@ -119,18 +124,19 @@ async def test_a_report_that_fails_inside_the_manager_ends_its_stream_with_inter
     a = ScriptedAgent(svc.grpc, svc.tokens["agent"], "node-0", "nvl-0", gpu_uuids("node-0", 2))
     await a.connect()
     await a.wait_for(lambda: a.welcome is not None)
-    original = svc.manager.apply_report
+    door = svc.manager.agent_door
+    original = door.report
 
     async def broken(*args, **kw):  # type: ignore[no-untyped-def]
         raise RuntimeError('(psycopg) INSERT INTO "health_events" VALUES (...) -- secret detail')
 
-    svc.manager.apply_report = broken  # type: ignore[method-assign]
+    door.report = lambda *a, **kw: asyncio.ensure_future(broken())  # type: ignore[method-assign]
     try:
         await a.send(agent_pb2.AgentMessage(report=agent_pb2.HealthReport(seq=1, gpus=[
             agent_pb2.GpuHealth(uuid="GPU-node-0-0", state=common_pb2.GPU_STATE_FAILED)])))
         await a.wait_for(lambda: a.error is not None)
     finally:
-        svc.manager.apply_report = original  # type: ignore[method-assign]
+        door.report = original  # type: ignore[method-assign]
     assert a.error is not None and a.error.code() == grpc.StatusCode.INTERNAL
     assert "INSERT" not in a.error.details() and "secret" not in a.error.details()
     assert a.acks == []

@@ -79,6 +79,7 @@ async def registered(service: Service) -> Service:
     await a.connect()
     await a.wait_for(lambda: a.welcome is not None)
     await a.close()
+    await service.manager.settled()
     return service
 
 
@@ -332,11 +333,12 @@ async def test_error_text_in_grpc_trailers_is_capped(sqlite_service: Service) ->
 
     svc = sqlite_service
 
-    def long_error(*a: Any, **kw: Any) -> Any:
+    async def long_error(*a: Any, **kw: Any) -> Any:
         raise InvalidArgument("stamp: " + "x" * 100_000)
 
-    original = svc.manager.ack_layout
-    svc.manager.ack_layout = long_error  # type: ignore[method-assign]
+    door = svc.manager.watch_door
+    original = door.ack
+    door.ack = long_error  # type: ignore[method-assign]
     try:
         async with grpc.aio.insecure_channel(svc.grpc) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -344,6 +346,6 @@ async def test_error_text_in_grpc_trailers_is_capped(sqlite_service: Service) ->
                     worker_pb2.AckLayoutRequest(job="j", worker_id="w"),
                     metadata=(("authorization", f"Bearer {svc.tokens['worker']}"),), timeout=10)
     finally:
-        svc.manager.ack_layout = original  # type: ignore[method-assign]
+        door.ack = original  # type: ignore[method-assign]
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details().startswith("stamp: xxx") and len(e.value.details()) <= 1000

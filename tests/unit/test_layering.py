@@ -1,8 +1,9 @@
 """Imports point downward (docs/design.md, "Layers") and no module imports itself in a circle.
 
 Read from the source, not from sys.modules, so an import inside a function counts as much as one
-at the top of a module (a lazy import hides a cycle, it does not remove it); imports under
-`if TYPE_CHECKING:` are annotations only and do not count.
+at the top of a module (a lazy import hides a cycle, it does not remove it). Imports under
+`if TYPE_CHECKING:` are annotations only: they do not count for the layers, but they do for
+circles (a module that needs another's types to be read is not a room of its own).
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ def _type_checking(node: ast.If) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def _imported(name: str, path: Path) -> set[str]:
+def _imported(name: str, path: Path, typing: bool = False) -> set[str]:
     """The package's modules that `name` imports (the longest known prefix of each imported name;
-    `from pkg import sub` is an import of pkg.sub, not of pkg's __init__)."""
+    `from pkg import sub` is an import of pkg.sub, not of pkg's __init__); with `typing`, those
+    under `if TYPE_CHECKING:` too."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
 
@@ -53,7 +55,7 @@ def _imported(name: str, path: Path) -> set[str]:
         return n or None
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _type_checking(node):
+        if isinstance(node, ast.If) and _type_checking(node) and not typing:
             for child in node.orelse:
                 visit(child)
             return
@@ -80,6 +82,7 @@ def _imported(name: str, path: Path) -> set[str]:
 
 
 GRAPH = {name: _imported(name, path) for name, path in MODULES.items()}
+TYPED_GRAPH = {name: _imported(name, path, typing=True) for name, path in MODULES.items()}
 
 
 def _under(module: str, prefixes: tuple[str, ...]) -> bool:
@@ -92,12 +95,17 @@ def test_the_graph_is_read() -> None:
     assert "ntp_agent.local" in GRAPH["ntp_manager.demos.demo"]
     assert "ntp_manager.cli.common" in GRAPH["ntp_manager.cli.simulate"]
     assert "ntp_manager.service.manager" in GRAPH["ntp_manager.server"]
+    assert "ntp_manager.service.doors" in GRAPH["ntp_manager.service.manager"]
+    # under TYPE_CHECKING: not a layer's edge, but a circle's
+    assert "ntp_manager.service.fleet" not in GRAPH["ntp_manager.service.doors"]
+    assert "ntp_manager.service.fleet" in TYPED_GRAPH["ntp_manager.service.doors"]
     # the planner's result records sit below both the planner and the moves, so neither imports the other's caller
     assert "ntp_manager.planner.result" in GRAPH["ntp_manager.planner.moves"]
     assert "ntp_manager.planner.plan" not in GRAPH["ntp_manager.planner.moves"]
 
 
-def test_no_import_cycles() -> None:
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -108,7 +116,7 @@ def test_no_import_cycles() -> None:
         index[v] = low[v] = len(index)
         stack.append(v)
         on_stack.add(v)
-        for w in sorted(GRAPH[v]):
+        for w in sorted(graph.get(v, ())):
             if w not in index:
                 connect(w)
                 low[v] = min(low[v], low[w])
@@ -125,10 +133,19 @@ def test_no_import_cycles() -> None:
             if len(comp) > 1:
                 cycles.append(sorted(comp))
 
-    for v in sorted(GRAPH):
+    for v in sorted(graph):
         if v not in index:
             connect(v)
-    assert cycles == []
+    return cycles
+
+
+def test_circles_are_found() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert circles(graph) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles_type_checking_imports_included() -> None:
+    assert circles(TYPED_GRAPH) == []
 
 
 PURE = ("ntp_manager.topology", "ntp_manager.planner", "ntp_manager.detect", "ntp_manager.sim")

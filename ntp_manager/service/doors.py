@@ -1,0 +1,223 @@
+"""The doors the gRPC edge comes in by: what an agent stream and a layout watch ask of a manager.
+
+rpc/server.py speaks to two narrow interfaces, `AgentDoor` and `WatchDoor`, and never asks which
+store or role the manager has. The composition root (service/manager.py) picks the doors once:
+
+- one manager alone (SQLite): `LocalAgents` / `LocalWatches` hand each call to the component that
+  owns it (agents.py's group commit, jobs.py's watchers), in this process;
+- managers sharing PostgreSQL: `FleetAgents` / `FleetWatches` (every manager, standbys included):
+  hellos and reports are checked and stored in the outbox for the leader to apply
+  (service/ingest.py), watches follow the layouts from the database (service/watch.py), and acks
+  and step reports taken by a manager that does not lead are stored for the leader; on the leader
+  they are applied at once, as the local doors do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ntp_manager.auth import Principal
+from ntp_manager.service.agents import Agents, AgentSession
+from ntp_manager.service.errors import InvalidArgument, NotFound
+from ntp_manager.service.inputs import GpuInventory, GpuReport
+from ntp_manager.service.kernel import Kernel
+from ntp_manager.service.restores import RestoreReport, Restores
+from ntp_manager.service.state import LayoutRec
+from ntp_manager.service.telemetry import TelemetryStore
+
+if TYPE_CHECKING:
+    from ntp_manager.service.failslow import FailSlow
+    from ntp_manager.service.fleet import Fleet
+    from ntp_manager.service.jobs import Jobs
+    from ntp_manager.service.watch import Held
+
+
+class AgentDoor(Protocol):
+    """An agent's stream: its hello, heartbeats, reports, power read-backs and its end."""
+
+    async def hello(self, node: str, domain: str, gpus: list[GpuInventory], boot_id: str, agent_version: str,
+                    principal: Principal, fingerprint: str | None, peer: str
+                    ) -> tuple[AgentSession, int, int]:
+        """The session, the last report seq that is durable, and the leader epoch to welcome it with."""
+        ...
+
+    def heartbeat(self, node: str, gpus: Any) -> None: ...
+
+    def report(self, session: AgentSession, seq: int, gpus: list[GpuReport]) -> asyncio.Future[int]:
+        """Resolves to the seq to acknowledge once the report is durable."""
+        ...
+
+    async def power(self, node: str, readings: list[tuple[str, int]]) -> None: ...
+
+    def disconnected(self, session: AgentSession) -> None: ...
+
+
+class WatchDoor(Protocol):
+    """A worker's layout watch, its acks and its step reports."""
+
+    async def check(self, job: str, gpu: str) -> None:
+        """NotFound for an unknown job, InvalidArgument for a GPU this cluster does not have."""
+        ...
+
+    async def wait(self, job: str, newer_than: tuple[int, int], stop: Callable[[], bool]) -> LayoutRec | None:
+        """A layout of `job` newer than `newer_than`; None when closing or `stop()`."""
+        ...
+
+    def hold(self) -> Held | None:
+        """A watch's place in the balance (None where nothing balances watches)."""
+        ...
+
+    def release(self, held: Held | None) -> None: ...
+
+    def wake_all(self) -> None:
+        """Every waiting watch looks at its `stop` again (a token was revoked)."""
+        ...
+
+    async def ack(self, job: str, worker: str, epoch: int, version: int, ok: bool,
+                  restored: RestoreReport | None) -> LayoutRec:
+        """Record a worker's ack (and the restore it made); the job's current layout."""
+        ...
+
+    async def report_steps(self, job: str, worker: str, report: Any) -> None: ...
+
+
+def _unknown_job(job: str) -> NotFound:
+    return NotFound(f"job: unknown job {job!r}")
+
+
+def _unknown_gpu(gpu: str) -> InvalidArgument:
+    return InvalidArgument(f"gpu_uuid: unknown GPU {gpu[:200]!r}")
+
+
+class LocalAgents:
+    """One manager alone: the agents component applies what its agents say (group-committed)."""
+
+    def __init__(self, kernel: Kernel, agents: Agents, telemetry: TelemetryStore, epoch: Callable[[], int]) -> None:
+        self.kernel, self.agents, self.telemetry, self.epoch = kernel, agents, telemetry, epoch
+
+    async def hello(self, node: str, domain: str, gpus: list[GpuInventory], boot_id: str, agent_version: str,
+                    principal: Principal, fingerprint: str | None, peer: str
+                    ) -> tuple[AgentSession, int, int]:
+        session, last = await self.agents.register(node, domain, gpus, boot_id, agent_version, principal,
+                                                   fingerprint, peer)
+        return session, last, self.epoch()
+
+    def heartbeat(self, node: str, gpus: Any) -> None:
+        self.agents.heartbeat(node)
+        rec = self.kernel.world.nodes.get(node)
+        if rec is not None and gpus:
+            self.telemetry.record(node, rec.gpus, gpus, self.kernel.clock.now().timestamp())
+
+    def report(self, session: AgentSession, seq: int, gpus: list[GpuReport]) -> asyncio.Future[int]:
+        return self.agents.submit_report(session.node, seq, gpus)
+
+    async def power(self, node: str, readings: list[tuple[str, int]]) -> None:
+        await self.agents.record_power_result(node, readings)
+
+    def disconnected(self, session: AgentSession) -> None:
+        self.agents.disconnect(session)
+
+
+class LocalWatches:
+    """One manager alone: watches wait on the jobs component's layouts, acks are applied here."""
+
+    def __init__(self, kernel: Kernel, jobs: Jobs, restores: Restores, failslow: FailSlow) -> None:
+        self.kernel, self.jobs, self.restores, self.failslow = kernel, jobs, restores, failslow
+
+    async def check(self, job: str, gpu: str) -> None:
+        if job not in self.kernel.world.jobs:
+            raise _unknown_job(job)
+        if gpu and gpu not in self.kernel.world.gpus:
+            raise _unknown_gpu(gpu)
+
+    async def wait(self, job: str, newer_than: tuple[int, int], stop: Callable[[], bool]) -> LayoutRec | None:
+        return await self.jobs.wait_layout(job, newer_than, stop)
+
+    def hold(self) -> Held | None:
+        return None
+
+    def release(self, held: Held | None) -> None:
+        pass
+
+    def wake_all(self) -> None:
+        self.jobs.wake_watchers()
+
+    async def ack(self, job: str, worker: str, epoch: int, version: int, ok: bool,
+                  restored: RestoreReport | None) -> LayoutRec:
+        rec = self.jobs.ack(job, worker, epoch, version, ok)
+        if restored is not None:
+            await self.restores.record(job, worker, epoch, version, restored)
+        return rec
+
+    async def report_steps(self, job: str, worker: str, report: Any) -> None:
+        rec, samples = await self.jobs.record_steps(job, worker, report)
+        self.failslow.offer(job, rec, samples)  # the fail-slow detector's steps (service/failslow.py)
+
+
+class FleetAgents:
+    """Managers sharing PostgreSQL: every one stores its agents' news in the outbox."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    async def hello(self, node: str, domain: str, gpus: list[GpuInventory], boot_id: str, agent_version: str,
+                    principal: Principal, fingerprint: str | None, peer: str
+                    ) -> tuple[AgentSession, int, int]:
+        return await self.fleet.agents.hello(node, domain, gpus, boot_id, agent_version, principal, fingerprint,
+                                             peer)
+
+    def heartbeat(self, node: str, gpus: Any) -> None:
+        self.fleet.agents.heartbeat(node)
+        if gpus:
+            self.fleet.telemetry(node, gpus)
+
+    def report(self, session: AgentSession, seq: int, gpus: list[GpuReport]) -> asyncio.Future[int]:
+        return self.fleet.agents.report(session, seq, gpus)
+
+    async def power(self, node: str, readings: list[tuple[str, int]]) -> None:
+        await self.fleet.agents.power(node, readings)
+
+    def disconnected(self, session: AgentSession) -> None:
+        self.fleet.disconnected(session)
+
+
+class FleetWatches:
+    """Managers sharing PostgreSQL: watches follow the layouts from the database on every manager;
+    acks and step reports are applied at once on the leader, stored for it elsewhere."""
+
+    def __init__(self, fleet: Fleet, local: LocalWatches, acting: Callable[[], bool]) -> None:
+        self.fleet, self.local, self.acting = fleet, local, acting
+
+    async def check(self, job: str, gpu: str) -> None:
+        feed = self.fleet.feed
+        await feed.current(job)  # NotFound for an unknown job
+        if gpu and not await feed.known_gpu(gpu):
+            raise _unknown_gpu(gpu)
+
+    async def wait(self, job: str, newer_than: tuple[int, int], stop: Callable[[], bool]) -> LayoutRec | None:
+        return await self.fleet.feed.wait(job, newer_than, stop)
+
+    def hold(self) -> Held | None:
+        return self.fleet.feed.hold()
+
+    def release(self, held: Held | None) -> None:
+        if held is not None:
+            self.fleet.feed.release(held)
+
+    def wake_all(self) -> None:
+        self.local.wake_all()
+        self.fleet.feed.wake_all()
+
+    async def ack(self, job: str, worker: str, epoch: int, version: int, ok: bool,
+                  restored: RestoreReport | None) -> LayoutRec:
+        if self.acting():
+            return await self.local.ack(job, worker, epoch, version, ok, restored)
+        return await self.fleet.workers.ack(job, worker, epoch, version, ok, restored)
+
+    async def report_steps(self, job: str, worker: str, report: Any) -> None:
+        if self.acting():
+            await self.local.report_steps(job, worker, report)
+        else:
+            await self.fleet.workers.report_steps(job, worker, report)
