@@ -11,10 +11,15 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # Reinstall when the dependency list changes. torch is pinned to 2.13.0 first so that nothing
-# later can resolve a newer (CUDA, multi-GB) build.
-$(STAMP): pyproject.toml | $(BIN)/python
+# later can resolve a newer (CUDA, multi-GB) build. Both of this repository's distributions are
+# installed editable from this checkout -- nonuniform-tp-manager (.) and nonuniform-tp-agent
+# (agent/) -- never by name from the index, where `ntp-manager` is another project with the same
+# import package (docs/install.md); a distribution of that name left in the venv (this project's
+# own before it was renamed, or the other one) is removed first, since the two overwrite each other.
+$(STAMP): pyproject.toml setup.py agent/pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[manager,agent,worker,dev]"
+	$(BIN)/pip uninstall -q -y ntp-manager 2>/dev/null || true
+	$(BIN)/pip install -q -e ".[manager,worker,dev]" -e ./agent
 	@touch $(STAMP)
 
 # The dashboard's browser test drives Debian's chromium through Playwright. Installed when we can
@@ -60,8 +65,8 @@ slow-demo: $(STAMP)
 	$(BIN)/python -m ntp_manager.demos.demo_slow
 
 lint: $(STAMP)
-	$(BIN)/ruff check ntp_manager tests bench examples tools
-	$(BIN)/mypy ntp_manager tools  # pyproject's `files`, and the docs tools (not a STAMP input)
+	$(BIN)/ruff check ntp_manager agent migrations tests bench examples tools
+	$(BIN)/mypy ntp_manager agent/ntp_agent tools  # pyproject's `files`, and the docs tools (not a STAMP input)
 
 # Tests are independent (own ports, own databases): one worker per core, whole files kept together
 # so that module-scoped fixtures are built once.

@@ -2,7 +2,7 @@
 8 CPU ranks over gRPC), repeated; the time from the injected GPU failure to the first completed step
 at the new TP degree, split into detection (agent report at the manager), planning, push + regroup,
 reshard and the first step; shown beside FT-HSDP's ~3 minute stall and torchft's 5 s heartbeat
-timeout (REFERENCE.md).
+timeout (docs/references.md, "FT-HSDP and torchft").
 
 `--repair` times the repair instead (issue 33): from the repair injected to the first step with
 every GPU back, phase by phase, with the failed GPUs' fresh processes started after each failure

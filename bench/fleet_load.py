@@ -3,7 +3,7 @@ the benchmark measures the managers, not the client.
 
 Started with a JSON line on stdin: {"targets": [grpc addresses, the preferred first], "nodes":
 [[node, token], ...], "gpus": 8, "heartbeat_s": 2}. Each agent keeps one stream (the protocol of
-ntp_manager/agent/core.py reduced to its bones): hello, welcome (re-send what was not applied), reports
+agent/ntp_agent/core.py reduced to its bones): hello, welcome (re-send what was not applied), reports
 acknowledged cumulatively, heartbeats; when its stream ends it goes to the next address and
 records how long it was without a stream. Then reads commands on stdin, answering each with one
 JSON line on stdout:
@@ -141,7 +141,7 @@ class Sim:
                 await asyncio.sleep(random.uniform(0, BACKOFF_INITIAL_S))
                 continue
             self.t += 1
-            # as the real agent waits (ntp_manager/agent/core.py connect_forever): the next address at
+            # as the real agent waits (agent/ntp_agent/core.py connect_forever): the next address at
             # once (jittered), and after a round of failures exponentially longer, up to 10 s
             self.failed_here = 0 if welcomed else self.failed_here + 1
             if self.failed_here < len(self.targets):

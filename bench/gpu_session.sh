@@ -41,7 +41,7 @@ elif [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$work/site" .whl/*.whl \
     || { echo "installing the carried wheels failed" | tee "$OUT/summary.md"; exit 1; }
 fi
-export PYTHONPATH="$PWD/bench/gpu_guard:${work}/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/bench/gpu_guard:${work}/site:$PWD:$PWD/agent${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 status() { printf '| %s | %s | %s |\n' "$1" "$2" "$3" >> "$work/rows"; }
 PARTS=${PARTS:-all}  # "all", or "switch": only issue 32's block (part 7)
@@ -75,9 +75,9 @@ gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || 
 status env "GPUs seen by torch: $gpus" env.txt
 
 # 2. the agent's inventory and one sample (read-only)
-timeout 90 "$PY" -m ntp_manager.agent.main probe --backend nvml --json > "$OUT/probe.json" 2> "$OUT/probe.txt"
+timeout 90 "$PY" -m ntp_agent.main probe --backend nvml --json > "$OUT/probe.json" 2> "$OUT/probe.txt"
 rc=$?
-timeout 30 "$PY" -m ntp_manager.agent.main probe --backend nvml >> "$OUT/probe.txt" 2>&1
+timeout 30 "$PY" -m ntp_agent.main probe --backend nvml >> "$OUT/probe.txt" 2>&1
 case $rc in
   0) status "agent probe" "ok: $("$PY" bench/gpu_report.py gpus "$OUT/probe.json" 2>&1) GPU(s) sampled" probe.json ;;
   139) status "agent probe" "SEGFAULT (exit 139): the bug of issue 15 item 1" probe.txt ;;

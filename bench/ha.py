@@ -3,7 +3,7 @@
 Two `ntp-manager serve` processes on one fresh PostgreSQL database (lease `--lease-ttl`, renewed
 every `--renew`). N simulated agents (4 GPUs each, 2 nodes per NVL8 domain; a job of N/2 TP8
 replicas) and N layout watchers (one per node) in this process, every one knowing both managers'
-addresses and moving the way ntp_manager/agent/core.py and worker/sources.py do (to the leader a standby names,
+addresses and moving the way agent/ntp_agent/core.py and worker/sources.py do (to the leader a standby names,
 else to the next address). Each round:
 
 1. while a tenth of the agents send reports (each re-asserts its GPUs healthy with a new reason:
@@ -111,11 +111,11 @@ class SimAgent:
         self.q: asyncio.Queue[Any] | None = None
         self.connected = asyncio.Event()
         self.moves = 0
-        self.failed_here = 0  # addresses failed in a row (as ntp_manager/agent/core.py: back off after a full round)
+        self.failed_here = 0  # addresses failed in a row (as agent/ntp_agent/core.py: back off after a full round)
         self.round = 0
         self.connected_once_this_try = False
         self.welcomes: list[tuple[float, float]] = []  # (start of the attempt, its welcome)
-        self.unreachable: str | None = None  # the manager the last attempt could not reach (ntp_manager/agent/core.py)
+        self.unreachable: str | None = None  # the manager the last attempt could not reach (agent/ntp_agent/core.py)
         self.attempts: list[tuple[float, float, str, str | None]] = []  # (start, end, how it ended, leader hint)
 
     def report(self, gpus: list[tuple[str, int, str]]) -> None:
@@ -200,7 +200,7 @@ def unreachable_after(e: grpc.aio.AioRpcError, hint: str | None, target: str, be
 
 
 def pause(self: Any, hint: str | None, welcomed: bool) -> float:
-    """ntp_manager/agent/core.py's schedule: the leader a standby named, or the next address, at once (jittered);
+    """agent/ntp_agent/core.py's schedule: the leader a standby named, or the next address, at once (jittered);
     exponential backoff with full jitter once every address has failed in a row."""
     if welcomed:
         self.failed_here = self.round = 0

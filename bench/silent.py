@@ -51,7 +51,7 @@ def one(mode: str, work: Path) -> tuple[float, float, list[str]]:
         sc = data / "scenario.yaml"
         sc.write_text("seed: 1\nnode: n1\ndomain: d1\ngpus: 4\n")
         agent = subprocess.Popen(
-            [sys.executable, "-m", "ntp_manager.agent.main", "--manager", info["grpc"], "--token-file", str(tok),
+            [sys.executable, "-m", "ntp_agent.main", "--manager", info["grpc"], "--token-file", str(tok),
              "--backend", "fake", "--scenario", str(sc)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             env={**os.environ, "NTP_AGENT_LOG_FORMAT": "json"})
         assert agent.stdout is not None and agent.stdout.readline().strip() == "NTP-AGENT READY"
@@ -128,7 +128,7 @@ def hung_gpu(work: Path) -> tuple[float, float, list[str]]:
         sc.write_text("seed: 1\nnode: n1\ndomain: d1\ngpus: 4\nfaults:\n  - {at: 3.0, gpu: 2, kind: hang}\n")
         with log.open("w") as err:
             agent = subprocess.Popen(
-                [sys.executable, "-m", "ntp_manager.agent.main", "--manager", info["grpc"], "--token-file", str(tok),
+                [sys.executable, "-m", "ntp_agent.main", "--manager", info["grpc"], "--token-file", str(tok),
                  "--backend", "fake", "--scenario", str(sc)], stdout=subprocess.PIPE, stderr=err, text=True,
                 env={**os.environ, "NTP_AGENT_LOG_FORMAT": "json"})
         assert agent.stdout is not None and agent.stdout.readline().strip() == "NTP-AGENT READY"

@@ -182,7 +182,7 @@ def _demo(args: argparse.Namespace) -> int:
     import httpx
     import torch.distributed as dist
 
-    from ntp_manager.agent.local import FakeFleet
+    from ntp_agent.local import FakeFleet
     from ntp_manager.demos.demo import NODES, create_token, demo_logs, manager_process, wait
     from ntp_manager.worker.env import pid_key, progress_key
 

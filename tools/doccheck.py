@@ -18,7 +18,12 @@ kept here):
 - gRPC names (`ntp.v1.Service`, `Service/Method`) against the generated descriptors;
 - environment variables (`NTP_...`) against the settings classes (prefix + field name) and the
   names the code, scripts and compose files spell out;
-- repository paths in code spans and links (`ntp_manager/...`, `tests/...`) against the tree.
+- repository paths in code spans and links (`ntp_manager/...`, `tests/...`) against the tree;
+- nothing leaves the repository: a link or `../` path that resolves outside it, a link to a heading
+  its target file does not have, or a file the repository does not hold but contributors might name
+  from memory, is a finding in the docs and (for the paths and the names) in every other text file
+  of the repository as well (`outside_references`). Such a finding cannot be silenced with
+  `doccheck: ignore`.
 
 The scripts that run these commands (deploy/*.sh, bench/*.sh, .ci/*, the systemd unit) and the
 usage examples in the command-line modules' docstrings are read as code and checked the same way.
@@ -32,6 +37,7 @@ import argparse
 import functools
 import importlib
 import importlib.util
+import os
 import re
 import shlex
 import sys
@@ -43,7 +49,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 CLIS = ("ntp-manager", "ntpctl", "ntp-agent", "ntp-run")
 ENDS = {"|", "||", "&&", ";", ">", ">>", "2>", "2>&1", "<", "&"}
-TOP_DIRS = ("ntp_manager", "docs", "examples", "bench", "tests", "proto", "deploy", "tools",
+TOP_DIRS = ("ntp_manager", "agent", "migrations", "docs", "examples", "bench", "tests", "proto", "deploy", "tools",
             ".ci")
 
 
@@ -124,7 +130,7 @@ def _from_argparse(name: str, parser: argparse.ArgumentParser) -> Cmd:
 
 def commands() -> dict[str, Cmd]:
     """The console scripts of pyproject.toml, built from their real parsers."""
-    from ntp_manager.agent import main as agent_main
+    from ntp_agent import main as agent_main
     from ntp_manager.cli import ctl, manager
     from ntp_manager.worker import run
 
@@ -255,7 +261,7 @@ def grpc_names() -> set[str]:
 def setting_defaults() -> dict[str, float]:
     """Numeric defaults of the manager's and the agent's settings, by field name and by variable
     (a field both have, like heartbeat_interval_s, by the manager's)."""
-    from ntp_manager.agent.main import AgentSettings
+    from ntp_agent.main import AgentSettings
     from ntp_manager.settings import Settings
 
     out: dict[str, float] = {}
@@ -268,7 +274,7 @@ def setting_defaults() -> dict[str, float]:
 
 def env_names() -> set[str]:
     """NTP_ variables: settings fields (prefix + name) and every name spelled out outside the docs."""
-    from ntp_manager.agent.main import AgentSettings
+    from ntp_agent.main import AgentSettings
     from ntp_manager.settings import Settings
 
     names = {f"NTP_{f.upper()}" for f in Settings.model_fields} | {f"NTP_AGENT_{f.upper()}"
@@ -297,7 +303,7 @@ STUBS = ROOT / "ntp_manager" / "contract" / "proto"  # generated: their words ar
 
 
 def _source_files() -> Iterator[Path]:
-    for top in ("ntp_manager", "tests", "bench", "examples", "deploy", "tools", ".ci"):
+    for top in ("ntp_manager", "agent", "migrations", "tests", "bench", "examples", "deploy", "tools", ".ci"):
         for p in (ROOT / top).rglob("*"):
             if p.is_file() and p.suffix in (".py", ".sh", ".yml", ".yaml", ".service", ".toml", ".cfg", "") \
                     and STUBS not in p.parents and p.name not in ("doccheck.py", "test_docs.py"):
@@ -328,6 +334,95 @@ class Reference:
         clis = commands()
         return cls(clis, makefile_targets(), rest_routes(), grpc_names(), env_names(), code_words(),
                    rest_queries(), every_flag(clis), rest_bodies(), setting_defaults())
+
+
+# ---- nothing outside the repository -------------------------------------------------------------
+# Background files that live beside a checkout but not in it; spelled in halves so that this file
+# does not name them itself.
+OUTSIDE_NAMES = ("REFER" "ENCE.md", "DES" "IGN.md")
+_OUTSIDE_RE = re.compile(r"(?<![\w/.-])(" + "|".join(map(re.escape, OUTSIDE_NAMES)) + r")(?![\w.-])")
+_SHARED_RE = re.compile(r"(?:\.\./)+sha" r"red\b|/wo" r"rk/\w")  # the checkout's neighbour, the workspace
+_LINK_RE = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+_UP_RE = re.compile(r"(?<![\w/.-])((?:\.\./)+[\w.-][\w./-]*)")
+_SCANNED = {".py", ".md", ".sh", ".yml", ".yaml", ".toml", ".cfg", ".ini", ".service", ".txt", ".mako", ".html",
+            ".proto", ".json"}
+_NOT_OURS = {".git", ".venv", "node_modules", "__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache", "build",
+             "dist", ".whl"}
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors a markdown renderer gives this text's headings (lower case, punctuation dropped,
+    spaces to hyphens), outside fenced blocks."""
+    out: set[str] = set()
+    fenced = False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        m = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m and not fenced:
+            words = re.sub(r"[^\w\- ]", "", m.group(1).replace("`", "").lower())
+            out.add(words.replace(" ", "-"))
+    return out
+
+
+def _inside(root: Path, target: Path) -> bool:
+    return target.resolve().is_relative_to(root.resolve())
+
+
+def outside_in_line(line: str, home: Path, root: Path, markdown: bool) -> Iterator[str]:
+    """What in one line of a file whose directory is `home` names something outside the repository
+    at `root` (markdown: links and `../` paths resolved from `home`, and links' heading anchors)."""
+    for m in _OUTSIDE_RE.finditer(line):
+        yield f"names {m.group(1)}, which is not in this repository (docs/design.md, docs/references.md are)"
+    for m in _SHARED_RE.finditer(line):
+        yield f"names a path outside this repository: {m.group(0)}"
+    if not markdown:
+        return
+    for m in _LINK_RE.finditer(line):
+        target = m.group(1)
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:: a public address, not a path
+            continue
+        where, _, anchor = target.partition("#")
+        dest = (home / where) if where else None
+        if dest is not None and not _inside(root, dest):
+            yield f"link leaves the repository: {target}"
+            continue
+        if dest is not None and not dest.exists():
+            yield f"link to a missing file: {target}"
+            continue
+        md = dest if dest is not None else None
+        if anchor and md is not None and md.suffix == ".md" and anchor not in heading_anchors(md.read_text()):
+            yield f"link to a heading {md.name} does not have: #{anchor}"
+    for m in _UP_RE.finditer(line):
+        if not _inside(root, home / m.group(1)):
+            yield f"path leaves the repository: {m.group(1)}"
+
+
+def _text_files(root: Path) -> Iterator[Path]:
+    for here, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in _NOT_OURS and not d.endswith(".egg-info"))  # never walked into
+        for name in sorted(files):
+            p = Path(here) / name
+            if p.suffix in _SCANNED or name in ("Makefile", "Dockerfile", "run"):
+                yield p
+
+
+def outside_references(root: Path = ROOT) -> list[Finding]:
+    """Every text file of the repository (code, scripts, configuration, docs): the lines that name a
+    file or path outside it. The docs' links are checked with the rest of each doc (`check_file`)."""
+    out = []
+    for p in _text_files(root):
+        if p.suffix == ".md" and p in doc_files(root):
+            continue  # check_file reads these, links included
+        try:
+            text = p.read_text()
+        except UnicodeDecodeError:
+            continue
+        for i, line in enumerate(text.splitlines(), 1):
+            for what in outside_in_line(line, p.parent, root, p.suffix == ".md"):
+                out.append(Finding(str(p.relative_to(root)), i, what))
+    return out
 
 
 # ---- reading the markdown -----------------------------------------------------------------------
@@ -410,7 +505,11 @@ class Checker:
         for sn in snippets(text, script):
             for what in self.check_snippet(sn, path.parent):
                 out.append(Finding(name, sn.line - (1 if script else 0), what))
+        rel = Path(name)
+        home = (self.ref.root / rel).parent if not rel.is_absolute() else path.parent
         for i, line in enumerate(text.splitlines(), 1):
+            for what in outside_in_line(line, home, self.ref.root, path.suffix == ".md"):
+                out.append(Finding(name, i, what))
             if "doccheck: ignore" in line:
                 continue
             for what in self.check_prose(line):
@@ -736,9 +835,9 @@ def _all_flags(cmd: Cmd) -> set[str]:
 def doc_files(root: Path = ROOT) -> list[Path]:
     """The docs, and the scripts that run our commands (their command lines are checked the same way)."""
     scripts = [*sorted((root / "deploy").glob("*.sh")), *sorted((root / "bench").glob("*.sh")),
-               *sorted((root / "deploy" / "systemd").glob("*.service")), *sorted((root / ".ci").glob("*")),
+               *sorted((root / "agent").glob("*.service")), *sorted((root / ".ci").glob("*")),
                # the command-line modules' docstrings (their usage examples)
-               *sorted((root / "ntp_manager" / "cli").glob("*.py")), root / "ntp_manager" / "agent" / "main.py",
+               *sorted((root / "ntp_manager" / "cli").glob("*.py")), root / "agent" / "ntp_agent" / "main.py",
                root / "ntp_manager" / "worker" / "run.py"]
     return [root / "README.md", *sorted((root / "docs").glob("*.md")), *scripts]
 
@@ -746,7 +845,7 @@ def doc_files(root: Path = ROOT) -> list[Path]:
 def check_all(ref: Reference | None = None) -> list[Finding]:
     ref = ref or Reference.load()
     checker = Checker(ref)
-    return [f for path in doc_files(ref.root) for f in checker.check_file(path)]
+    return [*(f for path in doc_files(ref.root) for f in checker.check_file(path)), *outside_references(ref.root)]
 
 
 def main(argv: list[str] | None = None) -> int:

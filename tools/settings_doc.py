@@ -3,7 +3,7 @@
     .venv/bin/python tools/settings_doc.py            # (re)write docs/settings.md (also: make docs)
     .venv/bin/python tools/settings_doc.py --check    # exit 1 if docs/settings.md is out of date
 
-Each row is one field of `ntp_manager.settings.Settings` or `ntp_manager.agent.main.AgentSettings`: its name,
+Each row is one field of `ntp_manager.settings.Settings` or `ntp_agent.main.AgentSettings`: its name,
 environment variable (the class's prefix + the name in capitals), type, default and the field's
 `description`. tests/unit/test_docs.py fails when the page differs from what this writes.
 """
@@ -27,7 +27,7 @@ HEADER = """\
      Regenerate: .venv/bin/python tools/settings_doc.py (or make docs). -->
 
 Every setting of the manager (`ntp-manager serve`, `ntp_manager/settings.py`) and of the node agent
-(`ntp-agent`, `ntp_manager/agent/main.py`). Precedence, highest first: command-line flags (where a command has
+(`ntp-agent`, `agent/ntp_agent/main.py`). Precedence, highest first: command-line flags (where a command has
 one), the environment, then for the manager the YAML file named by `NTP_CONFIG_FILE` (keys are the
 setting names), then the defaults. Durations are in seconds (`_s`) or milliseconds (`_ms`).
 What the settings do in context: docs/manager.md, docs/agent.md, docs/operations.md (several
@@ -78,14 +78,14 @@ def table(cls: Any, prefix: str) -> str:
 
 
 def render() -> str:
-    from ntp_manager.agent.main import AgentSettings
+    from ntp_agent.main import AgentSettings
     from ntp_manager.settings import Settings
 
     return (HEADER
             + "\n## Manager (`ntp_manager.settings.Settings`, prefix `NTP_`)\n\n"
             + "`NTP_CONFIG_FILE` names an optional YAML file of these settings (the environment wins).\n\n"
             + table(Settings, "NTP_")
-            + "\n## Agent (`ntp_manager.agent.main.AgentSettings`, prefix `NTP_AGENT_`)\n\n"
+            + "\n## Agent (`ntp_agent.main.AgentSettings`, prefix `NTP_AGENT_`)\n\n"
             + "`ntp-agent --help` lists the flags that stand in for some of these.\n\n"
             + table(AgentSettings, "NTP_AGENT_"))
 

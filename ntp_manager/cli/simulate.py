@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ntp_manager.cli.common import fail
-from ntp_manager.planner import PAPER_POWER_CURVE, PlanError, Scheme
+from ntp_manager.planner import PAPER_POWER_CURVE, JobSpec, PlanError, Scheme
 from ntp_manager.sim import (
     PRESETS,
     SimError,
@@ -33,10 +33,11 @@ from ntp_manager.sim import (
     static_sweep,
 )
 from ntp_manager.sim.engine import healthy_step_s
-from ntp_manager.sim.presets import PAPER_STEP
+from ntp_manager.sim.failures import FailureModel
+from ntp_manager.sim.presets import PAPER_STEP, Preset
 from ntp_manager.sim.stall import StallModel, stall_preset
 from ntp_manager.specfile import SpecError, load_cluster, load_job
-from ntp_manager.topology import PowerLimits, TopologyError
+from ntp_manager.topology import Cluster, PowerLimits, TopologyError
 
 DEFAULT_SWEEP = "0:0.004:9"
 
@@ -245,58 +246,20 @@ def simulate(
     given = dict(locals())
     trace_mode = days is not None
     try:
-        for name, value in given.items():  # nan ran a trace forever; inf and nan made meaningless tables
-            if isinstance(value, float) and not math.isfinite(value):
-                raise SimError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+        _refuse_non_finite(given)
         refuse_inert_options(given, trace_mode, cluster is not None)
         p = preset(preset_name or "paper-32k")
-        model = dataclasses.replace(
-            p.model,
-            rate_multiplier=1.0 if rate_multiplier is None else rate_multiplier,
-            blast_node=blast_node,
-            blast_domain=blast_domain,
-            rate_per_gpu_hour=p.model.rate_per_gpu_hour if failure_rate is None else failure_rate,
-            hardware_repair_h=p.model.hardware_repair_h if repair_days is None else repair_days * 24,
-            software_repair_h=p.model.software_repair_h if software_repair_hours is None else software_repair_hours,
-        )
-        model.validate()
+        model = _failure_model(p, rate_multiplier, blast_node, blast_domain, failure_rate, repair_days,
+                               software_repair_hours)
         schemes = _schemes(scheme)
         refuse_scheme_inert_options(given, schemes, stall_preset(stall or "none").redo_steps)
         spare_list = parse_ints(spares or "0", "--spares")
-        n_placements = 100 if placements is None else placements
-        n_seeds = 1 if seeds is None else seeds
-        if n_placements < 1:
-            raise SimError("--placements must be >= 1")
-        if n_seeds < 1:
-            raise SimError("--seeds must be >= 1")
+        n_placements, n_seeds = _at_least_one(placements, 100, "--placements"), _at_least_one(seeds, 1, "--seeds")
         if plot is not None and not plot.parent.is_dir():  # before the run, not after it
             raise SimError(f"--plot {plot}: no such directory {plot.parent}")
         pool = max(max(spare_list), (160 if max_spares is None else max_spares) if find_spares else 0)
-        job_spec = load_job(job) if job else p.job
-        power_fields: dict[str, Any] = {}
-        if power_curve is not None:
-            power_fields.update(parse_power_curve(power_curve))
-        if rack_headroom is not None:
-            power_fields["rack_headroom"] = rack_headroom
-        if max_boost is not None:
-            power_fields["max_boost"] = max_boost
-        if power_fields:
-            job_spec = dataclasses.replace(job_spec, power=dataclasses.replace(job_spec.power, **power_fields))
-        if step_model is not None:
-            if step_model not in ("paper", "paper-v1"):
-                raise SimError(f"--step-model must be 'paper' or 'paper-v1', got {step_model!r}")
-            sm = PAPER_STEP if step_model == "paper" else dataclasses.replace(
-                PAPER_STEP, layout=dataclasses.replace(PAPER_STEP.layout, interleave=1))
-            job_spec = dataclasses.replace(job_spec, step_model=sm)
-            job_spec.validate()
-        if cluster:
-            c = load_cluster(cluster)
-            name = f"job {job_spec.name} on cluster {c.name}"
-        else:
-            per_domain = p.domain_size // job_spec.tp if job_spec.tp <= p.domain_size else 1
-            power = parse_power(gpu_power).with_base_cap(base_cap)
-            c = preset_cluster(p, -(-pool // max(per_domain, 1)), power)
-            name = p.name if job is None else f"job {job_spec.name} on preset {p.name}'s cluster"
+        job_spec = _job_spec(load_job(job) if job else p.job, power_curve, rack_headroom, max_boost, step_model)
+        c, name = _cluster(p, cluster, job_spec, job is not None, pool, gpu_power, base_cap)
         if packing not in ("stable", "none"):
             raise SimError(f"--packing must be 'stable' or 'none', got {packing!r}")
         setup = SimSetup.create(c, job_spec, model, pool, packing)  # type: ignore[arg-type]
@@ -311,18 +274,10 @@ def simulate(
                 raise SimError(f"--days must be positive, got {days}")
             warm = 2 * model.hardware_repair_h / 24 if warmup_days is None else warmup_days
             stall_model = stall_preset(stall or "none")
-            step_s = step_seconds if step_seconds is not None else healthy_step_s(job_spec)
-            if step_s is None and not job and not cluster:
-                step_s = p.step_s
-            if stall_model.redo_steps and step_s is None:
-                raise SimError(
-                    f"--stall {stall_model.name} redoes a step: give --step-seconds (the job has no step model)"
-                )
-            if step_seconds is not None and step_seconds < 0:
-                raise SimError("--step-seconds must be >= 0")
+            step_s = _stall_step_s(stall_model, step_seconds, job_spec, None if job or cluster else p.step_s)
             result = _run_trace(
                 console, setup, schemes, days, warm, seed, n_seeds, spare_list, bool(fixed_minibatch),
-                bool(find_spares), plot, name, stall_model, step_s or 0.0,
+                bool(find_spares), plot, name, stall_model, step_s,
             )
     except (SimError, PlanError, SpecError, TopologyError) as e:
         fail(str(e))
@@ -335,6 +290,85 @@ def simulate(
     result["name"] = name
     if as_json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
+
+
+def _refuse_non_finite(given: dict[str, Any]) -> None:
+    """nan ran a trace forever; inf and nan made meaningless tables."""
+    for name, value in given.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise SimError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+
+
+def _at_least_one(value: int | None, default: int, flag: str) -> int:
+    n = default if value is None else value
+    if n < 1:
+        raise SimError(f"{flag} must be >= 1")
+    return n
+
+
+def _cluster(p: Preset, cluster: Path | None, job_spec: JobSpec, custom_job: bool, pool: int, gpu_power: str | None,
+             base_cap: float | None) -> tuple[Cluster, str]:
+    """The cluster file given, else the preset's cluster sized for the spare pool; and its name."""
+    if cluster:
+        c = load_cluster(cluster)
+        return c, f"job {job_spec.name} on cluster {c.name}"
+    per_domain = p.domain_size // job_spec.tp if job_spec.tp <= p.domain_size else 1
+    power = parse_power(gpu_power).with_base_cap(base_cap)
+    c = preset_cluster(p, -(-pool // max(per_domain, 1)), power)
+    return c, p.name if not custom_job else f"job {job_spec.name} on preset {p.name}'s cluster"
+
+
+def _failure_model(p: Preset, rate_multiplier: float | None, blast_node: float, blast_domain: float,
+                   failure_rate: float | None, repair_days: float | None,
+                   software_repair_hours: float | None) -> FailureModel:
+    """The preset's failure model with the options given on the command line."""
+    model = dataclasses.replace(
+        p.model,
+        rate_multiplier=1.0 if rate_multiplier is None else rate_multiplier,
+        blast_node=blast_node,
+        blast_domain=blast_domain,
+        rate_per_gpu_hour=p.model.rate_per_gpu_hour if failure_rate is None else failure_rate,
+        hardware_repair_h=p.model.hardware_repair_h if repair_days is None else repair_days * 24,
+        software_repair_h=p.model.software_repair_h if software_repair_hours is None else software_repair_hours,
+    )
+    model.validate()
+    return model
+
+
+def _job_spec(job_spec: JobSpec, power_curve: str | None, rack_headroom: float | None, max_boost: float | None,
+              step_model: str | None) -> JobSpec:
+    """The job with the power and step-model options given on the command line."""
+    power_fields: dict[str, Any] = {}
+    if power_curve is not None:
+        power_fields.update(parse_power_curve(power_curve))
+    if rack_headroom is not None:
+        power_fields["rack_headroom"] = rack_headroom
+    if max_boost is not None:
+        power_fields["max_boost"] = max_boost
+    if power_fields:
+        job_spec = dataclasses.replace(job_spec, power=dataclasses.replace(job_spec.power, **power_fields))
+    if step_model is not None:
+        if step_model not in ("paper", "paper-v1"):
+            raise SimError(f"--step-model must be 'paper' or 'paper-v1', got {step_model!r}")
+        sm = PAPER_STEP if step_model == "paper" else dataclasses.replace(
+            PAPER_STEP, layout=dataclasses.replace(PAPER_STEP.layout, interleave=1))
+        job_spec = dataclasses.replace(job_spec, step_model=sm)
+        job_spec.validate()
+    return job_spec
+
+
+def _stall_step_s(stall_model: StallModel, step_seconds: float | None, job_spec: JobSpec,
+                  preset_step_s: float | None) -> float:
+    """The healthy step time the stall model charges for a redone step: --step-seconds, else the
+    job's step model, else the preset's (`preset_step_s`, None with a custom job or cluster)."""
+    step_s = step_seconds if step_seconds is not None else healthy_step_s(job_spec)
+    if step_s is None:
+        step_s = preset_step_s
+    if stall_model.redo_steps and step_s is None:
+        raise SimError(f"--stall {stall_model.name} redoes a step: give --step-seconds (the job has no step model)")
+    if step_seconds is not None and step_seconds < 0:
+        raise SimError("--step-seconds must be >= 0")
+    return step_s or 0.0
 
 
 def _schemes(names: list[str] | None) -> list[Scheme]:

@@ -21,10 +21,10 @@ Each of the three imports the others only through this package (tests/unit/test_
   edge accept, what ntp-run derives names within); standard library only.
 - `contract.logs`: the log line format all three processes write (structlog, text or JSON).
 - `contract.usage`: how the command lines answer bad input (one line, exit 2); needs typer, which
-  the `[manager]` and `[agent]` extras carry (the worker's ntp-run uses argparse).
+  the `[manager]` extra and the agent's distribution carry (the worker's ntp-run uses argparse).
 - `contract.proto`: the generated gRPC stubs of proto/ntp/v1 (`make proto`; ntp_manager/protogen.py),
   the wire itself.
 
-Nothing here imports FastAPI, SQLAlchemy or torch: a worker's or an agent's installation
-(`pip install ntp-manager[worker]`) has what this package needs.
+Nothing here imports FastAPI, SQLAlchemy or torch: a worker's or an agent's installation (the base
+of `nonuniform-tp-manager`, from this repository's wheels: docs/install.md) has what this package needs.
 """

@@ -8,7 +8,7 @@ Where lines go and how they look:
   (ntp-run sets it for its ranks, whose stderr is a pipe to ntp-run, after its own console).
 - `RoutedFiles`: a program that hosts several components in one process (the demos run their
   agents on one event loop) writes each component's lines to a file of its own, chosen by a
-  context variable the component bound (`node`, for the agents of `ntp_manager.agent.local.FakeFleet`).
+  context variable the component bound (`node`, for the agents of `ntp_agent.local.FakeFleet`).
 """
 
 from __future__ import annotations

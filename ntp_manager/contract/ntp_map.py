@@ -1,4 +1,4 @@
-"""Unit maps for nonuniform tensor parallelism (REFERENCE.md section 1).
+"""Unit maps for nonuniform tensor parallelism (docs/references.md, "NTP: units and the gradient sync").
 
 A layer's work is split into *units* (attention heads or KV groups, MLP columns, vocabulary rows).
 When a replica of TP degree `n_healthy` synchronises gradients with replicas of TP degree
@@ -149,7 +149,7 @@ def sync_groups(replica_ranks: Sequence[Sequence[int]]) -> list[list[int]]:
     replica (core ranks of the larger ones); the larger replicas' extra ranks sync nothing across
     DP and appear as singleton groups, in replica then rank order.
 
-    Worked example (REFERENCE.md): TP2 replica [0, 1] and TP4 replica [2, 3, 4, 5] give
+    Worked example (docs/references.md): TP2 replica [0, 1] and TP4 replica [2, 3, 4, 5] give
     [[0, 2], [1, 3], [4], [5]]."""
     if not replica_ranks or any(len(r) == 0 for r in replica_ranks):
         raise ValueError("every replica needs at least one rank")

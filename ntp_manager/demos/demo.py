@@ -54,7 +54,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ntp_manager.agent.local import FakeFleet, FakeNode
+from ntp_agent.local import FakeFleet, FakeNode
 from ntp_manager.contract.logs import RoutedFiles, configure_logging
 
 if TYPE_CHECKING:

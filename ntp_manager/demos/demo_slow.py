@@ -37,7 +37,7 @@ import httpx
 import typer
 from rich.markup import escape
 
-from ntp_manager.agent.local import FakeNode
+from ntp_agent.local import FakeNode
 from ntp_manager.demos.demo import (
     DATA_DIR,
     VERBOSE,

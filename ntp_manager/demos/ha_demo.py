@@ -32,7 +32,7 @@ import httpx
 import typer
 from rich.console import Console
 
-from ntp_manager.agent.local import FakeFleet
+from ntp_agent.local import FakeFleet
 from ntp_manager.demos.demo import (
     JOB,
     NODES,

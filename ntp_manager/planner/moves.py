@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
+from ntp_manager.planner.result import MoveSummary, Plan
 from ntp_manager.planner.spec import PlanError
 
-if TYPE_CHECKING:
-    from ntp_manager.planner.plan import Plan
+__all__ = ["MoveSummary", "PreviousLayout", "diff_assignments"]
 
 
 @dataclass(frozen=True)
@@ -68,33 +68,6 @@ class PreviousLayout:
         return cls(assignments, tp, per.pop() if len(per) == 1 else None, members)
 
 
-@dataclass(frozen=True)
-class MoveSummary:
-    """What a plan changes relative to the previous one.
-
-    moved          groups placed now whose (replica, stage) differs from before, joiners included
-    stage_changed  groups placed now that must load a stage's state: stage changed, or newly placed
-    joined         groups placed now that were not placed before
-    left           groups placed before that are not placed now (idle, dropped or gone)
-    bytes          estimated state loaded: the sum of `JobSpec.stage_bytes` over stage_changed
-                   groups (None when the job gives no size)
-    """
-
-    moved: int
-    stage_changed: int
-    joined: int
-    left: int
-    bytes: int | None
-    moved_groups: tuple[str, ...] = field(default=(), repr=False)  # ids, in plan order
-
-    def describe(self) -> str:
-        size = "" if self.bytes is None else f", ~{_human_bytes(self.bytes)} of state to load"
-        return (
-            f"moves vs the previous plan: {self.moved} group(s) moved ({self.stage_changed} change stage, "
-            f"{self.joined} newly placed), {self.left} left{size}"
-        )
-
-
 K = TypeVar("K", bound=Hashable)
 
 
@@ -127,12 +100,3 @@ def diff_assignments(
     left = left_unknown + sum(1 for gid in before if gid not in placed)
     return MoveSummary(len(moved), stage_changed, joined, left, None if stage_bytes is None else total,
                        tuple(name(k) for k in moved))
-
-
-def _human_bytes(n: int) -> str:
-    x = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if x < 1000:
-            return f"{x:.0f} B" if unit == "B" else f"{x:.1f} {unit}"
-        x /= 1000
-    return f"{x:.1f} TB"

@@ -29,208 +29,18 @@ How a plan is made
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Literal, cast
 
-from ntp_manager.planner.moves import MoveSummary, PreviousLayout
+from ntp_manager.planner.groups import Candidate, Ctx, History, WorkGroup, enumerate_groups, job_domain_positions
+from ntp_manager.planner.moves import PreviousLayout
 from ntp_manager.planner.packing import Item, pack
 from ntp_manager.planner.power import PowerRequest, allocate_domain_power
-from ntp_manager.planner.slow import choose
+from ntp_manager.planner.result import GroupPlan, MoveSummary, Plan, ReplicaPlan, SetAside
 from ntp_manager.planner.spec import JobSpec, PlanError, Scheme
-from ntp_manager.topology import Cluster, Domain
+from ntp_manager.topology import Cluster
 
-
-@dataclass(frozen=True, slots=True)
-class GroupPlan:
-    """One TP group of a replica. Identity (domain, group id, GPUs) is read from tables shared by
-    the whole cluster, so a plan of a million GPUs neither copies nor touches a million UUIDs."""
-
-    stage: int  # position in its replica (pipeline stage)
-    tp: int
-    usable: int  # usable GPUs the group had (>= tp)
-    spare: bool  # drawn from the spare pool
-    power_ratio: float  # limit / nominal limit (base cap, else TDP) on its GPUs; > 1 when boosted
-    domain_pos: int  # the domain's position in the cluster
-    local: int  # the group's index within its domain
-    positions: range | tuple[int, ...]  # its GPUs' positions in `Cluster.flat_uuids`, TP-rank order
-    domain_ids: tuple[str, ...] = field(repr=False, compare=False)
-    flat_uuids: tuple[str, ...] = field(repr=False, compare=False)
-    prev_replica: int | None = None  # where it was in the previous plan (None: not placed, or no previous)
-    prev_stage: int | None = None
-    pace: float = 1.0  # speed of its slowest GPU (< 1 when it runs a degraded, fail-slow GPU)
-
-    @property
-    def domain(self) -> str:
-        return self.domain_ids[self.domain_pos]
-
-    @property
-    def group_id(self) -> str:
-        return f"{self.domain}/g{self.local}"
-
-    @property
-    def gpus(self) -> tuple[str, ...]:
-        """UUIDs in TP-rank order; len == tp."""
-        p = self.positions
-        if isinstance(p, range):
-            return self.flat_uuids[p.start : p.stop]
-        return tuple(self.flat_uuids[i] for i in p)
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaPlan:
-    replica_id: int
-    groups: tuple[GroupPlan, ...]
-    tp: int  # lowest TP degree among its groups
-    local_batch: int
-    relative_throughput: float  # local_batch / job local batch
-
-    @property
-    def boosted(self) -> tuple[str, ...]:
-        """UUIDs of this replica's GPUs running above their nominal limit (base cap, else TDP)."""
-        return tuple(u for g in self.groups if g.power_ratio > 1.0 for u in g.gpus)
-
-
-@dataclass(frozen=True, slots=True)
-class SetAside:
-    """A group the plan does not use, and why (dropped: unusable; idle: not needed or incomplete)."""
-
-    group_id: str
-    domain: str
-    usable: int
-    spare: bool
-    reason: str
-
-
-@dataclass(frozen=True)
-class Plan:
-    job: str
-    scheme: Scheme
-    tp: int
-    replicas: tuple[ReplicaPlan, ...]
-    dropped: tuple[SetAside, ...]
-    idle: tuple[SetAside, ...]
-    spares_used: tuple[str, ...]
-    # GPU UUID -> limit in watts, only where it differs from the GPU's nominal limit (its base cap
-    # when the cluster sets one, else TDP); every other GPU runs at its nominal limit.
-    power_caps_w: Mapping[str, float]
-    global_batch: int
-    target_batch: int
-    reasons: tuple[str, ...] = field(default=())
-    moves: MoveSummary | None = None  # what changed relative to the previous plan, when one was given
-
-    @property
-    def relative_throughput(self) -> float:
-        """Samples per step over the target (1.0 = as healthy)."""
-        return self.global_batch / self.target_batch
-
-    @property
-    def meets_target(self) -> bool:
-        return self.global_batch >= self.target_batch
-
-# ---- internal working records ---------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _Group:
-    order: int
-    dpos: int  # domain position in the cluster (the Domain object is touched only when needed)
-    local: int  # group index within its domain
-    positions: tuple[int, ...] | None  # usable in-domain positions in TP order; None = home slice
-    usable: int
-    spare: bool
-    pace: float = 1.0  # speed of its slowest usable member (degraded GPUs run below 1)
-    speeds: tuple[float, ...] | None = None  # per position when some member is slow, else None
-    degraded: bool = False  # it had degraded members (kept or excluded by planner/slow.py)
-
-    def pace_at(self, count: int) -> float:
-        """Pace when it runs `count` members (the fastest ones, see `_Ctx.local_positions`)."""
-        if self.speeds is None:
-            return 1.0
-        if count >= len(self.speeds):
-            return self.pace
-        return sorted(self.speeds, reverse=True)[count - 1]
-
-
-class _History:
-    """What the previous plan did with a group's degraded GPUs (for hysteresis, planner/slow.py):
-    its members are read only when a group with a degraded GPU asks."""
-
-    def __init__(self, previous: Plan | PreviousLayout | None, job: JobSpec) -> None:
-        self.previous = previous
-        self.job = job
-        self._members: Mapping[str, tuple[str, ...]] | None = None
-
-    def excluded(self, gid: str, slow: Sequence[str]) -> bool | None:
-        """True when the previous plan placed group `gid` without one of `slow`, False when with all
-        of them, None when it did not place the group (or there is no usable previous plan)."""
-        prev = self.previous
-        if prev is None or prev.tp != self.job.tp:
-            return None
-        if self._members is None:
-            if isinstance(prev, Plan):
-                self._members = {g.group_id: g.gpus for r in prev.replicas for g in r.groups}
-            else:
-                self._members = prev.members
-        members = self._members.get(gid)
-        if members is None:
-            return None
-        return any(u not in members for u in slow)
-
-
-class _Ctx:
-    """Per-plan look-ups into the cluster's shared tables."""
-
-    def __init__(self, cluster: Cluster, tp: int) -> None:
-        self.cluster = cluster
-        self.tp = tp
-        self.ids = cluster.domain_ids
-        self.offsets = cluster.domain_offsets
-        self.flat = cluster.flat_uuids
-
-    def gid(self, g: _Group) -> str:
-        return f"{self.ids[g.dpos]}/g{g.local}"
-
-    def aside(self, g: _Group, reason: str) -> SetAside:
-        return SetAside(self.gid(g), self.ids[g.dpos], g.usable, g.spare, reason)
-
-    def domain(self, g: _Group) -> Domain:
-        return self.cluster.domains[g.dpos]
-
-    def local_positions(self, g: _Group, count: int) -> range | tuple[int, ...]:
-        """The group's first `count` usable positions; with slow members, its `count` fastest
-        (ties: the earlier rank), in TP order."""
-        if g.positions is None:
-            return range(g.local * self.tp, g.local * self.tp + count)
-        if g.speeds is not None and count < len(g.positions):
-            sp = g.speeds
-            keep = sorted(sorted(range(len(sp)), key=lambda i: (-sp[i], i))[:count])
-            return tuple(g.positions[i] for i in keep)
-        return g.positions[:count]
-
-    def global_positions(self, g: _Group, count: int) -> range | tuple[int, ...]:
-        off = self.offsets[g.dpos]
-        if g.positions is None:
-            start = off + g.local * self.tp
-            return range(start, start + count)
-        return tuple(off + p for p in self.local_positions(g, count))
-
-    def uuids(self, g: _Group, count: int) -> tuple[str, ...]:
-        p = self.global_positions(g, count)
-        if isinstance(p, range):
-            return self.flat[p.start : p.stop]
-        return tuple(self.flat[i] for i in p)
-
-
-@dataclass(slots=True)
-class _Candidate:
-    groups: list[_Group]  # in stage order
-    home: int | None  # replica id it keeps (intact, or closed under its reference id); None: new
-    stayers: int = 0  # groups in their reference slot
-    tp: int = 0
-    batch: int = 0
-    group_tp: list[int] = field(default_factory=list)
-    group_power: list[float] = field(default_factory=list)
+__all__ = ["GroupPlan", "MoveSummary", "Packing", "Plan", "ReplicaPlan", "SetAside", "make_plan"]
 
 
 Packing = Literal["stable", "sorted", "none"]
@@ -253,24 +63,62 @@ def make_plan(
     job.validate()
     if packing not in ("stable", "sorted", "none"):
         raise PlanError(f"packing must be 'stable', 'sorted' or 'none', got {packing!r}")
-    positions = _job_domain_positions(cluster, job)
+    positions = job_domain_positions(cluster, job)
     T = job.tp
     all_sizes = cluster.domain_sizes
     largest = max((all_sizes[i] for i in positions), default=0)
     if largest < T:
         raise PlanError(f"tp {T} is above the largest domain size {largest}")
-    ctx = _Ctx(cluster, T)
+    ctx = Ctx(cluster, T)
 
     reasons: list[str] = []
     want = job.primary_groups + job.spares
-    history = _History(previous, job)
-    groups = _enumerate_groups(ctx, job, positions, want, reasons, history)
+    history = History(previous, job)
+    groups = enumerate_groups(ctx, job, positions, want, reasons, history)
     if len(groups) < job.primary_groups:
         reasons.append(
             f"the job's domains hold {len(groups)} TP groups of {T}, fewer than the "
             f"{job.primary_groups} it needs for {job.replicas} replicas"
         )
 
+    keep, dropped = _usable(ctx, job, groups)
+    prev_slot, prev_unknown = _previous_slots(ctx, previous, job, reasons)
+    idle: list[SetAside] = []
+    grants: dict[int, float] = {}
+    if packing == "sorted":
+        intact, repacked, free_ids = _pack_sorted(ctx, job, groups, keep, idle)
+    elif packing == "none":
+        intact, repacked, free_ids = _pack_none(ctx, job, groups, keep, idle)
+    else:
+        intact, repacked, free_ids = _pack_stable(ctx, job, groups, keep, prev_slot or {}, idle, grants)
+    selected, total = _size_and_select(ctx, job, intact, repacked, grants, packing, idle, reasons)
+    built = _Assembly(ctx, job, prev_slot, reasons)
+    built.place(selected, free_ids, packing)
+    target = job.target_batch
+    if total < target:
+        reasons.append(f"global batch {total} is below the target {target} ({100 * total / target:.2f}%)")
+    if built.spares_used:
+        reasons.append(f"{len(built.spares_used)} spare group(s) in use")
+    moves = built.move_summary(prev_unknown)
+    return Plan(
+        job=job.name,
+        scheme=job.scheme,
+        tp=T,
+        replicas=tuple(built.replicas),
+        dropped=tuple(dropped),
+        idle=tuple(idle),
+        spares_used=tuple(built.spares_used),
+        power_caps_w=built.caps,
+        global_batch=total,
+        target_batch=target,
+        reasons=tuple(reasons),
+        moves=moves,
+    )
+
+
+def _usable(ctx: Ctx, job: JobSpec, groups: list[WorkGroup]) -> tuple[list[bool], list[SetAside]]:
+    """Phase 2: which groups may take work, and why the others are dropped."""
+    T = job.tp
     threshold = T if job.scheme is Scheme.DP_DROP else job.min_tp
     keep: list[bool] = []
     dropped: list[SetAside] = []
@@ -284,20 +132,22 @@ def make_plan(
                 else f"{g.usable}/{T} GPUs usable, below min_tp {job.min_tp}"
             )
             dropped.append(ctx.aside(g, why))
+    return keep, dropped
 
-    P = job.groups_per_replica
-    prev_slot, prev_unknown = _previous_slots(ctx, previous, job, reasons)
-    has_prev = prev_slot is not None
-    prev_slot = prev_slot or {}
-    idle: list[SetAside] = []
-    grants: dict[int, float] = {}
-    if packing == "sorted":
-        intact, repacked, free_ids = _pack_sorted(ctx, job, groups, keep, idle)
-    elif packing == "none":
-        intact, repacked, free_ids = _pack_none(ctx, job, groups, keep, idle)
-    else:
-        intact, repacked, free_ids = _pack_stable(ctx, job, groups, keep, prev_slot, idle, grants)
 
+def _size_and_select(
+    ctx: Ctx,
+    job: JobSpec,
+    intact: list[Candidate],
+    repacked: list[Candidate],
+    grants: dict[int, float],
+    packing: Packing,
+    idle: list[SetAside],
+    reasons: list[str],
+) -> tuple[list[Candidate], int]:
+    """Phases 4 and 5: each candidate's degree and batch, then the replicas taken (best batch first)
+    until the target global batch; the rest stand by in `idle`. Returns (selected, global batch)."""
+    T, P = job.tp, job.groups_per_replica
     full_tp, full_power = [T] * P, [1.0] * P
     for c in intact:
         c.tp, c.batch = T, job.local_batch
@@ -312,9 +162,7 @@ def make_plan(
     # keep packing order).
     viable.sort(key=lambda c: (-c.batch, -c.stayers))
 
-    # Select replicas, best batch first, until the target global batch is reached.
-    target = job.target_batch
-    chosen, total = _select(intact + viable, target)
+    chosen, total = _select(intact + viable, job.target_batch)
     if job.scheme is Scheme.NTP_PW and packing == "stable":
         chosen, total = _power_aware_selection(ctx, job, intact, viable, chosen, total)
     ids_in = {id(c) for c, _ in chosen}
@@ -325,109 +173,118 @@ def make_plan(
                 if g.degraded:
                     reasons.append(f"group {ctx.gid(g)} (a degraded GPU; alone it runs TP{g.usable} at pace "
                                    f"{g.pace:.2f}) stands by: groups at full speed (spares) give the target batch")
-    selected: list[_Candidate] = []
+    selected: list[Candidate] = []
     for c, used in chosen:
         c.batch = used
         selected.append(c)
+    return selected, total
 
-    # Replica ids: kept ones keep theirs; new ones take free ids (in order), then fresh ones.
-    used_ids = {c.home for c in selected if c.home is not None}
-    free = iter(sorted(i for i in free_ids if i not in used_ids) if packing == "stable" else free_ids)
-    next_new = max([job.replicas - 1, *free_ids, *used_ids]) + 1
-    replicas: list[ReplicaPlan] = []
-    caps: dict[str, float] = {}
-    spares_used: list[str] = []
-    ids, flat = ctx.ids, ctx.flat
-    # moved groups: (key, previous slot or None, new slot); placed_before: placed groups that had a slot
-    moved: list[tuple[tuple[int, int], tuple[int, int] | None, tuple[int, int]]] = []
-    placed_before = 0
-    for c in selected:
-        rid = c.home if c.home is not None else next(free, None)
-        if rid is None:
-            rid = next_new
-            next_new += 1
-        gps = []
-        for stage, (g, gtp, pr) in enumerate(zip(c.groups, c.group_tp, c.group_power, strict=True)):
-            if pr > 1.0 + 1e-12:
-                dg = ctx.domain(g).gpus
-                capped = False
-                for pos in ctx.local_positions(g, gtp):
-                    lim = dg[pos].power
-                    # whole milliwatts, rounded down (the 1e-6 absorbs float noise at the maximum)
-                    caps[dg[pos].uuid] = min(lim.max_w, math.floor(lim.nominal_w * pr * 1000 + 1e-6) / 1000)
-                    capped = capped or lim.base_w is not None
-                base = "base cap" if capped else "TDP"
-                pace = g.pace_at(gtp)
-                slow = f" at pace {pace:.2f} (degraded GPU)" if pace < 1.0 else ""
-                reasons.append(
-                    f"group {ctx.gid(g)}: TP{gtp}{slow} boosted to {pr:.3f}x {base} (needs speed "
-                    f"{job.speed_needed(gtp) / pace:.3f}x, gets {job.power.speed(pr):.3f}x)"
+
+class _Assembly:
+    """The selected candidates turned into the plan's replicas: replica ids, group records, power
+    caps, the spares in use, and (with a previous plan) what moved."""
+
+    def __init__(
+        self, ctx: Ctx, job: JobSpec, prev_slot: Mapping[tuple[int, int], tuple[int, int]] | None,
+        reasons: list[str],
+    ) -> None:
+        self.ctx, self.job, self.reasons = ctx, job, reasons
+        self.has_prev = prev_slot is not None
+        self.prev_slot = prev_slot or {}
+        self.replicas: list[ReplicaPlan] = []
+        self.caps: dict[str, float] = {}
+        self.spares_used: list[str] = []
+        # moved groups: (key, previous slot or None, new slot); placed_before: placed groups that had a slot
+        self.moved: list[tuple[tuple[int, int], tuple[int, int] | None, tuple[int, int]]] = []
+        self.placed_before = 0
+
+    def place(self, selected: list[Candidate], free_ids: list[int], packing: Packing) -> None:
+        """Replica ids: kept ones keep theirs; new ones take free ids (in order), then fresh ones."""
+        ctx, job = self.ctx, self.job
+        used_ids = {c.home for c in selected if c.home is not None}
+        free = iter(sorted(i for i in free_ids if i not in used_ids) if packing == "stable" else free_ids)
+        next_new = max([job.replicas - 1, *free_ids, *used_ids]) + 1
+        for c in selected:
+            rid = c.home if c.home is not None else next(free, None)
+            if rid is None:
+                rid = next_new
+                next_new += 1
+            gps = [
+                self._group(rid, stage, g, gtp, pr)
+                for stage, (g, gtp, pr) in enumerate(zip(c.groups, c.group_tp, c.group_power, strict=True))
+            ]
+            self.replicas.append(ReplicaPlan(rid, tuple(gps), c.tp, c.batch, c.batch / job.local_batch))
+            if c.stayers < len(c.groups) and (c.tp < job.tp or c.batch < job.local_batch):
+                self.reasons.append(
+                    f"replica {rid}: groups {', '.join(ctx.gid(g) for g in c.groups)} packed together at "
+                    f"TP{c.tp}, local batch {c.batch}/{job.local_batch}"
                 )
-            if g.spare:
-                spares_used.append(ctx.gid(g))
-            was = prev_slot.get((g.dpos, g.local)) if has_prev else None
-            gps.append(
-                GroupPlan(
-                    stage, gtp, g.usable, g.spare, pr, g.dpos, g.local, ctx.global_positions(g, gtp), ids, flat,
-                    None if was is None else was[0], None if was is None else was[1], g.pace_at(gtp),
-                )
-            )
-            if has_prev:
-                if was is not None:
-                    placed_before += 1
-                if was is None or was[0] != rid or was[1] != stage:
-                    moved.append(((g.dpos, g.local), was, (rid, stage)))
-        replicas.append(ReplicaPlan(rid, tuple(gps), c.tp, c.batch, c.batch / job.local_batch))
-        if c.stayers < len(c.groups) and (c.tp < T or c.batch < job.local_batch):
-            reasons.append(
-                f"replica {rid}: groups {', '.join(ctx.gid(g) for g in c.groups)} packed together at "
-                f"TP{c.tp}, local batch {c.batch}/{job.local_batch}"
-            )
-    replicas.sort(key=lambda r: r.replica_id)
-    if total < target:
-        reasons.append(f"global batch {total} is below the target {target} ({100 * total / target:.2f}%)")
-    if spares_used:
-        reasons.append(f"{len(spares_used)} spare group(s) in use")
-    moves = None
-    if has_prev:
-        sizes = job.stage_sizes()
+        self.replicas.sort(key=lambda r: r.replica_id)
+
+    def _group(self, rid: int, stage: int, g: WorkGroup, gtp: int, pr: float) -> GroupPlan:
+        ctx = self.ctx
+        if pr > 1.0 + 1e-12:
+            self._boost(g, gtp, pr)
+        if g.spare:
+            self.spares_used.append(ctx.gid(g))
+        was = self.prev_slot.get((g.dpos, g.local)) if self.has_prev else None
+        if self.has_prev:
+            if was is not None:
+                self.placed_before += 1
+            if was is None or was[0] != rid or was[1] != stage:
+                self.moved.append(((g.dpos, g.local), was, (rid, stage)))
+        return GroupPlan(
+            stage, gtp, g.usable, g.spare, pr, g.dpos, g.local, ctx.global_positions(g, gtp), ctx.ids, ctx.flat,
+            None if was is None else was[0], None if was is None else was[1], g.pace_at(gtp),
+        )
+
+    def _boost(self, g: WorkGroup, gtp: int, pr: float) -> None:
+        """Power caps for a boosted group's GPUs, and the reason."""
+        ctx, job = self.ctx, self.job
+        dg = ctx.domain(g).gpus
+        capped = False
+        for pos in ctx.local_positions(g, gtp):
+            lim = dg[pos].power
+            # whole milliwatts, rounded down (the 1e-6 absorbs float noise at the maximum)
+            self.caps[dg[pos].uuid] = min(lim.max_w, math.floor(lim.nominal_w * pr * 1000 + 1e-6) / 1000)
+            capped = capped or lim.base_w is not None
+        base = "base cap" if capped else "TDP"
+        pace = g.pace_at(gtp)
+        slow = f" at pace {pace:.2f} (degraded GPU)" if pace < 1.0 else ""
+        self.reasons.append(
+            f"group {ctx.gid(g)}: TP{gtp}{slow} boosted to {pr:.3f}x {base} (needs speed "
+            f"{job.speed_needed(gtp) / pace:.3f}x, gets {job.power.speed(pr):.3f}x)"
+        )
+
+    def move_summary(self, prev_unknown: int) -> MoveSummary | None:
+        """What moved relative to the previous plan (None without one), with its reasons."""
+        if not self.has_prev:
+            return None
+        moved, ids = self.moved, self.ctx.ids
+        sizes = self.job.stage_sizes()
         changing = [new for _, old, new in moved if old is None or old[1] != new[1]]
         moves = MoveSummary(
             moved=len(moved),
             stage_changed=len(changing),
             joined=sum(1 for _, old, _ in moved if old is None),
-            left=len(prev_slot) - placed_before + prev_unknown,
+            left=len(self.prev_slot) - self.placed_before + prev_unknown,
             bytes=None if sizes is None else sum(sizes[new[1]] for new in changing),
             moved_groups=tuple(f"{ids[k[0]]}/g{k[1]}" for k, _, _ in moved),
         )
-        reasons.append(moves.describe())
+        self.reasons.append(moves.describe())
         for (_, old, new), gid in zip(moved[:MAX_MOVE_REASONS], moves.moved_groups, strict=False):
             was_at = "newly placed" if old is None else f"replica {old[0]} stage {old[1]}"
-            reasons.append(f"group {gid}: {was_at} -> replica {new[0]} stage {new[1]}")
+            self.reasons.append(f"group {gid}: {was_at} -> replica {new[0]} stage {new[1]}")
         if len(moved) > MAX_MOVE_REASONS:
-            reasons.append(f"... and {len(moved) - MAX_MOVE_REASONS} more moved group(s)")
-
-    return Plan(
-        job=job.name,
-        scheme=job.scheme,
-        tp=T,
-        replicas=tuple(replicas),
-        dropped=tuple(dropped),
-        idle=tuple(idle),
-        spares_used=tuple(spares_used),
-        power_caps_w=caps,
-        global_batch=total,
-        target_batch=target,
-        reasons=tuple(reasons),
-        moves=moves,
-    )
+            self.reasons.append(f"... and {len(moved) - MAX_MOVE_REASONS} more moved group(s)")
+        return moves
 
 
 MAX_MOVE_REASONS = 20  # moved groups named one by one in a plan's reasons
 
 
 def _previous_slots(
-    ctx: _Ctx, previous: Plan | PreviousLayout | None, job: JobSpec, reasons: list[str]
+    ctx: Ctx, previous: Plan | PreviousLayout | None, job: JobSpec, reasons: list[str]
 ) -> tuple[dict[tuple[int, int], tuple[int, int]] | None, int]:
     """Previous (replica, stage) by (domain position, group index in its domain), and how many of
     its groups this cluster does not hold; (None, 0) without a usable previous plan."""
@@ -470,14 +327,14 @@ def _previous_slots(
 
 
 def _pack_stable(
-    ctx: _Ctx,
+    ctx: Ctx,
     job: JobSpec,
-    groups: list[_Group],
+    groups: list[WorkGroup],
     keep: list[bool],
     prev_slot: Mapping[tuple[int, int], tuple[int, int]],
     idle: list[SetAside],
     grants: dict[int, float],
-) -> tuple[list[_Candidate], list[_Candidate], list[int]]:
+) -> tuple[list[Candidate], list[Candidate], list[int]]:
     """Replicas with stage identity: (intact, repacked, ids of reference replicas).
 
     The reference is the previous plan, else the home layout. A reference replica whose P groups
@@ -488,13 +345,13 @@ def _pack_stable(
     T, P = job.tp, job.groups_per_replica
     n_primary = min(len(groups), job.primary_groups)
 
-    def ref(g: _Group) -> tuple[int, int] | None:
+    def ref(g: WorkGroup) -> tuple[int, int] | None:
         if prev_slot:
             slot = prev_slot.get((g.dpos, g.local))
             return slot if slot is not None and slot[1] < P else None
         return (g.order // P, g.order % P) if g.order < n_primary else None
 
-    rows: dict[int, list[_Group | None]] = {}
+    rows: dict[int, list[WorkGroup | None]] = {}
     if prev_slot:
         for g in groups:
             slot = ref(g)
@@ -505,15 +362,15 @@ def _pack_stable(
                 row[slot[1]] = g
     else:  # the home layout: replica r holds the job's groups r*P .. r*P+P-1
         for r in range(-(-n_primary // P)):
-            home: list[_Group | None] = [*groups[r * P : min((r + 1) * P, n_primary)]]
+            home: list[WorkGroup | None] = [*groups[r * P : min((r + 1) * P, n_primary)]]
             rows[r] = home + [None] * (P - len(home))
-    intact: list[_Candidate] = []
+    intact: list[Candidate] = []
     in_intact: set[int] = set()
     for rid in sorted(rows):
         members = rows[rid]
         if all(g is not None and keep[g.order] and g.usable == T and g.pace == 1.0 for g in members):
             full = [g for g in members if g is not None]
-            intact.append(_Candidate(full, rid, P))
+            intact.append(Candidate(full, rid, P))
             in_intact.update(g.order for g in full)
     pool = [g for g in groups if keep[g.order] and g.order not in in_intact]
     keys = _packing_keys(ctx, job, pool, grants)
@@ -521,7 +378,7 @@ def _pack_stable(
     items = [Item(i, keys[i], ref(g), slack[i]) for i, g in enumerate(pool)]
     sizes = job.stage_sizes()
     blocks, left = pack(items, P, None if sizes is None else [sizes[s] for s in range(P)])
-    repacked = [_Candidate([pool[i] for i in b.slots], b.rid, b.stayers) for b in blocks]
+    repacked = [Candidate([pool[i] for i in b.slots], b.rid, b.stayers) for b in blocks]
     idle.extend(ctx.aside(pool[i], f"too few usable groups to fill a replica of {P}") for i in left)
     stale = {pool[i].dpos for i in left if pool[i].usable < T or pool[i].pace < 1.0}
     if stale:
@@ -531,10 +388,10 @@ def _pack_stable(
     return intact, repacked, free_ids
 
 
-def _select(cands: list[_Candidate], target: int) -> tuple[list[tuple[_Candidate, int]], int]:
+def _select(cands: list[Candidate], target: int) -> tuple[list[tuple[Candidate, int]], int]:
     """Candidates in order until `target` samples are reached, each with the batch it runs (the
     last one trimmed to land on the target exactly), and the total."""
-    out: list[tuple[_Candidate, int]] = []
+    out: list[tuple[Candidate, int]] = []
     total = 0
     for c in cands:
         if total >= target:
@@ -546,13 +403,13 @@ def _select(cands: list[_Candidate], target: int) -> tuple[list[tuple[_Candidate
 
 
 def _power_aware_selection(
-    ctx: _Ctx,
+    ctx: Ctx,
     job: JobSpec,
-    intact: list[_Candidate],
-    viable: list[_Candidate],
-    chosen: list[tuple[_Candidate, int]],
+    intact: list[Candidate],
+    viable: list[Candidate],
+    chosen: list[tuple[Candidate, int]],
     total: int,
-) -> tuple[list[tuple[_Candidate, int]], int]:
+) -> tuple[list[tuple[Candidate, int]], int]:
     """Under ntp-pw, give the power of reduced groups that will not run to their selected rack-mates.
 
     Two kinds of groups do not run: those of replicas standing by, and possibly those of the last
@@ -593,7 +450,7 @@ def _power_aware_selection(
     return chosen, total
 
 
-def _regrant_selected(ctx: _Ctx, job: JobSpec, selected: list[_Candidate], others: list[_Candidate]) -> bool:
+def _regrant_selected(ctx: Ctx, job: JobSpec, selected: list[Candidate], others: list[Candidate]) -> bool:
     """Grant power again, among the selected replicas' reduced groups only, in the racks where a
     reduced group of a replica in `others` (not selected) held a grant. Batches of the selected
     replicas are recomputed; returns whether any rose. Removing requests from a water-filling never
@@ -626,12 +483,12 @@ def _regrant_selected(ctx: _Ctx, job: JobSpec, selected: list[_Candidate], other
     return rose
 
 
-def _boostable(g: _Group, t: int, T: int) -> bool:
+def _boostable(g: WorkGroup, t: int, T: int) -> bool:
     """Whether a group running `t` members asks its rack for power (ntp-pw): reduced, or slow."""
     return t < T or g.pace_at(t) < 1.0
 
 
-def _pw_batch(job: JobSpec, c: _Candidate) -> int:
+def _pw_batch(job: JobSpec, c: Candidate) -> int:
     """Local batch of an ntp-pw replica: each group at its own degree, its GPUs at their power's
     speed times the group's pace (a degraded member slows its group)."""
     batch = job.local_batch
@@ -641,7 +498,7 @@ def _pw_batch(job: JobSpec, c: _Candidate) -> int:
     return batch
 
 
-def _rack_slack(job: JobSpec, pool: list[_Group]) -> list[int]:
+def _rack_slack(job: JobSpec, pool: list[WorkGroup]) -> list[int]:
     """Under ntp-pw, 0 for a reduced group whose rack holds another reduced group of the pool (they
     share the rack's spare power), else 1; all 1 under the other schemes (no power is shared)."""
     if job.scheme is not Scheme.NTP_PW:
@@ -653,7 +510,7 @@ def _rack_slack(job: JobSpec, pool: list[_Group]) -> list[int]:
     return [0 if (g.usable < job.tp or g.pace < 1.0) and reduced[g.dpos] > 1 else 1 for g in pool]
 
 
-def _packing_keys(ctx: _Ctx, job: JobSpec, pool: list[_Group], grants: dict[int, float]) -> list[int]:
+def _packing_keys(ctx: Ctx, job: JobSpec, pool: list[WorkGroup], grants: dict[int, float]) -> list[int]:
     """What a replica is worth is the lowest key of its groups: all equal under dp-drop (only full
     groups are kept), the usable count under ntp (the replica runs at its lowest), and under ntp-pw
     the local batch the group's power grant allows (each group runs at its own degree, boosted
@@ -685,45 +542,45 @@ def _packing_keys(ctx: _Ctx, job: JobSpec, pool: list[_Group], grants: dict[int,
 
 
 def _pack_sorted(
-    ctx: _Ctx, job: JobSpec, groups: list[_Group], keep: list[bool], idle: list[SetAside]
-) -> tuple[list[_Candidate], list[_Candidate], list[int]]:
+    ctx: Ctx, job: JobSpec, groups: list[WorkGroup], keep: list[bool], idle: list[SetAside]
+) -> tuple[list[Candidate], list[Candidate], list[int]]:
     """The packer before stage identity: intact home replicas stay, every other usable group is
     sorted by usable count and the list is cut into replicas (a group's stage is its position)."""
     T, P = job.tp, job.groups_per_replica
-    intact: list[_Candidate] = []
-    pool: list[_Group] = []
+    intact: list[Candidate] = []
+    pool: list[WorkGroup] = []
     broken_homes: list[int] = []
     n_primary = min(len(groups), job.primary_groups)
     for r in range(job.replicas):
         members = groups[r * P : (r + 1) * P] if (r + 1) * P <= n_primary else None
         if members is not None and all(g.usable == T and g.pace == 1.0 for g in members):
-            intact.append(_Candidate(members, r, P))
+            intact.append(Candidate(members, r, P))
         else:
             broken_homes.append(r)
             lo, hi = r * P, min((r + 1) * P, n_primary)
             pool.extend(g for g in groups[lo:hi] if keep[g.order])
     pool.extend(g for g in groups[n_primary:] if keep[g.order])
     pool.sort(key=lambda g: (-g.usable, g.order))
-    repacked = [_Candidate(pool[i : i + P], None) for i in range(0, len(pool) - P + 1, P)]
+    repacked = [Candidate(pool[i : i + P], None) for i in range(0, len(pool) - P + 1, P)]
     idle.extend(ctx.aside(g, f"too few usable groups to fill a replica of {P}") for g in pool[len(repacked) * P :])
     return intact, repacked, broken_homes
 
 
 def _pack_none(
-    ctx: _Ctx, job: JobSpec, groups: list[_Group], keep: list[bool], idle: list[SetAside]
-) -> tuple[list[_Candidate], list[_Candidate], list[int]]:
+    ctx: Ctx, job: JobSpec, groups: list[WorkGroup], keep: list[bool], idle: list[SetAside]
+) -> tuple[list[Candidate], list[Candidate], list[int]]:
     """No repacking: home replica r is the job's groups r*P .. r*P+P-1, whatever their health. A
     replica with a dropped group (dp-drop: any unusable GPU; ntp: below min_tp) is idle whole."""
     T, P = job.tp, job.groups_per_replica
-    intact: list[_Candidate] = []
-    reduced: list[_Candidate] = []
+    intact: list[Candidate] = []
+    reduced: list[Candidate] = []
     n_primary = min(len(groups), job.primary_groups)
     for r in range(n_primary // P):
         members = groups[r * P : (r + 1) * P]
         if all(g.usable == T and g.pace == 1.0 for g in members):
-            intact.append(_Candidate(members, r, P))
+            intact.append(Candidate(members, r, P))
         elif all(keep[g.order] for g in members):
-            reduced.append(_Candidate(members, r, P))
+            reduced.append(Candidate(members, r, P))
         else:
             bad = next(g for g in members if not keep[g.order])
             idle.extend(
@@ -733,85 +590,8 @@ def _pack_none(
     return intact, reduced, []
 
 
-def _job_domain_positions(cluster: Cluster, job: JobSpec) -> Sequence[int]:
-    """Positions of the job's domains in the cluster, in the job's order."""
-    if not job.domains:
-        return range(len(cluster.domain_sizes))
-    idx = cluster.domain_index
-    for did in job.domains:
-        if did not in idx:
-            raise PlanError(f"job {job.name!r} names unknown domain {did!r}")
-    return [idx[did] for did in job.domains]
-
-
-def _enumerate_groups(
-    ctx: _Ctx, job: JobSpec, positions: Sequence[int], want: int, reasons: list[str], history: _History
-) -> list[_Group]:
-    """The job's groups in order. A group with degraded (slow) usable members keeps them or drops
-    the slowest, by planner/slow.py; under dp-drop (uniform TP, no batch to shrink) a degraded GPU
-    counts as unusable."""
-    T = ctx.tp
-    n_primary = job.primary_groups
-    sizes = ctx.cluster.domain_sizes
-    unhealthy = ctx.cluster.unhealthy_domains
-    groups: list[_Group] = []
-    for dpos in positions:
-        if len(groups) >= want:
-            break
-        size = sizes[dpos]
-        k = size // T
-        if k == 0:
-            reasons.append(f"domain {ctx.ids[dpos]} has {size} GPUs, fewer than tp {T}: not used")
-            continue
-        if dpos not in unhealthy:  # fast path: the domain object itself is not touched
-            for j in range(k):
-                o = len(groups)
-                groups.append(_Group(o, dpos, j, None, T, o >= n_primary))
-            continue
-        dom = ctx.cluster.domains[dpos]
-        bad, slow = dom.unplaceable, dom.slow
-        if slow and job.scheme is Scheme.DP_DROP:
-            bad = bad | frozenset(slow)
-            reasons.extend(f"dp-drop: degraded GPU {dom.gpus[p].uuid} (speed {v:.2f}) counts as unusable"
-                           for p, v in slow.items() if p < k * T)
-            slow = {}
-        # In-domain spares (positions past the last full group) fill unusable slots in order.
-        local_spares = [p for p in range(k * T, size) if p not in bad]
-        for j in range(k):
-            if len(groups) >= want:
-                break
-            o = len(groups)
-            home = range(j * T, (j + 1) * T)
-            if not bad.intersection(home) and not any(p in slow for p in home):
-                groups.append(_Group(o, dpos, j, None, T, o >= n_primary))
-                continue
-            picked = []
-            for p in home:
-                if p not in bad:
-                    picked.append(p)
-                elif local_spares:
-                    picked.append(local_spares.pop(0))
-            speeds = [slow.get(p, 1.0) for p in picked]
-            if not speeds or min(speeds) == 1.0 or len(picked) < job.min_tp:
-                groups.append(_Group(o, dpos, j, tuple(picked), len(picked), o >= n_primary))
-                continue
-            gid = f"{ctx.ids[dpos]}/g{j}"
-            names = [dom.gpus[p].uuid for p in picked]
-            cap = job.power.max_boost
-            if job.scheme is Scheme.NTP_PW:
-                cap = min([cap] + [dom.gpus[p].power.max_w / dom.gpus[p].power.nominal_w for p in picked])
-            slow_names = [u for u, v in zip(names, speeds, strict=True) if v < 1.0]
-            choice = choose(job, gid, names, speeds, boost_cap=cap, was_excluded=history.excluded(gid, slow_names))
-            reasons.append(choice.reason)
-            kept = [picked[i] for i in choice.kept]
-            kept_speeds = tuple(speeds[i] for i in choice.kept)
-            groups.append(_Group(o, dpos, j, tuple(kept), len(kept), o >= n_primary, choice.pace,
-                                 kept_speeds if choice.pace < 1.0 else None, True))
-    return groups[:want]
-
-
 def _size_repacked(
-    ctx: _Ctx, job: JobSpec, repacked: list[_Candidate], known: Mapping[int, float] | None = None
+    ctx: Ctx, job: JobSpec, repacked: list[Candidate], known: Mapping[int, float] | None = None
 ) -> None:
     """Set TP degrees, power ratios and local batches of repacked replicas, by scheme. `known`:
     power ratios already granted (group order -> ratio) for racks whose reduced groups are exactly

@@ -21,7 +21,7 @@ class PlanError(ValueError):
 
 # The NTP paper's measured power points for a GPU under a training load: 1.1x power costs 2.8% of
 # perf/W and 1.2x power 6.5%, i.e. speed 1.1 x 0.972 = 1.069x and 1.2 x 0.935 = 1.122x
-# (REFERENCE.md section 1). Beyond 1.2x nothing was measured, so a curve ending here credits no
+# (docs/references.md, "NTP: the power curve"). Beyond 1.2x nothing was measured, so a curve ending here credits no
 # speed for more power (the allocator never grants power past the last point).
 PAPER_POWER_CURVE: tuple[tuple[float, float], ...] = ((1.0, 1.0), (1.1, 1.069), (1.2, 1.122))
 

@@ -30,7 +30,7 @@ The model, per step (every term is stated so that it can be argued with):
   parameters over the DP ranks, (dp-1)/dp x 2 bytes x parameters per GPU each, over the scale-out
   network; the reduce-scatter overlaps the last microbatch's backward, the all-gather the first
   forward, and only what sticks out counts. Under NTP a stage whose sync runs at degree t_sync < T
-  moves T/t_sync as many bytes per core rank (REFERENCE.md section 1).
+  moves T/t_sync as many bytes per core rank (docs/references.md).
 - Memory decides what fits: bf16 weights + fp32 gradients (6 bytes per parameter of the rank's
   shard), the optimizer's 12 bytes per parameter divided over DP, and activations 34 s h / t bytes
   per layer and microbatch in flight (selective recomputation, Korthikanti et al.) or 2 s h / t with
@@ -58,7 +58,7 @@ class StepModelError(ValueError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A dense decoder-only transformer. Defaults: the NTP paper's 480B model (REFERENCE.md)."""
+    """A dense decoder-only transformer. Defaults: the NTP paper's 480B model (docs/references.md)."""
 
     layers: int = 100
     hidden: int = 20_480

@@ -108,7 +108,7 @@ def plan_throughput(plan: Plan, job: JobSpec) -> float:
     With one (JobSpec.step_model): (global batch / target) x healthy step / the plan's step, where a
     step is the slowest replica's pipeline (each group at its own degree and power) plus the DP sync
     over the plan's replicas, whose bytes per core rank grow by T / t for the lowest degree t in the
-    plan (the NTP sync, REFERENCE.md section 1)."""
+    plan (the NTP sync, docs/references.md)."""
     sm = job.step_model
     if sm is None:
         return plan.relative_throughput

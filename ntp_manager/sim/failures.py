@@ -2,7 +2,7 @@
 
 Seeded and reproducible: every random draw comes from the `random.Random` passed in.
 
-Defaults follow the Llama 3 report (REFERENCE.md section 5): 419 unexpected interruptions in 54
+Defaults follow the Llama 3 report (docs/references.md, "Failure rates"): 419 unexpected interruptions in 54
 days on 16,384 GPUs, i.e. about 1.97e-5 failures per GPU-hour; 78% hardware (repaired in 3 or 5
 days), 22% software (3 hours). Failures arrive as a Poisson process over the whole cluster; each
 one hits a uniformly chosen GPU that is not already failed and, with the blast-radius

@@ -1,6 +1,6 @@
 """Named simulation set-ups.
 
-paper-32k     the NTP paper's evaluation (REFERENCE.md section 1): 32,768 GPUs in 1,024 NVL32
+paper-32k     the NTP paper's evaluation (docs/references.md): 32,768 GPUs in 1,024 NVL32
               domains, healthy TP32 (reduced down to TP28), 8 TP groups per replica -> 128 replicas,
               128 heads, 81,920 MLP columns, 1,024 sequences per step (local batch 8), Llama 3 failure
               rates, 3-day hardware repair (5 with --repair-days 5), 3-hour software repair.

@@ -2,9 +2,11 @@
 
 SQLite (aiosqlite) is the embedded default: WAL journal, synchronous=FULL (an acknowledged write
 survives a SIGKILL or power loss), foreign keys on. PostgreSQL (asyncpg) is the production store.
-Migrations are Alembic's, in the package (`ntp_manager/store/migrations/`, found through
-importlib.resources, so an installed wheel carries them); `upgrade()` runs them on an open async
-connection so it works both from the CLI and inside the running manager.
+Migrations are Alembic's, in `migrations/` at the top of the repository (where Alembic users look;
+`alembic upgrade head` works from a checkout with the root's alembic.ini). The manager's wheel
+carries them as the package `ntp_manager.migrations` (setup.py maps it onto that directory; an
+editable install does too), found here through importlib.resources; `upgrade()` runs them on an
+open async connection so it works both from the CLI and inside the running manager.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from ntp_manager.jsontext import StoredJson
 
 # a directory on disk (Alembic reads env.py and versions/ from it): the package is installed unzipped
-MIGRATIONS = Path(str(resources.files("ntp_manager.store") / "migrations"))
+MIGRATIONS = Path(str(resources.files("ntp_manager.migrations")))
 
 
 _ENCODER = json.JSONEncoder(allow_nan=False)  # one for all (json.dumps builds one per call given allow_nan)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,48 +180,90 @@ def apply_reshard(
             if list(mod.units) != list(held[families[path]]):
                 raise ValueError(f"rank {rank}'s {path} holds units {list(mod.units)} but the old layout gives it "
                                  f"{list(held[families[path]])}: resharding by that layout would move wrong values")
-    state = optimizer.state
-    # a tied weight (one Parameter in two shards) moves with its first holder only
-    first: dict[int, tuple[str, str]] = {}
-    for path, mod in mods:
-        for name, p, _ in mod.sharded_params():
-            first.setdefault(id(p), (path, name))
-    owner = {(path, name) for path, name in first.values()}
-
-    def tensors_of(path: str, mod: ShardedModule) -> list[tuple[str, torch.Tensor, int]]:
-        out = []
-        for name, p, dim in mod.sharded_params():
-            if (path, name) not in owner:
-                continue
-            out.append((name, p.detach(), dim))
-            st = state.get(p, {})
-            out += [(f"{name}.{k}", st[k], dim) for k in STATE_KEYS if k in st]
-        return out
-
+    tensors = _Tensors(mods, optimizer.state)
     # every sharded tensor of a family, in module order (the same on every rank)
-    fam_tensors: dict[str, list[tuple[Any, str, torch.Tensor, int]]] = {f: [] for f in new.units}
+    fam_tensors: dict[str, list[_Entry]] = {f: [] for f in new.units}
     for path, mod in mods:
-        fam_tensors[families[path]] += [(mod, name, t, dim) for name, t, dim in tensors_of(path, mod)]
+        fam_tensors[families[path]] += [(mod, name, t, dim) for name, t, dim in tensors.of(path, mod)]
 
     in_new = _in(new, rank)
     new_units = new.units_of(rank) if in_new else {}
-    # the new tensors: a tensor whose unit list does not change is kept as it is
+    new_tensors = _new_tensors(fam_tensors, new_units, rank in alive) if in_new else {}
+    ops = _move_ops(moves, old, new, rank, fam_tensors, new_tensors)
+    # coalesced: one byte stream per peer pair and direction, in bounded chunks (one message per
+    # chunk; on NCCL one group call per round, so no order of moves can deadlock); else one
+    # message per slice (on NCCL one group call for all)
+    flat = comm.FlatExchange(ops, group).start() if comm.coalescing() else None
+    reqs = comm.exchange(ops, group) if flat is None else []
+    if in_new and rank in alive:
+        _local_copies(fam_tensors, new_tensors, new_units)
+    for r in reqs:
+        r.wait()
+    if flat is not None:
+        flat.wait()
+
+    if not in_new:
+        return optimizer
+    rebuilt, new_state = _rebuild_modules(model, mods, families, new_units, new_tensors, tensors, tp_group)
+    _regroup_optimizer(model, optimizer, rebuilt, new_state)
+    if freed is not None:
+        for f, entries in fam_tensors.items():
+            for (_, _, t, _), nt in zip(entries, new_tensors[f], strict=True):
+                whole = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+                if nt is not t and whole:
+                    freed.append(torch.as_strided(t, (t.numel(),), (1,), 0))
+    return optimizer
+
+
+_Entry = tuple[Any, str, torch.Tensor, int]  # (module, tensor name, tensor, unit dim)
+
+
+class _Tensors:
+    """The sharded tensors a module moves: its parameters and their optimizer state. A tied weight
+    (one Parameter in two shards) moves with its first holder only."""
+
+    def __init__(self, mods: list[tuple[str, ShardedModule]], state: Mapping[Any, Any]) -> None:
+        self.state = state
+        first: dict[int, tuple[str, str]] = {}
+        for path, mod in mods:
+            for name, p, _ in mod.sharded_params():
+                first.setdefault(id(p), (path, name))
+        self.owner = {(path, name) for path, name in first.values()}
+
+    def of(self, path: str, mod: ShardedModule) -> list[tuple[str, torch.Tensor, int]]:
+        out = []
+        for name, p, dim in mod.sharded_params():
+            if (path, name) not in self.owner:
+                continue
+            out.append((name, p.detach(), dim))
+            st = self.state.get(p, {})
+            out += [(f"{name}.{k}", st[k], dim) for k in STATE_KEYS if k in st]
+        return out
+
+
+def _new_tensors(fam_tensors: Mapping[str, list[_Entry]], new_units: Mapping[str, Sequence[int]],
+                 alive: bool) -> dict[str, list[torch.Tensor]]:
+    """The new tensors: a tensor whose unit list does not change is kept as it is."""
     new_tensors: dict[str, list[torch.Tensor]] = {}
-    for f, entries in fam_tensors.items() if in_new else ():
+    for f, entries in fam_tensors.items():
         target = new_units[f]
         new_tensors[f] = []
         for mod, _, t, dim in entries:
-            if rank in alive and list(mod.units) == list(target):
+            if alive and list(mod.units) == list(target):
                 new_tensors[f].append(t)
                 continue
             shape = list(t.shape)
             shape[dim] = len(target) * mod.unit_size
             new_tensors[f].append(unit_major_empty(shape, dim, t))
+    return new_tensors
 
-    # Messages first, so that they move while the local copies run. A move is cut into stretches
-    # of units that are consecutive both in the source's old list and in the destination's new
-    # one (both sides compute the same cut from the layouts); each stretch of each tensor is one
-    # message, sent from and received into the tensors themselves where the slice is contiguous.
+
+def _move_ops(moves: list[Move], old: SyncLayout, new: SyncLayout, rank: int,
+              fam_tensors: Mapping[str, list[_Entry]], new_tensors: Mapping[str, list[torch.Tensor]]) -> list[P2P]:
+    """Messages first, so that they move while the local copies run. A move is cut into stretches
+    of units that are consecutive both in the source's old list and in the destination's new
+    one (both sides compute the same cut from the layouts); each stretch of each tensor is one
+    message, sent from and received into the tensors themselves where the slice is contiguous."""
     ops: list[P2P] = []
     for mv in moves:
         if mv.src == mv.dst or rank not in (mv.src, mv.dst):
@@ -238,33 +280,34 @@ def apply_reshard(
                     view = unit_slice(new_tensors[mv.family][k], dim, b * us, n * us)
                     assert view.is_contiguous()  # received into a tensor made unit-major above
                     ops.append(P2P(False, view, mv.src))
-    # coalesced: one byte stream per peer pair and direction, in bounded chunks (one message per
-    # chunk; on NCCL one group call per round, so no order of moves can deadlock); else one
-    # message per slice (on NCCL one group call for all)
-    flat = comm.FlatExchange(ops, group).start() if comm.coalescing() else None
-    reqs = comm.exchange(ops, group) if flat is None else []
-    if in_new and rank in alive:
-        for f, entries in fam_tensors.items():
-            tpos = {u: i for i, u in enumerate(new_units[f])}
-            stretches: dict[tuple[int, ...], list[tuple[int, int, int]]] = {}  # a family's modules share units
-            for (mod, _, t, dim), nt in zip(entries, new_tensors[f], strict=True):
-                if nt is t:
-                    continue
-                key = tuple(mod.units)
-                if key not in stretches:
-                    pos = {u: i for i, u in enumerate(key)}
-                    kept = [u for u in new_units[f] if u in pos]
-                    stretches[key] = _runs([pos[u] for u in kept], [tpos[u] for u in kept])
-                _copy_stretches(nt, t, dim, mod.unit_size, stretches[key])
-    for r in reqs:
-        r.wait()
-    if flat is not None:
-        flat.wait()
+    return ops
 
-    if not in_new:
-        return optimizer
 
-    # rebuild the sharded modules and the optimizer state from the new tensors
+def _local_copies(fam_tensors: Mapping[str, list[_Entry]], new_tensors: Mapping[str, list[torch.Tensor]],
+                  new_units: Mapping[str, Sequence[int]]) -> None:
+    """The units a rank keeps, copied from its old tensors into its new ones."""
+    for f, entries in fam_tensors.items():
+        tpos = {u: i for i, u in enumerate(new_units[f])}
+        stretches: dict[tuple[int, ...], list[tuple[int, int, int]]] = {}  # a family's modules share units
+        for (mod, _, t, dim), nt in zip(entries, new_tensors[f], strict=True):
+            if nt is t:
+                continue
+            key = tuple(mod.units)
+            if key not in stretches:
+                pos = {u: i for i, u in enumerate(key)}
+                kept = [u for u in new_units[f] if u in pos]
+                stretches[key] = _runs([pos[u] for u in kept], [tpos[u] for u in kept])
+            _copy_stretches(nt, t, dim, mod.unit_size, stretches[key])
+
+
+def _rebuild_modules(
+    model: nn.Module, mods: list[tuple[str, ShardedModule]], families: Mapping[str, str],
+    new_units: Mapping[str, Sequence[int]], new_tensors: Mapping[str, list[torch.Tensor]], tensors: _Tensors,
+    tp_group: Any,
+) -> tuple[dict[int, nn.Parameter], dict[nn.Parameter, dict[str, Any]]]:
+    """Rebuild the sharded modules and their optimizer state from the new tensors. Returns (id of
+    an old Parameter -> its rebuilt one, rebuilt Parameter -> its moved state)."""
+    state = tensors.state
     new_state: dict[nn.Parameter, dict[str, Any]] = {}
     step = next((s["step"] for s in state.values() if "step" in s), None)
     made = {f: iter(ts) for f, ts in new_tensors.items()}
@@ -272,7 +315,7 @@ def apply_reshard(
     for path, mod in mods:
         fam = families[path]
         units = new_units[fam]
-        pieces = {name: next(made[fam]) for name, _, _ in tensors_of(path, mod)}
+        pieces = {name: next(made[fam]) for name, _, _ in tensors.of(path, mod)}
         olds = {name: p for name, p, _ in mod.sharded_params()}
         fresh = mod.with_units(units, {name: pieces[name] if name in pieces else rebuilt[id(p)]
                                        for name, p in olds.items()}, tp_group)
@@ -287,12 +330,18 @@ def apply_reshard(
                 new_state[p] = st
         parent_path, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent_path) if parent_path else model, name, fresh)
-    for mod in model.modules():
-        if isinstance(mod, ShardedModule):
-            mod.group = tp_group
-    # the same optimizer object: each parameter group now lists the rebuilt parameters of the
-    # old ones it held, in the model's order (a parameter in no group stays in none); replicated
-    # parameters keep their state, sharded ones get the moved state
+    for m in model.modules():
+        if isinstance(m, ShardedModule):
+            m.group = tp_group
+    return rebuilt, new_state
+
+
+def _regroup_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, rebuilt: Mapping[int, nn.Parameter],
+                       new_state: Mapping[nn.Parameter, dict[str, Any]]) -> None:
+    """The same optimizer object: each parameter group now lists the rebuilt parameters of the old
+    ones it held, in the model's order (a parameter in no group stays in none); replicated
+    parameters keep their state, sharded ones get the moved state."""
+    state = optimizer.state
     old_of = {id(p): old for old, p in rebuilt.items()}
     group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
     groups: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
@@ -309,10 +358,3 @@ def apply_reshard(
     for g, ps in zip(optimizer.param_groups, groups, strict=True):
         g["params"] = ps
     optimizer.state = moved
-    if freed is not None:
-        for f, entries in fam_tensors.items():
-            for (_, _, t, _), nt in zip(entries, new_tensors[f], strict=True):
-                whole = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-                if nt is not t and whole:
-                    freed.append(torch.as_strided(t, (t.numel(),), (1,), 0))
-    return optimizer

@@ -7,7 +7,7 @@ from the step's environment and its node's agent:
   the step got, numbered as Slurm numbers them: 0..n-1 in gres.conf device-file order, which is the
   order of the devices' minor numbers (/dev/nvidia<minor>) when gres.conf lists all of the node's
   GPUs (AutoDetect=nvml does). The node's agent writes its GPUs with their minor numbers to its
-  state file (ntp_manager/agent/state.py; `--agent-state`, `{node}` = SLURMD_NODENAME), so Slurm's number i is
+  state file (agent/ntp_agent/state.py; `--agent-state`, `{node}` = SLURMD_NODENAME), so Slurm's number i is
   the agent's GPU with the i-th lowest minor number, whose UUID is the rank's worker id. A state
   file of another node, a GPU without a minor number, or a number past the node's GPUs is refused
   before anything starts: a wrong mapping would have the manager reshard around the wrong GPU.

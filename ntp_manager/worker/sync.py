@@ -1,4 +1,5 @@
-"""NTP gradient synchronisation between DP replicas of different TP degrees (REFERENCE.md section 1).
+"""NTP gradient synchronisation between DP replicas of different TP degrees
+(docs/references.md, "NTP: units and the gradient sync").
 
 A core rank i's chunk buffer holds, for every sharded tensor of every unit family (heads, MLP
 columns), that tensor's slice for all of sync chunk i, laid out unit-major like the shards

@@ -14,7 +14,7 @@ from typing import Any
 
 import asyncpg
 
-from ntp_manager.agent.core import Agent
+from ntp_agent.core import Agent
 from ntp_manager.manager_process import ManagerProcess
 from ntp_manager.store import write_log
 from tests.fakes.partition import Partition

@@ -6,9 +6,9 @@ import asyncio
 import contextlib
 from pathlib import Path
 
-from ntp_manager.agent.backends.fake import FakeBackend, parse_scenario
-from ntp_manager.agent.core import Agent, AgentConfig
-from ntp_manager.agent.local import FakeFleet, FakeNode
+from ntp_agent.backends.fake import FakeBackend, parse_scenario
+from ntp_agent.core import Agent, AgentConfig
+from ntp_agent.local import FakeFleet, FakeNode
 from tests.fakes.procs import free_port
 from tests.integration.conftest import Service, eventually, running_service
 

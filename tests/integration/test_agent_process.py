@@ -26,7 +26,7 @@ async def test_agent_process_reports_and_exposes_metrics(sqlite_service: Service
     )
     mport = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ntp_manager.agent.main", "--manager", svc.grpc, "--token-file", str(token),
+        [sys.executable, "-m", "ntp_agent.main", "--manager", svc.grpc, "--token-file", str(token),
          "--backend", "fake", "--scenario", str(scenario), "--metrics-port", str(mport)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -69,7 +69,7 @@ async def test_a_hung_gpu_is_failed_alone_and_its_node_keeps_heartbeating(sqlite
     scenario.write_text("seed: 9\nnode: hang-node\ndomain: nvl-9\ngpus: 4\n"
                         "faults:\n  - {at: 1.0, gpu: 2, kind: hang}\n")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ntp_manager.agent.main", "--manager", svc.grpc, "--token-file", str(token),
+        [sys.executable, "-m", "ntp_agent.main", "--manager", svc.grpc, "--token-file", str(token),
          "--backend", "fake", "--scenario", str(scenario)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "NTP_AGENT_GPU_CALL_TIMEOUT_S": "0.5", "NTP_AGENT_HEARTBEAT_INTERVAL_S": "0.3"},

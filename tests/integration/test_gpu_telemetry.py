@@ -8,8 +8,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from ntp_manager.agent.backends.nvml import NvmlBackend
-from ntp_manager.agent.core import Agent, AgentConfig
+from ntp_agent.backends.nvml import NvmlBackend
+from ntp_agent.core import Agent, AgentConfig
 from tests.fakes.fake_pynvml import Device, make
 from tests.integration.conftest import Service, eventually
 

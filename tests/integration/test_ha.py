@@ -32,8 +32,8 @@ import asyncpg
 import httpx
 import pytest
 
-from ntp_manager.agent.backends.fake import FakeBackend, parse_scenario
-from ntp_manager.agent.core import Agent, AgentConfig
+from ntp_agent.backends.fake import FakeBackend, parse_scenario
+from ntp_agent.core import Agent, AgentConfig
 from ntp_manager.manager_process import ManagerProcess
 from ntp_manager.service.manager import Manager
 from ntp_manager.settings import Settings

@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from ntp_manager.agent.local import FakeFleet, FakeNode
+from ntp_agent.local import FakeFleet, FakeNode
 from ntp_manager.service.operations.slurm_policy import MARKER
 from ntp_manager.worker.env import pid_key, progress_key
 from ntp_manager.worker.slurm_env import expand_hostlist

@@ -14,8 +14,8 @@ import grpc
 import pytest
 from sqlalchemy import select
 
-from ntp_manager.agent.backends.fake import FakeBackend, parse_scenario
-from ntp_manager.agent.core import Agent, AgentConfig
+from ntp_agent.backends.fake import FakeBackend, parse_scenario
+from ntp_agent.core import Agent, AgentConfig
 from ntp_manager.contract.proto.ntp.v1 import worker_pb2, worker_pb2_grpc
 from ntp_manager.store.models import AuditRow
 from tests.fakes.agent_client import ScriptedAgent, gpu_uuids

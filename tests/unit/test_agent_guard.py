@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from ntp_manager.agent.backends.fake import FakeBackend, parse_scenario
-from ntp_manager.agent.core import Agent, AgentConfig
-from ntp_manager.agent.guard import GpuHung, GuardedBackend
+from ntp_agent.backends.fake import FakeBackend, parse_scenario
+from ntp_agent.core import Agent, AgentConfig
+from ntp_agent.guard import GpuHung, GuardedBackend
 
 TIMEOUT_S = 0.3
 

@@ -1,4 +1,4 @@
-"""The agent's state file (ntp_manager/agent/state.py) and the two commands that read the node through it for
+"""The agent's state file (agent/ntp_agent/state.py) and the two commands that read the node through it for
 Slurm: `ntp-agent health` (HealthCheckProgram, prolog) and `ntp-agent power-reset` (epilog)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from ntp_manager.agent.backends.fake import FakeBackend, parse_scenario
-from ntp_manager.agent.core import Agent, AgentConfig
-from ntp_manager.agent.state import StateError, judge, read_state, write_state
+from ntp_agent.backends.fake import FakeBackend, parse_scenario
+from ntp_agent.core import Agent, AgentConfig
+from ntp_agent.state import StateError, judge, read_state, write_state
 
 NOW = 1_800_000_000.0
 
@@ -79,7 +79,7 @@ def test_the_agent_writes_its_gpus_minors_and_verdicts(tmp_path: Path) -> None:
 
 
 def _agent(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ntp_manager.agent.main", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ntp_agent.main", *args], capture_output=True, text=True,
                           timeout=60)
 
 

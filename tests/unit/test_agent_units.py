@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from ntp_manager.agent.backends.base import GpuStatic
-from ntp_manager.agent.backends.fake import FakeBackend, ScenarioError, parse_scenario
-from ntp_manager.agent.policy import GpuEvidence, HealthPolicy, PolicyError, Thresholds, XidAction, XidPolicy
-from ntp_manager.agent.power import PowerController, base_target_mw
+from ntp_agent.backends.base import GpuStatic
+from ntp_agent.backends.fake import FakeBackend, ScenarioError, parse_scenario
+from ntp_agent.policy import GpuEvidence, HealthPolicy, PolicyError, Thresholds, XidAction, XidPolicy
+from ntp_agent.power import PowerController, base_target_mw
 from ntp_manager.topology import PowerLimits
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,7 +122,7 @@ def test_scenario_is_deterministic():
 
 
 def run_agent(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ntp_manager.agent.main", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ntp_agent.main", *args], capture_output=True, text=True,
                           timeout=60)
 
 
@@ -145,15 +145,15 @@ def test_cli_bad_input_is_one_clear_line(tmp_path):
 
 def test_systemd_unit_is_well_formed():
     cp = configparser.ConfigParser(strict=False)
-    cp.read(ROOT / "deploy" / "systemd" / "ntp-agent.service")
+    cp.read(ROOT / "agent" / "ntp-agent.service")
     assert cp["Service"]["Type"] == "notify" and cp["Service"]["Restart"] == "on-failure"
     assert "nvidia-persistenced.service" in cp["Unit"]["After"]
     assert int(cp["Service"]["WatchdogSec"]) > 0 and "ntp-agent" in cp["Service"]["ExecStart"]
 
 
 def test_buffer_coalesces_only_unsent_reports_and_renumbers_after_welcome():
-    from ntp_manager.agent.core import Agent, AgentConfig
-    from ntp_manager.agent.policy import Verdict
+    from ntp_agent.core import Agent, AgentConfig
+    from ntp_agent.policy import Verdict
 
     be = FakeBackend(parse_scenario({"gpus": 3}))
     a = Agent(be, AgentConfig(manager="x", token="t", node="n", domain="d", max_buffer=3))
@@ -182,8 +182,8 @@ def test_buffer_coalesces_only_unsent_reports_and_renumbers_after_welcome():
 
 
 def test_welcome_before_the_sent_report_was_applied_resends_it():
-    from ntp_manager.agent.core import Agent, AgentConfig
-    from ntp_manager.agent.policy import Verdict
+    from ntp_agent.core import Agent, AgentConfig
+    from ntp_agent.policy import Verdict
 
     be = FakeBackend(parse_scenario({"gpus": 1}))
     a = Agent(be, AgentConfig(manager="x", token="t", node="n", domain="d"))
@@ -197,8 +197,8 @@ def test_welcome_before_the_sent_report_was_applied_resends_it():
 def test_example_scenarios_load_and_repair_clears_a_node_wide_failure():
     import time as _time
 
-    from ntp_manager.agent.backends.fake import load_scenario
-    from ntp_manager.agent.core import Agent, AgentConfig
+    from ntp_agent.backends.fake import load_scenario
+    from ntp_agent.core import Agent, AgentConfig
 
     for path in (ROOT / "examples" / "scenarios").glob("*.yaml"):
         load_scenario(path)
@@ -223,8 +223,8 @@ async def test_the_agent_tells_the_next_manager_which_one_it_could_not_reach_and
     that no manager acknowledged (a takeover serves those agents first)."""
     import asyncio
 
-    from ntp_manager.agent.core import Agent, AgentConfig
-    from ntp_manager.agent.policy import Verdict
+    from ntp_agent.core import Agent, AgentConfig
+    from ntp_agent.policy import Verdict
 
     be = FakeBackend(parse_scenario({"gpus": 2}))
     a = Agent(be, AgentConfig(manager="127.0.0.1:1,127.0.0.1:2", token="t", node="n", domain="d",

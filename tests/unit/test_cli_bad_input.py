@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ntp_manager.agent.main import main as agent_main
+from ntp_agent.main import main as agent_main
 from ntp_manager.cli import ctl
 from ntp_manager.cli.manager import main as manager_main
 from ntp_manager.worker.run import main as run_main

@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 from typer.main import get_command
 
-from ntp_manager.agent.backends.fake import load_scenario
+from ntp_agent.backends.fake import load_scenario
 from ntp_manager.specfile import load_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +46,7 @@ def test_services_and_start_order() -> None:
 
 
 def test_commands_name_real_options_and_files() -> None:
-    from ntp_manager.agent.main import app as agent_app
+    from ntp_agent.main import app as agent_app
     from ntp_manager.cli.manager import app as manager_app
 
     s = compose()["services"]

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tools.doccheck import ROOT, Checker, Reference, check_all, doc_files
+from tools.doccheck import OUTSIDE_NAMES, ROOT, Checker, Reference, check_all, doc_files, outside_references
 
 FIX = "fix the doc (or the code), then run `.venv/bin/python tools/doccheck.py` to list what is left"
 
@@ -78,6 +78,12 @@ PLANTED = [
      "'last_acked_sequence' (in `Welcome{leader_epoch, last_acked_sequence}`) is no name"),
     ("Watch `ntp_job_stage_step_seconds{job,stag}`.", "'stag' (in `ntp_job_stage_step_seconds{job,stag}`) is no"),
     ("Set `RuntimeConfig(force_stagin=True)`.", "'force_stagin' (in `RuntimeConfig(force_stagin=True)`) is no name"),
+    # nothing outside the repository (the names are built here so that this file does not hold them)
+    ("See [the design](../../" + "shared/" + OUTSIDE_NAMES[1] + ").", "link leaves the repository"),
+    (f"As {OUTSIDE_NAMES[0]} section 1 says.", f"names {OUTSIDE_NAMES[0]}, which is not in this repository"),
+    ("The runs are in `../" + "shared/gpu-runs/`.", "names a path outside this repository"),
+    ("See [the sync](references.md#no-such-heading).", "link to a heading references.md does not have"),
+    ("See [the plan](planer.md).", "link to a missing file: planer.md"),
 ]
 
 
@@ -122,7 +128,7 @@ def test_the_settings_page_is_up_to_date() -> None:
 
 
 def test_the_settings_page_has_every_field_of_both_classes() -> None:
-    from ntp_manager.agent.main import AgentSettings
+    from ntp_agent.main import AgentSettings
     from ntp_manager.settings import Settings
     from tools import settings_doc
 
@@ -188,7 +194,7 @@ def test_a_script_is_checked_like_a_code_block(checker: Checker, tmp_path: Path)
     found, at = _misspelt(checker, tmp_path, "deploy/run-job.sh", "ntpctl jobs --json", "--json", "--jsn")
     assert [str(f) for f in found] == [f"deploy/run-job.sh:{at + 1}: `ntpctl jobs` has no option --jsn"]
     unit = tmp_path / "ntp-agent.service"
-    unit.write_text((ROOT / "deploy/systemd/ntp-agent.service").read_text().replace("--backend nvml", "--backnd nvml"))
+    unit.write_text((ROOT / "agent/ntp-agent.service").read_text().replace("--backend nvml", "--backnd nvml"))
     assert any("`ntp-agent` has no option --backnd" in f.what for f in checker.check_file(unit))
 
 
@@ -209,3 +215,18 @@ def test_every_ntpctl_command_takes_json(checker: Checker) -> None:
     leaves = [c for c in _tree(checker.ref.clis["ntpctl"]) if not c.subs]
     assert len(leaves) > 15
     assert [c.path() for c in leaves if "--json" not in c.options] == []
+
+
+def test_a_path_outside_the_repository_is_found_in_any_file(tmp_path: Path) -> None:
+    """Code, scripts and configuration are read too: a comment citing a background file, or a path
+    into the checkout's neighbour, is a finding with its file and line."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text(f"x = 1\n# the table of {OUTSIDE_NAMES[0]}\n")
+    (tmp_path / "run.sh").write_text("cp a ../" + "shared/b\n")
+    (tmp_path / "ok.py").write_text("# docs/references.md holds the sources\n")
+    found = sorted(str(f) for f in outside_references(tmp_path))
+    assert found == [
+        f"pkg/mod.py:2: names {OUTSIDE_NAMES[0]}, which is not in this repository (docs/design.md, "
+        "docs/references.md are)",
+        "run.sh:1: names a path outside this repository: ../" + "shared",
+    ]

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 from typer.main import get_command
 
-from ntp_manager.agent.main import AgentSettings
+from ntp_agent.main import AgentSettings
 from ntp_manager.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,8 +44,8 @@ def test_the_set_is_complete_and_namespaced() -> None:
 
 
 def test_settings_commands_and_probes_exist() -> None:
-    from ntp_manager.agent.main import app as agent_app
-    from ntp_manager.agent.main import health_app
+    from ntp_agent.main import app as agent_app
+    from ntp_agent.main import health_app
     from ntp_manager.api.app import create_app
     from ntp_manager.cli.manager import app as manager_app
     from ntp_manager.service.manager import Manager

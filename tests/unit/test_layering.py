@@ -1,4 +1,4 @@
-"""Imports point downward (docs: DESIGN.md, "Layers") and no module imports itself in a circle.
+"""Imports point downward (docs/design.md, "Layers") and no module imports itself in a circle.
 
 Read from the source, not from sys.modules, so an import inside a function counts as much as one
 at the top of a module (a lazy import hides a cycle, it does not remove it). Imports under
@@ -16,11 +16,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# (directory, the directory its import names start from): the manager's package at the top, the
+# node agent's (its own distribution, import name ntp_agent) under agent/
+PACKAGES = ((ROOT / "ntp_manager", ROOT), (ROOT / "agent" / "ntp_agent", ROOT / "agent"))
+
+
 def _modules() -> dict[str, Path]:
     out = {}
-    for top in ("ntp_manager",):
-        for path in (ROOT / top).rglob("*.py"):
-            rel = path.relative_to(ROOT).with_suffix("")
+    for top, base in PACKAGES:
+        for path in top.rglob("*.py"):
+            rel = path.relative_to(base).with_suffix("")
             if rel.parts[:3] == ("ntp_manager", "contract", "proto"):  # generated stubs
                 continue
             parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
@@ -86,12 +91,17 @@ def _under(module: str, prefixes: tuple[str, ...]) -> bool:
 
 def test_the_graph_is_read() -> None:
     # a broken reader would pass every rule below; these edges exist and must be seen
+    assert "ntp_manager.contract.client" in GRAPH["ntp_agent.core"]  # the agent's package is read too
+    assert "ntp_agent.local" in GRAPH["ntp_manager.demos.demo"]
     assert "ntp_manager.cli.common" in GRAPH["ntp_manager.cli.simulate"]
     assert "ntp_manager.service.manager" in GRAPH["ntp_manager.server"]
     assert "ntp_manager.service.ingest.doors" in GRAPH["ntp_manager.service.manager"]
     # under TYPE_CHECKING: not a layer's edge, but a circle's
     assert "ntp_manager.service.leadership.fleet" not in GRAPH["ntp_manager.service.ingest.doors"]
     assert "ntp_manager.service.leadership.fleet" in TYPED_GRAPH["ntp_manager.service.ingest.doors"]
+    # the planner's result records sit below both the planner and the moves, so neither imports the other's caller
+    assert "ntp_manager.planner.result" in GRAPH["ntp_manager.planner.moves"]
+    assert "ntp_manager.planner.plan" not in GRAPH["ntp_manager.planner.moves"]
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -140,7 +150,7 @@ def test_no_import_cycles_type_checking_imports_included() -> None:
 
 PURE = ("ntp_manager.topology", "ntp_manager.planner", "ntp_manager.detect", "ntp_manager.sim")
 ABOVE_STORE = ("ntp_manager.service", "ntp_manager.api", "ntp_manager.rpc", "ntp_manager.cli", "ntp_manager.server",
-               "ntp_manager.demos", "ntp_manager.worker", "ntp_manager.agent")
+               "ntp_manager.demos", "ntp_manager.worker", "ntp_agent")
 
 # (layer, what it must not import)
 RULES = [
@@ -148,15 +158,15 @@ RULES = [
     (("ntp_manager.store",), ABOVE_STORE),
     (("ntp_manager.service",), ABOVE_STORE[1:]),
     (("ntp_manager.api", "ntp_manager.rpc"), ("ntp_manager.cli", "ntp_manager.server", "ntp_manager.demos",
-                                              "ntp_manager.worker", "ntp_manager.agent")),
+                                              "ntp_manager.worker", "ntp_agent")),
     (("ntp_manager.worker",), ("ntp_manager.store", "ntp_manager.service", "ntp_manager.api", "ntp_manager.cli",
-                               "ntp_manager.server", "ntp_manager.demos", "ntp_manager.agent")),
-    (("ntp_manager.agent",), ("ntp_manager.store", "ntp_manager.service", "ntp_manager.api", "ntp_manager.cli",
+                               "ntp_manager.server", "ntp_manager.demos", "ntp_agent")),
+    (("ntp_agent",), ("ntp_manager.store", "ntp_manager.service", "ntp_manager.api", "ntp_manager.cli",
                   "ntp_manager.server", "ntp_manager.demos", "ntp_manager.worker")),
     # the edges (REST, gRPC, command line) reach the database through the service, never the store
     (("ntp_manager.api", "ntp_manager.rpc", "ntp_manager.cli"), ("ntp_manager.store",)),
     # the agent and the worker reach the manager through the contract's client, never the server's rpc/
-    (("ntp_manager.agent", "ntp_manager.worker"), ("ntp_manager.rpc",)),
+    (("ntp_agent", "ntp_manager.worker"), ("ntp_manager.rpc",)),
 ]
 
 
@@ -169,13 +179,13 @@ def test_imports_point_downward(layer: tuple[str, ...], banned: tuple[str, ...])
 @pytest.mark.parametrize("demo", ["ntp_manager.demos.demo", "ntp_manager.demos.demo_slow"])
 def test_the_demo_uses_only_the_agents_entry_point(demo: str) -> None:
     # agent.local is the agent's public in-process entry point; its internals stay its own
-    used = {t for t in GRAPH[demo] if _under(t, ("ntp_manager.agent",))}
-    assert used == {"ntp_manager.agent.local"}
+    used = {t for t in GRAPH[demo] if _under(t, ("ntp_agent",))}
+    assert used == {"ntp_agent.local"}
 
 
 # what crosses a process boundary (issue 35): the contract imports none of the three processes
 CONTRACT = "ntp_manager.contract"
-WORKER, AGENT = "ntp_manager.worker", "ntp_manager.agent"
+WORKER, AGENT = "ntp_manager.worker", "ntp_agent"
 # the programs that run all three in one process (examples of use), not part of any of them
 DEMOS = "ntp_manager.demos"
 
@@ -234,11 +244,11 @@ def test_the_contract_imports_only_itself() -> None:
 def test_the_agent_and_the_worker_share_one_manager_client() -> None:
     """Both import the manager client from the contract, and neither opens a gRPC channel itself
     (its keepalive, TLS and failover would diverge from the other's again)."""
-    assert f"{CONTRACT}.client" in GRAPH["ntp_manager.agent.core"]
+    assert f"{CONTRACT}.client" in GRAPH["ntp_agent.core"]
     assert f"{CONTRACT}.client" in GRAPH["ntp_manager.worker.sources"]
     opens: list[str] = []
     for name, path in MODULES.items():
-        if not _under(name, ("ntp_manager.agent", "ntp_manager.worker")):
+        if not _under(name, ("ntp_agent", "ntp_manager.worker")):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in ("insecure_channel", "secure_channel",
@@ -263,7 +273,7 @@ def _external_imports(path: Path) -> set[str]:
         for child in ast.iter_child_nodes(node):
             visit(child)
     visit(ast.parse(path.read_text()))
-    return out - {"ntp_manager", "__future__"}
+    return out - {"ntp_manager", "ntp_agent", "__future__"}
 
 
 def test_the_contract_the_pure_layers_use_is_pure_too() -> None:
@@ -291,12 +301,12 @@ def test_the_worker_takes_ranks_and_unit_maps_only_from_the_contract() -> None:
 def test_the_agent_and_the_worker_take_gpu_states_only_from_the_contract() -> None:
     """GPU states cross the agent/manager boundary: the agent and the worker import them from the
     contract, never through the manager's topology (nor the unit map or rank numbering elsewhere)."""
-    assert f"{CONTRACT}.gpu" in GRAPH["ntp_manager.agent.core"]
+    assert f"{CONTRACT}.gpu" in GRAPH["ntp_agent.core"]
     contract_names = {"GpuState", "NtpMap", "Transfer", "Range", "even_chunks", "ntp_map", "sync_groups",
                       "stage_ranks", "global_rank", "locate", "check_degrees", "world_size"}
     bad: list[str] = []
     for name, path in MODULES.items():
-        if not _under(name, ("ntp_manager.agent", "ntp_manager.worker")):
+        if not _under(name, ("ntp_agent", "ntp_manager.worker")):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith(CONTRACT):
@@ -329,3 +339,22 @@ def test_only_the_composition_root_knows_the_whole_manager() -> None:
     bad = sorted(m for m, ts in TYPED_GRAPH.items()
                  if _under(m, ("ntp_manager.service",)) and "ntp_manager.service.manager" in ts)
     assert bad == []
+
+
+# what a node image installs beside the agent: its own distribution's dependencies and the base's
+AGENT_MAY_IMPORT = {"typer", "rich", "pydantic", "pydantic_settings", "prometheus_client", "tenacity", "sdnotify",
+                    "pynvml", "grpc", "google", "yaml", "structlog"}
+
+
+def test_the_agent_imports_only_the_contract_of_ours_and_none_of_the_managers_or_workers_libraries() -> None:
+    """The agent is its own distribution (agent/pyproject.toml): of this repository it may import
+    only ntp_manager.contract, and of the world only what its distribution and the base one depend
+    on -- never torch, numpy, FastAPI, SQLAlchemy or Alembic (tests/integration/test_wheel.py
+    installs it alone to prove it)."""
+    import sys
+    agent = {m: p for m, p in MODULES.items() if _under(m, (AGENT,))}
+    assert len(agent) > 5 and "ntp_agent.backends.nvml" in agent
+    ours = sorted(f"{m} -> {t}" for m in agent for t in GRAPH[m] if not _under(t, (AGENT, CONTRACT)))
+    theirs = sorted(f"{m} imports {x}" for m, p in agent.items() for x in _external_imports(p)
+                    if x not in sys.stdlib_module_names and x not in AGENT_MAY_IMPORT)
+    assert ours == [] and theirs == []

@@ -60,7 +60,7 @@ def test_uniform_map_is_the_plain_even_split():
 
 
 def test_worked_example_tp4_plus_tp2():
-    # REFERENCE.md: healthy TP4 + reduced TP2 -> TP groups [0,1] and [2,3,4,5];
+    # docs/references.md, the worked example: healthy TP4 + reduced TP2 -> TP groups [0,1] and [2,3,4,5];
     # DP groups [0,2], [1,3], [4], [5].
     assert sync_groups([[0, 1], [2, 3, 4, 5]]) == [[0, 2], [1, 3], [4], [5]]
     # Units: 8 heads. Sync chunks of the TP2 replica: [0,4) and [4,8). The TP4 replica's core ranks

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from ntp_manager.agent.backends.base import BackendError, GpuLost, NotSupported
-from ntp_manager.agent.backends.nvml import NvmlBackend
-from ntp_manager.agent.core import Agent, AgentConfig
-from ntp_manager.agent.main import probe
-from ntp_manager.agent.power import PowerController
+from ntp_agent.backends.base import BackendError, GpuLost, NotSupported
+from ntp_agent.backends.nvml import NvmlBackend
+from ntp_agent.core import Agent, AgentConfig
+from ntp_agent.main import probe
+from ntp_agent.power import PowerController
 from tests.fakes.fake_pynvml import Device, FakeNvmlMisuse, make
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,7 +196,7 @@ def test_fake_fabric_struct_has_the_real_layout():
 
 
 def test_backend_names_only_what_nvidia_ml_py_has():
-    src = (ROOT / "ntp_manager" / "agent" / "backends" / "nvml.py").read_text()
+    src = (ROOT / "agent" / "ntp_agent" / "backends" / "nvml.py").read_text()
     names = set(re.findall(r"\bnv\.(\w+)", src)) | set(re.findall(r"getattr\((?:self\.)?nv, \"(\w+)\"", src))
     names |= set(re.findall(r"\"(nvml\w+)\"", src))
     names -= {"NVMLError"}
@@ -260,7 +260,7 @@ def test_probe_reads_and_never_sets():
 def test_probe_cli_prints_json_and_fails_cleanly_without_nvml(tmp_path):
     sc = tmp_path / "sc.yaml"
     sc.write_text("gpus: [{tdp_w: 700, max_w: 700}]\ndomain: nvl-0\n")
-    r = subprocess.run([sys.executable, "-m", "ntp_manager.agent.main", "probe", "--backend", "fake", "--scenario",
+    r = subprocess.run([sys.executable, "-m", "ntp_agent.main", "probe", "--backend", "fake", "--scenario",
                         str(sc), "--json"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
@@ -271,7 +271,7 @@ def test_probe_cli_prints_json_and_fails_cleanly_without_nvml(tmp_path):
         return  # a machine with a driver: nothing to check here
     except real.NVMLError:
         pass
-    r = subprocess.run([sys.executable, "-m", "ntp_manager.agent.main", "probe"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "ntp_agent.main", "probe"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "NVML" in r.stderr and "Traceback" not in r.stderr
 

@@ -105,7 +105,7 @@ def test_fixed_minibatch_pauses_and_spares_fix_it():
     assert ntp.mean_throughput == pytest.approx(1 - 0.5 * (8 - b7) / 64)
 
 
-# ---- the paper's numbers (REFERENCE.md section 1) -----------------------------------------------
+# ---- the paper's numbers (docs/references.md, "The NTP paper") ----------------------------------
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ntp_manager.agent.backends.base import GpuSample
-from ntp_manager.agent.core import telemetry_pb
+from ntp_agent.backends.base import GpuSample
+from ntp_agent.core import telemetry_pb
 from ntp_manager.service.ingest.telemetry import TelemetryStore
 
 

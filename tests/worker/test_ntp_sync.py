@@ -1,4 +1,4 @@
-"""NTP gradient sync, real processes on gloo: the worked example of REFERENCE.md (healthy TP4 +
+"""NTP gradient sync, real processes on gloo: the worked example of docs/references.md (healthy TP4 +
 reduced TP2: TP groups [0,1] and [2,3,4,5], DP groups [0,2], [1,3], [4], [5]) with different local
 batches; after the sync every rank's gradient equals the single-process gradient of the global
 batch (rel. error <= 1e-5)."""

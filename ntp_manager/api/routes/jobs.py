@@ -49,8 +49,16 @@ ReplicasLimit = Annotated[int, Query(ge=0, le=views.REPLICAS_MAX,
 
 def router(manager: Manager) -> APIRouter:
     r = APIRouter(prefix="/v1", tags=["jobs"])
+    _job_reads(r, manager)
+    _failslow(r, manager)
+    _layout_history(r, manager)
+    _job_writes(r, manager)
+    return r
+
+
+def _job_reads(r: APIRouter, manager: Manager) -> None:
+    """A job, its current layout, its step reports and its checkpoints."""
     Viewer = Annotated[Principal, Depends(require(manager, "read"))]
-    Operator = Annotated[Principal, Depends(require(manager, "write"))]
     q = manager.queries
 
     @r.get("/jobs", response_model=dict[str, Any])
@@ -91,6 +99,13 @@ def router(manager: Manager) -> APIRouter:
         block or the directory cannot be read in time."""
         return await manager.checkpoints.list(name, limit)
 
+
+
+def _failslow(r: APIRouter, manager: Manager) -> None:
+    """The fail-slow detector's view of a job, and its options (per job and the defaults)."""
+    Viewer = Annotated[Principal, Depends(require(manager, "read"))]
+    Operator = Annotated[Principal, Depends(require(manager, "write"))]
+
     @r.get("/jobs/{name}/slow", responses=NOT_FOUND)
     async def slow(name: str, _: Viewer) -> dict[str, Any]:
         """Fail-slow: the job's detector options, each GPU's step factor and verdict, the groups
@@ -117,6 +132,13 @@ def router(manager: Manager) -> APIRouter:
         return await mutate(manager, request, who, key,
                             lambda m: manager.set_failslow_options(m, "*", dict(body.options), body.reset))
 
+
+
+def _layout_history(r: APIRouter, manager: Manager) -> None:
+    """A job's stored layout versions."""
+    Viewer = Annotated[Principal, Depends(require(manager, "read"))]
+    q = manager.queries
+
     @r.get("/jobs/{name}/layouts", responses=NOT_FOUND, response_model=dict[str, Any])
     async def layouts(name: str, _: Viewer, limit: Limit = 100, offset: Offset = 0,
                       replicas_limit: ReplicasLimit = views.SUMMARY_REPLICAS) -> Response:
@@ -131,6 +153,12 @@ def router(manager: Manager) -> APIRouter:
                              limit: ReplicaPage = views.REPLICAS_DEFAULT, offset: ReplicaOffset = 0) -> Response:
         """One stored version of the layout, as `GET /v1/jobs/{name}/layout` shows the current one."""
         return await json_reply(await q.layout_version(name, version, limit, offset))
+
+
+
+def _job_writes(r: APIRouter, manager: Manager) -> None:
+    """Create and delete jobs; plans (dry runs and replans)."""
+    Operator = Annotated[Principal, Depends(require(manager, "write"))]
 
     @r.post("/jobs", status_code=201, responses=E4)
     async def create_job(request: Request, body: JobFile, who: Operator, key: IdemKey = None) -> Response:
@@ -175,8 +203,6 @@ def router(manager: Manager) -> APIRouter:
                                      body.offset)
 
         return await mutate(manager, request, who, key, run)
-
-    return r
 
 
 def _answer(doc: LayoutDoc, head: dict[str, Any], limit: int, offset: int) -> StoredJson:

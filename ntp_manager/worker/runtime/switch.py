@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -215,6 +216,79 @@ class _Switching(_Stepping, _Joining):
         self._track(self.s.world)
         self._mark("world group")
 
+    def _exchange_held(self, old: WorkerLayout | None, world: int) -> list[tuple[float, ...]]:
+        """Every rank's record, gathered: old rank and the version it was a member of (-1 when
+        fresh), committed steps; for `_roll_forward`: whether this rank holds the synced gradients
+        of step `step` whose commit it did not see complete, and the outcome (loss, norm) of the
+        commit that made `step` where this rank made it. float64: every integer here is exact."""
+        held = old is not None and old.rank is not None and self.s.model is not None
+        if not held:
+            self._uncommitted = None
+        pending = self._uncommitted is not None and self._uncommitted.step == self.step
+        last = self._last_commit if self._last_commit is not None and self._last_commit[0] == self.step else None
+        norm = last[2] if last is not None else None
+        mine = torch.tensor([old.rank if held and old else -1, old.version if held and old else -1, self.step,
+                             float(pending), last[1] if last else 0.0, norm if norm is not None else 0.0,
+                             float(last is not None), float(norm is not None)], dtype=torch.float64)
+        every = [torch.zeros_like(mine) for _ in range(world)]
+        comm.all_gather(every, mine, group=self.s.world)
+        info = [tuple(float(x) for x in t.tolist()) for t in every]
+        self._mark("exchanged ranks")
+        return info
+
+    def _stage_plans(
+        self, target: WorkerLayout, survivors: Mapping[int, int], old_replicas: tuple[tuple[int, int], ...],
+        old_degrees: tuple[tuple[int, ...], ...],
+    ) -> tuple[dict[int, SyncLayout], dict[int, SyncLayout], dict[int, set[int]], dict[int, list[Move]]] | str:
+        """Each stage: its old layout (new rank numbers for survivors, world + old rank for the
+        gone), its new one, the survivors that held it, the moves. Checked on every rank before any
+        message moves, so all refuse together: a string is the reason to restore instead."""
+        world = target.world
+        inverse = {r: nr for nr, r in survivors.items()}
+        old_groups = stage_ranks(old_degrees)
+        old_sl: dict[int, SyncLayout] = {}
+        new_sl: dict[int, SyncLayout] = {}
+        alive: dict[int, set[int]] = {}
+        moves: dict[int, list[Move]] = {}
+        for s in range(target.n_stages):
+            units = self._info[s].units
+            old_sl[s] = SyncLayout(tuple(ReplicaGroup(tuple(inverse.get(x, world + x) for x in old_groups[r][s]), b)
+                                         for r, (_, b) in enumerate(old_replicas)), units)
+            new_sl[s] = target.sync_layout(units, s)
+            alive[s] = {nr for nr, r in survivors.items() if locate(old_degrees, r)[1] == s}
+            if not alive[s]:
+                return f"no surviving rank holds pipeline stage {s}: every rank that held its layers is gone"
+            try:
+                moves[s] = reshard_moves(old_sl[s], new_sl[s], alive[s])
+            except ValueError as e:  # every holder of some unit of the stage is gone
+                return f"pipeline stage {s}: {e}"
+        return old_sl, new_sl, alive, moves
+
+    def _replicate_to_joiners(self, target: WorkerLayout, alive: Mapping[int, set[int]], stage: int,
+                              mine: tuple[Any, Any, Any], held: tuple[Any, Any, Any]) -> int:
+        """Each stage's replicated values and their optimizer state, from one survivor to the ranks
+        new to that stage; `mine` is this rank's (model, optimizer, scheduler) of its new stage,
+        `held` of its old one. Returns how many ranks joined."""
+        assert target.rank is not None
+        rank = target.rank
+        model, opt, sched = mine
+        joiners = 0
+        for s in range(target.n_stages):
+            members = [r for g in target.group_ranks() for r in g[s]]
+            new_here = [r for r in members if r not in alive[s]]
+            if not new_here:
+                continue
+            joiners += len(new_here)
+            staying = sorted(r for r in alive[s] if r in members)
+            giver = staying[0] if staying else min(alive[s])
+            if rank == giver:
+                gm, go, gs = mine if stage == s else held
+                assert gm is not None and go is not None
+                self._send_replicated(gm, go, gs, giver, new_here)
+            elif rank in new_here:
+                self._send_replicated(model, opt, sched, giver, [rank])
+        return joiners
+
     def _apply(self, target: WorkerLayout, planned: bool = False) -> None:
         """Leave the current group and join `target`'s: regroup, reshard every stage, ack.
 
@@ -245,23 +319,7 @@ class _Switching(_Stepping, _Joining):
             return
         self._rendezvous(target)
         rank, world, depth = target.rank, target.world, target.n_stages
-        # who holds what: old rank and the version it was a member of (-1 when fresh), committed
-        # steps; for `_roll_forward`: whether this rank holds the synced gradients of step `step`
-        # whose commit it did not see complete, and the outcome (loss, norm) of the commit that
-        # made `step` where this rank made it. float64: every integer here is exact.
-        held = old is not None and old.rank is not None and self.s.model is not None
-        if not held:
-            self._uncommitted = None
-        pending = self._uncommitted is not None and self._uncommitted.step == self.step
-        last = self._last_commit if self._last_commit is not None and self._last_commit[0] == self.step else None
-        norm = last[2] if last is not None else None
-        mine = torch.tensor([old.rank if held and old else -1, old.version if held and old else -1, self.step,
-                             float(pending), last[1] if last else 0.0, norm if norm is not None else 0.0,
-                             float(last is not None), float(norm is not None)], dtype=torch.float64)
-        every = [torch.zeros_like(mine) for _ in range(world)]
-        comm.all_gather(every, mine, group=self.s.world)
-        info = [tuple(float(x) for x in t.tolist()) for t in every]
-        self._mark("exchanged ranks")
+        info = self._exchange_held(old, world)
         self._event("regrouped", target.version, f"world={world}")
         src_version = max((int(i[1]) for i in info if i[0] >= 0), default=-1)
         survivors = {nr: int(i[0]) for nr, i in enumerate(info) if i[0] >= 0 and int(i[1]) == src_version}
@@ -294,28 +352,10 @@ class _Switching(_Stepping, _Joining):
         _, stage, _ = target.where(rank)
         old_stage = locate(old_degrees, survivors[rank])[1] if rank in survivors else None
         fresh = self._fresh_model(stage, depth) if old_stage != stage else None  # also reads every stage's plan
-        # Each stage: its old layout (new rank numbers for survivors, world + old rank for the
-        # gone), its new one, the survivors that held it. Checked on every rank before any
-        # message moves, so all refuse together.
-        inverse = {r: nr for nr, r in survivors.items()}
-        old_groups = stage_ranks(old_degrees)
-        old_sl: dict[int, SyncLayout] = {}
-        new_sl: dict[int, SyncLayout] = {}
-        alive: dict[int, set[int]] = {}
-        moves: dict[int, list[Move]] = {}
-        for s in range(depth):
-            units = self._info[s].units
-            old_sl[s] = SyncLayout(tuple(ReplicaGroup(tuple(inverse.get(x, world + x) for x in old_groups[r][s]), b)
-                                         for r, (_, b) in enumerate(old_replicas)), units)
-            new_sl[s] = target.sync_layout(units, s)
-            alive[s] = {nr for nr, r in survivors.items() if locate(old_degrees, r)[1] == s}
-            if not alive[s]:
-                return self._restore_into(target, f"no surviving rank holds pipeline stage {s}: every rank that held "
-                                          "its layers is gone")
-            try:
-                moves[s] = reshard_moves(old_sl[s], new_sl[s], alive[s])
-            except ValueError as e:  # every holder of some unit of the stage is gone
-                return self._restore_into(target, f"pipeline stage {s}: {e}")
+        plans = self._stage_plans(target, survivors, old_replicas, old_degrees)
+        if isinstance(plans, str):
+            return self._restore_into(target, plans)
+        old_sl, new_sl, alive, moves = plans
         self._mark("checked")
         my_tp = self._tp_groups(target)
         self._mark("tp groups")
@@ -350,21 +390,8 @@ class _Switching(_Stepping, _Joining):
             # only once it has received the replicated values too (below).
             self.s.model, self.s.opt, self.s.sched, self.s.stage = model, opt, sched, stage
             self.s.layout, self.s.sync_layout = target, new_sl[stage]
-        joiners = 0
-        for s in range(depth):
-            members = [r for g in target.group_ranks() for r in g[s]]
-            new_here = [r for r in members if r not in alive[s]]
-            if not new_here:
-                continue
-            joiners += len(new_here)
-            staying = sorted(r for r in alive[s] if r in members)
-            giver = staying[0] if staying else min(alive[s])
-            if rank == giver:
-                gm, go, gs = (model, opt, sched) if stage == s else (held_model, held_opt, held_sched)
-                assert gm is not None and go is not None
-                self._send_replicated(gm, go, gs, giver, new_here)
-            elif rank in new_here:
-                self._send_replicated(model, opt, sched, giver, [rank])
+        joiners = self._replicate_to_joiners(target, alive, stage, (model, opt, sched),
+                                             (held_model, held_opt, held_sched))
         held_model = held_opt = held_sched = None
         self._mark("replicated")
         self.s.model, self.s.opt, self.s.sched, self.s.stage = model, opt, sched, stage

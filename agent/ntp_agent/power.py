@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ntp_manager.agent.backends.base import BackendError, GpuBackend, GpuLost, GpuStatic, NoPermission, NotSupported
+from ntp_agent.backends.base import BackendError, GpuBackend, GpuLost, GpuStatic, NoPermission, NotSupported
 from ntp_manager.contract.power import base_cap_w
 
 

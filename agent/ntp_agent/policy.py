@@ -1,7 +1,7 @@
 """Health policy: evidence in, a GPU health verdict with reasons out. Pure (time is a parameter).
 
-The XID table (REFERENCE.md section 4) is data: `XidPolicy.default()` ships it and a YAML/JSON
-mapping can replace any entry. Actions:
+The XID table (its sources: docs/references.md, "GPU health: NVML and the XID table") is data:
+`XidPolicy.default()` ships it and a YAML/JSON mapping can replace any entry. Actions:
 
 - ``ignore``     application-level fault (13, 31, 43, 45, 68): never condemns the GPU
 - ``watch``      trend evidence (63, 92): counted; too many within the window -> degraded

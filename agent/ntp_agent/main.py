@@ -37,9 +37,9 @@ from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from rich.console import Console
 
-from ntp_manager.agent.backends.base import BackendError, GpuBackend
-from ntp_manager.agent.core import Agent, AgentConfig
-from ntp_manager.agent.policy import HealthPolicy, PolicyError, XidPolicy
+from ntp_agent.backends.base import BackendError, GpuBackend
+from ntp_agent.core import Agent, AgentConfig
+from ntp_agent.policy import HealthPolicy, PolicyError, XidPolicy
 
 err = Console(stderr=True)
 
@@ -66,7 +66,7 @@ class AgentSettings(BaseSettings):
     gpu_call_timeout_s: float = Field(3.0, gt=0, le=60, description="a per-GPU NVML call slower than this fails the "
                                       "GPU as hung (the loop and other GPUs go on)")
     xid_policy: dict[str, str] = Field(default_factory=dict, description="XID overrides as JSON, e.g. "
-                                       '`{"94": "fail"}` (ntp_manager/agent/policy.py)')
+                                       '`{"94": "fail"}` (agent/ntp_agent/policy.py)')
     log_format: str = Field("console", pattern="^(console|json)$", description="`console`, or `json` for production")
     tls_ca: Path | None = Field(None, description="CA of the manager's certificate (PEM): connect over TLS")
     tls_cert: Path | None = Field(None, description="this node's client certificate (PEM): mTLS; with `tls_key`")
@@ -84,7 +84,7 @@ def fail(msg: str) -> NoReturn:
 def open_backend(kind: str, scenario: Path | None, node: str, domain: str | None) -> tuple[GpuBackend, str, str | None]:
     """The GPU backend, the node name and the NVLink domain (given, else from the backend)."""
     if kind == "fake":
-        from ntp_manager.agent.backends.fake import FakeBackend, ScenarioError, load_scenario
+        from ntp_agent.backends.fake import FakeBackend, ScenarioError, load_scenario
 
         if scenario is None:
             fail("the fake backend needs --scenario FILE")
@@ -96,7 +96,7 @@ def open_backend(kind: str, scenario: Path | None, node: str, domain: str | None
         return FakeBackend(sc, node=node), node, domain or sc.domain
     if kind != "nvml":
         fail(f"backend must be nvml or fake, not {kind!r}")
-    from ntp_manager.agent.backends.nvml import NvmlBackend
+    from ntp_agent.backends.nvml import NvmlBackend
 
     try:
         nvml = NvmlBackend()
@@ -315,7 +315,7 @@ def health_cmd(
     import os
     import time
 
-    from ntp_manager.agent.state import StateError, expand, judge, read_state
+    from ntp_agent.state import StateError, expand, judge, read_state
 
     name = node or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     try:
@@ -343,7 +343,7 @@ def power_reset_cmd(
 ) -> None:
     """Put every GPU's power limit back to the fleet base cap (a Slurm epilog). One line per GPU;
     exit 1 when a limit could not be set."""
-    from ntp_manager.agent.power import PowerController, base_target_mw
+    from ntp_agent.power import PowerController, base_target_mw
 
     be, _, _ = open_backend(backend, scenario, socket.gethostname(), "-")
     bad = 0

@@ -6,7 +6,7 @@
     fleet.inject("node-a", "xid", 3, xid=48)   # GPU 3 of node-a reports XID 48 now
     fleet.stop()
 
-Each node runs the real agent (`ntp_manager.agent.core.Agent`) on a `FakeBackend`; all of them share one
+Each node runs the real agent (`ntp_agent.core.Agent`) on a `FakeBackend`; all of them share one
 event loop on a background thread. `ntp-agent --backend fake --scenario FILE` is the same agent
 as a process, with faults on a schedule instead of injected live.
 """
@@ -23,8 +23,8 @@ from typing import Any
 
 import structlog
 
-from ntp_manager.agent.backends.fake import FakeBackend, FaultKind, parse_scenario
-from ntp_manager.agent.core import Agent, AgentConfig
+from ntp_agent.backends.fake import FakeBackend, FaultKind, parse_scenario
+from ntp_agent.core import Agent, AgentConfig
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ async def _as_node(node: str, agent: Agent) -> None:
 
 class FakeFleet:
     """Starts one agent per node at once; `tokens[name]` is the agent token made for that node;
-    `state_file` (with `{node}` in it) gives each agent a local state file (ntp_manager/agent/state.py).
+    `state_file` (with `{node}` in it) gives each agent a local state file (agent/ntp_agent/state.py).
     Raises KeyError for a node without a token and ScenarioError for a GPU count out of range."""
 
     def __init__(self, manager: str, tokens: Mapping[str, str], nodes: Sequence[FakeNode], *,

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar, cast
 
-from ntp_manager.agent.backends.base import BackendError, BackendEvent, GpuBackend, GpuSample, GpuStatic
+from ntp_agent.backends.base import BackendError, BackendEvent, GpuBackend, GpuSample, GpuStatic
 
 T = TypeVar("T")
 

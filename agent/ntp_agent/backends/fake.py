@@ -35,7 +35,7 @@ import structlog
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ntp_manager.agent.backends.base import (
+from ntp_agent.backends.base import (
     BackendError,
     BackendEvent,
     GpuLost,

@@ -33,7 +33,7 @@ import threading
 from types import ModuleType
 from typing import Any
 
-from ntp_manager.agent.backends.base import (
+from ntp_agent.backends.base import (
     BackendError,
     BackendEvent,
     GpuLost,

@@ -8,7 +8,7 @@
   already applied and the rest is renumbered from there (none of it was applied, so renumbering is
   safe) and resent. When the buffer is full, unsent reports are merged (latest state per GPU wins),
   so nothing is lost in effect and nothing is applied twice.
-- Every per-GPU backend call is bounded in time (ntp_manager/agent/guard.py): a GPU that stops answering is
+- Every per-GPU backend call is bounded in time (agent/ntp_agent/guard.py): a GPU that stops answering is
   failed with that reason within `gpu_call_timeout_s`, and the loop, heartbeats and the other GPUs
   carry on. Counters are read on a worker thread, so a hung read never stops the loop.
 - Several managers (`manager` = "host:port,host:port", one leads: docs/operations.md): the
@@ -19,7 +19,7 @@
   whose welcome carries an older leader epoch than one already seen is stale and is left. The
   buffered reports are re-sent to whichever manager welcomes the agent (idempotent by seq).
 - Commands from the manager: set/release power caps (applied, read back, result sent), drain.
-- Local state: with `state_file`, the agent keeps a small JSON file on the node (ntp_manager/agent/state.py:
+- Local state: with `state_file`, the agent keeps a small JSON file on the node (agent/ntp_agent/state.py:
   GPUs with their device numbers and verdicts, the connection, when written) for `ntp-run --slurm`
   and `ntp-agent health`; written off the loop, when something changes and every few seconds.
 - Identity: the token speaks for this node only (the manager refuses it for any other); with
@@ -44,7 +44,7 @@ import grpc
 import structlog
 from tenacity import RetryCallState, wait_exponential_jitter
 
-from ntp_manager.agent.backends.base import (
+from ntp_agent.backends.base import (
     BackendError,
     BackendEvent,
     GpuBackend,
@@ -53,10 +53,10 @@ from ntp_manager.agent.backends.base import (
     GpuSample,
     NotSupported,
 )
-from ntp_manager.agent.guard import GpuHung, GuardedBackend
-from ntp_manager.agent.policy import GpuEvidence, HealthPolicy, Verdict, XidAction
-from ntp_manager.agent.power import PowerController
-from ntp_manager.agent.state import STATE_EVERY_S, expand, write_state
+from ntp_agent.guard import GpuHung, GuardedBackend
+from ntp_agent.policy import GpuEvidence, HealthPolicy, Verdict, XidAction
+from ntp_agent.power import PowerController
+from ntp_agent.state import STATE_EVERY_S, expand, write_state
 from ntp_manager.contract.client import ManagerClient, code_of
 from ntp_manager.contract.gpu import GpuState
 from ntp_manager.contract.proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
@@ -89,7 +89,7 @@ class AgentConfig:
     tls_ca: Path | None = None  # CA of the manager's certificate: connect over TLS
     tls_cert: Path | None = None  # this node's client certificate and key: mTLS
     tls_key: Path | None = None
-    state_file: Path | None = None  # the local state file (ntp_manager/agent/state.py); `{node}` is the node name
+    state_file: Path | None = None  # the local state file (agent/ntp_agent/state.py); `{node}` is the node name
 
     @property
     def tls(self) -> TlsFiles:
@@ -141,7 +141,7 @@ class Agent:
         # for a shorter one (it judges silence by its own period; a slower agent would look dead)
         self.beat_s = self.cfg.heartbeat_interval_s
         self._period_changed = asyncio.Event()
-        # the local state file (ntp_manager/agent/state.py): rewritten when dirty, else every STATE_EVERY_S
+        # the local state file (agent/ntp_agent/state.py): rewritten when dirty, else every STATE_EVERY_S
         self.conn_since = time.time()  # wall time the connection last came or went (start: not connected)
         self._state_dirty = True
         self._state_written = -STATE_EVERY_S
@@ -373,7 +373,7 @@ class Agent:
         else:
             self.connected.clear()
 
-    # ---- the local state file (ntp_manager/agent/state.py) ----------------------------------------------------
+    # ---- the local state file (agent/ntp_agent/state.py) ----------------------------------------------------
     def state_doc(self) -> dict[str, Any]:
         """What the state file holds now: the node, its GPUs with their verdicts, the connection."""
         return {
