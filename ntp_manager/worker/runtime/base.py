@@ -103,6 +103,9 @@ class _RuntimeBase:
         log.info("backend chosen", backend=self.choice.backend, device=str(self.device), reason=self.choice.reason)
         self._held: tuple[str, int, int] | None = None  # NCCL: (version key, rank, world) of a kept communicator
         self.step = 0  # committed optimizer steps
+        # the global sample cursor: samples trained by the committed steps (every rank the same,
+        # carried through regroups, joins and checkpoints); step `step` takes the next global batch
+        self.samples = 0
         self.s = _State()
         self._groups: list[weakref.ref[Any]] = []  # every group made, to check none outlives a leave
         self._info: dict[int, _StageInfo] = {}  # per stage of the job's pipeline

@@ -21,6 +21,13 @@ class ReconfigurationError(RuntimeError):
     """The runtime cannot continue without a restart (no layout arrived, state was lost or diverged)."""
 
 
+class DataSourceError(Exception):
+    """A step's samples could not be read: the data source raised, or it holds fewer samples than
+    one global batch. Raised on every rank of the layout (the rank that saw it tells the others
+    through the store and leaves its groups, so none of them waits on it), naming the source and
+    the sample range. Not a communication failure: no new layout mends it."""
+
+
 @dataclass
 class RuntimeConfig:
     """`backend` "auto" picks per device (`comm.choose_backend`): NCCL on CUDA when every rank of
@@ -105,6 +112,10 @@ class StepResult:
     stage: int = 0  # this rank's pipeline stage
     grad_norm: float | None = None  # the whole model's gradient norm before clipping (with max_grad_norm)
     skipped: bool = False  # the gradient norm was not finite: no rank updated (with max_grad_norm)
+    # the global sample cursor: samples committed before this step (its global batch is samples
+    # [cursor, cursor + global_batch)), and this rank's replica's part of them, [first, first + local_batch)
+    cursor: int = 0
+    first_sample: int = 0
 
 
 @dataclass
