@@ -122,6 +122,12 @@ class _Faulty(Runtime):
     def arm(self, wid: str, faults: dict[int, tuple[tuple[str, str, int, bool], list[Any]]], q: Any) -> None:
         self.wid, self.faults, self.q = wid, faults, q
         self.passes: dict[tuple[int, str], int] = defaultdict(int)
+        self.served: dict[tuple[int, int], list[int]] = defaultdict(list)  # (step, version) -> indices read
+
+    def report(self, r: Any) -> None:
+        """A committed step as this rank trained it: its result, and the indices its source served."""
+        self.q.put(("step", self.wid, r.step, r.version, r.cursor, r.global_batch, r.first_sample, r.local_batch,
+                    sorted(self.served.get((r.step, r.version), []))))
 
     def fault(self, point: str) -> None:
         lay = self.layout
@@ -134,6 +140,12 @@ class _Faulty(Runtime):
         if self.passes[(lay.version, point)] != nth + 1:
             return
         publish_layout(self.store, JOB, lay.version + 1, nxt, f"{self.wid} failed at {point}")
+        if point == "commit-after":
+            # its part of the commit went out: the others commit the step with this rank's
+            # gradients, so its samples were trained, whether or not it rolls the step forward
+            # itself (it does not when the next layout leaves it out)
+            assert self._uncommitted is not None
+            self.report(self._uncommitted)
         if kill:
             self.q.close()  # what it reported reaches the test before it dies
             self.q.join_thread()
@@ -183,13 +195,14 @@ def _worker(wid: str, port: int, q: Any, plan: list[tuple[str, Any]], first_vers
                           post_parallelize=lambda m: _hook(rt, m))
     rt.arm(wid, faults, q)
     source = MapSource(_Tokens(), seed=11)
-    served: dict[tuple[int, int], list[int]] = defaultdict(list)
 
     def samples(start: int, count: int) -> Any:
         lay = rt.layout
         assert lay is not None
-        served[(rt.step, lay.version)].extend(range(start, start + count))
+        rt.served[(rt.step, lay.version)].extend(range(start, start + count))
         return source(start, count)
+
+    samples.prefetch = source.prefetch  # type: ignore[attr-defined]  # the runtime's prefetch reaches the source
 
     def batch_fn(step: int, start: int, count: int) -> Any:  # the docs' step-addressed form
         return samples(step * MAX_GB + start, count)
@@ -198,8 +211,7 @@ def _worker(wid: str, port: int, q: Any, plan: list[tuple[str, Any]], first_vers
     at_final = 0
     while at_final < 2:
         r = rt.train_step(loss_fn=_loss, samples=samples) if form == "samples" else rt.train_step(batch_fn, _loss)
-        q.put(("step", wid, r.step, r.version, r.cursor, r.global_batch, r.first_sample, r.local_batch,
-               sorted(served.pop((r.step, r.version), []))))
+        rt.report(r)
         at_final += r.version == final
     if save_at_end:
         rt.save_checkpoint()

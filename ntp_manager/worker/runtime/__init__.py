@@ -123,8 +123,8 @@ class Runtime(_Switching):
                 if not is_comm_failure(e):
                     raise
                 failure = _describe(e)
-            if data_error is not None:
-                self._data_failed(lay, data_error)
+            if data_error is not None:  # its frames may hold the step's groups: dropped (the cause keeps the source's)
+                self._data_failed(lay, data_error.with_traceback(None))
             if failure is not None:  # outside the except block: no traceback keeps the old groups alive
                 self._peer_data_failed(lay)
                 self._recover(failure)
