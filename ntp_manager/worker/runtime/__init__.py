@@ -58,6 +58,7 @@ from ntp_manager.worker.runtime.config import (
     DataSourceError,
     ReconfigurationError,
     RuntimeConfig,
+    StepAborted,
     StepResult,
     TimelineEvent,
     _describe,
@@ -123,6 +124,9 @@ class Runtime(_Switching):
                 if not is_comm_failure(e):
                     raise
                 failure = _describe(e)
+                if not isinstance(e, StepAborted):  # the first to see it: every peer's step is doomed
+                    self._watch.announce(self._failed_key(lay), failure)
+            self._watch.disarm()
             if data_error is not None:  # its frames may hold the step's groups: dropped (the cause keeps the source's)
                 self._data_failed(lay, data_error.with_traceback(None))
             if failure is not None:  # outside the except block: no traceback keeps the old groups alive
@@ -130,7 +134,9 @@ class Runtime(_Switching):
                 self._recover(failure)
                 rolled, self._rolled = self._rolled, None
                 if rolled is not None:  # the failed step had committed elsewhere and was completed here
+                    self._rng = None
                     return rolled
+                self._restore_rng()  # the redo draws what the abandoned attempt drew
                 continue
             if agreed > lay.version:
                 try:
@@ -184,6 +190,7 @@ class Runtime(_Switching):
         if self.checkpointer is not None:  # this rank's writes, and (coordinator) their completion
             self.checkpointer.close(self.cfg.checkpoint_complete_timeout_s)
         comm.leave(self.choice.backend, self.features)
+        self._watch.close()
         self.source.close()
 
     # ---- checkpoints ------------------------------------------------------------------------------

@@ -41,6 +41,8 @@ class _Stepping(_RuntimeBase):
         last = stage == lay.n_stages - 1
         start = sum(b for _, b in lay.replicas[:ri])
         cursor = self.samples  # the committed cursor: a redo after a failure takes the same one
+        self._save_rng()
+        self._watch.arm(self._failed_key(lay))  # from here to the sync, a peer's failure abandons the step
         self.s.sync.zero_grad()  # in place: the gradients stay views of the sync buffers
         t_fb = time.perf_counter()
         tp_mod.TP_WAIT.seconds = 0.0
@@ -62,11 +64,13 @@ class _Stepping(_RuntimeBase):
         every = [torch.zeros_like(mine) for _ in range(lay.world)]
         # from here until the all-gather returns, this step can be completed at a regroup; its
         # result so far (loss unknown; `seconds` holds the step's start until _roll_forward ends it)
+        self._watch.disarm()
         self._uncommitted = StepResult(self.step, math.nan, lay.global_batch, lb, lay.version, tp, t0, stage,
                                        cursor=cursor, first_sample=cursor + start)
         self._commit_gather(every, mine)  # the commit point
         self._uncommitted = None
         self._attempt_nonce = int(every[0][2].item())
+        self._rng = None  # committed: the RNG goes on from here
         stacked = torch.stack(every)
         grad_norm = None
         if clip is not None:
@@ -96,6 +100,7 @@ class _Stepping(_RuntimeBase):
     def _sync_grads(self) -> None:
         """The NTP gradient sync of the step (a method of its own so that tests can fail it)."""
         assert self.s.sync is not None
+        self._check_abort("before the gradient sync")
         self.s.sync.sync()
 
     def _commit_gather(self, every: list[torch.Tensor], mine: torch.Tensor) -> None:
@@ -168,6 +173,8 @@ class _Stepping(_RuntimeBase):
         seen_lengths = []
         shares: list[torch.Tensor] = []  # read once after the loop: no host sync per micro-batch
         for off, n in cuts:  # gradients accumulate; each micro-batch's mean loss weighted by its share
+            if off > 0:
+                self._check_abort("between micro-batches")
             batch = batch_fn(self.step, start + off, n)
             loss = loss_fn(self.s.model, batch)
             torch.autograd.backward(loss if len(cuts) == 1 else loss * (n / lb))  # Tensor.backward: unannotated
