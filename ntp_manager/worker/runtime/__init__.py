@@ -116,7 +116,7 @@ class Runtime(_Switching):
             try:
                 self._checkpoint_if_due()
                 feed.check(lay.global_batch)
-                feed.prefetch(*self.sample_range())  # a no-op when the last commit's prefetch holds it
+                self._prefetch(feed)  # a no-op when the last commit's prefetch holds it
                 result, agreed = self._try_step(feed, loss_fn)
             except DataSourceError as e:
                 data_error = e
@@ -147,7 +147,7 @@ class Runtime(_Switching):
                     failure = _describe(e)
                 if failure is not None:
                     self._recover(failure)
-            feed.prefetch(*self.sample_range())  # the next step's samples, read while this rank goes on
+            self._prefetch(feed)  # the next step's samples, read while this rank goes on
             return result
 
     def sample_range(self) -> tuple[int, int]:
@@ -159,6 +159,15 @@ class Runtime(_Switching):
             return 0, 0
         ri = lay.replica_of(lay.rank)
         return self.samples + sum(b for _, b in lay.replicas[:ri]), lay.replicas[ri][1]
+
+    def _prefetch(self, feed: Feed) -> None:
+        """This replica's next samples, on ranks that read them (a pipeline's first and last stages)."""
+        lay = self.s.layout
+        if lay is None or lay.rank is None:
+            return
+        stage = lay.where(lay.rank)[1]
+        if stage in (0, lay.n_stages - 1):
+            feed.prefetch(*self.sample_range())
 
     def _data_key(self, lay: Any) -> str:
         return f"ntp/{self.cfg.job}/data-error/v{lay.epoch}.{lay.version}"
