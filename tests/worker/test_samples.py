@@ -265,7 +265,8 @@ def run_phase(plan: list[tuple[str, Any]], form: str, ckpt: Path, save_at_end: b
     assert starts == len(WORKERS) + kills
     assert all(p.exitcode == 0 for p in procs.values()), {w: p.exitcode for w, p in procs.items()}
     assert len({(s, n) for s, n, _ in done.values()}) == 1, done  # every rank ends at the same step and cursor
-    assert all(hits > 0 for _, _, hits in done.values()), done  # the runtime's prefetch served reads
+    if form == "samples":  # the runtime's prefetch (after each commit) served reads
+        assert all(hits > 0 for _, _, hits in done.values()), done
     del store
     return rows
 
