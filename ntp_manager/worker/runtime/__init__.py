@@ -23,8 +23,11 @@ raises inside the step before the optimizer moved; the survivors drop the old gr
 manager's next version, meet at its prefix, exchange (old rank, committed step) and reshard: units a
 survivor lacks come from its own replica's survivors or from a DP peer replica; a rank with no state
 (a repaired GPU's fresh process, or one that sat out versions) receives its shards, the replicated
-parameters and their optimizer state, and the step counter. The failed step is then re-run under
-the new layout with the same global sample order.
+parameters and their optimizer state, the step counter and the sample cursor. The failed step is
+then re-run under the new layout from the same sample cursor (a sample-addressed step takes the
+next global batch of samples at the cursor: `train_step(samples=...)`, worker/data.py). A rank
+still computing when another has seen the failure abandons its step at its next block, micro-batch
+or sync (abort.py) instead of finishing it.
 
 A rank that dies inside the commit all-gather itself can leave the survivors split: those whose
 all-gather completed stepped the optimizer (step s committed), those whose all-gather failed did
@@ -36,6 +39,7 @@ forward"), and `train_step` returns that step's result. Only a split that cannot
 `_restore_into` loads one, or raises `ReconfigurationError` rather than train on diverged replicas.
 
 The parts, one module each: config.py (RuntimeConfig, StepResult, TimelineEvent, errors),
+feed.py (the two ways a step reads its samples), abort.py (abandoning a doomed step),
 base.py (the shared state and constructor), step.py (a step and its commit, the roll-forward),
 switch.py (the failure path and the planned switch: leave, rendezvous, regroup, reshard),
 joiners.py (fresh models, TP groups and syncs, optimizers, what a joiner receives, restores).
@@ -179,6 +183,7 @@ class Runtime(_Switching):
         log.error("data source failed", version=lay.version, step=self.step, error=str(e))
         try:
             self.store.set(self._data_key(lay), str(e))
+            self._watch.announce(self._failed_key(lay), f"its data source failed: {e}")  # peers stop computing
         finally:
             self._leave_group()
         raise e
