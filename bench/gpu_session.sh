@@ -17,6 +17,8 @@
 #                 ~150M and ~500M parameters: 2 x TP4, AdamW, one rank killed; the steady step, each
 #                 phase of the switch (detected, regrouped, reshard, first step) and the reshard's
 #                 GB/s per rank; appended to summary.md. Goal: kill -> first step <= steady step + 1 s.
+#                 Its "lost" column (issue 42): kill -> first step less that step's time and the
+#                 reshard, i.e. detection + regroup with doomed steps abandoned. Goal: <= 0.5 s.
 #
 #   PARTS=switch bash bench/gpu_session.sh   # only part 7, with the whole 9 minutes (a second call)
 #

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ntp_manager.worker.checkpoint import Checkpointer, CheckpointError, RestoreInfo, Retention, retention_plan
+    from ntp_manager.worker.data import MapSource, SampleSource, TokenStream
     from ntp_manager.worker.env import WorkerEnv, worker_env
     from ntp_manager.worker.optim import OptimizerError
     from ntp_manager.worker.pipeline import Pipeline, split_layers, stage_module
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from ntp_manager.worker.recompute import RecomputeError
     from ntp_manager.worker.reshard import apply_reshard, reshard_moves
     from ntp_manager.worker.runtime import (
+        DataSourceError,
         ReconfigurationError,
         Runtime,
         RuntimeConfig,
@@ -60,8 +62,10 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "ColwiseUnits",
+    "DataSourceError",
     "GrpcLayoutSource",
     "LayoutSource",
+    "MapSource",
     "ModelPlan",
     "NtpGradSync",
     "OptimizerError",
@@ -76,12 +80,14 @@ __all__ = [
     "RowwiseUnits",
     "Runtime",
     "RuntimeConfig",
+    "SampleSource",
     "ShardStyle",
     "ShardedModule",
     "StepResult",
     "StoreLayoutSource",
     "SyncLayout",
     "TimelineEvent",
+    "TokenStream",
     "WorkerEnv",
     "WorkerLayout",
     "apply_reshard",
@@ -101,6 +107,7 @@ _WHERE = {
     "CheckpointError": "checkpoint", "Checkpointer": "checkpoint", "RestoreInfo": "checkpoint",
     "Retention": "checkpoint", "retention_plan": "checkpoint",
     "WorkerEnv": "env", "worker_env": "env",
+    "MapSource": "data", "SampleSource": "data", "TokenStream": "data", "DataSourceError": "runtime",
     "ModelPlan": "plans", "plan_for": "plans", "OptimizerError": "optim",
     "PrecisionError": "precision", "RecomputeError": "recompute",
     "Pipeline": "pipeline", "split_layers": "pipeline", "stage_module": "pipeline",

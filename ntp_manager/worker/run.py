@@ -428,6 +428,15 @@ class Launcher:
                        reason)
         log.info("layout published", version=self.version, tp=[len(r) for r in reps], reason=reason)
 
+    def report_failure(self, why: str) -> None:
+        """Tell the ranks still computing a step of the current version that it is lost (they
+        abandon it at their next block, runtime/abort.py) -- before any collective of theirs
+        would find out."""
+        from ntp_manager.worker.sources import report_failure
+
+        if self.version > 0:
+            report_failure(self.store, self.o.job, self.version, why)
+
     # ---- processes ------------------------------------------------------------------------------
     def env_for(self, r: Rank, index: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -575,6 +584,7 @@ class Launcher:
             r.restart_at = now + self.o.restart_delay
             if not self.o.manager and r.worker not in self.down:
                 self.down.add(r.worker)
+                self.report_failure(f"{r.worker} died")
                 self.publish(f"{r.worker} died")
             return False
         r.rc = rc
@@ -591,6 +601,7 @@ class Launcher:
             victim.injected = True
             self.down.add(victim.worker)
             self.kill(victim)
+            self.report_failure(f"{victim.worker} killed (--fail-at)")
             log.info("rank killed (--fail-at)", worker=victim.worker, after_step=step)
             self.publish(f"{victim.worker} failed")
             victim.rc = -signal.SIGKILL

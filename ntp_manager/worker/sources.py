@@ -231,6 +231,17 @@ def read_acks(store: Any, job: str, version: int, workers: Sequence[str]) -> dic
     return {w: store.get(k).decode() for w, k in zip(workers, keys, strict=True) if store.check([k])}
 
 
+def failed_key(job: str, version: int, epoch: int = 0) -> str:
+    """Where a failure at a layout version is reported: by the first rank whose collective failed,
+    or by the launcher that saw a rank's process die; every rank still computing a step of that
+    version abandons it (runtime/abort.py)."""
+    return f"ntp/{job}/failed/v{epoch}.{version}"
+
+
+def report_failure(store: Any, job: str, version: int, why: str, epoch: int = 0) -> None:
+    store.set(failed_key(job, version, epoch), why[:300])
+
+
 def layout_from_doc(doc: dict[str, Any], worker_id: str) -> WorkerLayout:
     """A `publish_layout` document -> this worker's WorkerLayout."""
     reps, degrees, where = [], [], None

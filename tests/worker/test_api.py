@@ -27,7 +27,7 @@ PUBLIC = ["parallelize", "Runtime", "RuntimeConfig", "plan_for", "ModelPlan", "C
           "apply_reshard", "reshard_moves", "ReconfigurationError", "StepResult", "TimelineEvent", "WorkerEnv",
           "worker_env", "unit_counts", "families_of", "Checkpointer", "CheckpointError", "RestoreInfo", "Retention",
           "retention_plan", "Pipeline", "stage_module", "split_layers", "OptimizerError", "PrecisionError",
-          "RecomputeError"]
+          "RecomputeError", "MapSource", "TokenStream", "SampleSource", "DataSourceError"]
 
 
 def test_the_public_names_import() -> None:

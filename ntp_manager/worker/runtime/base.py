@@ -20,8 +20,15 @@ from ntp_manager.worker import comm
 from ntp_manager.worker.checkpoint import Checkpointer, RestoreInfo, Retention
 from ntp_manager.worker.pipeline import PassResult, Pipeline
 from ntp_manager.worker.precision import check_device
-from ntp_manager.worker.runtime.config import ReconfigurationError, RuntimeConfig, StepResult, TimelineEvent
-from ntp_manager.worker.sources import LayoutSource, WorkerLayout
+from ntp_manager.worker.runtime.abort import AbortWatch, install_block_checks
+from ntp_manager.worker.runtime.config import (
+    ReconfigurationError,
+    RuntimeConfig,
+    StepAborted,
+    StepResult,
+    TimelineEvent,
+)
+from ntp_manager.worker.sources import LayoutSource, WorkerLayout, failed_key
 from ntp_manager.worker.sync import NtpGradSync, SyncLayout
 from ntp_manager.worker.tp import ShardStyle
 
@@ -103,6 +110,9 @@ class _RuntimeBase:
         log.info("backend chosen", backend=self.choice.backend, device=str(self.device), reason=self.choice.reason)
         self._held: tuple[str, int, int] | None = None  # NCCL: (version key, rank, world) of a kept communicator
         self.step = 0  # committed optimizer steps
+        # the global sample cursor: samples trained by the committed steps (every rank the same,
+        # carried through regroups, joins and checkpoints); step `step` takes the next global batch
+        self.samples = 0
         self.s = _State()
         self._groups: list[weakref.ref[Any]] = []  # every group made, to check none outlives a leave
         self._info: dict[int, _StageInfo] = {}  # per stage of the job's pipeline
@@ -124,6 +134,9 @@ class _RuntimeBase:
         # failure or the agreement on; diagnostics for bench/pipeline.py (not timeline events)
         self.switch_marks: list[tuple[str, float]] = []
         self.last_pass: PassResult | None = None  # the last pipeline pass (bench/pipeline_memory.py)
+        # a peer's reported failure, watched while a step computes (runtime/abort.py)
+        self._watch = AbortWatch(store, cfg.abort_poll_s)
+        self._rng: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the RNG as the step found it
 
     @property
     def units(self) -> dict[str, int]:
@@ -140,9 +153,32 @@ class _RuntimeBase:
         assert self._plan is not None, "the plan comes from the first model built (call start() first)"
         return self._plan
 
+    def _failed_key(self, lay: WorkerLayout) -> str:
+        return failed_key(self.cfg.job, lay.version, lay.epoch)
+
+    def _check_abort(self, where: str) -> None:
+        """Abandon the step here when a rank of its layout version has reported a failure."""
+        why = self._watch.doomed()
+        if why is not None:
+            raise StepAborted(f"step {self.step} abandoned {where}: a rank reported {why}")
+
+    def _save_rng(self) -> None:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        self._rng = (torch.get_rng_state(), cuda)
+
+    def _restore_rng(self) -> None:
+        """Put the RNG back where the abandoned step found it: its redo draws the same numbers."""
+        if self._rng is not None:
+            torch.set_rng_state(self._rng[0])
+            if self._rng[1] is not None:
+                torch.cuda.set_rng_state(self._rng[1], self.device)
+            self._rng = None
+
     def _fix(self, model: nn.Module, resharded: bool) -> None:
-        """The plan's own fix-up (parallelize ran it already; a reshard replaced the shards since)
-        and the user's hook."""
+        """The plan's own fix-up (parallelize ran it already; a reshard replaced the shards since),
+        the user's hook, and the doomed-step checks on the model's blocks (runtime/abort.py)."""
+        if self.cfg.abort_poll_s > 0:
+            install_block_checks(model, self._check_abort)
         fixup = getattr(self._plan, "fixup", None)
         if resharded and fixup is not None:
             fixup(model)

@@ -21,6 +21,18 @@ class ReconfigurationError(RuntimeError):
     """The runtime cannot continue without a restart (no layout arrived, state was lost or diverged)."""
 
 
+class StepAborted(RuntimeError):
+    """A step abandoned at one of its cheap points because some rank of its layout version has
+    reported a failure (runtime/abort.py): a communication failure, handled like one."""
+
+
+class DataSourceError(Exception):
+    """A step's samples could not be read: the data source raised, or it holds fewer samples than
+    one global batch. Raised on every rank of the layout (the rank that saw it tells the others
+    through the store and leaves its groups, so none of them waits on it), naming the source and
+    the sample range. Not a communication failure: no new layout mends it."""
+
+
 @dataclass
 class RuntimeConfig:
     """`backend` "auto" picks per device (`comm.choose_backend`): NCCL on CUDA when every rank of
@@ -61,6 +73,10 @@ class RuntimeConfig:
     # "fp32", or "bf16": bf16 compute with fp32 master parameters, gradients and optimizer state
     # (worker/precision.py); "fp16" is refused (no loss scaling)
     precision: str = "fp32"
+    # while a step computes, how often a rank looks for a peer's reported failure, to abandon the
+    # doomed step at its next block, micro-batch or sync (runtime/abort.py); 0: never (the step
+    # then runs until one of its collectives fails)
+    abort_poll_s: float = 0.05
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "gloo", "nccl"):
@@ -105,6 +121,10 @@ class StepResult:
     stage: int = 0  # this rank's pipeline stage
     grad_norm: float | None = None  # the whole model's gradient norm before clipping (with max_grad_norm)
     skipped: bool = False  # the gradient norm was not finite: no rank updated (with max_grad_norm)
+    # the global sample cursor: samples committed before this step (its global batch is samples
+    # [cursor, cursor + global_batch)), and this rank's replica's part of them, [first, first + local_batch)
+    cursor: int = 0
+    first_sample: int = 0
 
 
 @dataclass
@@ -117,6 +137,8 @@ class TimelineEvent:
 
 def is_comm_failure(e: BaseException) -> bool:
     """A failed or timed-out collective (what a dead or hung peer causes), not a bug in the step."""
+    if isinstance(e, StepAborted):
+        return True
     if isinstance(e, ReconfigurationError):
         return "rendezvous" in str(e)  # a rendezvous that timed out may succeed at a newer version
     if isinstance(e, dist.DistError):

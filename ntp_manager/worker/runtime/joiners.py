@@ -6,6 +6,7 @@ survivor holds the state."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -13,7 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ntp_manager.worker import comm
-from ntp_manager.worker.checkpoint import CheckpointError, NoCheckpoint
+from ntp_manager.worker.checkpoint import CheckpointError, NoCheckpoint, RestoreInfo
+from ntp_manager.worker.data import split_cursor
 from ntp_manager.worker.optim import check_optimizer, check_scheduler, pack_values, scheduler_json, unpack_values
 from ntp_manager.worker.pipeline import stage_plan
 from ntp_manager.worker.precision import check_model
@@ -195,6 +197,12 @@ class _Joining(_RuntimeBase):
             unpack_values(blob, opt, sched, f"rank {src}")
 
 
+    @staticmethod
+    def _cursor_of(info: RestoreInfo) -> tuple[int, RestoreInfo]:
+        """A restored checkpoint's sample cursor, and its RestoreInfo with the user's data_state only."""
+        cursor, user = split_cursor(info.data_state, info.step, info.layout)
+        return cursor, dataclasses.replace(info, data_state=user)
+
     def _restore_into(self, target: WorkerLayout, why: str | None) -> None:
         """Every rank of `target` builds a fresh model for its units and loads the newest verified
         checkpoint into it: state no survivor holds (`why`), or the job's first layout (`why`
@@ -217,10 +225,12 @@ class _Joining(_RuntimeBase):
             except CheckpointError as e:
                 raise ReconfigurationError(f"{why or 'resuming the job'}: {e}") from e
         if info is None:
+            self.samples = 0
             self._event("joined", target.version, f"tp={self.tp}")
             self.source.ack(target, True)
             return
         self.step = self._saved_step = info.step
+        self.samples, info = self._cursor_of(info)
         self.restored = info
         self._event("restored from checkpoint", target.version, info.describe() + (f" ({why})" if why else ""))
         self.source.ack(target, True, f"restored from step {info.step}",

@@ -40,6 +40,9 @@ class _Stepping(_RuntimeBase):
         tp, lb = lay.degrees[ri][stage], lay.replicas[ri][1]
         last = stage == lay.n_stages - 1
         start = sum(b for _, b in lay.replicas[:ri])
+        cursor = self.samples  # the committed cursor: a redo after a failure takes the same one
+        self._save_rng()
+        self._watch.arm(self._failed_key(lay))  # from here to the sync, a peer's failure abandons the step
         self.s.sync.zero_grad()  # in place: the gradients stay views of the sync buffers
         t_fb = time.perf_counter()
         tp_mod.TP_WAIT.seconds = 0.0
@@ -47,7 +50,7 @@ class _Stepping(_RuntimeBase):
             value, lengths = self._forward_backward(batch_fn, loss_fn, lay, start, lb)
         t_fb = time.perf_counter() - t_fb  # real compute only where the host waits for it (CPU)
         tp_wait = tp_mod.TP_WAIT.seconds  # blocked in the TP group's all-reduces (CPU tensors only)
-        self.s.sync.sync()
+        self._sync_grads()
         clip = self.cfg.max_grad_norm
         share = self.s.sync.norm_share() if clip is not None else 0.0
         newest = self.source.latest()
@@ -61,10 +64,13 @@ class _Stepping(_RuntimeBase):
         every = [torch.zeros_like(mine) for _ in range(lay.world)]
         # from here until the all-gather returns, this step can be completed at a regroup; its
         # result so far (loss unknown; `seconds` holds the step's start until _roll_forward ends it)
-        self._uncommitted = StepResult(self.step, math.nan, lay.global_batch, lb, lay.version, tp, t0, stage)
+        self._watch.disarm()
+        self._uncommitted = StepResult(self.step, math.nan, lay.global_batch, lb, lay.version, tp, t0, stage,
+                                       cursor=cursor, first_sample=cursor + start)
         self._commit_gather(every, mine)  # the commit point
         self._uncommitted = None
         self._attempt_nonce = int(every[0][2].item())
+        self._rng = None  # committed: the RNG goes on from here
         stacked = torch.stack(every)
         grad_norm = None
         if clip is not None:
@@ -78,6 +84,7 @@ class _Stepping(_RuntimeBase):
         skipped = self._update(grad_norm)
         step = self.step
         self.step += 1
+        self.samples = cursor + lay.global_batch
         gloss = float(stacked[:, 0].sum().item()) / lay.global_batch
         self._last_commit = (self.step, gloss, grad_norm)
         agreed = int(stacked[:, 1].max().item())
@@ -87,7 +94,14 @@ class _Stepping(_RuntimeBase):
         on_cpu = self.choice.device == "cpu"
         self.source.report_step(lay, step, secs, lb, StepWork(
             max(0.0, t_fb - tp_wait) if on_cpu else 0.0, tp_wait if on_cpu else 0.0, sequence_lengths=lengths))
-        return StepResult(step, gloss, lay.global_batch, lb, lay.version, tp, secs, stage, grad_norm, skipped), agreed
+        return StepResult(step, gloss, lay.global_batch, lb, lay.version, tp, secs, stage, grad_norm, skipped,
+                          cursor, cursor + start), agreed
+
+    def _sync_grads(self) -> None:
+        """The NTP gradient sync of the step (a method of its own so that tests can fail it)."""
+        assert self.s.sync is not None
+        self._check_abort("before the gradient sync")
+        self.s.sync.sync()
 
     def _commit_gather(self, every: list[torch.Tensor], mine: torch.Tensor) -> None:
         """The commit all-gather (a method of its own so that tests can fail it on one rank)."""
@@ -124,16 +138,18 @@ class _Stepping(_RuntimeBase):
         ahead = [nr for nr in sorted(survivors) if int(info[nr][2]) == hi and info[nr][6] == 1.0]
         if hi != lo + 1 or not ahead or any(info[nr][3] != 1.0 for nr in behind):
             return None
-        _, _, _, _, loss, norm, _, has_norm = info[ahead[0]]
+        loss, norm, _, has_norm = info[ahead[0]][4:8]
         grad_norm = norm if has_norm == 1.0 else None
         me = self._uncommitted
         if self.step == lo and me is not None and me.step == lo:
             assert self.s.layout is not None
             skipped = self._update(grad_norm)
             self.step = hi
+            self.samples = me.cursor + me.global_batch
             self._last_commit = (hi, loss, grad_norm)
             self._rolled = StepResult(lo, loss, me.global_batch, me.local_batch, me.version, me.tp,
-                                      time.perf_counter() - me.seconds, me.stage, grad_norm, skipped)
+                                      time.perf_counter() - me.seconds, me.stage, grad_norm, skipped,
+                                      me.cursor, me.first_sample)
             # not reported to the source (report_step): its time ran on through the failure and the
             # wait for the new layout, and a fail-slow detector would read it as a slow step
             self._event("step rolled forward", self.s.layout.version,
@@ -157,6 +173,8 @@ class _Stepping(_RuntimeBase):
         seen_lengths = []
         shares: list[torch.Tensor] = []  # read once after the loop: no host sync per micro-batch
         for off, n in cuts:  # gradients accumulate; each micro-batch's mean loss weighted by its share
+            if off > 0:
+                self._check_abort("between micro-batches")
             batch = batch_fn(self.step, start + off, n)
             loss = loss_fn(self.s.model, batch)
             torch.autograd.backward(loss if len(cuts) == 1 else loss * (n / lb))  # Tensor.backward: unannotated

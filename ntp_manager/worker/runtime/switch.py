@@ -37,6 +37,13 @@ class _Superseded(Exception):
         self.newer = newer
 
 
+def _agreed_cursor(info: list[tuple[float, ...]], survivors: dict[int, int]) -> int:
+    """The sample cursor after the regroup: the survivors' (a rank one step behind that rolled
+    forward counts its step's samples too, so the largest is every survivor's; the exchange's
+    9th value, runtime/step.py)."""
+    return max(int(info[nr][8]) for nr in survivors)
+
+
 class _Switching(_Stepping, _Joining):
     """Leaving a layout and joining the next one, by failure or by agreement."""
 
@@ -219,8 +226,9 @@ class _Switching(_Stepping, _Joining):
     def _exchange_held(self, old: WorkerLayout | None, world: int) -> list[tuple[float, ...]]:
         """Every rank's record, gathered: old rank and the version it was a member of (-1 when
         fresh), committed steps; for `_roll_forward`: whether this rank holds the synced gradients
-        of step `step` whose commit it did not see complete, and the outcome (loss, norm) of the
-        commit that made `step` where this rank made it. float64: every integer here is exact."""
+        of step `step` whose commit it did not see complete, the outcome (loss, norm) of the
+        commit that made `step` where this rank made it, and its sample cursor. float64: every
+        integer here is exact."""
         held = old is not None and old.rank is not None and self.s.model is not None
         if not held:
             self._uncommitted = None
@@ -229,7 +237,7 @@ class _Switching(_Stepping, _Joining):
         norm = last[2] if last is not None else None
         mine = torch.tensor([old.rank if held and old else -1, old.version if held and old else -1, self.step,
                              float(pending), last[1] if last else 0.0, norm if norm is not None else 0.0,
-                             float(last is not None), float(norm is not None)], dtype=torch.float64)
+                             float(last is not None), float(norm is not None), self.samples], dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(world)]
         comm.all_gather(every, mine, group=self.s.world)
         info = [tuple(float(x) for x in t.tolist()) for t in every]
@@ -336,6 +344,7 @@ class _Switching(_Stepping, _Joining):
         if not survivors:
             return self._restore_into(target, "no rank of the new layout holds the model state")
         self.step = steps.pop()
+        self.samples = _agreed_cursor(info, survivors)
         src = min(survivors)
         obj: list[Any] = [(old.replicas, old.degrees) if rank == src and old else None]
         if len(survivors) < world:  # some rank holds no old layout (or an older one): the oldest survivor's
