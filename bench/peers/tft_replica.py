@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.peers.common import STARTED, STEP_BATCH, StepLog, StepRecord, batch_of, model_config  # noqa: E402
+from bench.peers.common import STARTED, STEP_BATCH, StepLog, StepRecord, batch_of, model_config
 
 
 class _Indices:
