@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-SEQ = 32
+SEQ = 64
 VOCAB = 256
 STEP_BATCH = 8  # samples per replica per step at full strength
 
@@ -23,7 +23,7 @@ STEP_BATCH = 8  # samples per replica per step at full strength
 def model_config() -> Any:
     from ntp_manager.worker.tiny_gpt import GptConfig
 
-    return GptConfig(vocab=VOCAB, seq=SEQ, d_model=96, heads=6, mlp=384, layers=4)
+    return GptConfig(vocab=VOCAB, seq=SEQ, d_model=384, heads=8, mlp=1536, layers=4)
 
 
 def batch_of(indices: list[int]) -> tuple[Any, Any]:

@@ -75,11 +75,16 @@ def peer_env() -> dict[str, str]:
     return env
 
 
-def wait_until(pred: object, timeout: float, what: str) -> None:
+def wait_until(pred: object, timeout: float, what: str, *alive: subprocess.Popen[bytes]) -> None:
+    """Until `pred()`; TimeoutError past `timeout`, RuntimeError when a process in `alive` ends first."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if pred():  # type: ignore[operator]
             return
+        gone = [p for p in alive if p.poll() is not None]
+        if gone:
+            raise RuntimeError(f"{what}: {gone[0].args[1] if len(gone[0].args) > 1 else gone[0].args[0]} "
+                               f"exited with {gone[0].returncode} first (its output is in the logs folder)")
         time.sleep(0.05)
     raise TimeoutError(f"{what}: not within {timeout:.0f} s")
 
@@ -109,9 +114,11 @@ def run_torchft(logs: Path, steps: int, kill_at: int, restart_after: float, time
                                      "--lighthouse", address, "--steps", str(steps), "--log-dir", str(logs), *extra],
                                     env=env, stdout=out, stderr=subprocess.STDOUT)
         procs = [group(0, "--wait-go"), group(1, "--wait-go")]
-        wait_until(lambda: all((logs / f"ready-{g}").exists() for g in (0, 1)), timeout, "torchft: groups joining")
+        wait_until(lambda: all((logs / f"ready-{g}").exists() for g in (0, 1)), timeout, "torchft: groups joining",
+                   *procs)
         (logs / "go").touch()  # both heartbeat now: the first quorum holds both
-        wait_until(lambda: len(committed_steps(logs, "group1")) >= kill_at, timeout, "torchft: steps before the kill")
+        wait_until(lambda: len(committed_steps(logs, "group1")) >= kill_at, timeout, "torchft: steps before the kill",
+                   *procs)
         procs[1].send_signal(signal.SIGKILL)
         t_kill = time.time()
         say(f"torchft: killed group1 after {kill_at} steps; restarting it in {restart_after:.1f} s")
@@ -127,16 +134,17 @@ def run_torchft(logs: Path, steps: int, kill_at: int, restart_after: float, time
 
 
 def run_ntp(logs: Path, steps: int, kill_at: int, restart_after: float, timeout: float) -> float:
-    cmd = [str(Path(PY).with_name("ntp-run")), "--nproc", "2", "--replicas", "2", "--tp", "1",
+    cmd = [str(Path(PY).with_name("ntp-run")), "--nproc", "2", "--replicas", "2",
            "--batch-per-rank", str(STEP_BATCH), "--max-restarts", "1", "--restart-delay", str(restart_after),
            "--log-dir", str(logs / "ranks"), "-r", "3",
            str(ROOT / "bench/peers/ntp_replica.py"), "--steps", str(steps), "--log-dir", str(logs)]
     out = open(logs / "ntp-run.out", "ab")  # noqa: SIM115 (the child holds it)
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
-        wait_until(lambda: len({r.replica for r in read_logs(logs)}) >= 2, timeout, "ntp: both ranks stepping")
+        wait_until(lambda: len({r.replica for r in read_logs(logs)}) >= 2, timeout, "ntp: both ranks stepping", proc)
         victim = sorted({r.replica for r in read_logs(logs)})[-1]
-        wait_until(lambda: len(committed_steps(logs, victim)) >= kill_at, timeout, "ntp: steps before the kill")
+        wait_until(lambda: len(committed_steps(logs, victim)) >= kill_at, timeout, "ntp: steps before the kill",
+                   proc)
         pid = committed_steps(logs, victim)[-1].pid
         os.kill(pid, signal.SIGKILL)
         t_kill = time.time()

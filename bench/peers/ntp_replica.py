@@ -1,6 +1,6 @@
 """One rank under ntp-run: this project's side of bench/peers/compare.py.
 
-Run by the driver through `ntp-run --nproc 2 --replicas 2 --tp 1 ...`, not by hand. The same model
+Run by the driver through `ntp-run --nproc 2 --replicas 2 ...`, not by hand. The same model
 and data as bench/peers/tft_replica.py, trained with the runtime's sample-addressed step: each
 step takes the next global batch at the runtime's sample cursor, each replica its share. Every
 committed step writes one line (bench/peers/common.py `StepRecord`) with the sample indices this
@@ -55,7 +55,7 @@ def main() -> int:
 
     rt = env.runtime(lambda: TinyGpt(cfg), lambda ps: torch.optim.AdamW(ps, lr=3e-3), tp_plan(cfg),
                      on_event=on_event, reconfigure_timeout_s=300)
-    log = StepLog(args.log_dir, f"ntp-{env.worker}", STARTED)
+    log = StepLog(args.log_dir, f"ntp-{env.worker_id}", STARTED)
     try:
         rt.start()
         while rt.step < args.steps:
@@ -63,7 +63,7 @@ def main() -> int:
             switch[0] = 0.0
             r = rt.train_step(loss_fn=tiny_loss, samples=samples)
             replicas = max(1, r.global_batch // max(1, r.local_batch))
-            log.write(StepRecord("ntp", env.worker, os.getpid(), r.step, start, time.time(), True, replicas,
+            log.write(StepRecord("ntp", env.worker_id, os.getpid(), r.step, start, time.time(), True, replicas,
                                  list(range(r.first_sample, r.first_sample + r.local_batch)), switch[0]))
     finally:
         rt.close()
