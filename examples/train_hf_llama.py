@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +43,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 JOB = "llama"
 MAX_BATCH = 64
+# --shape: "small" (the default, seconds on a CPU), "bench" (issue 42's failure benchmark:
+# hidden 256, 2 layers, a 32,000-token vocabulary, 128-token sequences; bench/lost.py)
+SHAPES = {"small": dict(vocab_size=256, hidden_size=64, intermediate_size=192, seq=32),
+          "bench": dict(vocab_size=32000, hidden_size=256, intermediate_size=768, seq=128)}
+SHAPE = dict(SHAPES["small"])
 
 
 def llama_config() -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+    return LlamaConfig(vocab_size=SHAPE["vocab_size"], hidden_size=SHAPE["hidden_size"],
+                       intermediate_size=SHAPE["intermediate_size"], num_hidden_layers=2,
+                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=max(64, SHAPE["seq"]),
                        tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
@@ -67,12 +74,13 @@ def make_optimizer(kind: str, params: Any) -> Any:
     return torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
 
 
-def batch(step: int, start: int, count: int, seq: int = 32) -> Any:
+def batch(step: int, start: int, count: int, seq: int | None = None) -> Any:
     """Samples [start, start+count) of step `step`'s global batch: a bigram chain over tokens
     3..255 (0 is padding, 1 and 2 are bos/eos), 10% of positions random."""
     import torch
 
-    vocab = llama_config().vocab_size
+    vocab = SHAPE["vocab_size"]
+    seq = seq or SHAPE["seq"]
     nxt = torch.randint(3, vocab, (vocab,), generator=torch.Generator().manual_seed(12345))
     g = torch.Generator().manual_seed(10_000 + step)
     ids = torch.empty(MAX_BATCH, seq, dtype=torch.long)
@@ -110,17 +118,24 @@ def train(args: argparse.Namespace) -> int:
             print(f"{ev.what} (v{ev.version}) {ev.detail[:80]}", flush=True)
 
     rt = env.runtime(make_model, lambda ps: make_optimizer(args.optimizer, ps), on_event=on_event,
-                     seed=args.seed, collective_timeout_s=args.collective_timeout, reconfigure_timeout_s=300)
+                     seed=args.seed, collective_timeout_s=args.collective_timeout, reconfigure_timeout_s=300,
+                     abort_poll_s=args.abort_poll)
     losses: dict[int, float] = {}
+    steps: list[tuple[int, int, float, float]] = []  # step, version, seconds, when it ended
     try:
         rt.start()
         while rt.step < args.steps:
             r = rt.train_step(batch, loss_fn)
+            steps.append((r.step, r.version, r.seconds, time.time()))
             losses[r.step] = r.loss
             env.store.set(f"ntp/{env.job}/example/gb/{r.step}", str(r.global_batch))
             if env.worker_id == args.report_from or (not args.report_from and env.local_rank == 0):
                 print(f"step {r.step:3d}  layout v{r.version}  tp {r.tp}  global batch {r.global_batch:3d}  "
                       f"loss {r.loss:.5f}", flush=True)
+        if args.timeline:  # for bench/lost.py: this rank's timeline and steps
+            Path(args.timeline).mkdir(parents=True, exist_ok=True)
+            (Path(args.timeline) / f"{env.worker_id}.{os.getpid()}.json").write_text(json.dumps(
+                {"events": [(e.what, e.version, e.at) for e in rt.timeline], "steps": steps}))
         if args.check:
             return check(env, rt, losses, args)
         return 0
@@ -277,9 +292,13 @@ def main() -> int:
     p.add_argument("--fail-at", type=int, default=8, help="--demo: the GPU fails after this step")
     p.add_argument("--repair-at", type=int, default=16, help="--demo: and is repaired after this one")
     p.add_argument("--verbose", action="store_true", help="--demo: every log on the console instead of files")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="small", help="the model and data (see SHAPES)")
+    p.add_argument("--abort-poll", type=float, default=0.05, help="RuntimeConfig.abort_poll_s (0: no abort watch)")
+    p.add_argument("--timeline", default="", help="write each rank's timeline and steps to DIR/<worker>.<pid>.json")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning",
                    help="the ranks' log (stderr); the runtime logs every event at info")
     args = p.parse_args()
+    SHAPE.update(SHAPES[args.shape])
     if args.demo:
         return demo(args)
     if "NTP_STORE" not in os.environ:

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ntp_manager.worker.runtime import RuntimeConfig
+from ntp_manager.worker.runtime.abort import install_block_checks
+from ntp_manager.worker.runtime.config import StepAborted
 from ntp_manager.worker.sources import StoreLayoutSource, report_failure
 from ntp_manager.worker.tiny_gpt import tp_plan
 from tests.fakes.procs import worker_context
@@ -114,3 +116,36 @@ def test_a_peer_failure_abandons_the_slow_replicas_step_at_its_next_block(point:
     (w2_failure,) = [d for what, _, d in done["w2"][2] if what == "failure detected"]
     assert w2_failure.startswith("StepAborted: step 2 abandoned ") and "gradient sync" not in w2_failure, w2_failure
     assert "before block" in w2_failure or "between micro-batches" in w2_failure
+
+
+@pytest.mark.parametrize("spec", ["tiny", "llama-gqa", "gpt2"])
+def test_the_block_checks_run_before_every_blocks_forward_and_backward(spec: str) -> None:
+    """The hooks the runtime puts on a model (one process, no runtime): TinyGpt's `blocks`, HF
+    Llama's `layers` and GPT-2's `h` are found; each block's check runs before its forward and
+    before its backward; a check that raises stops the pass there, with nothing left hooked twice."""
+    from tests.worker import hf_models
+
+    if spec != "tiny":
+        pytest.importorskip("transformers")
+    model = build("sgd") if spec == "tiny" else hf_models.build(spec, tied=False)
+    seen: list[str] = []
+    assert install_block_checks(model, seen.append) == 2
+    assert install_block_checks(model, seen.append) == 0  # after a reshard: the same modules, already hooked
+    if spec == "tiny":
+        loss = loss_fn(model, batch(0, 0, 2))
+    else:
+        ids, labels = hf_models.tokens(0, 2)
+        loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    assert seen == ["before block 0's forward", "before block 1's forward", "before block 1's backward",
+                    "before block 0's backward"]
+
+    def stop_at_backward(where: str) -> None:
+        if "backward" in where:
+            raise StepAborted(f"abandoned {where}")
+
+    fresh = build("sgd")
+    install_block_checks(fresh, stop_at_backward)
+    with pytest.raises(StepAborted, match="abandoned before block 1's backward"):
+        loss_fn(fresh, batch(0, 0, 2)).backward()
+    assert all(p.grad is None or p.grad.abs().sum() == 0 for n, p in fresh.named_parameters() if "blocks" in n)

@@ -14,6 +14,7 @@ the runtime puts the RNG back where the step found it -- and goes down the failu
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 import weakref
 from collections.abc import Callable
@@ -90,9 +91,8 @@ def install_block_checks(model: nn.Module, check: Callable[[str], None]) -> int:
     gradient of its output). Once per module (a reshard keeps the modules); returns the blocks
     hooked now. `check` is held weakly through its owner so that the model does not keep a
     Runtime alive."""
-    owner = getattr(check, "__self__", None)
     ref: Callable[[], Callable[[str], None] | None] = (
-        weakref.WeakMethod(check) if owner is not None else (lambda: check))
+        weakref.WeakMethod(check) if inspect.ismethod(check) else (lambda: check))
     hooked = 0
     for i, blk in enumerate(_blocks(model)):
         if getattr(blk, "_ntp_abort_hooked", False):
