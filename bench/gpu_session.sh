@@ -21,6 +21,11 @@
 #                 reshard, i.e. detection + regroup with doomed steps abandoned. Goal: <= 0.5 s.
 #
 #   PARTS=switch bash bench/gpu_session.sh   # only part 7, with the whole 9 minutes (a second call)
+#   PARTS=peers bash bench/gpu_session.sh    # issue 42: bench/peers/compare.py, torchft against ntp-run
+#                 (peers.txt, appended to summary.md). Both sides run two replicas of one process each
+#                 over gloo on the machine's CPUs: with one GPU there is no NCCL between two replicas,
+#                 so this measures the recovery paths on a machine with cores to spare, not GPU steps.
+#                 torchft comes from .whl/peers (make gpu-wheels), never from the index.
 #
 # It changes no GPU setting. Every Python process it starts imports a guard (bench/gpu_guard/
 # sitecustomize.py, on PYTHONPATH) that replaces each NVML call that sets or resets anything
@@ -46,9 +51,9 @@ fi
 export PYTHONPATH="$PWD/bench/gpu_guard:${work}/site:$PWD:$PWD/agent${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 status() { printf '| %s | %s | %s |\n' "$1" "$2" "$3" >> "$work/rows"; }
-PARTS=${PARTS:-all}  # "all", or "switch": only issue 32's block (part 7)
-if [ "$PARTS" != all ] && [ "$PARTS" != switch ]; then
-  echo "PARTS=$PARTS: must be 'all' or 'switch'" >&2
+PARTS=${PARTS:-all}  # "all"; "switch": only issue 32's block (part 7); "peers": only issue 42's peer comparison
+if [ "$PARTS" != all ] && [ "$PARTS" != switch ] && [ "$PARTS" != peers ]; then
+  echo "PARTS=$PARTS: must be 'all', 'switch' or 'peers'" >&2
   exit 2
 fi
 if [ "$PARTS" = all ]; then
@@ -135,6 +140,25 @@ fi
 } >> "$OUT/summary.md"
 # ==== end of issue 34's block ====================================================================
 fi  # PARTS=all
+
+# ==== issue 42: a peer side by side (bench/peers/compare.py), PARTS=peers only =====================
+if [ "$PARTS" = peers ]; then
+  echo "# GPU session (PARTS=peers), $(date -u +%FT%TZ)" > "$OUT/summary.md"
+  NTP_PEER_WHEELS="$PWD/.whl/peers" timeout --kill-after=5 500 "$PY" bench/peers/compare.py --json "$OUT/peers.json" \
+    > "$OUT/peers.txt" 2>&1
+  echo "compare.py: exit $?" >> "$OUT/peers.txt"
+  {
+    echo
+    echo "## A peer side by side (issue 42): bench/peers/compare.py on this machine's CPUs (gloo)"
+    echo
+    nproc | sed 's/^/cores: /'
+    echo
+    grep '^|' "$OUT/peers.txt" || tail -n 20 "$OUT/peers.txt"
+  } >> "$OUT/summary.md"
+  cat "$OUT/summary.md"
+  exit 0
+fi
+# ==== end of issue 42's block ====================================================================
 
 # ==== issue 32: a layout switch on CUDA, two model sizes (bench/worker.py --only switch) ==========
 # 8 ranks as 2 replicas x TP4 on the GPUs there are (sharing them: gloo staged through pinned host

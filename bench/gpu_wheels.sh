@@ -19,5 +19,14 @@ rm -rf .whl && mkdir -p .whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 -d .whl "${pins[@]}"
-ls .whl
+# bench/peers/compare.py's peer (torchft and its OpenTelemetry, never torch): for PARTS=peers
+mkdir -p .whl/peers
+python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 -d .whl/peers "opentelemetry-exporter-otlp-proto-http==1.39.1" \
+  "opentelemetry-sdk==1.39.1" "opentelemetry-api==1.39.1"
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d .whl/peers "torchft==0.2.0"
+ls .whl .whl/peers
 du -sh .whl

@@ -57,11 +57,16 @@ def say(msg: str) -> None:
 
 
 def ensure_torchft() -> None:
-    """torchft and its OpenTelemetry in a folder of their own, without their protobuf."""
+    """torchft and its OpenTelemetry in a folder of their own, without their protobuf. From the
+    package index, or from the wheels in $NTP_PEER_WHEELS (a machine without the index: `make
+    gpu-wheels` puts them in .whl/peers for bench/gpu_session.sh)."""
     if (PEER_DIR / "torchft" / "__init__.py").exists():
         return
     say(f"installing {TORCHFT} into {PEER_DIR.relative_to(ROOT)} (once)")
     pip = [PY, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--target", str(PEER_DIR)]
+    wheels = os.environ.get("NTP_PEER_WHEELS")
+    if wheels:
+        pip += ["--no-index", "--find-links", wheels]
     subprocess.run([*pip, *OTEL], check=True)
     subprocess.run([*pip, "--no-deps", TORCHFT], check=True)
     shutil.rmtree(PEER_DIR / "google" / "protobuf", ignore_errors=True)

@@ -421,8 +421,9 @@ class Launcher:
 
         reps = [[w for w in rep if w not in self.down] for rep in self.replicas]
         reps = [r for r in reps if r]
-        if not reps:
-            raise RuntimeError("every rank is down")
+        if not reps:  # nothing to train on until a rank restarts (then it is published); none will: the run ends
+            log.warning("every rank is down; the next layout comes with the first restart", reason=reason)
+            return
         self.version += 1
         publish_layout(self.store, self.o.job, self.version, [(r, self.o.batch_per_rank * len(r)) for r in reps],
                        reason)

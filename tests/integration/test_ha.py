@@ -110,8 +110,13 @@ async def eventually(cond: Callable[[], Any], timeout: float = 60, what: str = "
 
 
 async def job_on(base: str, op: str, agents: list[Any]) -> None:
-    """Once every agent is connected to the manager at `base`, submit JOB there."""
+    """Once every agent is connected and the leader at `base` has applied their hellos (a welcome
+    says the hello is durable; the leader applies it from the outbox), submit JOB there."""
     await eventually(lambda: all(x.connected.is_set() for x in agents), what="agents connected to a")
+
+    async def applied() -> bool:
+        return bool((await get(base, op, "/v1/status"))["nodes_connected"] >= len(agents))
+    await eventually(applied, what="the agents' hellos applied by the leader")
     async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {op}"}) as h:
         assert (await h.post("/v1/jobs", json=JOB)).status_code == 201
 

@@ -89,6 +89,25 @@ def test_ntp_run_restarts_a_dead_rank_or_stops_the_run(tmp_path: Path) -> None:
     assert any(e["event"] == "stopping every rank" for e in ev)
 
 
+def test_ntp_run_survives_every_rank_dying_at_once(tmp_path: Path) -> None:
+    """Every rank's process fails at start (here: exit 3) with a restart left: no layout can be
+    published while none is up, which is no reason to crash (it once did, with a traceback); each
+    fresh process is put back, and when they fail again with no restart left the run ends with a
+    clear status."""
+    script = tmp_path / "always_fails.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    r = subprocess.run([sys.executable, "-m", "ntp_manager.worker.run", "--nproc", "2", "--replicas", "2",
+                        "--max-restarts", "1", "--restart-delay", "0.2", str(script)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == 1, r.stderr
+    ev = events(r.stderr)
+    assert any(e["event"] == "every rank is down; the next layout comes with the first restart" for e in ev)
+    # both died and were restarted; the first to die again with no restart left stops the run
+    assert sum(1 for e in ev if e["event"] == "rank exited") >= 3
+    assert any(e["event"] == "stopping every rank" for e in ev)
+
+
 # Each rank writes 40 long lines, each in two pieces flushed apart (two writes to its pipe), a
 # line to stderr, its log format, and a last piece without a newline: on a shared descriptor the
 # pieces of different ranks would run into each other.
