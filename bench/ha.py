@@ -115,7 +115,6 @@ class SimAgent:
         self.round = 0
         self.connected_once_this_try = False
         self.welcomes: list[tuple[float, float]] = []  # (start of the attempt, its welcome)
-        self.unreachable: str | None = None  # the manager the last attempt could not reach (agent/ntp_agent/core.py)
         self.attempts: list[tuple[float, float, str, str | None]] = []  # (start, end, how it ended, leader hint)
 
     def report(self, gpus: list[tuple[str, int, str]]) -> None:
@@ -143,7 +142,7 @@ class SimAgent:
             self.connected_once_this_try = False
             try:
                 stub = agent_pb2_grpc.AgentServiceStub(self.addrs.channel(self.target, self.i))
-                md = metadata(self.token, self.unreachable, self.target, len(self.pending))
+                md = metadata(self.token)
                 async for msg in stub.Connect(until_none(q), metadata=md):
                     kind = msg.WhichOneof("body")
                     if kind == "welcome":
@@ -156,14 +155,12 @@ class SimAgent:
                             q.put_nowait(self._msg(p))
                         self.connected.set()
                         self.connected_once_this_try = True
-                        self.unreachable = None
                         self.welcomes.append((attempt_t, time.perf_counter()))
                     elif kind == "ack":
                         self.acked = max(self.acked, msg.ack.seq)
                         self.pending = [p for p in self.pending if p[0] > msg.ack.seq]
             except grpc.aio.AioRpcError as e:
                 hint = hint_of(e)
-                self.unreachable = unreachable_after(e, hint, self.target, self.unreachable)
                 how = f"{e.code().name} {self.target} {(e.details() or '')[:60]}"
                 self.attempts.append((attempt_t, time.perf_counter(), how, hint))
             finally:
@@ -177,26 +174,9 @@ class SimAgent:
             await asyncio.sleep(pause(self, hint, self.connected_once_this_try))
 
 
-def metadata(token: str, unreachable: str | None, target: str, pending: int = 0) -> tuple[tuple[str, str], ...]:
-    """The call's metadata: the token, the manager the last attempt could not reach (a standby
-    holds such a call until it takes over, or sees that manager renew its lease: rpc/server.py), and
-    an agent's reports not acknowledged yet (a takeover serves those agents first)."""
-    md: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),)
-    if unreachable and unreachable != target:
-        md += (("ntp-leader-unreachable", unreachable),)
-    if pending:
-        md += (("ntp-pending-reports", str(pending)),)
-    return md
-
-
-def unreachable_after(e: grpc.aio.AioRpcError, hint: str | None, target: str, before: str | None) -> str | None:
-    """What the next attempt tells the next manager: the one this attempt could not reach (no leader
-    named: refused, reset, a lost stream), else what it said before (a standby naming the leader is
-    no news about it)."""
-    if hint is None and e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
-                                     grpc.StatusCode.UNKNOWN):
-        return target
-    return before
+def metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """The call's metadata: the token (every manager serving clients takes the call)."""
+    return (("authorization", f"Bearer {token}"),)
 
 
 def pause(self: Any, hint: str | None, welcomed: bool) -> float:
@@ -221,7 +201,6 @@ class Watcher:
         self.target = addrs.addrs[0]
         self.seen: dict[tuple[int, int], float] = {}
         self.failed_here = self.round = 0
-        self.unreachable: str | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -231,14 +210,12 @@ class Watcher:
                 stub = worker_pb2_grpc.WorkerServiceStub(self.addrs.channel(self.target, self.i))
                 call = stub.WatchLayout(worker_pb2.WatchLayoutRequest(job="ha", worker_id=f"w{self.i}",
                                                                       gpu_uuid=self.gpu),
-                                        metadata=metadata(self.token, self.unreachable, self.target))
+                                        metadata=metadata(self.token))
                 async for msg in call:
                     self.seen.setdefault((msg.stamp.leader_epoch, msg.stamp.version), time.perf_counter())
                     got = True
-                    self.unreachable = None
             except grpc.aio.AioRpcError as e:
                 hint = hint_of(e)
-                self.unreachable = unreachable_after(e, hint, self.target, self.unreachable)
                 if e.code() == grpc.StatusCode.NOT_FOUND:  # the job is not there yet
                     await asyncio.sleep(0.2)
             if stop.is_set():

@@ -304,13 +304,8 @@ class Agent:
         return [self._report_msg(r) for r in self.pending]
 
     def call_metadata(self) -> tuple[tuple[str, str], ...]:
-        """The stream's metadata: the token; the manager the last attempt could not reach (a standby
-        holds the call until it takes over, rather than send it back there: rpc/server.py); and
-        how many reports no manager has acknowledged (after a takeover, agents with news go first)."""
-        md = self.client.metadata(self.cfg.token)
-        if self.pending:
-            md += (("ntp-pending-reports", str(len(self.pending))),)
-        return md
+        """The stream's metadata: the token (every manager serving clients takes the stream)."""
+        return self.client.metadata(self.cfg.token)
 
     def on_ack(self, seq: int) -> None:
         self.last_acked = max(self.last_acked, seq)
@@ -341,7 +336,6 @@ class Agent:
                             raise StaleManager(f"{self.target} welcomed at leader epoch {msg.welcome.leader_epoch}, "
                                                f"older than {self.epoch_seen}")
                         self.epoch_seen = msg.welcome.leader_epoch
-                        self.client.reached()
                         period = self.heartbeat_period(msg.welcome.heartbeat_interval_ms)
                         if period != self.beat_s:
                             self.beat_s = period
@@ -504,11 +498,6 @@ class Agent:
     def target(self) -> str:
         """The manager tried now."""
         return self.client.target
-
-    @property
-    def unreachable(self) -> str | None:
-        """The manager the last attempt could not reach (told to the next)."""
-        return self.client.unreachable
 
     @property
     def failovers(self) -> int:

@@ -12,9 +12,6 @@ when managers run as a leader and standbys (docs/operations.md).
   its plaintext port, so a TLS client follows a hint only to an address of its own list.
 - Balance (fleet mode): a manager holding more than its share ends a stream with UNAVAILABLE and
   `ntp-move-to` naming the manager to go to; the client goes there at once, like to a leader hint.
-- The manager the last attempt could not reach is told to the next one (`ntp-leader-unreachable`):
-  a standby then holds the call until it has taken over, rather than send the client back to a
-  leader that is gone (rpc/server.py).
 
 How often to retry, and which refusals end a client, is the caller's: the agent retries forever
 with tenacity's backoff, the worker's layout watch stops at a refusal.
@@ -93,7 +90,6 @@ class ManagerClient:
         self.tls = tls or TlsFiles()
         self.target = self.targets[0]  # the manager tried now
         self.failovers = 0  # moves to another manager
-        self.unreachable: str | None = None  # the manager the last attempt could not reach (told to the next)
 
     # ---- channels ----------------------------------------------------------------------------
     def channel(self, target: str | None = None) -> grpc.Channel:
@@ -133,23 +129,13 @@ class ManagerClient:
         return nxt
 
     def failed(self, e: Any) -> str | None:
-        """Note an RPC error from the manager in use; returns the leader it named, if any. One
-        that names no leader and is how a gone manager answers marks that manager unreachable."""
-        hint = leader_hint(e)
-        if hint is None and code_of(e) in UNREACHABLE_CODES:  # refused, reset, gone silent
-            self.unreachable = self.target
-        return hint
-
-    def reached(self) -> None:
-        """A manager answered: nothing to tell the next one."""
-        self.unreachable = None
+        """Note an RPC error from the manager in use; returns the manager it named to go to
+        (a leader, or a balance target), if any."""
+        return leader_hint(e)
 
     def metadata(self, token: str) -> tuple[tuple[str, str], ...]:
-        """A call's metadata: the token, and the manager the last attempt could not reach."""
-        md: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),)
-        if self.unreachable and self.unreachable != self.target:
-            md += (("ntp-leader-unreachable", self.unreachable),)
-        return md
+        """A call's metadata: the token."""
+        return (("authorization", f"Bearer {token}"),)
 
     def refusal(self, e: Any) -> str:
         """One line for an error that ends a client's set-up, naming the manager and the TLS mode."""

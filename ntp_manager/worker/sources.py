@@ -437,11 +437,6 @@ class GrpcLayoutSource:
         """Moves to another manager."""
         return self.client.failovers
 
-    @property
-    def unreachable(self) -> str | None:
-        """The manager the last watch could not reach (told to the next)."""
-        return self.client.unreachable
-
     def _move(self, hint: str | None) -> None:
         """Watch, ack and report through the leader a standby named, else the next address."""
         with self._switch_lock:
@@ -455,9 +450,7 @@ class GrpcLayoutSource:
         old.close()
 
     def watch_metadata(self) -> tuple[tuple[str, str], ...]:
-        """The watch's metadata: the token, and the manager the last attempt could not reach (as the
-        agent does: a standby then holds the watch until it has taken over, instead of sending it
-        back to a leader that is gone; rpc/server.py)."""
+        """The watch's metadata: the token (every manager serving clients takes the watch)."""
         return self.client.metadata(self._token)
 
     def _watch(self) -> None:
@@ -479,7 +472,6 @@ class GrpcLayoutSource:
                 for msg in self._call:
                     self.history.add(layout_from_pb(msg, self.gpu_uuid))
                     delay, failed_here = 0.1, 0
-                    self.client.reached()
                 self._move(None)  # the stream ended: that manager stopped or stepped down
             except grpc.RpcError as e:
                 if self._stop.is_set():
