@@ -112,7 +112,6 @@ class Manager:
         self._tasks: list[asyncio.Task[None]] = []
         self._standby: asyncio.Task[None] | None = None
         self._loaded = False  # the world is loaded (once leading)
-        self.acting_event = asyncio.Event()  # set once this manager acts as the leader
         # PostgreSQL: every manager takes agent streams and watches, the leader applies the outbox
         self.fleet: Fleet | None = Fleet(self) if settings.shared_store else None
         # the doors the gRPC edge comes in by (service/ingest/doors.py): chosen here, once
@@ -249,7 +248,6 @@ class Manager:
             self.power.recompute_later()  # the base cap may have been set, changed or removed since
         self._loaded = True
         self.ready = True
-        self.acting_event.set()
         log.info("manager started", epoch=self.epoch, gpus=len(self.world.gpus), jobs=len(self.world.jobs))
 
     async def _load(self) -> None:

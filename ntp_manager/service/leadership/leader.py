@@ -96,7 +96,6 @@ class Leadership:
         self._lock_file: IO[str] | None = None
         self._keeper: _RenewalThread | None = None  # PostgreSQL
         self._loop_mono = time.monotonic()  # when the manager's event loop last turned (`_tick`)
-        self._viewed: asyncio.Future[None] | None = None  # resolved at the next read of the lease
 
     # ---- start ------------------------------------------------------------------------------
     def advertise(self, http: str, grpc: str) -> None:
@@ -161,8 +160,6 @@ class Leadership:
         async with self.engine.connect() as conn:
             view = await lease.read(conn)
         self.view, self.view_mono = view, time.monotonic()
-        if self._viewed is not None and not self._viewed.done():
-            self._viewed.set_result(None)
         if view is not None and view.live and not self.leading:
             self.leader = LeaderInfo(view.epoch, view.holder, view.http, view.grpc)
         elif view is not None and not view.live and not self.leading:
@@ -176,42 +173,6 @@ class Leadership:
             return True
         last = max(self.view_mono, self.renewed_mono)
         return last > 0 and time.monotonic() - last <= self.settings.lease_ttl_s
-
-    def next_view(self) -> asyncio.Future[None]:
-        """A future resolved at this manager's next read of the lease (a standby reads it every
-        `lease_renew_s`): what a call held on a standby waits on, with the end of the takeover."""
-        if self._viewed is None or self._viewed.done():
-            self._viewed = asyncio.get_running_loop().create_future()
-        return self._viewed
-
-    def lease_ends(self) -> float | None:
-        """When the lease as last read expires (the database's clock): it moves on every renewal,
-        so a standby that sees it move knows the leader is alive."""
-        return self.view.expires_at if self.view is not None else None
-
-    def takeover_due_in(self) -> float | None:
-        """On a standby whose leader looks gone: about how many seconds until this manager may take
-        the lease over (0: it is free now, or taken and the state loading); None while the leader
-        renews as it should, and on a manager that lost its lease.
-
-        A leader renews every `lease_renew_s` and this standby reads the lease as often, so the lease
-        it last read has more than `lease_ttl_s - 2 * lease_renew_s` left unless the leader missed
-        renewals; half a period more is allowed for a late read or a slow database."""
-        if self.lost.is_set():
-            return None
-        if self.leading:  # taken: the state is loading
-            return 0.0
-        v = self.view
-        if v is None:
-            return None
-        if not v.live:
-            return 0.0
-        assert v.remaining_s is not None
-        left = v.remaining_s - (time.monotonic() - self.view_mono)
-        ttl, period = self.settings.lease_ttl_s, self.settings.lease_renew_s
-        if left > ttl - 2.5 * period:
-            return None
-        return max(0.0, left)
 
     async def wait_for_turn(self) -> None:
         """Stand by until this manager takes the lease: read it every `lease_renew_s` (or sooner,
