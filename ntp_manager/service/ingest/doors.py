@@ -1,15 +1,16 @@
 """The doors the gRPC edge comes in by: what an agent stream and a layout watch ask of a manager.
 
-rpc/server.py speaks to two narrow interfaces, `AgentDoor` and `WatchDoor`, and never asks which
-store or role the manager has. The composition root (service/manager.py) picks the doors once:
+rpc/ (agents.py, workers.py) speaks to two narrow interfaces, `AgentDoor` and `WatchDoor`, and
+never asks which store or role the manager has. The composition root (service/manager.py) picks
+the doors once:
 
 - one manager alone (SQLite): `LocalAgents` / `LocalWatches` hand each call to the component that
   owns it (agents.py's group commit, jobs.py's watchers), in this process;
 - managers sharing PostgreSQL: `FleetAgents` / `FleetWatches` (every manager, standbys included):
   hellos and reports are checked and stored in the outbox for the leader to apply
-  (service/ingest/outbox.py), watches follow the layouts from the database (service/feed/layouts.py), and acks
-  and step reports taken by a manager that does not lead are stored for the leader; on the leader
-  they are applied at once, as the local doors do.
+  (service/ingest/outbox.py), watches follow the layouts from the database
+  (service/feed/layouts.py), and acks and step reports taken by a manager that does not lead are
+  stored for the leader; on the leader they are applied at once, as the local doors do.
 """
 
 from __future__ import annotations
