@@ -293,3 +293,14 @@ class FleetMemberRow(Base):
     # rows of work queued in it (its group commit's queue; the leader: outbox rows not applied yet)
     backlog: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     seen_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class WorldLogRow(Base):
+    """What one of the leader's transactions changed in the world (new GPU and node values, domains
+    added, jobs changed), for the other managers to follow (service/leadership/follow.py)."""
+
+    __tablename__ = "world_log"
+    seq: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    body: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)

@@ -66,6 +66,7 @@ class Tx:
         self.newly_failed: list[str] = []  # GPUs this transaction fails (health -> failed)
         self.state_changed: dict[str, None] = {}  # GPUs whose effective state changes (ordered set)
         self.shape_changed = False  # GPUs added, or their index or limits changed
+        self.jobs_touched: dict[str, None] = {}  # jobs whose row, layout or domains this transaction writes
         self._gpus: dict[str, GpuChange] = {}
         self._views: dict[str, GpuRec] = {}
         self._nodes: dict[str, NodeChange] = {}
@@ -103,6 +104,11 @@ class Tx:
         return iter(self._gpus.items())
 
     # ---- changes ----------------------------------------------------------------------------
+    def touch_job(self, name: str) -> None:
+        """This transaction writes `name`'s job row, a layout of it or what it holds: the other
+        managers reload that job from the store once it commits (service/leadership/follow.py)."""
+        self.jobs_touched[name] = None
+
     def change_gpu(self, uuid: str, change: GpuChange) -> None:
         if not change:
             return

@@ -48,12 +48,24 @@ async def load_world(s: AsyncSession, base_cap: float | None, now_mono: float) -
         w.nodes[node].gpus.append(uuid)
     w.next_pos = max(w.by_pos, default=-1) + 1
     for j in (await s.scalars(select(JobRow))).all():
-        w.jobs[j.name] = JobRec(j.name, job_from_dict(j.spec), j.spec)
-    for job in w.jobs.values():
-        rows = await newest_rows(s, job.name)
-        if rows:
-            doc = (await offloop.run(decode_rows, rows, w.uuid_at))[-1]
-            row = rows[-1]
-            job.layout = LayoutRec(row.job, row.version, row.leader_epoch, doc, row.reason, row.created_at, now_mono,
-                                   chain_length(rows))
+        w.jobs[j.name] = await job_of(s, j, w, now_mono)
     return w
+
+
+async def load_job(s: AsyncSession, name: str, w: World, now_mono: float) -> JobRec | None:
+    """One job as the store holds it now (None when it is gone): its spec and newest layout, decoded
+    against `w`'s GPU positions. What a manager following the leader reloads for every job a
+    transaction touched (service/leadership/follow.py); `load_world` builds each job the same way."""
+    row = await s.get(JobRow, name, populate_existing=True)
+    return None if row is None else await job_of(s, row, w, now_mono)
+
+
+async def job_of(s: AsyncSession, j: JobRow, w: World, now_mono: float) -> JobRec:
+    job = JobRec(j.name, job_from_dict(j.spec), j.spec)
+    rows = await newest_rows(s, job.name)
+    if rows:
+        doc = (await offloop.run(decode_rows, rows, w.uuid_at))[-1]
+        row = rows[-1]
+        job.layout = LayoutRec(row.job, row.version, row.leader_epoch, doc, row.reason, row.created_at, now_mono,
+                               chain_length(rows))
+    return job

@@ -76,6 +76,7 @@ class Jobs:
             raise Conflict(f"job {job.name!r} already exists")
         tx.session.add(JobRow(name=job.name, spec=spec, created_at=tx.now, created_by=tx.actor))
         tx.audit(tx.now, "job.create", job.name, after=spec)
+        tx.touch_job(job.name)
 
         def created() -> None:
             self.kernel.world.jobs[job.name] = JobRec(job.name, job, spec)
@@ -93,6 +94,7 @@ class Jobs:
         assert row is not None
         await tx.session.delete(row)
         tx.audit(tx.now, "job.delete", name, before=rec.raw)
+        tx.touch_job(name)
 
         def deleted() -> None:
             self.kernel.world.jobs.pop(name, None)
@@ -177,6 +179,7 @@ class Jobs:
         t.session.add(LayoutRow(job=job.name, version=version, leader_epoch=self.epoch(), plan=None,
                                 body=d.encoded.body, base_version=d.encoded.base_version, reason=d.why,
                                 created_at=t.now))
+        t.touch_job(job.name)
         if self.settings.shared_store:  # every manager's watchers (service/feed/layouts.py); sent on commit
             await t.session.execute(text("SELECT pg_notify(:c, :p)"),
                                     {"c": outbox.LAYOUTS, "p": f"{self.epoch()}:{version}:{job.name}"})
