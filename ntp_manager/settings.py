@@ -99,6 +99,10 @@ class Settings(BaseSettings):
                                          "of outbox rows smaller than a full one, the leader waits this long for "
                                          "more before it reads again (one transaction per window under load; the "
                                          "first row after an idle period is applied at once; 0: no wait)")
+    fleet_follow_max_lag_rows: int = Field(2000, ge=0, description="a manager that does not lead and whose copy "
+                                           "of the world is more than this many rows of the leader's world log "
+                                           "behind is given no new agents or watches (/readyz, gRPC health, the "
+                                           "balance) until it has caught up")
     fleet_outbox_retention_s: float = Field(600.0, ge=10, le=30 * 86_400, description="fleet mode: the leader "
                                             "deletes outbox rows it applied longer ago than this (quarantined ones "
                                             "stay)")

@@ -110,12 +110,16 @@ def create_app(manager: Manager) -> FastAPI:
         body: dict[str, Any] = {"ready": clients if part == "clients" else leads, "role": role,
                                 "epoch": manager.epoch, "serves": serves,
                                 "leader": leader_doc(manager.leadership.leader)}
+        if manager.follower is not None:  # PostgreSQL: how current this manager's world is
+            body["world"] = manager.follower.view()
         if body["ready"]:
             return JSONResponse(body)
         body["detail"] = {"standby": "a standby: another manager leads", "lost": "lost its lease; exiting",
                           "leader": "starting or shutting down"}[role]
         if part == "clients" and role == "standby" and not manager.leadership.in_touch():
             body["detail"] = "a standby out of touch with the store"
+        elif part == "clients" and role == "standby" and body.get("world", {}).get("behind"):
+            body["detail"] = "a standby whose world is behind the leader's log (fleet_follow_max_lag_rows)"
         return JSONResponse(body, 503)
 
     @app.get("/metrics", tags=["probes"], response_class=PlainTextResponse)

@@ -29,7 +29,6 @@ from datetime import datetime
 from typing import Any
 
 import structlog
-from sqlalchemy.ext.asyncio import AsyncSession
 
 from ntp_manager.auth import Principal, TokenTable
 from ntp_manager.clock import Clock, SystemClock
@@ -48,8 +47,9 @@ from ntp_manager.service.ingest.liveness import Liveness
 from ntp_manager.service.ingest.telemetry import TelemetryStore
 from ntp_manager.service.ingest.worker_reports import WorkerReports
 from ntp_manager.service.leadership.fleet import Fleet
+from ntp_manager.service.leadership.follow import Follower, WorldLogWriter
 from ntp_manager.service.leadership.leader import Leadership
-from ntp_manager.service.leadership.loading import load_world
+from ntp_manager.service.leadership.loading import read_world
 from ntp_manager.service.operations.gauges import Gauges
 from ntp_manager.service.operations.maintenance import Maintenance
 from ntp_manager.service.operations.operators import Operators
@@ -119,7 +119,14 @@ class Manager:
         self.local_watches = LocalWatches(self.kernel, self.jobs, self.restores, self.failslow)
         self.agent_door: AgentDoor = self.local_agents
         self.watch_door: WatchDoor = self.local_watches
+        # PostgreSQL: the leader logs what it changes, the others follow it (service/leadership/follow.py)
+        self.follower: Follower | None = None
         if self.fleet is not None:
+            self.follower = Follower(self.sm, self.engine, self.kernel, settings, self.clock, self._read_world,
+                                     self.metrics.registry)
+            self.fleet.on_world = self.follower.notify
+            self.fleet.lag_of_world = lambda: self.follower.lag if self.follower is not None else 0
+            self.kernel.before_commit.append(WorldLogWriter(lambda: self.epoch))
             self.agent_door = FleetAgents(self.fleet)
             self.watch_door = FleetWatches(self.fleet, self.local_watches, lambda: self.acting)
 
@@ -146,6 +153,8 @@ class Manager:
         else:
             await self.leadership.refresh()  # who leads, for the clients sent there from now on
             log.info("standing by", leader=self.leadership.leader)
+            if self.follower is not None:
+                await self.follower.start()  # the world, kept current from the leader's log
             self._standby = asyncio.create_task(self._stand_by(), name="standby")
 
     async def _stand_by(self) -> None:
@@ -192,7 +201,8 @@ class Manager:
         """(clients, leader): whether it takes agent streams and layout watches now and is in
         touch with the store; whether it leads with its world loaded (plans, applies the outbox,
         takes operators' writes). What gRPC health and /readyz report."""
-        return self.serves_clients and self.leadership.in_touch(), self.acting and not self.jobs.stopping
+        current = self.follower is None or not self.follower.behind
+        return self.serves_clients and self.leadership.in_touch() and current, self.acting and not self.jobs.stopping
 
     @property
     def role(self) -> str:
@@ -251,28 +261,19 @@ class Manager:
         log.info("manager started", epoch=self.epoch, gpus=len(self.world.gpus), jobs=len(self.world.jobs))
 
     async def _load(self) -> None:
-        """The world and the leader's other state, as the database holds it after the takeover.
-
-        On PostgreSQL the reads run outside any transaction (each statement on its own, as READ
-        COMMITTED gives them anyway; nobody else writes these rows once the lease is taken: the
-        fence): between them this manager decodes and builds 100,000 GPUs' records, which on a
-        loaded machine took longer than the idle-in-transaction timeout (one lease), and the server
-        ended the session under the load."""
-        if self.engine.dialect.name == "postgresql":
-            async with self.engine.connect() as c:
-                conn = await c.execution_options(isolation_level="AUTOCOMMIT")
-                async with self.sm(bind=conn) as s:
-                    await self._load_in(s)
-        else:
-            async with self.sm() as s:
-                await self._load_in(s)
-        offloop.keep_out_of_gc(every_s=0.0)  # the world's records (a standby takes over long after start-up)
+        """The world and the leader's other state, as the database holds it after the takeover: the
+        world is current already on a standby that followed the world log (its rows left are applied
+        now: service/leadership/follow.py), else it is loaded; the breaker, the fail-slow options
+        and the tokens are read (a few rows)."""
+        if self.follower is None or not await self.follower.take_over():
+            self.kernel.world = await self._read_world()
+        async with self.sm() as s:
+            await self.breaker.load(s)
+            await self.failslow.load(s)
         await self.token_service.reload()
 
-    async def _load_in(self, s: AsyncSession) -> None:
-        self.kernel.world = await load_world(s, self.settings.power_base_cap, self.liveness.quiet_until)
-        await self.breaker.load(s)
-        await self.failslow.load(s)
+    async def _read_world(self) -> World:
+        return await read_world(self.engine, self.sm, self.settings.power_base_cap, self.liveness.quiet_until)
 
     async def settled(self) -> None:
         """What this manager's agents and workers were told is durable is applied to the leader's
@@ -299,6 +300,8 @@ class Manager:
 
     async def stop(self) -> None:
         await self.begin_shutdown()
+        if self.follower is not None:
+            await self.follower.stop()
         if self._standby is not None:
             self._standby.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

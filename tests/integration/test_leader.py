@@ -27,7 +27,8 @@ from ntp_manager.contract.gpu import GpuState
 from ntp_manager.contract.proto.ntp.v1 import worker_pb2, worker_pb2_grpc
 from ntp_manager.rpc import server as rpc_server
 from ntp_manager.rpc.server import HEALTH_SERVICES, RpcServer
-from ntp_manager.service import manager as manager_mod
+from ntp_manager.service.leadership import follow as follow_mod
+from ntp_manager.service.leadership import loading as loading_mod
 from ntp_manager.service.leadership import leader as leader_mod
 from ntp_manager.service.leadership.leader import AnotherManager, NotLeader
 from ntp_manager.service.manager import GpuInventory, GpuReport, Manager
@@ -65,6 +66,16 @@ async def lease_row(m: Manager) -> tuple[int, str]:
         row = await s.get(LeaderRow, 1)
         assert row is not None
         return row.epoch, row.holder
+
+
+def cold_takeovers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Standbys take over as if their world were not current (never loaded, or being loaded again):
+    the takeover loads it, the path these tests are about."""
+    async def cold(self: follow_mod.Follower) -> bool:
+        await self.stop()
+        return False
+
+    monkeypatch.setattr(follow_mod.Follower, "take_over", cold)
 
 
 async def watch_refusal(addr: str, worker_token: str) -> grpc.aio.AioRpcError:
@@ -111,13 +122,14 @@ async def test_a_takeover_whose_state_loads_for_longer_than_the_lease_keeps_it(
     async with pg_url(tmp_path) as url:
         a, b, c = await three_managers(tmp_path, url, lease_ttl_s=1.5, lease_renew_s=0.2)
         assert a.leading and not b.leading and not c.leading
-        real = manager_mod.load_world
+        real = loading_mod.load_world
+        cold_takeovers(monkeypatch)
 
         async def slow_load(*args: Any, **kw: Any) -> Any:
             await asyncio.sleep(3.0)  # two leases long
             return await real(*args, **kw)
 
-        monkeypatch.setattr(manager_mod, "load_world", slow_load)
+        monkeypatch.setattr(loading_mod, "load_world", slow_load)
         epoch, _ = await lease_row(a)
         try:
             await a.stop()  # gives the lease up: one of b and c takes it and loads for 3 s
@@ -142,7 +154,8 @@ async def test_a_takeover_that_cannot_load_gives_the_lease_up(
     standby takes over at once, long before the 30 s lease would have expired."""
     async with pg_url(tmp_path) as url:
         a, b, c = await three_managers(tmp_path, url, lease_ttl_s=30.0, lease_renew_s=0.2)
-        real = manager_mod.load_world
+        real = loading_mod.load_world
+        cold_takeovers(monkeypatch)
         failed: list[int] = []
 
         async def fails_once(*args: Any, **kw: Any) -> Any:
@@ -151,7 +164,7 @@ async def test_a_takeover_that_cannot_load_gives_the_lease_up(
                 raise OSError("connection reset while loading")
             return await real(*args, **kw)
 
-        monkeypatch.setattr(manager_mod, "load_world", fails_once)
+        monkeypatch.setattr(loading_mod, "load_world", fails_once)
         epoch, _ = await lease_row(a)
         try:
             await a.stop()  # gives the lease up: one of b and c takes it, cannot load, gives it up
@@ -176,7 +189,7 @@ async def test_a_manager_whose_state_will_not_load_does_not_start(
     async def broken(*_: Any, **__: Any) -> Any:
         raise OSError("the disk went away")
 
-    monkeypatch.setattr(manager_mod, "load_world", broken)
+    monkeypatch.setattr(loading_mod, "load_world", broken)
     m = Manager(Settings(data_dir=tmp_path))
     try:
         with pytest.raises(OSError, match="the disk went away"):

@@ -144,6 +144,13 @@ class Tx:
         prior = self._nodes.get(name)
         self._nodes[name] = change if prior is None else {**prior, **change}
 
+    def written(self) -> tuple[list[str], list[NodeRec], list[GpuRec]]:
+        """What this transaction writes to the world, as it will be once it commits: the domains it
+        adds, and every node and GPU it adds or changes (whole records)."""
+        nodes = [*self._new_nodes.values(), *(self._node_views[n] for n in self._nodes)]
+        gpus = [*self._new_gpus.values(), *(self._views[u] for u in self._gpus)]
+        return list(self._new_domains), nodes, gpus
+
     @property
     def gpus_written(self) -> list[str]:
         """The GPUs this transaction adds or changes (any column, effective state or not)."""

@@ -46,7 +46,7 @@ from ntp_manager.service.ingest.agents import Agents, SetPower
 from ntp_manager.service.leadership.leader import Leadership, NotLeader
 from ntp_manager.service.planning.jobs import Jobs
 from ntp_manager.settings import Settings
-from ntp_manager.store import outbox
+from ntp_manager.store import outbox, worldlog
 
 
 class ConsumerHost(Applier, Protocol):
@@ -182,6 +182,7 @@ class Consumer:
         async with m.sm() as s, s.begin():
             await m.leadership.fence(s)
             n = await outbox.prune_applied(s, self.last, before)
+            n += await worldlog.prune(s, before, m.epoch, m.clock.now())  # service/leadership/follow.py
         self.pruned += n
         if n:
             log.info("applied outbox rows pruned", rows=n, upto=self.last)

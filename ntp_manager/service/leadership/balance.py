@@ -60,6 +60,10 @@ class Streams(Protocol):
     @property
     def consumer(self) -> Consumer | None: ...
 
+    def world_lag(self) -> int:
+        """World-log rows this manager has not applied yet (service/leadership/follow.py)."""
+        ...
+
 log = structlog.get_logger("ntp.balance")
 
 MOVE_KEY = "ntp-move-to"  # trailing metadata: host:port of the manager the client should go to
@@ -187,7 +191,7 @@ class Balancer:
                 "agents = excluded.agents, watchers = excluded.watchers, backlog = excluded.backlog, "
                 "seen_at = excluded.seen_at"),
                 {"m": self.settings.leader_id, "g": self.leadership.grpc, "a": agents, "w": watchers,
-                 "q": self.fleet.ingest.queued(), "lead": consumer is not None,
+                 "q": self.fleet.ingest.queued() + self.fleet.world_lag(), "lead": consumer is not None,
                  "applied": consumer.last if consumer is not None else 0})
 
     async def members(self) -> list[Member]:

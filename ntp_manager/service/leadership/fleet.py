@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
@@ -35,7 +36,7 @@ from ntp_manager.service.ingest.outbox import AgentIngest, Ingest
 from ntp_manager.service.leadership.balance import Balancer
 from ntp_manager.service.leadership.leader import NotLeader
 from ntp_manager.service.operations.tokens import Tokens
-from ntp_manager.store import outbox
+from ntp_manager.store import outbox, worldlog
 
 
 class FleetHost(ConsumerHost, Protocol):
@@ -98,6 +99,8 @@ class Fleet:
         self._cursor = 0  # the last agent_commands id looked at
         self._listener: asyncpg.Connection | None = None
         self.pruned = 0  # agent_commands rows this manager deleted as the leader
+        self.on_world: Callable[[str], None] | None = None  # NOTIFY ntp_world (service/leadership/follow.py)
+        self.lag_of_world: Callable[[], int] = lambda: 0  # rows of it not applied here: part of the backlog
 
     # ---- every manager ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -171,6 +174,7 @@ class Fleet:
                 await conn.add_listener(outbox.CHANNEL, self._on_outbox)
                 await conn.add_listener(outbox.COMMANDS, self._on_commands)
                 await conn.add_listener(outbox.LAYOUTS, self._on_layouts)
+                await conn.add_listener(worldlog.CHANNEL, self._on_world)
                 while not conn.is_closed():
                     await asyncio.sleep(self.m.settings.fleet_poll_s)
             except (OSError, asyncpg.PostgresError, TimeoutError) as e:
@@ -180,6 +184,13 @@ class Fleet:
     def _on_outbox(self, *_: Any) -> None:
         if self.consumer is not None:
             self.consumer.wake.set()
+
+    def _on_world(self, _conn: Any, _pid: Any, _channel: Any, payload: Any) -> None:
+        if self.on_world is not None:
+            self.on_world(str(payload or ""))
+
+    def world_lag(self) -> int:
+        return self.lag_of_world()
 
     def _on_commands(self, *_: Any) -> None:
         self._commands_wake.set()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sqlalchemy import select
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from ntp_manager.contract.gpu import GpuState
 from ntp_manager.service.core import offloop
@@ -11,6 +11,25 @@ from ntp_manager.service.core.state import GpuRec, HealthSource, JobRec, LayoutR
 from ntp_manager.specfile import job_from_dict
 from ntp_manager.store.layouts import chain_length, decode_rows, newest_rows
 from ntp_manager.store.models import DomainRow, GpuRow, JobRow, NodeRow
+
+
+async def read_world(engine: AsyncEngine, sm: async_sessionmaker[AsyncSession], base_cap: float | None,
+                     now_mono: float) -> World:
+    """`load_world` in a session of its own. On PostgreSQL its reads run outside any transaction
+    (each statement on its own, as READ COMMITTED gives them anyway): between them this manager
+    decodes and builds 100,000 GPUs' records, which on a loaded machine took longer than the
+    idle-in-transaction timeout (one lease), and the server ended the session under the load. Its
+    records are kept out of the garbage collector's passes (they live as long as the process)."""
+    if engine.dialect.name == "postgresql":
+        async with engine.connect() as c:
+            conn = await c.execution_options(isolation_level="AUTOCOMMIT")
+            async with sm(bind=conn) as s:
+                w = await load_world(s, base_cap, now_mono)
+    else:
+        async with sm() as s:
+            w = await load_world(s, base_cap, now_mono)
+    offloop.keep_out_of_gc(every_s=0.0)
+    return w
 
 
 async def load_world(s: AsyncSession, base_cap: float | None, now_mono: float) -> World:

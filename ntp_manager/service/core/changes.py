@@ -1,0 +1,139 @@
+"""A transaction's changes to the world as one plain value, and that value applied to a world.
+
+The leader writes `encode(tx)` into the world log (store/worldlog.py) inside each transaction that
+changes the world; every other manager applies the rows in order to its own copy
+(service/leadership/follow.py). A row carries whole records, not deltas: the domains added, every
+node and GPU the transaction added or changed with all their stored fields, and the names of the
+jobs whose row, layout or holdings it wrote (a job is read back from the store: its layout body is
+stored there already and can be large). Applying a row therefore only overwrites; rows applied in
+order leave each record as the last one wrote it, whatever state the copy started from, as long as
+it started from a load made after the row before the first one applied (follow.py's bootstrap).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from ntp_manager.contract.gpu import GpuState
+from ntp_manager.service.core.state import GpuRec, HealthSource, NodeRec, World
+
+VERSION = 1  # the body's layout; a follower refuses (quarantines) a body of another one
+
+GPU_FIELDS = ("uuid", "node", "domain", "idx", "tdp_mw", "min_mw", "max_mw", "health", "health_reason",
+              "health_source", "health_since", "admin", "admin_owner", "admin_reason", "desired_mw", "enforced_mw",
+              "model", "memory_bytes", "pos", "speed")
+NODE_FIELDS = ("name", "domain", "last_seq", "boot_id", "drain_deadline", "drain_reason", "agent_version")
+SHAPE = ("node", "domain", "idx", "tdp_mw", "min_mw", "max_mw")  # the planner's snapshot is rebuilt
+
+_STATES = {s.value: s for s in GpuState}
+_SOURCES = {s.value: s for s in HealthSource}
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, datetime):
+        return v.isoformat()
+    if isinstance(v, GpuState | HealthSource):
+        return v.value
+    return v
+
+
+def encode(domains: list[str], nodes: list[NodeRec], gpus: list[GpuRec], jobs: list[str]) -> str | None:
+    """The JSON text of one world-log row, or None when the transaction changes nothing of the world."""
+    if not (domains or nodes or gpus or jobs):
+        return None
+    body: dict[str, Any] = {"v": VERSION}
+    if domains:
+        body["domains"] = domains
+    if nodes:
+        body["nodes"] = [[_plain(getattr(n, f)) for f in NODE_FIELDS] for n in nodes]
+    if gpus:
+        body["gpus"] = [[_plain(getattr(g, f)) for f in GPU_FIELDS] for g in gpus]
+    if jobs:
+        body["jobs"] = jobs
+    return json.dumps(body, separators=(",", ":"))
+
+
+class BadRow(ValueError):
+    """A world-log body this manager cannot apply (the follower quarantines it, with this reason)."""
+
+
+@dataclass
+class Applied:
+    """What applying rows changed: GPUs whose state the planner sees changed, whether the shape did
+    (GPUs added, moved, limits changed), and the jobs to read back."""
+
+    states: set[str] = field(default_factory=set)
+    shape: bool = False
+    jobs: set[str] = field(default_factory=set)
+
+
+def _gpu(values: list[Any]) -> GpuRec:
+    d = dict(zip(GPU_FIELDS, values, strict=True))
+    d["health"] = _STATES[d["health"]]
+    d["health_source"] = _SOURCES[d["health_source"]]
+    d["admin"] = None if d["admin"] is None else _STATES[d["admin"]]
+    d["health_since"] = None if d["health_since"] is None else datetime.fromisoformat(d["health_since"])
+    return GpuRec(**d)
+
+
+def _node(values: list[Any], now_mono: float) -> NodeRec:
+    d = dict(zip(NODE_FIELDS, values, strict=True))
+    d["drain_deadline"] = None if d["drain_deadline"] is None else datetime.fromisoformat(d["drain_deadline"])
+    return NodeRec(gpus=[], last_seen=now_mono, **d)
+
+
+def check(body: dict[str, Any]) -> tuple[list[str], list[NodeRec], list[GpuRec], list[str]]:
+    """Decode a body completely before anything is applied (BadRow naming what is wrong)."""
+    if body.get("v") != VERSION:
+        raise BadRow(f"world-log body version {body.get('v')!r}; this manager reads {VERSION}")
+    try:
+        domains = [str(d) for d in body.get("domains", ())]
+        nodes = [_node(list(n), 0.0) for n in body.get("nodes", ())]
+        gpus = [_gpu(list(g)) for g in body.get("gpus", ())]
+        jobs = [str(j) for j in body.get("jobs", ())]
+    except (KeyError, TypeError, ValueError) as e:
+        raise BadRow(f"world-log body cannot be read: {type(e).__name__}: {str(e)[:200]}") from None
+    return domains, nodes, gpus, jobs
+
+
+def apply_body(w: World, body: dict[str, Any], now_mono: float, out: Applied) -> None:
+    """Apply one row to `w` (BadRow, with `w` untouched, when it cannot be: a GPU of a node that
+    neither `w` nor the row knows, for one)."""
+    domains, nodes, gpus, jobs = check(body)
+    known = {n.name for n in nodes}
+    for g in gpus:
+        if g.node not in w.nodes and g.node not in known:
+            raise BadRow(f"world-log body names GPU {g.uuid!r} of unknown node {g.node!r}")
+    for d in domains:
+        w.domains.setdefault(d, None)
+    for n in nodes:
+        held = w.nodes.get(n.name)
+        if held is None:
+            n.last_seen = now_mono
+            w.nodes[n.name] = n
+            w.domains.setdefault(n.domain, None)
+        else:
+            for f in NODE_FIELDS[1:]:
+                setattr(held, f, getattr(n, f))
+    for g in gpus:
+        rec = w.gpus.get(g.uuid)
+        if rec is None:
+            w.gpus[g.uuid] = g
+            w.by_pos[g.pos] = g.uuid
+            w.next_pos = max(w.next_pos, g.pos + 1)
+            w.nodes[g.node].gpus.append(g.uuid)
+            out.shape = True
+            continue
+        if any(getattr(rec, f) != getattr(g, f) for f in SHAPE):
+            out.shape = True
+            if rec.node != g.node:
+                w.nodes[rec.node].gpus.remove(g.uuid)
+                w.nodes[g.node].gpus.append(g.uuid)
+        if rec.state != g.state or rec.planned_speed != g.planned_speed:
+            out.states.add(g.uuid)
+        for f in GPU_FIELDS[1:]:
+            setattr(rec, f, getattr(g, f))
+    out.jobs.update(jobs)

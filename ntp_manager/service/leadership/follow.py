@@ -1,0 +1,273 @@
+"""Warm standbys: a manager that does not lead keeps its own copy of the world current.
+
+The leader writes, inside every transaction that changes the world and under the same fence, one
+world-log row (store/worldlog.py) with what it changed (service/core/changes.py). Every other
+manager sharing the store:
+
+- loads the world once when it starts standing by (`bootstrap`: the log's head first, then the
+  world, then every row after that head: rows already reflected in the load only overwrite records
+  with values a later row overwrites again);
+- follows the log (woken by `NOTIFY ntp_world`, polling every `fleet_poll_s`), applying each row to
+  its world in order, and reads back the jobs a row names (their layouts are stored already);
+- keeps the planner's cluster snapshot built, so a takeover does not pay for it;
+- on taking the lease (`take_over`), applies what is left (the old leader can commit nothing once
+  the lease is taken: its fence refuses) and leads on that world: no load.
+
+Faults: a row it cannot apply is quarantined on this manager (kept with its reason in
+`quarantined`, counted in `ntp_world_follow_quarantined_total`, logged as an error) and the world is
+loaded again, never left wrong; so is a gap the leader's pruning left (this manager was behind by
+more than the retention). A standby more than `fleet_follow_max_lag_rows` rows behind says so
+(`behind`: /readyz, gRPC health NOT_SERVING for new clients, the balance sends it none) until it
+has caught up. A takeover by a manager whose copy is not current (never loaded, being reloaded, a
+job it could not read) loads the world as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from sqlalchemy import text
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from ntp_manager.clock import Clock
+from ntp_manager.service.core import offloop
+from ntp_manager.service.core.changes import Applied, BadRow, apply_body, encode
+from ntp_manager.service.core.kernel import Kernel, Tx
+from ntp_manager.service.core.state import World
+from ntp_manager.service.leadership.loading import load_job
+from ntp_manager.settings import Settings
+from ntp_manager.store import worldlog
+
+log = structlog.get_logger("ntp.follow")
+
+BATCH = 256  # rows read at once
+INLINE = 512  # records a transaction writes below which its row is encoded on the loop (else in a thread)
+_READ = text("SELECT seq, CAST(body AS text) FROM world_log WHERE seq > :after ORDER BY seq LIMIT :lim")
+
+
+def _decode(rows: list[tuple[int, str]]) -> list[tuple[int, dict[str, Any] | str]]:
+    """Parse each row's body (in a thread: a row of a hello burst is hundreds of kB); a body that
+    is not a JSON object becomes the reason it is quarantined."""
+    out: list[tuple[int, dict[str, Any] | str]] = []
+    for seq, raw in rows:
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            out.append((seq, f"world-log body is not JSON: {e}"))
+            continue
+        out.append((seq, body if isinstance(body, dict) else "world-log body is not an object"))
+    return out
+
+
+class WorldLogWriter:
+    """The leader's side: a `before_commit` hook of the kernel that appends the transaction's row."""
+
+    def __init__(self, epoch: Callable[[], int]) -> None:
+        self.epoch = epoch
+        self.rows = 0
+
+    async def __call__(self, tx: Tx) -> None:
+        domains, nodes, gpus = tx.written()
+        jobs = list(tx.jobs_touched)
+        if len(nodes) + len(gpus) > INLINE:  # a burst: encoded off the loop (the lock is held: nothing changes them)
+            body = await offloop.run(encode, domains, nodes, gpus, jobs)
+        else:
+            body = encode(domains, nodes, gpus, jobs)
+        if body is not None:
+            await worldlog.append(tx.session, body, self.epoch(), tx.now)
+            self.rows += 1
+
+
+class Follower:
+    """Keeps `kernel.world` current from the world log while this manager does not lead."""
+
+    def __init__(self, sm: async_sessionmaker[AsyncSession], engine: AsyncEngine, kernel: Kernel, settings: Settings,
+                 clock: Clock, load: Callable[[], Awaitable[World]], registry: CollectorRegistry) -> None:
+        self.sm, self.kernel, self.settings, self.clock, self.load = sm, kernel, settings, clock, load
+        self._reader = engine.execution_options(isolation_level="AUTOCOMMIT")
+        self.cursor = 0  # the last row applied
+        self.head = 0  # the newest row known to exist (NOTIFY payloads, reads)
+        self.warm = False  # loaded, and following
+        self.stale = False  # must load again (a quarantined row, a pruned gap)
+        self.applied = 0  # rows applied
+        self.loads = 0  # world loads (the first, and any again)
+        self.quarantined: list[tuple[int, str]] = []  # (seq, reason), newest last, bounded
+        self.jobs_read = 0
+        self.wake = asyncio.Event()
+        self._jobs: set[str] = set()  # named by rows applied, not read back yet
+        self._task: asyncio.Task[None] | None = None
+        self._lag = Gauge("ntp_world_follow_lag_rows", "world-log rows this manager has not applied yet "
+                          "(0 on the leader)", registry=registry)
+        self._quarantine = Counter("ntp_world_follow_quarantined", "world-log rows this manager could not "
+                                   "apply (its world was loaded again)", registry=registry)
+
+    # ---- state ------------------------------------------------------------------------------
+    @property
+    def lag(self) -> int:
+        """Rows behind the newest one known (a rolled-back transaction's gap counts as one)."""
+        return max(0, self.head - self.cursor) if self._task is not None else 0
+
+    @property
+    def behind(self) -> bool:
+        """Following, and not current enough to be given new clients."""
+        if self._task is None:
+            return False
+        return not self.warm or self.stale or self.lag > self.settings.fleet_follow_max_lag_rows
+
+    def view(self) -> dict[str, Any]:
+        """What /readyz says of it."""
+        return {"following": self._task is not None, "warm": self.warm, "cursor": self.cursor, "lag_rows": self.lag,
+                "behind": self.behind, "quarantined": len(self.quarantined), "loads": self.loads}
+
+    def notify(self, payload: str) -> None:
+        """A `NOTIFY ntp_world` (its payload is the new row's number)."""
+        with contextlib.suppress(ValueError):
+            self.head = max(self.head, int(payload))
+        self._lag.set(self.lag)
+        self.wake.set()
+
+    # ---- following --------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Load the world and follow the log from there (a standby starting)."""
+        await self.bootstrap()
+        self.start_following()
+
+    def start_following(self) -> None:
+        """Follow the log from the cursor (the world loaded already)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="world-follow")
+
+    async def bootstrap(self) -> None:
+        """The log's head, then the world as the store holds it, then every row after that head."""
+        self.warm = False
+        async with self._reader.connect() as c:
+            first = await worldlog.head(c)
+        world = await self.load()
+        self.kernel.world = world
+        self.cursor, self.head = first, max(self.head, first)
+        self._jobs.clear()
+        self.stale = False
+        self.loads += 1
+        while await self.step() == BATCH:
+            pass
+        await world.cluster_async()  # the planner's snapshot, built now rather than at a takeover
+        self.warm = True
+        log.info("following the world log", cursor=self.cursor, gpus=len(world.gpus), jobs=len(world.jobs))
+
+    async def _run(self) -> None:
+        poll = self.settings.fleet_poll_s
+        while True:
+            try:
+                if self.stale:
+                    await self.bootstrap()
+                self.wake.clear()
+                if await self.step() == BATCH:
+                    continue
+            except (OSError, SQLAlchemyError) as e:
+                log.warning("cannot read the world log", error=str(e).splitlines()[0][:200])
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), poll)
+
+    async def step(self) -> int:
+        """Apply the next rows (up to BATCH); once caught up, read back the jobs they named and
+        rebuild the planner's snapshot if GPUs were added. How many rows were read."""
+        async with self._reader.connect() as c:
+            raw = [(int(r[0]), str(r[1])) for r in (await c.execute(_READ, {"after": self.cursor, "lim": BATCH}))]
+            if raw and raw[0][0] > self.cursor + 1 and await worldlog.pruned_upto(c) > self.cursor:
+                log.error("world-log rows this manager had not applied were pruned; loading the world again",
+                          cursor=self.cursor)
+                self.stale = True
+                return 0
+        w = self.kernel.world
+        done = Applied()
+        for seq, body in await offloop.run(_decode, raw):
+            try:
+                if isinstance(body, str):
+                    raise BadRow(body)
+                apply_body(w, body, self.clock.monotonic(), done)
+            except BadRow as e:
+                self._quarantined(seq, str(e))
+                return len(raw)
+            self.cursor = seq
+            self.applied += 1
+        # a short read saw every row committed when it ran: nothing is known beyond the cursor (a
+        # NOTIFY of a later row sets the head again, and wakes the loop)
+        self.head = self.cursor if len(raw) < BATCH else max(self.head, self.cursor)
+        self._lag.set(self.lag)
+        if done.shape:
+            w.invalidate()
+        elif done.states:
+            w.apply_states(done.states)
+        self._jobs |= done.jobs
+        if len(raw) < BATCH:
+            await self._read_jobs()
+            if done.shape and self.warm:
+                await w.cluster_async()
+        return len(raw)
+
+    def _quarantined(self, seq: int, reason: str) -> None:
+        self.quarantined = [*self.quarantined[-99:], (seq, reason)]
+        self._quarantine.inc()
+        self.stale = True
+        log.error("world-log row quarantined on this manager; loading the world again", seq=seq, reason=reason[:300])
+
+    async def _read_jobs(self) -> None:
+        """Read back the jobs the applied rows named (a job whose layout names a GPU of a row not
+        applied yet is read again after the next rows)."""
+        if not self._jobs:
+            return
+        w = self.kernel.world
+        async with self.sm() as s:
+            for name in sorted(self._jobs):
+                try:
+                    rec = await load_job(s, name, w, self.clock.monotonic())
+                except (KeyError, ValueError) as e:
+                    log.info("job not readable yet; read again after the next rows", job=name, error=type(e).__name__)
+                    continue
+                if rec is None:
+                    w.jobs.pop(name, None)
+                else:
+                    w.jobs[name] = rec
+                self._jobs.discard(name)
+                self.jobs_read += 1
+
+    # ---- taking over ------------------------------------------------------------------------
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._lag.set(0)
+
+    async def take_over(self) -> bool:
+        """This manager took the lease: stop following and apply every row left. True when the
+        world is current (then every node counts as just seen and not connected, as after a load);
+        False when it must be loaded (never warm, stale, or a job could not be read)."""
+        was = self._task is not None
+        await self.stop()
+        if not was or not self.warm or self.stale:
+            return False
+        t0 = time.process_time()
+        try:
+            while await self.step() == BATCH:
+                pass
+            await self._read_jobs()
+        except (OSError, SQLAlchemyError) as e:
+            log.warning("cannot read the world log on taking over; loading the world", error=str(e)[:200])
+            return False
+        if self.stale or self._jobs:
+            return False
+        now = self.clock.monotonic()
+        for n in self.kernel.world.nodes.values():
+            n.last_seen, n.connected = now, False
+        log.info("taking over on the followed world", cursor=self.cursor, cpu_s=round(time.process_time() - t0, 4))
+        return True

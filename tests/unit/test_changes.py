@@ -1,0 +1,78 @@
+"""service/core/changes.py: a transaction's records encoded as a world-log body and applied to
+another world give the same records; a body that cannot be applied changes nothing."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+import pytest
+
+from ntp_manager.contract.gpu import GpuState
+from ntp_manager.service.core.changes import GPU_FIELDS, NODE_FIELDS, Applied, BadRow, apply_body, encode
+from ntp_manager.service.core.state import GpuRec, HealthSource, NodeRec, World
+
+NOW = datetime(2026, 12, 6, 12, 0, tzinfo=UTC)
+
+
+def node(name: str, domain: str, **kw: object) -> NodeRec:
+    return NodeRec(name, domain, [], **kw)  # type: ignore[arg-type]
+
+
+def gpu(uuid: str, node: str, domain: str, pos: int, **kw: object) -> GpuRec:
+    return GpuRec(uuid, node, domain, pos % 4, 700_000, 100_000, 800_000, pos=pos, **kw)  # type: ignore[arg-type]
+
+
+def records(w: World) -> tuple[dict[str, tuple[object, ...]], dict[str, tuple[object, ...]]]:
+    return ({u: tuple(getattr(g, f) for f in GPU_FIELDS) for u, g in w.gpus.items()},
+            {n: (*(getattr(r, f) for f in NODE_FIELDS), tuple(r.gpus)) for n, r in w.nodes.items()})
+
+
+def test_a_body_applied_gives_the_records_it_was_encoded_from() -> None:
+    nodes = [node("n0", "d0", last_seq=4, boot_id="b", drain_deadline=NOW, drain_reason="r", agent_version="v")]
+    gpus = [gpu("G0", "n0", "d0", 0), gpu("G1", "n0", "d0", 1, health=GpuState.FAILED, health_reason="XID 79",
+                                          health_source=HealthSource.AGENT, health_since=NOW, admin=GpuState.CORDONED,
+                                          admin_owner="op", admin_reason="cable", desired_mw=750_000, speed=0.5)]
+    body = encode(["d0"], nodes, gpus, ["j"])
+    assert body is not None
+    w, done = World(), Applied()
+    apply_body(w, json.loads(body), 5.0, done)
+    want = World()
+    want.nodes["n0"] = node("n0", "d0", last_seq=4, boot_id="b", drain_deadline=NOW, drain_reason="r",
+                            agent_version="v")
+    want.nodes["n0"].gpus = ["G0", "G1"]
+    for g in gpus:
+        want.gpus[g.uuid] = g
+    assert records(w) == records(want)
+    assert w.by_pos == {0: "G0", 1: "G1"} and w.next_pos == 2 and w.domains == {"d0": None}
+    assert done.shape and done.jobs == {"j"} and w.nodes["n0"].last_seen == 5.0
+
+    # a later row changes G0's health and n0's seq: the records are overwritten, not duplicated
+    g0 = gpu("G0", "n0", "d0", 0, health=GpuState.SUSPECT, health_reason="silent", health_since=NOW)
+    later = encode([], [node("n0", "d0", last_seq=5, boot_id="b", agent_version="v")], [g0], [])
+    assert later is not None
+    done = Applied()
+    apply_body(w, json.loads(later), 6.0, done)
+    assert not done.shape and done.states == {"G0"} and w.gpus["G0"].health == GpuState.SUSPECT
+    assert w.nodes["n0"].last_seq == 5 and w.nodes["n0"].drain_reason is None and w.nodes["n0"].gpus == ["G0", "G1"]
+    assert w.nodes["n0"].last_seen == 5.0  # memory-only fields are this manager's own
+
+
+def test_nothing_to_say_is_no_row() -> None:
+    assert encode([], [], [], []) is None
+
+
+@pytest.mark.parametrize(("body", "reason"), [
+    ({"v": 2}, "version 2"),
+    ({"v": 1, "gpus": [["G", "n9", "d0"]]}, "cannot be read"),
+    ({"v": 1, "gpus": [[*json.loads(encode([], [], [gpu("G", "n9", "d0", 0)], []) or "")["gpus"][0]]]},
+     "unknown node 'n9'"),
+    ({"v": 1, "nodes": [["n0", "d0", "x", "b", "not a date", None, "v"]]}, "cannot be read"),
+])
+def test_a_body_that_cannot_be_applied_changes_nothing(body: dict[str, object], reason: str) -> None:
+    w = World()
+    w.nodes["n0"] = node("n0", "d0")
+    before = records(w)
+    with pytest.raises(BadRow, match=reason):
+        apply_body(w, body, 0.0, Applied())
+    assert records(w) == before and w.gpus == {}
