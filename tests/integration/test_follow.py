@@ -142,7 +142,8 @@ async def test_a_row_a_standby_cannot_apply_is_quarantined_and_its_world_loaded_
                     await asyncio.sleep(0.05)
             reasons = [r for _, r in b.follower.quarantined]
             assert len(reasons) == 3, reasons
-            assert "unknown node 'nowhere'" in reasons[0] and "version 99" in reasons[1] and "not an object" in reasons[2]
+            assert "unknown node 'nowhere'" in reasons[0] and "version 99" in reasons[1]
+            assert "not an object" in reasons[2]
             assert "X" not in b.world.gpus and b.follower.loads >= 2  # never left wrong: loaded again
             # and it follows on from there
             await a.register_agent("n1", "d1", [GpuInventory("G1", 0)], "boot", "v1")
@@ -193,7 +194,8 @@ async def test_a_standby_whose_rows_were_pruned_loads_the_world_again(tmp_path: 
             await a.register_agent("n0", "d0", [GpuInventory("G0", 0)], "boot", "v1")
             await a.register_agent("n1", "d0", [GpuInventory("G1", 0)], "boot", "v1")
             async with a.sm() as s, s.begin():
-                assert await worldlog.prune(s, datetime.now(UTC) + timedelta(seconds=5), a.epoch, datetime.now(UTC)) >= 1
+                now = datetime.now(UTC)
+                assert await worldlog.prune(s, now + timedelta(seconds=5), a.epoch, now) >= 1
             async with a.mutation("test") as tx:  # one row after the pruned ones
                 await a.cordon(tx, "G0", "x")
             b.follower.start_following()

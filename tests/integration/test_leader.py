@@ -28,8 +28,8 @@ from ntp_manager.contract.proto.ntp.v1 import worker_pb2, worker_pb2_grpc
 from ntp_manager.rpc import server as rpc_server
 from ntp_manager.rpc.server import HEALTH_SERVICES, RpcServer
 from ntp_manager.service.leadership import follow as follow_mod
-from ntp_manager.service.leadership import loading as loading_mod
 from ntp_manager.service.leadership import leader as leader_mod
+from ntp_manager.service.leadership import loading as loading_mod
 from ntp_manager.service.leadership.leader import AnotherManager, NotLeader
 from ntp_manager.service.manager import GpuInventory, GpuReport, Manager
 from ntp_manager.settings import Settings
