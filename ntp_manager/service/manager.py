@@ -4,8 +4,9 @@
 Owns nothing of its own but the life cycle (start: migrate, then lead or stand by; leading: take the
 lease and its epoch, load the world, give agents `takeover_grace_s` to reconnect, replan every job;
 stop: stop taking work, commit what is queued, give the lease up, close the store). Who leads is
-service/leadership/leader.py's: with PostgreSQL several managers run and one leads; a standby serves nothing
-but probes and tells clients where the leader is. Everything else lives in one
+service/leadership/leader.py's: with PostgreSQL several managers run and one leads; every one takes
+agents and watches, and a standby keeps its world current from the leader's log
+(service/leadership/follow.py), so that a takeover loads nothing. Everything else lives in one
 component each, around the kernel (service/core/kernel.py: the world, its lock, the transaction, the
 dirty set):
 
