@@ -1,6 +1,6 @@
 """What a warm standby costs and saves at 100,000 GPUs (issue 40): 12,500 nodes of 8 GPUs (one
-NVLink domain each) and one job over 96,000 of them (`--replicas`: 32 GPUs each), on a scratch PostgreSQL database, managers in
-this process.
+NVLink domain each) and one job over 96,000 of them (`--replicas`: 32 GPUs each), on a scratch
+PostgreSQL database, managers in this process.
 
 - the standby's start: loading the world and building the planner's snapshot (wall, CPU, memory);
 - following: the standby applies rows the leader wrote while it was paused (the leader idle), CPU
@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
-import pstats
 import gc
 import os
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -39,6 +39,7 @@ JOB = {"name": "big", "tp": 8, "groups_per_replica": 4, "replicas": 3000, "local
        "heads": 64, "mlp_columns": 256}
 TICK = os.sysconf("SC_CLK_TCK")
 PROFILE = "--profile" in sys.argv
+PRIME = "--no-prime" not in sys.argv
 
 
 def rss_mib() -> float:
@@ -108,6 +109,8 @@ async def takeover(old: Manager, new: Manager, seq: dict[str, int], node: int) -
     # managers of this process share one; in a deployment each has its own)
     new.jobs.planner.close()
     await new.jobs.planner.warm()
+    if new.follower is not None and PRIME:  # what a standby's follower has sent its own planner by now
+        await new.follower.prime()
     commits: list[tuple[str, int]] = []
     new.kernel.after_commit.append(lambda tx: commits.append((tx.actor, len(tx.gpus_written))))
     await old.stop()
@@ -221,6 +224,8 @@ if __name__ == "__main__":
                                                          "postgresql+asyncpg://postgres@127.0.0.1:5432/test"))
     ap.add_argument("--reports", type=int, default=2000)
     ap.add_argument("--replicas", type=int, default=3000, help="the job's replicas (x 4 stages x TP8 GPUs each)")
+    ap.add_argument("--no-prime", action="store_true", help="the warm standby's planner process is not sent the "
+                    "cluster and layouts ahead (as before the planner priming)")
     ap.add_argument("--profile", action="store_true", help="cProfile of each takeover window (this process)")
     args = ap.parse_args()
     JOB["replicas"] = args.replicas

@@ -230,3 +230,31 @@ def test_tokens_are_never_reused_across_workers(own_pp: planproc.PlanProcess) ->
     second, _ = pp._sent.token(pp._sent.shapes, object())
     assert second > first
     assert next(pp._sent.tokens) > second  # an output token too
+
+
+def test_a_primed_worker_plans_from_what_it_was_sent_ahead(own_pp: planproc.PlanProcess) -> None:
+    """A standby sends the shape and the running layout ahead (`prime`): the takeover's draft then
+    sends neither, and its result is the one a thread makes; a second prime sends nothing."""
+    cluster = cluster_from_counts([8, 8, 8, 8])
+    pos = pos_map(cluster)
+    spec = job(tp=4, pp=1, replicas=8, min_tp=2)
+    running = rec(planning.draft(cluster, spec, None, pos.__getitem__), 1, 0)
+    down = cluster.with_states({cluster.domains[2].gpus[3].uuid: GpuState.FAILED})
+
+    async def main() -> None:
+        assert await own_pp.prime(cluster, pos.__getitem__, [running.doc]) == 2  # the shape and the layout
+        assert await own_pp.prime(cluster, pos.__getitem__, [running.doc]) == 0
+        sent: list[tuple[Any, ...]] = []
+        real = own_pp._call
+
+        async def spy(fn: Any, *args: Any) -> Any:
+            sent.append(args)
+            return await real(fn, *args)
+
+        own_pp._call = spy  # type: ignore[method-assign]
+        got = await own_pp.draft(down, spec, running, pos.__getitem__)
+        same(got, planning.draft(down, spec, running, pos.__getitem__))
+        shape_msg, prev = sent[0][1], sent[0][4]
+        assert shape_msg is None and prev is not None and prev[1] is None  # neither sent again
+
+    asyncio.run(main())

@@ -38,6 +38,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from ntp_manager.clock import Clock
+from ntp_manager.planner.layout import LayoutDoc
 from ntp_manager.service.core import offloop
 from ntp_manager.service.core.changes import Applied, BadRow, apply_body, encode
 from ntp_manager.service.core.kernel import Kernel, Tx
@@ -45,6 +46,7 @@ from ntp_manager.service.core.state import World
 from ntp_manager.service.leadership.loading import load_job
 from ntp_manager.settings import Settings
 from ntp_manager.store import worldlog
+from ntp_manager.topology import Cluster
 
 log = structlog.get_logger("ntp.follow")
 
@@ -90,8 +92,12 @@ class Follower:
     """Keeps `kernel.world` current from the world log while this manager does not lead."""
 
     def __init__(self, sm: async_sessionmaker[AsyncSession], engine: AsyncEngine, kernel: Kernel, settings: Settings,
-                 clock: Clock, load: Callable[[], Awaitable[World]], registry: CollectorRegistry) -> None:
+                 clock: Clock, load: Callable[[], Awaitable[World]], registry: CollectorRegistry,
+                 prime: Callable[[Cluster, list[LayoutDoc]], Awaitable[int]] | None = None) -> None:
         self.sm, self.kernel, self.settings, self.clock, self.load = sm, kernel, settings, clock, load
+        # sends the planner process the cluster's shape and the running layouts ahead of a takeover
+        self.prime_planner = prime
+        self.primed = 0  # pieces sent that way
         self._reader = engine.execution_options(isolation_level="AUTOCOMMIT")
         self.cursor = 0  # the last row applied
         self.head = 0  # the newest row known to exist (NOTIFY payloads, reads)
@@ -159,6 +165,7 @@ class Follower:
         while await self.step() == BATCH:
             pass
         await world.cluster_async()  # the planner's snapshot, built now rather than at a takeover
+        await self.prime()
         self.warm = True
         log.info("following the world log", cursor=self.cursor, gpus=len(world.gpus), jobs=len(world.jobs))
 
@@ -208,10 +215,23 @@ class Follower:
             w.apply_states(done.states)
         self._jobs |= done.jobs
         if len(raw) < BATCH:
-            await self._read_jobs()
-            if done.shape and self.warm:
+            read = await self._read_jobs()
+            if (done.shape or read) and self.warm:
                 await w.cluster_async()
+                await self.prime()
         return len(raw)
+
+    async def prime(self) -> None:
+        """The planner process gets the cluster's shape and every job's running layout now (each
+        once), so that a takeover's first replans send only the GPUs' states."""
+        if self.prime_planner is None:
+            return
+        w = self.kernel.world
+        try:
+            cluster = await w.cluster_async()
+            self.primed += await self.prime_planner(cluster, [j.layout.doc for j in w.jobs.values() if j.layout])
+        except Exception as e:  # the first replan sends what the planner lacks: nothing is lost
+            log.warning("could not send the planner process the cluster ahead of a takeover", error=repr(e)[:200])
 
     def _quarantined(self, seq: int, reason: str) -> None:
         self.quarantined = [*self.quarantined[-99:], (seq, reason)]
@@ -219,12 +239,13 @@ class Follower:
         self.stale = True
         log.error("world-log row quarantined on this manager; loading the world again", seq=seq, reason=reason[:300])
 
-    async def _read_jobs(self) -> None:
+    async def _read_jobs(self) -> int:
         """Read back the jobs the applied rows named (a job whose layout names a GPU of a row not
-        applied yet is read again after the next rows)."""
+        applied yet is read again after the next rows); how many were read."""
         if not self._jobs:
-            return
+            return 0
         w = self.kernel.world
+        read = 0
         async with self.sm() as s:
             for name in sorted(self._jobs):
                 try:
@@ -238,6 +259,8 @@ class Follower:
                     w.jobs[name] = rec
                 self._jobs.discard(name)
                 self.jobs_read += 1
+                read += 1
+        return read
 
     # ---- taking over ------------------------------------------------------------------------
     async def stop(self) -> None:

@@ -250,6 +250,32 @@ class PlanProcess:
             return doc, rest
         raise AssertionError("unreachable")
 
+    async def prime(self, cluster: Cluster, pos_of: codec.PosOf, docs: Sequence[LayoutDoc]) -> int:
+        """Send the worker this cluster's shape and these layouts now, ahead of any plan (a standby
+        following the leader does, so that its first replans as the new leader ship only the
+        GPUs' states). Each is sent once (by identity, as `_run` does); how many pieces were sent.
+        A worker lost meanwhile is not an error: the next plan sends what it needs."""
+        if self._executor() is None:
+            return 0
+        shape_tok, shape_new = self._sent.token(self._sent.shapes, cluster_shape(cluster))
+        shape_msg = await asyncio.to_thread(_shape_blobs, cluster, pos_of) if shape_new else None
+        sends: list[tuple[int, list[bytes]]] = []
+        for doc in docs:
+            tok, new = self._sent.token(self._sent.docs, doc)
+            if new:
+                sends.append((tok, await asyncio.to_thread(pack_doc, doc, cluster)))
+        if shape_msg is None and not sends:
+            return 0
+        variants = await self._variants_of(cluster)
+        try:
+            await self._call(_prime, shape_tok, shape_msg, variants, sends)
+        except (Missing, RuntimeError):
+            self._sent.forget(self._sent.shapes, cluster_shape(cluster))
+            for doc in docs:
+                self._sent.forget(self._sent.docs, doc)
+            return 0
+        return (shape_msg is not None) + len(sends)
+
     async def _variants_of(self, cluster: Cluster) -> tuple[bytes, tuple[Variant, ...], tuple[float | None, ...]]:
         last = self._variants
         if last is not None and last[0] is cluster:
@@ -410,6 +436,20 @@ def _keep(table: OrderedDict[int, Any], tok: int, value: Any, keep: int = KEEP) 
     table.move_to_end(tok)
     while len(table) > keep:
         table.popitem(last=False)
+
+
+def _prime(shape_tok: int, shape_msg: list[bytes] | None,
+           variants: tuple[bytes, tuple[Variant, ...], tuple[float | None, ...]],
+           docs: list[tuple[int, list[bytes]]]) -> None:
+    """In the worker: keep a shape and layouts under their tokens (`PlanProcess.prime`)."""
+    if shape_msg is not None:
+        _keep(_shapes, shape_tok, _Shape(shape_msg), KEEP_SHAPES)
+    shape = _shapes.get(shape_tok)
+    if shape is None:
+        raise Missing("shape")
+    cluster = shape.cluster(variants)
+    for tok, blobs in docs:
+        _keep(_docs, tok, unpack_doc(blobs, cluster))
 
 
 def _work(shape_tok: int, shape_msg: list[bytes] | None,
