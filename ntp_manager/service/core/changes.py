@@ -85,8 +85,12 @@ def _node(values: list[Any], now_mono: float) -> NodeRec:
     return NodeRec(gpus=[], last_seen=now_mono, **d)
 
 
-def check(body: dict[str, Any]) -> tuple[list[str], list[NodeRec], list[GpuRec], list[str]]:
-    """Decode a body completely before anything is applied (BadRow naming what is wrong)."""
+Checked = tuple[list[str], list[NodeRec], list[GpuRec], list[str]]  # domains, nodes, GPUs, jobs
+
+
+def check(body: dict[str, Any]) -> Checked:
+    """Decode a body completely before anything is applied (BadRow naming what is wrong). Pure: a
+    follower runs it off the event loop (a row of a hello burst carries thousands of GPUs)."""
     if body.get("v") != VERSION:
         raise BadRow(f"world-log body version {body.get('v')!r}; this manager reads {VERSION}")
     try:
@@ -100,9 +104,14 @@ def check(body: dict[str, Any]) -> tuple[list[str], list[NodeRec], list[GpuRec],
 
 
 def apply_body(w: World, body: dict[str, Any], now_mono: float, out: Applied) -> None:
-    """Apply one row to `w` (BadRow, with `w` untouched, when it cannot be: a GPU of a node that
-    neither `w` nor the row knows, for one)."""
-    domains, nodes, gpus, jobs = check(body)
+    """Apply one row to `w` (BadRow, with `w` untouched, when it cannot be)."""
+    apply_checked(w, check(body), now_mono, out)
+
+
+def apply_checked(w: World, checked: Checked, now_mono: float, out: Applied) -> None:
+    """Apply one decoded row to `w` (BadRow, with `w` untouched, when it cannot be: a GPU of a node
+    that neither `w` nor the row knows, for one)."""
+    domains, nodes, gpus, jobs = checked
     known = {n.name for n in nodes}
     for g in gpus:
         if g.node not in w.nodes and g.node not in known:

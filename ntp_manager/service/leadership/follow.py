@@ -40,7 +40,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from ntp_manager.clock import Clock
 from ntp_manager.planner.layout import LayoutDoc
 from ntp_manager.service.core import offloop
-from ntp_manager.service.core.changes import Applied, BadRow, apply_body, encode
+from ntp_manager.service.core.changes import Applied, BadRow, Checked, apply_checked, check, encode
 from ntp_manager.service.core.kernel import Kernel, Tx
 from ntp_manager.service.core.state import World
 from ntp_manager.service.leadership.loading import load_job
@@ -55,17 +55,18 @@ INLINE = 512  # records a transaction writes below which its row is encoded on t
 _READ = text("SELECT seq, CAST(body AS text) FROM world_log WHERE seq > :after ORDER BY seq LIMIT :lim")
 
 
-def _decode(rows: list[tuple[int, str]]) -> list[tuple[int, dict[str, Any] | str]]:
-    """Parse each row's body (in a thread: a row of a hello burst is hundreds of kB); a body that
-    is not a JSON object becomes the reason it is quarantined."""
-    out: list[tuple[int, dict[str, Any] | str]] = []
+def _decode(rows: list[tuple[int, str]]) -> list[tuple[int, Checked | str]]:
+    """Parse and check each row's body (in a thread: a row of a hello burst is hundreds of kB and
+    thousands of records); a body that cannot be read becomes the reason it is quarantined."""
+    out: list[tuple[int, Checked | str]] = []
     for seq, raw in rows:
         try:
             body = json.loads(raw)
-        except ValueError as e:
-            out.append((seq, f"world-log body is not JSON: {e}"))
-            continue
-        out.append((seq, body if isinstance(body, dict) else "world-log body is not an object"))
+            if not isinstance(body, dict):
+                raise BadRow("world-log body is not an object")
+            out.append((seq, check(body)))
+        except ValueError as e:  # BadRow included
+            out.append((seq, str(e) if isinstance(e, BadRow) else f"world-log body is not JSON: {e}"))
     return out
 
 
@@ -199,7 +200,7 @@ class Follower:
             try:
                 if isinstance(body, str):
                     raise BadRow(body)
-                apply_body(w, body, self.clock.monotonic(), done)
+                apply_checked(w, body, self.clock.monotonic(), done)
             except BadRow as e:
                 self._quarantined(seq, str(e))
                 return len(raw)
