@@ -12,9 +12,11 @@ this module adds is *who holds which domain when*, under the rules of the live m
   remainder first, ties to the earlier job). A job keeps those domains for the whole trace, failed
   or not, and nobody else may use them: the single-job trace mode, once per job.
 - `shared`: after every batch of simultaneous events,
-  1. *Return*: a job lets go of every domain beyond its home ones whose loss would not lower its
-     planned throughput (a repaired GPU thus stays with the job that held it while it still wants
-     the domain, else goes back to the pool).
+  1. *Return*: a job whose domains saw a repair lets go of every domain beyond its home ones whose
+     loss would not lower its planned throughput, the most recently granted first (a repaired GPU
+     thus stays with the job that held it while it still wants the domain, else goes back to the
+     pool). So does a job that stays below its target after asking (step 2): what it took without
+     reaching the target goes back if it did not help.
   2. *Grant*, jobs in order of priority (highest first; ties: arrival, i.e. job order), each job
      below its target batch in turn, one domain at a time and replanning after each: a job holding
      fewer than its home count plus its reservation gets any free domain (a *reserved* grant);
@@ -221,10 +223,13 @@ class _World:
         self.thr = [1.0] * len(setup.jobs)
         self.replans = 0
         self.unmet = 0
+        self.repaired_jobs: set[int] = set()
         self.grants = [0] * len(setup.jobs)
         self.preempted = [0] * len(setup.jobs)
         self.preempting = [0] * len(setup.jobs)
         self.peak = [len(m) - len(h) for m, h in zip(self.held, setup.home, strict=True)]
+        self.stuck: list[tuple[object, ...] | None] = [None] * len(setup.jobs)
+        self.touched = [0] * len(setup.jobs)  # batches that changed each job's domains
         self.order = sorted(range(len(setup.jobs)), key=lambda j: (-setup.jobs[j].priority, j))
         for j in range(len(setup.jobs)):
             self.replan(j)
@@ -261,6 +266,7 @@ class _World:
             self.failed[sim.domain_of[g]] += 1
         self.snap = self.snap.with_states(changes)
         touched = {sim.domain_of[g] for g in (*failed, *repaired)}
+        self.repaired_jobs = {self.owner[sim.domain_of[g]] for g in repaired} - {FREE, OUTSIDE}
         return {self.owner[d] for d in touched if self.owner[d] >= 0}
 
     def step(self, affected: set[int]) -> None:
@@ -268,9 +274,14 @@ class _World:
             self.replan(j)
         if self.policy == "shared":
             for j in sorted(affected):
-                self.give_back(j)
+                if j in self.repaired_jobs:
+                    self.give_back(j)
+                self.stuck[j] = None
+                if self.setup.jobs[j].preemptible:
+                    self.touched[j] += 1
             for j in self.order:
-                self.ask(j)
+                if self.stuck[j] is None or self.stuck[j] != self.key():
+                    self.ask(j)
         if self.audit:
             self.check()
 
@@ -291,6 +302,9 @@ class _World:
         most recently granted first."""
         k = len(self.held[j]) - 1
         while k >= self.home_count[j]:
+            if not self.maybe_unneeded(j, self.held[j][k]):
+                k -= 1
+                continue
             held = self.held[j][:k] + self.held[j][k + 1:]
             plan, thr = self.trial(j, held)
             if thr >= self.thr[j] - _EPS:
@@ -300,6 +314,15 @@ class _World:
                 self.owner[d] = FREE
                 self.free.add(d)
             k -= 1
+
+    def maybe_unneeded(self, j: int, d: int) -> bool:
+        """False when losing domain `d` surely lowers the job's plan: the plan uses a group of `d`
+        and leaves no usable group standing by, so a replica would be missing a group that nothing
+        can replace. Otherwise only a replan can tell (saves most trial plans)."""
+        plan = self.plans[j]
+        if plan is None or plan.idle:
+            return True
+        return all(g.domain_pos != d for r in plan.replicas for g in r.groups)
 
     def take(self, j: int, d: int) -> None:
         self.free.discard(d)
@@ -340,6 +363,14 @@ class _World:
                 break
         if took and self.thr[j] < 1.0 - _EPS:
             self.give_back(j)
+        self.stuck[j] = self.key() if self.thr[j] < 1.0 - _EPS else None
+
+    def key(self) -> tuple[object, ...]:
+        """What a job left below its target could get more from: the healthy free domains, the
+        others' counted holdings (their outstanding reservations) and the preemptible jobs'
+        domains. A job asks again only when it changed (or its own domains did)."""
+        return (tuple(self.healthy_free()), tuple(self.counted(k) for k in range(len(self.held))),
+                tuple(len(h) for h in self.held), tuple(self.touched))
 
     def short(self, j: int) -> bool:
         """Below target while holding less than its home domains and reservation (healthy)."""
