@@ -585,10 +585,11 @@ class PoolSearch:
 
 
 def pool_needed(
-    setup: MultiSetup, trace: Trace, goals: Sequence[float], hi: int, progress: Progress = _noop
+    setup: MultiSetup, trace: Trace, goals: Sequence[float | None], hi: int, progress: Progress = _noop
 ) -> PoolSearch:
     """Smallest shared pool with which every job's effective time reaches its goal (e.g. its
-    private-spares effective time), between the jobs' reservations and `hi` domains. Bisection:
+    private-spares effective time; None: that job does not count), between the jobs' reservations
+    and `hi` domains. Bisection:
     it assumes a bigger pool never leaves a job worse off, which the pool's rules make likely but
     do not guarantee (a grant order can change), so the pool found and the one below it are both
     replayed, and `tried` says what each replay gave."""
@@ -599,7 +600,7 @@ def pool_needed(
     def ok(k: int) -> bool:
         if k not in memo:
             res = run(setup.with_pool(k), trace, "shared", progress)
-            memo[k] = all(r.effective >= g - 1e-9 for r, g in zip(res.jobs, goals, strict=True))
+            memo[k] = all(g is None or r.effective >= g - 1e-9 for r, g in zip(res.jobs, goals, strict=True))
             tried.append((k, memo[k]))
         return memo[k]
 
