@@ -337,7 +337,7 @@ def _failure_model(base: FailureModel, rate_multiplier: float | None, blast_node
     """The preset's failure model (`base`) with the options given on the command line."""
     model = dataclasses.replace(
         base,
-        rate_multiplier=1.0 if rate_multiplier is None else rate_multiplier,
+        rate_multiplier=base.rate_multiplier if rate_multiplier is None else rate_multiplier,
         blast_node=blast_node,
         blast_domain=blast_domain,
         rate_per_gpu_hour=base.rate_per_gpu_hour if failure_rate is None else failure_rate,
@@ -571,6 +571,7 @@ def refuse_multi_options(given: dict[str, Any]) -> None:
 
 def run_multi(console: Console, given: dict[str, Any]) -> None:
     """`simulate --jobs`: both policies over one trace, the table, the searches, the plot."""
+    console = Console(stderr=bool(given["as_json"]), width=max(150, console.width))  # 13 columns
     try:
         _refuse_non_finite(given)
         refuse_multi_options(given)

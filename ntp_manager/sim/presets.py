@@ -171,8 +171,8 @@ MULTI_PRESETS: dict[str, MultiPreset] = {
                      priority=p, preemptible=p == 0, min_throughput=1.0)
             for n, r, s, p in (("A", 2, 1, 2), ("B", 2, 0, 1), ("C", 2, 0, 0))
         ),
-        3, FailureModel(rate_multiplier=200.0),
-        "16 NVL8 domains: 3 jobs of 2 replicas x 2 TP8 groups, 3 spare domains, 200x Llama 3 rates (tests)",
+        3, FailureModel(rate_multiplier=50.0),
+        "16 NVL8 domains: 3 jobs of 2 replicas x 2 TP8 groups, 3 spare domains, 50x Llama 3 rates (tests)",
     ),
 }
 
