@@ -132,6 +132,8 @@ def refuse_inert_options(given: dict[str, Any], trace: bool, custom_cluster: boo
     """Raise SimError naming the first option that would do nothing with the others given.
 
     `given` maps option names to their values, None where the option was not given."""
+    if given.get("pool_size") is not None:
+        raise SimError("--pool applies to multi-job mode (--jobs)")
     if trace:
         for name, flag in _STATIC_ONLY.items():
             if given.get(name) is not None:
@@ -237,11 +239,8 @@ def simulate(
     packing: Annotated[
         str, typer.Option(help="stable (the resource manager repacks) | none (home replicas stay: no manager)")
     ] = "stable",
-    jobs: Annotated[
-        str | None,
-        typer.Option("--jobs", help=f"multi-job mode: {' | '.join(MULTI_PRESETS)}; private spares vs the shared pool"),
-    ] = None,
-    pool: Annotated[int | None, typer.Option(help="multi-job mode: spare domains in the pool (the preset's)")] = None,
+    jobs: Annotated[str | None, typer.Option(help=f"multi-job mode: {' | '.join(MULTI_PRESETS)}")] = None,
+    pool_size: Annotated[int | None, typer.Option("--pool", help="multi-job mode: spare domains")] = None,
     seed: Annotated[int, typer.Option(help="random seed")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="print results as JSON")] = False,
     plot: Annotated[Path | None, typer.Option(help="write a PNG plot here")] = None,
@@ -250,16 +249,13 @@ def simulate(
 
     An option that would do nothing with the others given (a trace option in a static sweep, a
     preset option with a custom cluster) is refused, not ignored."""
-    console = Console(stderr=as_json)
-    given = dict(locals())
+    given, console = dict(locals()), Console(stderr=as_json)
     if jobs is not None:
         run_multi(console, given)
         return
     trace_mode = days is not None
     try:
         _refuse_non_finite(given)
-        if pool is not None:
-            raise SimError("--pool applies to multi-job mode (--jobs)")
         refuse_inert_options(given, trace_mode, cluster is not None)
         p = preset(preset_name or "paper-32k")
         model = _failure_model(p.model, rate_multiplier, blast_node, blast_domain, failure_rate, repair_days,
@@ -295,12 +291,9 @@ def simulate(
     except (SimError, PlanError, SpecError, TopologyError) as e:
         fail(str(e))
     result["model"] = dataclasses.asdict(model)
-    result["power"] = {
-        "gpu_power": gpu_power, "base_cap": base_cap, "model": dataclasses.asdict(job_spec.power),
-        "describe": job_spec.power.describe(),
-    }
-    result["preset"] = p.name if not (cluster or job) else None
-    result["name"] = name
+    result["power"] = {"gpu_power": gpu_power, "base_cap": base_cap, "model": dataclasses.asdict(job_spec.power),
+                       "describe": job_spec.power.describe()}
+    result.update(preset=p.name if not (cluster or job) else None, name=name)
     if as_json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
 
@@ -592,7 +585,7 @@ def run_multi(console: Console, given: dict[str, Any]) -> None:
         if days <= 0:
             raise SimError(f"--days must be positive, got {days}")
         warm = 2 * model.hardware_repair_h / 24 if given["warmup_days"] is None else given["warmup_days"]
-        setup = multi_setup(mp, given["pool"])
+        setup = multi_setup(mp, given["pool_size"])
         result = _multi_runs(console, setup, days, warm, given["seed"], bool(given["find_spares"]),
                              given["max_spares"])
         _multi_tables(console, setup, result)
@@ -618,7 +611,7 @@ def _multi_runs(console: Console, setup: MultiSetup, days: float, warm: float, s
     with _progress(console) as prog:
         task = prog.add_task(f"2 policies over {len(trace.events)} events", total=2 * len(trace.events))
         for policy in ("private", "shared"):
-            out[policy] = run(setup, trace, policy, progress=lambda n: prog.advance(task, n))  # type: ignore[arg-type]
+            out[policy] = run(setup, trace, policy, progress=lambda n: prog.advance(task, n))
         if find:
             search = prog.add_task("searching for equal effective time (replays)", total=None)
 

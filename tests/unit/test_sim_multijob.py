@@ -136,7 +136,7 @@ def test_ownership_invariant_holds_at_every_event_of_a_random_trace():
     times = sorted({e.at_h for e in tr.events})
     for policy in ("private", "shared"):
         batches: list[float] = []
-        run(s, tr, policy, audit=True, observe=lambda t, _thr, _s: batches.append(t))  # type: ignore[arg-type]
+        run(s, tr, policy, audit=True, observe=lambda t, _thr, _s, b=batches: b.append(t))  # type: ignore[arg-type]
         assert batches == times  # checked after every batch of events
 
 
