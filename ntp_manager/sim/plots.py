@@ -85,7 +85,7 @@ def plot_multijob(private: MultiResult, shared: MultiResult, setup: MultiSetup, 
     shar = [100 * r.effective for r in shared.jobs]
     ax.bar([x - width / 2 for x in xs], priv, width, color="#d62728", label=f"private spares ({private.pool} split)")
     ax.bar([x + width / 2 for x in xs], shar, width, color="#1f77b4", label=f"shared pool ({shared.pool} domains)")
-    labels = [f"{e.name}\n{len(h) * setup.domain_size // 1000}K, p{e.priority}{'*' if e.preemptible else ''}"
+    labels = [f"{e.name}\n{len(h) * setup.domain_size:,}, p{e.priority}{'*' if e.preemptible else ''}"
               for e, h in zip(setup.jobs, setup.home, strict=True)]
     ax.set_xticks(list(xs), labels)
     low = min(priv + shar)
