@@ -10,7 +10,8 @@ Then the two searches for equal effective time: the smallest shared pool that gi
 least its private effective time (and the same without the preemptible jobs), and per job the
 fewest private spare domains that reach its shared effective time. Prints the tables and each
 step's wall time; `--plot DIR` writes docs-style PNGs (multijob-<preset>.png); `--json` the figures.
-Goal: the 100K run, searches included, in a few minutes on the 2-core VM.
+"Equal" is within 0.01 percentage points (multijob.EQUAL). Goal: the 100K run, searches included, in a
+few minutes on the 2-core VM.
 """
 
 from __future__ import annotations

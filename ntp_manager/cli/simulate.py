@@ -676,7 +676,7 @@ def _multi_tables(console: Console, setup: MultiSetup, result: dict[str, Any]) -
     console.print(t)
     if "pool_needed" in result:
         found = result["pool_needed"].pool
-        t2 = Table(title="spare GPUs each policy needs for equal effective time")
+        t2 = Table(title="spare GPUs each policy needs for equal effective time (within 0.01 points)")
         for col in ("job", "private spares (domains)", "private spares to reach its shared time"):
             t2.add_column(col, justify="right")
         needed = result["private_needed"]

@@ -51,6 +51,7 @@ from ntp_manager.sim.failures import FailureModel, SimError
 from ntp_manager.topology import Cluster
 
 Policy = Literal["private", "shared"]
+EQUAL = 1e-4  # "equal effective time": within 0.01 percentage points of the goal
 FREE = -1  # owner of a domain in the pool
 OUTSIDE = -2  # owner of a domain this run does not use
 _EPS = 1e-12
@@ -562,18 +563,19 @@ def _smallest(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
 
 
 def private_spares_needed(
-    setup: MultiSetup, trace: Trace, j: int, goal: float, max_spares: int, progress: Progress = _noop
+    setup: MultiSetup, trace: Trace, j: int, goal: float, max_spares: int, progress: Progress = _noop,
+    tol: float = EQUAL,
 ) -> int | None:
-    """Fewest private spare domains with which job `j` alone reaches effective time `goal`
-    (None: not even with `max_spares`). More spares never lower a plan's global batch, so the
-    effective time is monotone in the count and bisection finds the smallest."""
+    """Fewest private spare domains with which job `j` alone reaches effective time `goal` less
+    `tol` (None: not even with `max_spares`). More spares never lower a plan's global batch, so
+    the effective time is monotone in the count and bisection finds the smallest."""
     limit = min(max_spares, len(spare_order(setup, j)))
     memo: dict[int, float] = {}
 
     def ok(n: int) -> bool:
         if n not in memo:
             memo[n] = private_effective(setup, trace, j, n, progress)
-        return memo[n] >= goal - 1e-9
+        return memo[n] >= goal - tol
 
     return _smallest(0, limit, ok)
 
@@ -585,11 +587,12 @@ class PoolSearch:
 
 
 def pool_needed(
-    setup: MultiSetup, trace: Trace, goals: Sequence[float | None], hi: int, progress: Progress = _noop
+    setup: MultiSetup, trace: Trace, goals: Sequence[float | None], hi: int, progress: Progress = _noop,
+    tol: float = EQUAL,
 ) -> PoolSearch:
-    """Smallest shared pool with which every job's effective time reaches its goal (e.g. its
-    private-spares effective time; None: that job does not count), between the jobs' reservations
-    and `hi` domains. Bisection:
+    """Smallest shared pool with which every job's effective time reaches its goal less `tol` (the
+    goal: e.g. its private-spares effective time; None: that job does not count), between the
+    jobs' reservations and `hi` domains. Bisection:
     it assumes a bigger pool never leaves a job worse off, which the pool's rules make likely but
     do not guarantee (a grant order can change), so the pool found and the one below it are both
     replayed, and `tried` says what each replay gave."""
@@ -600,7 +603,7 @@ def pool_needed(
     def ok(k: int) -> bool:
         if k not in memo:
             res = run(setup.with_pool(k), trace, "shared", progress)
-            memo[k] = all(g is None or r.effective >= g - 1e-9 for r, g in zip(res.jobs, goals, strict=True))
+            memo[k] = all(g is None or r.effective >= g - tol for r, g in zip(res.jobs, goals, strict=True))
             tried.append((k, memo[k]))
         return memo[k]
 

@@ -14,6 +14,7 @@ from ntp_manager.planner import JobSpec, Scheme
 from ntp_manager.sim import FailureModel, SimError, SimSetup, make_trace, replay
 from ntp_manager.sim.engine import Event, Trace
 from ntp_manager.sim.multijob import (
+    EQUAL,
     JobEntry,
     MultiSetup,
     _World,
@@ -225,7 +226,7 @@ def test_private_spares_needed_is_the_smallest_count_a_scan_finds():
         effs = [private_effective(s, tr, j, n) for n in range(6)]
         assert effs == sorted(effs)  # more private spares never lower it
         for goal in (effs[0], (effs[0] + effs[-1]) / 2, effs[-1], effs[-1] + 0.01):
-            scan = next((n for n, e in enumerate(effs) if e >= goal - 1e-9), None)
+            scan = next((n for n, e in enumerate(effs) if e >= goal - EQUAL), None)
             assert private_spares_needed(s, tr, j, goal, 5) == scan
 
 
@@ -234,8 +235,8 @@ def test_pool_needed_matches_a_scan_over_every_pool_size():
     s = make_setup(entries, pool=0, extra=5, model=FailureModel(rate_multiplier=80.0))
     tr = make_trace(s.sim, 15, seed=4, warmup_days=6)
     effs = [[r.effective for r in run(s.with_pool(k), tr, "shared").jobs] for k in range(6)]
-    goals = [effs[3][0] - 1e-6, effs[3][1] - 1e-6]
-    passing = [all(e >= g - 1e-9 for e, g in zip(row, goals, strict=True)) for row in effs]
+    goals = [effs[3][0], effs[3][1]]
+    passing = [all(e >= g - EQUAL for e, g in zip(row, goals, strict=True)) for row in effs]
     found = pool_needed(s, tr, goals, 5)
     assert found.pool == passing.index(True)
     assert passing[found.pool:] == [True] * (6 - found.pool)  # monotone here, so bisection = scan
