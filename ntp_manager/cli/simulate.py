@@ -622,10 +622,11 @@ def _multi_runs(console: Console, setup: MultiSetup, days: float, warm: float, s
             shared: MultiResult = out["shared"]
             cap = 4 * setup.pool if max_spares is None else max_spares
             goals = [r.effective for r in private.jobs]
-            out["pool_needed"] = pool_needed(setup, trace, goals, _room(setup), tick)
+            cache = {setup.pool: shared}
+            out["pool_needed"] = pool_needed(setup, trace, goals, _room(setup), tick, cache=cache)
             if any(e.preemptible for e in setup.jobs):
                 kept = [None if e.preemptible else g for e, g in zip(setup.jobs, goals, strict=True)]
-                out["pool_needed_kept"] = pool_needed(setup, trace, kept, _room(setup), tick)
+                out["pool_needed_kept"] = pool_needed(setup, trace, kept, _room(setup), tick, cache=cache)
             out["private_needed"] = [
                 private_spares_needed(setup, trace, j, r.effective, cap, tick) for j, r in enumerate(shared.jobs)
             ]

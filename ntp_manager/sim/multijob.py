@@ -548,9 +548,15 @@ def private_effective(setup: MultiSetup, trace: Trace, j: int, spares: int, prog
     return acc / trace.hours
 
 
-def _smallest(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
+def _smallest(lo: int, hi: int, ok: Callable[[int], bool], gallop: bool = False) -> int | None:
     """Smallest n in [lo, hi] with ok(n), by bisection: assumes ok is monotone (false, then true);
-    None when ok(hi) is false."""
+    None when ok(hi) is false. With `gallop` it first tries lo, lo + 1, lo + 3, lo + 7, ... (cheap
+    when the answer is small and `hi` is only a generous cap)."""
+    if gallop:
+        step = 1
+        while lo + step - 1 < hi and not ok(lo + step - 1):
+            lo, step = lo + step, 2 * step
+        hi = min(hi, lo + step - 1)
     if not ok(hi):
         return None
     while lo < hi:
@@ -577,7 +583,7 @@ def private_spares_needed(
             memo[n] = private_effective(setup, trace, j, n, progress)
         return memo[n] >= goal - tol
 
-    return _smallest(0, limit, ok)
+    return _smallest(0, limit, ok, gallop=True)
 
 
 @dataclass(frozen=True)
@@ -588,21 +594,26 @@ class PoolSearch:
 
 def pool_needed(
     setup: MultiSetup, trace: Trace, goals: Sequence[float | None], hi: int, progress: Progress = _noop,
-    tol: float = EQUAL,
+    tol: float = EQUAL, cache: dict[int, MultiResult] | None = None,
 ) -> PoolSearch:
     """Smallest shared pool with which every job's effective time reaches its goal less `tol` (the
     goal: e.g. its private-spares effective time; None: that job does not count), between the
     jobs' reservations and `hi` domains. Bisection:
     it assumes a bigger pool never leaves a job worse off, which the pool's rules make likely but
     do not guarantee (a grant order can change), so the pool found and the one below it are both
-    replayed, and `tried` says what each replay gave."""
+    replayed, and `tried` says what each replay gave. `cache` (pool -> shared result on this
+    setup and trace) saves replays across searches."""
     lo = sum(reservation_domains(e.job, setup.domain_size) for e in setup.jobs)
     tried: list[tuple[int, bool]] = []
     memo: dict[int, bool] = {}
 
+    runs = {} if cache is None else cache
+
     def ok(k: int) -> bool:
         if k not in memo:
-            res = run(setup.with_pool(k), trace, "shared", progress)
+            if k not in runs:
+                runs[k] = run(setup.with_pool(k), trace, "shared", progress)
+            res = runs[k]
             memo[k] = all(g is None or r.effective >= g - tol for r, g in zip(res.jobs, goals, strict=True))
             tried.append((k, memo[k]))
         return memo[k]
