@@ -662,8 +662,8 @@ def _multi_tables(console: Console, setup: MultiSetup, result: dict[str, Any]) -
     )
     t = Table(title="effective training time per job: private spares vs the shared pool (same spare GPUs; "
                     "spares in domains; 'all' is GPU-weighted)")
-    for col in ("job", "GPUs", "scheme", "prio", "preempt- ible", "min thr", "reserved", "private spares",
-                "private eff.", "shared eff.", "peak extra", "grants", "pre- empted"):
+    for col in ("job", "GPUs", "scheme", "prio", "preemptible", "min thr", "reserved", "private spares",
+                "private eff.", "shared eff.", "peak extra", "grants", "preempted"):
         t.add_column(col, justify="right")
     for j, e in enumerate(setup.jobs):
         p, s = private.jobs[j], shared.jobs[j]
