@@ -175,6 +175,43 @@ def test_runs_are_deterministic():
     assert a == b
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_after_every_batch_no_job_below_target_could_gain_from_what_the_rules_still_allow(seed):
+    # Brute force on the grant phase: after each batch of events, plan every job that is below its
+    # target on its domains plus *every* domain the rules would still let it take (within its
+    # reservation: any healthy free domain; below min_throughput: also those no other job's
+    # reservation claims). The one-at-a-time grants must have left nothing that helps.
+    entries = [entry("A", replicas=3, spares=1, priority=2), entry("B", spares=1, priority=1, min_throughput=0.0),
+               entry("C", priority=1), entry("D", replicas=1, scheme=Scheme.DP_DROP)]
+    s = make_setup(entries, pool=4, model=FailureModel(rate_multiplier=80.0))
+    tr = make_trace(s.sim, 15, seed=seed, warmup_days=6)
+    w = _World(s, "shared", audit=True)
+    checked = 0
+    i = 0
+    while i < len(tr.events):
+        at, failed, repaired = tr.events[i].at_h, [], []
+        while i < len(tr.events) and tr.events[i].at_h == at:
+            failed += tr.events[i].failed
+            repaired += tr.events[i].repaired
+            i += 1
+        w.step(w.apply(failed, repaired))
+        free = w.healthy_free()
+        for j, e in enumerate(s.jobs):
+            if w.thr[j] >= 1.0:
+                continue
+            allowed = max(0, w.base[j] + w.res[j] - w.counted(j))
+            if w.thr[j] < e.min_throughput:
+                others = sum(w.outstanding(k) for k in range(len(s.jobs)) if k != j)
+                allowed += max(0, len(free) - others - allowed)
+            extra = free[:allowed]
+            if not extra:
+                continue
+            _, best = w.trial(j, w.held[j] + extra)
+            assert best <= w.thr[j] + 1e-12, (at, e.name, extra)
+            checked += 1
+    assert checked > 0
+
+
 # ---- shared vs private on the same trace --------------------------------------------------------------
 
 
