@@ -543,7 +543,7 @@ def _run_trace(
 _NOT_MULTI = {
     "preset_name": "--preset", "cluster": "--cluster", "job": "--job", "failed_fraction": "--failed-fraction",
     "placements": "--placements", "spares": "--spares (use --pool)", "fixed_minibatch": "--fixed-minibatch",
-    "seeds": "--seeds", "stall": "--stall", "step_seconds": "--step-seconds", "step_model": "--step-model",
+    "seeds": "--seeds", "step_model": "--step-model",
     "gpu_power": "--gpu-power", "base_cap": "--base-cap", "power_curve": "--power-curve",
     "rack_headroom": "--rack-headroom", "max_boost": "--max-boost",
 }
@@ -560,11 +560,13 @@ def refuse_multi_options(given: dict[str, Any]) -> None:
         raise SimError("--max-spares bounds --find-spares; without it the option does nothing")
     if len(given.get("scheme") or []) > 1:
         raise SimError("multi-job mode takes one --scheme (applied to every job)")
+    if given.get("find_spares") and given.get("stall") not in (None, "none"):
+        raise SimError("--find-spares compares effective times without stalls; drop --stall or --find-spares")
 
 
 def run_multi(console: Console, given: dict[str, Any]) -> None:
     """`simulate --jobs`: both policies over one trace, the table, the searches, the plot."""
-    console = Console(stderr=bool(given["as_json"]), width=max(150, console.width))  # 13 columns
+    console = Console(stderr=bool(given["as_json"]), width=max(180, console.width))  # up to 15 columns
     try:
         _refuse_non_finite(given)
         refuse_multi_options(given)
@@ -586,8 +588,12 @@ def run_multi(console: Console, given: dict[str, Any]) -> None:
             raise SimError(f"--days must be positive, got {days}")
         warm = 2 * model.hardware_repair_h / 24 if given["warmup_days"] is None else given["warmup_days"]
         setup = multi_setup(mp, given["pool_size"])
+        stall = stall_preset(given["stall"] or "none")
+        if given["step_seconds"] is not None and not stall.redo_steps:
+            raise SimError("--step-seconds is what a redone step costs; only --stall live redoes one")
+        step_s = _stall_step_s(stall, given["step_seconds"], mp.jobs[0].job, mp.step_s)
         result = _multi_runs(console, setup, days, warm, given["seed"], bool(given["find_spares"]),
-                             given["max_spares"])
+                             given["max_spares"], stall if stall.name != "none" else None, step_s)
         _multi_tables(console, setup, result)
         if plot is not None:
             from ntp_manager.sim.plots import plot_multijob
@@ -605,13 +611,15 @@ def run_multi(console: Console, given: dict[str, Any]) -> None:
 
 
 def _multi_runs(console: Console, setup: MultiSetup, days: float, warm: float, seed: int, find: bool,
-                max_spares: int | None) -> dict[str, Any]:
+                max_spares: int | None, stall: StallModel | None, step_s: float) -> dict[str, Any]:
     trace = make_trace(setup.sim, days, seed, warm)
-    out: dict[str, Any] = {"trace": trace, "days": days, "warmup_days": warm, "seed": seed}
+    out: dict[str, Any] = {"trace": trace, "days": days, "warmup_days": warm, "seed": seed, "stall": stall,
+                           "step_s": step_s}
     with _progress(console) as prog:
         task = prog.add_task(f"2 policies over {len(trace.events)} events", total=2 * len(trace.events))
         for policy in ("private", "shared"):
-            out[policy] = run(setup, trace, policy, progress=lambda n: prog.advance(task, n))
+            out[policy] = run(setup, trace, policy, progress=lambda n: prog.advance(task, n), stall=stall,
+                              step_s=step_s)
         if find:
             search = prog.add_task("searching for equal effective time (replays)", total=None)
 
@@ -662,18 +670,27 @@ def _multi_tables(console: Console, setup: MultiSetup, result: dict[str, Any]) -
     )
     t = Table(title="effective training time per job: private spares vs the shared pool (same spare GPUs; "
                     "spares in domains; 'all' is GPU-weighted)")
-    for col in ("job", "GPUs", "scheme", "prio", "preemptible", "min thr", "reserved", "private spares",
-                "private eff.", "shared eff.", "peak extra", "grants", "preempted"):
+    stall: StallModel | None = result["stall"]
+    cols = ["job", "GPUs", "scheme", "prio", "preemptible", "min thr", "reserved", "private spares", "private eff.",
+            "shared eff.", "peak extra", "grants", "preempted"]
+    if stall is not None:
+        cols += ["changes priv. / shared", "stalled priv. / shared"]
+        console.print(f"stall model {stall.name}: {stall}; healthy step {result['step_s']:.2f} s", highlight=False)
+    for col in cols:
         t.add_column(col, justify="right")
     for j, e in enumerate(setup.jobs):
         p, s = private.jobs[j], shared.jobs[j]
-        t.add_row(e.name, f"{_gpus_of(setup, j):,}", e.job.scheme.value, str(e.priority),
-                  "yes" if e.preemptible else "no", f"{e.min_throughput:g}", str(s.spare_domains),
-                  str(p.spare_domains), f"{100 * p.effective:.3f}%", f"{100 * s.effective:.3f}%",
-                  str(s.peak_held), str(s.grants), str(s.preempted))
+        row = [e.name, f"{_gpus_of(setup, j):,}", e.job.scheme.value, str(e.priority),
+               "yes" if e.preemptible else "no", f"{e.min_throughput:g}", str(s.spare_domains),
+               str(p.spare_domains), f"{100 * p.effective:.3f}%", f"{100 * s.effective:.3f}%",
+               str(s.peak_held), str(s.grants), str(s.preempted)]
+        if stall is not None:
+            row += [f"{p.changes} / {s.changes}", f"{100 * p.stalled_share:.3f}% / {100 * s.stalled_share:.3f}%"]
+        t.add_row(*row)
     t.add_row("all", f"{sum(_gpus_of(setup, j) for j in range(len(setup.jobs))):,}", "", "", "", "",
               str(sum(r.spare_domains for r in shared.jobs)), str(setup.pool),
-              f"{100 * _weighted(setup, private):.3f}%", f"{100 * _weighted(setup, shared):.3f}%", "", "", "")
+              f"{100 * _weighted(setup, private):.3f}%", f"{100 * _weighted(setup, shared):.3f}%",
+              *[""] * (len(cols) - 10))
     console.print(t)
     if "pool_needed" in result:
         found = result["pool_needed"].pool
@@ -707,6 +724,7 @@ def _multi_json(name: str, setup: MultiSetup, result: dict[str, Any]) -> dict[st
         "seed": result["seed"], "gpus": setup.n_gpus, "pool_domains": setup.pool, "domain_size": setup.domain_size,
         "failures": trace.failures, "peak_failed_gpus": trace.peak_failed(),
         "model": dataclasses.asdict(setup.model), "jobs": [],
+        "stall": None if result["stall"] is None else dataclasses.asdict(result["stall"]), "step_s": result["step_s"],
     }
     for j, e in enumerate(setup.jobs):
         out["jobs"].append({

@@ -46,8 +46,9 @@ from typing import Literal
 
 from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner import JobSpec, Plan, make_plan
-from ntp_manager.sim.engine import Progress, SimSetup, Trace, plan_throughput
+from ntp_manager.sim.engine import Progress, SimSetup, Trace, layout_key, plan_throughput
 from ntp_manager.sim.failures import FailureModel, SimError
+from ntp_manager.sim.stall import StallModel
 from ntp_manager.topology import Cluster
 
 Policy = Literal["private", "shared"]
@@ -170,7 +171,7 @@ def reservation_domains(job: JobSpec, domain_size: int) -> int:
 @dataclass(frozen=True)
 class JobResult:
     name: str
-    effective: float  # time-averaged plan throughput
+    effective: float  # time-averaged plan throughput, stalls counted as zero
     min_throughput: float  # the lowest it fell to
     below_share: float  # share of the time below the target batch
     spare_domains: int  # private: its spares; shared: its reservation
@@ -178,6 +179,9 @@ class JobResult:
     grants: int  # domains granted from the pool (shared)
     preempted: int  # replicas' worth of domains lost to preemption (shared)
     preempting: int  # preemptions this job made (shared)
+    throughput: float = 0.0  # time-averaged plan throughput, stalls not counted
+    changes: int = 0  # layout changes the stall model charged
+    stalled_share: float = 0.0  # share of the time training stood still for them
 
 
 @dataclass(frozen=True)
@@ -441,50 +445,97 @@ class _World:
                         gpus[p] = j
 
 
+class _Clock:
+    """Per job: throughput and stalls integrated over time (the single-job trace mode's rules)."""
+
+    def __init__(self, n: int, stall: StallModel | None, step_s: float) -> None:
+        self.stall, self.step_s = stall, step_s
+        self.acc, self.eff, self.below = [0.0] * n, [0.0] * n, [0.0] * n
+        self.stalled, self.until, self.changes = [0.0] * n, [0.0] * n, [0] * n
+        self.t = 0.0
+
+    def advance(self, thr: Sequence[float], until: float) -> None:
+        span = until - self.t
+        for j, x in enumerate(thr):
+            lost = min(span, max(0.0, self.until[j] - self.t))
+            self.acc[j] += x * span
+            self.eff[j] += x * (span - lost)
+            self.stalled[j] += lost
+            self.below[j] += span if x < 1.0 - _EPS else 0.0
+        self.t = until
+
+    def charge(self, j: int, job: JobSpec, plan: Plan | None, previous: Plan | None, forced: bool) -> None:
+        """A layout change at the current time: stalls per the model (a change that follows only
+        repairs and grants is free when the model's repairs are)."""
+        if self.stall is None or plan is None or not (forced or self.stall.repairs == "stall"):
+            return
+        self.changes[j] += 1
+        seconds = self.stall.stall_s(job, plan, previous, self.step_s)
+        self.until[j] = max(self.until[j], self.t) + seconds / 3600.0
+
+
 def run(
     setup: MultiSetup, trace: Trace, policy: Policy, progress: Progress = _noop, audit: bool = False,
     observe: Callable[[float, list[float], list[bool]], None] | None = None,
+    stall: StallModel | None = None, step_s: float = 0.0,
 ) -> MultiResult:
     """Replay `trace` under `policy`; per job, effective time and what the pool did.
 
     `audit` checks the ownership invariant after every batch of events (tests); `observe` is
     called after every batch with (time, throughput per job, whether each job is short: below
-    target without its full reservation because the pool had no healthy free domain)."""
+    target without its full reservation because the pool had no healthy free domain). With a
+    `stall` model every change of a job's layout stops it for the model's stall (`step_s`: the
+    healthy step a redone step costs); a change is forced by a failure in the job's domains or a
+    replica lost to preemption, and otherwise (repairs, grants, returns) free when the model's
+    repairs are free. Models that defer repairs to the next restart are refused: here a repair
+    can move a domain to another job, which cannot wait for this one's next failure."""
     if policy not in ("private", "shared"):
         raise SimError(f"policy must be 'private' or 'shared', got {policy!r}")
     if trace.n_gpus != setup.n_gpus:
         raise SimError(f"the trace is for {trace.n_gpus} GPUs, the cluster has {setup.n_gpus}")
+    if stall is not None:
+        stall.validate()
+        if stall.repairs == "deferred":
+            raise SimError(f"stall model {stall.name} takes repairs back only at the next restart; "
+                           "the multi-job mode charges models that act on repairs (none, ft-hsdp, live)")
     w = _World(setup, policy, audit)
     if audit:
         w.check()
     n = len(setup.jobs)
-    acc, below, low = [0.0] * n, [0.0] * n, [1.0] * n
-    t, i, events = 0.0, 0, trace.events
+    clock = _Clock(n, stall, step_s)
+    low = [1.0] * n
+    keys = [None if p is None else layout_key(p) for p in w.plans]
+    i, events = 0, trace.events
     while i < len(events):
         at = events[i].at_h
-        for j in range(n):
-            acc[j] += w.thr[j] * (at - t)
-            below[j] += (at - t) if w.thr[j] < 1.0 - _EPS else 0.0
-        t = at
+        clock.advance(w.thr, at)
         failed: list[int] = []
         repaired: list[int] = []
         while i < len(events) and events[i].at_h == at:
             repaired.extend(events[i].repaired)
             failed.extend(events[i].failed)
             i += 1
+        previous, lost = list(w.plans), list(w.preempted)
+        hit = {w.owner[setup.sim.domain_of[g]] for g in failed}  # before anything moves
         w.step(w.apply(failed, repaired))
         for j in range(n):
             low[j] = min(low[j], w.thr[j])
+            plan = w.plans[j]
+            if plan is previous[j]:
+                continue
+            key = None if plan is None else layout_key(plan)
+            if key != keys[j] and at > 0:
+                clock.charge(j, w.spec(j, w.held[j]), plan, previous[j], j in hit or w.preempted[j] > lost[j])
+            keys[j] = key
         if observe is not None:
             observe(at, list(w.thr), [w.short(j) for j in range(n)])
         progress(1)
-    for j in range(n):
-        acc[j] += w.thr[j] * (trace.hours - t)
-        below[j] += (trace.hours - t) if w.thr[j] < 1.0 - _EPS else 0.0
+    clock.advance(w.thr, trace.hours)
     split = setup.private_split() if policy == "private" else w.res
+    h = trace.hours
     jobs = tuple(
-        JobResult(e.name, acc[j] / trace.hours, low[j], below[j] / trace.hours, split[j], w.peak[j], w.grants[j],
-                  w.preempted[j], w.preempting[j])
+        JobResult(e.name, clock.eff[j] / h, low[j], clock.below[j] / h, split[j], w.peak[j], w.grants[j],
+                  w.preempted[j], w.preempting[j], clock.acc[j] / h, clock.changes[j], clock.stalled[j] / h)
         for j, e in enumerate(setup.jobs)
     )
     return MultiResult(policy, setup.pool, trace.hours, jobs, w.replans, w.unmet)

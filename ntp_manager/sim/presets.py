@@ -128,6 +128,7 @@ class MultiPreset:
     pool: int  # spare domains after the jobs' home domains
     model: FailureModel
     description: str
+    step_s: float | None = None  # healthy step seconds (what a redone step costs in a stall)
 
 
 def _paper_job(name: str, replicas: int, spares: int) -> JobSpec:
@@ -135,6 +136,7 @@ def _paper_job(name: str, replicas: int, spares: int) -> JobSpec:
     return JobSpec(
         name=name, tp=32, groups_per_replica=8, replicas=replicas, local_batch=8, min_tp=28, heads=128,
         mlp_columns=81_920, attention_share=0.4, scheme=Scheme.NTP, power=PAPER_POWER, spares=spares,
+        parameters=PAPER_PARAMS,
     )
 
 
@@ -155,6 +157,7 @@ MULTI_PRESETS: dict[str, MultiPreset] = {
         40, FailureModel(hardware_repair_h=72.0),
         "32,768 GPUs in 1,024 NVL32 domains: 8 jobs of the paper's shape (TP32 x 8 groups, 5-32 replicas, "
         "984 home domains), 40 spare domains, mixed priorities, Llama 3 rates",
+        PAPER_STEP_S,
     ),
     "jobs-100k": MultiPreset(
         "jobs-100k", 3125, 32, 4,
@@ -162,6 +165,7 @@ MULTI_PRESETS: dict[str, MultiPreset] = {
         101, FailureModel(hardware_repair_h=72.0),
         "100,000 GPUs in 3,125 NVL32 domains: 8 jobs of the paper's shape (14-96 replicas, 3,024 home "
         "domains), 101 spare domains, mixed priorities, Llama 3 rates",
+        PAPER_STEP_S,
     ),
     "jobs-small": MultiPreset(
         "jobs-small", 16, 8, 4,

@@ -25,6 +25,7 @@ from ntp_manager.sim.multijob import (
     run,
 )
 from ntp_manager.sim.presets import multi_preset, multi_setup
+from ntp_manager.sim.stall import STALL_PRESETS
 from ntp_manager.topology import generate_cluster
 
 SIZE = 8  # GPUs per domain; one TP8 group per domain
@@ -212,6 +213,47 @@ def test_after_every_batch_no_job_below_target_could_gain_from_what_the_rules_st
     assert checked > 0
 
 
+# ---- stalls --------------------------------------------------------------------------------------------
+
+
+def test_stalls_charge_failures_and_preemptions_and_repairs_only_when_the_model_says():
+    # A is hit at t=1 and takes B's replica (B preemptible, pool empty); repaired at t=5 it returns
+    # the domain, which B takes back. ft-hsdp: 180 s per forced change, repairs free: A's change at
+    # t=1 and B's loss at t=1 stall; the moves after the repair do not.
+    entries = [entry("A", priority=2), entry("B", priority=0, preemptible=True)]
+    s = make_setup(entries, pool=0)
+    tr = trace_of(s, 10.0, Event(1.0, (gpu(0),), ()), Event(5.0, (), (gpu(0),)))
+    free = run(s, tr, "shared", stall=STALL_PRESETS["ft-hsdp"]).by_name()
+    assert (free["A"].changes, free["B"].changes) == (1, 1)
+    assert free["A"].stalled_share == pytest.approx(180 / 3600 / 10)
+    assert free["A"].effective == pytest.approx(free["A"].throughput - 180 / 3600 / 10)
+    assert free["B"].effective == pytest.approx(free["B"].throughput - 0.5 * 180 / 3600 / 10)  # at 1 replica of 2
+    live = run(s, tr, "shared", stall=STALL_PRESETS["live"], step_s=2.0).by_name()
+    assert (live["A"].changes, live["B"].changes) == (2, 2)  # live stalls for repairs too
+    assert live["A"].stalled_share == pytest.approx(2 * (0.16 + 0.27 + 2.0) / 3600 / 10)
+    none = run(s, tr, "shared").by_name()
+    assert none["A"].effective == none["A"].throughput and none["A"].changes == 0
+    with pytest.raises(SimError, match="restart takes repairs back only at the next restart"):
+        run(s, tr, "shared", stall=STALL_PRESETS["restart"])
+
+
+@pytest.mark.parametrize("model", ["ft-hsdp", "live"])
+def test_private_stalls_are_the_single_job_trace_modes(model):
+    s = make_setup([entry("A", replicas=3, spares=1), entry("B", scheme=Scheme.DP_DROP)], pool=3,
+                   model=FailureModel(rate_multiplier=100.0))
+    tr = make_trace(s.sim, 10, seed=1, warmup_days=3)
+    res = run(s, tr, "private", stall=STALL_PRESETS[model], step_s=1.5)
+    split, ids, pool = s.private_split(), s.cluster.domain_ids, list(s.pool_domains)
+    for j, e in enumerate(s.jobs):
+        mine = list(s.home[j]) + pool[sum(split[:j]):sum(split[:j + 1])]
+        single = SimSetup.create(s.cluster, dataclasses.replace(e.job, domains=tuple(ids[d] for d in mine)),
+                                 s.model, max_spares=split[j])
+        (st,) = replay(single, tr, [(e.job.scheme, split[j])], stall=STALL_PRESETS[model], step_s=1.5)
+        assert res.jobs[j].changes == st.changes > 0
+        assert res.jobs[j].effective == pytest.approx(st.effective_throughput, abs=1e-12)
+        assert res.jobs[j].stalled_share == pytest.approx(st.stalled_share, abs=1e-12)
+
+
 # ---- shared vs private on the same trace --------------------------------------------------------------
 
 
@@ -312,6 +354,14 @@ def test_cli_multi_job_table_json_and_plot(tmp_path):
     s = multi_setup(multi_preset("jobs-small"))
     expected = run(s, make_trace(s.sim, 5, seed=2, warmup_days=6), "shared")
     assert [j["shared"]["effective"] for j in out["jobs"]] == [r.effective for r in expected.jobs]
+    r = cli.invoke(cli_app, ["simulate", "--jobs", "jobs-small", "--days", "5", "--json", "--seed", "2",
+                             "--stall", "live", "--step-seconds", "1.5"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    expected = run(s, make_trace(s.sim, 5, seed=2, warmup_days=6), "shared", stall=STALL_PRESETS["live"], step_s=1.5)
+    assert out["stall"]["name"] == "live" and out["step_s"] == 1.5
+    assert [j["shared"]["changes"] for j in out["jobs"]] == [r.changes for r in expected.jobs]
+    assert sum(r.changes for r in expected.jobs) > 0
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -323,6 +373,10 @@ def test_cli_multi_job_table_json_and_plot(tmp_path):
     (["--jobs", "jobs-small", "--scheme", "ntp", "--scheme", "dp-drop"], "one --scheme"),
     (["--jobs", "jobs-small", "--days", "0"], "--days must be positive"),
     (["--pool", "3"], "--pool applies to multi-job mode"),
+    (["--jobs", "jobs-small", "--stall", "restart"], "restart takes repairs back only at the next restart"),
+    (["--jobs", "jobs-small", "--stall", "live"], "--stall live redoes a step: give --step-seconds"),
+    (["--jobs", "jobs-small", "--stall", "ft-hsdp", "--step-seconds", "2"], "only --stall live redoes one"),
+    (["--jobs", "jobs-small", "--stall", "ft-hsdp", "--find-spares"], "drop --stall or --find-spares"),
 ])
 def test_cli_multi_job_bad_input(args, message):
     r = cli.invoke(cli_app, ["simulate", *args])
