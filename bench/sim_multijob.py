@@ -11,7 +11,9 @@ least its private effective time (also counting only the non-preemptible jobs, a
 preemptible), and per job the fewest private spare domains that reach its shared effective time.
 Prints the tables and each step's wall time; `--plot DIR` writes docs-style PNGs
 (multijob-<preset>.png); `--json` the figures. "Equal" is within 0.01 percentage points
-(multijob.EQUAL). Goal: the 100K run, searches included, in a few minutes on the 2-core VM.
+(multijob.EQUAL). Last, both policies again under each stall model of `--stalls` (default ft-hsdp
+and live): what the pool's extra layout changes cost. Goal: the 100K run, searches included, in a
+few minutes on the 2-core VM.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ntp_manager.planner import Scheme
 from ntp_manager.sim import make_trace
 from ntp_manager.sim.multijob import MultiSetup, pool_needed, private_spares_needed, run
 from ntp_manager.sim.presets import multi_preset, multi_setup
+from ntp_manager.sim.stall import STALL_PRESETS
 
 console = Console(width=160)
 
@@ -42,7 +45,7 @@ def pct(x: float) -> str:
     return f"{100 * x:.3f}%"
 
 
-def one(name: str, seed: int, scheme: Scheme | None, plot_dir: Path | None) -> dict[str, Any]:
+def one(name: str, seed: int, scheme: Scheme | None, plot_dir: Path | None, stall_models: list[str]) -> dict[str, Any]:
     p = multi_preset(name)
     if scheme is not None:
         p = dataclasses.replace(p, jobs=tuple(
@@ -110,6 +113,26 @@ def one(name: str, seed: int, scheme: Scheme | None, plot_dir: Path | None) -> d
     console.print(f"private spares for every job's shared effective time: "
                   f"{'> cap' if total_needed is None else f'{total_needed} domains = {total_needed * size:,} GPUs'}"
                   f" (the pool: {setup.pool} domains = {setup.pool * size:,} GPUs)", highlight=False)
+    stalls: dict[str, Any] = {}
+    for mname in stall_models:
+        t0 = time.perf_counter()
+        model = STALL_PRESETS[mname]
+        res = {pol: run(setup, trace, pol, stall=model, step_s=p.step_s or 0.0)  # type: ignore[arg-type]
+               for pol in ("private", "shared")}
+        walls[f"both policies, stall {mname}"] = time.perf_counter() - t0
+        st = Table(title=f"{label}: stall model {mname} ({model})")
+        for col in ("job", "private eff.", "shared eff.", "changes private / shared", "stalled private / shared"):
+            st.add_column(col, justify="right")
+        for j, e in enumerate(setup.jobs):
+            a, b = res["private"].jobs[j], res["shared"].jobs[j]
+            st.add_row(e.name, pct(a.effective), pct(b.effective), f"{a.changes} / {b.changes}",
+                       f"{pct(a.stalled_share)} / {pct(b.stalled_share)}")
+        w_eff = {pol: sum(r.effective * g for r, g in zip(res[pol].jobs, gpus, strict=True)) / sum(gpus)
+                 for pol in res}
+        st.add_row("all", pct(w_eff["private"]), pct(w_eff["shared"]), "", "")
+        console.print(st)
+        stalls[mname] = {"weighted": w_eff,
+                         "jobs": {pol: [dataclasses.asdict(r) for r in res[pol].jobs] for pol in res}}
     w = Table(title=f"{label}: wall time (replans: private {private.replans}, shared {shared.replans})")
     w.add_column("step")
     w.add_column("wall s", justify="right")
@@ -132,7 +155,7 @@ def one(name: str, seed: int, scheme: Scheme | None, plot_dir: Path | None) -> d
         "weighted": weighted, "pool_needed": pool_all.pool, "pool_needed_non_preemptible": pool_kept.pool,
         "pool_needed_no_preemption": pool_calm.pool,
         "shared_no_preemption": [r.effective for r in calm_shared.jobs], "pool_tried": pool_all.tried,
-        "walls": walls, "replans": {"private": private.replans, "shared": shared.replans},
+        "walls": walls, "replans": {"private": private.replans, "shared": shared.replans}, "stalls": stalls,
     }
 
 
@@ -142,13 +165,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scheme", choices=[s.value for s in Scheme], help="every job's scheme (default: the preset's)")
     ap.add_argument("--plot", type=Path, help="directory for the PNGs")
+    ap.add_argument("--stalls", default="ft-hsdp,live", help="stall models to replay both policies with ('' for none)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     scheme = None if args.scheme is None else Scheme(args.scheme)
     out = []
     for name in args.presets.split(","):
         t0 = time.perf_counter()
-        out.append(one(name, args.seed, scheme, args.plot))
+        out.append(one(name, args.seed, scheme, args.plot, [m for m in args.stalls.split(",") if m]))
         console.print(f"{name}: {time.perf_counter() - t0:.0f} s wall", highlight=False)
     console.print(f"machine: {platform.machine()}, python {platform.python_version()}")
     if args.json:
