@@ -31,8 +31,8 @@ this module adds is *who holds which domain when*, under the rules of the live m
      not need goes back to the pool, where the victim, entitled to its home domains, takes it back.
 
 Effective time per job = its plan throughput (relative to its healthy throughput) integrated over
-the trace / the trace's length: the single-job trace mode's effective throughput without a stall
-model (replanning is free here).
+the trace / the trace's length, with the time a stall model stops it counted as zero (`run`'s
+`stall`; without one replanning is free): the single-job trace mode's effective throughput.
 
 Deterministic: the same setup and trace give the same result; no randomness beyond the trace.
 """
