@@ -2,6 +2,8 @@
 
 Static mode (default): sweep failed fractions with random placements.
 Trace mode (`--days`): event-driven failures and repairs at the model's rates.
+Multi-job mode (`--jobs PRESET`): several jobs on one cluster and one trace, private spares
+against the shared pool (sim/multijob.py).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from ntp_manager.sim import (
 )
 from ntp_manager.sim.engine import healthy_step_s
 from ntp_manager.sim.failures import FailureModel
-from ntp_manager.sim.presets import PAPER_STEP, Preset
+from ntp_manager.sim.multijob import MultiResult, MultiSetup, pool_needed, private_spares_needed, run
+from ntp_manager.sim.presets import MULTI_PRESETS, PAPER_STEP, Preset, multi_preset, multi_setup
 from ntp_manager.sim.stall import StallModel, stall_preset
 from ntp_manager.specfile import SpecError, load_cluster, load_job
 from ntp_manager.topology import Cluster, PowerLimits, TopologyError
@@ -129,6 +132,8 @@ def refuse_inert_options(given: dict[str, Any], trace: bool, custom_cluster: boo
     """Raise SimError naming the first option that would do nothing with the others given.
 
     `given` maps option names to their values, None where the option was not given."""
+    if given.get("pool_size") is not None:
+        raise SimError("--pool applies to multi-job mode (--jobs)")
     if trace:
         for name, flag in _STATIC_ONLY.items():
             if given.get(name) is not None:
@@ -234,6 +239,8 @@ def simulate(
     packing: Annotated[
         str, typer.Option(help="stable (the resource manager repacks) | none (home replicas stay: no manager)")
     ] = "stable",
+    jobs: Annotated[str | None, typer.Option(help=f"multi-job mode: {' | '.join(MULTI_PRESETS)}")] = None,
+    pool_size: Annotated[int | None, typer.Option("--pool", help="multi-job mode: spare domains")] = None,
     seed: Annotated[int, typer.Option(help="random seed")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="print results as JSON")] = False,
     plot: Annotated[Path | None, typer.Option(help="write a PNG plot here")] = None,
@@ -242,14 +249,16 @@ def simulate(
 
     An option that would do nothing with the others given (a trace option in a static sweep, a
     preset option with a custom cluster) is refused, not ignored."""
-    console = Console(stderr=as_json)
-    given = dict(locals())
+    given, console = dict(locals()), Console(stderr=as_json)
+    if jobs is not None:
+        run_multi(console, given)
+        return
     trace_mode = days is not None
     try:
         _refuse_non_finite(given)
         refuse_inert_options(given, trace_mode, cluster is not None)
         p = preset(preset_name or "paper-32k")
-        model = _failure_model(p, rate_multiplier, blast_node, blast_domain, failure_rate, repair_days,
+        model = _failure_model(p.model, rate_multiplier, blast_node, blast_domain, failure_rate, repair_days,
                                software_repair_hours)
         schemes = _schemes(scheme)
         refuse_scheme_inert_options(given, schemes, stall_preset(stall or "none").redo_steps)
@@ -282,12 +291,9 @@ def simulate(
     except (SimError, PlanError, SpecError, TopologyError) as e:
         fail(str(e))
     result["model"] = dataclasses.asdict(model)
-    result["power"] = {
-        "gpu_power": gpu_power, "base_cap": base_cap, "model": dataclasses.asdict(job_spec.power),
-        "describe": job_spec.power.describe(),
-    }
-    result["preset"] = p.name if not (cluster or job) else None
-    result["name"] = name
+    result["power"] = {"gpu_power": gpu_power, "base_cap": base_cap, "model": dataclasses.asdict(job_spec.power),
+                       "describe": job_spec.power.describe()}
+    result.update(preset=p.name if not (cluster or job) else None, name=name)
     if as_json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
 
@@ -318,18 +324,18 @@ def _cluster(p: Preset, cluster: Path | None, job_spec: JobSpec, custom_job: boo
     return c, p.name if not custom_job else f"job {job_spec.name} on preset {p.name}'s cluster"
 
 
-def _failure_model(p: Preset, rate_multiplier: float | None, blast_node: float, blast_domain: float,
+def _failure_model(base: FailureModel, rate_multiplier: float | None, blast_node: float, blast_domain: float,
                    failure_rate: float | None, repair_days: float | None,
                    software_repair_hours: float | None) -> FailureModel:
-    """The preset's failure model with the options given on the command line."""
+    """The preset's failure model (`base`) with the options given on the command line."""
     model = dataclasses.replace(
-        p.model,
-        rate_multiplier=1.0 if rate_multiplier is None else rate_multiplier,
+        base,
+        rate_multiplier=base.rate_multiplier if rate_multiplier is None else rate_multiplier,
         blast_node=blast_node,
         blast_domain=blast_domain,
-        rate_per_gpu_hour=p.model.rate_per_gpu_hour if failure_rate is None else failure_rate,
-        hardware_repair_h=p.model.hardware_repair_h if repair_days is None else repair_days * 24,
-        software_repair_h=p.model.software_repair_h if software_repair_hours is None else software_repair_hours,
+        rate_per_gpu_hour=base.rate_per_gpu_hour if failure_rate is None else failure_rate,
+        hardware_repair_h=base.hardware_repair_h if repair_days is None else repair_days * 24,
+        software_repair_h=base.software_repair_h if software_repair_hours is None else software_repair_hours,
     )
     model.validate()
     return model
@@ -528,3 +534,209 @@ def _run_trace(
             for r in runs
         ],
     }
+
+
+# ---- multi-job mode -------------------------------------------------------------------------------
+
+# What `--jobs` leaves out: a preset's or file's single job, the static sweep, the single-job trace's
+# spares and stalls, and the power options (the jobs carry the presets' power model).
+_NOT_MULTI = {
+    "preset_name": "--preset", "cluster": "--cluster", "job": "--job", "failed_fraction": "--failed-fraction",
+    "placements": "--placements", "spares": "--spares (use --pool)", "fixed_minibatch": "--fixed-minibatch",
+    "seeds": "--seeds", "step_model": "--step-model",
+    "gpu_power": "--gpu-power", "base_cap": "--base-cap", "power_curve": "--power-curve",
+    "rack_headroom": "--rack-headroom", "max_boost": "--max-boost",
+}
+
+
+def refuse_multi_options(given: dict[str, Any]) -> None:
+    """Raise SimError naming the first option multi-job mode would ignore, or a bad value."""
+    for name, flag in _NOT_MULTI.items():
+        if given.get(name) is not None:
+            raise SimError(f"{flag} does not apply to multi-job mode (--jobs)")
+    if given.get("packing") != "stable":
+        raise SimError("--packing does not apply to multi-job mode (--jobs): the jobs are repacked")
+    if given.get("max_spares") is not None and not given.get("find_spares"):
+        raise SimError("--max-spares bounds --find-spares; without it the option does nothing")
+    if len(given.get("scheme") or []) > 1:
+        raise SimError("multi-job mode takes one --scheme (applied to every job)")
+    if given.get("find_spares") and given.get("stall") not in (None, "none"):
+        raise SimError("--find-spares compares effective times without stalls; drop --stall or --find-spares")
+
+
+def run_multi(console: Console, given: dict[str, Any]) -> None:
+    """`simulate --jobs`: both policies over one trace, the table, the searches, the plot."""
+    console = Console(stderr=bool(given["as_json"]), width=max(180, console.width))  # up to 15 columns
+    try:
+        _refuse_non_finite(given)
+        refuse_multi_options(given)
+        mp = multi_preset(given["jobs"])
+        model = _failure_model(mp.model, given["rate_multiplier"], given["blast_node"], given["blast_domain"],
+                               given["failure_rate"], given["repair_days"], given["software_repair_hours"])
+        mp = dataclasses.replace(mp, model=model)
+        if given["scheme"]:
+            s = _schemes(given["scheme"])
+            if len(s) != 1:
+                raise SimError("multi-job mode takes one --scheme (applied to every job)")
+            mp = dataclasses.replace(mp, jobs=tuple(
+                dataclasses.replace(e, job=dataclasses.replace(e.job, scheme=s[0])) for e in mp.jobs))
+        plot: Path | None = given["plot"]
+        if plot is not None and not plot.parent.is_dir():
+            raise SimError(f"--plot {plot}: no such directory {plot.parent}")
+        days = 15.0 if given["days"] is None else given["days"]
+        if days <= 0:
+            raise SimError(f"--days must be positive, got {days}")
+        warm = 2 * model.hardware_repair_h / 24 if given["warmup_days"] is None else given["warmup_days"]
+        setup = multi_setup(mp, given["pool_size"])
+        stall = stall_preset(given["stall"] or "none")
+        if given["step_seconds"] is not None and not stall.redo_steps:
+            raise SimError("--step-seconds is what a redone step costs; only --stall live redoes one")
+        step_s = _stall_step_s(stall, given["step_seconds"], mp.jobs[0].job, mp.step_s)
+        result = _multi_runs(console, setup, days, warm, given["seed"], bool(given["find_spares"]),
+                             given["max_spares"], stall if stall.name != "none" else None, step_s)
+        _multi_tables(console, setup, result)
+        if plot is not None:
+            from ntp_manager.sim.plots import plot_multijob
+
+            try:
+                plot_multijob(result["private"], result["shared"], setup, plot,
+                              f"{mp.name}: {days:g}-day trace, seed {given['seed']}")
+            except OSError as e:
+                raise SimError(f"--plot {plot}: cannot write ({e.strerror})") from None
+            console.print(f"plot written to {plot}")
+    except (SimError, PlanError, TopologyError) as e:
+        fail(str(e))
+    if given["as_json"]:
+        sys.stdout.write(json.dumps(_multi_json(mp.name, setup, result), indent=2) + "\n")
+
+
+def _multi_runs(console: Console, setup: MultiSetup, days: float, warm: float, seed: int, find: bool,
+                max_spares: int | None, stall: StallModel | None, step_s: float) -> dict[str, Any]:
+    trace = make_trace(setup.sim, days, seed, warm)
+    out: dict[str, Any] = {"trace": trace, "days": days, "warmup_days": warm, "seed": seed, "stall": stall,
+                           "step_s": step_s}
+    with _progress(console) as prog:
+        task = prog.add_task(f"2 policies over {len(trace.events)} events", total=2 * len(trace.events))
+        for policy in ("private", "shared"):
+            out[policy] = run(setup, trace, policy, progress=lambda n: prog.advance(task, n), stall=stall,
+                              step_s=step_s)
+        if find:
+            search = prog.add_task("searching for equal effective time (replays)", total=None)
+
+            def tick(n: int) -> None:
+                prog.advance(search, n)
+
+            private: MultiResult = out["private"]
+            shared: MultiResult = out["shared"]
+            cap = 4 * setup.pool if max_spares is None else max_spares
+            goals = [r.effective for r in private.jobs]
+            cache = {setup.pool: shared}
+            out["pool_needed"] = pool_needed(setup, trace, goals, _room(setup), tick, cache=cache)
+            if any(e.preemptible for e in setup.jobs):
+                kept = [None if e.preemptible else g for e, g in zip(setup.jobs, goals, strict=True)]
+                out["pool_needed_kept"] = pool_needed(setup, trace, kept, _room(setup), tick, cache=cache)
+            out["private_needed"] = [
+                private_spares_needed(setup, trace, j, r.effective, cap, tick) for j, r in enumerate(shared.jobs)
+            ]
+            out["cap"] = cap
+    return out
+
+
+def _room(setup: MultiSetup) -> int:
+    """The largest pool the cluster holds after the jobs' home domains."""
+    return len(setup.cluster.domain_sizes) - sum(len(h) for h in setup.home)
+
+
+def _gpus_of(setup: MultiSetup, j: int) -> int:
+    return len(setup.home[j]) * setup.domain_size
+
+
+def _weighted(setup: MultiSetup, res: MultiResult) -> float:
+    total = sum(_gpus_of(setup, j) for j in range(len(setup.jobs)))
+    return sum(r.effective * _gpus_of(setup, j) for j, r in enumerate(res.jobs)) / total
+
+
+def _multi_tables(console: Console, setup: MultiSetup, result: dict[str, Any]) -> None:
+    trace = result["trace"]
+    private: MultiResult = result["private"]
+    shared: MultiResult = result["shared"]
+    size = setup.domain_size
+    console.print(
+        f"{setup.cluster.name}: {setup.n_gpus:,} GPUs in {len(setup.cluster.domain_sizes):,} domains of {size}, "
+        f"{len(setup.jobs)} jobs on {sum(len(h) for h in setup.home):,} home domains, a pool of {setup.pool} "
+        f"spare domains ({setup.pool * size:,} GPUs); {result['days']:g}-day trace (seed {result['seed']}, "
+        f"warm-up {result['warmup_days']:g} d): {trace.failures} failures, peak {trace.peak_failed()} GPUs failed",
+        highlight=False,
+    )
+    t = Table(title="effective training time per job: private spares vs the shared pool (same spare GPUs; "
+                    "spares in domains; 'all' is GPU-weighted)")
+    stall: StallModel | None = result["stall"]
+    cols = ["job", "GPUs", "scheme", "prio", "preemptible", "min thr", "reserved", "private spares", "private eff.",
+            "shared eff.", "peak extra", "grants", "preempted"]
+    if stall is not None:
+        cols += ["changes priv. / shared", "stalled priv. / shared"]
+        console.print(f"stall model {stall.name}: {stall}; healthy step {result['step_s']:.2f} s", highlight=False)
+    for col in cols:
+        t.add_column(col, justify="right")
+    for j, e in enumerate(setup.jobs):
+        p, s = private.jobs[j], shared.jobs[j]
+        row = [e.name, f"{_gpus_of(setup, j):,}", e.job.scheme.value, str(e.priority),
+               "yes" if e.preemptible else "no", f"{e.min_throughput:g}", str(s.spare_domains),
+               str(p.spare_domains), f"{100 * p.effective:.3f}%", f"{100 * s.effective:.3f}%",
+               str(s.peak_held), str(s.grants), str(s.preempted)]
+        if stall is not None:
+            row += [f"{p.changes} / {s.changes}", f"{100 * p.stalled_share:.3f}% / {100 * s.stalled_share:.3f}%"]
+        t.add_row(*row)
+    t.add_row("all", f"{sum(_gpus_of(setup, j) for j in range(len(setup.jobs))):,}", "", "", "", "",
+              str(sum(r.spare_domains for r in shared.jobs)), str(setup.pool),
+              f"{100 * _weighted(setup, private):.3f}%", f"{100 * _weighted(setup, shared):.3f}%",
+              *[""] * (len(cols) - 10))
+    console.print(t)
+    if "pool_needed" in result:
+        found = result["pool_needed"].pool
+        t2 = Table(title="spare GPUs each policy needs for equal effective time (within 0.01 points)")
+        for col in ("job", "private spares (domains)", "private spares to reach its shared time"):
+            t2.add_column(col, justify="right")
+        needed = result["private_needed"]
+        for j, e in enumerate(setup.jobs):
+            t2.add_row(e.name, str(private.jobs[j].spare_domains), "> " + str(result["cap"]) if needed[j] is None
+                       else str(needed[j]))
+        total_needed = "> max" if any(n is None for n in needed) else f"{sum(needed) * size:,} GPUs"
+        t2.add_row("private total", f"{setup.pool * size:,} GPUs", total_needed)
+        t2.add_row("shared pool: every job reaches its private time", f"{setup.pool * size:,} GPUs",
+                   _pool_text(found, setup))
+        if "pool_needed_kept" in result:
+            t2.add_row("shared pool: every job but the preemptible ones", f"{setup.pool * size:,} GPUs",
+                       _pool_text(result["pool_needed_kept"].pool, setup))
+        console.print(t2)
+
+
+def _pool_text(found: int | None, setup: MultiSetup) -> str:
+    if found is None:
+        return f"> {_room(setup)} domains (all the cluster holds)"
+    return f"{found} domains = {found * setup.domain_size:,} GPUs"
+
+
+def _multi_json(name: str, setup: MultiSetup, result: dict[str, Any]) -> dict[str, Any]:
+    trace = result["trace"]
+    out: dict[str, Any] = {
+        "mode": "multi-job", "preset": name, "days": result["days"], "warmup_days": result["warmup_days"],
+        "seed": result["seed"], "gpus": setup.n_gpus, "pool_domains": setup.pool, "domain_size": setup.domain_size,
+        "failures": trace.failures, "peak_failed_gpus": trace.peak_failed(),
+        "model": dataclasses.asdict(setup.model), "jobs": [],
+        "stall": None if result["stall"] is None else dataclasses.asdict(result["stall"]), "step_s": result["step_s"],
+    }
+    for j, e in enumerate(setup.jobs):
+        out["jobs"].append({
+            "name": e.name, "gpus": _gpus_of(setup, j), "scheme": e.job.scheme.value, "priority": e.priority,
+            "preemptible": e.preemptible, "min_throughput": e.min_throughput,
+            **{policy: dataclasses.asdict(result[policy].jobs[j]) for policy in ("private", "shared")},
+        })
+    if "pool_needed" in result:
+        out["pool_needed_domains"] = result["pool_needed"].pool
+        out["pool_tried"] = [list(x) for x in result["pool_needed"].tried]
+        out["private_spares_needed"] = result["private_needed"]
+        if "pool_needed_kept" in result:
+            out["pool_needed_domains_without_preemptible"] = result["pool_needed_kept"].pool
+        out["search_cap"] = result["cap"]
+    return out

@@ -12,6 +12,7 @@ import matplotlib.pyplot as plt
 
 from ntp_manager.planner import Scheme
 from ntp_manager.sim.engine import StaticPoint, Trace, TraceStats
+from ntp_manager.sim.multijob import MultiResult, MultiSetup
 
 COLORS = {Scheme.DP_DROP: "#d62728", Scheme.NTP: "#1f77b4", Scheme.NTP_PW: "#2ca02c"}
 
@@ -69,6 +70,31 @@ def plot_trace(trace: Trace, stats: Sequence[TraceStats], path: Path, title: str
         ax2.grid(alpha=0.3)
         ax2.legend()
     fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_multijob(private: MultiResult, shared: MultiResult, setup: MultiSetup, path: Path, title: str) -> None:
+    """Per job: effective training time with private spares and with the shared pool (bars)."""
+    names = [e.name for e in setup.jobs]
+    xs = range(len(names))
+    width = 0.38
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(names) + 2), 4.5), dpi=120)
+    priv = [100 * r.effective for r in private.jobs]
+    shar = [100 * r.effective for r in shared.jobs]
+    ax.bar([x - width / 2 for x in xs], priv, width, color="#d62728", label=f"private spares ({private.pool} split)")
+    ax.bar([x + width / 2 for x in xs], shar, width, color="#1f77b4", label=f"shared pool ({shared.pool} domains)")
+    labels = [f"{e.name}\n{len(h) * setup.domain_size:,}, p{e.priority}{'*' if e.preemptible else ''}"
+              for e, h in zip(setup.jobs, setup.home, strict=True)]
+    ax.set_xticks(list(xs), labels)
+    low = min(priv + shar)
+    ax.set_ylim(max(0.0, low - 0.25 * (100 - low) - 0.05), 100.0 + 0.05 * (100 - low) + 0.01)
+    ax.set_ylabel("effective training time (% of healthy)")
+    ax.set_xlabel("job (GPUs, priority; * preemptible)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(loc="lower left")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
