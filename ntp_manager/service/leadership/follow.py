@@ -9,7 +9,9 @@ manager sharing the store:
   with values a later row overwrites again);
 - follows the log (woken by `NOTIFY ntp_world`, polling every `fleet_poll_s`), applying each row to
   its world in order, and reads back the jobs a row names (their layouts are stored already);
-- keeps the planner's cluster snapshot built, so a takeover does not pay for it;
+- keeps the planner's cluster snapshot built and its planner process sent the cluster and the
+  running layouts, once the log has been quiet for `SETTLE_S` (not row after row of a burst), so a
+  takeover does not pay for them;
 - on taking the lease (`take_over`), applies what is left (the old leader can commit nothing once
   the lease is taken: its fence refuses) and leads on that world: no load.
 
@@ -51,6 +53,7 @@ from ntp_manager.topology import Cluster
 log = structlog.get_logger("ntp.follow")
 
 BATCH = 256  # rows read at once
+SETTLE_S = 1.0  # the planner's snapshot is rebuilt and sent once the log has been quiet this long
 INLINE = 512  # records a transaction writes below which its row is encoded on the loop (else in a thread)
 _READ = text("SELECT seq, CAST(body AS text) FROM world_log WHERE seq > :after ORDER BY seq LIMIT :lim")
 
@@ -110,6 +113,9 @@ class Follower:
         self.jobs_read = 0
         self.wake = asyncio.Event()
         self._jobs: set[str] = set()  # named by rows applied, not read back yet
+        # when the planner's snapshot is to be rebuilt and sent (0: nothing to do): a registration
+        # burst adds GPUs row after row, and a rebuild per row cost O(GPUs) each time
+        self._settle_at = 0.0
         self._task: asyncio.Task[None] | None = None
         self._lag = Gauge("ntp_world_follow_lag_rows", "world-log rows this manager has not applied yet "
                           "(0 on the leader)", registry=registry)
@@ -179,10 +185,14 @@ class Follower:
                 self.wake.clear()
                 if await self.step() == BATCH:
                     continue
+                if self._settle_at and time.monotonic() >= self._settle_at:
+                    self._settle_at = 0.0
+                    await self.prime()
             except (OSError, SQLAlchemyError) as e:
                 log.warning("cannot read the world log", error=str(e).splitlines()[0][:200])
+            wait = poll if not self._settle_at else max(0.0, min(poll, self._settle_at - time.monotonic()))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), poll)
+                await asyncio.wait_for(self.wake.wait(), wait)
 
     async def step(self) -> int:
         """Apply the next rows (up to BATCH); once caught up, read back the jobs they named and
@@ -217,14 +227,14 @@ class Follower:
         self._jobs |= done.jobs
         if len(raw) < BATCH:
             read = await self._read_jobs()
-            if (done.shape or read) and self.warm:
-                await w.cluster_async()
-                await self.prime()
+            if (done.shape or read) and self.warm:  # once the log is quiet (`_run`)
+                self._settle_at = time.monotonic() + SETTLE_S
         return len(raw)
 
     async def prime(self) -> None:
-        """The planner process gets the cluster's shape and every job's running layout now (each
-        once), so that a takeover's first replans send only the GPUs' states."""
+        """The planner's snapshot is built, and the planner process gets the cluster's shape and
+        every job's running layout now (each once), so that a takeover's first replans send only
+        the GPUs' states."""
         if self.prime_planner is None:
             return
         w = self.kernel.world
