@@ -13,6 +13,7 @@ fails the test that checks every key against both; records have slots, so a miss
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -23,6 +24,7 @@ from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner import JobSpec
 from ntp_manager.planner.layout import LayoutDoc
 from ntp_manager.service.core import offloop
+from ntp_manager.specfile import JobPolicy
 from ntp_manager.topology import Cluster, Domain, Gpu, PowerLimits
 
 HEALTH_STATES = frozenset({GpuState.HEALTHY, GpuState.SUSPECT, GpuState.DEGRADED, GpuState.FAILED})
@@ -172,11 +174,22 @@ class LayoutRec:
 
 @dataclass
 class JobRec:
+    """A job: its spec and sharing policy, the domains it owns (domain -> how it came to own it:
+    `own`, `grant` or `borrowed`; in the order its planner fills them) and its current layout.
+    A job owning no domain is pending: it waits for capacity (service/planning/ownership.py)."""
+
     name: str
     spec: JobSpec
     raw: dict[str, Any]
     pending_reason: str | None = None  # why no layout could be made yet
     layout: LayoutRec | None = None
+    policy: JobPolicy = field(default_factory=JobPolicy)
+    held: dict[str, str] = field(default_factory=dict)
+    created_at: datetime | None = None  # arrival order of pending jobs
+
+    def planned_spec(self) -> JobSpec:
+        """The spec the planner gets: the job's own spec restricted to the domains it owns, in order."""
+        return dataclasses.replace(self.spec, domains=tuple(self.held))
 
 
 @dataclass
@@ -194,6 +207,10 @@ class World:
     _building: asyncio.Future[Cluster] | None = None
     _domain_gpus: dict[str, list[str]] | None = None  # domain -> its GPUs, as of `_domain_gen`
     _domain_gen: int = -1
+
+    def owners(self) -> dict[str, str]:
+        """Domain -> the job owning it (a domain missing here is in the free pool): O(owned domains)."""
+        return {d: j.name for j in self.jobs.values() for d in j.held}
 
     def take_pos(self) -> int:
         """A position for a new GPU. One that a rolled-back transaction took is not given again."""
@@ -217,6 +234,13 @@ class World:
                 index.setdefault(g.domain, []).append(u)
             self._domain_gpus, self._domain_gen = index, self._shape_gen
         return list(self._domain_gpus.get(domain, ()))
+
+    def domain_size(self, domain: str) -> int:
+        """GPUs of a domain, from the same index as `gpus_of_domain` (without copying its list)."""
+        if self._domain_gpus is None or self._domain_gen != self._shape_gen:
+            self.gpus_of_domain(domain)
+        assert self._domain_gpus is not None
+        return len(self._domain_gpus.get(domain, ()))
 
     def invalidate(self) -> None:
         self._cluster = None
