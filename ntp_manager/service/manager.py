@@ -434,6 +434,10 @@ class Manager:
         m.after.append(lambda: self.failslow.forget(name))
         return out
 
+    def allocation(self, limit: int, offset: int) -> dict[str, Any]:
+        """Who owns which domain, the free pool, pending jobs (service/planning/ownership.py)."""
+        return self.jobs.ownership.view(limit, offset)
+
     # ---- fail-slow (service/planning/failslow.py) -------------------------------------------------------
     def failslow_view(self, job: str) -> dict[str, Any]:
         return self.failslow.view(job, self.world.jobs.get(job))

@@ -49,7 +49,7 @@ class Jobs:
         self.workers = workers
         self.epoch = epoch
         self.breaker_open = breaker_open
-        self.ownership = Ownership(kernel)
+        self.ownership = Ownership(kernel, metrics)
         self.layout_changed = asyncio.Condition()
         self.stopping = False
         self.on_layout: list[Callable[[], None]] = []  # told after a new version is in memory

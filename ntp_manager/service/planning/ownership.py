@@ -39,6 +39,7 @@ from ntp_manager.planner.layout import LayoutDoc
 from ntp_manager.service.core import offloop
 from ntp_manager.service.core.errors import Conflict, FailedPrecondition, InvalidArgument
 from ntp_manager.service.core.kernel import Kernel, Tx
+from ntp_manager.service.core.metrics import Metrics
 from ntp_manager.service.core.state import JobRec, World
 from ntp_manager.specfile import JobPolicy
 from ntp_manager.store.models import AllocationRow
@@ -102,8 +103,11 @@ class Placement:
 
 
 class Ownership:
-    def __init__(self, kernel: Kernel) -> None:
+    def __init__(self, kernel: Kernel, metrics: Metrics | None = None) -> None:
         self.kernel = kernel
+        if metrics is not None:  # computed when scraped: O(owned domains)
+            metrics.pool_gpus.set_function(lambda: float(self.pool_gpus()))
+            metrics.pending_jobs.set_function(lambda: float(len(self.pending())))
         self.replan: Callable[[str], Awaitable[Any]] | None = None  # set by the composition root
         self._placing: asyncio.Task[None] | None = None
         self._freed = False  # a commit freed domains: look at the pending jobs after it
@@ -164,6 +168,12 @@ class Ownership:
         if chosen is None:
             return None, self._refusal(name, spec, {}, free)
         return chosen, ""
+
+    def view(self, limit: int, offset: int) -> dict[str, Any]:
+        return allocation_view(self.world, self.pending(), limit, offset)
+
+    def pool_gpus(self) -> int:
+        return sum(self.world.domain_size(d) for d in self.free_domains())
 
     # ---- writing --------------------------------------------------------------------------------
     async def _own(self, tx: Tx, name: str, domains: list[str], kind: str, first_seq: int = 0) -> None:
@@ -262,6 +272,47 @@ class Ownership:
 
 
 AUDITED = 64  # domains an audit row lists one by one
+
+
+def job_view(rec: JobRec) -> dict[str, Any]:
+    """One job's share of the cluster: its policy, what it owns and its throughput beside what it asks."""
+    lay = rec.layout
+    return {"name": rec.name, "state": "placed" if rec.held else "pending", "priority": rec.policy.priority,
+            "preemptible": rec.policy.preemptible, "min_throughput": rec.policy.min_throughput,
+            "queue": rec.policy.queue, "domains": len(rec.held),
+            "granted": sum(1 for k in rec.held.values() if k != OWN),
+            "relative_throughput": lay.doc.relative_throughput if lay is not None else None,
+            "meets_min_throughput": lay is not None and lay.doc.relative_throughput >= rec.policy.min_throughput,
+            "pending_reason": rec.pending_reason if not rec.held else None,
+            "created_at": rec.created_at.isoformat() if rec.created_at else None}
+
+
+def allocation_view(world: World, pending: list[JobRec], limit: int, offset: int) -> dict[str, Any]:
+    """`GET /v1/cluster/allocation`: a page of domains (by id) with the job owning each (None: the
+    pool), how it came to own it and its GPUs by state; the pool's totals; every job's share (a page
+    of jobs by name, the same `limit` and `offset`); the pending jobs in the order they are placed.
+    O(owned domains + the page's GPUs)."""
+    owners: dict[str, tuple[str, str]] = {d: (j.name, k) for j in world.jobs.values() for d, k in j.held.items()}
+    ids = sorted(world.domains)
+    items = []
+    for d in ids[offset:offset + limit]:
+        job, kind = owners.get(d, (None, None))
+        states: dict[str, int] = {}
+        gpus = world.gpus_of_domain(d)
+        for u in gpus:
+            st = str(world.gpus[u].state)
+            states[st] = states.get(st, 0) + 1
+        items.append({"domain": d, "job": job, "kind": kind, "gpus": len(gpus), "gpus_by_state": states})
+    free = [d for d in ids if d not in owners]
+    names = sorted(world.jobs)
+    return {
+        "items": items, "total": len(ids), "limit": limit, "offset": offset,
+        "pool": {"domains": len(free), "gpus": sum(world.domain_size(d) for d in free),
+                 "first_domains": free[:NAMED_IN_MESSAGE]},
+        "owned": {"domains": len(owners), "gpus": sum(world.domain_size(d) for d in owners)},
+        "jobs": {"items": [job_view(world.jobs[n]) for n in names[offset:offset + limit]], "total": len(names)},
+        "pending": [j.name for j in pending][:limit],
+    }
 
 
 async def check_owned(doc: LayoutDoc, rec: JobRec, world: World) -> None:
