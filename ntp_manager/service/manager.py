@@ -63,6 +63,7 @@ from ntp_manager.service.planning.failslow import FailSlow
 from ntp_manager.service.planning.jobs import Jobs
 from ntp_manager.service.planning.power import Power
 from ntp_manager.service.planning.restores import RestoreReport, Restores
+from ntp_manager.service.planning.sharing import Sharing
 from ntp_manager.settings import Settings
 from ntp_manager.store import db
 
@@ -106,6 +107,7 @@ class Manager:
         self.jobs.known_checkpoint = self.checkpoints.newest_verified
         self.failslow = FailSlow(self.kernel, self.telemetry)
         self.queries = Queries(self.kernel, self.sm, self.workers, self.telemetry, self.restores)
+        self.sharing = Sharing(self.jobs)  # grants from the pool, preemption (issue 41)
         self.slurm = SlurmSync(self.kernel, settings, lambda: self.breaker.open, self._rest_address)
         self.sessions = self.agents.sessions
         self.ready = False
@@ -433,6 +435,9 @@ class Manager:
         out = await self.jobs.delete(m, name)
         m.after.append(lambda: self.failslow.forget(name))
         return out
+
+    async def set_job_policy(self, m: Tx, name: str, changes: dict[str, Any]) -> dict[str, Any]:
+        return await self.sharing.set_policy(m, name, changes)
 
     def allocation(self, limit: int, offset: int) -> dict[str, Any]:
         """Who owns which domain, the free pool, pending jobs (service/planning/ownership.py)."""

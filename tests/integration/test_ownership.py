@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import func, select
 
@@ -172,5 +173,67 @@ async def test_ntpctl_alloc_table(sqlite_service: Service, tmp_path: Path) -> No
     assert any("dom-a" in ln and " a " in ln and "own" in ln for ln in lines), out
     assert any("dom-b" in ln and "(pool)" in ln for ln in lines), out
     assert "pool: 4 GPUs in 1 free domain(s); pending: big" in out
+    for a in agents:
+        await a.close()
+
+
+async def settle(svc: Service, pred: Any, timeout: float = 10.0) -> None:
+    """`eventually`, naming every job's domains, layout and throughput when it is not met."""
+    try:
+        await eventually(pred, timeout)
+    except AssertionError:
+        w = svc.manager.world
+        state = {n: (j.held, sorted(layout_domains(svc, n)) if j.layout else None, thr(svc, n), j.pending_reason)
+                 for n, j in w.jobs.items()}
+        raise AssertionError(f"not met in time: {state}") from None
+
+
+def thr(svc: Service, job: str) -> float:
+    lay = svc.manager.world.jobs[job].layout
+    return -1.0 if lay is None else lay.doc.relative_throughput
+
+
+async def test_pool_grant_then_preemption_by_priority(service: Service) -> None:
+    """A high-priority job that falls below its min_throughput gets a free domain from the pool;
+    once the pool is empty, a preemptible lower-priority job gives up a domain (its new layout
+    without it and the allocation's move in one transaction); a non-preemptible job never does."""
+    svc, m = service, service.manager
+    agents = await start_agents(svc, ["dom-a", "dom-b", "dom-c", "dom-d", "dom-e"])
+    by_domain = {a.domain: a for a in agents}
+    async with svc.client() as c:
+        hi = dict(JOB, name="hi", priority=5, min_throughput=1.0, domains=["dom-a"], scheme="ntp")
+        assert (await c.post("/v1/jobs", json=hi)).status_code == 201
+        steady = dict(JOB, name="steady", replicas=1, domains=["dom-e"])  # not preemptible: never a victim
+        assert (await c.post("/v1/jobs", json=steady)).status_code == 201
+        lo = dict(JOB, name="lo", replicas=2, preemptible=True, domains=["dom-b", "dom-c"])
+        assert (await c.post("/v1/jobs", json=lo)).status_code == 201
+        await settle(svc, lambda: all(thr(svc, j) == 1.0 for j in ("hi", "lo", "steady")))
+        # a failure in hi: the pool (dom-d) helps it
+        await by_domain["dom-a"].report({by_domain["dom-a"].gpus[1]: "failed"})
+        await settle(svc, lambda: m.world.jobs["hi"].held.get("dom-d") == "grant" and thr(svc, "hi") == 1.0)
+        assert "dom-d" in layout_domains(svc, "hi") and m.sharing.grants == 1
+        # the granted domain's node is cordoned: the pool is empty, lo (preemptible, lower priority) gives a
+        # replica up
+        for u in by_domain["dom-d"].gpus:
+            assert (await c.post(f"/v1/gpus/{u}/cordon", json={"reason": "test"})).status_code == 200
+        await settle(svc, lambda: m.world.jobs["hi"].held.get("dom-c") == "borrowed" and thr(svc, "hi") == 1.0)
+        await settle(svc, lambda: m.world.jobs["lo"].layout is not None
+                         and len(m.world.jobs["lo"].layout.doc.replica_ids) == 1)
+        assert layout_domains(svc, "lo") == {"dom-b"} and m.world.jobs["lo"].held == {"dom-b": "own"}
+        assert m.world.jobs["steady"].held == {"dom-e": "own"} and m.sharing.preemptions == 1
+        # hi's layout no longer uses the cordoned granted domain and it meets its goal: dom-d goes back to the pool
+        await settle(svc, lambda: "dom-d" not in m.world.jobs["hi"].held)
+
+        async def stored() -> bool:
+            return await allocations(svc) == {"dom-a": "hi", "dom-b": "lo", "dom-c": "hi", "dom-e": "steady"}
+
+        await settle(svc, stored)
+        acts = [x["action"] for x in (await c.get("/v1/audit", params={"limit": 200})).json()["items"]]
+        assert {"alloc.grant", "alloc.preempt", "alloc.return"} <= set(acts)
+        # steering: a policy change is checked like the spec
+        r = await c.patch("/v1/jobs/lo", json={"priority": -2})
+        assert r.status_code == 422 and "priority" in r.text
+        r = await c.patch("/v1/jobs/lo", json={"priority": 9})
+        assert r.status_code == 200 and r.json()["priority"] == 9 and m.world.jobs["lo"].policy.priority == 9
     for a in agents:
         await a.close()

@@ -16,7 +16,7 @@ from ntp_manager.service.core import offloop
 from ntp_manager.service.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from ntp_manager.service.manager import Manager, Mut
 from ntp_manager.service.planning import layout_views as views
-from ntp_manager.specfile import JobFile
+from ntp_manager.specfile import PRIORITY_MAX, JobFile
 
 
 class PlanBody(BaseModel):
@@ -29,6 +29,16 @@ class PlanBody(BaseModel):
     limit: int = Field(views.REPLICAS_DEFAULT, ge=1, le=views.REPLICAS_MAX,
                        description="replicas of the plan listed (a page; `counts` has the totals)")
     offset: int = Field(0, ge=0, le=10_000_000, description="replicas of the plan skipped (in id order)")
+
+
+class PolicyBody(BaseModel):
+    """A job's sharing policy (docs/specs.md, "Many jobs"): the fields given change, the rest stay."""
+
+    model_config = ConfigDict(extra="forbid")
+    priority: int | None = Field(None, ge=0, le=PRIORITY_MAX, strict=True)
+    preemptible: bool | None = Field(None, strict=True)
+    min_throughput: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    queue: bool | None = Field(None, strict=True)
 
 
 class FailSlowBody(BaseModel):
@@ -164,6 +174,12 @@ def _job_writes(r: APIRouter, manager: Manager) -> None:
     async def create_job(request: Request, body: JobFile, who: Operator, key: IdemKey = None) -> Response:
         spec = body.model_dump(mode="json")
         return await mutate(manager, request, who, key, lambda m: manager.create_job(m, spec), 201)
+
+    @r.patch("/jobs/{name}", responses=E4)
+    async def set_policy(request: Request, name: str, body: PolicyBody, who: Operator, key: IdemKey = None) -> Response:
+        """Change a job's priority, preemptible, min_throughput or queue; the pool follows."""
+        changes = body.model_dump(exclude_none=True)
+        return await mutate(manager, request, who, key, lambda m: manager.set_job_policy(m, name, changes))
 
     @r.delete("/jobs/{name}", responses=E4)
     async def delete_job(request: Request, name: str, who: Operator, key: IdemKey = None) -> Response:

@@ -186,10 +186,12 @@ class JobRec:
     policy: JobPolicy = field(default_factory=JobPolicy)
     held: dict[str, str] = field(default_factory=dict)
     created_at: datetime | None = None  # arrival order of pending jobs
+    next_seq: int = 0  # the `seq` the next domain it is given gets (allocations rows keep the order)
 
-    def planned_spec(self) -> JobSpec:
-        """The spec the planner gets: the job's own spec restricted to the domains it owns, in order."""
-        return dataclasses.replace(self.spec, domains=tuple(self.held))
+    def planned_spec(self, extra_spares: int = 0) -> JobSpec:
+        """The spec the planner gets: the job's own spec restricted to the domains it owns, in
+        order, with `extra_spares` more spare groups (those of the domains granted to it)."""
+        return dataclasses.replace(self.spec, domains=tuple(self.held), spares=self.spec.spares + extra_spares)
 
 
 @dataclass

@@ -63,9 +63,11 @@ async def load_job(s: AsyncSession, name: str, w: World, now_mono: float) -> Job
 async def job_of(s: AsyncSession, j: JobRow, w: World, now_mono: float) -> JobRec:
     spec, policy = job_and_policy_from_dict(j.spec)
     job = JobRec(j.name, spec, j.spec, policy=policy, created_at=j.created_at)
-    held = await s.execute(select(AllocationRow.domain_id, AllocationRow.kind).where(AllocationRow.job == j.name)
-                           .order_by(AllocationRow.seq, AllocationRow.domain_id))
-    job.held = {d: kind for d, kind in held.all()}
+    held = (await s.execute(select(AllocationRow.domain_id, AllocationRow.kind, AllocationRow.seq)
+                            .where(AllocationRow.job == j.name).order_by(AllocationRow.seq, AllocationRow.domain_id)
+                            )).all()
+    job.held = {d: kind for d, kind, _ in held}
+    job.next_seq = max((seq for _, _, seq in held), default=-1) + 1
     if not job.held:
         job.pending_reason = "waiting for free domains (pending)"
     rows = await newest_rows(s, job.name)

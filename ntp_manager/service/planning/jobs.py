@@ -89,7 +89,8 @@ class Jobs:
         tx.touch_job(job.name)
 
         def created() -> None:
-            rec = JobRec(job.name, job, spec, policy=policy, held=placed.held, created_at=tx.now)
+            rec = JobRec(job.name, job, spec, policy=policy, held=placed.held, created_at=tx.now,
+                         next_seq=len(placed.held))
             rec.pending_reason = placed.pending or None
             self.kernel.world.jobs[job.name] = rec
             if rec.held:
@@ -165,7 +166,7 @@ class Jobs:
             return None
         t0 = time.perf_counter()
         base = job.layout
-        spec = job.planned_spec()  # only the domains it owns
+        spec = job.planned_spec(self.ownership.granted_groups(job))  # only the domains it owns
         try:
             cluster = await w.cluster_async()
             d = await self.planner.draft(cluster, spec, base, w.pos_of, reason)

@@ -26,7 +26,7 @@ touches the jobs whose holdings change (other managers reload them).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,12 +108,10 @@ class Ownership:
         if metrics is not None:  # computed when scraped: O(owned domains)
             metrics.pool_gpus.set_function(lambda: float(self.pool_gpus()))
             metrics.pending_jobs.set_function(lambda: float(len(self.pending())))
-        self.replan: Callable[[str], Awaitable[Any]] | None = None  # set by the composition root
         self._placing: asyncio.Task[None] | None = None
         self._freed = False  # a commit freed domains: look at the pending jobs after it
         self._rerun = False
-        self.grants = 0  # domains granted from the pool (tests, bench)
-        self.preemptions = 0
+        self.on_freed: list[Callable[[], None]] = []
         kernel.after_commit.append(self._react)
 
     @property
@@ -123,6 +121,11 @@ class Ownership:
     # ---- reading --------------------------------------------------------------------------------
     def groups_in(self, domain: str, tp: int) -> int:
         return self.world.domain_size(domain) // tp
+
+    def granted_groups(self, rec: JobRec) -> int:
+        """TP groups of the domains `rec` holds beyond its own (granted or borrowed): its planner
+        counts them as spares, so it can use them in place of reduced groups."""
+        return sum(self.groups_in(d, rec.spec.tp) for d, kind in rec.held.items() if kind != OWN)
 
     def free_domains(self, taken: Iterable[str] = ()) -> list[str]:
         owners = self.world.owners()
@@ -187,6 +190,27 @@ class Ownership:
                            f"manager's write won); nothing was created") from None
         tx.touch_job(name)
 
+    def next_seq(self, rec: JobRec) -> int:
+        return rec.next_seq
+
+    async def take(self, tx: Tx, rec: JobRec, domains: list[str], kind: str) -> None:
+        """Give more free `domains` to a placed job (a grant) in `tx`; memory follows on commit."""
+        first = rec.next_seq
+        await self._own(tx, rec.name, domains, kind, first)
+
+        def taken() -> None:
+            rec.next_seq = max(rec.next_seq, first + len(domains))
+
+        tx.after.append(taken)
+
+    def freed(self) -> None:
+        """Domains went back to the pool or were added (after a commit): place pending jobs, and
+        tell whoever waits for free capacity (service/planning/sharing.py)."""
+        if any(not j.held for j in self.world.jobs.values()):
+            self.place_later()
+        for fn in self.on_freed:
+            fn()
+
     async def admit(self, tx: Tx, name: str, spec: JobSpec, policy: JobPolicy) -> Placement:
         """Give a new job its domains in `tx` (its job row is already added). Conflict (409) when it
         cannot be placed and does not queue; a pending Placement when it queues."""
@@ -216,8 +240,7 @@ class Ownership:
         if not (tx.shape_changed or self._freed):
             return
         self._freed = False
-        if any(not j.held for j in self.world.jobs.values()):
-            self.place_later()
+        self.freed()
 
     def place_later(self) -> None:
         if self._placing is not None and not self._placing.done():
@@ -261,6 +284,7 @@ class Ownership:
                 def publish(rec: JobRec = rec, chosen: list[str] = chosen) -> None:
                     if self.world.jobs.get(rec.name) is rec:
                         rec.held = dict.fromkeys(chosen, OWN)
+                        rec.next_seq = len(chosen)
                         rec.pending_reason = None
                         self.kernel.dirty.add(rec.name)
                         self.kernel.wake.set()
