@@ -188,10 +188,10 @@ class JobRec:
     created_at: datetime | None = None  # arrival order of pending jobs
     next_seq: int = 0  # the `seq` the next domain it is given gets (allocations rows keep the order)
 
-    def planned_spec(self, extra_spares: int = 0) -> JobSpec:
-        """The spec the planner gets: the job's own spec restricted to the domains it owns, in
-        order, with `extra_spares` more spare groups (those of the domains granted to it)."""
-        return dataclasses.replace(self.spec, domains=tuple(self.held), spares=self.spec.spares + extra_spares)
+    def planned_spec(self, domains: Iterable[str], spares: int) -> JobSpec:
+        """The job's spec restricted to `domains` (in order) with `spares` spare groups: what its
+        planner gets (service/planning/ownership.py decides both)."""
+        return dataclasses.replace(self.spec, domains=tuple(domains), spares=spares)
 
 
 @dataclass

@@ -166,7 +166,7 @@ class Jobs:
             return None
         t0 = time.perf_counter()
         base = job.layout
-        spec = job.planned_spec(self.ownership.granted_groups(job))  # only the domains it owns
+        spec = self.ownership.planned_spec(job)  # only the domains it owns
         try:
             cluster = await w.cluster_async()
             d = await self.planner.draft(cluster, spec, base, w.pos_of, reason)

@@ -122,10 +122,14 @@ class Ownership:
     def groups_in(self, domain: str, tp: int) -> int:
         return self.world.domain_size(domain) // tp
 
-    def granted_groups(self, rec: JobRec) -> int:
-        """TP groups of the domains `rec` holds beyond its own (granted or borrowed): its planner
-        counts them as spares, so it can use them in place of reduced groups."""
-        return sum(self.groups_in(d, rec.spec.tp) for d, kind in rec.held.items() if kind != OWN)
+    def planned_spec(self, rec: JobRec, domains: Iterable[str] | None = None) -> JobSpec:
+        """The spec `rec`'s planner gets: restricted to the domains it owns (or `domains`), in order,
+        and with every TP group of them beyond its replicas' counted as a spare (it owns the whole
+        domain: a granted domain's groups, or a domain's groups past its replicas', stand in for
+        reduced groups with the planner's minimal-movement packing)."""
+        ds = list(rec.held if domains is None else domains)
+        groups = sum(self.groups_in(d, rec.spec.tp) for d in ds)
+        return rec.planned_spec(ds, max(rec.spec.spares, groups - rec.spec.primary_groups))
 
     def free_domains(self, taken: Iterable[str] = ()) -> list[str]:
         owners = self.world.owners()

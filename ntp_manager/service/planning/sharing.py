@@ -23,7 +23,6 @@ Each change is one fenced kernel transaction with its audit row (`alloc.grant`, 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import Any
 
 import structlog
@@ -167,8 +166,7 @@ class Sharing:
                 continue
             base, held = victim.layout, dict(victim.held)
             rest = {d: k for d, k in held.items() if d != domain}
-            extra = sum(self.own.groups_in(d, victim.spec.tp) for d, k in rest.items() if k != OWN)
-            spec = dataclasses.replace(victim.planned_spec(extra), domains=tuple(rest))
+            spec = self.own.planned_spec(victim, rest)
             why = f"preempted: domain {domain} given to job {rec.name!r} (priority {rec.policy.priority})"
             try:
                 draft = await self.jobs.planner.draft(await w.cluster_async(), spec, base, w.pos_of, why)
