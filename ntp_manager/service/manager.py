@@ -439,9 +439,9 @@ class Manager:
     async def set_job_policy(self, m: Tx, name: str, changes: dict[str, Any]) -> dict[str, Any]:
         return await self.sharing.set_policy(m, name, changes)
 
-    def allocation(self, limit: int, offset: int) -> dict[str, Any]:
+    async def allocation(self, limit: int, offset: int) -> dict[str, Any]:
         """Who owns which domain, the free pool, pending jobs (service/planning/ownership.py)."""
-        return self.jobs.ownership.view(limit, offset)
+        return await self.jobs.ownership.view(limit, offset)
 
     # ---- fail-slow (service/planning/failslow.py) -------------------------------------------------------
     def failslow_view(self, job: str) -> dict[str, Any]:

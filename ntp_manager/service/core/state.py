@@ -237,13 +237,6 @@ class World:
             self._domain_gpus, self._domain_gen = index, self._shape_gen
         return list(self._domain_gpus.get(domain, ()))
 
-    def domain_size(self, domain: str) -> int:
-        """GPUs of a domain, from the same index as `gpus_of_domain` (without copying its list)."""
-        if self._domain_gpus is None or self._domain_gen != self._shape_gen:
-            self.gpus_of_domain(domain)
-        assert self._domain_gpus is not None
-        return len(self._domain_gpus.get(domain, ()))
-
     def invalidate(self) -> None:
         self._cluster = None
         self._shape_gen += 1

@@ -166,9 +166,10 @@ class Jobs:
             return None
         t0 = time.perf_counter()
         base = job.layout
-        spec = self.ownership.planned_spec(job)  # only the domains it owns
         try:
             cluster = await w.cluster_async()
+            self.ownership.sized(cluster)
+            spec = self.ownership.planned_spec(job)  # only the domains it owns
             d = await self.planner.draft(cluster, spec, base, w.pos_of, reason)
             if d.restore and self.known_checkpoint is not None:  # rare: no survivor holds some unit: read
                 step = await self.known_checkpoint(name)  # the checkpoints (issue 22), plan again with the step

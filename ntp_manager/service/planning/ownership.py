@@ -43,6 +43,7 @@ from ntp_manager.service.core.metrics import Metrics
 from ntp_manager.service.core.state import JobRec, World
 from ntp_manager.specfile import JobPolicy
 from ntp_manager.store.models import AllocationRow
+from ntp_manager.topology import Cluster
 
 log = structlog.get_logger("ntp.ownership")
 
@@ -112,6 +113,8 @@ class Ownership:
         self._freed = False  # a commit freed domains: look at the pending jobs after it
         self._rerun = False
         self.on_freed: list[Callable[[], None]] = []
+        self._sizes: dict[str, int] = {}  # domain -> GPUs, from `_sized_for`
+        self._sized_for: Cluster | None = None
         kernel.after_commit.append(self._react)
 
     @property
@@ -119,8 +122,21 @@ class Ownership:
         return self.kernel.world
 
     # ---- reading --------------------------------------------------------------------------------
+    def sized(self, cluster: Cluster) -> None:
+        """Take the domains' sizes from the planner's snapshot (built off the loop: a domain index
+        built here would hold the loop for O(GPUs) after every registration)."""
+        if cluster is not self._sized_for:
+            self._sizes = dict(zip(cluster.domain_ids, cluster.domain_sizes, strict=True))
+            self._sized_for = cluster
+
+    async def refresh(self) -> None:
+        self.sized(await self.world.cluster_async())
+
+    def size(self, domain: str) -> int:
+        return self._sizes.get(domain, 0)
+
     def groups_in(self, domain: str, tp: int) -> int:
-        return self.world.domain_size(domain) // tp
+        return self.size(domain) // tp
 
     def planned_spec(self, rec: JobRec, domains: Iterable[str] | None = None) -> JobSpec:
         """The spec `rec`'s planner gets: restricted to the domains it owns (or `domains`), in order,
@@ -143,7 +159,7 @@ class Ownership:
                                            j.name))
 
     def _refusal(self, name: str, spec: JobSpec, holders: dict[str, str], free: list[str]) -> str:
-        gpus_free = sum(self.world.domain_size(d) for d in free)
+        gpus_free = sum(self.size(d) for d in free)
         asked = groups_needed(spec) * spec.tp
         if holders:
             by_job: dict[str, list[str]] = {}
@@ -176,11 +192,14 @@ class Ownership:
             return None, self._refusal(name, spec, {}, free)
         return chosen, ""
 
-    def view(self, limit: int, offset: int) -> dict[str, Any]:
-        return allocation_view(self.world, self.pending(), limit, offset)
+    async def view(self, limit: int, offset: int) -> dict[str, Any]:
+        cluster = await self.world.cluster_async()
+        self.sized(cluster)
+        return allocation_view(self.world, cluster, self.pending(), limit, offset)
 
     def pool_gpus(self) -> int:
-        return sum(self.world.domain_size(d) for d in self.free_domains())
+        """GPUs of the free domains (as of the newest snapshot: a scrape never builds one)."""
+        return sum(self.size(d) for d in self.free_domains())
 
     # ---- writing --------------------------------------------------------------------------------
     async def _own(self, tx: Tx, name: str, domains: list[str], kind: str, first_seq: int = 0) -> None:
@@ -218,6 +237,7 @@ class Ownership:
     async def admit(self, tx: Tx, name: str, spec: JobSpec, policy: JobPolicy) -> Placement:
         """Give a new job its domains in `tx` (its job row is already added). Conflict (409) when it
         cannot be placed and does not queue; a pending Placement when it queues."""
+        await self.refresh()
         chosen, why = self._place(tx, name, spec, set())
         if chosen is None:
             if not policy.queue:
@@ -269,6 +289,7 @@ class Ownership:
         placed: list[str] = []
         if not any(not j.held for j in self.world.jobs.values()):
             return placed
+        await self.refresh()
         async with self.kernel.exclusive("allocator") as tx:
             taken: set[str] = set()
             for rec in self.pending():
@@ -315,29 +336,30 @@ def job_view(rec: JobRec) -> dict[str, Any]:
             "created_at": rec.created_at.isoformat() if rec.created_at else None}
 
 
-def allocation_view(world: World, pending: list[JobRec], limit: int, offset: int) -> dict[str, Any]:
+def allocation_view(world: World, cluster: Cluster, pending: list[JobRec], limit: int,
+                    offset: int) -> dict[str, Any]:
     """`GET /v1/cluster/allocation`: a page of domains (by id) with the job owning each (None: the
     pool), how it came to own it and its GPUs by state; the pool's totals; every job's share (a page
     of jobs by name, the same `limit` and `offset`); the pending jobs in the order they are placed.
-    O(owned domains + the page's GPUs)."""
+    O(owned domains + the page's GPUs), read from the planner's snapshot `cluster`."""
     owners: dict[str, tuple[str, str]] = {d: (j.name, k) for j in world.jobs.values() for d, k in j.held.items()}
+    sizes = dict(zip(cluster.domain_ids, cluster.domain_sizes, strict=True))
     ids = sorted(world.domains)
     items = []
     for d in ids[offset:offset + limit]:
         job, kind = owners.get(d, (None, None))
         states: dict[str, int] = {}
-        gpus = world.gpus_of_domain(d)
-        for u in gpus:
-            st = str(world.gpus[u].state)
-            states[st] = states.get(st, 0) + 1
+        gpus = cluster.domain(d).gpus if d in cluster.domain_index else ()
+        for g in gpus:
+            states[str(g.state)] = states.get(str(g.state), 0) + 1
         items.append({"domain": d, "job": job, "kind": kind, "gpus": len(gpus), "gpus_by_state": states})
     free = [d for d in ids if d not in owners]
     names = sorted(world.jobs)
     return {
         "items": items, "total": len(ids), "limit": limit, "offset": offset,
-        "pool": {"domains": len(free), "gpus": sum(world.domain_size(d) for d in free),
+        "pool": {"domains": len(free), "gpus": sum(sizes.get(d, 0) for d in free),
                  "first_domains": free[:NAMED_IN_MESSAGE]},
-        "owned": {"domains": len(owners), "gpus": sum(world.domain_size(d) for d in owners)},
+        "owned": {"domains": len(owners), "gpus": sum(sizes.get(d, 0) for d in owners)},
         "jobs": {"items": [job_view(world.jobs[n]) for n in names[offset:offset + limit]], "total": len(names)},
         "pending": [j.name for j in pending][:limit],
     }

@@ -92,6 +92,7 @@ class Sharing:
     async def step(self) -> bool:
         """Return one unused grant, or help the neediest job by one domain; False when nothing to do."""
         w = self.kernel.world
+        await self.own.refresh()
         for rec in sorted(w.jobs.values(), key=order):
             lay = rec.layout
             if lay is None or below(rec):
