@@ -80,6 +80,8 @@ async def test_admission_refusal_queue_and_release(service: Service) -> None:
         alloc = (await c.get("/v1/cluster/allocation")).json()
         assert [(x["domain"], x["job"]) for x in alloc["items"]] == [("dom-a", "a"), ("dom-b", "c")]
         assert alloc["pool"]["gpus"] == 0 and alloc["pending"] == ["d", "e"]  # priority first
+        snap = (await c.get("/v1/snapshot")).json()  # the dashboard colours each domain by its job
+        assert {d["id"]: d["job"] for d in snap["domains"]} == {"dom-a": "a", "dom-b": "c"}
         metrics = (await c.get("/metrics")).text
         assert "ntp_pool_gpus 0.0" in metrics and "ntp_jobs_pending 2.0" in metrics
         # deleting a frees its domain at once; the higher-priority pending job takes it
