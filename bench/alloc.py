@@ -108,7 +108,7 @@ async def run(gpus: int, jobs: int, console: Console) -> None:
             views = []
             for _ in range(5):
                 t = time.perf_counter()
-                await m.allocation(100, 0)
+                await m.sharing.view(100, 0)
                 views.append(time.perf_counter() - t)
             await quiet(m)
             planned = sum(1 for j in m.world.jobs.values() if j.layout is not None)

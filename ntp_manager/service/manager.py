@@ -107,7 +107,7 @@ class Manager:
         self.jobs.known_checkpoint = self.checkpoints.newest_verified
         self.failslow = FailSlow(self.kernel, self.telemetry)
         self.queries = Queries(self.kernel, self.sm, self.workers, self.telemetry, self.restores)
-        self.sharing = Sharing(self.jobs)  # grants from the pool, preemption (issue 41)
+        self.sharing = Sharing(self.jobs)  # many jobs (issue 41): the pool, grants, preemption, the views
         self.slurm = SlurmSync(self.kernel, settings, lambda: self.breaker.open, self._rest_address)
         self.sessions = self.agents.sessions
         self.ready = False
@@ -435,13 +435,6 @@ class Manager:
         out = await self.jobs.delete(m, name)
         m.after.append(lambda: self.failslow.forget(name))
         return out
-
-    async def set_job_policy(self, m: Tx, name: str, changes: dict[str, Any]) -> dict[str, Any]:
-        return await self.sharing.set_policy(m, name, changes)
-
-    async def allocation(self, limit: int, offset: int) -> dict[str, Any]:
-        """Who owns which domain, the free pool, pending jobs (service/planning/ownership.py)."""
-        return await self.jobs.ownership.view(limit, offset)
 
     # ---- fail-slow (service/planning/failslow.py) -------------------------------------------------------
     def failslow_view(self, job: str) -> dict[str, Any]:

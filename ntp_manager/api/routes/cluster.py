@@ -36,7 +36,7 @@ def router(manager: Manager) -> APIRouter:
         """Which job owns which domain (a page of domains by id, with their GPUs by state), the free
         pool, each job's priority and planned throughput beside its `min_throughput` (a page of jobs
         by name), and the pending jobs in the order they will be placed."""
-        return await manager.allocation(limit, offset)
+        return await manager.sharing.view(limit, offset)
 
     @r.get("/nodes")
     async def nodes(_: Viewer, domain: Annotated[str | None, Query(max_length=128)] = None, limit: Limit = 100,

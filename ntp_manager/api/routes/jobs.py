@@ -13,7 +13,7 @@ from ntp_manager.contract import limits
 from ntp_manager.jsontext import StoredJson
 from ntp_manager.planner.layout import LayoutDoc
 from ntp_manager.service.core import offloop
-from ntp_manager.service.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from ntp_manager.service.core.errors import FailedPrecondition, InvalidArgument
 from ntp_manager.service.manager import Manager, Mut
 from ntp_manager.service.planning import layout_views as views
 from ntp_manager.specfile import PRIORITY_MAX, JobFile
@@ -179,7 +179,7 @@ def _job_writes(r: APIRouter, manager: Manager) -> None:
     async def set_policy(request: Request, name: str, body: PolicyBody, who: Operator, key: IdemKey = None) -> Response:
         """Change a job's priority, preemptible, min_throughput or queue; the pool follows."""
         changes = body.model_dump(exclude_none=True)
-        return await mutate(manager, request, who, key, lambda m: manager.set_job_policy(m, name, changes))
+        return await mutate(manager, request, who, key, lambda m: manager.sharing.set_policy(m, name, changes))
 
     @r.delete("/jobs/{name}", responses=E4)
     async def delete_job(request: Request, name: str, who: Operator, key: IdemKey = None) -> Response:
@@ -190,10 +190,7 @@ def _job_writes(r: APIRouter, manager: Manager) -> None:
         if (body.job is None) == (body.spec is None):
             raise InvalidArgument("job: give exactly one of 'job' (a name) or 'spec'")
         if body.job is not None:
-            rec = manager.world.jobs.get(body.job)
-            if rec is None:
-                raise NotFound(f"job: unknown job {body.job!r}")
-            spec = rec.spec
+            spec = manager.sharing.planned_spec(body.job)  # on the domains the job owns
         else:
             assert body.spec is not None
             spec = manager.parse_job(body.spec.model_dump(mode="json"))

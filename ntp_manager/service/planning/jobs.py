@@ -123,6 +123,13 @@ class Jobs:
         tx.after.append(deleted)
         return {"name": name, "deleted": True}
 
+    def planned_spec(self, name: str) -> JobSpec:
+        """What a job's planner gets: its spec on the domains it owns (a pending job: its own spec)."""
+        rec = self.kernel.world.jobs.get(name)
+        if rec is None:
+            raise NotFound(f"job: unknown job {name!r}")
+        return self.ownership.planned_spec(rec) if rec.held else rec.spec
+
     async def dry_run(self, spec: JobSpec, fail: list[str]) -> LayoutDoc:
         """The layout `spec` would get now, with the GPUs in `fail` failed; planned off the loop."""
         w = self.kernel.world

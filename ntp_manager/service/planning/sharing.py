@@ -28,7 +28,7 @@ from typing import Any
 import structlog
 from sqlalchemy import delete, update
 
-from ntp_manager.planner import PlanError
+from ntp_manager.planner import JobSpec, PlanError
 from ntp_manager.service.core.errors import InvalidArgument, NotFound
 from ntp_manager.service.core.kernel import Tx
 from ntp_manager.service.core.state import JobRec
@@ -211,6 +211,15 @@ class Sharing:
     def _dirty(self, name: str) -> None:
         self.kernel.dirty.add(name)
         self.kernel.wake.set()
+
+    # ---- seen and steered (the edges' calls) ---------------------------------------------------
+    async def view(self, limit: int, offset: int) -> dict[str, Any]:
+        """`GET /v1/cluster/allocation` (service/planning/ownership.py `allocation_view`)."""
+        return await self.own.view(limit, offset)
+
+    def planned_spec(self, name: str) -> JobSpec:
+        """What a job's planner gets: its spec on the domains it owns (NotFound naming it)."""
+        return self.jobs.planned_spec(name)
 
     # ---- steering -------------------------------------------------------------------------------
     async def set_policy(self, tx: Tx, name: str, changes: dict[str, Any]) -> dict[str, Any]:
