@@ -107,7 +107,7 @@ class Manager:
         self.jobs.known_checkpoint = self.checkpoints.newest_verified
         self.failslow = FailSlow(self.kernel, self.telemetry)
         self.queries = Queries(self.kernel, self.sm, self.workers, self.telemetry, self.restores)
-        self.sharing = Sharing(self.jobs)  # many jobs (issue 41): the pool, grants, preemption, the views
+        self.sharing = Sharing(self.jobs, lambda: self.acting)  # many jobs (issue 41): pool, grants, views
         self.slurm = SlurmSync(self.kernel, settings, lambda: self.breaker.open, self._rest_address)
         self.sessions = self.agents.sessions
         self.ready = False

@@ -23,6 +23,7 @@ Each change is one fenced kernel transaction with its audit row (`alloc.grant`, 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -53,8 +54,9 @@ def order(rec: JobRec) -> tuple[int, float, str]:
 
 
 class Sharing:
-    def __init__(self, jobs: Jobs) -> None:
+    def __init__(self, jobs: Jobs, leading: Callable[[], bool] = lambda: True) -> None:
         self.jobs = jobs
+        self.leading = leading  # only the leader grants (a standby that follows it sees new layouts too)
         self.own = jobs.ownership
         self.kernel = jobs.kernel
         self.grants = 0
@@ -71,6 +73,8 @@ class Sharing:
     # ---- when -----------------------------------------------------------------------------------
     def later(self) -> None:
         """Look at the jobs soon (once at a time; again if asked meanwhile)."""
+        if not self.leading():
+            return
         if self._task is not None and not self._task.done():
             self._rerun = True
             return
