@@ -20,7 +20,7 @@ from ntp_manager.service.leadership.loading import load_world
 from ntp_manager.service.planning.ownership import Ownership
 from ntp_manager.specfile import job_and_policy_from_dict
 from ntp_manager.store import db
-from ntp_manager.store.models import AllocationRow, JobRow
+from ntp_manager.store.models import AllocationRow, JobRow, LayoutRow
 from tests.fakes.agent_client import ScriptedAgent, gpu_uuids
 from tests.integration.conftest import Service, eventually
 from tests.integration.test_ntpctl import ctl
@@ -237,5 +237,44 @@ async def test_pool_grant_then_preemption_by_priority(service: Service) -> None:
         assert r.status_code == 422 and "priority" in r.text
         r = await c.patch("/v1/jobs/lo", json={"priority": 9})
         assert r.status_code == 200 and r.json()["priority"] == 9 and m.world.jobs["lo"].policy.priority == 9
+    for a in agents:
+        await a.close()
+
+
+async def test_a_preemption_that_fails_mid_transaction_changes_nothing(service: Service) -> None:
+    """The victim's new layout and the allocation's move are one transaction: when it fails before
+    its commit (as a manager killed mid-grant), neither the store nor the memory holds half of it;
+    the next pass makes the whole move."""
+    svc, m = service, service.manager
+    agents = await start_agents(svc, ["dom-a", "dom-b", "dom-c"])
+    by_domain = {a.domain: a for a in agents}
+    broken = True
+    crashed: list[str] = []
+
+    async def crash(tx: Any) -> None:
+        if broken and any(a["action"] == "alloc.preempt" for a in tx._audits):
+            crashed.append(tx.actor)
+            raise RuntimeError("the manager dies here")
+
+    m.kernel.before_commit.append(crash)
+    async with svc.client() as c:
+        hi = dict(JOB, name="hi", priority=5, min_throughput=1.0, domains=["dom-a"], scheme="ntp")
+        lo = dict(JOB, name="lo", replicas=2, preemptible=True, domains=["dom-b", "dom-c"])
+        for spec in (hi, lo):
+            assert (await c.post("/v1/jobs", json=spec)).status_code == 201
+        await settle(svc, lambda: thr(svc, "hi") == 1.0 and thr(svc, "lo") == 1.0)
+        lo_version = m.world.jobs["lo"].layout.version  # type: ignore[union-attr]
+        await by_domain["dom-a"].report({by_domain["dom-a"].gpus[1]: "failed"})
+        await settle(svc, lambda: thr(svc, "hi") < 1.0)
+        await settle(svc, lambda: bool(crashed))  # the sharing pass tried, and its transaction failed
+        assert m.world.jobs["lo"].held == {"dom-b": "own", "dom-c": "own"} and "dom-c" not in m.world.jobs["hi"].held
+        assert m.world.jobs["lo"].layout.version == lo_version  # type: ignore[union-attr]
+        assert await allocations(svc) == {"dom-a": "hi", "dom-b": "lo", "dom-c": "lo"}
+        async with m.sm() as s:
+            assert await s.scalar(select(func.max(LayoutRow.version)).where(LayoutRow.job == "lo")) == lo_version
+        broken = False
+        m.sharing.later()
+        await settle(svc, lambda: m.world.jobs["hi"].held.get("dom-c") == "borrowed" and thr(svc, "hi") == 1.0)
+        assert await allocations(svc) == {"dom-a": "hi", "dom-b": "lo", "dom-c": "hi"}
     for a in agents:
         await a.close()
