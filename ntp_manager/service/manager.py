@@ -13,6 +13,7 @@ dirty set):
     agents.py       agent sessions, hellos, reports
     operators.py    cordon, drain, mark-healthy           maintenance.py  windows and drain deadlines
     jobs.py         jobs, replanning, layout watchers     liveness.py     silence -> suspect -> failed
+    ownership.py    who owns each domain, admission       sharing.py      the pool: grants, preemption
     failslow.py     fail-slow detectors, their verdicts   telemetry.py    agents' GPU counters
     power.py        desired caps and sending them         breaker.py      the circuit breaker
     gauges.py       Prometheus gauges of the world        worker_reports.py  acks and step reports
