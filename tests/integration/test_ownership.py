@@ -278,3 +278,33 @@ async def test_a_preemption_that_fails_mid_transaction_changes_nothing(service: 
         assert await allocations(svc) == {"dom-a": "hi", "dom-b": "lo", "dom-c": "hi"}
     for a in agents:
         await a.close()
+
+
+async def test_jobs_from_before_ownership_adopt_the_domains_they_run_on(db_url: str, tmp_path: Path) -> None:
+    """An upgraded store has jobs and layouts but no allocation rows: the new leader gives each such
+    job the domains its layout runs on (no replan, no move), and a new job cannot take them."""
+    from sqlalchemy import delete
+
+    from tests.integration.conftest import running_service
+
+    async with running_service(db_url, tmp_path) as svc:
+        agents = await start_agents(svc, ["dom-a", "dom-b", "dom-c"])
+        async with svc.client() as c:
+            assert (await c.post("/v1/jobs", json=dict(JOB, name="old"))).status_code == 201
+        await eventually(lambda: svc.manager.world.jobs["old"].layout is not None)
+        version = svc.manager.world.jobs["old"].layout.version  # type: ignore[union-attr]
+        ran_on = layout_domains(svc, "old")
+        async with svc.manager.sm() as s, s.begin():
+            await s.execute(delete(AllocationRow))  # as a store from before 0011 holds it
+        for a in agents:
+            await a.close()
+    async with running_service(db_url, tmp_path) as svc:
+        agents = await start_agents(svc, ["dom-a", "dom-b", "dom-c"])
+        await eventually(lambda: set(svc.manager.world.jobs["old"].held) == ran_on)
+        assert svc.manager.world.jobs["old"].layout.version == version  # type: ignore[union-attr]
+        assert set((await allocations(svc)).keys()) == ran_on
+        async with svc.client() as c:
+            r = await c.post("/v1/jobs", json=dict(JOB, name="new", domains=sorted(ran_on)))
+            assert r.status_code == 409 and "job 'old' owns" in r.json()["detail"]
+        for a in agents:
+            await a.close()

@@ -148,6 +148,7 @@ class Jobs:
     # ---- replanning ---------------------------------------------------------------------------
     async def control_loop(self) -> None:
         k = self.kernel
+        self.ownership.freed()  # jobs the store holds pending (or from before ownership): place them
         while not self.stopping:
             await k.wake.wait()
             k.wake.clear()

@@ -173,11 +173,18 @@ class Ownership:
         return (f"{what}; the pool has {gpus_free:,} free GPUs in {len(free)} domain(s) "
                 f"{free[:NAMED_IN_MESSAGE]}; give `queue: true` to wait for capacity")
 
-    def _place(self, tx: Tx, name: str, spec: JobSpec, taken: set[str]) -> tuple[list[str] | None, str]:
+    def _place(self, tx: Tx, name: str, spec: JobSpec, taken: set[str],
+               running: LayoutDoc | None = None) -> tuple[list[str] | None, str]:
         """The domains `spec` would own now (None: it cannot be placed, with why). InvalidArgument
-        for a domain the cluster does not have."""
+        for a domain the cluster does not have. A job that has a layout but owns nothing (one
+        created before ownership existed: its store had no allocation rows) adopts the domains its
+        layout runs on when they are all free, so an upgrade moves no running job."""
         owners = self.world.owners()
         free = [d for d in self.free_domains(taken) if d in self.world.domains]
+        if running is not None and not spec.domains:
+            adopt = list(dict.fromkeys(running.group_domains))
+            if adopt and all(d in free for d in adopt):
+                return adopt, ""
         if spec.domains:
             for d in spec.domains:
                 if not tx.has_domain(d):
@@ -294,7 +301,8 @@ class Ownership:
             taken: set[str] = set()
             for rec in self.pending():
                 try:
-                    chosen, why = self._place(tx, rec.name, rec.spec, taken)
+                    chosen, why = self._place(tx, rec.name, rec.spec, taken,
+                                              rec.layout.doc if rec.layout is not None else None)
                 except InvalidArgument as e:  # a named domain not registered yet
                     chosen, why = None, e.message
                 if chosen is None:
