@@ -220,9 +220,6 @@ class Ownership:
                            f"manager's write won); nothing was created") from None
         tx.touch_job(name)
 
-    def next_seq(self, rec: JobRec) -> int:
-        return rec.next_seq
-
     async def take(self, tx: Tx, rec: JobRec, domains: list[str], kind: str) -> None:
         """Give more free `domains` to a placed job (a grant) in `tx`; memory follows on commit."""
         first = rec.next_seq
