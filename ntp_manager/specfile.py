@@ -30,17 +30,31 @@ job.yaml
     balance: layer                                    # or stage: units rotate over a stage's layers
     parameters: 480000000000                          # optional model size (or stage_bytes: [...])
     checkpoint: {dir: /shared/ckpt/demo, interval_steps: 500, keep_last: 3, keep_every: 5000}   # optional
+    priority: 0                                       # the manager's sharing policy (JobPolicy)
+    preemptible: false
+    min_throughput: 0.0
+    queue: false
 
 Errors come out as `SpecError` with one readable line (file, field, problem).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+    model_validator,
+)
 
 from ntp_manager.contract import limits
 from ntp_manager.contract.gpu import GpuState
@@ -71,6 +85,7 @@ Count = Annotated[StrictInt, Field(ge=1, le=limits.JOB_GPUS_MAX)]
 DomainId = Annotated[
     str, Field(min_length=1, max_length=limits.DOMAIN_MAX, pattern=limits.IDENT_PATTERN),
 ]
+PRIORITY_MAX = 1_000_000  # a job's highest priority
 JobName = Annotated[
     str, Field(min_length=1, max_length=limits.JOB_NAME_MAX, pattern=limits.JOB_NAME_PATTERN),
 ]
@@ -213,6 +228,11 @@ class JobFile(_Strict):
     parameters: Annotated[StrictInt, Field(ge=0, le=2**62)] = 0  # model size estimate when stage_bytes is not given
     bytes_per_parameter: Finite = Field(default=16.0, gt=0, le=1024)
     checkpoint: CheckpointFile | None = None
+    # how the manager shares the cluster between jobs (docs/specs.md, "Many jobs"); not the planner's
+    priority: Annotated[StrictInt, Field(ge=0, le=PRIORITY_MAX)] = 0
+    preemptible: StrictBool = False
+    min_throughput: Finite = Field(default=0.0, ge=0.0, le=1.0)
+    queue: StrictBool = False
 
     @model_validator(mode="after")
     def _bounded(self) -> JobFile:
@@ -239,6 +259,22 @@ class JobFile(_Strict):
         )
         job.validate()
         return job
+
+    def policy(self) -> JobPolicy:
+        return JobPolicy(self.priority, self.preemptible, self.min_throughput, self.queue)
+
+
+@dataclass(frozen=True)
+class JobPolicy:
+    """What a job asks of the cluster beside its layout: its `priority` (higher first for free
+    capacity and pending placement), whether a higher-priority job may take a replica of it
+    (`preemptible`), the planned throughput below which the manager grants it free domains
+    (`min_throughput`, 0: never) and whether it waits for capacity (`queue`) instead of being refused."""
+
+    priority: int = 0
+    preemptible: bool = False
+    min_throughput: float = 0.0
+    queue: bool = False
 
 
 def _read_yaml(path: Path) -> Any:
@@ -280,6 +316,17 @@ def cluster_from_dict(data: dict[str, Any], source: str = "cluster") -> Cluster:
 def job_from_dict(data: dict[str, Any], source: str = "job") -> JobSpec:
     try:
         return JobFile.model_validate(data.get("job", data)).to_job()
+    except ValidationError as e:
+        raise SpecError(_fmt_validation(source, e)) from None
+    except PlanError as e:
+        raise SpecError(f"{source}: {e}") from None
+
+
+def job_and_policy_from_dict(data: dict[str, Any], source: str = "job") -> tuple[JobSpec, JobPolicy]:
+    """The planner's spec and the manager's policy of one job spec (SpecError naming the field)."""
+    try:
+        f = JobFile.model_validate(data.get("job", data))
+        return f.to_job(), f.policy()
     except ValidationError as e:
         raise SpecError(_fmt_validation(source, e)) from None
     except PlanError as e:

@@ -85,16 +85,19 @@ async def _job_parts(manager: Manager) -> tuple[list[dict[str, Any]], list[dict[
     return jobs, boosts
 
 
-def _domains(nodes: list[Any], gpus: Any, boosts: list[dict[str, float]]) -> tuple[list[dict[str, Any]], int]:
-    """The first MAX_DOMAINS domains with their GPUs, and how many domains there are. O(nodes +
-    the GPUs shown): run it in a worker thread (`nodes` is a copy; `gpus` is only read)."""
+def _domains(nodes: list[Any], gpus: Any, boosts: list[dict[str, float]],
+             owners: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], int]:
+    """The first MAX_DOMAINS domains with their GPUs and the job owning each (None: the free pool),
+    and how many domains there are. O(nodes + the GPUs shown): run it in a worker thread (`nodes`
+    is a copy; `gpus` is only read)."""
+    owners = owners or {}
     nodes_of: dict[str, list[Any]] = {}
     for n in nodes:  # nodes, not GPUs: a tenth of the work
         nodes_of.setdefault(n.domain, []).append(n)
     domains = []
     for did in sorted(nodes_of)[:MAX_DOMAINS]:
         gs = sorted((gpus[u] for n in nodes_of[did] for u in n.gpus), key=lambda g: (g.node, g.idx))
-        domains.append({"id": did, "gpus": [
+        domains.append({"id": did, "job": owners.get(did), "gpus": [
             {"uuid": g.uuid, "node": g.node, "idx": g.idx, "state": g.state, "reason": g.health_reason,
              "power_ratio": next((b[g.uuid] for b in boosts if g.uuid in b), None),
              "desired_w": (g.desired_mw or 0) // 1000, "enforced_w": (g.enforced_mw or 0) // 1000,
@@ -110,7 +113,7 @@ async def dashboard_snapshot(manager: Manager) -> dict[str, Any]:
     jobs, boosts = await _job_parts(manager)
     # fail-slow (issue 21): changes every step, so not cached with the layout part
     jobs = [{**j, "slow": manager.failslow_dashboard(j["name"], MAX_SLOW_RANKS)} for j in jobs]
-    domains, domains_total = await offloop.run(_domains, list(w.nodes.values()), w.gpus, boosts)
+    domains, domains_total = await offloop.run(_domains, list(w.nodes.values()), w.gpus, boosts, w.owners())
     events = [{"at": e["at"], "gpu": e["gpu"], "node": e["node"], "old": e["old_state"], "new": e["new_state"],
                "source": e["source"], "reasons": list(e["reasons"] or [])[:2]}
               for e in await manager.queries.recent_events(15)]

@@ -278,6 +278,30 @@ def jobs(c: typer.Context, as_json: JsonOpt = False) -> None:
     emit(c, d, as_json, table("jobs", ["job", "layout", "replicas", "global batch", "pending"], rows))
 
 
+@app.command()
+def alloc(c: typer.Context, limit: Annotated[int, typer.Option(min=1, max=1000, help="domains listed")] = 100,
+          offset: Annotated[int, typer.Option(min=0, help="domains skipped (in id order)")] = 0,
+          as_json: JsonOpt = False) -> None:
+    """Who owns the cluster: each domain's job (or the free pool), then each job's priority,
+    throughput beside its min_throughput, and the pending jobs."""
+    d = ctx_of(c).call("GET", "/v1/cluster/allocation", params={"limit": limit, "offset": offset})
+    if as_json or ctx_of(c).as_json:
+        emit(c, d, True)
+        return
+    rows = [[x["domain"], x["job"] or "(pool)", x["kind"] or "", x["gpus"],
+             ", ".join(f"{k} {v}" for k, v in sorted(x["gpus_by_state"].items()))] for x in d["items"]]
+    out.print(table(f"domains {d['offset'] + 1}-{d['offset'] + len(d['items'])} of {d['total']}",
+                        ["domain", "job", "kind", "GPUs", "states"], rows))
+    jobs_rows = [[j["name"], j["state"], j["priority"], "yes" if j["preemptible"] else "", j["domains"],
+                  "" if j["relative_throughput"] is None else f"{j['relative_throughput']:.3f}",
+                  f"{j['min_throughput']:.3f}", j["pending_reason"] or ""] for j in d["jobs"]["items"]]
+    out.print(table("jobs", ["job", "state", "priority", "preemptible", "domains", "throughput", "asks",
+                             "pending"], jobs_rows))
+    pool = d["pool"]
+    out.print(f"pool: {pool['gpus']} GPUs in {pool['domains']} free domain(s); pending: "
+              f"{', '.join(d['pending']) or 'none'}", highlight=False)
+
+
 ReplicaLimit = Annotated[int, typer.Option(min=1, max=1000, help="replicas listed (a page)")]
 ReplicaOffset = Annotated[int, typer.Option(min=0, help="replicas skipped (in id order)")]
 
@@ -489,7 +513,9 @@ def submit(c: typer.Context, spec: Annotated[Path, typer.Argument(help="job spec
     if not isinstance(body, dict):
         fail(f"{spec}: expected a mapping with a `job:` section", 2)
     d = ctx_of(c).call("POST", "/v1/jobs", json=body)
-    emit(c, d, as_json, text=f"job {d.get('name', body.get('name'))} created")
+    where = (f"pending ({d.get('pending_reason', '')})" if d.get("state") == "pending"
+             else f"on {d.get('domain_count', 0)} domain(s): {', '.join(d.get('domains', []))}")
+    emit(c, d, as_json, text=f"job {d.get('name', body.get('name'))} created, {where}")
 
 
 @app.command("delete-job")

@@ -14,6 +14,7 @@ dirty set):
     agents.py       agent sessions, hellos, reports
     operators.py    cordon, drain, mark-healthy           maintenance.py  windows and drain deadlines
     jobs.py         jobs, replanning, layout watchers     liveness.py     silence -> suspect -> failed
+    ownership.py    who owns each domain, admission       sharing.py      the pool: grants, preemption
     failslow.py     fail-slow detectors, their verdicts   telemetry.py    agents' GPU counters
     power.py        desired caps and sending them         breaker.py      the circuit breaker
     gauges.py       Prometheus gauges of the world        worker_reports.py  acks and step reports
@@ -64,6 +65,7 @@ from ntp_manager.service.planning.failslow import FailSlow
 from ntp_manager.service.planning.jobs import Jobs
 from ntp_manager.service.planning.power import Power
 from ntp_manager.service.planning.restores import RestoreReport, Restores
+from ntp_manager.service.planning.sharing import Sharing
 from ntp_manager.settings import Settings
 from ntp_manager.store import db
 
@@ -107,6 +109,7 @@ class Manager:
         self.jobs.known_checkpoint = self.checkpoints.newest_verified
         self.failslow = FailSlow(self.kernel, self.telemetry)
         self.queries = Queries(self.kernel, self.sm, self.workers, self.telemetry, self.restores)
+        self.sharing = Sharing(self.jobs, lambda: self.acting)  # many jobs (issue 41): pool, grants, views
         self.slurm = SlurmSync(self.kernel, settings, lambda: self.breaker.open, self._rest_address)
         self.sessions = self.agents.sessions
         self.ready = False

@@ -304,3 +304,17 @@ class WorldLogRow(Base):
     epoch: Mapped[int] = mapped_column(BigInteger)
     body: Mapped[dict[str, Any]] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class AllocationRow(Base):
+    """Which job owns a scale-up domain: at most one, by the primary key, whatever managers race
+    (service/planning/ownership.py). `kind`: `own` (admitted with the job), `grant` (given from
+    the pool when the job's throughput fell below its `min_throughput`) or `borrowed` (taken from a
+    preemptible job). `seq` orders a job's domains (the order the planner fills them in)."""
+
+    __tablename__ = "allocations"
+    domain_id: Mapped[str] = mapped_column(ForeignKey("domains.id"), primary_key=True)
+    job: Mapped[str] = mapped_column(ForeignKey("jobs.name"), index=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    seq: Mapped[int] = mapped_column(Integer)
+    at: Mapped[datetime] = mapped_column(UtcDateTime)

@@ -144,7 +144,8 @@ async def test_the_manager_lists_checkpoints_and_a_layout_that_loses_a_unit_carr
            "checkpoint": {"dir": str(root), "interval_steps": 2}}
     async with svc.client() as c:
         assert (await c.post("/v1/jobs", json=job)).status_code == 201
-        assert (await c.post("/v1/jobs", json=JOB)).status_code == 201  # no checkpoint block
+        # no checkpoint block; one replica: each job owns one of the two domains
+        assert (await c.post("/v1/jobs", json=dict(JOB, replicas=1))).status_code == 201
     await eventually(lambda: svc.manager.world.jobs["ck"].layout is not None)
     first = svc.manager.world.jobs["ck"].layout
     assert first.doc.restore_step is None

@@ -39,6 +39,9 @@ async def test_dashboard_shows_a_failure_live(sqlite_service: Service, tmp_path:
             # each replica drawn as its stages, each a TP group with one square per rank
             await expect(page.locator(".stage")).to_have_count(2)
             await expect(page.locator(".stage .rank")).to_have_count(8)
+            # issue 41: each domain names and is coloured by the job owning it
+            await expect(page.locator('.domain[data-job="llm"]')).to_have_count(2)
+            await expect(page.locator('.domain[data-job="llm"] .owner').first).to_have_text("llm")
             await page.evaluate("window.__notReloaded = true")
 
             victim = a.statics[3].uuid

@@ -217,6 +217,12 @@ async def test_started_together_one_leads_and_when_it_is_killed_the_other_takes_
                 assert status["leader_epoch"] == took["epoch"] and status["breaker"]["open"] is False
                 failed = await get(b.http, op, "/v1/gpus?state=failed")
                 assert {g["uuid"] for g in failed["items"]} == {g.uuid for g in agents[1].statics}
+                # issue 41: the new leader loaded who owns what; a second job over llm's domains is refused
+                alloc = await get(b.http, op, "/v1/cluster/allocation")
+                assert {d["job"] for d in alloc["items"]} == {"llm"} and alloc["pool"]["domains"] == 0
+                async with httpx.AsyncClient(base_url=b.http, headers={"Authorization": f"Bearer {op}"}) as h:
+                    r = await h.post("/v1/jobs", json=dict(JOB, name="other", replicas=1))
+                    assert r.status_code == 409 and "0 free GPUs" in r.json()["detail"], r.text
             finally:
                 await asyncio.to_thread(source.close)
             await check_reports(c["pg"], agents[1])

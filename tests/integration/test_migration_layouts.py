@@ -78,7 +78,7 @@ async def test_0004_converts_layouts_to_compact_keyframes_and_back(db_url: str) 
         await db.upgrade(engine, "0003")
         await seed_0003(engine, uuids, plans, lost)
         await db.upgrade(engine)
-        assert await db.current_revision(engine) == "0010"  # head: 0004, 0006, 0005, 0007, 0008, 0009, 0010
+        assert await db.current_revision(engine) == "0011"  # head: 0004, 0006, 0005, 0007, 0008, 0009, 0010, 0011
 
         async with sm() as s:
             pos = {g.uuid: g.pos for g in (await s.scalars(sa.select(GpuRow))).all()}

@@ -328,21 +328,22 @@ async def test_dry_run_changes_nothing_but_the_audit_log(service: Service):
 
 
 async def test_idempotency_keys(service: Service):
+    job = dict(JOB, queue=True)  # no agent registered: the jobs wait for capacity (pending)
     async with service.client() as c:
         h = {"Idempotency-Key": "create-llm-1"}
-        r1 = await c.post("/v1/jobs", json=JOB, headers=h)
-        r2 = await c.post("/v1/jobs", json=JOB, headers=h)
+        r1 = await c.post("/v1/jobs", json=job, headers=h)
+        r2 = await c.post("/v1/jobs", json=job, headers=h)
         assert r1.status_code == r2.status_code == 201 and r1.json() == r2.json()
         assert r2.headers.get("Idempotent-Replay") == "true"
-        r3 = await c.post("/v1/jobs", json=dict(JOB, replicas=3), headers=h)
+        r3 = await c.post("/v1/jobs", json=dict(job, replicas=3), headers=h)
         assert r3.status_code == 409 and "different request" in r3.json()["detail"]
-        assert (await c.post("/v1/jobs", json=JOB)).status_code == 409  # no key: plain conflict
+        assert (await c.post("/v1/jobs", json=job)).status_code == 409  # no key: plain conflict
         creates = (await c.get("/v1/audit", params={"action": "job.create"})).json()["items"]
         assert len(creates) == 1
         # a failed request stores nothing under its key
         h2 = {"Idempotency-Key": "bad-1"}
         assert (await c.delete("/v1/jobs/nope", headers=h2)).status_code == 404
-        assert (await c.post("/v1/jobs", json=dict(JOB, name="other"), headers={"Idempotency-Key": "bad-1"})
+        assert (await c.post("/v1/jobs", json=dict(job, name="other"), headers={"Idempotency-Key": "bad-1"})
                 ).status_code == 201
 
 

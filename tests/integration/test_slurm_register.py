@@ -50,3 +50,26 @@ async def test_the_manager_checks_the_spec_fields_and_a_good_spec_registers(
             r = await c.get("/v1/jobs/j-7")
             assert r.status_code == 200 and r.json()["spec"]["domains"] == ["nvl-0"], r.json()
         assert said[-1] == "job j-7: registered over nvl-0"
+
+
+async def test_a_registration_over_another_jobs_domain_is_refused_naming_it(
+        sqlite_service: Service, tmp_path: Path) -> None:
+    """Issue 41: Slurm gave this allocation a node whose domain another job owns (a job from
+    elsewhere, or a stale one): the registration is refused with the owner's name, and nothing is
+    created."""
+    svc = sqlite_service
+    a = make_agent(svc.grpc, await svc.agent_token("sn1"), "sn1", "nvl-0", [])
+    async with running(a):
+        await eventually(lambda: a.registered.is_set())
+        async with svc.client() as c:
+            other = {"name": "other", "tp": 2, "replicas": 1, "local_batch": 4, "heads": 6, "mlp_columns": 96,
+                     "domains": ["nvl-0"]}
+            assert (await c.post("/v1/jobs", json=other)).status_code == 201
+        spec_file = tmp_path / "job.yaml"
+        spec_file.write_text(GOOD)
+        run = SlurmRun(read_step(STEP), "j-7", spec=load_spec(str(spec_file), "j-7"), http=svc.http,
+                       token=svc.tokens["operator"])
+        with pytest.raises(SlurmEnvError, match=r"refused job j-7 \(409\).*job 'other' owns \['nvl-0'\]"):
+            await asyncio.to_thread(run.register, lambda _: None)
+        async with svc.client() as c:
+            assert (await c.get("/v1/jobs/j-7")).status_code == 404

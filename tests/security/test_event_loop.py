@@ -74,7 +74,8 @@ async def test_largest_spec_and_hello_keep_healthz_answering(sqlite_service: Ser
         r = await c.post("/v1/plans", json={"spec": largest_spec(max_gpus)})
         assert r.status_code == 200, r.text
         assert r.json()["counts"]["replicas"] == 4 * limits.GPUS_PER_NODE_MAX
-        assert (await c.post("/v1/jobs", json=largest_spec(max_gpus))).status_code == 201
+        # a job owns whole domains: the largest one the cluster can hold asks for every GPU registered
+        assert (await c.post("/v1/jobs", json=largest_spec(4 * limits.GPUS_PER_NODE_MAX))).status_code == 201
         await eventually(lambda: svc.manager.world.jobs["huge"].layout is not None, timeout=60)
         # one more GPU than the cluster may hold, and a billion replicas: refused at once
         r = await c.post("/v1/plans", json={"spec": largest_spec(max_gpus + 1)})

@@ -31,6 +31,13 @@ def router(manager: Manager) -> APIRouter:
     async def domains(_: Viewer, limit: Limit = 100, offset: Offset = 0) -> dict[str, Any]:
         return await q.domains(limit, offset)
 
+    @r.get("/cluster/allocation")
+    async def allocation(_: Viewer, limit: Limit = 100, offset: Offset = 0) -> dict[str, Any]:
+        """Which job owns which domain (a page of domains by id, with their GPUs by state), the free
+        pool, each job's priority and planned throughput beside its `min_throughput` (a page of jobs
+        by name), and the pending jobs in the order they will be placed."""
+        return await manager.sharing.view(limit, offset)
+
     @r.get("/nodes")
     async def nodes(_: Viewer, domain: Annotated[str | None, Query(max_length=128)] = None, limit: Limit = 100,
                     offset: Offset = 0) -> dict[str, Any]:

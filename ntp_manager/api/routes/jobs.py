@@ -13,10 +13,10 @@ from ntp_manager.contract import limits
 from ntp_manager.jsontext import StoredJson
 from ntp_manager.planner.layout import LayoutDoc
 from ntp_manager.service.core import offloop
-from ntp_manager.service.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from ntp_manager.service.core.errors import FailedPrecondition, InvalidArgument
 from ntp_manager.service.manager import Manager, Mut
 from ntp_manager.service.planning import layout_views as views
-from ntp_manager.specfile import JobFile
+from ntp_manager.specfile import PRIORITY_MAX, JobFile
 
 
 class PlanBody(BaseModel):
@@ -29,6 +29,16 @@ class PlanBody(BaseModel):
     limit: int = Field(views.REPLICAS_DEFAULT, ge=1, le=views.REPLICAS_MAX,
                        description="replicas of the plan listed (a page; `counts` has the totals)")
     offset: int = Field(0, ge=0, le=10_000_000, description="replicas of the plan skipped (in id order)")
+
+
+class PolicyBody(BaseModel):
+    """A job's sharing policy (docs/specs.md, "Many jobs"): the fields given change, the rest stay."""
+
+    model_config = ConfigDict(extra="forbid")
+    priority: int | None = Field(None, ge=0, le=PRIORITY_MAX, strict=True)
+    preemptible: bool | None = Field(None, strict=True)
+    min_throughput: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    queue: bool | None = Field(None, strict=True)
 
 
 class FailSlowBody(BaseModel):
@@ -165,6 +175,12 @@ def _job_writes(r: APIRouter, manager: Manager) -> None:
         spec = body.model_dump(mode="json")
         return await mutate(manager, request, who, key, lambda m: manager.create_job(m, spec), 201)
 
+    @r.patch("/jobs/{name}", responses=E4)
+    async def set_policy(request: Request, name: str, body: PolicyBody, who: Operator, key: IdemKey = None) -> Response:
+        """Change a job's priority, preemptible, min_throughput or queue; the pool follows."""
+        changes = body.model_dump(exclude_none=True)
+        return await mutate(manager, request, who, key, lambda m: manager.sharing.set_policy(m, name, changes))
+
     @r.delete("/jobs/{name}", responses=E4)
     async def delete_job(request: Request, name: str, who: Operator, key: IdemKey = None) -> Response:
         return await mutate(manager, request, who, key, lambda m: manager.delete_job(m, name))
@@ -174,10 +190,7 @@ def _job_writes(r: APIRouter, manager: Manager) -> None:
         if (body.job is None) == (body.spec is None):
             raise InvalidArgument("job: give exactly one of 'job' (a name) or 'spec'")
         if body.job is not None:
-            rec = manager.world.jobs.get(body.job)
-            if rec is None:
-                raise NotFound(f"job: unknown job {body.job!r}")
-            spec = rec.spec
+            spec = manager.sharing.planned_spec(body.job)  # on the domains the job owns
         else:
             assert body.spec is not None
             spec = manager.parse_job(body.spec.model_dump(mode="json"))

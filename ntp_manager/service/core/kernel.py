@@ -457,10 +457,11 @@ class Kernel:
 
     # ---- the dirty set ------------------------------------------------------------------------
     def mark_dirty_for(self, uuids: Any) -> None:
-        """Jobs that use (or could use) these GPUs' domains need a replan."""
+        """Jobs owning these GPUs' domains need a replan (a job plans only on the domains it owns:
+        service/planning/ownership.py); no other job's layout can change."""
         domains = {self.world.gpus[u].domain for u in uuids}
         for job in self.world.jobs.values():
-            if not job.spec.domains or domains.intersection(job.spec.domains):
+            if not domains.isdisjoint(job.held):
                 self.dirty.add(job.name)
         self.wake.set()
 

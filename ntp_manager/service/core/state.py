@@ -13,6 +13,7 @@ fails the test that checks every key against both; records have slots, so a miss
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -23,6 +24,7 @@ from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner import JobSpec
 from ntp_manager.planner.layout import LayoutDoc
 from ntp_manager.service.core import offloop
+from ntp_manager.specfile import JobPolicy
 from ntp_manager.topology import Cluster, Domain, Gpu, PowerLimits
 
 HEALTH_STATES = frozenset({GpuState.HEALTHY, GpuState.SUSPECT, GpuState.DEGRADED, GpuState.FAILED})
@@ -172,11 +174,24 @@ class LayoutRec:
 
 @dataclass
 class JobRec:
+    """A job: its spec and sharing policy, the domains it owns (domain -> how it came to own it:
+    `own`, `grant` or `borrowed`; in the order its planner fills them) and its current layout.
+    A job owning no domain is pending: it waits for capacity (service/planning/ownership.py)."""
+
     name: str
     spec: JobSpec
     raw: dict[str, Any]
     pending_reason: str | None = None  # why no layout could be made yet
     layout: LayoutRec | None = None
+    policy: JobPolicy = field(default_factory=JobPolicy)
+    held: dict[str, str] = field(default_factory=dict)
+    created_at: datetime | None = None  # arrival order of pending jobs
+    next_seq: int = 0  # the `seq` the next domain it is given gets (allocations rows keep the order)
+
+    def planned_spec(self, domains: Iterable[str], spares: int) -> JobSpec:
+        """The job's spec restricted to `domains` (in order) with `spares` spare groups: what its
+        planner gets (service/planning/ownership.py decides both)."""
+        return dataclasses.replace(self.spec, domains=tuple(domains), spares=spares)
 
 
 @dataclass
@@ -194,6 +209,10 @@ class World:
     _building: asyncio.Future[Cluster] | None = None
     _domain_gpus: dict[str, list[str]] | None = None  # domain -> its GPUs, as of `_domain_gen`
     _domain_gen: int = -1
+
+    def owners(self) -> dict[str, str]:
+        """Domain -> the job owning it (a domain missing here is in the free pool): O(owned domains)."""
+        return {d: j.name for j in self.jobs.values() for d in j.held}
 
     def take_pos(self) -> int:
         """A position for a new GPU. One that a rolled-back transaction took is not given again."""

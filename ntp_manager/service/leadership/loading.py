@@ -8,9 +8,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from ntp_manager.contract.gpu import GpuState
 from ntp_manager.service.core import offloop
 from ntp_manager.service.core.state import GpuRec, HealthSource, JobRec, LayoutRec, NodeRec, World
-from ntp_manager.specfile import job_from_dict
+from ntp_manager.specfile import job_and_policy_from_dict
 from ntp_manager.store.layouts import chain_length, decode_rows, newest_rows
-from ntp_manager.store.models import DomainRow, GpuRow, JobRow, NodeRow
+from ntp_manager.store.models import AllocationRow, DomainRow, GpuRow, JobRow, NodeRow
 
 
 async def read_world(engine: AsyncEngine, sm: async_sessionmaker[AsyncSession], base_cap: float | None,
@@ -80,7 +80,15 @@ async def load_job(s: AsyncSession, name: str, w: World, now_mono: float) -> Job
 
 
 async def job_of(s: AsyncSession, j: JobRow, w: World, now_mono: float) -> JobRec:
-    job = JobRec(j.name, job_from_dict(j.spec), j.spec)
+    spec, policy = job_and_policy_from_dict(j.spec)
+    job = JobRec(j.name, spec, j.spec, policy=policy, created_at=j.created_at)
+    held = (await s.execute(select(AllocationRow.domain_id, AllocationRow.kind, AllocationRow.seq)
+                            .where(AllocationRow.job == j.name).order_by(AllocationRow.seq, AllocationRow.domain_id)
+                            )).all()
+    job.held = {d: kind for d, kind, _ in held}
+    job.next_seq = max((seq for _, _, seq in held), default=-1) + 1
+    if not job.held:
+        job.pending_reason = "waiting for free domains (pending)"
     rows = await newest_rows(s, job.name)
     if rows:
         doc = (await offloop.run(decode_rows, rows, w.uuid_at))[-1]

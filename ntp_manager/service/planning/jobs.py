@@ -27,14 +27,16 @@ from ntp_manager.service.core.state import JobRec, LayoutRec
 from ntp_manager.service.core.steps import StepSample
 from ntp_manager.service.ingest.worker_reports import WorkerReports
 from ntp_manager.service.planning import planning, planproc
+from ntp_manager.service.planning.ownership import Ownership, check_owned
 from ntp_manager.service.planning.power import Power
 from ntp_manager.settings import Settings
-from ntp_manager.specfile import SpecError, job_from_dict
+from ntp_manager.specfile import JobPolicy, SpecError, job_and_policy_from_dict
 from ntp_manager.store import outbox
 from ntp_manager.store.models import JobRow, LayoutRow
 from ntp_manager.topology import TopologyError
 
 log = structlog.get_logger("ntp.jobs")
+LISTED_DOMAINS = 64  # domains a create answer lists one by one
 
 
 class Jobs:
@@ -47,6 +49,7 @@ class Jobs:
         self.workers = workers
         self.epoch = epoch
         self.breaker_open = breaker_open
+        self.ownership = Ownership(kernel, metrics)
         self.layout_changed = asyncio.Condition()
         self.stopping = False
         self.on_layout: list[Callable[[], None]] = []  # told after a new version is in memory
@@ -58,8 +61,12 @@ class Jobs:
     # ---- jobs ---------------------------------------------------------------------------------
     def parse(self, spec: dict[str, Any]) -> JobSpec:
         """A job spec, checked (InvalidArgument naming the field) and bounded by `max_cluster_gpus`."""
+        return self.parse_with_policy(spec)[0]
+
+    def parse_with_policy(self, spec: dict[str, Any]) -> tuple[JobSpec, JobPolicy]:
+        """`parse`, and the job's sharing policy (priority, preemptible, min_throughput, queue)."""
         try:
-            job = job_from_dict(spec, "job")
+            job, policy = job_and_policy_from_dict(spec, "job")
         except SpecError as e:
             raise InvalidArgument(str(e)) from None
         asked = (job.replicas + job.spares) * job.groups_per_replica * job.tp
@@ -68,23 +75,32 @@ class Jobs:
                 f"job: (replicas + spares) x groups_per_replica x tp = {asked:,} GPUs; this manager's "
                 f"cluster holds at most {self.settings.max_cluster_gpus:,} (max_cluster_gpus)"
             )
-        return job
+        return job, policy
 
     async def create(self, tx: Tx, spec: dict[str, Any]) -> dict[str, Any]:
-        job = self.parse(spec)
+        """Create a job and give it its domains (service/planning/ownership.py) in `tx`: Conflict when
+        it cannot be placed and does not queue (nothing is created then), pending when it queues."""
+        job, policy = self.parse_with_policy(spec)
         if job.name in self.kernel.world.jobs or await tx.session.get(JobRow, job.name) is not None:
             raise Conflict(f"job {job.name!r} already exists")
         tx.session.add(JobRow(name=job.name, spec=spec, created_at=tx.now, created_by=tx.actor))
+        placed = await self.ownership.admit(tx, job.name, job, policy)
         tx.audit(tx.now, "job.create", job.name, after=spec)
         tx.touch_job(job.name)
 
         def created() -> None:
-            self.kernel.world.jobs[job.name] = JobRec(job.name, job, spec)
-            self.kernel.dirty.add(job.name)
-            self.kernel.wake.set()
+            rec = JobRec(job.name, job, spec, policy=policy, held=placed.held, created_at=tx.now,
+                         next_seq=len(placed.held))
+            rec.pending_reason = placed.pending or None
+            self.kernel.world.jobs[job.name] = rec
+            if rec.held:
+                self.kernel.dirty.add(job.name)
+                self.kernel.wake.set()
 
         tx.after.append(created)
-        return {"name": job.name, "spec": spec, "created_at": tx.now.isoformat()}
+        return {"name": job.name, "spec": spec, "created_at": tx.now.isoformat(),
+                "state": "placed" if placed.held else "pending", "domains": list(placed.held)[:LISTED_DOMAINS],
+                "domain_count": len(placed.held), **({"pending_reason": placed.pending} if placed.pending else {})}
 
     async def delete(self, tx: Tx, name: str) -> dict[str, Any]:
         rec = self.kernel.world.jobs.get(name)
@@ -92,6 +108,7 @@ class Jobs:
             raise NotFound(f"unknown job {name!r}")
         row = await tx.session.get(JobRow, name)
         assert row is not None
+        await self.ownership.release(tx, rec)  # its domains go back to the pool in this transaction
         await tx.session.delete(row)
         tx.audit(tx.now, "job.delete", name, before=rec.raw)
         tx.touch_job(name)
@@ -101,9 +118,17 @@ class Jobs:
             self.workers.forget(name)
             self.kernel.dirty.discard(name)
             self.power.recompute_later()
+            self.wake_watchers()  # its workers' watches end (the job is gone)
 
         tx.after.append(deleted)
         return {"name": name, "deleted": True}
+
+    def planned_spec(self, name: str) -> JobSpec:
+        """What a job's planner gets: its spec on the domains it owns (a pending job: its own spec)."""
+        rec = self.kernel.world.jobs.get(name)
+        if rec is None:
+            raise NotFound(f"job: unknown job {name!r}")
+        return self.ownership.planned_spec(rec) if rec.held else rec.spec
 
     async def dry_run(self, spec: JobSpec, fail: list[str]) -> LayoutDoc:
         """The layout `spec` would get now, with the GPUs in `fail` failed; planned off the loop."""
@@ -123,6 +148,7 @@ class Jobs:
     # ---- replanning ---------------------------------------------------------------------------
     async def control_loop(self) -> None:
         k = self.kernel
+        self.ownership.freed()  # jobs the store holds pending (or from before ownership): place them
         while not self.stopping:
             await k.wake.wait()
             k.wake.clear()
@@ -143,15 +169,20 @@ class Jobs:
         job = w.jobs.get(name)
         if job is None:
             return None
+        if not job.held:  # pending: it owns no domain to plan on (service/planning/ownership.py)
+            job.pending_reason = job.pending_reason or "pending: it owns no domain yet"
+            return None
         t0 = time.perf_counter()
         base = job.layout
         try:
             cluster = await w.cluster_async()
-            d = await self.planner.draft(cluster, job.spec, base, w.pos_of, reason)
+            self.ownership.sized(cluster)
+            spec = self.ownership.planned_spec(job)  # only the domains it owns
+            d = await self.planner.draft(cluster, spec, base, w.pos_of, reason)
             if d.restore and self.known_checkpoint is not None:  # rare: no survivor holds some unit: read
                 step = await self.known_checkpoint(name)  # the checkpoints (issue 22), plan again with the step
                 if step is not None:
-                    d = await self.planner.draft(cluster, job.spec, base, w.pos_of, reason, step)
+                    d = await self.planner.draft(cluster, spec, base, w.pos_of, reason, step)
         except PlanError as e:
             job.pending_reason = str(e)
             return None
@@ -164,10 +195,12 @@ class Jobs:
                 d = await offloop.run(planning.follow, d.doc, base, w.pos_of, reason)
             if d.unchanged:
                 return base
+            if tuple(job.held) != spec.domains:  # its domains changed while planning: plan again
+                return await self.replan(name, actor, reason, tx)
             if tx is not None:  # the caller's transaction holds the write lock: nothing publishes meanwhile
                 return await self._persist(tx, job, d, base)
             async with self.kernel.exclusive(actor) as t:
-                if job.layout is base and w.jobs.get(name) is job:
+                if job.layout is base and w.jobs.get(name) is job and tuple(job.held) == spec.domains:
                     return await self._persist(t, job, d, base)
         return None
 
@@ -175,6 +208,7 @@ class Jobs:
         """Write version+1 of `job` (its body, audit record and power caps) in `t`; it is published
         (memory, watchers) after the commit."""
         assert d.encoded is not None
+        await check_owned(d.doc, job, self.kernel.world)  # OwnershipError: never a GPU it does not own
         version = (base.version if base else 0) + 1
         t.session.add(LayoutRow(job=job.name, version=version, leader_epoch=self.epoch(), plan=None,
                                 body=d.encoded.body, base_version=d.encoded.base_version, reason=d.why,
