@@ -32,7 +32,7 @@ def snapshot(w: World) -> dict[str, Any]:
     jobs = {}
     for name, rec in w.jobs.items():
         lay = rec.layout
-        jobs[name] = (rec.raw, None if lay is None else (lay.version, lay.leader_epoch, lay.reason,
+        jobs[name] = (rec.raw, dict(rec.held), None if lay is None else (lay.version, lay.leader_epoch, lay.reason,
                                                            layout_codec.encode(lay.doc, w.pos_of)))
     return {"gpus": {u: tuple(getattr(g, f) for f in GPU_FIELDS) for u, g in w.gpus.items()},
             "nodes": {n: (tuple(getattr(r, f) for f in NODE_FIELDS), sorted(r.gpus)) for n, r in w.nodes.items()},
@@ -91,6 +91,7 @@ async def test_a_standby_follows_the_leader_and_takes_over_without_loading(
             assert layout is not None and b.world.gpus["G13"].admin is not None
             assert b.world.gpus["G01"].health == "failed" and b.world.nodes["n1"].drain_reason == "maintenance"
             assert b.follower.applied > 0 and b.follower.quarantined == [] and not b.follower.behind
+            assert b.world.owners() == a.world.owners() and set(b.world.owners().values()) == {"j"}
             # the standby's copy is what the store holds, record for record
             assert snapshot(b.world) == snapshot(await stored_world(b))
 
