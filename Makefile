@@ -72,7 +72,7 @@ lint: $(STAMP)
 # so that module-scoped fixtures are built once.
 TEST_WORKERS ?= auto
 test: lint $(CHROMIUM_STAMP) $(SLURM_STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py
