@@ -8,7 +8,9 @@ manager sharing the store:
   world, then every row after that head: rows already reflected in the load only overwrite records
   with values a later row overwrites again);
 - follows the log (woken by `NOTIFY ntp_world`, polling every `fleet_poll_s`), applying each row to
-  its world in order, and reads back the jobs a row names (their layouts are stored already);
+  its world in order; the jobs the rows name are read back (their layouts are stored already) once
+  the log has been quiet for `SETTLE_S`, and at a takeover (a job replanned many times in a burst,
+  as while its cluster registers, is decoded once, not once per version);
 - keeps the planner's cluster snapshot built and its planner process sent the cluster and the
   running layouts, once the log has been quiet for `SETTLE_S` (not row after row of a burst), so a
   takeover does not pay for them;
@@ -187,6 +189,7 @@ class Follower:
                     continue
                 if self._settle_at and time.monotonic() >= self._settle_at:
                     self._settle_at = 0.0
+                    await self._read_jobs()
                     await self.prime()
             except (OSError, SQLAlchemyError) as e:
                 log.warning("cannot read the world log", error=str(e).splitlines()[0][:200])
@@ -195,8 +198,8 @@ class Follower:
                 await asyncio.wait_for(self.wake.wait(), wait)
 
     async def step(self) -> int:
-        """Apply the next rows (up to BATCH); once caught up, read back the jobs they named and
-        rebuild the planner's snapshot if GPUs were added. How many rows were read."""
+        """Apply the next rows (up to BATCH); the jobs they name are read back, and the planner's
+        snapshot rebuilt, once the log is quiet (`_run`). How many rows were read."""
         async with self._reader.connect() as c:
             raw = [(int(r[0]), str(r[1])) for r in (await c.execute(_READ, {"after": self.cursor, "lim": BATCH}))]
             if raw and raw[0][0] > self.cursor + 1 and await worldlog.pruned_upto(c) > self.cursor:
@@ -225,10 +228,10 @@ class Follower:
         elif done.states:
             w.apply_states(done.states)
         self._jobs |= done.jobs
-        if len(raw) < BATCH:
-            read = await self._read_jobs()
-            if (done.shape or read) and self.warm:  # once the log is quiet (`_run`)
-                self._settle_at = time.monotonic() + SETTLE_S
+        if (done.shape or done.jobs) and self.warm:  # once the log is quiet (`_run`)
+            self._settle_at = time.monotonic() + SETTLE_S
+        elif not self.warm and len(raw) < BATCH:  # bootstrapping: the jobs now
+            await self._read_jobs()
         return len(raw)
 
     async def prime(self) -> None:
