@@ -293,13 +293,20 @@ def alloc(c: typer.Context, limit: Annotated[int, typer.Option(min=1, max=1000, 
     out.print(table(f"domains {d['offset'] + 1}-{d['offset'] + len(d['items'])} of {d['total']}",
                         ["domain", "job", "kind", "GPUs", "states"], rows))
     jobs_rows = [[j["name"], j["state"], j["priority"], "yes" if j["preemptible"] else "", j["domains"],
+                  _reservation(j.get("reservation")),
                   "" if j["relative_throughput"] is None else f"{j['relative_throughput']:.3f}",
                   f"{j['min_throughput']:.3f}", j["pending_reason"] or ""] for j in d["jobs"]["items"]]
-    out.print(table("jobs", ["job", "state", "priority", "preemptible", "domains", "throughput", "asks",
-                             "pending"], jobs_rows))
+    out.print(table("jobs", ["job", "state", "priority", "preemptible", "domains", "reserved (granted)",
+                             "throughput", "asks", "pending"], jobs_rows))
     pool = d["pool"]
-    out.print(f"pool: {pool['gpus']} GPUs in {pool['domains']} free domain(s); pending: "
+    out.print(f"pool: {pool['gpus']} GPUs in {pool['domains']} free domain(s), {pool.get('reserved_gpus', 0)} "
+              f"of them held for reservations, {pool.get('unreserved_gpus', pool['gpus'])} unreserved; pending: "
               f"{', '.join(d['pending']) or 'none'}", highlight=False)
+
+
+def _reservation(r: dict[str, Any] | None) -> str:
+    """"2 (1)": TP groups a job reserves in the pool and how many of them it has been granted."""
+    return "" if not r or not r.get("groups") else f"{r['groups']} ({r.get('granted_groups', 0)})"
 
 
 ReplicaLimit = Annotated[int, typer.Option(min=1, max=1000, help="replicas listed (a page)")]

@@ -309,7 +309,8 @@ class WorldLogRow(Base):
 class AllocationRow(Base):
     """Which job owns a scale-up domain: at most one, by the primary key, whatever managers race
     (service/planning/ownership.py). `kind`: `own` (admitted with the job), `grant` (given from
-    the pool when the job's throughput fell below its `min_throughput`) or `borrowed` (taken from a
+    the pool when the job's throughput fell below its `min_throughput`), `reserved` (granted against
+    the job's spares reservation when it fell below full throughput) or `borrowed` (taken from a
     preemptible job). `seq` orders a job's domains (the order the planner fills them in)."""
 
     __tablename__ = "allocations"

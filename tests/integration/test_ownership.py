@@ -3,7 +3,8 @@
 Real managers (SQLite, and PostgreSQL when NTP_TEST_POSTGRES_URL is set) with scripted agents on
 gRPC: admission (named domains, chosen domains, 409 naming the owner, 422 naming the field, queue),
 release on delete, the database's own refusal of a second owner when two writers race, the
-allocation view, its ntpctl table and gauges."""
+allocation view, its ntpctl table and gauges; spares as reservations in the pool (admission that
+keeps them covered, grants against them, their release on delete)."""
 
 from __future__ import annotations
 
@@ -174,7 +175,7 @@ async def test_ntpctl_alloc_table(sqlite_service: Service, tmp_path: Path) -> No
     lines = out.splitlines()
     assert any("dom-a" in ln and " a " in ln and "own" in ln for ln in lines), out
     assert any("dom-b" in ln and "(pool)" in ln for ln in lines), out
-    assert "pool: 4 GPUs in 1 free domain(s); pending: big" in out
+    assert "pool: 4 GPUs in 1 free domain(s), 0 of them held for reservations, 4 unreserved; pending: big" in out
     for a in agents:
         await a.close()
 
@@ -308,3 +309,95 @@ async def test_jobs_from_before_ownership_adopt_the_domains_they_run_on(db_url: 
             assert r.status_code == 409 and "job 'old' owns" in r.json()["detail"]
         for a in agents:
             await a.close()
+
+
+async def test_admission_keeps_the_reservations_covered_and_delete_releases_them(service: Service) -> None:
+    """A job's spares are reserved in the pool, not owned: another job may take free domains only
+    while the rest still covers every outstanding reservation (a job naming its domains too), and
+    deleting the job releases its reservation at once."""
+    svc, m = service, service.manager
+    agents = await start_agents(svc, ["dom-a", "dom-b", "dom-c"])
+    async with svc.client() as c:
+        r = await c.post("/v1/jobs", json=dict(JOB, name="r", spares=1))
+        assert r.status_code == 201 and r.json()["domains"] == ["dom-a"]  # its replica only, not its spare
+        alloc = (await c.get("/v1/cluster/allocation")).json()
+        assert alloc["pool"] == {"domains": 2, "gpus": 8, "reserved_gpus": 4, "unreserved_gpus": 4,
+                                 "first_domains": ["dom-b", "dom-c"]}
+        view = {j["name"]: j for j in alloc["jobs"]["items"]}
+        assert view["r"]["reservation"] == {"groups": 1, "granted_groups": 0, "domains": 0}
+        assert "ntp_pool_reserved_gpus 4.0" in (await c.get("/metrics")).text
+        # one unreserved domain is left: a job without spares takes it
+        r = await c.post("/v1/jobs", json=dict(JOB, name="x"))
+        assert r.status_code == 201 and r.json()["domains"] == ["dom-b"]
+        # what is left is r's reservation: refused naming it, whether it names the domain or not
+        for spec in (dict(JOB, name="y"), dict(JOB, name="y", domains=["dom-c"])):
+            r = await c.post("/v1/jobs", json=spec)
+            assert r.status_code == 409, r.text
+            assert "job 'r' reserves 1 group(s) of tp=4" in r.json()["detail"], r.text
+            assert "4 free GPUs in 1 domain(s)" in r.json()["detail"]
+        # a job with spares of its own that the pool cannot also cover is refused the same way
+        r = await c.post("/v1/jobs", json=dict(JOB, name="z", spares=1))
+        assert r.status_code == 409 and "reserves 1 spare group(s)" in r.json()["detail"], r.text
+        assert (await c.get("/v1/jobs/y")).status_code == 404
+        assert await allocations(svc) == {"dom-a": "r", "dom-b": "x"}
+        r = await c.post("/v1/jobs", json=dict(JOB, name="y", queue=True))
+        assert r.status_code == 201 and r.json()["state"] == "pending"
+        assert "job 'r' reserves" in r.json()["pending_reason"]
+        # deleting r releases its domain and its reservation: y is placed, nothing is reserved
+        assert (await c.delete("/v1/jobs/r")).status_code == 200
+        await settle(svc, lambda: bool(m.world.jobs["y"].held))
+        alloc = (await c.get("/v1/cluster/allocation")).json()
+        assert alloc["pool"]["reserved_gpus"] == 0 and alloc["pool"]["unreserved_gpus"] == 4
+        assert "ntp_pool_reserved_gpus 0.0" in (await c.get("/metrics")).text
+    for a in agents:
+        await a.close()
+
+
+async def test_a_failure_is_helped_from_the_pool_up_to_the_reservation_not_beyond(service: Service) -> None:
+    """A job with spares and min_throughput 0 that falls below full throughput is granted a free
+    domain against its reservation (kind `reserved`) and switches to it live; a second failure once
+    its reservation is all granted gets nothing more (the unreserved domain stays in the pool)."""
+    svc, m = service, service.manager
+    agents = await start_agents(svc, ["dom-a", "dom-b", "dom-c", "dom-d"])
+    by_domain = {a.domain: a for a in agents}
+    async with svc.client() as c:
+        s = dict(JOB, name="s", replicas=2, spares=1, scheme="ntp")
+        r = await c.post("/v1/jobs", json=s)
+        assert r.status_code == 201 and r.json()["domains"] == ["dom-a", "dom-b"], r.text
+        await settle(svc, lambda: thr(svc, "s") == 1.0)
+        assert layout_domains(svc, "s") == {"dom-a", "dom-b"}
+        await by_domain["dom-a"].report({by_domain["dom-a"].gpus[1]: "failed"})
+        await settle(svc, lambda: m.world.jobs["s"].held.get("dom-c") == "reserved" and thr(svc, "s") == 1.0)
+        assert "dom-c" in layout_domains(svc, "s") and m.sharing.grants == 1
+        alloc = (await c.get("/v1/cluster/allocation")).json()
+        assert alloc["jobs"]["items"][0]["reservation"] == {"groups": 1, "granted_groups": 1, "domains": 1}
+        assert alloc["pool"]["reserved_gpus"] == 0 and alloc["pool"]["unreserved_gpus"] == 4
+        acts = (await c.get("/v1/audit", params={"limit": 100})).json()["items"]
+        grant = next(x for x in acts if x["action"] == "alloc.grant")
+        assert "against its reservation" in grant["reason"], grant
+        # the granted domain fails too (3 of its GPUs: too few for a group): its reservation is all
+        # granted and it asks for no min_throughput, so the unreserved dom-d stays in the pool
+        await by_domain["dom-c"].report(dict.fromkeys(by_domain["dom-c"].gpus[1:], "failed"))
+        await settle(svc, lambda: thr(svc, "s") < 1.0)
+        assert not await m.sharing.step()  # nothing to do: not beyond its reservation
+        assert m.world.jobs["s"].held == {"dom-a": "own", "dom-b": "own", "dom-c": "reserved"}
+        assert m.sharing.grants == 1 and m.sharing.returns == 0
+        assert await allocations(svc) == {"dom-a": "s", "dom-b": "s", "dom-c": "s"}
+        # all repaired: the one of dom-a and dom-c its layout leaves idle goes back to the pool (dom-a: it owns
+        # dom-c in its place), and its reservation is outstanding again
+        await by_domain["dom-c"].report(dict.fromkeys(by_domain["dom-c"].gpus[1:], "healthy"))
+        await by_domain["dom-a"].report({by_domain["dom-a"].gpus[1]: "healthy"})
+        await settle(svc, lambda: len(m.world.jobs["s"].held) == 2 and thr(svc, "s") == 1.0)
+        held = m.world.jobs["s"].held
+        assert set(held.values()) == {"own"} and "dom-b" in held and m.sharing.returns == 1
+        assert layout_domains(svc, "s") == set(held) and await allocations(svc) == dict.fromkeys(held, "s")
+        view = (await c.get("/v1/cluster/allocation")).json()
+        assert view["jobs"]["items"][0]["reservation"] == {"groups": 1, "granted_groups": 0, "domains": 0}
+        assert view["pool"]["reserved_gpus"] == 4 and view["pool"]["unreserved_gpus"] == 4
+        # deleting it releases everything it held and its reservation
+        assert (await c.delete("/v1/jobs/s")).status_code == 200
+        assert await allocations(svc) == {}
+        view = (await c.get("/v1/cluster/allocation")).json()
+        assert view["pool"]["reserved_gpus"] == 0 and view["pool"]["unreserved_gpus"] == 16
+    for a in agents:
+        await a.close()

@@ -45,3 +45,16 @@ def test_a_small_job_takes_the_smallest_domain_that_fits() -> None:
     assert choose_domains([("big", 8), ("mid", 2), ("small", 1)], 2) == ["mid"]
     assert choose_domains([("a", 4), ("b", 4), ("c", 1)], 5) == ["a", "c"]
     assert choose_domains([("a", 1)], 2) is None and choose_domains([], 1) is None
+
+
+def test_earmark_covers_reservations_in_order_with_whole_domains() -> None:
+    """The reservations' plan (service/planning/reservations.py): each outstanding reservation takes
+    whole free domains in the order given; what the rest cannot cover is named."""
+    from ntp_manager.service.planning.reservations import Need, earmark
+
+    free = [("a", 4), ("b", 8), ("c", 4)]
+    marks, short = earmark(free, [Need("hi", 4, 1, 1), Need("wide", 8, 1, 2)], choose_domains)
+    assert marks == {"hi": ["a"], "wide": ["b"]} and short == []
+    marks, short = earmark(free, [Need("x", 4, 3, 3), Need("y", 4, 2, 2)], choose_domains)
+    assert marks == {"x": ["a", "b"]} and short == [Need("y", 4, 2, 2)]  # x took 3 of the 4 groups
+    assert earmark(free, [Need("big", 8, 2, 2)], choose_domains) == ({}, [Need("big", 8, 2, 2)])

@@ -83,6 +83,8 @@ class Metrics:
         self.reports = Counter("ntp_agent_reports_total", "health reports applied", registry=r)
         self.heartbeats = Counter("ntp_agent_heartbeats_total", "heartbeats received", registry=r)
         self.pool_gpus = Gauge("ntp_pool_gpus", "GPUs of the domains no job owns (the free pool)", registry=r)
+        self.pool_reserved_gpus = Gauge("ntp_pool_reserved_gpus", "GPUs of free domains held for the jobs' "
+                                        "outstanding spares reservations", registry=r)
         self.pending_jobs = Gauge("ntp_jobs_pending", "jobs waiting for capacity (queue: true)", registry=r)
         self.breaker = Gauge("ntp_circuit_breaker_open", "1 while automatic replanning is stopped", registry=r)
         self.watchers = Gauge("ntp_layout_watchers", "open layout watch streams", registry=r)

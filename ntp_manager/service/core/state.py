@@ -175,7 +175,7 @@ class LayoutRec:
 @dataclass
 class JobRec:
     """A job: its spec and sharing policy, the domains it owns (domain -> how it came to own it:
-    `own`, `grant` or `borrowed`; in the order its planner fills them) and its current layout.
+    `own`, `grant`, `reserved` or `borrowed`; in the order its planner fills them) and its current layout.
     A job owning no domain is pending: it waits for capacity (service/planning/ownership.py)."""
 
     name: str

@@ -27,7 +27,7 @@ from ntp_manager.service.core.state import JobRec, LayoutRec
 from ntp_manager.service.core.steps import StepSample
 from ntp_manager.service.ingest.worker_reports import WorkerReports
 from ntp_manager.service.planning import planning, planproc
-from ntp_manager.service.planning.ownership import Ownership, check_owned
+from ntp_manager.service.planning.ownership import OWN, Ownership, check_owned
 from ntp_manager.service.planning.power import Power
 from ntp_manager.settings import Settings
 from ntp_manager.specfile import JobPolicy, SpecError, job_and_policy_from_dict
@@ -53,6 +53,9 @@ class Jobs:
         self.layout_changed = asyncio.Condition()
         self.stopping = False
         self.on_layout: list[Callable[[], None]] = []  # told after a new version is in memory
+        # told when a replan of a job holding domains beyond its own found its layout unchanged (a
+        # repair its layout does not follow may leave one idle: service/planning/sharing.py)
+        self.on_unchanged: list[Callable[[], None]] = []
         self.planner = planproc.shared(settings.plan_process)  # planning off the loop, in a process
         # the newest verified checkpoint step of a job, read when a new plan leaves some unit with no
         # surviving holder (service/planning/checkpoints.py; None: unknown)
@@ -194,6 +197,9 @@ class Jobs:
                 base = job.layout
                 d = await offloop.run(planning.follow, d.doc, base, w.pos_of, reason)
             if d.unchanged:
+                if any(k != OWN for k in job.held.values()):
+                    for fn in self.on_unchanged:
+                        fn()
                 return base
             if tuple(job.held) != spec.domains:  # its domains changed while planning: plan again
                 return await self.replan(name, actor, reason, tx)

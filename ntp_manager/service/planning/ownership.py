@@ -6,18 +6,22 @@ one job (issue 41).
   of the domains it owns: the planner is handed only those (`JobRec.planned_spec`), and the
   layout commit refuses any other (`check_layout`, in the transaction that writes the version).
 - **Admission** (`admit`, in the job's create transaction). A job naming `domains` gets exactly
-  those, when no other job owns any of them; a job leaving them out gets whole free domains with
-  room for (replicas + spares) x groups_per_replica TP groups: the fewest domains, then the
-  smallest that fit, kept in id order (neighbouring domain ids are neighbouring racks). A job that
-  cannot be placed is refused (409, naming the owner, the domains and the free GPUs) unless it
-  asked to wait (`queue: true`): it is then created pending, owning nothing, and placed by
-  `place_pending` in priority then arrival order whenever domains are freed or registered.
-- **Release.** Deleting a job frees its domains in the same transaction; the pool is every domain
-  no job owns.
-- **Grants and preemption** (`help_jobs`): a job whose planned throughput is below its
-  `min_throughput` gets free domains (highest priority first); when the pool has none, a
-  preemptible job of lower priority gives up a domain (its layout without it written in the same
-  transaction as the move), and the receiver replans (a live switch for both).
+  those, when no other job owns any of them (their groups beyond its replicas' are its spares); a
+  job leaving them out gets whole free domains with room for replicas x groups_per_replica TP
+  groups: the fewest domains, then the smallest that fit, kept in id order (neighbouring domain ids
+  are neighbouring racks), and its `spares` are reserved in the pool, not owned
+  (service/planning/reservations.py). Either way the free domains left must still cover every
+  outstanding reservation. A job that cannot be placed is refused (409, naming the owner or the
+  reservations, the domains and the free GPUs) unless it asked to wait (`queue: true`): it is then
+  created pending, owning nothing, and placed by `place_pending` in priority then arrival order
+  whenever domains are freed or registered.
+- **Release.** Deleting a job frees its domains and its reservation in the same transaction; the
+  pool is every domain no job owns.
+- **Grants and preemption** (service/planning/sharing.py): a job below full throughput gets free
+  domains against its reservation, one below its `min_throughput` unreserved free domains beyond
+  it (highest priority first); when the pool has none, a preemptible job of lower priority gives up
+  a domain (its layout without it written in the same transaction as the move), and the receiver
+  replans (a live switch for both).
 
 Every change is written in a kernel transaction (fenced by the leader epoch) with an audit row, and
 touches the jobs whose holdings change (other managers reload them).
@@ -41,6 +45,16 @@ from ntp_manager.service.core.errors import Conflict, FailedPrecondition, Invali
 from ntp_manager.service.core.kernel import Kernel, Tx
 from ntp_manager.service.core.metrics import Metrics
 from ntp_manager.service.core.state import JobRec, World
+from ntp_manager.service.planning.reservations import (
+    RESERVED,
+    Need,
+    describe,
+    earmark,
+    granted_groups,
+    needs,
+    order,
+    reserved_groups,
+)
 from ntp_manager.specfile import JobPolicy
 from ntp_manager.store.models import AllocationRow
 from ntp_manager.topology import Cluster
@@ -56,8 +70,9 @@ class OwnershipError(FailedPrecondition):
 
 
 def groups_needed(spec: JobSpec) -> int:
-    """TP groups a job asks for: its replicas' groups plus its spares."""
-    return (spec.replicas + spec.spares) * spec.groups_per_replica
+    """TP groups a job owns when admitted without named domains: its replicas' groups (its spares
+    are reserved in the pool: service/planning/reservations.py)."""
+    return spec.primary_groups
 
 
 def choose_domains(free: Iterable[tuple[str, int]], need: int) -> list[str] | None:
@@ -109,6 +124,7 @@ class Ownership:
         if metrics is not None:  # computed when scraped: O(owned domains)
             metrics.pool_gpus.set_function(lambda: float(self.pool_gpus()))
             metrics.pending_jobs.set_function(lambda: float(len(self.pending())))
+            metrics.pool_reserved_gpus.set_function(lambda: float(self.reserved_gpus()))
         self._placing: asyncio.Task[None] | None = None
         self._freed = False  # a commit freed domains: look at the pending jobs after it
         self._rerun = False
@@ -145,7 +161,10 @@ class Ownership:
         reduced groups with the planner's minimal-movement packing)."""
         ds = list(rec.held if domains is None else domains)
         groups = sum(self.groups_in(d, rec.spec.tp) for d in ds)
-        return rec.planned_spec(ds, max(rec.spec.spares, groups - rec.spec.primary_groups))
+        # a job naming its domains has its spares among them; one that does not holds only what
+        # it owns and was granted (its reservation's outstanding rest is in the pool, not here)
+        floor = rec.spec.spares if rec.spec.domains else 0
+        return rec.planned_spec(ds, max(floor, groups - rec.spec.primary_groups))
 
     def free_domains(self, taken: Iterable[str] = ()) -> list[str]:
         owners = self.world.owners()
@@ -154,33 +173,57 @@ class Ownership:
 
     def pending(self) -> list[JobRec]:
         """Jobs owning nothing, in the order they are placed: priority, then arrival."""
-        jobs = [j for j in self.world.jobs.values() if not j.held]
-        return sorted(jobs, key=lambda j: (-j.policy.priority, j.created_at.timestamp() if j.created_at else 0.0,
-                                           j.name))
+        return sorted((j for j in self.world.jobs.values() if not j.held), key=order)
 
-    def _refusal(self, name: str, spec: JobSpec, holders: dict[str, str], free: list[str]) -> str:
+    def outstanding(self, extra: Iterable[Need] = ()) -> list[Need]:
+        """Every placed job's outstanding reservation (then `extra`), in the order they are served."""
+        return needs(self.world.jobs.values(), self.groups_in, order) + list(extra)
+
+    def earmarks(self, taken: Iterable[str] = (), extra: Iterable[Need] = ()) -> tuple[dict[str, list[str]],
+                                                                                       list[Need]]:
+        """The free domains each outstanding reservation would take, and those left uncovered."""
+        return earmark([(d, self.size(d)) for d in self.free_domains(taken)], self.outstanding(extra),
+                       choose_domains)
+
+    def _covered(self, free: list[str], wanted: list[Need]) -> list[str] | None:
+        """The domains of `free` that `wanted` would take, or None when they cannot all be covered."""
+        if not wanted:
+            return []
+        marks, short = earmark([(d, self.size(d)) for d in free], wanted, choose_domains)
+        return None if short else [d for ds in marks.values() for d in ds]
+
+    def _refusal(self, name: str, spec: JobSpec, holders: dict[str, str], free: list[str],
+                 wanted: list[Need] | None = None) -> str:
         gpus_free = sum(self.size(d) for d in free)
         asked = groups_needed(spec) * spec.tp
-        if holders:
+        if wanted is not None:
+            own = "" if spec.domains else f" and reserves {spec.spares} spare group(s) of tp={spec.tp}"
+            what = (f"job {name!r} needs {asked if not spec.domains else 'its named domains'} "
+                    f"{'GPUs ' if not spec.domains else ''}for its replicas{own}, and the free pool "
+                    f"left after its domains would not cover the outstanding reservations ({describe(wanted)})")
+        elif holders:
             by_job: dict[str, list[str]] = {}
             for d, j in holders.items():
                 by_job.setdefault(j, []).append(d)
             held = "; ".join(f"job {j!r} owns {sorted(ds)[:NAMED_IN_MESSAGE]}" for j, ds in sorted(by_job.items()))
             what = f"domains: the domains it names are owned by other jobs ({held})"
         else:
-            what = (f"job {name!r} asks for {asked:,} GPUs ((replicas + spares) x groups_per_replica x tp, "
-                    f"whole domains of at least tp={spec.tp}) and no set of free domains holds them")
+            what = (f"job {name!r} asks for {asked:,} GPUs (replicas x groups_per_replica x tp, whole "
+                    f"domains of at least tp={spec.tp}) and no set of free domains holds them")
         return (f"{what}; the pool has {gpus_free:,} free GPUs in {len(free)} domain(s) "
                 f"{free[:NAMED_IN_MESSAGE]}; give `queue: true` to wait for capacity")
 
-    def _place(self, tx: Tx, name: str, spec: JobSpec, taken: set[str],
-               running: LayoutDoc | None = None) -> tuple[list[str] | None, str]:
+    def _place(self, tx: Tx, name: str, spec: JobSpec, taken: set[str], running: LayoutDoc | None = None,
+               extra: Iterable[Need] = ()) -> tuple[list[str] | None, str]:
         """The domains `spec` would own now (None: it cannot be placed, with why). InvalidArgument
         for a domain the cluster does not have. A job that has a layout but owns nothing (one
         created before ownership existed: its store had no allocation rows) adopts the domains its
-        layout runs on when they are all free, so an upgrade moves no running job."""
+        layout runs on when they are all free, so an upgrade moves no running job. Whatever it takes,
+        the free domains left must still cover every outstanding reservation (its own included:
+        placed jobs', those of `extra`, placed earlier in the same pass, and its spares)."""
         owners = self.world.owners()
         free = [d for d in self.free_domains(taken) if d in self.world.domains]
+        wanted = self.outstanding(extra)
         if running is not None and not spec.domains:
             adopt = list(dict.fromkeys(running.group_domains))
             if adopt and all(d in free for d in adopt):
@@ -193,20 +236,41 @@ class Ownership:
             holders.update({d: "(being placed)" for d in spec.domains if d in taken and d not in owners})
             if holders:
                 return None, self._refusal(name, spec, holders, free)
+            named = set(spec.domains)
+            if self._covered([d for d in free if d not in named], wanted) is None:
+                return None, self._refusal(name, spec, {}, free, wanted)
             return list(spec.domains), ""
-        chosen = choose_domains(((d, self.groups_in(d, spec.tp)) for d in free), groups_needed(spec))
+        if spec.spares:
+            wanted = [*wanted, Need(name, spec.tp, spec.spares, spec.spares)]
+        groups = {d: self.groups_in(d, spec.tp) for d in free}
+        chosen = choose_domains(groups.items(), groups_needed(spec))
         if chosen is None:
             return None, self._refusal(name, spec, {}, free)
-        return chosen, ""
+        # its domains first, then the reservations on the rest; else the reservations first
+        mine = set(chosen)
+        if self._covered([d for d in free if d not in mine], wanted) is not None:
+            return chosen, ""
+        marked = self._covered(free, wanted)
+        if marked is not None:
+            rest = set(marked)
+            chosen = choose_domains(((d, g) for d, g in groups.items() if d not in rest), groups_needed(spec))
+            if chosen is not None:
+                return chosen, ""
+        return None, self._refusal(name, spec, {}, free, wanted)
 
     async def view(self, limit: int, offset: int) -> dict[str, Any]:
         cluster = await self.world.cluster_async()
         self.sized(cluster)
-        return allocation_view(self.world, cluster, self.pending(), limit, offset)
+        return allocation_view(self.world, cluster, self.pending(), limit, offset, self.reserved_gpus())
 
     def pool_gpus(self) -> int:
         """GPUs of the free domains (as of the newest snapshot: a scrape never builds one)."""
         return sum(self.size(d) for d in self.free_domains())
+
+    def reserved_gpus(self) -> int:
+        """GPUs of the free domains that outstanding reservations would take (`earmarks`)."""
+        marks, _ = self.earmarks()
+        return sum(self.size(d) for ds in marks.values() for d in ds)
 
     # ---- writing --------------------------------------------------------------------------------
     async def _own(self, tx: Tx, name: str, domains: list[str], kind: str, first_seq: int = 0) -> None:
@@ -250,7 +314,8 @@ class Ownership:
             return Placement({}, f"pending: {why}")
         await tx.session.flush()  # the job row first: the allocation rows refer to it
         await self._own(tx, name, chosen, OWN)
-        tx.audit(tx.now, "alloc.own", name, after={"domains": chosen[:AUDITED], "count": len(chosen)})
+        tx.audit(tx.now, "alloc.own", name, after={"domains": chosen[:AUDITED], "count": len(chosen),
+                                                   "reserved_groups": 0 if spec.domains else spec.spares})
         return Placement(dict.fromkeys(chosen, OWN))
 
     async def release(self, tx: Tx, rec: JobRec) -> None:
@@ -296,20 +361,24 @@ class Ownership:
         await self.refresh()
         async with self.kernel.exclusive("allocator") as tx:
             taken: set[str] = set()
+            placed_needs: list[Need] = []  # reservations of the jobs placed in this pass
             for rec in self.pending():
                 try:
                     chosen, why = self._place(tx, rec.name, rec.spec, taken,
-                                              rec.layout.doc if rec.layout is not None else None)
+                                              rec.layout.doc if rec.layout is not None else None, placed_needs)
                 except InvalidArgument as e:  # a named domain not registered yet
                     chosen, why = None, e.message
                 if chosen is None:
                     rec.pending_reason = f"pending: {why}"
                     break
                 await self._own(tx, rec.name, chosen, OWN)
-                tx.audit(tx.now, "alloc.own", rec.name, after={"domains": chosen[:AUDITED], "count": len(chosen)},
+                tx.audit(tx.now, "alloc.own", rec.name, after={"domains": chosen[:AUDITED], "count": len(chosen),
+                                                               "reserved_groups": reserved_groups(rec)},
                          reason="placed from the queue")
                 taken.update(chosen)
                 placed.append(rec.name)
+                if reserved_groups(rec):
+                    placed_needs.append(Need(rec.name, rec.spec.tp, reserved_groups(rec), reserved_groups(rec)))
 
                 def publish(rec: JobRec = rec, chosen: list[str] = chosen) -> None:
                     if self.world.jobs.get(rec.name) is rec:
@@ -328,13 +397,17 @@ class Ownership:
 AUDITED = 64  # domains an audit row lists one by one
 
 
-def job_view(rec: JobRec) -> dict[str, Any]:
-    """One job's share of the cluster: its policy, what it owns and its throughput beside what it asks."""
+def job_view(rec: JobRec, groups_in: Callable[[str, int], int]) -> dict[str, Any]:
+    """One job's share of the cluster: its policy, what it owns, its reservation in the pool (TP
+    groups reserved, and granted against it) and its throughput beside what it asks."""
     lay = rec.layout
+    got = granted_groups(rec, groups_in)
     return {"name": rec.name, "state": "placed" if rec.held else "pending", "priority": rec.policy.priority,
             "preemptible": rec.policy.preemptible, "min_throughput": rec.policy.min_throughput,
             "queue": rec.policy.queue, "domains": len(rec.held),
             "granted": sum(1 for k in rec.held.values() if k != OWN),
+            "reservation": {"groups": reserved_groups(rec), "granted_groups": got,
+                            "domains": sum(1 for k in rec.held.values() if k == RESERVED)},
             "relative_throughput": lay.doc.relative_throughput if lay is not None else None,
             "meets_min_throughput": lay is not None and lay.doc.relative_throughput >= rec.policy.min_throughput,
             "pending_reason": rec.pending_reason if not rec.held else None,
@@ -342,10 +415,12 @@ def job_view(rec: JobRec) -> dict[str, Any]:
 
 
 def allocation_view(world: World, cluster: Cluster, pending: list[JobRec], limit: int,
-                    offset: int) -> dict[str, Any]:
+                    offset: int, reserved_gpus: int = 0) -> dict[str, Any]:
     """`GET /v1/cluster/allocation`: a page of domains (by id) with the job owning each (None: the
     pool), how it came to own it and its GPUs by state; the pool's totals; every job's share (a page
-    of jobs by name, the same `limit` and `offset`); the pending jobs in the order they are placed.
+    of jobs by name, the same `limit` and `offset`, each with its reservation); the pending jobs in
+    the order they are placed. The pool's `reserved_gpus` are those of the free domains that the
+    outstanding reservations would take (`Ownership.earmarks`), `unreserved_gpus` the rest.
     O(owned domains + the page's GPUs), read from the planner's snapshot `cluster`."""
     owners: dict[str, tuple[str, str]] = {d: (j.name, k) for j in world.jobs.values() for d, k in j.held.items()}
     sizes = dict(zip(cluster.domain_ids, cluster.domain_sizes, strict=True))
@@ -360,12 +435,18 @@ def allocation_view(world: World, cluster: Cluster, pending: list[JobRec], limit
         items.append({"domain": d, "job": job, "kind": kind, "gpus": len(gpus), "gpus_by_state": states})
     free = [d for d in ids if d not in owners]
     names = sorted(world.jobs)
+    pool_gpus = sum(sizes.get(d, 0) for d in free)
+
+    def groups_in(d: str, tp: int) -> int:
+        return sizes.get(d, 0) // tp
+
     return {
         "items": items, "total": len(ids), "limit": limit, "offset": offset,
-        "pool": {"domains": len(free), "gpus": sum(sizes.get(d, 0) for d in free),
-                 "first_domains": free[:NAMED_IN_MESSAGE]},
+        "pool": {"domains": len(free), "gpus": pool_gpus, "reserved_gpus": reserved_gpus,
+                 "unreserved_gpus": pool_gpus - reserved_gpus, "first_domains": free[:NAMED_IN_MESSAGE]},
         "owned": {"domains": len(owners), "gpus": sum(sizes.get(d, 0) for d in owners)},
-        "jobs": {"items": [job_view(world.jobs[n]) for n in names[offset:offset + limit]], "total": len(names)},
+        "jobs": {"items": [job_view(world.jobs[n], groups_in) for n in names[offset:offset + limit]],
+                 "total": len(names)},
         "pending": [j.name for j in pending][:limit],
     }
 

@@ -1,20 +1,25 @@
 """Sharing: the free pool helps jobs that fall below what they ask, by priority (issue 41).
 
-A job asks for a planned throughput of at least its `min_throughput` (default 0: it asks for
-nothing beyond its own domains and spares). After every new layout this part looks at the jobs
-that run below it, highest `priority` first (then arrival):
+A job's `spares` are a reservation in the pool (service/planning/reservations.py), and it may ask
+for a planned throughput of at least its `min_throughput` (default 0: nothing beyond its own
+domains and its reservation). After every new layout this part looks at the jobs that need help,
+highest `priority` first (then arrival):
 
-1. **Grant.** A free domain (the smallest that holds one of the job's TP groups) is given to it as a
-   `grant`; its planner counts the domain's groups as spares and, with its minimal-movement packing,
-   swaps them for reduced groups (a live switch, no restart).
-2. **Preempt.** When the pool has no such domain, a `preemptible` job of lower priority that owns
+1. **Grant against the reservation.** A job planned below full throughput whose reservation is
+   not all granted gets a free domain (kind `reserved`): one the reservations' plan sets aside for
+   it, else one no reservation needs, the smallest that holds one of its TP groups. Its planner
+   counts the domain's groups as spares and, with its minimal-movement packing, swaps them for
+   reduced groups (a live switch, no restart).
+2. **Grant beyond it.** A job below its `min_throughput` with its reservation all granted gets a
+   free domain that no outstanding reservation needs (kind `grant`), the same way.
+3. **Preempt.** When the pool has no such domain, a `preemptible` job of lower priority that owns
    more than one domain gives one up: in one transaction its new layout without that domain (planned
    first, checked like every layout) and the allocation row's move to the receiver (`borrowed`).
    The victim loses a replica through the same live switch; a job that is not preemptible, or one
    owning a single domain, is never taken from.
-3. **Return.** A granted or borrowed domain that its job's layout no longer uses (its GPUs were
-   repaired) while the job meets its `min_throughput` goes back to the pool, where pending jobs and
-   the next needy job find it.
+4. **Return.** A granted or borrowed domain that its job's layout no longer uses (its GPUs were
+   repaired) while the job needs no help goes back to the pool, where pending jobs and the next
+   needy job find it; a `reserved` one makes its reservation outstanding again.
 
 Each change is one fenced kernel transaction with its audit row (`alloc.grant`, `alloc.preempt`,
 `alloc.return`) that touches the jobs whose holdings change.
@@ -29,12 +34,14 @@ from typing import Any
 import structlog
 from sqlalchemy import delete, update
 
+from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner import JobSpec, PlanError
 from ntp_manager.service.core.errors import InvalidArgument, NotFound
 from ntp_manager.service.core.kernel import Tx
 from ntp_manager.service.core.state import JobRec
 from ntp_manager.service.planning.jobs import Jobs
 from ntp_manager.service.planning.ownership import BORROWED, GRANT, OWN
+from ntp_manager.service.planning.reservations import RESERVED, need_of, order
 from ntp_manager.specfile import SpecError, job_and_policy_from_dict
 from ntp_manager.store.models import AllocationRow, JobRow
 
@@ -43,14 +50,19 @@ log = structlog.get_logger("ntp.sharing")
 POLICY_FIELDS = ("priority", "preemptible", "min_throughput", "queue")
 
 
+FULL = 1.0  # the planned throughput of a job with every replica at full speed
+
+
 def below(rec: JobRec) -> bool:
     """Whether `rec` runs below its `min_throughput` (a job without a layout is not judged)."""
     lay = rec.layout
     return bool(rec.held) and lay is not None and lay.doc.relative_throughput < rec.policy.min_throughput
 
 
-def order(rec: JobRec) -> tuple[int, float, str]:
-    return (-rec.policy.priority, rec.created_at.timestamp() if rec.created_at else 0.0, rec.name)
+def degraded(rec: JobRec) -> bool:
+    """Whether `rec` is planned below full throughput (a job without a layout is not judged)."""
+    lay = rec.layout
+    return bool(rec.held) and lay is not None and lay.doc.relative_throughput < FULL
 
 
 class Sharing:
@@ -68,6 +80,7 @@ class Sharing:
         # what it was given (else one failure would take a domain per pass before the first replan)
         self._helped: dict[str, object] = {}
         jobs.on_layout.append(self.later)
+        jobs.on_unchanged.append(self.later)
         self.own.on_freed.append(self.later)
 
     # ---- when -----------------------------------------------------------------------------------
@@ -102,30 +115,71 @@ class Sharing:
             if lay is None or below(rec):
                 continue
             used = set(lay.doc.group_domains)
-            spare = [d for d, kind in rec.held.items() if kind != OWN and d not in used]
+            # a domain held against the reservation stays while the job is degraded (it is the job's
+            # own spare capacity; giving it back would only have it granted again)
+            spare = [d for d, kind in rec.held.items() if kind != OWN and d not in used
+                     and not (kind == RESERVED and degraded(rec))]
             if spare:
                 await self._return(rec, spare[-1])
                 return True
+            swap = self._idle_own(rec, used)
+            if swap is not None:
+                await self._return(rec, swap[0], promote=swap[1])
+                return True
         for name in [n for n in self._helped if n not in w.jobs]:
             del self._helped[name]
-        for rec in sorted((j for j in w.jobs.values() if below(j)), key=order):
+        for rec in sorted((j for j in w.jobs.values() if degraded(j)), key=order):
             if self._helped.get(rec.name) is rec.layout:
                 continue  # not replanned since it was helped
-            if await self._grant(rec) or await self._preempt(rec):
+            if need_of(rec, self.own.groups_in).groups > 0 and await self._grant(rec, RESERVED):
+                return True
+            if below(rec) and (await self._grant(rec, GRANT) or await self._preempt(rec)):
                 return True
         return False
 
-    async def _return(self, rec: JobRec, domain: str) -> None:
+    def _idle_own(self, rec: JobRec, used: set[str]) -> tuple[str, str] | None:
+        """After a repair the planner's minimal movement keeps a replica on the domain granted against
+        the reservation and leaves one of the job's own domains idle: (that idle domain, repaired,
+        and the reserved one in use that takes its place as owned, holding at least as many of its
+        TP groups), or None. Only for a job back at full throughput; an idle domain with a GPU not
+        healthy stays (it is what the reserved domain stands in for)."""
+        if degraded(rec):
+            return None
+        tp, w = rec.spec.tp, self.kernel.world
+        idle = [d for d, k in rec.held.items() if k == OWN and d not in used
+                and all(w.gpus[u].state == GpuState.HEALTHY for u in w.gpus_of_domain(d))]
+        busy = [d for d, k in rec.held.items() if k == RESERVED and d in used]
+        for d in idle:
+            for r in busy:
+                if self.own.groups_in(r, tp) >= self.own.groups_in(d, tp):
+                    return d, r
+        return None
+
+    async def _return(self, rec: JobRec, domain: str, promote: str | None = None) -> None:
+        """Give `domain` back to the pool; with `promote`, the job owns that reserved domain instead
+        of `domain` (its own, idle), so its reservation is outstanding again the same way."""
         async with self.kernel.exclusive("allocator") as tx:
-            if rec.held.get(domain) in (None, OWN) or self.kernel.world.jobs.get(rec.name) is not rec:
+            kind = rec.held.get(domain)
+            if (kind is None or (kind == OWN) != (promote is not None)
+                    or self.kernel.world.jobs.get(rec.name) is not rec
+                    or (promote is not None and rec.held.get(promote) != RESERVED)):
                 return
             await tx.session.execute(delete(AllocationRow).where(AllocationRow.domain_id == domain,
                                                                  AllocationRow.job == rec.name))
+            if promote is not None:
+                await tx.session.execute(update(AllocationRow).where(
+                    AllocationRow.domain_id == promote, AllocationRow.job == rec.name).values(kind=OWN))
             tx.touch_job(rec.name)
-            tx.audit(tx.now, "alloc.return", rec.name, before={"domain": domain, "kind": rec.held[domain]},
-                     reason="its layout no longer uses the domain and it meets its min_throughput")
+            again = kind == RESERVED or promote is not None
+            tx.audit(tx.now, "alloc.return", rec.name, before={"domain": domain, "kind": kind},
+                     after={"owns": promote} if promote is not None else None,
+                     reason="its layout no longer uses the domain and it meets its min_throughput"
+                     + (f"; it owns {promote} (granted against its reservation) in its place" if promote else "")
+                     + ("; its reservation is outstanding again" if again else ""))
 
             def returned() -> None:
+                if promote is not None:
+                    rec.held[promote] = OWN
                 rec.held.pop(domain, None)
                 self.returns += 1
                 self.own.freed()
@@ -133,28 +187,39 @@ class Sharing:
 
             tx.after.append(returned)
 
-    async def _grant(self, rec: JobRec) -> bool:
+    def _candidates(self, rec: JobRec, kind: str) -> list[str]:
+        """Free domains `rec` may be granted as `kind`, preferred first: against its reservation, those
+        the reservations' plan sets aside for it, then those no reservation needs; beyond it, only
+        the latter. Each the smallest first that holds one of its TP groups."""
+        marks, _ = self.own.earmarks()
+        marked = {d for ds in marks.values() for d in ds}
         tp = rec.spec.tp
-        free = [(self.own.groups_in(d, tp), d) for d in self.own.free_domains()]
-        fit = sorted(x for x in free if x[0] >= 1)
+        mine = marks.get(rec.name, []) if kind == RESERVED else []
+        unreserved = [d for d in self.own.free_domains() if d not in marked]
+        pick = [sorted((self.own.groups_in(d, tp), d) for d in ds if self.own.groups_in(d, tp) >= 1)
+                for ds in (mine, unreserved)]
+        return [d for group in pick for _, d in group]
+
+    async def _grant(self, rec: JobRec, kind: str) -> bool:
+        fit = self._candidates(rec, kind)
         if not fit:
             return False
-        domain = fit[0][1]
+        domain = fit[0]
         async with self.kernel.exclusive("allocator") as tx:
             if self.kernel.world.jobs.get(rec.name) is not rec or domain in self.kernel.world.owners():
                 return True  # the world moved meanwhile: look again
-            await self.own.take(tx, rec, [domain], GRANT)
-            tx.audit(tx.now, "alloc.grant", rec.name, after={"domain": domain, "priority": rec.policy.priority},
-                     reason=self._why(rec))
+            await self.own.take(tx, rec, [domain], kind)
+            tx.audit(tx.now, "alloc.grant", rec.name, after={"domain": domain, "priority": rec.policy.priority,
+                                                             "kind": kind}, reason=self._why(rec, kind))
 
             def granted() -> None:
                 self._helped[rec.name] = rec.layout
-                rec.held[domain] = GRANT
+                rec.held[domain] = kind
                 self.grants += 1
                 self._dirty(rec.name)
 
             tx.after.append(granted)
-        log.info("domain granted from the pool", job=rec.name, domain=domain)
+        log.info("domain granted from the pool", job=rec.name, domain=domain, kind=kind)
         return True
 
     def _victims(self, rec: JobRec) -> list[JobRec]:
@@ -207,9 +272,13 @@ class Sharing:
             return True
         return False
 
-    def _why(self, rec: JobRec) -> str:
+    def _why(self, rec: JobRec, kind: str = GRANT) -> str:
         lay = rec.layout
         thr = lay.doc.relative_throughput if lay is not None else 0.0
+        if kind == RESERVED:
+            n = need_of(rec, self.own.groups_in)
+            return (f"planned throughput {thr:.4f} is below full; against its reservation of {n.reserved} spare "
+                    f"group(s) of tp={rec.spec.tp} ({n.groups} outstanding)")
         return f"planned throughput {thr:.4f} is below its min_throughput {rec.policy.min_throughput:.4f}"
 
     def _dirty(self, name: str) -> None:
