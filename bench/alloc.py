@@ -48,7 +48,8 @@ async def register(m: Manager, gpus: int) -> None:
         for d in range(gpus // DOMAIN):
             for n in range(DOMAIN // NODE):
                 node = f"n{d}-{n}"
-                tx.add_node(NodeRec(node, f"nvl-{d:05d}", []))
+                # seen now (a last_seen of 0 is the machine's uptime ago: past fail_after_s on a box up 2 h)
+                tx.add_node(NodeRec(node, f"nvl-{d:05d}", [], last_seen=m.clock.monotonic()))
                 for i in range(NODE):
                     tx.add_gpu(GpuRec(f"GPU-{d}-{n}-{i}", node, f"nvl-{d:05d}", i, 1_000_000, 200_000, 1_300_000,
                                       health_source=HealthSource.AGENT))
