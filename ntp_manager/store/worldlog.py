@@ -16,9 +16,8 @@ below it has missed rows and loads the world again.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
 
-from sqlalchemy import bindparam, delete, func, select, text
+from sqlalchemy import delete, func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
@@ -30,8 +29,7 @@ PRUNED = "world-pruned"  # the outbox_state consumer that records the newest pru
 _APPEND = text(
     "WITH r AS (INSERT INTO world_log (epoch, body, created_at) VALUES (:epoch, CAST(:body AS json), :at) "
     "RETURNING seq) SELECT pg_notify(:channel, seq::text) FROM r")
-_READ_AFTER = (select(WorldLogRow.seq, WorldLogRow.body).where(WorldLogRow.seq > bindparam("after"))
-               .order_by(WorldLogRow.seq).limit(bindparam("lim")))
+_READ_AFTER = text("SELECT seq, CAST(body AS text) FROM world_log WHERE seq > :after ORDER BY seq LIMIT :lim")
 
 
 async def append(session: AsyncSession, body_json: str, epoch: int, now: datetime) -> None:
@@ -39,10 +37,10 @@ async def append(session: AsyncSession, body_json: str, epoch: int, now: datetim
     await session.execute(_APPEND, {"epoch": epoch, "body": body_json, "at": now, "channel": CHANNEL})
 
 
-async def read_after(conn: AsyncConnection | AsyncSession, after: int, limit: int) -> list[tuple[int, dict[str, Any]]]:
-    """Up to `limit` rows after `after`, in sequence order: (seq, body)."""
-    rows = (await conn.execute(_READ_AFTER, {"after": after, "lim": limit})).all()
-    return [(int(r[0]), dict(r[1])) for r in rows]
+async def read_after(conn: AsyncConnection | AsyncSession, after: int, limit: int) -> list[tuple[int, str]]:
+    """Up to `limit` rows after `after`, in sequence order: (seq, the body as JSON text: the caller
+    parses it, off the event loop where it is large)."""
+    return [(int(r[0]), str(r[1])) for r in (await conn.execute(_READ_AFTER, {"after": after, "lim": limit}))]
 
 
 async def head(conn: AsyncConnection | AsyncSession) -> int:

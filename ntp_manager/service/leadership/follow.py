@@ -37,7 +37,6 @@ from typing import Any
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
@@ -57,7 +56,6 @@ log = structlog.get_logger("ntp.follow")
 BATCH = 256  # rows read at once
 SETTLE_S = 1.0  # the planner's snapshot is rebuilt and sent once the log has been quiet this long
 INLINE = 512  # records a transaction writes below which its row is encoded on the loop (else in a thread)
-_READ = text("SELECT seq, CAST(body AS text) FROM world_log WHERE seq > :after ORDER BY seq LIMIT :lim")
 
 
 def _decode(rows: list[tuple[int, str]]) -> list[tuple[int, Checked | str]]:
@@ -201,7 +199,7 @@ class Follower:
         """Apply the next rows (up to BATCH); the jobs they name are read back, and the planner's
         snapshot rebuilt, once the log is quiet (`_run`). How many rows were read."""
         async with self._reader.connect() as c:
-            raw = [(int(r[0]), str(r[1])) for r in (await c.execute(_READ, {"after": self.cursor, "lim": BATCH}))]
+            raw = await worldlog.read_after(c, self.cursor, BATCH)
             if raw and raw[0][0] > self.cursor + 1 and await worldlog.pruned_upto(c) > self.cursor:
                 log.error("world-log rows this manager had not applied were pruned; loading the world again",
                           cursor=self.cursor)
