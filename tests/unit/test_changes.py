@@ -4,6 +4,7 @@ another world give the same records; a body that cannot be applied changes nothi
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from datetime import UTC, datetime
 
 import pytest
@@ -76,3 +77,9 @@ def test_a_body_that_cannot_be_applied_changes_nothing(body: dict[str, object], 
     with pytest.raises(BadRow, match=reason):
         apply_body(w, body, 0.0, Applied())
     assert records(w) == before and w.gpus == {}
+
+
+def test_the_fields_are_the_records_own_order() -> None:
+    """A GPU record is rebuilt positionally from its row: GPU_FIELDS must be GpuRec's fields, in order."""
+    assert tuple(f.name for f in fields(GpuRec)) == GPU_FIELDS
+    assert set(NODE_FIELDS) <= {f.name for f in fields(NodeRec)}

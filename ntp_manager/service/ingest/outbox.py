@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -25,8 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
-from sqlalchemy import String, bindparam, select, text
-from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
@@ -36,6 +34,7 @@ from ntp_manager.service.core.errors import InvalidArgument, PermissionDenied, S
 from ntp_manager.service.core.inputs import GpuInventory, GpuReport, check_hello, check_power_readings, check_report
 from ntp_manager.service.core.state import HEALTH_STATES
 from ntp_manager.service.ingest.agents import AgentSession, identity_problem
+from ntp_manager.service.ingest.hello_view import HelloViews
 from ntp_manager.store import outbox
 from ntp_manager.store.models import AuditRow, LeaderRow
 
@@ -157,13 +156,6 @@ def _lock_timeout(e: BaseException) -> bool:
     return "LockNotAvailable" in type(orig).__name__ or "lock timeout" in str(e).lower()
 
 
-HELLO_VIEW = text(
-    "SELECT (SELECT domain_id FROM nodes WHERE name = :n), (SELECT last_seq FROM nodes WHERE name = :n), "
-    "(SELECT max(report_seq) FROM outbox WHERE node = :n), (SELECT epoch FROM leader WHERE id = 1), "
-    "(SELECT json_object_agg(uuid, node)::text FROM gpus WHERE uuid = ANY(:u))"
-).bindparams(bindparam("n", type_=String()), bindparam("u", type_=ARRAY(String())))
-
-
 @dataclass
 class StreamState:
     """What this manager knows of one agent stream it holds."""
@@ -185,6 +177,8 @@ class AgentIngest:
         # hellos read in autocommit on PostgreSQL (one statement, no BEGIN/ROLLBACK)
         self._reader = (engine.execution_options(isolation_level="AUTOCOMMIT")
                         if engine is not None and engine.dialect.name == "postgresql" else None)
+        # many hellos' checks in one statement (service/ingest/hello_view.py)
+        self.views = HelloViews(self._reader) if self._reader is not None else None
         self.clock = clock
         self.sessions = sessions  # shared with service/ingest/agents.py: where commands go
         self.on_sessions = on_sessions
@@ -232,21 +226,17 @@ class AgentIngest:
         return session, last_seq, int(epoch or 0)
 
     async def _hello_view(self, node: str, uuids: list[str]) -> tuple[str | None, dict[str, str], int, int | None]:
-        """What a hello is checked against, in one statement out of any transaction (a hello is the
-        costliest thing a standby does, and each round trip costs it CPU: BEGIN, four reads and
-        ROLLBACK were six): the node's domain, the node each of these GPUs is registered on, the
-        node's last durable report seq (applied, or stored and not applied yet: store/outbox.py's
-        node_last_seq) and the leader epoch."""
-        if self._reader is None:
+        """What a hello is checked against: the node's domain, the node each of these GPUs is
+        registered on, the node's last durable report seq (applied, or stored and not applied yet:
+        store/outbox.py's node_last_seq) and the leader epoch. On PostgreSQL in one statement out
+        of any transaction, shared by every hello waiting (service/ingest/hello_view.py)."""
+        if self.views is None:
             async with self.sm() as s:
                 return (await outbox.node_domain(s, node), await outbox.gpu_owners(s, uuids),
                         await outbox.node_last_seq(s, node),
                         (await s.execute(select(LeaderRow.epoch).where(LeaderRow.id == 1))).scalar_one_or_none())
-        async with self._reader.connect() as c:
-            row = (await c.execute(HELLO_VIEW, {"n": node, "u": uuids})).one()
-        owners = json.loads(row[4]) if row[4] else {}
-        return (row[0], {str(k): str(v) for k, v in owners.items()}, max(int(row[1] or 0), int(row[2] or 0)),
-                None if row[3] is None else int(row[3]))
+        v = await self.views.view(node, uuids)
+        return v.domain, v.owners, v.last_seq, v.epoch
 
     async def _deny(self, principal: Principal, node: str, fp: str | None, peer: str, problem: str) -> None:
         log.warning("agent identity refused", token=principal.token_id, node=node[:64], problem=problem)

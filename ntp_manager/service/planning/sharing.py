@@ -109,6 +109,10 @@ class Sharing:
     async def step(self) -> bool:
         """Return one unused grant, or help the neediest job by one domain; False when nothing to do."""
         w = self.kernel.world
+        for name in [n for n in self._helped if n not in w.jobs]:
+            del self._helped[name]
+        if not any(rec.layout is not None and rec.held for rec in w.jobs.values()):
+            return False  # nothing to return or help (and no snapshot rebuilt for it: O(GPUs) per registration)
         await self.own.refresh()
         for rec in sorted(w.jobs.values(), key=order):
             lay = rec.layout
@@ -126,8 +130,6 @@ class Sharing:
             if swap is not None:
                 await self._return(rec, swap[0], promote=swap[1])
                 return True
-        for name in [n for n in self._helped if n not in w.jobs]:
-            del self._helped[name]
         for rec in sorted((j for j in w.jobs.values() if degraded(j)), key=order):
             if self._helped.get(rec.name) is rec.layout:
                 continue  # not replanned since it was helped

@@ -1,0 +1,99 @@
+"""What a hello is checked against on PostgreSQL, read for many hellos at once.
+
+An agent's hello is checked against the database (service/ingest/outbox.py's `AgentIngest`): the
+domain its node is registered in, the node each of its GPUs is registered on, the node's last
+durable report seq (applied, or stored and not applied yet) and the leader epoch to welcome it
+with. Read one hello at a time, a registration wave of thousands of agents took a pooled connection
+per hello: past the pool's size each one was a new connection (TCP, TLS negotiation, asyncpg's type
+introspection, every statement prepared again), the largest part of a hello's CPU on a standby
+(bench/RESULTS.md). `HelloViews` reads for every hello waiting when the previous read ends, in one
+statement on one connection: a hello alone is read at once, a wave in a few round trips.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import String, bindparam, text
+from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+MAX_HELLOS = 256  # hellos in one read (their GPUs are bounded by the hello's own checks)
+
+VIEWS = text(
+    "SELECT (SELECT json_agg(json_build_array(q.n, nd.domain_id, nd.last_seq, "
+    "(SELECT max(o.report_seq) FROM outbox o WHERE o.node = q.n)))::text "
+    "FROM unnest(CAST(:ns AS varchar[])) AS q(n) LEFT JOIN nodes nd ON nd.name = q.n), "
+    "(SELECT json_object_agg(uuid, node)::text FROM gpus WHERE uuid = ANY(:us)), "
+    "(SELECT epoch FROM leader WHERE id = 1)"
+).bindparams(bindparam("ns", type_=ARRAY(String())), bindparam("us", type_=ARRAY(String())))
+
+
+@dataclass(frozen=True, slots=True)
+class HelloView:
+    domain: str | None  # the node's registered domain (None: not registered)
+    owners: dict[str, str]  # GPU -> the node it is registered on, for this hello's GPUs that are
+    last_seq: int  # the node's last durable report seq
+    epoch: int | None  # the leader epoch (None: nobody has led yet)
+
+
+class HelloViews:
+    """One read at a time; the hellos that arrive meanwhile wait for the next one, all together."""
+
+    def __init__(self, reader: AsyncEngine) -> None:
+        self.reader = reader  # an AUTOCOMMIT engine: one statement, no BEGIN and ROLLBACK around it
+        self.reads = 0  # statements run
+        self.hellos = 0  # hellos answered by them
+        self._waiting: list[tuple[str, list[str], asyncio.Future[HelloView]]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def view(self, node: str, uuids: list[str]) -> HelloView:
+        """The view for one hello; raises OSError (the database could not be read) like a read of
+        its own would (the caller answers UNAVAILABLE), or its caller's timeout."""
+        fut: asyncio.Future[HelloView] = asyncio.get_running_loop().create_future()
+        self._waiting.append((node, uuids, fut))
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._drain(), name="hello-views")
+        return await fut
+
+    async def _drain(self) -> None:
+        while self._waiting:
+            batch, self._waiting = self._waiting[:MAX_HELLOS], self._waiting[MAX_HELLOS:]
+            batch = [b for b in batch if not b[2].done()]  # a caller that timed out is not read for
+            if not batch:
+                continue
+            try:
+                views = await self._read([b[0] for b in batch], [b[1] for b in batch])
+            except asyncio.CancelledError:
+                for *_, fut in batch:
+                    fut.cancel()
+                raise
+            except Exception as e:  # each caller gets an error of its own, naming what went wrong
+                reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+                for *_, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(OSError(f"cannot read the hello checks: {reason}"))
+                continue
+            for (_, _, fut), v in zip(batch, views, strict=True):
+                if not fut.done():
+                    fut.set_result(v)
+
+    async def _read(self, nodes: list[str], uuids: Sequence[list[str]]) -> list[HelloView]:
+        every = sorted({u for us in uuids for u in us})
+        async with self.reader.connect() as c:
+            row = (await c.execute(VIEWS, {"ns": nodes, "us": every})).one()
+        self.reads += 1
+        self.hellos += len(nodes)
+        per_node = {str(n): (d, max(int(applied or 0), int(stored or 0)))
+                    for n, d, applied, stored in (json.loads(row[0]) if row[0] else [])}
+        owners = {str(k): str(v) for k, v in (json.loads(row[1]) if row[1] else {}).items()}
+        epoch = None if row[2] is None else int(row[2])
+        out = []
+        for node, us in zip(nodes, uuids, strict=True):
+            domain, last = per_node.get(node, (None, 0))
+            out.append(HelloView(None if domain is None else str(domain),
+                                 {u: owners[u] for u in us if u in owners}, last, epoch))
+        return out
