@@ -453,6 +453,26 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         wgens = await watchers_start(args, grpcs, wtok, nodes)
         wrounds: list[dict[str, Any] | None] = []
         leader = 0
+        # ---- the steady state: every agent and watch connected, nothing changing. Measured after a
+        # pause, so that what the last phase left (the standbys' followers rebuilding the planner's
+        # snapshot once the log is quiet, the watches' first reads) is not counted as idle.
+        await asyncio.sleep(args.settle_s)
+        st_idle = [await g.ask({"cmd": "stats"}) for g in gens]
+        w_idle = await watchers_stats(wgens) if wgens else {"on": []}
+        on_agents = [a for s in st_idle for a in s["on"]]
+        sprofs = [Profile(slots[k].proc.pid, f"{'the leader' if k == 0 else 'standby m' + str(k)} (steady state)",
+                          tmp / f"profile-steady-{k}.txt") for k in (0, 1)] if args.profile else []
+        c0, ti = [cpu_seconds(p.proc.pid) for p in slots], time.perf_counter()
+        await asyncio.sleep(args.idle_s)
+        share = [(cpu_seconds(p.proc.pid) - c) / (time.perf_counter() - ti) for p, c in zip(slots, c0, strict=True)]
+        clients = [on_agents.count(p.grpc) + w_idle["on"].count(p.grpc) for p in slots]
+        out["steady"] = {"cpu_share": [round(x, 3) for x in share], "clients": clients,
+                         "us_per_s_per_client": [round(x * 1e6 / c, 1) if c else None
+                                                 for x, c in zip(share, clients, strict=True)]}
+        if sprofs:
+            out["profile_steady"] = {p.label: p.stop() for p in sprofs}
+        print(f"steady state (every agent and watch connected): managers' CPU {[f'{x:.1%}' for x in share]}, "
+              f"clients {clients}, CPU per client {out['steady']['us_per_s_per_client']} us/s", flush=True)
         # ---- 4. a standby killed (before the leader rounds: each manager still holds a third of the
         # agents then; agents move only when their stream breaks, so after a few leader changes the
         # standbys may hold none) ----------------------------------------------------------------------
@@ -488,19 +508,32 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 t_watches = since
             if since > 120:
                 if t_agents is None:
+                    st = [await g.ask({"cmd": "stats"}) for g in gens]
+                    print(f"standby SIGKILL: after 120 s, agents connected {[c['connected'] for c in conn]} "
+                          f"(of {[len(g.nodes) for g in gens]}), on the dead one {[c['on'] for c in conn]}; "
+                          f"stream ends {[s['errors'] for s in st]}", flush=True)
                     raise TimeoutError("agents of the killed standby not served elsewhere in 120 s")
                 break
+            if int(since / 5) != int((since - 0.25) / 5):
+                print(f"  standby SIGKILL +{since:.0f} s: agents connected {sum(c['connected'] for c in conn)}, "
+                      f"on the dead one {sum(c['on'] for c in conn)}", flush=True)
             await asyncio.sleep(0.25)
         st = [await g.ask({"cmd": "stats"}) for g in gens]
         gaps = [x for s, b in zip(st, before, strict=True) for x in s["gaps_s"][b:]]
-        out["standby_kill"] = {"agents_on_it": on_it, "agents_moved": len(gaps),
+        waits = [x for s, b in zip(st, before, strict=True) for x in s["hello_waits_s"][b:]]
+        print(f"standby SIGKILL: stream ends so far {[s['errors'] for s in st]}", flush=True)
+        out["standby_kill"] = {"hello_to_welcome_p50_s": statistics.median(waits) if waits else None,
+                               "hello_to_welcome_max_s": max(waits) if waits else None,
+                               "agents_on_it": on_it, "agents_moved": len(gaps),
                                "all_served_s": t_agents,
                                "gap_max_s": max(gaps) if gaps else None,
                                "gap_p50_s": statistics.median(gaps) if gaps else None,
                                "generator_lag_max_s": glag, "watch_generator_lag_max_s": wlag}
         print(f"standby SIGKILL: {len(gaps)} agents moved, all served after {t_agents:.2f} s, the longest without "
               f"a stream {out['standby_kill']['gap_max_s']}; generators' longest loop lag {glag} s, "
-              f"watch generators' {wlag} s", flush=True)
+              f"watch generators' {wlag} s; hello -> welcome p50 "
+              f"{out['standby_kill']['hello_to_welcome_p50_s']}, max {out['standby_kill']['hello_to_welcome_max_s']} s",
+              flush=True)
         wkill = await watchers_standby_kill(wgens, w0, slots[standby].grpc, t_watches)
         if wgens:
             print(f"standby SIGKILL: watches {wkill}", flush=True)
@@ -662,7 +695,9 @@ def main() -> None:
     ap.add_argument("--postgres", default=os.environ.get("NTP_TEST_POSTGRES_URL",
                                                          "postgresql+asyncpg://postgres@127.0.0.1:5432/test"))
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--idle-s", type=float, default=3.0, help="the idle window measured before the ingest phases")
+    ap.add_argument("--idle-s", type=float, default=3.0, help="the idle windows measured (before the ingest phases, "
+                    "and in the steady state with every agent and watch connected)")
+    ap.add_argument("--settle-s", type=float, default=5.0, help="the pause before the steady-state idle window")
     ap.add_argument("--profile", action="store_true",
                     help="py-spy record the leader and a standby over the registration and over the ingest "
                          "phase with two ingesting managers (the leader only consumes) and print their busiest "

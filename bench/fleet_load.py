@@ -66,6 +66,8 @@ class Sim:
         self.failed_here = 0  # addresses failed in a row (no welcome)
         self.rounds_failed = 0  # rounds of every address failed in a row
         self.gaps: list[float] = []
+        self.hello_waits: list[float] = []  # per welcome: from sending the hello to the welcome
+        self.errors: dict[str, int] = {}  # stream ends by status code (and why the hello failed)
         self.lost_at: float | None = None
         self.state = HEALTHY
 
@@ -96,6 +98,7 @@ class Sim:
                 gpus=[common_pb2.GpuInfo(uuid=u, index=k, power=common_pb2.PowerConstraints(
                     min_mw=200_000, max_mw=1_300_000, default_mw=1_000_000)) for k, u in enumerate(self.uuids)])))
             target = self.targets[self.t % len(self.targets)]
+            sent_at = time.perf_counter()
             beat: asyncio.Task[None] | None = None
             welcomed = False
             hint: str | None = None
@@ -113,6 +116,7 @@ class Sim:
                         for p in self.pending:
                             q.put_nowait(self._msg(p))
                         if self.lost_at is not None:
+                            self.hello_waits.append(time.perf_counter() - sent_at)
                             self.gaps.append(time.perf_counter() - self.lost_at)
                             self.lost_at = None
                         self.connected.set()
@@ -123,6 +127,8 @@ class Sim:
                         self.pending = [p for p in self.pending if p[0] > msg.ack.seq]
                         self.acked_ev.set()
             except grpc.aio.AioRpcError as e:
+                key = f"{e.code().name}{'' if welcomed else ' (no welcome)'}: {(e.details() or '')[:60]}"
+                self.errors[key] = self.errors.get(key, 0) + 1
                 hint = leader_hint(e)  # told to move (balance) or to the leader: go there, as the agent does
             finally:
                 if beat is not None:
@@ -199,8 +205,13 @@ async def main() -> None:
                 "on_it": s is not None and s.targets[s.t % len(s.targets)] == c.get("not")}
 
     async def stats(c: dict[str, Any]) -> dict[str, Any]:
-        return {"acked": {s.node: s.acked for s in sims}, "moves": sum(s.moves for s in sims),
-                "gaps_s": [g for s in sims for g in s.gaps], "cpu_s": time.process_time(),
+        errors: dict[str, int] = {}
+        for sim in sims:
+            for k, v in sim.errors.items():
+                errors[k] = errors.get(k, 0) + v
+        return {"acked": {s.node: s.acked for s in sims}, "moves": sum(s.moves for s in sims), "errors": errors,
+                "gaps_s": [g for s in sims for g in s.gaps],
+                "hello_waits_s": [g for s in sims for g in s.hello_waits], "cpu_s": time.process_time(),
                 "connected": sum(s.connected.is_set() for s in sims),
                 "on": [s.targets[s.t % len(s.targets)] for s in sims if s.connected.is_set()]}
 

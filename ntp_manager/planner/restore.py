@@ -44,11 +44,18 @@ def lost_units(previous: LayoutDoc, new: LayoutDoc, units: Mapping[str, int]) ->
     (empty when every unit has a surviving holder). Families with no units are skipped."""
     survivors = set(new.gpus)
     by_stage: dict[int, list[tuple[int, tuple[str, ...]]]] = {}
-    for r in previous.replicas:
-        for g in r.groups:
-            by_stage.setdefault(g.stage, []).append((g.tp, g.gpus))
+    st, gs, tps, every = previous.group_starts, previous.gpu_starts, previous.group_tps, previous.gpus
+    for i in range(len(previous.replica_ids)):  # the columns, not a record per group
+        for g in range(st[i], st[i + 1]):
+            by_stage.setdefault(g - st[i], []).append((tps[g], every[gs[g]:gs[g + 1]]))
     out: dict[int, dict[str, list[Range]]] = {}
     for stage, groups in sorted(by_stage.items()):
+        # a group whose every GPU survives holds every unit of the stage (a group's ranks split all
+        # of them between them): nothing of it is lost. After a few failures that is nearly every
+        # stage, found in O(its GPUs) instead of the ranges of every group (a 96,000-GPU job's
+        # replan spent a third of its time here).
+        if any(all(u in survivors for u in gpus) for _, gpus in groups):
+            continue
         sync = min(tp for tp, _ in groups)
         for fam, n in units.items():
             if n <= 0:

@@ -21,7 +21,6 @@ from ntp_manager.store import outbox
 from ntp_manager.store.db import make_engine
 from ntp_manager.store.models import LeaderRow
 from tests.integration.conftest import PG, database
-from tests.integration.test_ha import eventually
 
 pytestmark = pytest.mark.skipif(not PG, reason="NTP_TEST_POSTGRES_URL is not set (no PostgreSQL server to test with)")
 

@@ -171,6 +171,12 @@ def test_real_plans_through_failures_round_trip_and_deltas_stay_small() -> None:
         cluster = cluster.with_states({u: GpuState.FAILED})
         plans.append(make_plan(cluster, spec, plans[-1]))
     docs = [LayoutDoc.of(p) for p in plans]
+    # the columns LayoutDoc.of fills from a plan are those of the plan's records, as typed records
+    for p, d in zip(plans, docs, strict=True):
+        records = [ReplicaDoc(r.replica_id, r.tp, r.local_batch, round(r.relative_throughput, 6), tuple(
+            GroupDoc(g.group_id, g.domain, g.stage, g.tp, g.usable, g.spare, g.power_ratio, g.gpus, g.prev_replica,
+                     g.prev_stage) for g in r.groups)) for r in p.replicas]
+        assert d == LayoutDoc(**d.header(), replicas=records) and list(d.replicas) == records
     pos = {u: i for i, u in enumerate(g.uuid for d in cluster.domains for g in d.gpus)}
     at = {i: u for u, i in pos.items()}
     bodies = [codec.encode(d, pos.__getitem__, docs[i - 1] if i else None) for i, d in enumerate(docs)]
@@ -230,3 +236,16 @@ def test_gpus_are_kept_in_the_global_rank_order_of_planner_ranks(doc: LayoutDoc)
         for g, ranks in zip(r.groups, stages, strict=True):
             assert tuple(doc.gpus[k] for k in ranks) == g.gpus
     assert LayoutDoc(**{**doc.header(), "replicas": list(doc.replicas)}) == doc
+
+
+@given(st.data())
+def test_the_replicas_changed_since_a_layout_are_those_its_records_show(data: st.DataObject) -> None:
+    """LayoutDoc.changed_since compares column slices; the records say the same, replica by replica."""
+    old = data.draw(layouts())
+    new = data.draw(st.one_of(changed(old), layouts()))
+    before = {r.id: r for r in old.replicas}
+    want = [i for i, r in enumerate(new.replicas) if (b := before.get(r.id)) is None or b[:4] != r[:4]
+            or [g.placement() for g in b.groups] != [g.placement() for g in r.groups]]
+    assert new.changed_since(old) == want
+    assert new.changed_since(None) == list(range(len(new.replica_ids)))
+    assert new.changed_since(new) == []

@@ -59,3 +59,45 @@ def test_the_layout_carries_the_known_step_only_when_a_unit_is_lost() -> None:
     assert step is None and why.endswith("the manager knows no verified checkpoint: the workers look for one "
                                          "themselves")
     assert restore_step(before, after, {"heads": 0}, 40) == (None, "")  # no units of a family: nothing to lose
+
+
+def brute_lost(previous: LayoutDoc, new: LayoutDoc, units: dict[str, int]) -> dict[int, dict[str, list[Any]]]:
+    """Unit by unit: lost when no surviving GPU of the previous layout computes it."""
+    from ntp_manager.contract.ntp_map import ntp_map
+
+    survivors = set(new.gpus)
+    stages: dict[int, list[tuple[int, tuple[str, ...]]]] = {}
+    for r in previous.replicas:
+        for g in r.groups:
+            stages.setdefault(g.stage, []).append((g.tp, g.gpus))
+    out: dict[int, dict[str, list[Any]]] = {}
+    for stage, groups in sorted(stages.items()):
+        sync = min(tp for tp, _ in groups)
+        for fam, n in units.items():
+            gone = [u for u in range(n) if not any(gpus[j] in survivors and u in ntp_map(n, tp, sync).units_of(j)
+                                                   for tp, gpus in groups for j in range(tp))]
+            ranges: list[tuple[int, int]] = []
+            for u in gone:
+                if ranges and ranges[-1][1] == u:
+                    ranges[-1] = (ranges[-1][0], u + 1)
+                else:
+                    ranges.append((u, u + 1))
+            if ranges:
+                out.setdefault(stage, {})[fam] = ranges
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_lost_units_is_the_brute_force(seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    stages = rng.randint(1, 3)
+    previous = plan(*[[[f"r{r}s{s}g{k}" for k in range(rng.randint(1, 4))] for s in range(stages)]
+                      for r in range(rng.randint(1, 4))])
+    every = sorted(previous.gpus)
+    kept = [u for u in every if rng.random() < rng.choice([0.5, 0.9, 1.0])]
+    # the new layout places `kept` (in whatever groups: only which GPUs it places matters)
+    new = plan(*[[kept[i:i + 4]] for i in range(0, len(kept), 4)]) if kept else plan([["x"]])
+    units = {"heads": rng.randint(4, 12), "mlp_columns": rng.randint(4, 20), "none": 0}  # >= the largest TP
+    assert lost_units(previous, new, units) == brute_lost(previous, new, units)

@@ -8,7 +8,7 @@ import asyncio
 import random
 
 from ntp_manager.contract.gpu import GpuState
-from ntp_manager.service.core.state import GpuRec, NodeRec, World
+from ntp_manager.service.core.state import INLINE_STATES, GpuRec, NodeRec, World
 from ntp_manager.topology import Cluster
 
 
@@ -77,5 +77,34 @@ def test_changes_made_while_the_snapshot_is_built_off_the_loop_are_in_it() -> No
         w.apply_states(["G2-1"])
         c = await building
         assert agrees(w, c) and agrees(w, await w.cluster_async())
+
+    asyncio.run(main())
+
+
+def test_a_backlog_of_changes_is_applied_off_the_loop_and_nothing_is_lost_meanwhile() -> None:
+    """More than INLINE_STATES changes at once (a silent rack): applied in a worker thread, while
+    other callers wait for it and the records keep changing; every caller gets a snapshot that
+    agrees with the records as they were when it asked, and the last agrees with them now."""
+    w = world(domains=100, per=8)
+    rng = random.Random(3)
+
+    async def main() -> None:
+        await w.cluster_async()
+        for step in range(6):
+            many = rng.sample(list(w.gpus), INLINE_STATES + 100)
+            for u in many:
+                w.gpus[u].health = GpuState.SUSPECT if step % 2 == 0 else GpuState.HEALTHY
+            w.apply_states(many)
+
+            async def change_meanwhile() -> None:
+                await asyncio.sleep(0)
+                u = rng.choice(list(w.gpus))
+                w.gpus[u].health = GpuState.FAILED
+                w.apply_states([u])
+
+            first, second, _ = await asyncio.gather(w.cluster_async(), w.cluster_async(), change_meanwhile())
+            assert agrees(w, await w.cluster_async())
+            assert first is not None and second is not None
+        assert agrees(w, await w.cluster_async())
 
     asyncio.run(main())

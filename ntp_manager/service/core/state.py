@@ -194,6 +194,9 @@ class JobRec:
         return dataclasses.replace(self.spec, domains=tuple(domains), spares=spares)
 
 
+INLINE_STATES = 512  # deferred state changes applied to the snapshot on the loop; more: in a worker thread
+
+
 @dataclass
 class World:
     gpus: dict[str, GpuRec] = field(default_factory=dict)
@@ -207,6 +210,7 @@ class World:
     _shape_gen: int = 0  # bumped whenever GPUs are added or change place or limits
     _changed_while_building: set[str] | None = None
     _building: asyncio.Future[Cluster] | None = None
+    _catching_up: asyncio.Future[None] | None = None
     _deferred: set[str] = field(default_factory=set)  # state changes not applied to `_cluster` yet
     _domain_gpus: dict[str, list[str]] | None = None  # domain -> its GPUs, as of `_domain_gen`
     _domain_gen: int = -1
@@ -257,36 +261,72 @@ class World:
 
     async def cluster_async(self) -> Cluster:
         """`cluster()` without holding the event loop: the snapshot is built in a worker thread
-        from a copy of the record list, then the states that changed meanwhile are applied to it
-        (every state change passes through `apply_states`, which records them). Concurrent callers
-        share one build."""
-        while (current := self._current()) is None:
-            if self._building is None:
-                self._building = asyncio.get_running_loop().create_future()
-                building = self._building
-                gen = self._shape_gen
-                self._changed_while_building = set()
-                try:
-                    built = await asyncio.to_thread(_build_cluster, list(self.gpus.values()), dict(self.domains),
-                                                    self.base_cap)
-                    changed, self._changed_while_building = self._changed_while_building, None
-                    if gen == self._shape_gen:  # else GPUs were added meanwhile: build again
-                        if changed:
-                            built = built.with_states({u: GpuState(self.gpus[u].state) for u in changed},
-                                                      {u: self.gpus[u].planned_speed for u in changed})
-                        self._cluster = built
-                        if len(self.gpus) >= 10_000:  # 2 objects per GPU, kept until GPUs are added
-                            offloop.keep_out_of_gc()
-                    building.set_result(built)
-                except BaseException as e:
-                    self._changed_while_building = None
-                    building.set_exception(e)
-                    raise
-                finally:
-                    self._building = None
-            else:
-                await asyncio.shield(self._building)
-        return current
+        from a copy of the record list (the states that change meanwhile are recorded by
+        `apply_states` and applied after), and a backlog of more than INLINE_STATES state changes
+        is applied in a worker thread too (a silent rack of agents is 30,000 GPUs changing state
+        at once: applied on the loop, with the collections its allocations set off, that held a
+        leader's loop past its lease). Concurrent callers share one build and one catch-up."""
+        while True:
+            if self._cluster is None:
+                if self._building is None:
+                    await self._build()
+                else:
+                    await asyncio.shield(self._building)
+                continue
+            if self._catching_up is not None:
+                await asyncio.shield(self._catching_up)
+                continue
+            if len(self._deferred) > INLINE_STATES:
+                await self._catch_up()
+                continue
+            current = self._current()
+            if current is not None:
+                return current
+
+    async def _build(self) -> None:
+        self._building = building = asyncio.get_running_loop().create_future()
+        gen = self._shape_gen
+        self._changed_while_building = set()
+        try:
+            built = await asyncio.to_thread(_build_cluster, list(self.gpus.values()), dict(self.domains),
+                                            self.base_cap)
+            changed, self._changed_while_building = self._changed_while_building, None
+            if gen == self._shape_gen:  # else GPUs were added meanwhile: build again
+                self._cluster = built
+                self._deferred = set(changed)  # what changed while it was built: applied next
+                if len(self.gpus) >= 10_000:  # 2 objects per GPU, kept until GPUs are added
+                    offloop.keep_out_of_gc()
+            building.set_result(built)
+        except BaseException as e:
+            self._changed_while_building = None
+            building.set_exception(e)
+            raise
+        finally:
+            self._building = None
+
+    async def _catch_up(self) -> None:
+        """Apply the deferred state changes to the snapshot in a worker thread. What changes
+        meanwhile is deferred again; if the snapshot was replaced meanwhile (rebuilt, or brought up
+        to date by `cluster()`), these changes are deferred again for the new one."""
+        base, gen = self._cluster, self._shape_gen
+        assert base is not None
+        changed, self._deferred = self._deferred, set()
+        self._catching_up = done = asyncio.get_running_loop().create_future()
+        try:
+            try:
+                states = {u: GpuState(self.gpus[u].state) for u in changed}
+                speeds = {u: self.gpus[u].planned_speed for u in changed}
+                caught = await offloop.run(base.with_states, states, speeds)
+            except (KeyError, TopologyError):  # a GPU that changed is gone: rebuilt from the records
+                self.invalidate()
+                return
+            if self._cluster is base and self._shape_gen == gen:
+                self._cluster = caught
+            elif self._cluster is not None:
+                self._deferred |= changed
+        finally:
+            self._catching_up = None
+            done.set_result(None)
 
     def apply_states(self, uuids: Iterable[str]) -> None:
         """The cached snapshot is out of date for the states of `uuids`: it is brought up to date

@@ -86,6 +86,8 @@ def draft(cluster: Cluster, spec: JobSpec, previous: LayoutRec | None, pos_of: c
     `checkpoint_step` (the newest verified checkpoint the manager knows of) as its `restore_step`,
     the reason says so, and `Draft.restore` is that note. Call it in a thread."""
     doc = plan_layout(cluster, spec, (), previous.doc if previous is not None else None)
+    if previous is not None and previous.doc.same_layout(doc):  # the same GPUs: nothing to restore either
+        return Draft(doc, True, None, {}, "")
     note = ""
     if previous is not None:
         step, note = restore_step(previous.doc, doc, {"heads": spec.heads, "mlp_columns": spec.mlp_columns},
@@ -112,15 +114,15 @@ def summary(doc: LayoutDoc, old: LayoutDoc | None) -> dict[str, Any]:
     and the replicas that are new or changed since `old` ([id, TP, local batch], the first
     AUDITED of them; `changed` counts them all). Its size does not grow with the job: the layout
     itself is in the layouts table."""
-    before = {r.id: r for r in old.replicas} if old is not None else {}
-    changed = [r for r in doc.replicas if (b := before.get(r.id)) is None or b[:4] != r[:4]
-               or [g.placement() for g in b.groups] != [g.placement() for g in r.groups]]
+    changed = doc.changed_since(old)
+    removed = sorted(set(old.replica_ids) - set(doc.replica_ids)) if old is not None else []
     by_tp = Counter(doc.replica_tps)
     out: dict[str, Any] = {
         "replicas": len(doc.replica_ids), "tp_counts": {str(t): by_tp[t] for t in sorted(by_tp)},
         "global_batch": doc.global_batch, "relative_throughput": doc.relative_throughput,
-        "changed": len(changed), "changed_replicas": [[r.id, r.tp, r.local_batch] for r in changed[:AUDITED]],
-        "removed_replicas": sorted(set(before) - set(doc.replica_ids))[:AUDITED],
+        "changed": len(changed),
+        "changed_replicas": [[doc.replica_ids[i], doc.replica_tps[i], doc.local_batches[i]] for i in changed[:AUDITED]],
+        "removed_replicas": removed[:AUDITED],
     }
     if doc.moves is not None:
         out["moves"] = doc.moves._asdict()
