@@ -373,6 +373,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             gens.append(Gen([grpcs[(home + j) % 3] for j in range(3)], mine, home))
         ready = await asyncio.gather(*(g.ask({"cmd": "ready"}) for g in gens))
         t_welcomed = time.perf_counter()
+        reg_errors = [(await g.ask({"cmd": "stats"}))["errors"] for g in gens]
+        if any(reg_errors):
+            print(f"registration: stream ends before every agent was welcomed {reg_errors}", flush=True)
         t_applied = await until_applied(pg, n)
         rcpu = [cpu_seconds(p.proc.pid) - c for p, c in zip(slots, rcpu0, strict=True)]
         if rprofs:

@@ -7,7 +7,8 @@ with. Read one hello at a time, a registration wave of thousands of agents took 
 per hello: past the pool's size each one was a new connection (TCP, TLS negotiation, asyncpg's type
 introspection, every statement prepared again), the largest part of a hello's CPU on a standby
 (bench/RESULTS.md). `HelloViews` reads for every hello waiting when the previous read ends, in one
-statement on one connection: a hello alone is read at once, a wave in a few round trips.
+statement on one connection: a hello alone is read at once, a wave in a few round trips, at most
+MAX_READS at a time.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 MAX_HELLOS = 256  # hellos in one read (their GPUs are bounded by the hello's own checks)
+MAX_READS = 4  # reads at once: a slow one does not hold every hello behind it (the pool holds 10)
 
 VIEWS = text(
     "SELECT (SELECT json_agg(json_build_array(q.n, nd.domain_id, nd.last_seq, "
@@ -41,22 +43,26 @@ class HelloView:
 
 
 class HelloViews:
-    """One read at a time; the hellos that arrive meanwhile wait for the next one, all together."""
+    """Up to MAX_READS reads at a time; the hellos that arrive meanwhile wait for the next one, all
+    together."""
 
-    def __init__(self, reader: AsyncEngine) -> None:
+    def __init__(self, reader: AsyncEngine, max_reads: int = MAX_READS) -> None:
         self.reader = reader  # an AUTOCOMMIT engine: one statement, no BEGIN and ROLLBACK around it
+        self.max_reads = max_reads
         self.reads = 0  # statements run
         self.hellos = 0  # hellos answered by them
         self._waiting: list[tuple[str, list[str], asyncio.Future[HelloView]]] = []
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def view(self, node: str, uuids: list[str]) -> HelloView:
         """The view for one hello; raises OSError (the database could not be read) like a read of
         its own would (the caller answers UNAVAILABLE), or its caller's timeout."""
         fut: asyncio.Future[HelloView] = asyncio.get_running_loop().create_future()
         self._waiting.append((node, uuids, fut))
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._drain(), name="hello-views")
+        if len(self._tasks) < self.max_reads:
+            task = asyncio.get_running_loop().create_task(self._drain(), name="hello-views")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         return await fut
 
     async def _drain(self) -> None:

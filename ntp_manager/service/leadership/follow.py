@@ -12,8 +12,9 @@ manager sharing the store:
   the log has been quiet for `SETTLE_S`, and at a takeover (a job replanned many times in a burst,
   as while its cluster registers, is decoded once, not once per version);
 - keeps the planner's cluster snapshot built and its planner process sent the cluster and the
-  running layouts, once the log has been quiet for `SETTLE_S` (not row after row of a burst), so a
-  takeover does not pay for them;
+  running layouts, once the log has been quiet for `SETTLE_S` (not row after row of a burst) and
+  no sooner after the last time than `PRIME_SPACING` times what that took, so a takeover does not
+  pay for them and a standby does not spend its time on them while a cluster registers;
 - on taking the lease (`take_over`), applies what is left (the old leader can commit nothing once
   the lease is taken: its fence refuses) and leads on that world: no load.
 
@@ -55,6 +56,11 @@ log = structlog.get_logger("ntp.follow")
 
 BATCH = 256  # rows read at once
 SETTLE_S = 1.0  # the planner's snapshot is rebuilt and sent once the log has been quiet this long
+# ... and no sooner after the last rebuild than this many times what it took: a standby spends at
+# most about a tenth of its time on them. At 100,000 GPUs a rebuild and send is 1-2 s of CPU; while
+# 12,500 agents registered (an hour's worth of quiet seconds in a minute) rebuilding at every quiet
+# second took a quarter of a standby's CPU and tripled its cost per hello (bench/RESULTS.md).
+PRIME_SPACING = 9.0
 INLINE = 512  # records a transaction writes below which its row is encoded on the loop (else in a thread)
 
 
@@ -116,6 +122,7 @@ class Follower:
         # when the planner's snapshot is to be rebuilt and sent (0: nothing to do): a registration
         # burst adds GPUs row after row, and a rebuild per row cost O(GPUs) each time
         self._settle_at = 0.0
+        self._prime_after = 0.0  # monotonic: no snapshot rebuilt and sent before then (PRIME_SPACING)
         self._task: asyncio.Task[None] | None = None
         self._lag = Gauge("ntp_world_follow_lag_rows", "world-log rows this manager has not applied yet "
                           "(0 on the leader)", registry=registry)
@@ -188,7 +195,12 @@ class Follower:
                 if self._settle_at and time.monotonic() >= self._settle_at:
                     self._settle_at = 0.0
                     await self._read_jobs()
-                    await self.prime()
+                    if time.monotonic() < self._prime_after:
+                        self._settle_at = self._prime_after  # rebuilt not long ago: later
+                    else:
+                        t0 = time.monotonic()
+                        await self.prime()
+                        self._prime_after = time.monotonic() + PRIME_SPACING * (time.monotonic() - t0)
             except (OSError, SQLAlchemyError) as e:
                 log.warning("cannot read the world log", error=str(e).splitlines()[0][:200])
             wait = poll if not self._settle_at else max(0.0, min(poll, self._settle_at - time.monotonic()))
