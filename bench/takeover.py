@@ -31,6 +31,7 @@ import asyncpg
 
 from bench.common import drop_postgres, fresh_postgres
 from ntp_manager.service.manager import GpuReport, Manager
+from ntp_manager.service.planning import planproc
 from ntp_manager.settings import Settings
 from ntp_manager.store import db, worldlog
 
@@ -105,9 +106,10 @@ async def takeover(old: Manager, new: Manager, seq: dict[str, int], node: int) -
     """Stop `old` (it gives the lease up); from the moment `new` leads, report a GPU failed to it
     and wait for the layout at its epoch. Seconds of CPU and wall from the lease to each step."""
     base = new.world.jobs["big"].layout
-    # the new leader's planner process as a standby's is: started, never sent this cluster (the
-    # managers of this process share one; in a deployment each has its own)
-    new.jobs.planner.close()
+    # the new leader's planner process as a standby's is: its own (in a deployment each manager has
+    # one; the managers of this process would share one, and the old leader's shutdown kills it
+    # when one of its plans is still running there), started, sent what its follower primes
+    new.jobs.planner = planproc.PlanProcess(True)
     await new.jobs.planner.warm()
     if new.follower is not None and PRIME:  # what a standby's follower has sent its own planner by now
         await new.follower.prime()
@@ -115,6 +117,8 @@ async def takeover(old: Manager, new: Manager, seq: dict[str, int], node: int) -
     new.kernel.after_commit.append(lambda tx: commits.append((tx.actor, len(tx.gpus_written))))
     await old.stop()
     await until(lambda: new.leadership.leading, 30)
+    pp = new.jobs.planner
+    sent0 = (pp.calls, pp.shapes_sent, pp.docs_sent)
     c0, t0, k0 = cpu(), time.perf_counter(), child_cpu()
     prof = cProfile.Profile(time.process_time) if PROFILE else None
     if prof is not None:
@@ -128,6 +132,8 @@ async def takeover(old: Manager, new: Manager, seq: dict[str, int], node: int) -
                 and (base is None or lay.version > base.version))
     out = {"acting_cpu": ready_cpu, "acting_wall": ready_wall, "layout_cpu": cpu() - c0,
            "layout_wall": time.perf_counter() - t0, "planner_cpu": child_cpu() - k0}
+    print(f"planner calls in the window {pp.calls - sent0[0]}, cluster shapes sent {pp.shapes_sent - sent0[1]}, "
+          f"running layouts sent {pp.docs_sent - sent0[2]}", flush=True)
     if PROFILE:
         print("transactions of the new leader (actor, GPUs written):", commits[:40], len(commits))
     if prof is not None:

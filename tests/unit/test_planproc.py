@@ -258,3 +258,24 @@ def test_a_primed_worker_plans_from_what_it_was_sent_ahead(own_pp: planproc.Plan
         assert shape_msg is None and prev is not None and prev[1] is None  # neither sent again
 
     asyncio.run(main())
+
+
+def test_a_state_seen_for_the_first_time_rebuilds_only_its_domain_in_the_worker() -> None:
+    """The variant table only grows, so a GPU failing for the first time (a new variant) leaves
+    every other GPU's code as it was: the worker's snapshot reuses every other domain, and equals
+    the manager's."""
+    c0 = cluster_from_counts([8] * 40)
+    pos = pos_map(c0)
+    shape = planproc._Shape(planproc._shape_blobs(c0, pos.__getitem__))
+    v0 = planproc.gpu_variants(c0)
+    w0 = shape.cluster(v0)
+    failed = c0.domains[7].gpus[3].uuid
+    c1 = c0.with_states({failed: GpuState.FAILED})
+    v1 = planproc.gpu_variants(c1, v0[1])
+    assert v1[1][:len(v0[1])] == v0[1] and len(v1[1]) == len(v0[1]) + 1  # appended, not renumbered
+    w1 = shape.cluster(v1)
+    assert [d.gpus for d in w1.domains] == [d.gpus for d in c1.domains]
+    assert [k for k, (a, b) in enumerate(zip(w0.domains, w1.domains, strict=True)) if a is not b] == [7]
+    # a table made afresh (the manager's started again at MAX_VARIANTS): the snapshot still equals it
+    w2 = shape.cluster(planproc.gpu_variants(c1))
+    assert [d.gpus for d in w2.domains] == [d.gpus for d in c1.domains]

@@ -123,6 +123,9 @@ class PlanProcess:
         self._running: set[Future[Any]] = set()
         self._sent = _Sent()
         self._variants: tuple[Cluster, tuple[bytes, tuple[Variant, ...], tuple[float | None, ...]]] | None = None
+        self.calls = 0  # plans and drafts sent to the worker
+        self.shapes_sent = 0  # cluster shapes sent with them (a replan ships only the states when 0)
+        self.docs_sent = 0  # running layouts sent with them
 
     # -- the pool --
     def _executor(self) -> ProcessPoolExecutor | None:
@@ -226,11 +229,14 @@ class PlanProcess:
         for attempt in range(3):
             shape_tok, shape_new = self._sent.token(self._sent.shapes, shape)
             shape_msg = await asyncio.to_thread(_shape_blobs, cluster, pos_of) if shape_new else None
+            self.calls += 1
+            self.shapes_sent += shape_new
             variants = await self._variants_of(cluster)
             prev: tuple[int, list[bytes] | None, int, int] | None = None
             if previous is not None:
                 doc_tok, doc_new = self._sent.token(self._sent.docs, previous.doc)
                 blobs = await asyncio.to_thread(pack_doc, previous.doc, cluster) if doc_new else None
+                self.docs_sent += doc_new
                 prev = (doc_tok, blobs, previous.version, previous.chain)
             out_tok = next(self._sent.tokens)
             try:
@@ -280,7 +286,8 @@ class PlanProcess:
         last = self._variants
         if last is not None and last[0] is cluster:
             return last[1]
-        v = await asyncio.to_thread(gpu_variants, cluster)
+        known = last[1][1] if last is not None and len(last[1][1]) < MAX_VARIANTS else ()
+        v = await offloop.run(gpu_variants, cluster, known)
         self._variants = (cluster, v)
         return v
 
@@ -310,10 +317,18 @@ def _shape_blobs(cluster: Cluster, pos_of: codec.PosOf) -> list[bytes]:
         [idx.tobytes(), pos.tobytes()]
 
 
-def gpu_variants(cluster: Cluster) -> tuple[bytes, tuple[Variant, ...], tuple[float | None, ...]]:
+MAX_VARIANTS = 4096  # a table of variants grows (append only) up to this, then starts again
+
+
+def gpu_variants(cluster: Cluster, known: Sequence[Variant] = ()
+                 ) -> tuple[bytes, tuple[Variant, ...], tuple[float | None, ...]]:
     """Every GPU's (state, power envelope, speed) as an index (4 bytes) into a table of the
-    distinct ones, and the domains' power budgets."""
-    table: dict[Variant, int] = {}
+    distinct ones, and the domains' power budgets. The table starts as `known` (the last one sent)
+    and only grows: a state that appears for the first time (the first failed GPU) is added at the
+    end, so the codes of every other GPU stay as they were and the planner process rebuilds only
+    the domains whose GPUs changed (renumbered from the start, the whole 100,000-GPU snapshot was
+    rebuilt there: most of a takeover's first replan)."""
+    table: dict[Variant, int] = {v: i for i, v in enumerate(known)}
     out = array("I")
     for g in cluster.gpus():
         key = (g.state, g.power, g.speed)
@@ -376,7 +391,9 @@ class _Shape:
         last = self.last
         if last is not None and last[0] == codes and last[1] == table and last[2] == budgets:
             return last[3]
-        old = last[3] if last is not None and last[1] == table else None
+        # the table only grows (gpu_variants): a code means the same variant as long as the last
+        # table is a prefix of this one
+        old = last[3] if last is not None and table[:len(last[1])] == last[1] else None
         domains: list[Domain] = []
         start = 0
         for k, (did, n) in enumerate(zip(self.domain_ids, self.sizes, strict=True)):
