@@ -127,8 +127,7 @@ class Manager:
         self.follower: Follower | None = None
         if self.fleet is not None:
             self.follower = Follower(self.sm, self.engine, self.kernel, settings, self.clock, self._read_world,
-                                     self.metrics.registry,
-                                     lambda c, docs: self.jobs.planner.prime(c, self.kernel.world.pos_of, docs))
+                                     self.metrics.registry, self.jobs)
             self.fleet.on_world = self.follower.notify
             self.fleet.lag_of_world = lambda: self.follower.lag if self.follower is not None else 0
             self.kernel.before_commit.append(WorldLogWriter(lambda: self.epoch))

@@ -205,3 +205,55 @@ async def test_a_standby_whose_rows_were_pruned_loads_the_world_again(tmp_path: 
         finally:
             await a.stop()
             await b.stop()
+
+
+async def test_a_standby_plans_ahead_so_the_takeovers_replan_of_an_unchanged_world_is_free(tmp_path: Path) -> None:
+    """A standby plans every job on its world ahead (publishing nothing): the new leader's replan of
+    every job at the takeover then asks its planner nothing while no GPU changed state; the first
+    state change is planned as usual."""
+    async with pg_url(tmp_path) as url:
+        a, b = Manager(settings(tmp_path, url, "a")), Manager(settings(tmp_path, url, "b"))
+        await a.start()
+        await b.start()
+        try:
+            for n in range(2):
+                await a.register_agent(f"n{n}", f"d{n}", [GpuInventory(f"G{n}{i}", i) for i in range(4)], "boot", "v1")
+            async with a.mutation("test") as tx:
+                await a.create_job(tx, JOB)
+            for _ in range(100):
+                if a.world.jobs["j"].layout is not None:
+                    break
+                await asyncio.sleep(0.05)
+            await caught_up(b, a)
+            assert b.follower is not None
+            await b.follower.prime()
+            assert b.follower.verified >= 1
+            assert snapshot(b.world) == snapshot(a.world)  # planning ahead published nothing
+
+            drafts: list[str] = []
+            real = b.jobs.planner.draft
+
+            async def counted(*args: Any, **kw: Any) -> Any:
+                drafts.append("draft")
+                return await real(*args, **kw)
+
+            b.jobs.planner.draft = counted  # type: ignore[method-assign]
+            before = b.world.jobs["j"].layout
+            await a.stop()
+            await asyncio.wait_for(b.wait_leading(), 15)
+            for _ in range(100):  # the takeover's replan of every job has run
+                if not b.kernel.dirty:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)
+            assert drafts == [] and b.world.jobs["j"].layout is before
+            await b.apply_report("n0", 1, [GpuReport("G01", "failed", ["XID 79"], [79])])
+            for _ in range(200):
+                lay = b.world.jobs["j"].layout
+                if lay is not None and lay.leader_epoch == b.epoch:
+                    break
+                await asyncio.sleep(0.05)
+            assert drafts and b.world.jobs["j"].layout is not before
+        finally:
+            await a.stop()
+            await b.stop()

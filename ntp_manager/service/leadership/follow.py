@@ -34,7 +34,7 @@ import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -62,6 +62,18 @@ SETTLE_S = 1.0  # the planner's snapshot is rebuilt and sent once the log has be
 # second took a quarter of a standby's CPU and tripled its cost per hello (bench/RESULTS.md).
 PRIME_SPACING = 9.0
 INLINE = 512  # records a transaction writes below which its row is encoded on the loop (else in a thread)
+
+
+class Ahead(Protocol):
+    """What a standby does ahead of a takeover with its planner (service/planning/jobs.py's `Jobs`)."""
+
+    async def prime(self, cluster: Cluster, docs: list[LayoutDoc]) -> int:
+        """Send the planner process the cluster's shape and these layouts; how many pieces went."""
+        ...
+
+    async def verify(self) -> int:
+        """Plan every job without publishing; how many plans were the running layout."""
+        ...
 
 
 def _decode(rows: list[tuple[int, str]]) -> list[tuple[int, Checked | str]]:
@@ -103,11 +115,12 @@ class Follower:
 
     def __init__(self, sm: async_sessionmaker[AsyncSession], engine: AsyncEngine, kernel: Kernel, settings: Settings,
                  clock: Clock, load: Callable[[], Awaitable[World]], registry: CollectorRegistry,
-                 prime: Callable[[Cluster, list[LayoutDoc]], Awaitable[int]] | None = None) -> None:
+                 ahead: Ahead | None = None) -> None:
         self.sm, self.kernel, self.settings, self.clock, self.load = sm, kernel, settings, clock, load
         # sends the planner process the cluster's shape and the running layouts ahead of a takeover
-        self.prime_planner = prime
+        self.ahead = ahead
         self.primed = 0  # pieces sent that way
+        self.verified = 0  # jobs whose plan was found to be their running layout (`Jobs.verify`)
         self._reader = engine.execution_options(isolation_level="AUTOCOMMIT")
         self.cursor = 0  # the last row applied
         self.head = 0  # the newest row known to exist (NOTIFY payloads, reads)
@@ -247,15 +260,18 @@ class Follower:
     async def prime(self) -> None:
         """The planner's snapshot is built, and the planner process gets the cluster's shape and
         every job's running layout now (each once), so that a takeover's first replans send only
-        the GPUs' states."""
-        if self.prime_planner is None:
+        the GPUs' states; then every job is planned on this world (publishing nothing), so that a
+        takeover's replan of a job whose plan is its running layout, with no GPU changed since, is
+        answered without planning."""
+        if self.ahead is None:
             return
         w = self.kernel.world
         try:
             cluster = await w.cluster_async()
-            self.primed += await self.prime_planner(cluster, [j.layout.doc for j in w.jobs.values() if j.layout])
-        except Exception as e:  # the first replan sends what the planner lacks: nothing is lost
-            log.warning("could not send the planner process the cluster ahead of a takeover", error=repr(e)[:200])
+            self.primed += await self.ahead.prime(cluster, [j.layout.doc for j in w.jobs.values() if j.layout])
+            self.verified += await self.ahead.verify()
+        except Exception as e:  # the takeover's replans do what was not done here: nothing is lost
+            log.warning("could not prepare the planner ahead of a takeover", error=repr(e)[:200])
 
     def _quarantined(self, seq: int, reason: str) -> None:
         self.quarantined = [*self.quarantined[-99:], (seq, reason)]

@@ -33,7 +33,7 @@ from ntp_manager.settings import Settings
 from ntp_manager.specfile import JobPolicy, SpecError, job_and_policy_from_dict
 from ntp_manager.store import outbox
 from ntp_manager.store.models import JobRow, LayoutRow
-from ntp_manager.topology import TopologyError
+from ntp_manager.topology import Cluster, TopologyError
 
 log = structlog.get_logger("ntp.jobs")
 LISTED_DOMAINS = 64  # domains a create answer lists one by one
@@ -60,6 +60,11 @@ class Jobs:
         # the newest verified checkpoint step of a job, read when a new plan leaves some unit with no
         # surviving holder (service/planning/checkpoints.py; None: unknown)
         self.known_checkpoint: Callable[[str], Awaitable[int | None]] | None = None
+        # job -> the inputs of its last replan that found its running layout unchanged (snapshot,
+        # layout, spec): planning is deterministic, so a replan on the very same inputs (the
+        # same snapshot object: no GPU changed state since) is answered from here. A warm standby
+        # fills it ahead of a takeover (`verify`), whose replan of every job is then free.
+        self._unchanged: dict[str, tuple[Cluster, LayoutRec, JobSpec]] = {}
 
     # ---- jobs ---------------------------------------------------------------------------------
     def parse(self, spec: dict[str, Any]) -> JobSpec:
@@ -181,6 +186,12 @@ class Jobs:
             cluster = await w.cluster_async()
             self.ownership.sized(cluster)
             spec = self.ownership.planned_spec(job)  # only the domains it owns
+            if self._known_unchanged(name, cluster, base, spec):
+                job.pending_reason = None
+                if any(k != OWN for k in job.held.values()):
+                    for fn in self.on_unchanged:
+                        fn()
+                return base
             d = await self.planner.draft(cluster, spec, base, w.pos_of, reason)
             if d.restore and self.known_checkpoint is not None:  # rare: no survivor holds some unit: read
                 step = await self.known_checkpoint(name)  # the checkpoints (issue 22), plan again with the step
@@ -197,6 +208,8 @@ class Jobs:
                 base = job.layout
                 d = await offloop.run(planning.follow, d.doc, base, w.pos_of, reason)
             if d.unchanged:
+                if base is not None and job.layout is base:
+                    self._unchanged[name] = (cluster, base, spec)
                 if any(k != OWN for k in job.held.values()):
                     for fn in self.on_unchanged:
                         fn()
@@ -209,6 +222,46 @@ class Jobs:
                 if job.layout is base and w.jobs.get(name) is job and tuple(job.held) == spec.domains:
                     return await self._persist(t, job, d, base)
         return None
+
+    def _known_unchanged(self, name: str, cluster: Cluster, base: LayoutRec | None, spec: JobSpec) -> bool:
+        memo = self._unchanged.pop(name, None)
+        if memo is None or base is None or memo[0] is not cluster or memo[1] is not base or memo[2] != spec:
+            return False
+        self._unchanged[name] = memo
+        return True
+
+    async def prime(self, cluster: Cluster, docs: list[LayoutDoc]) -> int:
+        """Send this manager's planner process `cluster`'s shape and `docs` ahead of any plan."""
+        return await self.planner.prime(cluster, self.kernel.world.pos_of, docs)
+
+    async def verify(self) -> int:
+        """On a standby: plan every job with a layout on this manager's world, publishing nothing,
+        and remember those whose plan is their running layout (the first replan of a takeover
+        is then answered without planning, as long as no GPU changed state meanwhile). How many
+        were found unchanged. A plan that fails here is left to the takeover's replan."""
+        w = self.kernel.world
+        found = 0
+        for name in [n for n, j in w.jobs.items() if j.layout is not None and j.held]:
+            job = w.jobs.get(name)
+            if job is None or job.layout is None or not job.held:
+                continue
+            base = job.layout
+            cluster = await w.cluster_async()
+            self.ownership.sized(cluster)
+            spec = self.ownership.planned_spec(job)
+            if self._known_unchanged(name, cluster, base, spec):
+                found += 1
+                continue
+            try:
+                d = await self.planner.draft(cluster, spec, base, w.pos_of, "")
+            except PlanError:
+                continue
+            if d.unchanged and w.jobs.get(name) is job and job.layout is base:
+                self._unchanged[name] = (cluster, base, spec)
+                found += 1
+        for name in [n for n in self._unchanged if n not in w.jobs]:
+            del self._unchanged[name]
+        return found
 
     async def _persist(self, t: Tx, job: JobRec, d: planning.Draft, base: LayoutRec | None) -> LayoutRec:
         """Write version+1 of `job` (its body, audit record and power caps) in `t`; it is published
