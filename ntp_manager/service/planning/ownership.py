@@ -130,7 +130,9 @@ class Ownership:
         self._rerun = False
         self.on_freed: list[Callable[[], None]] = []
         self._sizes: dict[str, int] = {}  # domain -> GPUs, from `_sized_for`
-        self._sized_for: Cluster | None = None
+        self._sized_for: tuple[int, ...] | None = None  # the snapshot's sizes `_sizes` was made from
+        # job -> (its spec, the sizes `_sizes` came from, its domains, the planned spec made of them)
+        self._specs: dict[str, tuple[JobSpec, tuple[int, ...] | None, tuple[str, ...], JobSpec]] = {}
         kernel.after_commit.append(self._react)
 
     @property
@@ -141,9 +143,10 @@ class Ownership:
     def sized(self, cluster: Cluster) -> None:
         """Take the domains' sizes from the planner's snapshot (built off the loop: a domain index
         built here would hold the loop for O(GPUs) after every registration)."""
-        if cluster is not self._sized_for:
-            self._sizes = dict(zip(cluster.domain_ids, cluster.domain_sizes, strict=True))
-            self._sized_for = cluster
+        sizes = cluster.domain_sizes  # shared by every snapshot of the same GPUs (a state change keeps it)
+        if sizes is not self._sized_for:
+            self._sizes = dict(zip(cluster.domain_ids, sizes, strict=True))
+            self._sized_for = sizes
 
     async def refresh(self) -> None:
         self.sized(await self.world.cluster_async())
@@ -159,12 +162,21 @@ class Ownership:
         and with every TP group of them beyond its replicas' counted as a spare (it owns the whole
         domain: a granted domain's groups, or a domain's groups past its replicas', stand in for
         reduced groups with the planner's minimal-movement packing)."""
-        ds = list(rec.held if domains is None else domains)
-        groups = sum(self.groups_in(d, rec.spec.tp) for d in ds)
+        ds = tuple(rec.held if domains is None else domains)
+        memo = self._specs.get(rec.name)
+        if memo is not None and memo[0] is rec.spec and memo[1] is self._sized_for and memo[2] == ds:
+            return memo[3]  # the same spec, sizes and domains: the same answer (O(domains) to make)
+        sizes, tp = self._sizes, rec.spec.tp
+        groups = sum(sizes.get(d, 0) // tp for d in ds)
         # a job naming its domains has its spares among them; one that does not holds only what
         # it owns and was granted (its reservation's outstanding rest is in the pool, not here)
         floor = rec.spec.spares if rec.spec.domains else 0
-        return rec.planned_spec(ds, max(floor, groups - rec.spec.primary_groups))
+        spec = rec.planned_spec(ds, max(floor, groups - rec.spec.primary_groups))
+        if domains is None:
+            if len(self._specs) > 4 * len(self.world.jobs) + 16:  # deleted jobs' entries go
+                self._specs = {n: m for n, m in self._specs.items() if n in self.world.jobs}
+            self._specs[rec.name] = (rec.spec, self._sized_for, ds, spec)
+        return spec
 
     def free_domains(self, taken: Iterable[str] = ()) -> list[str]:
         owners = self.world.owners()
