@@ -279,3 +279,21 @@ def test_a_state_seen_for_the_first_time_rebuilds_only_its_domain_in_the_worker(
     # a table made afresh (the manager's started again at MAX_VARIANTS): the snapshot still equals it
     w2 = shape.cluster(planproc.gpu_variants(c1))
     assert [d.gpus for d in w2.domains] == [d.gpus for d in c1.domains]
+
+
+def test_variants_since_a_snapshot_are_the_variants_read_afresh() -> None:
+    """Through random state changes (failures, repairs, degraded GPUs with speeds), the variants
+    made from the last ones (reading only the domains a change replaced) are those read afresh."""
+    import random
+
+    rng = random.Random(5)
+    cluster = cluster_from_counts([8] * 30)
+    sent = planproc.gpu_variants(cluster)
+    uuids = list(cluster.flat_uuids)
+    for _ in range(25):
+        changed = {u: rng.choice([GpuState.FAILED, GpuState.HEALTHY, GpuState.DEGRADED, GpuState.SUSPECT])
+                   for u in rng.sample(uuids, rng.randint(1, 12))}
+        nxt = cluster.with_states(changed, {u: rng.choice([None, 0.5, 0.75]) for u in changed})
+        since = planproc.gpu_variants_since(nxt, cluster, sent)
+        assert since == planproc.gpu_variants(nxt, sent[1])
+        cluster, sent = nxt, since
