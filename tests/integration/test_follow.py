@@ -257,3 +257,41 @@ async def test_a_standby_plans_ahead_so_the_takeovers_replan_of_an_unchanged_wor
         finally:
             await a.stop()
             await b.stop()
+
+
+async def test_a_standby_rebuilds_its_planner_snapshot_no_more_often_than_its_spacing(tmp_path: Path) -> None:
+    """While a cluster registers, a standby applies every row at once but rebuilds and sends its
+    planner's snapshot only once the spacing after the last time has passed (PRIME_SPACING)."""
+    import time
+
+    async with pg_url(tmp_path) as url:
+        a, b = Manager(settings(tmp_path, url, "a")), Manager(settings(tmp_path, url, "b"))
+        await a.start()
+        await b.start()
+        try:
+            f = b.follower
+            assert f is not None
+            await a.register_agent("n0", "d0", [GpuInventory("G00", 0)], "boot", "v1")
+            for _ in range(100):  # the log quiet for a second: the first rebuild and send
+                if f.primed:
+                    break
+                await asyncio.sleep(0.05)
+            assert f.primed
+            sent = f.primed
+            f._prime_after = time.monotonic() + 3600  # as if the last one had taken 400 s
+            for n in range(1, 4):
+                await a.register_agent(f"n{n}", f"d{n}", [GpuInventory(f"G{n}0", 0)], "boot", "v1")
+            await caught_up(b, a)
+            await asyncio.sleep(1.5)  # quiet for longer than SETTLE_S
+            assert f.primed == sent and len(b.world.gpus) == 4  # the rows applied, no rebuild sent
+            f._prime_after = 0.0  # the spacing has passed (the rebuild was put off until then)
+            f._settle_at = time.monotonic()
+            f.wake.set()
+            for _ in range(100):
+                if f.primed > sent:
+                    break
+                await asyncio.sleep(0.05)
+            assert f.primed > sent  # the new shape, sent once the spacing has passed
+        finally:
+            await a.stop()
+            await b.stop()
