@@ -9,8 +9,9 @@ manager sharing the store:
   with values a later row overwrites again);
 - follows the log (woken by `NOTIFY ntp_world`, polling every `fleet_poll_s`), applying each row to
   its world in order; the jobs the rows name are read back (their layouts are stored already) once
-  the log has been quiet for `SETTLE_S`, and at a takeover (a job replanned many times in a burst,
-  as while its cluster registers, is decoded once, not once per version);
+  the log has been quiet for `SETTLE_S` (at the latest `SETTLE_MAX_S` after the first row that
+  named one), and at a takeover (a job replanned many times in a burst, as while its cluster
+  registers, is decoded once, not once per version);
 - keeps the planner's cluster snapshot built and its planner process sent the cluster and the
   running layouts, once the log has been quiet for `SETTLE_S` (not row after row of a burst) and
   no sooner after the last time than `PRIME_SPACING` times what that took, so a takeover does not
@@ -61,6 +62,10 @@ SETTLE_S = 1.0  # the planner's snapshot is rebuilt and sent once the log has be
 # 12,500 agents registered (an hour's worth of quiet seconds in a minute) rebuilding at every quiet
 # second took a quarter of a standby's CPU and tripled its cost per hello (bench/RESULTS.md).
 PRIME_SPACING = 9.0
+# ... and the jobs the rows named are read back no later than this after the first of them, even
+# while rows keep coming (agents reconnecting after a manager died keep the log busy for a minute
+# at 12,500 agents; a takeover then read a 100,000-GPU layout back on its critical path)
+SETTLE_MAX_S = 5.0
 INLINE = 512  # records a transaction writes below which its row is encoded on the loop (else in a thread)
 
 
@@ -136,6 +141,7 @@ class Follower:
         # burst adds GPUs row after row, and a rebuild per row cost O(GPUs) each time
         self._settle_at = 0.0
         self._prime_after = 0.0  # monotonic: no snapshot rebuilt and sent before then (PRIME_SPACING)
+        self._pending_since = 0.0  # monotonic: the first row named a job or changed the shape since the last settle
         self._task: asyncio.Task[None] | None = None
         self._lag = Gauge("ntp_world_follow_lag_rows", "world-log rows this manager has not applied yet "
                           "(0 on the leader)", registry=registry)
@@ -206,7 +212,7 @@ class Follower:
                 if await self.step() == BATCH:
                     continue
                 if self._settle_at and time.monotonic() >= self._settle_at:
-                    self._settle_at = 0.0
+                    self._settle_at = self._pending_since = 0.0
                     await self._read_jobs()
                     if time.monotonic() < self._prime_after:
                         self._settle_at = self._prime_after  # rebuilt not long ago: later
@@ -251,8 +257,10 @@ class Follower:
         elif done.states:
             w.apply_states(done.states)
         self._jobs |= done.jobs
-        if (done.shape or done.jobs) and self.warm:  # once the log is quiet (`_run`)
-            self._settle_at = time.monotonic() + SETTLE_S
+        if (done.shape or done.jobs) and self.warm:  # once the log is quiet (`_run`), or at the latest...
+            now = time.monotonic()
+            self._pending_since = self._pending_since or now
+            self._settle_at = min(now + SETTLE_S, self._pending_since + SETTLE_MAX_S)
         elif not self.warm and len(raw) < BATCH:  # bootstrapping: the jobs now
             await self._read_jobs()
         return len(raw)
