@@ -295,3 +295,30 @@ async def test_a_standby_rebuilds_its_planner_snapshot_no_more_often_than_its_sp
         finally:
             await a.stop()
             await b.stop()
+
+
+async def test_a_standby_reads_the_jobs_back_in_bounded_time_while_rows_keep_coming(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The jobs the rows name are read back once the log is quiet, and no later than SETTLE_MAX_S
+    after the first row that named one however busy it stays (here: never quiet long enough)."""
+    from ntp_manager.service.leadership import follow
+
+    monkeypatch.setattr(follow, "SETTLE_S", 3600.0)
+    monkeypatch.setattr(follow, "SETTLE_MAX_S", 0.5)
+    async with pg_url(tmp_path) as url:
+        a, b = Manager(settings(tmp_path, url, "a")), Manager(settings(tmp_path, url, "b"))
+        await a.start()
+        await b.start()
+        try:
+            for n in range(2):
+                await a.register_agent(f"n{n}", f"d{n}", [GpuInventory(f"G{n}{i}", i) for i in range(4)], "boot", "v1")
+            async with a.mutation("test") as tx:
+                await a.create_job(tx, JOB)
+            for _ in range(200):
+                if "j" in b.world.jobs and b.world.jobs["j"].layout is not None:
+                    break
+                await asyncio.sleep(0.05)
+            assert "j" in b.world.jobs and b.world.jobs["j"].layout is not None
+        finally:
+            await a.stop()
+            await b.stop()
