@@ -19,7 +19,7 @@ import pytest
 from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner import PlanError
 from ntp_manager.service.core.state import LayoutRec
-from ntp_manager.service.planning import planning, planproc
+from ntp_manager.service.planning import planning, planproc, planwire
 from ntp_manager.topology import Cluster, TopologyError
 from tests.fakes.builders import cluster_from_counts, job
 
@@ -178,8 +178,8 @@ def test_a_call_still_queued_when_the_worker_is_stopped_is_served_again_not_canc
 
     async def main() -> None:
         busy = asyncio.ensure_future(pp._call(time.sleep, 30))
-        queued = asyncio.ensure_future(pp._call(planproc._ready))
-        pending = asyncio.ensure_future(pp._call(planproc._ready))
+        queued = asyncio.ensure_future(pp._call(planwire.ready))
+        pending = asyncio.ensure_future(pp._call(planwire.ready))
         for _ in range(1000):
             if len(pp._running) == 3:
                 break
@@ -210,8 +210,8 @@ def test_a_call_whose_pool_is_stopped_between_lookup_and_submit_is_served_again(
 
     async def main() -> None:
         with pytest.raises(planproc.Missing, match="restarted"):
-            await pp._call(planproc._ready)
-        assert await pp._call(planproc._ready) is None  # a new pool serves the retry
+            await pp._call(planwire.ready)
+        assert await pp._call(planwire.ready) is None  # a new pool serves the retry
 
     asyncio.run(main())
 
@@ -266,18 +266,18 @@ def test_a_state_seen_for_the_first_time_rebuilds_only_its_domain_in_the_worker(
     the manager's."""
     c0 = cluster_from_counts([8] * 40)
     pos = pos_map(c0)
-    shape = planproc._Shape(planproc._shape_blobs(c0, pos.__getitem__))
-    v0 = planproc.gpu_variants(c0)
+    shape = planwire.Shape(planwire.shape_blobs(c0, pos.__getitem__))
+    v0 = planwire.gpu_variants(c0)
     w0 = shape.cluster(v0)
     failed = c0.domains[7].gpus[3].uuid
     c1 = c0.with_states({failed: GpuState.FAILED})
-    v1 = planproc.gpu_variants(c1, v0[1])
+    v1 = planwire.gpu_variants(c1, v0[1])
     assert v1[1][:len(v0[1])] == v0[1] and len(v1[1]) == len(v0[1]) + 1  # appended, not renumbered
     w1 = shape.cluster(v1)
     assert [d.gpus for d in w1.domains] == [d.gpus for d in c1.domains]
     assert [k for k, (a, b) in enumerate(zip(w0.domains, w1.domains, strict=True)) if a is not b] == [7]
     # a table made afresh (the manager's started again at MAX_VARIANTS): the snapshot still equals it
-    w2 = shape.cluster(planproc.gpu_variants(c1))
+    w2 = shape.cluster(planwire.gpu_variants(c1))
     assert [d.gpus for d in w2.domains] == [d.gpus for d in c1.domains]
 
 
@@ -288,12 +288,12 @@ def test_variants_since_a_snapshot_are_the_variants_read_afresh() -> None:
 
     rng = random.Random(5)
     cluster = cluster_from_counts([8] * 30)
-    sent = planproc.gpu_variants(cluster)
+    sent = planwire.gpu_variants(cluster)
     uuids = list(cluster.flat_uuids)
     for _ in range(25):
         changed = {u: rng.choice([GpuState.FAILED, GpuState.HEALTHY, GpuState.DEGRADED, GpuState.SUSPECT])
                    for u in rng.sample(uuids, rng.randint(1, 12))}
         nxt = cluster.with_states(changed, {u: rng.choice([None, 0.5, 0.75]) for u in changed})
-        since = planproc.gpu_variants_since(nxt, cluster, sent)
-        assert since == planproc.gpu_variants(nxt, sent[1])
+        since = planwire.gpu_variants_since(nxt, cluster, sent)
+        assert since == planwire.gpu_variants(nxt, sent[1])
         cluster, sent = nxt, since

@@ -34,38 +34,44 @@ from __future__ import annotations
 import asyncio
 import itertools
 import multiprocessing
-import os
-import pickle
 import threading
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from datetime import UTC, datetime
 from typing import Any
 
 import structlog
 
 from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner import JobSpec
-from ntp_manager.planner.layout import COLUMNS, HEADER, LayoutDoc
+from ntp_manager.planner.layout import LayoutDoc
 from ntp_manager.service.core import offloop
 from ntp_manager.service.core.state import LayoutRec
 from ntp_manager.service.planning import planning
+from ntp_manager.service.planning.planwire import (
+    KEEP,
+    KEEP_SHAPES,
+    MAX_VARIANTS,
+    Missing,
+    Variant,
+    cluster_shape,
+    gpu_variants,
+    gpu_variants_since,
+    pack_doc,
+    prime_worker,
+    ready,
+    shape_blobs,
+    unpack_doc,
+    work,
+    worker_init,
+)
 from ntp_manager.store import layout_codec as codec
-from ntp_manager.topology import Cluster, Domain, Gpu, PowerLimits
+from ntp_manager.topology import Cluster
 
 log = structlog.get_logger(__name__)
 
-KEEP = 16  # layouts each side keeps under tokens (least recently used dropped)
-NO_POS = -(2**63)  # a GPU the manager has no position for (the codec then refuses it)
-KEEP_SHAPES = 2  # cluster shapes (~20-30 MB each at 100K GPUs) each side keeps
-Variant = tuple[GpuState, PowerLimits, "float | None"]
-
-
-class Missing(Exception):
-    """The worker does not hold a piece the call named by token (`args[0]`: "shape" or "doc")."""
+# the wire format and the worker's side: service/planning/planwire.py
 
 
 # ---- this side ----------------------------------------------------------------------------------
@@ -134,7 +140,7 @@ class PlanProcess:
         if self._pool is None:
             try:
                 ctx = multiprocessing.get_context("spawn")
-                self._pool = ProcessPoolExecutor(max_workers=1, mp_context=ctx, initializer=_worker_init)
+                self._pool = ProcessPoolExecutor(max_workers=1, mp_context=ctx, initializer=worker_init)
             except (OSError, ValueError, NotImplementedError, ImportError) as e:
                 log.warning("planner process unavailable: planning in a thread", error=repr(e))
                 self.enabled = False
@@ -198,7 +204,7 @@ class PlanProcess:
         if self._executor() is None:
             return
         try:
-            await self._call(_ready)
+            await self._call(ready)
         except Exception as e:  # it is started again on first use
             log.warning("could not start the planner process ahead of use", error=repr(e))
 
@@ -228,7 +234,7 @@ class PlanProcess:
         shape = cluster_shape(cluster)
         for attempt in range(3):
             shape_tok, shape_new = self._sent.token(self._sent.shapes, shape)
-            shape_msg = await asyncio.to_thread(_shape_blobs, cluster, pos_of) if shape_new else None
+            shape_msg = await asyncio.to_thread(shape_blobs, cluster, pos_of) if shape_new else None
             self.calls += 1
             self.shapes_sent += shape_new
             variants = await self._variants_of(cluster)
@@ -240,7 +246,7 @@ class PlanProcess:
                 prev = (doc_tok, blobs, previous.version, previous.chain)
             out_tok = next(self._sent.tokens)
             try:
-                res = await self._call(_work, shape_tok, shape_msg, variants, spec, prev, reason, out_tok, drafting,
+                res = await self._call(work, shape_tok, shape_msg, variants, spec, prev, reason, out_tok, drafting,
                                        step)
             except Missing as e:
                 if e.args and e.args[0] == "doc" and previous is not None:
@@ -264,7 +270,7 @@ class PlanProcess:
         if self._executor() is None:
             return 0
         shape_tok, shape_new = self._sent.token(self._sent.shapes, cluster_shape(cluster))
-        shape_msg = await asyncio.to_thread(_shape_blobs, cluster, pos_of) if shape_new else None
+        shape_msg = await asyncio.to_thread(shape_blobs, cluster, pos_of) if shape_new else None
         sends: list[tuple[int, list[bytes]]] = []
         for doc in docs:
             tok, new = self._sent.token(self._sent.docs, doc)
@@ -274,7 +280,7 @@ class PlanProcess:
             return 0
         variants = await self._variants_of(cluster)
         try:
-            await self._call(_prime, shape_tok, shape_msg, variants, sends)
+            await self._call(prime_worker, shape_tok, shape_msg, variants, sends)
         except (Missing, RuntimeError):
             self._sent.forget(self._sent.shapes, cluster_shape(cluster))
             for doc in docs:
@@ -293,237 +299,6 @@ class PlanProcess:
                                   len(last[1][1]) < MAX_VARIANTS else ())
         self._variants = (cluster, v)
         return v
-
-
-def cluster_shape(cluster: Cluster) -> object:
-    """The object every snapshot with the same GPUs shares (its look-ups)."""
-    shape = cluster._shape
-    assert shape is not None
-    return shape
-
-
-def _shape_blobs(cluster: Cluster, pos_of: codec.PosOf) -> list[bytes]:
-    """The cluster's shape, pickled piece by piece: name, domain ids, sizes, UUIDs, nodes, GPU
-    indices, and (for encoding) the manager's position of every GPU (NO_POS where it has none)."""
-    nodes, idx = [], array("i")
-    for g in cluster.gpus():
-        nodes.append(g.node)
-        idx.append(g.index)
-    pos = array("q")
-    for u in cluster.flat_uuids:
-        try:
-            pos.append(pos_of(u))
-        except KeyError:
-            pos.append(NO_POS)
-    return [pickle.dumps(x, pickle.HIGHEST_PROTOCOL) for x in
-            (cluster.name, cluster.domain_ids, cluster.domain_sizes, cluster.flat_uuids, tuple(nodes))] + \
-        [idx.tobytes(), pos.tobytes()]
-
-
-MAX_VARIANTS = 4096  # a table of variants grows (append only) up to this, then starts again
-
-
-def gpu_variants(cluster: Cluster, known: Sequence[Variant] = ()
-                 ) -> tuple[bytes, tuple[Variant, ...], tuple[float | None, ...]]:
-    """Every GPU's (state, power envelope, speed) as an index (4 bytes) into a table of the
-    distinct ones, and the domains' power budgets. The table starts as `known` (the last one sent)
-    and only grows: a state that appears for the first time (the first failed GPU) is added at the
-    end, so the codes of every other GPU stay as they were and the planner process rebuilds only
-    the domains whose GPUs changed (renumbered from the start, the whole 100,000-GPU snapshot was
-    rebuilt there: most of a takeover's first replan)."""
-    table: dict[Variant, int] = {v: i for i, v in enumerate(known)}
-    out = array("I")
-    for g in cluster.gpus():
-        key = (g.state, g.power, g.speed)
-        k = table.get(key)
-        if k is None:
-            k = table[key] = len(table)
-        out.append(k)
-    return out.tobytes(), tuple(table), tuple(d.power_budget_w for d in cluster.domains)
-
-
-def gpu_variants_since(cluster: Cluster, before: Cluster,
-                       sent: tuple[bytes, tuple[Variant, ...], tuple[float | None, ...]]
-                       ) -> tuple[bytes, tuple[Variant, ...], tuple[float | None, ...]]:
-    """`gpu_variants(cluster, sent's table)` from what was sent for `before`, a snapshot of the
-    same GPUs: only the domains that are not `before`'s own objects (those a state change
-    replaced) are read again. O(domains + the changed domains' GPUs) instead of O(GPUs)."""
-    blob, known, _ = sent
-    codes = array("I")
-    codes.frombytes(blob)
-    table: dict[Variant, int] = {v: i for i, v in enumerate(known)}
-    offsets = cluster.domain_offsets
-    for k, (d, old) in enumerate(zip(cluster.domains, before.domains, strict=True)):
-        if d is old:
-            continue
-        for i, g in enumerate(d.gpus, offsets[k]):
-            key = (g.state, g.power, g.speed)
-            c = table.get(key)
-            if c is None:
-                c = table[key] = len(table)
-            codes[i] = c
-    return codes.tobytes(), tuple(table), tuple(d.power_budget_w for d in cluster.domains)
-
-
-def pack_doc(doc: LayoutDoc, cluster: Cluster) -> list[bytes]:
-    """A layout as pickled pieces: its header, then each column, GPUs as flat cluster positions."""
-    offsets = cluster.domain_offsets
-    index = cluster._index
-    flat = array("i", [offsets[d] + i for d, i in map(index.__getitem__, doc.gpus)])
-    out = [pickle.dumps(tuple(getattr(doc, n) for n in HEADER), pickle.HIGHEST_PROTOCOL)]
-    for c in COLUMNS:
-        out.append(flat.tobytes() if c == "gpus" else pickle.dumps(getattr(doc, c), pickle.HIGHEST_PROTOCOL))
-    return out
-
-
-def unpack_doc(blobs: Sequence[bytes], cluster: Cluster) -> LayoutDoc:
-    """`pack_doc`'s inverse (on a cluster with the same shape)."""
-    header = pickle.loads(blobs[0])
-    cols = []
-    for c, b in zip(COLUMNS, blobs[1:], strict=True):
-        if c == "gpus":
-            flat = array("i")
-            flat.frombytes(b)
-            cols.append(tuple(map(cluster.flat_uuids.__getitem__, flat)))
-        else:
-            cols.append(pickle.loads(b))
-    return LayoutDoc.from_columns(header, tuple(cols))
-
-
-# ---- the worker process -------------------------------------------------------------------------
-
-
-class _Shape:
-    def __init__(self, blobs: Sequence[bytes]) -> None:
-        self.name, self.domain_ids, self.sizes, self.uuids, self.nodes = (pickle.loads(b) for b in blobs[:5])
-        self.indices = array("i")
-        self.indices.frombytes(blobs[5])
-        self.positions = array("q")
-        self.positions.frombytes(blobs[6])
-        self.flat = {u: i for i, u in enumerate(self.uuids)}
-        self.last: tuple[array[int], tuple[Variant, ...], tuple[float | None, ...], Cluster] | None = None
-
-    def pos_of(self, uuid: str) -> int:
-        p = self.positions[self.flat[uuid]]
-        if p == NO_POS:
-            raise KeyError(uuid)
-        return p
-
-    def cluster(self, variants: tuple[bytes, tuple[Variant, ...], tuple[float | None, ...]]) -> Cluster:
-        """The snapshot these states make, rebuilding only the domains whose GPUs changed."""
-        blob, table, budgets = variants
-        codes = array("I")
-        codes.frombytes(blob)
-        last = self.last
-        if last is not None and last[0] == codes and last[1] == table and last[2] == budgets:
-            return last[3]
-        # the table only grows (gpu_variants): a code means the same variant as long as the last
-        # table is a prefix of this one
-        old = last[3] if last is not None and table[:len(last[1])] == last[1] else None
-        domains: list[Domain] = []
-        start = 0
-        for k, (did, n) in enumerate(zip(self.domain_ids, self.sizes, strict=True)):
-            end = start + n
-            if old is not None and last is not None and last[0][start:end] == codes[start:end] \
-                    and last[2][k] == budgets[k]:
-                domains.append(old.domains[k])
-            else:
-                gpus = []
-                for i in range(start, end):
-                    state, power, speed = table[codes[i]]
-                    gpus.append(Gpu(self.uuids[i], self.nodes[i], did, self.indices[i], state, power, speed))
-                domains.append(Domain(did, tuple(gpus), budgets[k]))
-            start = end
-        c = Cluster(self.name, tuple(domains), old._shape if old is not None else None)
-        self.last = (codes, table, budgets, c)
-        return c
-
-
-_shapes: OrderedDict[int, _Shape] = OrderedDict()
-_docs: OrderedDict[int, LayoutDoc] = OrderedDict()
-
-
-def _worker_init() -> None:
-    import gc
-
-    _exit_with_parent()
-    gc.freeze()  # the imported modules are never garbage; later collections skip them
-
-
-def _exit_with_parent() -> None:
-    """In the worker: end this process as soon as the manager that started it has ended, however
-    it ended. A manager that exits normally shuts its pool down, but a SIGKILLed one (or one that
-    leaves by `os._exit`) cannot, and the worker would wait on its call queue for ever: it holds
-    that queue's write end itself, so it never sees end of file there. The resource tracker (and
-    the forkserver, when the worker came from one) stays up while any process it served holds its
-    pipe (this worker does), so they all stayed behind, adopted by init. `parent_process().sentinel`
-    is a pipe whose only write end the parent holds (multiprocessing keeps it for this, with spawn
-    and forkserver alike): it reads as closed once the manager is gone."""
-    parent = multiprocessing.parent_process()
-    if parent is None:  # not started by multiprocessing (no parent to outlive)
-        return
-
-    def watch() -> None:
-        parent.join()  # returns once the sentinel is closed: the manager has ended
-        os._exit(0)
-
-    threading.Thread(target=watch, name="planner-parent-watch", daemon=True).start()
-
-
-def _ready() -> None:
-    """In the worker: nothing (`warm` waits for the worker to have started and imported this)."""
-
-
-def _keep(table: OrderedDict[int, Any], tok: int, value: Any, keep: int = KEEP) -> None:
-    table[tok] = value
-    table.move_to_end(tok)
-    while len(table) > keep:
-        table.popitem(last=False)
-
-
-def _prime(shape_tok: int, shape_msg: list[bytes] | None,
-           variants: tuple[bytes, tuple[Variant, ...], tuple[float | None, ...]],
-           docs: list[tuple[int, list[bytes]]]) -> None:
-    """In the worker: keep a shape and layouts under their tokens (`PlanProcess.prime`)."""
-    if shape_msg is not None:
-        _keep(_shapes, shape_tok, _Shape(shape_msg), KEEP_SHAPES)
-    shape = _shapes.get(shape_tok)
-    if shape is None:
-        raise Missing("shape")
-    cluster = shape.cluster(variants)
-    for tok, blobs in docs:
-        _keep(_docs, tok, unpack_doc(blobs, cluster))
-
-
-def _work(shape_tok: int, shape_msg: list[bytes] | None,
-          variants: tuple[bytes, tuple[Variant, ...], tuple[float | None, ...]], spec: JobSpec,
-          prev: tuple[int, list[bytes] | None, int, int] | None, reason: str, out_tok: int,
-          drafting: bool, step: int | None) -> tuple[list[bytes], Any]:
-    """In the worker: plan (and with `drafting`, compare and encode) on the shape `shape_tok`."""
-    if shape_msg is not None:
-        _keep(_shapes, shape_tok, _Shape(shape_msg), KEEP_SHAPES)
-    shape = _shapes.get(shape_tok)
-    if shape is None:
-        raise Missing("shape")
-    _shapes.move_to_end(shape_tok)
-    cluster = shape.cluster(variants)
-    previous: LayoutRec | None = None
-    if prev is not None:
-        doc_tok, blobs, version, chain = prev
-        if blobs is not None:
-            _keep(_docs, doc_tok, unpack_doc(blobs, cluster))
-        pdoc = _docs.get(doc_tok)
-        if pdoc is None:
-            raise Missing("doc")
-        previous = LayoutRec("", version, 0, pdoc, "", datetime.now(UTC), 0.0, chain)
-    if drafting:
-        d = planning.draft(cluster, spec, previous, shape.pos_of, reason, step)
-        doc, rest = d.doc, (d.unchanged, None if d.encoded is None else
-                            (d.encoded.body, d.encoded.base_version, d.encoded.chain), d.summary, d.why, d.restore)
-    else:
-        doc, rest = planning.plan_layout(cluster, spec), None
-    _keep(_docs, out_tok, doc)
-    return pack_doc(doc, cluster), rest
 
 
 _shared: dict[bool, PlanProcess] = {}
