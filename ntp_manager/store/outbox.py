@@ -1,5 +1,7 @@
-"""The outbox (fleet mode, PostgreSQL): agents' state changes that any manager took, for the
-leader to apply in commit order; the cursor the leader keeps; the quarantine; agent commands.
+"""The outbox table (PostgreSQL, several managers): agents' state changes that any manager took,
+for the leader to apply in commit order; the cursor the leader keeps; the quarantine (used by
+both stores); agent commands. One manager on SQLite hands its entries over in memory instead
+(service/ingest/port.py).
 
 Commit order is sequence order. A `bigserial` alone does not give it: two transactions draw 10 and
 11, the one with 11 commits first, the leader reads it and moves its cursor past 10, which commits
@@ -26,6 +28,7 @@ from typing import Any
 
 from sqlalchemy import Table, bindparam, delete, func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from ntp_manager.store.models import (
@@ -160,9 +163,12 @@ async def set_applied(session: AsyncSession, seq: int, epoch: int, now: datetime
 
 
 async def quarantine(session: AsyncSession, items: Iterable[tuple[int, str]], epoch: int, now: datetime) -> None:
+    """Record why these rows were not applied (either store: one manager on SQLite quarantines the
+    entries of its in-memory outbox here too, service/ingest/port.py)."""
     rows = [{"seq": seq, "reason": reason[:4000], "epoch": epoch, "at": now} for seq, reason in items]
     if rows:
-        await session.execute(pg_insert(OutboxQuarantineRow).values(rows).on_conflict_do_nothing())
+        ins = sqlite_insert if session.get_bind().dialect.name == "sqlite" else pg_insert
+        await session.execute(ins(OutboxQuarantineRow).values(rows).on_conflict_do_nothing())
 
 
 async def quarantined(conn: AsyncConnection | AsyncSession) -> list[tuple[int, str]]:
