@@ -59,6 +59,9 @@ class Entry:
     payload: dict[str, Any]
     idem_key: str
     report_seq: int | None = None
+    # what the payload says, as the manager that took it built it: handed over with the entry where
+    # the outbox is memory (one manager alone), so that the consumer need not build it again
+    decoded: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +74,7 @@ class Stored:
     report_seq: int | None
     payload: dict[str, Any]
     manager: str
+    decoded: Any = None  # Entry.decoded, in memory only (never stored)
 
 
 _OUTBOX = OutboxRow.__table__

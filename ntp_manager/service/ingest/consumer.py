@@ -163,14 +163,14 @@ class Consumer:
                 backlog = bool(self._pending)
                 if not backlog:  # cleared before the read: a notification during it is not lost
                     self.wake.clear()
-                rows = self._pending or await self.read(BATCH)
+                rows = self._pending or await self.read(self.port.batch_rows)
                 if rows:
-                    cut = batch_end(rows)
+                    cut = batch_end(rows, self.port.batch_weight)
                     await self.apply(rows[:cut])
                     self._pending = rows[cut:]
                     if rows[cut - 1].seq >= head:
                         self._caught_up()
-                    backlog = backlog or len(rows) == BATCH or cut < len(rows)
+                    backlog = backlog or len(rows) == self.port.batch_rows or cut < len(rows)
                     if not backlog and window > 0:
                         await asyncio.sleep(window)  # let the next appends' rows gather into one batch
                     continue
@@ -259,8 +259,9 @@ class Consumer:
         p = r.payload
         if r.kind == outbox.REPORT:
             assert r.report_seq is not None
-            gpus = [GpuReport(str(u), str(st), [str(x) for x in rs], [int(x) for x in xs],
-                              None if mw is None else int(mw)) for u, st, rs, xs, mw in p["gpus"]]
+            gpus: list[GpuReport] = r.decoded if r.decoded is not None else [
+                GpuReport(str(u), str(st), [str(x) for x in rs], [int(x) for x in xs], None if mw is None else int(mw))
+                for u, st, rs, xs, mw in p["gpus"]]
             n = tx.node(r.node)
             if n is not None and r.report_seq <= n.last_seq:
                 self.replays += 1

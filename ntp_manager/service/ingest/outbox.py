@@ -66,6 +66,7 @@ class Ingest:
         self.window_s = window_s
         self.timeout_s = timeout_s
         self.apply_window_s = apply_window_s
+        self.batch_rows, self.batch_weight = 2048, 2048  # service/ingest/consumer.py's BATCH and WEIGHT
         self.on_append: Callable[[], None] = lambda: None  # NOTIFY ntp_outbox wakes the consumer instead
         # the consumer reads in autocommit (one statement, no BEGIN and ROLLBACK around it)
         self._reader = engine.execution_options(isolation_level="AUTOCOMMIT") if engine is not None else None
@@ -350,7 +351,7 @@ class AgentIngest:
             return fut
         payload = {"gpus": [[g.uuid, g.state, g.reasons, g.xids, g.enforced_mw] for g in gpus]}
         stored = self.port.submit(outbox.Entry(outbox.REPORT, session.node, payload,
-                                                 f"report:{session.node}:{seq}", report_seq=seq))
+                                                 f"report:{session.node}:{seq}", report_seq=seq, decoded=gpus))
 
         def done(f: asyncio.Future[None]) -> None:
             if fut.done():

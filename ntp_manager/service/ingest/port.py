@@ -40,6 +40,8 @@ class OutboxPort(Protocol):
     me: str  # this manager (the rows' `manager`)
     timeout_s: float  # a store slower than this answers UNAVAILABLE
     apply_window_s: float  # the consumer's pause after a small batch, to let the next ones gather
+    batch_rows: int  # entries the consumer reads at once, at most
+    batch_weight: int  # and about how many rows one transaction of it writes, at most (consumer.batch_end)
     on_append: Callable[[], None]  # wakes the consumer (set when it runs)
 
     async def open(self) -> None:
@@ -108,6 +110,8 @@ class MemoryOutbox:
         self.sm, self.me = sm, me
         self.apply_window_s = window_s
         self.timeout_s = timeout_s
+        # no lease row held by a batch here (one manager): as large as the kernel's group commits
+        self.batch_rows, self.batch_weight = 4096, 8192
         self.on_append: Callable[[], None] = lambda: None
         self._rows: deque[_Taken] = deque()  # taken, not applied yet, in sequence order
         self._seq = 0  # the newest entry taken
@@ -151,7 +155,7 @@ class MemoryOutbox:
             return fut
         self._seq += 1
         self._rows.append(_Taken(outbox.Stored(self._seq, entry.kind, entry.node, entry.report_seq, entry.payload,
-                                               self.me), fut))
+                                               self.me, entry.decoded), fut))
         if entry.report_seq is not None:
             self._reports[entry.node] = max(self._reports.get(entry.node, 0), entry.report_seq)
         self.taken += 1
