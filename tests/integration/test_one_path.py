@@ -181,3 +181,31 @@ async def test_watches_get_layouts_through_the_layout_feed(tmp_path: Path) -> No
         assert isinstance(err, grpc.aio.AioRpcError) and err.code() == grpc.StatusCode.NOT_FOUND
         for a in agents:
             await a.close()
+
+
+async def test_reports_taken_as_the_manager_stops_are_applied_before_it_ends(tmp_path: Path) -> None:
+    """A stop ends the streams, then lets the consumer apply what the in-memory outbox still holds
+    (the kernel's queue was committed at stop the same way before): nothing an agent sent and the
+    manager took is lost by a clean stop, and what was acknowledged is in the database."""
+    url = _url(tmp_path)
+    async with running_service(url, tmp_path) as svc:
+        m = svc.manager
+        a = await _agent(svc, "node-0", "nvl-0", gpu_uuids("node-0", 4))
+        await a.wait_for(lambda: a.welcome is not None)
+        async with m.kernel.lock:  # three reports taken, none applied yet
+            for i in range(3):
+                await a.report({f"GPU-node-0-{i}": "failed"}, wait=False)
+            await eventually(lambda: m.fleet.ingest.queued() == 3)
+            stopping = asyncio.create_task(m.fleet.stop())
+            await asyncio.sleep(0.05)
+            assert not stopping.done()  # it waits for the consumer, held by the lock
+        await asyncio.wait_for(stopping, 10)
+        assert m.fleet.ingest.queued() == 0 and m.world.nodes["node-0"].last_seq == 3
+        await a.close()
+    m2 = Manager(Settings(data_dir=tmp_path, database_url=url))
+    await m2.start()
+    try:
+        assert m2.world.nodes["node-0"].last_seq == 3
+        assert all(m2.world.gpus[f"GPU-node-0-{i}"].health == "failed" for i in range(3))
+    finally:
+        await m2.stop()
