@@ -50,7 +50,7 @@ HELLO, REPORT, POWER, SEEN = "hello", "report", "power", "seen"
 KINDS = (HELLO, REPORT, POWER, SEEN)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Entry:
     """One state change to append."""
 
@@ -64,7 +64,7 @@ class Entry:
     decoded: Any = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Stored:
     """One appended row, as the consumer reads it."""
 

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import structlog
 from sqlalchemy import String, bindparam, select, text
@@ -51,7 +51,7 @@ MAX_BATCH = 4096  # rows in one group commit
 @dataclass
 class _Item:
     entry: outbox.Entry
-    fut: asyncio.Future[None]
+    fut: asyncio.Future[int | None]
 
 
 class Ingest:
@@ -137,9 +137,9 @@ class Ingest:
         n = await outbox.prune_applied(session, upto, before)
         return n + await worldlog.prune(session, before, epoch, now)  # service/leadership/follow.py
 
-    def submit(self, entry: outbox.Entry) -> asyncio.Future[None]:
-        """Store `entry` in the next group commit: the future resolves once it is durable."""
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    def submit(self, entry: outbox.Entry) -> asyncio.Future[int | None]:
+        """Store `entry` in the next group commit: the future resolves (to its report seq) once it is durable."""
+        fut: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
         if self._task is None:
             fut.set_exception(Unavailable("this manager is not taking agent reports (starting or stopping)"))
             return fut
@@ -181,7 +181,7 @@ class Ingest:
         self.duplicates += len(items) - len(seqs)
         for i in items:
             if not i.fut.done():
-                i.fut.set_result(None)
+                i.fut.set_result(i.entry.report_seq)
 
 
     async def _end_stuck_appenders(self, older_than_ms: int) -> None:
@@ -279,7 +279,7 @@ class AgentIngest:
         self.streams: dict[str, StreamState] = {}
         self.seen: set[str] = set()  # nodes heard from since the last liveness row
         self.hellos = 0
-        self.reports = 0
+        self.reports = 0  # reports handed to the outbox
 
     async def hello(self, node: str, domain: str, gpus: list[GpuInventory], boot_id: str, agent_version: str,
                     principal: Principal, peer_fingerprint: str | None, peer: str = ""
@@ -339,33 +339,22 @@ class AgentIngest:
 
     def report(self, session: AgentSession, seq: int, gpus: list[GpuReport]) -> asyncio.Future[int]:
         """Store a report: the future resolves to the seq to acknowledge once it is durable."""
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         try:
             st = self._checked(session, seq, gpus)
         except ServiceError as e:
+            fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             fut.set_exception(e)
             return fut
         self.seen.add(session.node)
         if st is None:  # a replay: durable already
+            fut = asyncio.get_running_loop().create_future()
             fut.set_result(seq)
             return fut
         payload = {"gpus": [[g.uuid, g.state, g.reasons, g.xids, g.enforced_mw] for g in gpus]}
-        stored = self.port.submit(outbox.Entry(outbox.REPORT, session.node, payload,
-                                                 f"report:{session.node}:{seq}", report_seq=seq, decoded=gpus))
-
-        def done(f: asyncio.Future[None]) -> None:
-            if fut.done():
-                return
-            if f.cancelled():
-                fut.cancel()
-            elif f.exception() is not None:
-                fut.set_exception(f.exception())  # type: ignore[arg-type]
-            else:
-                self.reports += 1
-                fut.set_result(seq)
-
-        stored.add_done_callback(done)
-        return fut
+        self.reports += 1
+        # resolves to `seq` once durable (the port's future, no second one: a report is the hot path)
+        return cast("asyncio.Future[int]", self.port.submit(outbox.Entry(
+            outbox.REPORT, session.node, payload, f"report:{session.node}:{seq}", report_seq=seq, decoded=gpus)))
 
     def _checked(self, session: AgentSession, seq: int, gpus: list[GpuReport]) -> StreamState | None:
         check_report(seq, gpus)
@@ -407,7 +396,7 @@ class AgentIngest:
             del self.sessions[session.node]
         self.on_sessions(len(self.sessions))
 
-    def flush_seen(self) -> asyncio.Future[None] | None:
+    def flush_seen(self) -> asyncio.Future[int | None] | None:
         """Store the nodes heard from since the last call (one row): the leader counts them as seen."""
         if not self.seen:
             return None

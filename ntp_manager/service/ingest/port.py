@@ -58,9 +58,9 @@ class OutboxPort(Protocol):
         """Entries taken and not durable yet (the one being stored is not counted)."""
         ...
 
-    def submit(self, entry: outbox.Entry) -> asyncio.Future[None]:
-        """Take `entry`: the future resolves once it is durable, or fails (Unavailable; with the
-        in-memory port, also the reason it was quarantined)."""
+    def submit(self, entry: outbox.Entry) -> asyncio.Future[int | None]:
+        """Take `entry`: the future resolves to its `report_seq` once it is durable, or fails
+        (Unavailable; with the in-memory port, also the reason it was quarantined)."""
         ...
 
     def pending_seq(self, node: str) -> int:
@@ -96,7 +96,7 @@ class OutboxPort(Protocol):
 class _Taken:
     __slots__ = ("fut", "row")
 
-    def __init__(self, row: outbox.Stored, fut: asyncio.Future[None]) -> None:
+    def __init__(self, row: outbox.Stored, fut: asyncio.Future[int | None]) -> None:
         self.row, self.fut = row, fut
 
 
@@ -148,8 +148,8 @@ class MemoryOutbox:
     def queued(self) -> int:
         return len(self._rows)
 
-    def submit(self, entry: outbox.Entry) -> asyncio.Future[None]:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    def submit(self, entry: outbox.Entry) -> asyncio.Future[int | None]:
+        fut: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
         if not self._open:
             fut.set_exception(Unavailable("this manager is not taking agent reports (starting or stopping)"))
             return fut
@@ -197,7 +197,7 @@ class MemoryOutbox:
                 self.quarantined += 1
                 t.fut.set_exception(err)
             else:
-                t.fut.set_result(None)
+                t.fut.set_result(r.report_seq)
 
     async def prune(self, session: AsyncSession, upto: int, before: datetime, epoch: int, now: datetime) -> int:
         return 0  # nothing applied is kept
