@@ -110,8 +110,9 @@ def create_app(manager: Manager) -> FastAPI:
         body: dict[str, Any] = {"ready": clients if part == "clients" else leads, "role": role,
                                 "epoch": manager.epoch, "serves": serves,
                                 "leader": leader_doc(manager.leadership.leader)}
-        if manager.follower is not None:  # PostgreSQL: how current this manager's world is
-            body["world"] = manager.follower.view()
+        world = manager.world_view()  # how current this manager's copy of the world is, where it follows one
+        if world is not None:
+            body["world"] = world
         if body["ready"]:
             return JSONResponse(body)
         body["detail"] = {"standby": "a standby: another manager leads", "lost": "lost its lease; exiting",

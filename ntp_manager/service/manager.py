@@ -5,13 +5,13 @@ Owns nothing of its own but the life cycle (start: migrate, then lead or stand b
 lease and its epoch, load the world, give agents `takeover_grace_s` to reconnect, replan every job;
 stop: stop taking work, commit what is queued, give the lease up, close the store). Who leads is
 service/leadership/leader.py's: with PostgreSQL several managers run and one leads; every one takes
-agents and watches, and a standby keeps its world current from the leader's log
-(service/leadership/follow.py), so that a takeover loads nothing. Everything else lives in one
+agents and watches (as one manager alone on SQLite does: one design, service/leadership/fleet.py),
+and a standby keeps its world current from the leader's log (service/leadership/follow.py). Everything else lives in one
 component each, around the kernel (service/core/kernel.py: the world, its lock, the transaction, the
 dirty set):
 
     leader.py       the lease, the epoch and the fence    tokens.py       API tokens and the live table
-    agents.py       agent sessions, hellos, reports
+    agents.py       agent sessions, hellos, reports       fleet.py        agent streams, watches, outbox
     operators.py    cordon, drain, mark-healthy           maintenance.py  windows and drain deadlines
     jobs.py         jobs, replanning, layout watchers     liveness.py     silence -> suspect -> failed
     ownership.py    who owns each domain, admission       sharing.py      the pool: grants, preemption
@@ -44,14 +44,17 @@ from ntp_manager.service.core.metrics import Metrics
 from ntp_manager.service.core.state import LayoutRec, World
 from ntp_manager.service.core.steps import StepWindow
 from ntp_manager.service.ingest.agents import Agents, AgentSession
-from ntp_manager.service.ingest.doors import AgentDoor, FleetAgents, FleetWatches, LocalAgents, LocalWatches, WatchDoor
+from ntp_manager.service.ingest.doors import AgentDoor, FleetAgents, FleetWatches, WatchDoor
 from ntp_manager.service.ingest.liveness import Liveness
+from ntp_manager.service.ingest.outbox import Ingest, StoreHelloView, WorldHelloView
+from ntp_manager.service.ingest.port import MemoryOutbox, OutboxPort
 from ntp_manager.service.ingest.telemetry import TelemetryStore
 from ntp_manager.service.ingest.worker_reports import WorkerReports
 from ntp_manager.service.leadership.fleet import Fleet
-from ntp_manager.service.leadership.follow import Follower, WorldLogWriter
+from ntp_manager.service.leadership.follow import Follower
 from ntp_manager.service.leadership.leader import Leadership
 from ntp_manager.service.leadership.loading import read_world
+from ntp_manager.service.leadership.shared import SharedStore
 from ntp_manager.service.operations.gauges import Gauges
 from ntp_manager.service.operations.maintenance import Maintenance
 from ntp_manager.service.operations.operators import Operators
@@ -111,28 +114,28 @@ class Manager:
         self.queries = Queries(self.kernel, self.sm, self.workers, self.telemetry, self.restores)
         self.sharing = Sharing(self.jobs, lambda: self.acting)  # many jobs (issue 41): pool, grants, views
         self.slurm = SlurmSync(self.kernel, settings, lambda: self.breaker.open, self._rest_address)
-        self.sessions = self.agents.sessions
         self.ready = False
         self._tasks: list[asyncio.Task[None]] = []
         self._standby: asyncio.Task[None] | None = None
         self._loaded = False  # the world is loaded (once leading)
-        # PostgreSQL: every manager takes agent streams and watches, the leader applies the outbox
-        self.fleet: Fleet | None = Fleet(self) if settings.shared_store else None
-        # the doors the gRPC edge comes in by (service/ingest/doors.py): chosen here, once
-        self.local_agents = LocalAgents(self.kernel, self.agents, self.telemetry, lambda: self.epoch)
-        self.local_watches = LocalWatches(self.kernel, self.jobs, self.restores, self.failslow)
-        self.agent_door: AgentDoor = self.local_agents
-        self.watch_door: WatchDoor = self.local_watches
-        # PostgreSQL: the leader logs what it changes, the others follow it (service/leadership/follow.py)
+        # one design on both stores (service/leadership/fleet.py); the outbox port and the hellos' view
+        # are the store's, and what only shared PostgreSQL needs is service/leadership/shared.py
+        s = settings
+        window = s.group_commit_window_ms / 1000
+        port: OutboxPort = (Ingest(self.sm, s.leader_id, self.clock, window, s.fleet_store_timeout_s, self.engine,
+                                   s.fleet_apply_window_ms / 1000)
+                            if s.shared_store else MemoryOutbox(self.sm, s.leader_id, window, s.fleet_store_timeout_s))
+        view = (StoreHelloView(self.sm, self.engine) if s.shared_store else
+                WorldHelloView(lambda: self.kernel.world, port.pending_seq, lambda: self.epoch))
+        self.fleet = Fleet(self, port, view)
+        self.agent_door: AgentDoor = FleetAgents(self.fleet)
+        self.watch_door: WatchDoor = FleetWatches(self.fleet, self.jobs, self.restores, self.failslow,
+                                                  lambda: self.acting)
+        self.shared: SharedStore | None = None
         self.follower: Follower | None = None
-        if self.fleet is not None:
-            self.follower = Follower(self.sm, self.engine, self.kernel, settings, self.clock, self._read_world,
-                                     self.metrics.registry, self.jobs)
-            self.fleet.on_world = self.follower.notify
-            self.fleet.lag_of_world = lambda: self.follower.lag if self.follower is not None else 0
-            self.kernel.before_commit.append(WorldLogWriter(lambda: self.epoch))
-            self.agent_door = FleetAgents(self.fleet)
-            self.watch_door = FleetWatches(self.fleet, self.local_watches, lambda: self.acting)
+        if s.shared_store:
+            self.shared = SharedStore(self, self.fleet, self._read_world, self.jobs)
+            self.follower = self.shared.follower
 
     # ---- life cycle -----------------------------------------------------------------------------
     async def start(self, migrate: bool = True) -> None:
@@ -149,8 +152,8 @@ class Manager:
         self.kernel.fence = self.leadership.fence
         if migrate:
             await db.upgrade(self.engine)
-        if self.fleet is not None:
-            await self.fleet.start()
+        if self.shared is not None:  # several managers: each takes streams from its start
+            await self.shared.start()
         self.leadership.start_renewals()  # PostgreSQL: its thread waits, connected, until this manager leads
         if await self.leadership.try_acquire():
             await self._lead()
@@ -194,11 +197,9 @@ class Manager:
 
     @property
     def serves_clients(self) -> bool:
-        """Takes agent streams and layout watches now: alone (SQLite), once it leads with its world
-        loaded; sharing PostgreSQL, every manager once its ingest is up, until it stops or loses
-        its lease."""
-        if self.fleet is None:
-            return self.acting
+        """Takes agent streams and layout watches now: once its fleet is up (alone on SQLite, once
+        it leads with its world loaded; sharing PostgreSQL, from its start), until it stops or
+        loses its lease."""
         return self.fleet.ready and not self.jobs.stopping and not self.leadership.lost.is_set()
 
     def serving(self) -> tuple[bool, bool]:
@@ -207,6 +208,10 @@ class Manager:
         takes operators' writes). What gRPC health and /readyz report."""
         current = self.follower is None or not self.follower.behind
         return self.serves_clients and self.leadership.in_touch() and current, self.acting and not self.jobs.stopping
+
+    def world_view(self) -> dict[str, Any] | None:
+        """How current this manager's copy of the world is (None: it follows no log, alone on SQLite)."""
+        return self.follower.view() if self.follower is not None else None
 
     @property
     def role(self) -> str:
@@ -252,10 +257,9 @@ class Manager:
             asyncio.create_task(self._monitor_loop(), name="monitor"),
             asyncio.create_task(self.watchdog.run(), name="loop-watchdog"),
         ]
-        if self.fleet is None:  # in fleet mode the token table is polled from the start, on every role
-            self._tasks.append(asyncio.create_task(self.token_service.poll_forever(), name="token-poll"))
-        else:
-            await self.fleet.lead()
+        await self.fleet.lead()  # alone, the fleet starts now (with the token table's poll)
+        if self.shared is not None:
+            await self.shared.lead()
         if self.slurm.enabled:
             self._tasks.append(asyncio.create_task(self.slurm.run_forever(lambda: self.jobs.stopping), name="slurm"))
         if self.settings.power_base_cap is not None or any(g.desired_mw is not None for g in self.world.gpus.values()):
@@ -265,10 +269,8 @@ class Manager:
         log.info("manager started", epoch=self.epoch, gpus=len(self.world.gpus), jobs=len(self.world.jobs))
 
     async def _load(self) -> None:
-        """The world and the leader's other state, as the database holds it after the takeover: the
-        world is current already on a standby that followed the world log (its rows left are applied
-        now: service/leadership/follow.py), else it is loaded; the breaker, the fail-slow options
-        and the tokens are read (a few rows)."""
+        """The world (current already on a standby that followed the world log, its rows left applied
+        now: service/leadership/follow.py; else loaded), the breaker, fail-slow options and tokens."""
         if self.follower is None or not await self.follower.take_over():
             self.kernel.world = await self._read_world()
         async with self.sm() as s:
@@ -281,18 +283,16 @@ class Manager:
 
     async def settled(self) -> None:
         """What this manager's agents and workers were told is durable is applied to the leader's
-        world: at once alone (SQLite: an ack means applied); sharing PostgreSQL, once the leader's
-        consumer has applied the outbox up to now (on the leader; NotLeader elsewhere)."""
-        if self.fleet is not None:
-            await self.fleet.settled()
+        world, once the leader's consumer has applied the outbox up to now (on the leader;
+        NotLeader elsewhere). Alone (SQLite) an ack already means applied."""
+        await self.fleet.settled()
 
     async def begin_shutdown(self) -> None:
         """Stop taking work: readiness off, agent streams and layout watches end."""
         self.jobs.stopping = True
         self.ready = False
         self.agents.close_all()
-        if self.fleet is not None:
-            self.fleet.feed.close()  # the layout watches this manager holds end
+        self.fleet.feed.close()  # the layout watches this manager holds end
         async with self.jobs.layout_changed:
             self.jobs.layout_changed.notify_all()
 
@@ -316,8 +316,9 @@ class Manager:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self.jobs.planner.stop()  # a plan still running in the planner process must not hold the exit
-        if self.fleet is not None:
-            await self.fleet.stop()
+        if self.shared is not None:
+            await self.shared.stop()
+        await self.fleet.stop()
         await self.kernel.stop()
         await self.leadership.release()
         await self.leadership.close()
@@ -390,7 +391,7 @@ class Manager:
         self.agents.disconnect(session)
 
     def heartbeat(self, node: str, gpus: Any = ()) -> None:
-        self.local_agents.heartbeat(node, gpus)
+        self.agent_door.heartbeat(node, gpus)
 
     def apply_report(self, node: str, seq: int, gpus: list[GpuReport]) -> asyncio.Future[int]:
         """A report on its way into the next group commit (service/ingest/agents.py): await it for the
@@ -478,7 +479,7 @@ class Manager:
         return await self.restores.record(job, worker, epoch, version, report)
 
     async def record_steps(self, job: str, worker_id: str, report: Any) -> None:
-        await self.local_watches.report_steps(job, worker_id, report)
+        await self.watch_door.report_steps(job, worker_id, report)
 
     def step_summary(self, job: str, recent: int) -> dict[str, Any]:
         return self.jobs.step_summary(job, recent)

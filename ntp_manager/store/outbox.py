@@ -1,5 +1,7 @@
-"""The outbox (fleet mode, PostgreSQL): agents' state changes that any manager took, for the
-leader to apply in commit order; the cursor the leader keeps; the quarantine; agent commands.
+"""The outbox table (PostgreSQL, several managers): agents' state changes that any manager took,
+for the leader to apply in commit order; the cursor the leader keeps; the quarantine (used by
+both stores); agent commands. One manager on SQLite hands its entries over in memory instead
+(service/ingest/port.py).
 
 Commit order is sequence order. A `bigserial` alone does not give it: two transactions draw 10 and
 11, the one with 11 commits first, the leader reads it and moves its cursor past 10, which commits
@@ -26,6 +28,7 @@ from typing import Any
 
 from sqlalchemy import Table, bindparam, delete, func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from ntp_manager.store.models import (
@@ -47,7 +50,7 @@ HELLO, REPORT, POWER, SEEN = "hello", "report", "power", "seen"
 KINDS = (HELLO, REPORT, POWER, SEEN)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Entry:
     """One state change to append."""
 
@@ -56,9 +59,12 @@ class Entry:
     payload: dict[str, Any]
     idem_key: str
     report_seq: int | None = None
+    # what the payload says, as the manager that took it built it: handed over with the entry where
+    # the outbox is memory (one manager alone), so that the consumer need not build it again
+    decoded: Any = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Stored:
     """One appended row, as the consumer reads it."""
 
@@ -68,6 +74,7 @@ class Stored:
     report_seq: int | None
     payload: dict[str, Any]
     manager: str
+    decoded: Any = None  # Entry.decoded, in memory only (never stored)
 
 
 _OUTBOX = OutboxRow.__table__
@@ -160,9 +167,12 @@ async def set_applied(session: AsyncSession, seq: int, epoch: int, now: datetime
 
 
 async def quarantine(session: AsyncSession, items: Iterable[tuple[int, str]], epoch: int, now: datetime) -> None:
+    """Record why these rows were not applied (either store: one manager on SQLite quarantines the
+    entries of its in-memory outbox here too, service/ingest/port.py)."""
     rows = [{"seq": seq, "reason": reason[:4000], "epoch": epoch, "at": now} for seq, reason in items]
     if rows:
-        await session.execute(pg_insert(OutboxQuarantineRow).values(rows).on_conflict_do_nothing())
+        ins = sqlite_insert if session.get_bind().dialect.name == "sqlite" else pg_insert
+        await session.execute(ins(OutboxQuarantineRow).values(rows).on_conflict_do_nothing())
 
 
 async def quarantined(conn: AsyncConnection | AsyncSession) -> list[tuple[int, str]]:

@@ -424,17 +424,17 @@ async def test_agent_commands_older_than_the_retention_are_pruned_by_the_leader_
                 old = now - timedelta(seconds=120)
                 await outbox.push_commands(s, [("node-0", {"release_power": "g0"})] * 3, 1, old)
                 await outbox.push_commands(s, [("node-1", {"release_power": "g1"})] * 2, 1, now)
-            assert m.fleet is not None
+            assert m.shared is not None
             with pytest.raises(NotLeader):  # a standby (or a deposed leader) deletes nothing
-                await m.fleet.prune_commands()
+                await m.shared.prune_commands()
             async with m.sm() as s:
                 assert len(await outbox.commands_after(s, 0)) == 5
             assert await m.leadership.try_acquire()
-            assert await m.fleet.prune_commands() == 3  # the old ones only
+            assert await m.shared.prune_commands() == 3  # the old ones only
             async with m.sm() as s:
                 left = await outbox.commands_after(s, 0)
             assert [n for _, n, _ in left] == ["node-1", "node-1"]
-            assert await m.fleet.prune_commands() == 0
+            assert await m.shared.prune_commands() == 0
         finally:
             await m.leadership.release()
             await m.engine.dispose()
@@ -498,11 +498,10 @@ async def test_a_hellos_one_statement_view_reads_what_the_four_reads_did(tmp_pat
 
     from sqlalchemy import insert
 
-    from ntp_manager.clock import SystemClock
     from ntp_manager.contract.gpu import GpuState
     from ntp_manager.service.core.kernel import DOMAINS, GPUS, NODES
     from ntp_manager.service.core.state import HealthSource
-    from ntp_manager.service.ingest.outbox import AgentIngest, Ingest
+    from ntp_manager.service.ingest.outbox import StoreHelloView
     from ntp_manager.store import db, outbox
 
     async with database("postgres", tmp_path) as url:
@@ -526,14 +525,13 @@ async def test_a_hellos_one_statement_view_reads_what_the_four_reads_did(tmp_pat
                     for k, n in enumerate(("node-0", "node-1")) for i in range(2)])
                 await outbox.append(s, [outbox.Entry(outbox.REPORT, "node-0", {"gpus": []}, "r:node-0:7", 7)],
                                     "b", now)
-            ing = Ingest(sm, "b", SystemClock(), 0.0, 5.0)
-            one = AgentIngest(ing, sm, SystemClock(), {}, lambda _: None, engine=engine)
-            four = AgentIngest(ing, sm, SystemClock(), {}, lambda _: None)  # the reads one by one
+            one = StoreHelloView(sm, engine)
+            four = StoreHelloView(sm)  # the reads one by one
             asked = ["g-node-0-0", "g-node-1-1", "g-new-0"]
-            for ai in (one, four):
-                assert await ai._hello_view("node-0", asked) == (
+            for view in (one, four):
+                assert await view("node-0", asked) == (
                     "nvl-0", {"g-node-0-0": "node-0", "g-node-1-1": "node-1"}, 7, 0)  # stored seq 7 > applied 4
-                assert await ai._hello_view("node-1", []) == ("nvl-0", {}, 9, 0)  # epoch 0: nobody has led yet
-                assert await ai._hello_view("node-9", ["g-new-0"]) == (None, {}, 0, 0)
+                assert await view("node-1", []) == ("nvl-0", {}, 9, 0)  # epoch 0: nobody has led yet
+                assert await view("node-9", ["g-new-0"]) == (None, {}, 0, 0)
         finally:
             await engine.dispose()

@@ -264,7 +264,7 @@ async def test_a_leader_behind_on_the_outbox_is_sent_no_clients_until_it_catches
         b = Manager(Settings(data_dir=tmp_path / "b", database_url=url, leader_id="b", **kw))
         await b.start()
         try:
-            assert a.acting and a.fleet is not None and b.fleet is not None and not b.leading
+            assert a.acting and a.shared is not None and b.shared is not None and not b.leading
             # the addresses they publish (in process: no gRPC server, so none is set)
             a.leadership.grpc, b.leadership.grpc = "127.0.0.1:1", "127.0.0.1:2"
             consumer = next(t for t in a.fleet._tasks if t.get_name() == "fleet-consumer")
@@ -278,13 +278,13 @@ async def test_a_leader_behind_on_the_outbox_is_sent_no_clients_until_it_catches
                 b.agents.sessions[f"node-{i}"] = AgentSession(f"node-{i}")
 
             async def backlogs() -> dict[str, int]:
-                await a.fleet.balance.publish()
-                await b.fleet.balance.publish()
-                return {m.address: m.backlog for m in await b.fleet.balance.members()}
+                await a.shared.balance.publish()
+                await b.shared.balance.publish()
+                return {m.address: m.backlog for m in await b.shared.balance.members()}
 
             assert await backlogs() == {a.leadership.grpc: 40, b.leadership.grpc: 0}
-            await b.fleet.balance.balance()
-            assert b.fleet.balance.moved_agents == 0 and b.fleet.balance.busy_passes == 1
+            await b.shared.balance.balance()
+            assert b.shared.balance.moved_agents == 0 and b.shared.balance.busy_passes == 1
             assert not any(x.closed for x in b.agents.sessions.values())
 
             a.fleet.consumer = Consumer(a)  # caught up: the next pass sends it agents
@@ -292,8 +292,8 @@ async def test_a_leader_behind_on_the_outbox_is_sent_no_clients_until_it_catches
             await asyncio.wait_for(a.fleet.consumer.caught_up.wait(), 30)
             assert a.fleet.consumer.applied == 40
             assert await backlogs() == {a.leadership.grpc: 0, b.leadership.grpc: 0}
-            await b.fleet.balance.balance()
-            assert b.fleet.balance.moved_agents == 2 and b.fleet.balance.busy_passes == 1
+            await b.shared.balance.balance()
+            assert b.shared.balance.moved_agents == 2 and b.shared.balance.busy_passes == 1
             assert sum(x.closed or not x.outbox.empty() for x in b.agents.sessions.values()) == 2
         finally:
             b.agents.sessions.clear()

@@ -2,19 +2,22 @@
 layouts table, not from a world a manager would have to lead to hold.
 
 The leader sends `NOTIFY ntp_layouts` (payload `epoch:version:job`) in the transaction that writes
-a layout version; every manager LISTENs (service/leadership/fleet.py's listener connection) and
+a layout version; every manager LISTENs (service/leadership/shared.py's listener connection) and
 reads the new version of the jobs it has watchers for, decodes it once (in a worker thread) and
 wakes those watchers. It also polls the newest version of those jobs every `fleet_poll_s`, so a
 notification lost (a listener reconnecting) delays a layout by one poll. The leader offers what
-it publishes straight from its world (no read back). A leader change moves nothing here: the
-watches stay on the manager that holds them and get the new leader's first layout like any other.
+it publishes straight from its world (no read back), and the jobs it deleted. A leader change moves
+nothing here: the watches stay on the manager that holds them and get the new leader's first
+layout like any other. One manager alone (SQLite) serves its watches the same way: the layouts it
+offers, the layouts table read on a miss; it has no notifications to listen for and no poll
+(service/leadership/shared.py runs `run` only when several managers share PostgreSQL).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,9 +112,14 @@ class LayoutFeed:
             self._due.add(job)
         self._wake.set()
 
-    def offer(self, recs: Iterable[LayoutRec]) -> None:
-        """Layouts the leader published (its world's): newer ones replace what is held, at once."""
+    def offer(self, recs: Iterable[LayoutRec], alive: Container[str] | None = None) -> None:
+        """Layouts the leader published (its world's): newer ones replace what is held, at once.
+        With `alive` (the leader's jobs), a job followed here and not among them is gone."""
         woke = False
+        if alive is not None:
+            for name, held in self.jobs.items():
+                if name not in alive and not held.gone:
+                    held.gone = woke = True
         for rec in recs:
             j = self.jobs.get(rec.job)
             if j is None:

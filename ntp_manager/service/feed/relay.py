@@ -47,7 +47,7 @@ class TelemetryRelay:
     (`material`) or that one is `TELEMETRY_REFRESH_S` old, so a steady fleet costs the outbox (and
     the leader) little."""
 
-    def __init__(self, submit: Callable[[outbox.Entry], asyncio.Future[None]], me: str) -> None:
+    def __init__(self, submit: Callable[[outbox.Entry], asyncio.Future[Any]], me: str) -> None:
         self.submit = submit
         self.me = me
         self.pending = TelemetryStore()
@@ -63,7 +63,7 @@ class TelemetryRelay:
         for u in gpus:
             self.relayed.pop(u, None)
 
-    def flush(self) -> asyncio.Future[None] | None:
+    def flush(self) -> asyncio.Future[Any] | None:
         fresh = self.pending.latest
         self.pending = TelemetryStore()
         samples = []

@@ -61,7 +61,7 @@ class Applier(Protocol):
 class WorkerIngest:
     """Acks and step reports taken by a manager that does not lead: checked, stored, answered."""
 
-    def __init__(self, clock: Clock, feed: LayoutFeed, submit: Callable[[outbox.Entry], asyncio.Future[None]]
+    def __init__(self, clock: Clock, feed: LayoutFeed, submit: Callable[[outbox.Entry], asyncio.Future[Any]]
                  ) -> None:
         self.clock = clock
         self.feed = feed

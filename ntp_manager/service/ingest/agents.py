@@ -1,6 +1,11 @@
 """Agents and their reports: owns the node agents' sessions (one open stream per node, with its
 outbox of typed commands), registration (hello), health reports, heartbeats and power read-backs.
 
+Agents' streams reach the leader through the outbox and its consumer (service/ingest/outbox.py,
+consumer.py), which apply hellos and reports with `write_hello` / `write_report` here. The
+XX
+simulations and tests) take the kernel's group commit directly:
+
 Registrations, reports and power read-backs are group-committed (service/core/kernel.py): each one is
 checked against memory first (bounds, the token's node, GPUs of this node), then submitted with a
 function that checks again against the transaction's view (another item of the same batch may have
@@ -105,7 +110,7 @@ class Agents:
         self.sessions: dict[str, AgentSession] = {}
         # told of a node whose last_seen moves back (service/ingest/liveness.py's precondition)
         self.seen_earlier: Callable[[str], None] = lambda node: None
-        # fleet mode: sends a command to an agent whose stream another manager holds (service/leadership/fleet.py)
+        # several managers: sends a command to an agent whose stream another one holds (leadership/shared.py)
         self.remote: Callable[[str, AgentCommand], None] | None = None
 
     def send(self, node: str, cmd: AgentCommand) -> bool:

@@ -1,16 +1,19 @@
-"""Fleet mode: the leader applies the outbox (store/outbox.py) in sequence order.
+"""The leader applies the outbox in sequence order, on either store (service/ingest/port.py).
 
-It reads the rows after its cursor (woken by NOTIFY ntp_outbox, polling every `fleet_poll_s` as
-a fallback) and applies a batch in one kernel transaction (service/core/kernel.py), which also moves
-the cursor: the fence (the leader epoch) covers both, so each row is applied exactly once,
-whichever manager leads, and a deposed leader applies nothing. A new leader loads the world and
-starts from the cursor the last one left (`replayed` counts what it applied on taking over).
+It reads the entries after its cursor (woken by the port: NOTIFY ntp_outbox on PostgreSQL, with a
+poll every `fleet_poll_s` as a fallback; directly by the in-memory port of one manager on SQLite)
+and applies a batch in one kernel transaction (service/core/kernel.py), which also moves the
+cursor on PostgreSQL: the fence (the leader epoch) covers both, so each row is applied exactly
+once, whichever manager leads, and a deposed leader applies nothing. A new leader loads the world
+and starts from the cursor the last one left. In memory, the port resolves each entry's future
+(the agent's ack) once that transaction has committed.
 
 Each row is checked against the transaction's view before anything is written for it (the same
 checks the leader's own path runs: service/ingest/agents.py); a row that fails them is quarantined
 (`outbox_quarantine`, with its reason, and an `outbox.quarantine` audit row) and the cursor moves
-past it. A batch that fails in any other way is applied again one row per transaction, and the
-row that still fails is quarantined with the error's name: it never blocks the rest.
+past it; the in-memory port fails its future with the reason (the agent is told, not acknowledged).
+A batch that fails in any other way is applied again one row per transaction, and the row that
+still fails is quarantined with the error's name: it never blocks the rest.
 
 Batching: a batch costs about a dozen round trips to PostgreSQL (the read, the fence, the updates,
 the cursor, the commit) whatever its size, several times what one row costs on its own
@@ -43,10 +46,12 @@ from ntp_manager.service.feed.workers import KINDS as WORKER_KINDS
 from ntp_manager.service.feed.workers import Applier
 from ntp_manager.service.feed.workers import apply_row as apply_worker_row
 from ntp_manager.service.ingest.agents import Agents, SetPower
+from ntp_manager.service.ingest.outbox import Ingest
+from ntp_manager.service.ingest.port import OutboxPort
 from ntp_manager.service.leadership.leader import Leadership, NotLeader
 from ntp_manager.service.planning.jobs import Jobs
 from ntp_manager.settings import Settings
-from ntp_manager.store import outbox, worldlog
+from ntp_manager.store import outbox
 
 
 class ConsumerHost(Applier, Protocol):
@@ -115,8 +120,12 @@ def batch_end(rows: list[outbox.Stored], budget: int = WEIGHT) -> int:
 
 
 class Consumer:
-    def __init__(self, manager: ConsumerHost) -> None:
+    def __init__(self, manager: ConsumerHost, port: OutboxPort | None = None) -> None:
         self.m = manager
+        # the outbox it applies (service/ingest/port.py); by default the PostgreSQL table's
+        self.port: OutboxPort = port if port is not None else Ingest(
+            manager.sm, manager.settings.leader_id, manager.clock, 0.0, manager.settings.fleet_store_timeout_s,
+            manager.engine, manager.settings.fleet_apply_window_ms / 1000)
         self.last = 0  # the cursor: the last row applied
         self.applied = 0  # rows applied by this manager
         self.quarantined = 0
@@ -129,7 +138,6 @@ class Consumer:
         self.pruned = 0  # applied rows this manager deleted (older than fleet_outbox_retention_s)
         self._next_prune = 0.0
         self._pending: list[outbox.Stored] = []  # read, not applied yet (batch_end cut them off)
-        self._reader = manager.engine.execution_options(isolation_level="AUTOCOMMIT")
 
     def _caught_up(self) -> None:
         if not self.caught_up.is_set():
@@ -138,14 +146,15 @@ class Consumer:
 
     async def run(self) -> None:
         m = self.m
-        async with m.sm() as s:
-            self.last = self.started_at = await outbox.last_applied(s)
-            head = await outbox.head(s)
+        self.last, head = await self.port.bounds()
+        self.started_at = self.last
         log.info("applying the outbox", after=self.last, head=head, epoch=m.epoch)
-        window = m.settings.fleet_apply_window_ms / 1000
+        window = self.port.apply_window_s
         # the first prune a while after taking over, not in the way of the replay
         self._next_prune = time.monotonic() + min(60.0, m.settings.fleet_outbox_retention_s / 4)
-        while not m.jobs.stopping:
+        # stopping, it still applies what the port holds (in memory: entries whose agents wait for
+        # their acks; Fleet.stop gives them a few seconds), then ends
+        while not m.jobs.stopping or self.port.queued():
             try:
                 if time.monotonic() >= self._next_prune:
                     self._next_prune = time.monotonic() + min(60.0, m.settings.fleet_outbox_retention_s / 4)
@@ -154,14 +163,14 @@ class Consumer:
                 backlog = bool(self._pending)
                 if not backlog:  # cleared before the read: a notification during it is not lost
                     self.wake.clear()
-                rows = self._pending or await self.read(BATCH)
+                rows = self._pending or await self.read(self.port.batch_rows)
                 if rows:
-                    cut = batch_end(rows)
+                    cut = batch_end(rows, self.port.batch_weight)
                     await self.apply(rows[:cut])
                     self._pending = rows[cut:]
                     if rows[cut - 1].seq >= head:
                         self._caught_up()
-                    backlog = backlog or len(rows) == BATCH or cut < len(rows)
+                    backlog = backlog or len(rows) == self.port.batch_rows or cut < len(rows)
                     if not backlog and window > 0:
                         await asyncio.sleep(window)  # let the next appends' rows gather into one batch
                     continue
@@ -181,18 +190,15 @@ class Consumer:
         before = m.clock.now() - timedelta(seconds=m.settings.fleet_outbox_retention_s)
         async with m.sm() as s, s.begin():
             await m.leadership.fence(s)
-            n = await outbox.prune_applied(s, self.last, before)
-            n += await worldlog.prune(s, before, m.epoch, m.clock.now())  # service/leadership/follow.py
+            n = await self.port.prune(s, self.last, before, m.epoch, m.clock.now())
         self.pruned += n
         if n:
             log.info("applied outbox rows pruned", rows=n, upto=self.last)
         return n
 
     async def read(self, limit: int) -> list[outbox.Stored]:
-        """The next rows after the cursor: one statement in autocommit (no BEGIN and ROLLBACK
-        around it: two round trips of a batch's dozen; the rows it sees are committed ones)."""
-        async with self._reader.connect() as c:
-            return await outbox.read_after(c, self.last, limit)
+        """The next entries after the cursor."""
+        return await self.port.read(self.last, limit)
 
     async def apply(self, rows: list[outbox.Stored]) -> None:
         t0 = time.perf_counter()
@@ -217,6 +223,7 @@ class Consumer:
     async def _apply(self, rows: list[outbox.Stored]) -> None:
         m = self.m
         bad: list[tuple[int, str]] = []
+        failed: dict[int, ServiceError] = {}
         async with m.kernel.exclusive("outbox") as tx:
             for r in rows:
                 tx.begin_item(f"agent:{r.node}" if r.node else f"manager:{r.manager}")
@@ -224,12 +231,13 @@ class Consumer:
                     self._one(tx, r)
                 except ServiceError as e:
                     bad.append((r.seq, e.message))
+                    failed[r.seq] = e
                     tx.audit(tx.now, "outbox.quarantine", (r.node or r.kind)[:256], reason=e.message,
                              after={"seq": r.seq, "kind": r.kind, "manager": r.manager})
             tx.actor = "outbox"
-            await outbox.quarantine(tx.session, bad, m.epoch, tx.now)
-            await outbox.set_applied(tx.session, rows[-1].seq, m.epoch, tx.now)
+            await self.port.record(tx.session, rows[-1].seq, bad, m.epoch, tx.now)
         self.last = rows[-1].seq
+        self.port.applied(self.last, failed)
         self.batches += 1
         self.applied += len(rows) - len(bad)
         self.quarantined += len(bad)
@@ -240,9 +248,9 @@ class Consumer:
         async with self.m.kernel.exclusive("outbox") as tx:
             tx.audit(tx.now, "outbox.quarantine", (r.node or r.kind)[:256], reason=reason,
                      after={"seq": r.seq, "kind": r.kind, "manager": r.manager})
-            await outbox.quarantine(tx.session, [(r.seq, reason)], self.m.epoch, tx.now)
-            await outbox.set_applied(tx.session, r.seq, self.m.epoch, tx.now)
+            await self.port.record(tx.session, r.seq, [(r.seq, reason)], self.m.epoch, tx.now)
         self.last = r.seq
+        self.port.applied(r.seq, {r.seq: ServiceError(reason)})
         self.quarantined += 1
 
     def _one(self, tx: Tx, r: outbox.Stored) -> None:
@@ -251,8 +259,9 @@ class Consumer:
         p = r.payload
         if r.kind == outbox.REPORT:
             assert r.report_seq is not None
-            gpus = [GpuReport(str(u), str(st), [str(x) for x in rs], [int(x) for x in xs],
-                              None if mw is None else int(mw)) for u, st, rs, xs, mw in p["gpus"]]
+            gpus: list[GpuReport] = r.decoded if r.decoded is not None else [
+                GpuReport(str(u), str(st), [str(x) for x in rs], [int(x) for x in xs], None if mw is None else int(mw))
+                for u, st, rs, xs, mw in p["gpus"]]
             n = tx.node(r.node)
             if n is not None and r.report_seq <= n.last_seq:
                 self.replays += 1

@@ -1,16 +1,12 @@
 """The doors the gRPC edge comes in by: what an agent stream and a layout watch ask of a manager.
 
 rpc/ (agents.py, workers.py) speaks to two narrow interfaces, `AgentDoor` and `WatchDoor`, and
-never asks which store or role the manager has. The composition root (service/manager.py) picks
-the doors once:
-
-- one manager alone (SQLite): `LocalAgents` / `LocalWatches` hand each call to the component that
-  owns it (agents.py's group commit, jobs.py's watchers), in this process;
-- managers sharing PostgreSQL: `FleetAgents` / `FleetWatches` (every manager, standbys included):
-  hellos and reports are checked and stored in the outbox for the leader to apply
-  (service/ingest/outbox.py), watches follow the layouts from the database
-  (service/feed/layouts.py), and acks and step reports taken by a manager that does not lead are
-  stored for the leader; on the leader they are applied at once, as the local doors do.
+never asks which store or role the manager has. One pair serves both stores, every manager
+(standbys included), through the fleet (service/leadership/fleet.py): hellos and reports are
+checked and handed to the outbox for the leader to apply (service/ingest/outbox.py; the outbox
+port, service/ingest/port.py, is the table several managers share on PostgreSQL, or memory for one
+manager alone on SQLite), watches follow the layouts of the layout feed (service/feed/layouts.py),
+and acks and step reports are applied at once on the leader, stored for it by any other manager.
 """
 
 from __future__ import annotations
@@ -20,12 +16,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ntp_manager.auth import Principal
-from ntp_manager.service.core.errors import InvalidArgument, NotFound
+from ntp_manager.service.core.errors import InvalidArgument
 from ntp_manager.service.core.inputs import GpuInventory, GpuReport
-from ntp_manager.service.core.kernel import Kernel
 from ntp_manager.service.core.state import LayoutRec
-from ntp_manager.service.ingest.agents import Agents, AgentSession
-from ntp_manager.service.ingest.telemetry import TelemetryStore
+from ntp_manager.service.ingest.agents import AgentSession
 from ntp_manager.service.planning.restores import RestoreReport, Restores
 
 if TYPE_CHECKING:
@@ -84,81 +78,12 @@ class WatchDoor(Protocol):
     async def report_steps(self, job: str, worker: str, report: Any) -> None: ...
 
 
-def _unknown_job(job: str) -> NotFound:
-    return NotFound(f"job: unknown job {job!r}")
-
-
 def _unknown_gpu(gpu: str) -> InvalidArgument:
     return InvalidArgument(f"gpu_uuid: unknown GPU {gpu[:200]!r}")
 
 
-class LocalAgents:
-    """One manager alone: the agents component applies what its agents say (group-committed)."""
-
-    def __init__(self, kernel: Kernel, agents: Agents, telemetry: TelemetryStore, epoch: Callable[[], int]) -> None:
-        self.kernel, self.agents, self.telemetry, self.epoch = kernel, agents, telemetry, epoch
-
-    async def hello(self, node: str, domain: str, gpus: list[GpuInventory], boot_id: str, agent_version: str,
-                    principal: Principal, fingerprint: str | None, peer: str
-                    ) -> tuple[AgentSession, int, int]:
-        session, last = await self.agents.register(node, domain, gpus, boot_id, agent_version, principal,
-                                                   fingerprint, peer)
-        return session, last, self.epoch()
-
-    def heartbeat(self, node: str, gpus: Any) -> None:
-        self.agents.heartbeat(node)
-        rec = self.kernel.world.nodes.get(node)
-        if rec is not None and gpus:
-            self.telemetry.record(node, rec.gpus, gpus, self.kernel.clock.now().timestamp())
-
-    def report(self, session: AgentSession, seq: int, gpus: list[GpuReport]) -> asyncio.Future[int]:
-        return self.agents.submit_report(session.node, seq, gpus)
-
-    async def power(self, node: str, readings: list[tuple[str, int]]) -> None:
-        await self.agents.record_power_result(node, readings)
-
-    def disconnected(self, session: AgentSession) -> None:
-        self.agents.disconnect(session)
-
-
-class LocalWatches:
-    """One manager alone: watches wait on the jobs component's layouts, acks are applied here."""
-
-    def __init__(self, kernel: Kernel, jobs: Jobs, restores: Restores, failslow: FailSlow) -> None:
-        self.kernel, self.jobs, self.restores, self.failslow = kernel, jobs, restores, failslow
-
-    async def check(self, job: str, gpu: str) -> None:
-        if job not in self.kernel.world.jobs:
-            raise _unknown_job(job)
-        if gpu and gpu not in self.kernel.world.gpus:
-            raise _unknown_gpu(gpu)
-
-    async def wait(self, job: str, newer_than: tuple[int, int], stop: Callable[[], bool]) -> LayoutRec | None:
-        return await self.jobs.wait_layout(job, newer_than, stop)
-
-    def hold(self) -> Held | None:
-        return None
-
-    def release(self, held: Held | None) -> None:
-        pass
-
-    def wake_all(self) -> None:
-        self.jobs.wake_watchers()
-
-    async def ack(self, job: str, worker: str, epoch: int, version: int, ok: bool,
-                  restored: RestoreReport | None) -> LayoutRec:
-        rec = self.jobs.ack(job, worker, epoch, version, ok)
-        if restored is not None:
-            await self.restores.record(job, worker, epoch, version, restored)
-        return rec
-
-    async def report_steps(self, job: str, worker: str, report: Any) -> None:
-        rec, samples = await self.jobs.record_steps(job, worker, report)
-        self.failslow.offer(job, rec, samples)  # the fail-slow detector's steps (service/planning/failslow.py)
-
-
 class FleetAgents:
-    """Managers sharing PostgreSQL: every one stores its agents' news in the outbox."""
+    """Every manager hands its agents' news to the outbox (the leader applies it)."""
 
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
@@ -170,7 +95,7 @@ class FleetAgents:
                                              peer)
 
     def heartbeat(self, node: str, gpus: Any) -> None:
-        self.fleet.agents.heartbeat(node)
+        self.fleet.heartbeat(node)
         if gpus:
             self.fleet.telemetry(node, gpus)
 
@@ -185,11 +110,12 @@ class FleetAgents:
 
 
 class FleetWatches:
-    """Managers sharing PostgreSQL: watches follow the layouts from the database on every manager;
-    acks and step reports are applied at once on the leader, stored for it elsewhere."""
+    """Watches follow the layout feed on every manager; acks and step reports are applied at once
+    on the leader (with its world loaded), stored for it by any other manager."""
 
-    def __init__(self, fleet: Fleet, local: LocalWatches, acting: Callable[[], bool]) -> None:
-        self.fleet, self.local, self.acting = fleet, local, acting
+    def __init__(self, fleet: Fleet, jobs: Jobs, restores: Restores, failslow: FailSlow,
+                 acting: Callable[[], bool]) -> None:
+        self.fleet, self.jobs, self.restores, self.failslow, self.acting = fleet, jobs, restores, failslow, acting
 
     async def check(self, job: str, gpu: str) -> None:
         feed = self.fleet.feed
@@ -208,17 +134,21 @@ class FleetWatches:
             self.fleet.feed.release(held)
 
     def wake_all(self) -> None:
-        self.local.wake_all()
+        self.jobs.wake_watchers()
         self.fleet.feed.wake_all()
 
     async def ack(self, job: str, worker: str, epoch: int, version: int, ok: bool,
                   restored: RestoreReport | None) -> LayoutRec:
-        if self.acting():
-            return await self.local.ack(job, worker, epoch, version, ok, restored)
-        return await self.fleet.workers.ack(job, worker, epoch, version, ok, restored)
+        if not self.acting():
+            return await self.fleet.workers.ack(job, worker, epoch, version, ok, restored)
+        rec = self.jobs.ack(job, worker, epoch, version, ok)
+        if restored is not None:
+            await self.restores.record(job, worker, epoch, version, restored)
+        return rec
 
     async def report_steps(self, job: str, worker: str, report: Any) -> None:
-        if self.acting():
-            await self.local.report_steps(job, worker, report)
-        else:
+        if not self.acting():
             await self.fleet.workers.report_steps(job, worker, report)
+            return
+        rec, samples = await self.jobs.record_steps(job, worker, report)
+        self.failslow.offer(job, rec, samples)  # the fail-slow detector's steps (service/planning/failslow.py)

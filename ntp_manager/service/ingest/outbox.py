@@ -1,16 +1,18 @@
-"""Fleet mode: what any manager (standbys too) does with its agents' streams (service/leadership/fleet.py).
+"""What any manager does with its agents' streams, on either store (service/leadership/fleet.py).
 
 A hello is checked as the leader checks it (bounds, the token's node and certificate, a GPU of
-another node, a node of another domain: the last two against the database) and stored as an
-outbox row; the welcome tells the agent the last report seq that is durable (applied, or stored and
-not applied yet). A report is checked against the hello's inventory and the stream's seq (a
-replay is acknowledged and not stored again, a gap refused) and stored; it is acknowledged once
-its row has committed. Rows are group-committed (`Ingest`: whatever is queued when the previous
-commit ends goes in one transaction), with the idempotency keys of store/outbox.py, so a report
-that an agent re-sends to another manager after losing its ack is stored once.
+another node, a node of another domain: the last two against `HelloView`, the database when several
+managers share PostgreSQL, the leader's world when one manager runs alone) and handed to the outbox
+(service/ingest/port.py); the welcome tells the agent the last report seq that is durable (applied,
+or stored and not applied yet). A report is checked against the hello's inventory and the stream's
+seq (a replay is acknowledged and not stored again, a gap refused) and handed over; it is
+acknowledged once its entry is durable.
 
-A manager that cannot store (PostgreSQL unreachable, or slower than `fleet_store_timeout_s`)
-answers UNAVAILABLE and never acknowledges: the agent goes to another manager and re-sends.
+`Ingest` is the outbox port of PostgreSQL: rows are group-committed (whatever is queued when the
+previous commit ends goes in one transaction), with the idempotency keys of store/outbox.py, so a
+report that an agent re-sends to another manager after losing its ack is stored once. A manager
+that cannot store (PostgreSQL unreachable, or slower than `fleet_store_timeout_s`) answers
+UNAVAILABLE and never acknowledges: the agent goes to another manager and re-sends.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import asyncio
 import contextlib
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from datetime import datetime
+from typing import Any, cast
 
 import structlog
 from sqlalchemy import select
@@ -32,10 +35,11 @@ from ntp_manager.auth import Principal
 from ntp_manager.clock import Clock
 from ntp_manager.service.core.errors import InvalidArgument, PermissionDenied, ServiceError, Unavailable
 from ntp_manager.service.core.inputs import GpuInventory, GpuReport, check_hello, check_power_readings, check_report
-from ntp_manager.service.core.state import HEALTH_STATES
+from ntp_manager.service.core.state import HEALTH_STATES, World
 from ntp_manager.service.ingest.agents import AgentSession, identity_problem
 from ntp_manager.service.ingest.hello_view import HelloViews
-from ntp_manager.store import outbox
+from ntp_manager.service.ingest.port import OutboxPort
+from ntp_manager.store import outbox, worldlog
 from ntp_manager.store.models import AuditRow, LeaderRow
 
 log = structlog.get_logger("ntp.ingest")
@@ -46,19 +50,25 @@ MAX_BATCH = 4096  # rows in one group commit
 @dataclass
 class _Item:
     entry: outbox.Entry
-    fut: asyncio.Future[None]
+    fut: asyncio.Future[int | None]
 
 
 class Ingest:
-    """Group commit of outbox rows (any manager; no fence: storing is not leading)."""
+    """The outbox port of PostgreSQL (service/ingest/port.py): group commit of outbox rows (any
+    manager; no fence: storing is not leading), and the leader's reads, cursor and quarantine."""
 
     def __init__(self, sm: async_sessionmaker[AsyncSession], me: str, clock: Clock, window_s: float,
-                 timeout_s: float) -> None:
+                 timeout_s: float, engine: AsyncEngine | None = None, apply_window_s: float = 0.0) -> None:
         self.sm = sm
         self.me = me
         self.clock = clock
         self.window_s = window_s
         self.timeout_s = timeout_s
+        self.apply_window_s = apply_window_s
+        self.batch_rows, self.batch_weight = 2048, 2048  # service/ingest/consumer.py's BATCH and WEIGHT
+        self.on_append: Callable[[], None] = lambda: None  # NOTIFY ntp_outbox wakes the consumer instead
+        # the consumer reads in autocommit (one statement, no BEGIN and ROLLBACK around it)
+        self._reader = engine.execution_options(isolation_level="AUTOCOMMIT") if engine is not None else None
         self.stored = 0  # rows this manager stored
         self.duplicates = 0  # rows whose idempotency key was stored already
         self.batches = 0
@@ -90,9 +100,45 @@ class Ingest:
         """Rows waiting for a group commit (the one running is not counted)."""
         return len(self._queue)
 
-    def submit(self, entry: outbox.Entry) -> asyncio.Future[None]:
-        """Store `entry` in the next group commit: the future resolves once it is durable."""
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    async def open(self) -> None:
+        pass
+
+    def pending_seq(self, node: str) -> int:
+        return 0  # the rows stored and not applied are read with the rest (`HELLO_VIEW`)
+
+    # ---- the leader's side (service/ingest/consumer.py) --------------------------------------
+    async def bounds(self) -> tuple[int, int]:
+        async with self.sm() as s:
+            return await outbox.last_applied(s), await outbox.head(s)
+
+    async def head(self) -> int:
+        async with self.sm() as s:
+            return await outbox.head(s)
+
+    async def read(self, after: int, limit: int) -> list[outbox.Stored]:
+        """The next rows after the cursor: one statement in autocommit (no BEGIN and ROLLBACK
+        around it: two round trips of a batch's dozen; the rows it sees are committed ones)."""
+        if self._reader is None:
+            async with self.sm() as s:
+                return await outbox.read_after(s, after, limit)
+        async with self._reader.connect() as c:
+            return await outbox.read_after(c, after, limit)
+
+    async def record(self, session: AsyncSession, upto: int, bad: Sequence[tuple[int, str]], epoch: int,
+                     now: datetime) -> None:
+        await outbox.quarantine(session, bad, epoch, now)
+        await outbox.set_applied(session, upto, epoch, now)
+
+    def applied(self, upto: int, failed: Mapping[int, ServiceError]) -> None:
+        pass  # acknowledged when stored already
+
+    async def prune(self, session: AsyncSession, upto: int, before: datetime, epoch: int, now: datetime) -> int:
+        n = await outbox.prune_applied(session, upto, before)
+        return n + await worldlog.prune(session, before, epoch, now)  # service/leadership/follow.py
+
+    def submit(self, entry: outbox.Entry) -> asyncio.Future[int | None]:
+        """Store `entry` in the next group commit: the future resolves (to its report seq) once it is durable."""
+        fut: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
         if self._task is None:
             fut.set_exception(Unavailable("this manager is not taking agent reports (starting or stopping)"))
             return fut
@@ -134,7 +180,7 @@ class Ingest:
         self.duplicates += len(items) - len(seqs)
         for i in items:
             if not i.fut.done():
-                i.fut.set_result(None)
+                i.fut.set_result(i.entry.report_seq)
 
 
     async def _end_stuck_appenders(self, older_than_ms: int) -> None:
@@ -156,6 +202,48 @@ def _lock_timeout(e: BaseException) -> bool:
     return "LockNotAvailable" in type(orig).__name__ or "lock timeout" in str(e).lower()
 
 
+HelloFacts = tuple[str | None, dict[str, str], int, int | None]  # domain, GPUs' nodes, last seq, epoch
+
+
+class StoreHelloView:
+    """What a hello is checked against, read from the database (several managers share it): the
+    node's domain, the node each of these GPUs is registered on, the node's last durable report seq
+    (applied, or stored and not applied yet: store/outbox.py's node_last_seq) and the leader epoch.
+    On PostgreSQL out of any transaction, in one statement shared by every hello waiting
+    (service/ingest/hello_view.py: a registration wave took a pooled connection per hello)."""
+
+    def __init__(self, sm: async_sessionmaker[AsyncSession], engine: AsyncEngine | None = None) -> None:
+        self.sm = sm
+        reader = (engine.execution_options(isolation_level="AUTOCOMMIT")
+                  if engine is not None and engine.dialect.name == "postgresql" else None)
+        self.views = HelloViews(reader) if reader is not None else None
+
+    async def __call__(self, node: str, uuids: list[str]) -> HelloFacts:
+        if self.views is None:
+            async with self.sm() as s:
+                return (await outbox.node_domain(s, node), await outbox.gpu_owners(s, uuids),
+                        await outbox.node_last_seq(s, node),
+                        (await s.execute(select(LeaderRow.epoch).where(LeaderRow.id == 1))).scalar_one_or_none())
+        v = await self.views.view(node, uuids)
+        return v.domain, v.owners, v.last_seq, v.epoch
+
+
+class WorldHelloView:
+    """The same facts from the leader's world (one manager alone: it leads, and its world is what
+    the store holds), the node's last seq including the reports its in-memory outbox holds."""
+
+    def __init__(self, world: Callable[[], World], pending_seq: Callable[[str], int], epoch: Callable[[], int]
+                 ) -> None:
+        self.world, self.pending_seq, self.epoch = world, pending_seq, epoch
+
+    async def __call__(self, node: str, uuids: list[str]) -> HelloFacts:
+        w = self.world()
+        rec = w.nodes.get(node)
+        owners = {u: w.gpus[u].node for u in uuids if u in w.gpus}
+        last = max(rec.last_seq if rec is not None else 0, self.pending_seq(node))
+        return (rec.domain if rec is not None else None), owners, last, self.epoch()
+
+
 @dataclass
 class StreamState:
     """What this manager knows of one agent stream it holds."""
@@ -167,25 +255,21 @@ class StreamState:
 
 
 class AgentIngest:
-    """The agent edge of a manager in fleet mode: hellos, reports, power read-backs, liveness."""
+    """The agent edge of every manager: hellos, reports, power read-backs, liveness."""
 
-    def __init__(self, ingest: Ingest, sm: async_sessionmaker[AsyncSession], clock: Clock,
+    def __init__(self, port: OutboxPort, sm: async_sessionmaker[AsyncSession], clock: Clock,
                  sessions: dict[str, AgentSession], on_sessions: Callable[[int], None],
-                 engine: AsyncEngine | None = None) -> None:
-        self.ingest = ingest
+                 view: Callable[[str, list[str]], Awaitable[HelloFacts]]) -> None:
+        self.port = port
         self.sm = sm
-        # hellos read in autocommit on PostgreSQL (one statement, no BEGIN/ROLLBACK)
-        self._reader = (engine.execution_options(isolation_level="AUTOCOMMIT")
-                        if engine is not None and engine.dialect.name == "postgresql" else None)
-        # many hellos' checks in one statement (service/ingest/hello_view.py)
-        self.views = HelloViews(self._reader) if self._reader is not None else None
+        self.view = view  # what hellos are checked against (chosen at composition)
         self.clock = clock
         self.sessions = sessions  # shared with service/ingest/agents.py: where commands go
         self.on_sessions = on_sessions
         self.streams: dict[str, StreamState] = {}
         self.seen: set[str] = set()  # nodes heard from since the last liveness row
         self.hellos = 0
-        self.reports = 0
+        self.reports = 0  # reports handed to the outbox
 
     async def hello(self, node: str, domain: str, gpus: list[GpuInventory], boot_id: str, agent_version: str,
                     principal: Principal, peer_fingerprint: str | None, peer: str = ""
@@ -194,10 +278,10 @@ class AgentIngest:
         check_hello(node, domain, gpus, boot_id, agent_version)
         problem = identity_problem(principal, node, peer_fingerprint)
         try:
-            async with asyncio.timeout(self.ingest.timeout_s):
+            async with asyncio.timeout(self.port.timeout_s):
                 if problem is not None:
                     await self._deny(principal, node, peer_fingerprint, peer, problem)
-                known_domain, owners, last_seq, epoch = await self._hello_view(node, [g.uuid for g in gpus])
+                known_domain, owners, last_seq, epoch = await self.view(node, [g.uuid for g in gpus])
         except (OSError, SQLAlchemyError, TimeoutError) as e:
             raise Unavailable("this manager cannot reach its database right now; try another manager") from e
         if problem is not None:
@@ -213,30 +297,27 @@ class AgentIngest:
             "domain": domain, "boot_id": boot_id, "agent_version": agent_version, "token": principal.token_id,
             "peer": peer[:200],
             "gpus": [[g.uuid, g.index, g.model, g.memory_bytes, g.default_mw, g.min_mw, g.max_mw] for g in gpus]}
-        await self.ingest.submit(outbox.Entry(outbox.HELLO, node, payload, f"hello:{node}:{uuid.uuid4().hex}"))
-        self.hellos += 1
+        # the session first: applying the hello sends the agent its caps through it (at once when
+        # this manager applies its own outbox in memory)
         old = self.sessions.get(node)
-        if old is not None:
-            old.close()
         session = AgentSession(node)
         self.sessions[node] = session
+        try:
+            await self.port.submit(outbox.Entry(outbox.HELLO, node, payload, f"hello:{node}:{uuid.uuid4().hex}"))
+        except BaseException:
+            if self.sessions.get(node) is session:
+                if old is not None and not old.closed:
+                    self.sessions[node] = old
+                else:
+                    del self.sessions[node]
+            raise
+        self.hellos += 1
+        if old is not None:
+            old.close()
         self.streams[node] = StreamState(node, frozenset(g.uuid for g in gpus), last_seq, session)
         self.seen.add(node)
         self.on_sessions(len(self.sessions))
         return session, last_seq, int(epoch or 0)
-
-    async def _hello_view(self, node: str, uuids: list[str]) -> tuple[str | None, dict[str, str], int, int | None]:
-        """What a hello is checked against: the node's domain, the node each of these GPUs is
-        registered on, the node's last durable report seq (applied, or stored and not applied yet:
-        store/outbox.py's node_last_seq) and the leader epoch. On PostgreSQL in one statement out
-        of any transaction, shared by every hello waiting (service/ingest/hello_view.py)."""
-        if self.views is None:
-            async with self.sm() as s:
-                return (await outbox.node_domain(s, node), await outbox.gpu_owners(s, uuids),
-                        await outbox.node_last_seq(s, node),
-                        (await s.execute(select(LeaderRow.epoch).where(LeaderRow.id == 1))).scalar_one_or_none())
-        v = await self.views.view(node, uuids)
-        return v.domain, v.owners, v.last_seq, v.epoch
 
     async def _deny(self, principal: Principal, node: str, fp: str | None, peer: str, problem: str) -> None:
         log.warning("agent identity refused", token=principal.token_id, node=node[:64], problem=problem)
@@ -248,33 +329,22 @@ class AgentIngest:
 
     def report(self, session: AgentSession, seq: int, gpus: list[GpuReport]) -> asyncio.Future[int]:
         """Store a report: the future resolves to the seq to acknowledge once it is durable."""
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         try:
             st = self._checked(session, seq, gpus)
         except ServiceError as e:
+            fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             fut.set_exception(e)
             return fut
         self.seen.add(session.node)
         if st is None:  # a replay: durable already
+            fut = asyncio.get_running_loop().create_future()
             fut.set_result(seq)
             return fut
         payload = {"gpus": [[g.uuid, g.state, g.reasons, g.xids, g.enforced_mw] for g in gpus]}
-        stored = self.ingest.submit(outbox.Entry(outbox.REPORT, session.node, payload,
-                                                 f"report:{session.node}:{seq}", report_seq=seq))
-
-        def done(f: asyncio.Future[None]) -> None:
-            if fut.done():
-                return
-            if f.cancelled():
-                fut.cancel()
-            elif f.exception() is not None:
-                fut.set_exception(f.exception())  # type: ignore[arg-type]
-            else:
-                self.reports += 1
-                fut.set_result(seq)
-
-        stored.add_done_callback(done)
-        return fut
+        self.reports += 1
+        # resolves to `seq` once durable (the port's future, no second one: a report is the hot path)
+        return cast("asyncio.Future[int]", self.port.submit(outbox.Entry(
+            outbox.REPORT, session.node, payload, f"report:{session.node}:{seq}", report_seq=seq, decoded=gpus)))
 
     def _checked(self, session: AgentSession, seq: int, gpus: list[GpuReport]) -> StreamState | None:
         check_report(seq, gpus)
@@ -301,7 +371,7 @@ class AgentIngest:
         st = self.streams.get(node)
         known = [[u, mw] for u, mw in readings if st is not None and u in st.gpus]
         if known:
-            await self.ingest.submit(outbox.Entry(outbox.POWER, node, {"readings": known},
+            await self.port.submit(outbox.Entry(outbox.POWER, node, {"readings": known},
                                                   f"power:{node}:{uuid.uuid4().hex}"))
 
     def heartbeat(self, node: str) -> None:
@@ -316,11 +386,11 @@ class AgentIngest:
             del self.sessions[session.node]
         self.on_sessions(len(self.sessions))
 
-    def flush_seen(self) -> asyncio.Future[None] | None:
+    def flush_seen(self) -> asyncio.Future[int | None] | None:
         """Store the nodes heard from since the last call (one row): the leader counts them as seen."""
         if not self.seen:
             return None
         nodes = sorted(self.seen)
         self.seen.clear()
-        return self.ingest.submit(outbox.Entry(outbox.SEEN, "", {"nodes": nodes},
-                                               f"seen:{self.ingest.me}:{uuid.uuid4().hex}"))
+        return self.port.submit(outbox.Entry(outbox.SEEN, "", {"nodes": nodes},
+                                               f"seen:{self.port.me}:{uuid.uuid4().hex}"))

@@ -40,7 +40,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from ntp_manager.service.feed.layouts import LayoutFeed
 from ntp_manager.service.ingest.agents import EndStream
 from ntp_manager.service.ingest.consumer import Consumer
-from ntp_manager.service.ingest.outbox import AgentIngest, Ingest
+from ntp_manager.service.ingest.outbox import AgentIngest
+from ntp_manager.service.ingest.port import OutboxPort
 from ntp_manager.service.leadership.leader import Leadership
 from ntp_manager.settings import Settings
 
@@ -55,7 +56,7 @@ class Streams(Protocol):
     def feed(self) -> LayoutFeed: ...
 
     @property
-    def ingest(self) -> Ingest: ...
+    def ingest(self) -> OutboxPort: ...
 
     @property
     def consumer(self) -> Consumer | None: ...

@@ -52,7 +52,7 @@ class Jobs:
         self.ownership = Ownership(kernel, metrics)
         self.layout_changed = asyncio.Condition()
         self.stopping = False
-        self.on_layout: list[Callable[[], None]] = []  # told after a new version is in memory
+        self.on_layout: list[Callable[[], None]] = []  # told after a new version is in memory, a job deleted
         # told when a replan of a job holding domains beyond its own found its layout unchanged (a
         # repair its layout does not follow may leave one idle: service/planning/sharing.py)
         self.on_unchanged: list[Callable[[], None]] = []
@@ -126,6 +126,8 @@ class Jobs:
             self.workers.forget(name)
             self.kernel.dirty.discard(name)
             self.power.recompute_later()
+            for fn in self.on_layout:  # the layout feeds learn it is gone (service/feed/layouts.py)
+                fn()
             self.wake_watchers()  # its workers' watches end (the job is gone)
 
         tx.after.append(deleted)
