@@ -170,7 +170,8 @@ def _victim_health(api: httpx.Client, res: SlowDemoResult, shown: str) -> str:
 def _watch(api: httpx.Client, launcher: Any, res: SlowDemoResult, old: int, timeout_s: float) -> int:
     """Follow the detector (per-rank factors, each step it has observed), its verdicts, the victim's
     health and the layout, printing as they come, until a layout after `old` gives a fail-slow
-    decision. Returns that layout's version."""
+    decision that runs without the victim (one that keeps it, boosted, is shown and followed).
+    Returns that layout's version."""
     deadline = time.monotonic() + timeout_s
     shown_step: int | None = None
     seen_verdicts = 0
@@ -196,7 +197,9 @@ def _watch(api: httpx.Client, launcher: Any, res: SlowDemoResult, old: int, time
             console.print(escape(reason))
             _print_layout(api, version, res)
             old = version
-            if "fail-slow:" in reason:
+            # a first decision may keep the GPU (boosted) while its measured factor is still low
+            # (a loaded machine dilutes the slowdown); the story ends once a layout plans around it
+            if "fail-slow:" in reason and res.victim not in res.gpus_by_version.get(version, [res.victim]):
                 # the verdict, the GPU's new health and this layout can all land between this poll's
                 # first read and the layout read: read the detector once more so the verdict behind
                 # the layout is shown and recorded before it
