@@ -68,7 +68,7 @@ async def quiet(m: Manager, changed: str | None = None, before: dict[str, int] |
         assert time.monotonic() < end, f"{changed} was not replanned"
         await asyncio.sleep(0.02)
     for _ in range(3):
-        while m.kernel.dirty or (m.sharing._task is not None and not m.sharing._task.done()):
+        while m.kernel.dirty or m.sharing.passes.busy:
             await asyncio.sleep(0.01)
         await asyncio.sleep(1.0)
 
@@ -114,22 +114,21 @@ async def run(gpus: int, jobs: int, console: Console) -> None:
                 views.append(time.perf_counter() - t)
             await quiet(m)
             planned = sum(1 for j in m.world.jobs.values() if j.layout is not None)
+
+            async def replanned_by_failure_in(job: str) -> dict[str, int]:
+                """Fail the first GPU of `job`'s layout; the new layout versions per job it caused."""
+                before = versions(m)
+                lay = m.world.jobs[job].layout
+                assert lay is not None
+                await fail(m, lay.doc.gpus[0])
+                await quiet(m, job, before)
+                after = versions(m)
+                return {n: after[n] - before.get(n, 0) for n in after if after[n] != before.get(n)}
+
             # 3. a failure that job-000's reserved spare absorbs (granted from the pool)
-            before = versions(m)
-            victim = m.world.jobs["job-000"].layout
-            assert victim is not None
-            await fail(m, victim.doc.gpus[0])
-            await quiet(m, "job-000", before)
-            after = versions(m)
-            replanned_1 = {n: after[n] - before.get(n, 0) for n in after if after[n] != before.get(n)}
+            replanned_1 = await replanned_by_failure_in("job-000")
             # 4. a failure in job-001 (min_throughput 1, no spare): the pool grants a domain
-            before = after
-            lay = m.world.jobs["job-001"].layout
-            assert lay is not None
-            await fail(m, lay.doc.gpus[0])
-            await quiet(m, "job-001", before)
-            after = versions(m)
-            replanned_2 = {n: after[n] - before.get(n, 0) for n in after if after[n] != before.get(n)}
+            replanned_2 = await replanned_by_failure_in("job-001")
             rows = [
                 ("admission, one job (choose + write + commit)", f"{1000 * statistics.median(admit):.1f} median, "
                  f"{1000 * max(admit[1:]):.1f} max, {1000 * admit[-1]:.1f} for the {jobs}th", "<= 50 ms"),

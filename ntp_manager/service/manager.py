@@ -43,6 +43,7 @@ from ntp_manager.service.core.kernel import Kernel, Tx
 from ntp_manager.service.core.metrics import Metrics
 from ntp_manager.service.core.state import LayoutRec, World
 from ntp_manager.service.core.steps import StepWindow
+from ntp_manager.service.core.tasks import cancel_all
 from ntp_manager.service.ingest.agents import Agents, AgentSession
 from ntp_manager.service.ingest.doors import AgentDoor, FleetAgents, FleetWatches, WatchDoor
 from ntp_manager.service.ingest.liveness import Liveness
@@ -306,15 +307,7 @@ class Manager:
         await self.begin_shutdown()
         if self.follower is not None:
             await self.follower.stop()
-        if self._standby is not None:
-            self._standby.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._standby
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_all([self._standby, *self._tasks])
         self.jobs.planner.stop()  # a plan still running in the planner process must not hold the exit
         if self.shared is not None:
             await self.shared.stop()

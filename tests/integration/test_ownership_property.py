@@ -51,8 +51,7 @@ async def quiet(svc: Service) -> None:
     k, own, share = m.kernel, m.jobs.ownership, m.sharing
 
     def idle() -> bool:
-        return (not k.dirty and (own._placing is None or own._placing.done())
-                and (share._task is None or share._task.done()))
+        return not k.dirty and not own.placing.busy and not share.passes.busy
 
     for _ in range(3):  # idle three looks in a row: a commit's follow-ups have been scheduled and run
         await eventually(idle, 20)

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import structlog
 
+from ntp_manager.service.core.tasks import cancel_all
 from ntp_manager.service.feed.layouts import LayoutFeed
 from ntp_manager.service.feed.relay import TelemetryRelay
 from ntp_manager.service.feed.workers import WorkerIngest
@@ -108,11 +109,7 @@ class Fleet:
         self.ready = False
         self.feed.close()
         await self.ingest.stop()  # what it took becomes durable first (in memory: the consumer applies it)
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_all(self._tasks)
         self._tasks = []
 
     def world_lag(self) -> int:

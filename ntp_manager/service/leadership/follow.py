@@ -48,6 +48,7 @@ from ntp_manager.service.core import offloop
 from ntp_manager.service.core.changes import Applied, BadRow, Checked, apply_checked, check, encode
 from ntp_manager.service.core.kernel import Kernel, Tx
 from ntp_manager.service.core.state import World
+from ntp_manager.service.core.tasks import cancel_all
 from ntp_manager.service.leadership.loading import load_job
 from ntp_manager.settings import Settings
 from ntp_manager.store import worldlog
@@ -313,10 +314,7 @@ class Follower:
     # ---- taking over ------------------------------------------------------------------------
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_all([task])
         self._lag.set(0)
 
     async def take_over(self) -> bool:

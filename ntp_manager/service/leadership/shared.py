@@ -25,6 +25,7 @@ import structlog
 from sqlalchemy.exc import SQLAlchemyError
 
 from ntp_manager.service.core.state import World
+from ntp_manager.service.core.tasks import cancel_all
 from ntp_manager.service.ingest.agents import Ack, AgentCommand, Drain, ReleasePower, SetPower
 from ntp_manager.service.leadership.balance import Balancer
 from ntp_manager.service.leadership.fleet import Fleet, FleetHost
@@ -95,11 +96,7 @@ class SharedStore:
                         asyncio.create_task(self._prune_loop(), name="fleet-commands-prune")]
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_all(self._tasks)
         self._tasks = []
         await self.balance.leave()
         if self._listener is not None:

@@ -29,7 +29,6 @@ touches the jobs whose holdings change (other managers reload them).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +44,7 @@ from ntp_manager.service.core.errors import Conflict, FailedPrecondition, Invali
 from ntp_manager.service.core.kernel import Kernel, Tx
 from ntp_manager.service.core.metrics import Metrics
 from ntp_manager.service.core.state import JobRec, World
+from ntp_manager.service.core.tasks import Coalesced
 from ntp_manager.service.planning.reservations import (
     RESERVED,
     Need,
@@ -125,9 +125,8 @@ class Ownership:
             metrics.pool_gpus.set_function(lambda: float(self.pool_gpus()))
             metrics.pending_jobs.set_function(lambda: float(len(self.pending())))
             metrics.pool_reserved_gpus.set_function(lambda: float(self.reserved_gpus()))
-        self._placing: asyncio.Task[None] | None = None
+        self.placing = Coalesced(self.place_pending, "place-pending")  # one placer at a time
         self._freed = False  # a commit freed domains: look at the pending jobs after it
-        self._rerun = False
         self.on_freed: list[Callable[[], None]] = []
         self._sizes: dict[str, int] = {}  # domain -> GPUs, from `_sized_for`
         self._sized_for: tuple[int, ...] | None = None  # the snapshot's sizes `_sizes` was made from
@@ -310,7 +309,7 @@ class Ownership:
         """Domains went back to the pool or were added (after a commit): place pending jobs, and
         tell whoever waits for free capacity (service/planning/sharing.py)."""
         if any(not j.held for j in self.world.jobs.values()):
-            self.place_later()
+            self.placing.later()
         for fn in self.on_freed:
             fn()
 
@@ -346,22 +345,6 @@ class Ownership:
             return
         self._freed = False
         self.freed()
-
-    def place_later(self) -> None:
-        if self._placing is not None and not self._placing.done():
-            self._rerun = True
-            return
-        self._placing = asyncio.get_running_loop().create_task(self._place_pending(), name="place-pending")
-
-    async def _place_pending(self) -> None:
-        while True:
-            self._rerun = False
-            try:
-                await self.place_pending()
-            except Exception:
-                log.exception("placing pending jobs failed")
-            if not self._rerun:
-                return
 
     async def place_pending(self) -> list[str]:
         """Place pending jobs in priority then arrival order, each on free domains, stopping at the

@@ -27,7 +27,6 @@ Each change is one fenced kernel transaction with its audit row (`alloc.grant`, 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +38,7 @@ from ntp_manager.planner import JobSpec, PlanError
 from ntp_manager.service.core.errors import InvalidArgument, NotFound
 from ntp_manager.service.core.kernel import Tx
 from ntp_manager.service.core.state import JobRec
+from ntp_manager.service.core.tasks import Coalesced
 from ntp_manager.service.planning.jobs import Jobs
 from ntp_manager.service.planning.ownership import BORROWED, GRANT, OWN
 from ntp_manager.service.planning.reservations import RESERVED, need_of, order
@@ -74,8 +74,7 @@ class Sharing:
         self.grants = 0
         self.preemptions = 0
         self.returns = 0
-        self._task: asyncio.Task[None] | None = None
-        self._rerun = False
+        self.passes = Coalesced(self._pass, "sharing")  # one pass at a time (service/core/tasks.py)
         # job -> its layout when it was last helped: judged again only once it has replanned with
         # what it was given (else one failure would take a domain per pass before the first replan)
         self._helped: dict[str, object] = {}
@@ -86,23 +85,12 @@ class Sharing:
     # ---- when -----------------------------------------------------------------------------------
     def later(self) -> None:
         """Look at the jobs soon (once at a time; again if asked meanwhile)."""
-        if not self.leading():
-            return
-        if self._task is not None and not self._task.done():
-            self._rerun = True
-            return
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="sharing")
+        if self.leading():
+            self.passes.later()
 
-    async def _run(self) -> None:
-        while True:
-            self._rerun = False
-            try:
-                for _ in range(1 + len(self.kernel.world.domains)):  # each pass moves one domain at most
-                    if self.jobs.stopping or not await self.step():
-                        break
-            except Exception:
-                log.exception("sharing pass failed")
-            if not self._rerun:
+    async def _pass(self) -> None:
+        for _ in range(1 + len(self.kernel.world.domains)):  # each step moves one domain at most
+            if self.jobs.stopping or not await self.step():
                 return
 
     # ---- what -----------------------------------------------------------------------------------
@@ -319,7 +307,7 @@ class Sharing:
 
         def changed() -> None:
             rec.raw, rec.policy = raw, policy
-            self.own.place_later()
+            self.own.placing.later()
             self.later()
 
         tx.after.append(changed)
