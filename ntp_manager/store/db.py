@@ -23,7 +23,7 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import event, exc, text
 from sqlalchemy.engine import Connection
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
 from ntp_manager.jsontext import StoredJson
 
@@ -90,6 +90,15 @@ def _closed_is_stale(_dbapi: Any, record: Any, _proxy: Any) -> None:
     driver = record.driver_connection
     if driver is not None and driver.is_closed():
         raise exc.DisconnectionError("the database closed this connection")
+
+
+def closed(conn: AsyncConnection) -> bool:
+    """Whether the server has closed this kept connection (as `_closed_is_stale` at a checkout)."""
+    sync = conn.sync_connection
+    if sync is None or sync.closed or sync.invalidated:
+        return True
+    driver = sync.connection.driver_connection
+    return driver is not None and bool(driver.is_closed())
 
 
 def sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:

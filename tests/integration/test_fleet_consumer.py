@@ -123,6 +123,53 @@ async def test_append_stores_each_idempotency_key_once_in_order(tmp_path: Path) 
             await m.engine.dispose()
 
 
+async def test_an_append_draws_no_sequence_number_before_it_holds_the_lock(tmp_path: Path) -> None:
+    """Commit order is sequence order (store/outbox.py) only if an append takes the lock before
+    it draws its numbers: while one transaction holds the lock with rows not committed, another
+    manager's one-statement append waits without drawing any, gets numbers after the first's once
+    it commits, and with a lock wait gives up with the lock-timeout error the committer acts on."""
+    from sqlalchemy import text
+
+    from ntp_manager.service.ingest.outbox import _lock_timeout
+    from ntp_manager.store import db
+
+    def entries(key: str, n: int) -> list[outbox.Entry]:
+        return [outbox.Entry(outbox.SEEN, "", {"nodes": []}, f"seen:{key}:{i}") for i in range(n)]
+
+    async with database("postgres", tmp_path) as url:
+        m = Manager(Settings(database_url=url))
+        auto = m.engine.execution_options(isolation_level="AUTOCOMMIT")
+        try:
+            await db.upgrade(m.engine)
+
+            async def drawn() -> int:
+                async with auto.connect() as c:
+                    return int((await c.execute(text(
+                        "SELECT last_value FROM outbox_seq_seq"))).scalar_one())
+
+            async with m.sm() as holder, holder.begin():
+                first = await outbox.append(holder, entries("a", 3), "m0", datetime.now(UTC))
+                mark = await drawn()
+                assert mark == max(first)
+                async with auto.connect() as c:
+                    with pytest.raises(Exception) as err:
+                        await outbox.append(c, entries("t", 2), "m1", datetime.now(UTC), lock_wait_ms=200)
+                    assert _lock_timeout(err.value)
+                async with auto.connect() as c:
+                    waiting = asyncio.ensure_future(outbox.append(c, entries("b", 4), "m1", datetime.now(UTC)))
+                    await asyncio.sleep(0.5)
+                    assert not waiting.done()
+                    assert await drawn() == mark  # the waiting append drew nothing
+                    await holder.commit()
+                    second = await asyncio.wait_for(waiting, 10)
+            assert len(second) == 4 and min(second) > max(first) and second == sorted(second)
+            async with m.sm() as s:
+                rows = await outbox.read_after(s, 0, 100)
+            assert [r.seq for r in rows] == first + second
+        finally:
+            await m.engine.dispose()
+
+
 async def test_applied_rows_older_than_the_retention_are_pruned_by_the_leader_only(tmp_path: Path) -> None:
     from datetime import timedelta
 

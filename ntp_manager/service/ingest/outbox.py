@@ -29,7 +29,7 @@ from typing import Any, cast
 import structlog
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
 
 from ntp_manager.auth import Principal
 from ntp_manager.clock import Clock
@@ -39,7 +39,7 @@ from ntp_manager.service.core.state import HEALTH_STATES, World
 from ntp_manager.service.ingest.agents import AgentSession, identity_problem
 from ntp_manager.service.ingest.hello_view import HelloViews
 from ntp_manager.service.ingest.port import OutboxPort
-from ntp_manager.store import outbox, worldlog
+from ntp_manager.store import db, outbox, worldlog
 from ntp_manager.store.models import AuditRow, LeaderRow
 
 log = structlog.get_logger("ntp.ingest")
@@ -69,6 +69,8 @@ class Ingest:
         self.on_append: Callable[[], None] = lambda: None  # NOTIFY ntp_outbox wakes the consumer instead
         # the consumer reads in autocommit (one statement, no BEGIN and ROLLBACK around it)
         self._reader = engine.execution_options(isolation_level="AUTOCOMMIT") if engine is not None else None
+        self._appends = self._reader  # group commits: one autocommit statement each, on a kept connection
+        self._appender: AsyncConnection | None = None
         self.stored = 0  # rows this manager stored
         self.duplicates = 0  # rows whose idempotency key was stored already
         self.batches = 0
@@ -91,6 +93,7 @@ class Ingest:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        await self._drop_appender()
         while self._queue:
             item = self._queue.popleft()
             if not item.fut.done():
@@ -160,10 +163,9 @@ class Ingest:
         wait_ms = int(self.timeout_s * 500)  # for the append lock: half the store timeout
         try:
             async with asyncio.timeout(self.timeout_s):
-                async with self.sm() as s, s.begin():
-                    seqs = await outbox.append(s, [i.entry for i in items], self.me, self.clock.now(),
-                                               lock_wait_ms=wait_ms)
+                seqs = await self._append([i.entry for i in items], wait_ms)
         except (OSError, SQLAlchemyError, TimeoutError) as e:
+            await self._drop_appender()  # its state is unknown (a statement cut off, a lost server)
             self.failed += 1
             reason = "took too long" if isinstance(e, TimeoutError) else str(e).splitlines()[0][:200]
             if _lock_timeout(e):  # the lock's holder may be a manager stopped inside its append
@@ -182,6 +184,26 @@ class Ingest:
             if not i.fut.done():
                 i.fut.set_result(i.entry.report_seq)
 
+
+    async def _append(self, entries: list[outbox.Entry], wait_ms: int) -> list[int]:
+        """One group commit. With an engine, one statement on a connection this committer keeps, in
+        autocommit (store/outbox.py: durable when it returns); else in a session's transaction."""
+        if self._appends is None:
+            async with self.sm() as s, s.begin():
+                return await outbox.append(s, entries, self.me, self.clock.now(), lock_wait_ms=wait_ms)
+        if self._appender is not None and db.closed(self._appender):  # a restarted server: a new one
+            await self._drop_appender()
+        if self._appender is None:
+            self._appender = await self._appends.connect()
+        return await outbox.append(self._appender, entries, self.me, self.clock.now(), lock_wait_ms=wait_ms)
+
+    async def _drop_appender(self) -> None:
+        conn, self._appender = self._appender, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await conn.invalidate()
+            with contextlib.suppress(Exception):
+                await conn.close()
 
     async def _end_stuck_appenders(self, older_than_ms: int) -> None:
         try:
