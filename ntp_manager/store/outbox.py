@@ -21,6 +21,7 @@ whichever manager leads, and a deposed leader moves nothing.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -190,6 +191,27 @@ async def quarantine(session: AsyncSession, items: Iterable[tuple[int, str]], ep
     if rows:
         ins = sqlite_insert if session.get_bind().dialect.name == "sqlite" else pg_insert
         await session.execute(ins(OutboxQuarantineRow).values(rows).on_conflict_do_nothing())
+
+
+QUARANTINE_PAYLOAD_CAP = 16_384  # bytes of an entry's payload (compact JSON) its quarantine audit row keeps
+
+
+def quarantine_evidence(r: Stored, cap: int = QUARANTINE_PAYLOAD_CAP) -> dict[str, Any]:
+    """What the `outbox.quarantine` audit row keeps of an entry that was not applied: its seq,
+    kind, report seq, the manager that took it, and the payload itself, so that an operator can
+    see what was refused on either store (with the in-memory outbox of one manager alone, this row
+    is the only durable copy of it). A payload longer than `cap` bytes as compact JSON is kept as
+    the first `cap` bytes of that text (`payload_head`, `payload_cut: true`), never silently cut;
+    `payload_bytes` is its whole length either way."""
+    text_ = json.dumps(r.payload, separators=(",", ":"), ensure_ascii=True, sort_keys=True, default=str)
+    out: dict[str, Any] = {"seq": r.seq, "kind": r.kind, "node": r.node, "report_seq": r.report_seq,
+                           "manager": r.manager, "payload_bytes": len(text_)}
+    if len(text_) <= cap:
+        out["payload"] = json.loads(text_)  # a copy as stored (what `default=str` made of odd values)
+    else:
+        out["payload_cut"] = True
+        out["payload_head"] = text_[:cap]
+    return out
 
 
 async def quarantined(conn: AsyncConnection | AsyncSession) -> list[tuple[int, str]]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import glob
+import json
 import os
 import shutil
 import signal
@@ -224,6 +225,11 @@ async def test_a_report_stored_twice_is_applied_once(tmp_path: Path) -> None:
             reasons = [r["reason"] for r in await conn.fetch("SELECT reason FROM outbox_quarantine")]
             assert len(reasons) == 1 and "has not registered" in reasons[0], reasons
             assert await conn.fetchval("SELECT count(*) FROM audit_log WHERE action = 'outbox.quarantine'") == 1
+            # the audit row keeps what was refused (the row stays in the outbox too: never pruned)
+            after = json.loads(await conn.fetchval("SELECT after FROM audit_log WHERE action = 'outbox.quarantine'"))
+            assert after["payload"] == {"gpus": []} and after["kind"] == "report" and after["report_seq"] == 1
+            assert after["node"] == "node-1" and after["manager"] == "test" and "payload_cut" not in after
+            assert await conn.fetchval("SELECT count(*) FROM outbox WHERE idem_key = 'bad-1'") == 1
             assert await conn.fetchval("SELECT last_seq FROM nodes WHERE name = 'node-0'") == 2
         finally:
             await conn.close()

@@ -12,11 +12,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
 
 from ntp_manager.service.ingest.consumer import BATCH
 from ntp_manager.service.manager import Manager
 from ntp_manager.settings import Settings
 from ntp_manager.store import outbox
+from ntp_manager.store.models import AuditRow
 from tests.integration.conftest import PG, database
 from tests.integration.test_ha import eventually
 
@@ -195,6 +197,10 @@ async def test_applied_rows_older_than_the_retention_are_pruned_by_the_leader_on
             head = await _head(m)
             await eventually(lambda: cons.last >= head, 30, "all applied")
             assert cons.quarantined == 1
+            async with m.sm() as s:  # its audit row says what was refused
+                after = (await s.scalars(select(AuditRow.after).where(AuditRow.action == "outbox.quarantine"))).one()
+            assert after == {"seq": bad[0], "kind": "bogus", "node": "n-x", "report_seq": None, "manager": "m0",
+                             "payload_bytes": 2, "payload": {}}
             # never past the cursor: rows not applied yet stay, however old
             async with m.sm() as s, s.begin():
                 assert await outbox.prune_applied(s, seqs[2], datetime.now(UTC)) == 3

@@ -4,13 +4,18 @@ memory (service/ingest/port.py), and its watches are served by the same layout f
 loopback, real SQLite.
 
 What the in-memory handover must keep: an ack only once the report is applied and committed (the
-state is in the database file before the agent hears of it), a row that cannot be applied is
-quarantined with its reason and its agent is told (never acknowledged), a replayed report is
-acknowledged and not applied twice (even one re-sent while the first is still on its way)."""
+state is in the database file before the agent hears of it, so a SIGKILL of a real `ntp-manager
+serve` loses nothing acknowledged), a row that cannot be applied is quarantined with its reason and
+its payload (the audit row: the only durable copy of it) and its agent is told (never
+acknowledged), a replayed report is acknowledged and not applied twice (even one re-sent while the
+first is still on its way, or after a restart)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
+import sqlite3
 from pathlib import Path
 
 import grpc
@@ -20,9 +25,10 @@ from ntp_manager.contract.proto.ntp.v1 import common_pb2
 from ntp_manager.service.ingest.port import MemoryOutbox
 from ntp_manager.service.manager import Manager
 from ntp_manager.settings import Settings
-from ntp_manager.store import db
+from ntp_manager.store import db, outbox
 from ntp_manager.store.models import AuditRow, GpuRow, HealthEventRow, NodeRow, OutboxQuarantineRow
 from tests.fakes.agent_client import ScriptedAgent, gpu_uuids
+from tests.fakes.procs import create_agent_tokens, start_manager, stop_process
 from tests.integration.conftest import Service, eventually, running_service
 from tests.integration.test_service import JOB, start_agents, watch
 
@@ -110,14 +116,16 @@ async def test_a_row_that_cannot_be_applied_is_quarantined_and_its_agent_told(tm
         assert m.fleet.consumer is not None and m.fleet.consumer.quarantined == 1
         await first.close()
         await second.close()
-    # a later run numbers its entries after the quarantined one: a new quarantine row is never lost
+    # a later run numbers its entries after the quarantined one: a new quarantine row is never lost.
+    # Its refused hello is large (128 GPUs of long UUIDs): its audit row keeps the payload cut, and says so
+    big = ["GPU-x", *(f"GPU-{'u' * 100}-{i:03d}" for i in range(1, 128))]
     async with running_service(_url(tmp_path), tmp_path) as svc:
         for n in ("node-3", "node-4"):
             await svc.agent_token(n)
         async with svc.manager.kernel.lock:
             a = await _agent(svc, "node-3", "nvl-3", ["GPU-x"])
             await eventually(lambda: svc.manager.fleet.ingest.queued() == 1)
-            b = await _agent(svc, "node-4", "nvl-4", ["GPU-x"])
+            b = await _agent(svc, "node-4", "nvl-4", big)
             await eventually(lambda: svc.manager.fleet.ingest.queued() == 2)
         await b.wait_for(lambda: b.error is not None)
         async with svc.manager.sm() as s:
@@ -125,6 +133,28 @@ async def test_a_row_that_cannot_be_applied_is_quarantined_and_its_agent_told(tm
         assert len(seqs) == 2 and seqs[1] > seqs[0]
         for x in (a, b):
             await x.close()
+    # after the restarts, the database file alone says what was refused (the outbox was in memory)
+    other = db.make_engine(_url(tmp_path))
+    try:
+        async with db.sessionmaker(other)() as s:
+            audit = (await s.scalars(select(AuditRow).where(AuditRow.action == "outbox.quarantine")
+                                     .order_by(AuditRow.id))).all()
+    finally:
+        await other.dispose()
+    assert [r.after["seq"] for r in audit] == list(seqs) and [r.target for r in audit] == ["node-1", "node-4"]
+    whole, cut = audit[0].after, audit[1].after
+    assert whole["kind"] == "hello" and whole["node"] == "node-1" and whole["report_seq"] is None
+    assert "payload_cut" not in whole and "payload_head" not in whole
+    p = whole["payload"]
+    assert p["domain"] == "nvl-1" and p["boot_id"] == "boot-1" and p["agent_version"] == "test"
+    assert [g[0] for g in p["gpus"]] == ["GPU-shared", "GPU-node-1-1"]
+    assert p["gpus"][0] == ["GPU-shared", 0, "FakeGPU", 0, 1_000_000, 200_000, 1_300_000]
+    assert whole["payload_bytes"] == len(json.dumps(p, separators=(",", ":"), sort_keys=True))
+    assert "payload" not in cut and cut["payload_cut"] is True and cut["kind"] == "hello"
+    assert cut["payload_bytes"] > outbox.QUARANTINE_PAYLOAD_CAP == len(cut["payload_head"])
+    head = cut["payload_head"]
+    assert head.startswith('{"agent_version":"test","boot_id":"boot-1","domain":"nvl-4","gpus":[["GPU-x",0,')
+    assert f'["{big[50]}",50,"FakeGPU"' in head and big[-1] not in head  # the start kept, the end cut
 
 
 async def test_a_replayed_report_is_acked_and_not_applied_twice(tmp_path: Path) -> None:
@@ -209,3 +239,117 @@ async def test_reports_taken_as_the_manager_stops_are_applied_before_it_ends(tmp
         assert all(m2.world.gpus[f"GPU-node-0-{i}"].health == "failed" for i in range(3))
     finally:
         await m2.stop()
+
+
+KILL_NODES, KILL_WINDOW, KILL_MAX = 4, 16, 2000  # agents; reports each keeps unacknowledged; seqs it may send
+
+
+def kill_script(seq: int) -> tuple[int, str]:
+    """Report `seq` of a node sets its GPU seq % 4 failed or healthy, in turns: every report changes state."""
+    return seq % 4, ("failed" if (seq // 4) % 2 == 0 else "healthy")
+
+
+def _stored(conn: sqlite3.Connection, node: str) -> list[tuple[int, str, str]]:
+    """The reports of `node` the database holds, as its health events: (seq, GPU, state), in write
+    order. Each event's old state is the one its GPU's previous event set (the GPUs start healthy):
+    the states form one chain, no report applied twice or out of turn."""
+    rows = conn.execute("SELECT seq, gpu_uuid, old_state, new_state FROM health_events "
+                        "WHERE node = ? AND seq IS NOT NULL ORDER BY id", (node,)).fetchall()
+    now: dict[str, str] = {}
+    for seq, gpu, old, new in rows:
+        assert old == now.get(gpu, "healthy"), f"{node}#{seq}: {gpu} went {old} -> {new} after {now.get(gpu)}"
+        now[gpu] = new
+    return [(int(s), str(g), str(h)) for s, g, _, h in rows]
+
+
+async def test_sigkill_of_the_sqlite_manager_loses_no_acked_report_and_applies_resent_ones_once(
+        tmp_path: Path) -> None:
+    """`ntp-manager serve` on a SQLite file, a real process: four agents stream reports concurrently,
+    each keeping KILL_WINDOW unacknowledged, and the manager is SIGKILLed while they are in flight.
+    The file then holds every acknowledged report (the ack follows the commit of the transaction
+    that applied it), each once, with no gap. Restarted on the same file, each agent's welcome
+    says exactly what the file holds (at least its highest ack), and the agent re-sends everything
+    it sent and was not acknowledged for, and a few it was: the ones applied already are
+    acknowledged and not applied again, the rest are applied once each, each on the state the
+    restarted manager loaded (the events' old states chain on from those written before the kill)."""
+    data = tmp_path / "data"
+    nodes = [f"node-{i}" for i in range(KILL_NODES)]
+    tokens = create_agent_tokens(data, nodes)
+    env = {"NTP_SUSPECT_AFTER_S": "60", "NTP_FAIL_AFTER_S": "120", "NTP_BREAKER_MIN_GPUS": "100000"}
+    proc, info = start_manager(data, env=env)
+    sent = dict.fromkeys(nodes, 0)  # each node's highest seq handed to its stream
+
+    async def pump(a: ScriptedAgent) -> None:
+        for seq in range(1, KILL_MAX + 1):
+            await a.wait_for(lambda s=seq: s - max(a.acks, default=0) <= KILL_WINDOW or a.error is not None)
+            if a.error is not None:
+                return
+            gpu, state = kill_script(seq)
+            await a.report({f"GPU-{a.node}-{gpu}": state}, seq=seq, wait=False)
+            sent[a.node] = seq
+
+    try:
+        agents = [ScriptedAgent(info["grpc"], tokens[n], n, f"nvl-{i // 2}", gpu_uuids(n, 4))
+                  for i, n in enumerate(nodes)]
+        for a in agents:
+            await a.connect()
+            await a.wait_for(lambda a=a: a.welcome is not None)
+        pumps = [asyncio.create_task(pump(a)) for a in agents]
+        await eventually(lambda: all(max(a.acks, default=0) >= 40 for a in agents), timeout=20)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        await asyncio.wait_for(asyncio.gather(*pumps), 15)  # each ends on its stream's error
+        for a in agents:
+            await a.close()  # every ack the manager sent before it died has been read
+        acked = {a.node: max(a.acks) for a in agents}
+        assert all(a.error is not None for a in agents)
+        assert all(sent[n] < KILL_MAX for n in nodes), "the agents ran out of reports before the kill"
+        assert sum(sent.values()) > sum(acked.values()), "nothing was in flight at the kill"
+
+        # the file as the kill left it: every acked report, each once, in order, and the GPUs' state
+        conn = sqlite3.connect(data / "ntp-manager.db")
+        try:
+            held = {}
+            for n in nodes:
+                rows = _stored(conn, n)
+                seqs = [s for s, _, _ in rows]
+                assert seqs == list(range(1, len(seqs) + 1)), f"{n}: stored reports have a gap or a duplicate"
+                assert len(seqs) >= acked[n], f"{n}: acked up to {acked[n]}, stored {len(seqs)}"
+                assert all((g, h) == (f"GPU-{n}-{kill_script(s)[0]}", kill_script(s)[1]) for s, g, h in rows)
+                assert conn.execute("SELECT last_seq FROM nodes WHERE name = ?", (n,)).fetchone()[0] == len(seqs)
+                held[n] = len(seqs)
+        finally:
+            conn.close()
+
+        proc, info = start_manager(data, env=env)
+        again = []
+        for i, n in enumerate(nodes):
+            a = ScriptedAgent(info["grpc"], tokens[n], n, f"nvl-{i // 2}", gpu_uuids(n, 4))
+            await a.connect()
+            await a.wait_for(lambda a=a: a.welcome is not None)
+            assert a.welcome.last_applied_seq == held[n] >= acked[n]
+            # all it was not acknowledged for, and the last few it was (an agent cannot tell a report
+            # lost from an ack lost: these are reports applied and not acknowledged, as far as it knows)
+            for seq in range(max(1, acked[n] - 3), sent[n] + 1):
+                gpu, state = kill_script(seq)
+                await a.report({f"GPU-{n}-{gpu}": state}, seq=seq, wait=False)
+            again.append(a)
+        for a in again:
+            await a.wait_for(lambda a=a: (a.acks and a.acks[-1] == sent[a.node]) or a.error is not None)
+            assert a.error is None and a.acks == sorted(a.acks)
+            await a.close()
+        conn = sqlite3.connect(data / "ntp-manager.db")
+        try:
+            for n in nodes:
+                rows = _stored(conn, n)
+                assert [s for s, _, _ in rows] == list(range(1, sent[n] + 1)), f"{n}: not each report once"
+                assert all((g, h) == (f"GPU-{n}-{kill_script(s)[0]}", kill_script(s)[1]) for s, g, h in rows)
+                assert conn.execute("SELECT last_seq FROM nodes WHERE name = ?", (n,)).fetchone()[0] == sent[n]
+                for gpu in range(4):  # each GPU holds what its last report said
+                    last = max(s for s in range(1, sent[n] + 1) if kill_script(s)[0] == gpu)
+                    assert conn.execute("SELECT health FROM gpus WHERE uuid = ?", (f"GPU-{n}-{gpu}",)
+                                        ).fetchone()[0] == kill_script(last)[1]
+        finally:
+            conn.close()
+    finally:
+        stop_process(proc)

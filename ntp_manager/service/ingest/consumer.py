@@ -10,8 +10,9 @@ and starts from the cursor the last one left. In memory, the port resolves each 
 
 Each row is checked against the transaction's view before anything is written for it (the same
 checks the leader's own path runs: service/ingest/agents.py); a row that fails them is quarantined
-(`outbox_quarantine`, with its reason, and an `outbox.quarantine` audit row) and the cursor moves
-past it; the in-memory port fails its future with the reason (the agent is told, not acknowledged).
+(`outbox_quarantine`, with its reason, and an `outbox.quarantine` audit row that keeps the entry
+itself, its payload capped: store/outbox.py's quarantine_evidence) and the cursor moves past it;
+the in-memory port fails its future with the reason (the agent is told, not acknowledged).
 A batch that fails in any other way is applied again one row per transaction, and the row that
 still fails is quarantined with the error's name: it never blocks the rest.
 
@@ -233,7 +234,7 @@ class Consumer:
                     bad.append((r.seq, e.message))
                     failed[r.seq] = e
                     tx.audit(tx.now, "outbox.quarantine", (r.node or r.kind)[:256], reason=e.message,
-                             after={"seq": r.seq, "kind": r.kind, "manager": r.manager})
+                             after=outbox.quarantine_evidence(r))
             tx.actor = "outbox"
             await self.port.record(tx.session, rows[-1].seq, bad, m.epoch, tx.now)
         self.last = rows[-1].seq
@@ -247,7 +248,7 @@ class Consumer:
     async def _quarantine_alone(self, r: outbox.Stored, reason: str) -> None:
         async with self.m.kernel.exclusive("outbox") as tx:
             tx.audit(tx.now, "outbox.quarantine", (r.node or r.kind)[:256], reason=reason,
-                     after={"seq": r.seq, "kind": r.kind, "manager": r.manager})
+                     after=outbox.quarantine_evidence(r))
             await self.port.record(tx.session, r.seq, [(r.seq, reason)], self.m.epoch, tx.now)
         self.last = r.seq
         self.port.applied(r.seq, {r.seq: ServiceError(reason)})

@@ -13,8 +13,9 @@ chosen once by the composition root (service/manager.py):
   so "stored" is not durable by itself: an entry's future resolves only once the consumer's
   kernel transaction that applied it has committed (durable = applied). The consumer is woken
   directly. A row that cannot be applied is still quarantined durably (`outbox_quarantine`, and
-  the consumer's `outbox.quarantine` audit row) and its future fails with the reason, so the agent
-  is told, never acknowledged.
+  the consumer's `outbox.quarantine` audit row, which keeps the entry's payload, capped: the only
+  durable copy of it here) and its future fails with the reason, so the agent is told, never
+  acknowledged.
 """
 
 from __future__ import annotations
