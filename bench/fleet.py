@@ -95,6 +95,11 @@ class Child:
             self.proc.kill()
 
 
+# the agents' heartbeat period: 0 beats as the agent does when its counters do not change (the
+# welcome's longest quiet); set to compare (2.0: every liveness period, as agents did before)
+HEARTBEAT_S = float(os.environ.get("NTP_BENCH_HEARTBEAT_S", "0"))
+
+
 class Gen(Child):
     """One load-generator process (bench/fleet_load.py)."""
 
@@ -102,7 +107,7 @@ class Gen(Child):
         self.home = home  # the index of the manager its agents prefer
         self.nodes = [n for n, _ in nodes]
         super().__init__("fleet_load.py", f"load generator {home}",
-                         {"targets": targets, "nodes": nodes, "gpus": 8, "heartbeat_s": 2.0})
+                         {"targets": targets, "nodes": nodes, "gpus": 8, "heartbeat_s": HEARTBEAT_S})
 
     def cpu(self) -> float:
         return cpu_seconds(self.proc.pid)

@@ -2,7 +2,8 @@
 the benchmark measures the managers, not the client.
 
 Started with a JSON line on stdin: {"targets": [grpc addresses, the preferred first], "nodes":
-[[node, token], ...], "gpus": 8, "heartbeat_s": 2}. Each agent keeps one stream (the protocol of
+[[node, token], ...], "gpus": 8, "heartbeat_s": 0} (0: beat at the welcome's longest quiet, as the
+agent does while its counters do not change). Each agent keeps one stream (the protocol of
 agent/ntp_agent/core.py reduced to its bones): hello, welcome (re-send what was not applied), reports
 acknowledged cumulatively, heartbeats; when its stream ends it goes to the next address and
 records how long it was without a stream. Then reads commands on stdin, answering each with one
@@ -119,6 +120,10 @@ class Sim:
                             self.hello_waits.append(time.perf_counter() - sent_at)
                             self.gaps.append(time.perf_counter() - self.lost_at)
                             self.lost_at = None
+                        if msg.welcome.heartbeat_max_quiet_ms and self.hb <= 0:  # as the agent: counters unchanged
+                            self.hb = msg.welcome.heartbeat_max_quiet_ms / 1000
+                        elif self.hb <= 0:
+                            self.hb = msg.welcome.heartbeat_interval_ms / 1000
                         self.connected.set()
                         welcomed, self.rounds_failed = True, 0
                         beat = asyncio.create_task(self._beat(q))
@@ -177,7 +182,7 @@ async def main() -> None:
     cfg = await child.config()
     stop = asyncio.Event()
     t0 = time.perf_counter()
-    sims = [Sim(i, n, tok, cfg["targets"], cfg.get("gpus", 8), child.chans, cfg.get("heartbeat_s", 2.0))
+    sims = [Sim(i, n, tok, cfg["targets"], cfg.get("gpus", 8), child.chans, cfg.get("heartbeat_s", 0.0))
             for i, (n, tok) in enumerate(cfg["nodes"])]
     tasks = [asyncio.create_task(s.run(stop)) for s in sims]
     child.start_lag_probe()

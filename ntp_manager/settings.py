@@ -26,8 +26,14 @@ class Settings(BaseSettings):
     http_port: int = Field(8080, ge=0, le=65535, description="REST port (0: any free port)")
     grpc_host: str = Field("127.0.0.1", description="gRPC bind address (agents and workers)")
     grpc_port: int = Field(50051, ge=0, le=65535, description="plaintext gRPC port (0: any free port)")
-    heartbeat_interval_s: float = Field(2.0, gt=0, description="heartbeat period told to agents in the welcome; "
-                                        "also paces the liveness check (an agent configured slower beats at this)")
+    heartbeat_interval_s: float = Field(2.0, gt=0, description="the liveness period: every open agent stream's "
+                                        "connection is pinged this often (a stopped or unreachable agent's stream "
+                                        "ends), its node counted as heard from, and the liveness check paced; agents "
+                                        "read their GPU counters this often (told in the welcome)")
+    heartbeat_max_quiet_s: float = Field(10.0, gt=0, description="an agent whose GPU counters do not change "
+                                         "materially sends a heartbeat at least this often (told in the welcome; "
+                                         "sooner when they change); an open stream silent for three times this is "
+                                         "ended as stuck (must be at least `heartbeat_interval_s`)")
     suspect_after_s: float = Field(6.0, gt=0, description="a node silent this long makes its healthy GPUs suspect "
                                    "(still placeable)")
     fail_after_s: float = Field(20.0, gt=0, description="a node silent this long fails its GPUs "
@@ -146,6 +152,14 @@ class Settings(BaseSettings):
                                           "drains its node (0: never)")
     slurm_audit_url: str | None = Field(None, max_length=500, description="base URL of the REST API in drain reasons' "
                                         "audit links; default: the advertised REST address")
+
+    @field_validator("heartbeat_max_quiet_s")
+    @classmethod
+    def _quiet_at_least_the_period(cls, v: float, info: Any) -> float:
+        period = info.data.get("heartbeat_interval_s")
+        if period is not None and v < period:
+            raise ValueError("heartbeat_max_quiet_s must be at least heartbeat_interval_s")
+        return v
 
     @field_validator("fail_after_s")
     @classmethod

@@ -60,6 +60,7 @@ from ntp_agent.state import STATE_EVERY_S, expand, write_state
 from ntp_manager.contract.client import ManagerClient, code_of
 from ntp_manager.contract.gpu import GpuState
 from ntp_manager.contract.proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+from ntp_manager.contract.telemetry import counters, material
 from ntp_manager.contract.tls import TlsFiles
 
 log = structlog.get_logger("ntp.agent")
@@ -140,6 +141,12 @@ class Agent:
         # the heartbeat period in use: the configured one, or the manager's when its welcome asks
         # for a shorter one (it judges silence by its own period; a slower agent would look dead)
         self.beat_s = self.cfg.heartbeat_interval_s
+        # the longest it goes without a heartbeat while no counter changes materially (the welcome's
+        # heartbeat_max_quiet_ms; a manager that does not say: every period). Liveness is the
+        # stream's own (the manager pings the connection), so a quiet agent is not a silent one.
+        self.quiet_s = self.beat_s
+        self.sent: dict[str, Any] = {}  # the counters of each GPU as last sent (contract/telemetry.py)
+        self.sent_at = float("-inf")  # when the last heartbeat was sent (the event loop's clock)
         self._period_changed = asyncio.Event()
         # the local state file (agent/ntp_agent/state.py): rewritten when dirty, else every STATE_EVERY_S
         self.conn_since = time.time()  # wall time the connection last came or went (start: not connected)
@@ -340,6 +347,8 @@ class Agent:
                         if period != self.beat_s:
                             self.beat_s = period
                             self._period_changed.set()  # the wait under way is for the old period
+                        self.quiet_s = max(period, msg.welcome.heartbeat_max_quiet_ms / 1000)
+                        self.sent, self.sent_at = {}, float("-inf")  # a new stream: the next beat is sent
                         for m in self.on_welcome(msg.welcome.last_applied_seq):
                             outbox.put_nowait(m)
                         self._connection(True)
@@ -420,7 +429,20 @@ class Agent:
                 continue  # a new, shorter period: wait out what is left of it
             last = loop.time()
             if self.connected.is_set():
-                outbox.put_nowait(self.heartbeat_msg())
+                msg = self.heartbeat_msg()
+                if self.beat_due(msg, last):
+                    outbox.put_nowait(msg)
+
+    def beat_due(self, msg: agent_pb2.AgentMessage, now: float) -> bool:
+        """Whether to send this period's heartbeat: the longest quiet has passed since the last one
+        sent, or a GPU's counters changed materially (or a GPU came or went) since they were sent.
+        Remembers what it sends."""
+        now_counters = {t.uuid: counters(t) for t in msg.heartbeat.gpus}
+        due = (now - self.sent_at >= self.quiet_s - 1e-6 or now_counters.keys() != self.sent.keys()
+               or any(material(self.sent[u], c) for u, c in now_counters.items()))
+        if due:
+            self.sent, self.sent_at = now_counters, now
+        return due
 
     def heartbeat_msg(self) -> agent_pb2.AgentMessage:
         """A heartbeat carrying the latest sample of each GPU (GPUs lost or never read: none)."""

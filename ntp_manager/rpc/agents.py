@@ -150,8 +150,11 @@ class _Stream:
 
     async def _read(self) -> None:
         out = self.session.outbox
+        session, clock = self.session, asyncio.get_running_loop().time
+        session.heard = clock()
         try:
             async for msg in self.messages:
+                session.heard = clock()  # a stream that brings nothing for long is ended (leadership/fleet.py)
                 if not await self._one(msg):
                     return
         except ServiceError as e:
@@ -226,7 +229,8 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         try:
             yield agent_pb2.ManagerMessage(welcome=agent_pb2.Welcome(
                 leader_epoch=epoch, last_applied_seq=last_seq,
-                heartbeat_interval_ms=int(self.settings.heartbeat_interval_s * 1000)))
+                heartbeat_interval_ms=int(self.settings.heartbeat_interval_s * 1000),
+                heartbeat_max_quiet_ms=int(self.settings.heartbeat_max_quiet_s * 1000)))
             stream = _Stream(self.door, session, request_iterator)
             while True:
                 item = await session.outbox.get()

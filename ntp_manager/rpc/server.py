@@ -122,9 +122,21 @@ def _deny(handler: Any, code: grpc.StatusCode, msg: str, trailer: tuple[tuple[st
 PENDING_CALLS_MAX = 200_000  # about two calls (an agent's stream, a worker's watch) per GPU at 100K GPUs
 PENDING_CALL_WAIT_S = 60  # one that waits longer is ended (CANCELLED) for its client to retry
 
+def keepalive(period_s: float) -> list[tuple[str, int]]:
+    """The server's options. Every connection is pinged every `period_s` (the liveness period, at
+    least 1 s), and one whose peer does not answer within as long (at least 2 s) is closed: an agent's stream
+    whose process stopped, or whose node died or was cut off, ends here within about two periods,
+    and its node stops being counted as heard from (service/leadership/fleet.py). The pings are
+    gRPC core's, answered by the peer's: no Python runs for them on either side, where an agent's
+    heartbeat message every period cost a manager ~90 us each (bench/RESULTS.md). A ping needs its
+    own timeout too (`ping_timeout_ms`): a ping already in flight when the peer stopped would
+    otherwise wait a minute, holding every keepalive ping back (seen with grpcio 1.85)."""
+    every, within = max(1_000, int(period_s * 1000)), max(2_000, int(period_s * 1000))
+    return [("grpc.keepalive_time_ms", every), ("grpc.keepalive_timeout_ms", within),
+            ("grpc.http2.ping_timeout_ms", within), *KEEPALIVE]
+
+
 KEEPALIVE = [
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
@@ -143,7 +155,8 @@ class RpcServer:
     def __init__(self, manager: Manager) -> None:
         self.manager = manager
         interceptors = [ClientGate(manager), GuardInterceptor(), AuthInterceptor(manager)]
-        self.server = grpc.aio.server(interceptors=interceptors, options=KEEPALIVE)
+        self.server = grpc.aio.server(interceptors=interceptors,
+                                      options=keepalive(manager.settings.heartbeat_interval_s))
         self.health = health_aio.HealthServicer()
         agents = AgentService(manager.agent_door, manager.token_service, manager.settings)
         agent_pb2_grpc.add_AgentServiceServicer_to_server(agents, self.server)  # type: ignore[no-untyped-call]

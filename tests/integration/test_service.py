@@ -369,6 +369,10 @@ async def test_heartbeat_loss_suspect_then_failed_then_back(tmp_path):
             await agents[0].heartbeat()
             await eventually(lambda: m.world.nodes["node-0"].last_seen == clock.monotonic())
 
+        # node-1's stream ends (its agent died, or its connection stopped answering the manager's
+        # pings): an open stream counts as heard from, however quiet (tests/integration/test_stream_liveness.py)
+        await agents[1].close()
+        await eventually(lambda: "node-1" not in m.agents.sessions)
         for _ in range(3):  # 0.9 s of silence: past suspect_after_s (0.6), not fail_after_s (1.5)
             await tick(0.3)
         await eventually(lambda: m.world.gpus["GPU-node-1-0"].health == "suspect")
@@ -380,7 +384,6 @@ async def test_heartbeat_loss_suspect_then_failed_then_back(tmp_path):
         await eventually(lambda: (lay := m.world.jobs["llm"].layout) is not None and len(lay.doc.replicas) == 1,
                          timeout=30)  # a replan (the job may have no layout yet when its first plan is slow)
         # the agent comes back: silence was the only evidence, so its GPUs are healthy again
-        await agents[1].close()
         back = ScriptedAgent(svc.grpc, await svc.agent_token("node-1"), "node-1", "nvl-1", gpu_uuids("node-1", 4))
         await back.connect()
         await back.wait_for(lambda: back.welcome is not None)

@@ -106,3 +106,31 @@ async def test_the_event_loop_keeps_turning_while_a_gpu_hangs() -> None:
     # the first read waited out its 1 s deadline; a read made on the loop would have held the loop
     # (and this ticker) for that whole second
     assert turns_while_hung >= 10
+
+
+def test_a_heartbeat_is_sent_when_its_counters_say_something_new_or_the_quiet_is_over() -> None:
+    """agent/ntp_agent/core.py `beat_due`: liveness is the stream's (the manager pings it), so a
+    heartbeat carries news: sent at once when a GPU's counters change materially (a throttle, an
+    error counter; contract/telemetry.py), else after `quiet_s`; small drifts wait."""
+    now = [0.0]
+    sc = parse_scenario({"gpus": 2, "faults": [{"at": 5, "gpu": 1, "kind": "thermal_throttle"}]})
+    be = FakeBackend(sc, clock=lambda: now[0])
+    a = Agent(be, AgentConfig(manager="x", token="t", node="n", domain="d"))
+    a.quiet_s = 10.0
+    a.sample_all()
+    assert a.beat_due(a.heartbeat_msg(), 0.0)  # the first one of a stream
+    assert not a.beat_due(a.heartbeat_msg(), 2.0)  # nothing new
+    now[0] = 3.0
+    a.sample_all()
+    msg = a.heartbeat_msg()
+    msg.heartbeat.gpus[0].usage_mw = int(a.sent[msg.heartbeat.gpus[0].uuid].usage_mw * 1.05)  # a 5 % drift
+    assert not a.beat_due(msg, 4.0)
+    now[0] = 6.0  # GPU 1 throttles: clock-event reasons, SM clock, temperature change
+    a.sample_all()
+    assert a.beat_due(a.heartbeat_msg(), 6.0)
+    assert not a.beat_due(a.heartbeat_msg(), 8.0)
+    assert a.beat_due(a.heartbeat_msg(), 16.0)  # the longest quiet since the last one sent
+    msg = a.heartbeat_msg()
+    del msg.heartbeat.gpus[1]  # a GPU no longer read: news
+    assert a.beat_due(msg, 17.0)
+    a.guarded.close()

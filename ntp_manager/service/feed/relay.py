@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import astuple
 from typing import Any
 
+from ntp_manager.contract.telemetry import material as counters_material
 from ntp_manager.service.ingest.telemetry import GpuTelemetry, TelemetryStore
 from ntp_manager.store import outbox
 
@@ -26,19 +27,8 @@ TELEMETRY_REFRESH_S = 30.0  # a sample that did not change materially is relayed
 
 
 def material(old: GpuTelemetry, new: GpuTelemetry) -> bool:
-    """Whether `new` tells the detector (or an operator) something `old` did not: a throttle
-    reason, an error counter or the limit changed, the SM clock by 5 %, the power by 10 %, the
-    temperature by 3 degrees."""
-    exact = ("clock_event_reasons", "limit_mw", "ecc_corrected", "ecc_uncorrected", "nvlink_replay",
-             "nvlink_recovery", "nvlink_crc", "nvlink_down", "node")
-    if any(getattr(old, f) != getattr(new, f) for f in exact):
-        return True
-    for f, rel in (("sm_clock_mhz", 0.05), ("usage_mw", 0.10)):
-        a, b = getattr(old, f), getattr(new, f)
-        if (a is None) != (b is None) or (a is not None and b is not None and abs(a - b) > rel * max(abs(a), 1)):
-            return True
-    t0, t1 = old.temperature_c, new.temperature_c
-    return (t0 is None) != (t1 is None) or (t0 is not None and t1 is not None and abs(t0 - t1) >= 3)
+    """Whether `new` says something `old` did not (contract/telemetry.py), or comes from another node."""
+    return old.node != new.node or counters_material(old, new)
 
 
 class TelemetryRelay:

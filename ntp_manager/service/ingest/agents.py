@@ -16,7 +16,7 @@ once: a replay is acknowledged and ignored, a gap is refused. Heartbeats touch m
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -93,6 +93,8 @@ class AgentSession:
     node: str
     outbox: asyncio.Queue[Outgoing] = field(default_factory=asyncio.Queue)
     closed: bool = False
+    # when its stream last brought a message (the event loop's clock; None: no stream, in process)
+    heard: float | None = None
 
     def close(self) -> None:
         self.closed = True
@@ -273,6 +275,18 @@ class Agents:
         if rec is not None:
             self._seen(rec)
             self.metrics.heartbeats.inc()
+
+    def mark_open(self, nodes: Iterable[str]) -> None:
+        """Count the nodes whose streams are open here as heard from now (their connections answer
+        the transport's pings: rpc/server.py keepalive)."""
+        now = self.kernel.clock.monotonic()
+        recs = self.kernel.world.nodes
+        for node in nodes:
+            rec = recs.get(node)
+            if rec is not None:
+                if now < rec.last_seen:
+                    self.seen_earlier(rec.name)
+                rec.last_seen = now
 
     def _seen(self, rec: NodeRec) -> None:
         now = self.kernel.clock.monotonic()

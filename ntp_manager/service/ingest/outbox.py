@@ -409,10 +409,11 @@ class AgentIngest:
         self.on_sessions(len(self.sessions))
 
     def flush_seen(self) -> asyncio.Future[int | None] | None:
-        """Store the nodes heard from since the last call (one row): the leader counts them as seen."""
-        if not self.seen:
+        """Store the nodes heard from since the last call and those whose streams are open here
+        (one row): the leader counts them as seen."""
+        nodes = sorted(self.seen.union(n for n, st in self.streams.items() if st.session.heard is not None))
+        if not nodes:
             return None
-        nodes = sorted(self.seen)
         self.seen.clear()
         return self.port.submit(outbox.Entry(outbox.SEEN, "", {"nodes": nodes},
                                                f"seen:{self.port.me}:{uuid.uuid4().hex}"))

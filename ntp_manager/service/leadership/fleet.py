@@ -28,7 +28,7 @@ from ntp_manager.service.core.tasks import cancel_all
 from ntp_manager.service.feed.layouts import LayoutFeed
 from ntp_manager.service.feed.relay import TelemetryRelay
 from ntp_manager.service.feed.workers import WorkerIngest
-from ntp_manager.service.ingest.agents import AgentSession
+from ntp_manager.service.ingest.agents import AgentSession, EndStream
 from ntp_manager.service.ingest.consumer import Consumer, ConsumerHost
 from ntp_manager.service.ingest.outbox import AgentIngest, HelloFacts
 from ntp_manager.service.ingest.port import OutboxPort
@@ -126,6 +126,21 @@ class Fleet:
                 rec.connected = False
         self.agents.disconnect(session)
 
+    def end_stuck_streams(self) -> int:
+        """End the streams that brought nothing for three times the longest quiet an agent keeps
+        (`heartbeat_max_quiet_s`): their connections answer pings, but the agent sends nothing (its
+        loop is stuck). Ended, they are not counted as heard from, and the node goes silent (suspect,
+        then failed) unless its agent comes back. How many."""
+        limit = 3 * self.m.settings.heartbeat_max_quiet_s
+        now = asyncio.get_running_loop().time()
+        stuck = [s for s in self.agents.sessions.values() if s.heard is not None and now - s.heard > limit]
+        for s in stuck:
+            log.warning("agent stream ended: nothing from its agent", node=s.node,
+                        silent_s=round(now - (s.heard or now), 1))
+            s.outbox.put_nowait(EndStream("UNAVAILABLE", f"nothing from this agent for {limit:g} s (its "
+                                          f"heartbeats are due every {self.m.settings.heartbeat_max_quiet_s:g} s)"))
+        return len(stuck)
+
     def heartbeat(self, node: str) -> None:
         """The leader marks its own agents seen at once; another manager reports them in a row."""
         if self.m.acting:
@@ -155,9 +170,11 @@ class Fleet:
     async def _seen_loop(self) -> None:
         while True:
             await asyncio.sleep(self.m.settings.heartbeat_interval_s)
-            if self.m.acting:  # the leader marks its own agents seen as it hears them (hello, report, beat)
+            self.end_stuck_streams()
+            if self.m.acting:  # the leader marks its own agents seen itself (hello, report, beat, open stream)
                 self.agents.seen.clear()
-            fut = self.agents.flush_seen()
+                self.m.agents.mark_open([n for n, s in self.agents.sessions.items() if s.heard is not None])
+            fut = None if self.m.acting else self.agents.flush_seen()
             if fut is not None:
                 with contextlib.suppress(Exception):  # a store hiccup: the next heartbeats are counted
                     await fut

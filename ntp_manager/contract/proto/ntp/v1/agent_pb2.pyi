@@ -165,14 +165,16 @@ class ManagerMessage(_message.Message):
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., ack: _Optional[_Union[ReportAck, _Mapping]] = ..., set_power: _Optional[_Union[SetPowerLimit, _Mapping]] = ..., release_power: _Optional[_Union[ReleasePowerLimit, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., command_id: _Optional[int] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("leader_epoch", "last_applied_seq", "heartbeat_interval_ms")
+    __slots__ = ("leader_epoch", "last_applied_seq", "heartbeat_interval_ms", "heartbeat_max_quiet_ms")
     LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LAST_APPLIED_SEQ_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_MAX_QUIET_MS_FIELD_NUMBER: _ClassVar[int]
     leader_epoch: int
     last_applied_seq: int
     heartbeat_interval_ms: int
-    def __init__(self, leader_epoch: _Optional[int] = ..., last_applied_seq: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+    heartbeat_max_quiet_ms: int
+    def __init__(self, leader_epoch: _Optional[int] = ..., last_applied_seq: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_max_quiet_ms: _Optional[int] = ...) -> None: ...
 
 class ReportAck(_message.Message):
     __slots__ = ("seq",)
