@@ -30,7 +30,7 @@ class Settings(BaseSettings):
                                         "connection is pinged this often (a stopped or unreachable agent's stream "
                                         "ends), its node counted as heard from, and the liveness check paced; agents "
                                         "read their GPU counters this often (told in the welcome)")
-    heartbeat_max_quiet_s: float = Field(10.0, gt=0, description="an agent whose GPU counters do not change "
+    heartbeat_max_quiet_s: float = Field(30.0, gt=0, description="an agent whose GPU counters do not change "
                                          "materially sends a heartbeat at least this often (told in the welcome; "
                                          "sooner when they change); an open stream silent for three times this is "
                                          "ended as stuck (must be at least `heartbeat_interval_s`)")
