@@ -277,8 +277,9 @@ class Agents:
             self.metrics.heartbeats.inc()
 
     def mark_open(self, nodes: Iterable[str]) -> None:
-        """Count the nodes whose streams are open here as heard from now (their connections answer
-        the transport's pings: rpc/server.py keepalive)."""
+        """Count these nodes as heard from now: their streams are open, here or on the manager
+        whose liveness row names them (their connections answer the transport's pings:
+        rpc/server.py keepalive)."""
         now = self.kernel.clock.monotonic()
         recs = self.kernel.world.nodes
         for node in nodes:

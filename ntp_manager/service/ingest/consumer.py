@@ -302,9 +302,11 @@ class Consumer:
                 self.m.agents.send(node, SetPower(u, mw, "current layout"))
 
     def _seen(self, nodes: list[str]) -> None:
+        """Another manager's liveness row: the nodes whose streams are open there (or that sent
+        anything) are heard from now, and connected."""
         w = self.m.kernel.world
+        self.m.agents.mark_open(nodes)
         for n in nodes:
             rec = w.nodes.get(n)
             if rec is not None:
-                self.m.agents.heartbeat(n)
                 rec.connected = True
