@@ -6,7 +6,7 @@ so replanning after one failure costs O(domains + changes), not O(GPUs).
 
 Decisions made here:
 - A GPU is *placeable* (may hold TP work) when it is healthy or suspect, or degraded with a
-  measured speed factor. Suspect means "missed heartbeats, still within grace": we do not cry wolf,
+  measured speed factor. Suspect means "its node went silent, still within grace": we do not cry wolf,
   so it keeps its work until it is declared failed. A degraded GPU with a `speed` (the fail-slow
   detector measured it, e.g. 0.8) is usable at that speed: the planner decides whether its group
   keeps it, drops it or gives way to a spare. Degraded without a speed (an agent's trend verdict),
