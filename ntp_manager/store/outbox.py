@@ -90,7 +90,7 @@ assert isinstance(_OUTBOX, Table)
 # The lock comes first: the CTE is materialized (it calls volatile functions) and the rows are
 # drawn from a join with it, so no sequence number is drawn before the lock is held. Rows keep
 # their order (WITH ORDINALITY), so sequence numbers follow the entries' order.
-_APPEND = text(
+_APPEND_SQL = (
     "WITH lk AS MATERIALIZED (SELECT set_config('lock_timeout', "
     "COALESCE(CAST(:lock_wait AS text), current_setting('lock_timeout')), true) AS t, "
     "pg_advisory_xact_lock(:lock) AS l), "
@@ -100,6 +100,20 @@ _APPEND = text(
     "CAST(:payloads AS text[]), CAST(:idem_keys AS text[])) WITH ORDINALITY AS u(k, n, r, p, i, o) "
     "ORDER BY u.o ON CONFLICT ON CONSTRAINT uq_outbox_idem_key DO NOTHING RETURNING seq) "
     f"SELECT seq, pg_notify('{CHANNEL}', '') FROM ins ORDER BY seq")
+_APPEND_PARAMS = ("lock_wait", "lock", "manager", "now", "kinds", "nodes", "report_seqs", "payloads", "idem_keys")
+_APPEND = text(_APPEND_SQL)
+# the same statement for the driver itself ($1, $2, ... in _APPEND_PARAMS' order): a manager's
+# committer runs it on the asyncpg connection it keeps, without SQLAlchemy's layers (a third of
+# the statement's CPU: 154 against 243 us for one row)
+_APPEND_DRIVER = _APPEND_SQL
+for _i, _name in sorted(enumerate(_APPEND_PARAMS, 1), key=lambda p: -len(p[1])):
+    _APPEND_DRIVER = _APPEND_DRIVER.replace(f":{_name}", f"${_i}")
+
+
+def _append_args(entries: Sequence[Entry], manager: str, now: datetime, lock_wait_ms: int | None) -> list[Any]:
+    return [None if lock_wait_ms is None else str(max(1, int(lock_wait_ms))), APPEND_LOCK, manager, now,
+            [e.kind for e in entries], [e.node for e in entries], [e.report_seq for e in entries],
+            [json_text(e.payload) for e in entries], [e.idem_key for e in entries]]
 
 
 async def append(conn: AsyncConnection | AsyncSession, entries: Sequence[Entry], manager: str, now: datetime,
@@ -113,12 +127,17 @@ async def append(conn: AsyncConnection | AsyncSession, entries: Sequence[Entry],
     `lock_timeout` allows."""
     if not entries:
         return []
-    rows = (await conn.execute(_APPEND, {
-        "lock_wait": None if lock_wait_ms is None else str(max(1, int(lock_wait_ms))),
-        "lock": APPEND_LOCK, "manager": manager, "now": now,
-        "kinds": [e.kind for e in entries], "nodes": [e.node for e in entries],
-        "report_seqs": [e.report_seq for e in entries], "payloads": [json_text(e.payload) for e in entries],
-        "idem_keys": [e.idem_key for e in entries]})).all()
+    args = _append_args(entries, manager, now, lock_wait_ms)
+    rows = (await conn.execute(_APPEND, dict(zip(_APPEND_PARAMS, args, strict=True)))).all()
+    return [int(r[0]) for r in rows]
+
+
+async def append_on_driver(driver: Any, entries: Sequence[Entry], manager: str, now: datetime,
+                           lock_wait_ms: int | None = None) -> list[int]:
+    """`append` on an asyncpg connection in autocommit (the statement is its own transaction)."""
+    if not entries:
+        return []
+    rows = await driver.fetch(_APPEND_DRIVER, *_append_args(entries, manager, now, lock_wait_ms))
     return [int(r[0]) for r in rows]
 
 

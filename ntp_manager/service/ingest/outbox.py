@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, cast
 
+import asyncpg
 import structlog
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
@@ -71,6 +72,7 @@ class Ingest:
         self._reader = engine.execution_options(isolation_level="AUTOCOMMIT") if engine is not None else None
         self._appends = self._reader  # group commits: one autocommit statement each, on a kept connection
         self._appender: AsyncConnection | None = None
+        self._driver: Any = None  # its asyncpg connection (store/outbox.py append_on_driver)
         self.stored = 0  # rows this manager stored
         self.duplicates = 0  # rows whose idempotency key was stored already
         self.batches = 0
@@ -164,7 +166,7 @@ class Ingest:
         try:
             async with asyncio.timeout(self.timeout_s):
                 seqs = await self._append([i.entry for i in items], wait_ms)
-        except (OSError, SQLAlchemyError, TimeoutError) as e:
+        except (OSError, SQLAlchemyError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
             await self._drop_appender()  # its state is unknown (a statement cut off, a lost server)
             self.failed += 1
             reason = "took too long" if isinstance(e, TimeoutError) else str(e).splitlines()[0][:200]
@@ -195,10 +197,11 @@ class Ingest:
             await self._drop_appender()
         if self._appender is None:
             self._appender = await self._appends.connect()
-        return await outbox.append(self._appender, entries, self.me, self.clock.now(), lock_wait_ms=wait_ms)
+            self._driver = (await self._appender.get_raw_connection()).driver_connection
+        return await outbox.append_on_driver(self._driver, entries, self.me, self.clock.now(), lock_wait_ms=wait_ms)
 
     async def _drop_appender(self) -> None:
-        conn, self._appender = self._appender, None
+        conn, self._appender, self._driver = self._appender, None, None
         if conn is not None:
             with contextlib.suppress(Exception):
                 await conn.invalidate()
