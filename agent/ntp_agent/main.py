@@ -59,8 +59,9 @@ class AgentSettings(BaseSettings):
     domain: str | None = Field(None, description="NVLink domain; default: from NVML fabric info (the fake backend: "
                                "the scenario's)")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus metrics port on 127.0.0.1 (0: off)")
-    heartbeat_interval_s: float = Field(2.0, gt=0, description="heartbeat period; a manager whose welcome "
-                                        "asks for a shorter one gets that")
+    heartbeat_interval_s: float = Field(2.0, gt=0, description="how often a heartbeat is considered: sent when "
+                                        "the GPU counters changed materially or the welcome's longest quiet passed; "
+                                        "a manager whose welcome asks for a shorter period gets that")
     sample_interval_s: float = Field(1.0, gt=0, description="GPU counters are sampled this often")
     # a per-GPU NVML call slower than this fails the GPU as hung (the loop and other GPUs go on)
     gpu_call_timeout_s: float = Field(3.0, gt=0, le=60, description="a per-GPU NVML call slower than this fails the "
