@@ -38,8 +38,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from rich.console import Console
 
 from ntp_agent.backends.base import BackendError, GpuBackend
-from ntp_agent.core import Agent, AgentConfig
+from ntp_agent.core import Agent, AgentConfig, telemetry_pb
 from ntp_agent.policy import HealthPolicy, PolicyError, XidPolicy
+from ntp_manager.contract.telemetry import counters
 
 err = Console(stderr=True)
 
@@ -236,7 +237,11 @@ def probe(backend: GpuBackend, domain: str | None) -> dict[str, Any]:
     for g in backend.gpus():
         entry: dict[str, Any] = {"static": dataclasses.asdict(g)}
         try:
-            entry["sample"] = dataclasses.asdict(backend.sample(g.uuid))
+            sample = backend.sample(g.uuid)
+            entry["sample"] = dataclasses.asdict(sample)
+            # the counters as a heartbeat carries them, and as the agent compares them to decide whether
+            # one is due (contract/telemetry.py): read back from the message built from this sample
+            entry["heartbeat"] = vars(counters(telemetry_pb(sample)))
         except BackendError as e:
             entry["sample_error"] = f"{type(e).__name__}: {e}"
         gpus.append(entry)

@@ -251,7 +251,12 @@ def test_probe_reads_and_never_sets():
     json.dumps(doc)  # plain data
     a, b = doc["gpus"]
     assert a["static"]["max_mw"] == 700_000 and a["sample"]["limit_mw"] == 700_000
-    assert "GpuLost" in b["sample_error"]
+    # the counters a heartbeat carries, read back from the message built from the (mocked NVML) sample
+    hb, sm = a["heartbeat"], a["sample"]
+    assert [hb[k] for k in ("limit_mw", "usage_mw", "temperature_c")] == [sm[k] for k in ("limit_mw", "usage_mw",
+                                                                                          "temperature_c")]
+    assert (hb["ecc_corrected"], hb["ecc_uncorrected"]) == (sm["sbe_total"], sm["dbe_total"])
+    assert "GpuLost" in b["sample_error"] and "heartbeat" not in b
     assert doc["backend_info"]["driver"].startswith("580") and doc["backend_info"]["fabric"]["GPU-a"]["state"] == 0
     assert nv.state["set_calls"] == 0 and "nvmlDeviceSetPowerManagementLimit" not in nv.state["calls"]
     assert nv.state["misuse"] == []
