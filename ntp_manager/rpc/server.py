@@ -127,8 +127,9 @@ def keepalive(period_s: float) -> list[tuple[str, int]]:
     least 1 s), and one whose peer does not answer within as long (at least 2 s) is closed: an agent's stream
     whose process stopped, or whose node died or was cut off, ends here within about two periods,
     and its node stops being counted as heard from (service/leadership/fleet.py). The pings are
-    gRPC core's, answered by the peer's: no Python runs for them on either side, where an agent's
-    heartbeat message every period cost a manager ~90 us each (bench/RESULTS.md). A ping needs its
+    gRPC core's, answered by the peer's: no Python runs for them on either side. Each still costs
+    the manager ~35 us of gRPC core's CPU per connection (bench/idle_streams.py), where an agent's
+    heartbeat message every period cost ~90 us on a shared connection and ~0.5 ms on its own. A ping needs its
     own timeout too (`ping_timeout_ms`): a ping already in flight when the peer stopped would
     otherwise wait a minute, holding every keepalive ping back (seen with grpcio 1.85)."""
     every, within = max(1_000, int(period_s * 1000)), max(2_000, int(period_s * 1000))

@@ -285,12 +285,10 @@ class Agents:
         for node in nodes:
             rec = recs.get(node)
             if rec is not None:
-                if now < rec.last_seen:
-                    self.seen_earlier(rec.name)
-                rec.last_seen = now
+                self._seen(rec, now)
 
-    def _seen(self, rec: NodeRec) -> None:
-        now = self.kernel.clock.monotonic()
+    def _seen(self, rec: NodeRec, now: float | None = None) -> None:
+        now = self.kernel.clock.monotonic() if now is None else now
         if now < rec.last_seen:  # loaded as seen at the end of the takeover grace, heard from before it
             self.seen_earlier(rec.name)
         rec.last_seen = now
