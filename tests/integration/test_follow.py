@@ -61,6 +61,15 @@ async def caught_up(standby: Manager, leader: Manager, within_s: float = 10.0) -
     assert snapshot(standby.world) == snapshot(leader.world)
 
 
+async def layout_at_its_epoch(m: Manager, job: str, tries: int = 200) -> None:
+    """Wait (at most `tries` x 50 ms) for `job`'s layout to be one `m` published at its own epoch."""
+    for _ in range(tries):
+        lay = m.world.jobs[job].layout
+        if lay is not None and lay.leader_epoch == m.epoch:
+            return
+        await asyncio.sleep(0.05)
+
+
 @contextlib.asynccontextmanager
 async def leader_and_standby(tmp_path: Path) -> AsyncIterator[tuple[Manager, Manager]]:
     """Managers a (leading) and b (standing by) on a database of their own, both stopped after."""
@@ -125,11 +134,7 @@ async def test_a_standby_follows_the_leader_and_takes_over_without_loading(
         assert loads == [] and b.acting  # took over on the world it followed
         # and leads on it: a report is applied, the job replanned at the new epoch
         await b.apply_report("n0", 2, [GpuReport("G02", "failed", ["XID 79"], [79])])
-        for _ in range(200):
-            lay = b.world.jobs["j"].layout
-            if lay is not None and lay.leader_epoch == b.epoch:
-                break
-            await asyncio.sleep(0.05)
+        await layout_at_its_epoch(b, "j")
         lay = b.world.jobs["j"].layout
         assert lay is not None and lay.leader_epoch == b.epoch and lay.version > layout.version
         assert snapshot(b.world) == snapshot(await stored_world(b))
@@ -237,11 +242,7 @@ async def test_a_standby_plans_ahead_so_the_takeovers_replan_of_an_unchanged_wor
         await asyncio.sleep(0.3)
         assert drafts == [] and b.world.jobs["j"].layout is before
         await b.apply_report("n0", 1, [GpuReport("G01", "failed", ["XID 79"], [79])])
-        for _ in range(200):
-            lay = b.world.jobs["j"].layout
-            if lay is not None and lay.leader_epoch == b.epoch:
-                break
-            await asyncio.sleep(0.05)
+        await layout_at_its_epoch(b, "j")
         assert drafts and b.world.jobs["j"].layout is not before
 
 
