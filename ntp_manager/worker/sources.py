@@ -510,7 +510,18 @@ class GrpcLayoutSource:
         return self.history.by_version.get(version)
 
     def wait_newer(self, version: int, timeout: float) -> WorkerLayout | None:
-        return self.history.wait_newer(version, timeout)
+        """The newest layout after `version` within `timeout`, else None; raises RuntimeError once
+        the manager has refused the watch for good (the job was deleted, the token revoked): no
+        layout can come, and a spare that waits without a deadline would wait forever."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.history.wait_newer(version, min(1.0, max(0.0, deadline - time.monotonic())))
+            if got is not None:
+                return got
+            if self._refused.is_set():
+                raise RuntimeError(f"the manager ended the layout watch of {self.job!r}: {self.history.error}")
+            if time.monotonic() >= deadline:
+                return None
 
     def ack(self, layout: WorkerLayout, ok: bool, detail: str = "", restored: RestoreNote | None = None) -> None:
         from ntp_manager.contract.proto.ntp.v1 import common_pb2, worker_pb2

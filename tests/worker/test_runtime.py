@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ntp_manager.worker import comm
-from ntp_manager.worker.runtime import Runtime, RuntimeConfig
+from ntp_manager.worker.runtime import ReconfigurationError, Runtime, RuntimeConfig
 from ntp_manager.worker.sources import StoreLayoutSource, publish_layout, read_acks
 from ntp_manager.worker.tiny_gpt import GptConfig, TinyGpt, tp_plan
 from tests.fakes.procs import worker_context
@@ -488,3 +488,40 @@ def _pair(port: int, wid: str, q: Any) -> None:
 def test_nonsense_clipping_and_micro_batch_settings_are_refused(field: str, value: Any) -> None:
     with pytest.raises(ValueError, match=field):
         RuntimeConfig(job="x", **{field: value})
+
+
+def test_a_spare_waits_past_the_reconfigure_timeout_until_a_layout_includes_it() -> None:
+    """A rank the layout leaves out is a spare, not a survivor of a failure: it waits for a layout
+    that includes it however long that takes (`standby_timeout_s` None), here four times
+    `reconfigure_timeout_s`, then trains; with a `standby_timeout_s` it gives up, saying so."""
+    port, store = store_with_layout("spare", [(["s0"], 2)], 60)  # s0 never runs: s1 is the spare
+    ctx = worker_context()
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_spare, args=(port, q, limit)) for limit in (None, 1.0)]
+    for p in procs:
+        p.start()
+    try:
+        got = {q.get(timeout=120) for _ in range(3)}  # the processes' messages interleave in any order
+        assert got == {("started", None), ("started", 1.0),
+                       (1.0, "ReconfigurationError: no layout newer than version 1 arrived within 1 s")}, got
+        time.sleep(2.0)  # the other spare (no limit) waits on: 4x its reconfigure_timeout_s in all
+        publish_layout(store, "spare", 2, [(["s1"], 2)], "the spare takes over")
+        assert q.get(timeout=120) == (None, "trained step 0 at version 2")
+    finally:
+        reap(procs)
+
+
+def _spare(port: int, q: Any, limit: float | None) -> None:
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=dt.timedelta(seconds=60))
+    cfg = RuntimeConfig(job="spare", collective_timeout_s=3, reconfigure_timeout_s=0.5, standby_timeout_s=limit)
+    rt = Runtime(lambda: TinyGpt(CFG), tp_plan(CFG), _opt_fn("sgd"), StoreLayoutSource(store, "spare", "s1"),
+                 store, cfg)
+    try:
+        rt.start(timeout=5)  # layout 1 leaves s1 out: start returns with no rank
+        q.put(("started", limit))
+        r = rt.train_step(batch, loss_fn)
+        q.put((limit, f"trained step {r.step} at version {r.version}"))
+    except ReconfigurationError as e:
+        q.put((limit, f"ReconfigurationError: {e}"))
+    finally:
+        rt.close()

@@ -82,8 +82,9 @@ class Runtime(_Switching):
     a step is step.py's, a layout switch switch.py's; here are the methods a training loop calls."""
 
     def start(self, timeout: float | None = None) -> None:
-        """Wait for a layout that includes this worker and join it (as a fresh rank)."""
-        self._join_next(-1, timeout if timeout is not None else self.cfg.reconfigure_timeout_s)
+        """Wait for a layout that includes this worker and join it (as a fresh rank): up to
+        `timeout`, else `cfg.standby_timeout_s` (None: as long as it takes)."""
+        self._stand_by(-1, timeout if timeout is not None else self.cfg.standby_timeout_s)
 
     def train_step(
         self,
@@ -112,8 +113,8 @@ class Runtime(_Switching):
         feed = Feed(batch_fn, samples, lambda: self.samples)
         while True:
             lay = self.s.layout
-            if lay is None or lay.rank is None:
-                self._join_next(lay.version if lay else -1, self.cfg.reconfigure_timeout_s)
+            if lay is None or lay.rank is None:  # a spare: wait until a layout includes it
+                self._stand_by(lay.version if lay else -1, self.cfg.standby_timeout_s)
                 continue
             failure = None
             data_error = None

@@ -46,6 +46,9 @@ class RuntimeConfig:
     collective_timeout_s: float = 30.0
     rendezvous_timeout_s: float = 60.0
     reconfigure_timeout_s: float = 120.0  # how long survivors wait for the manager's next layout
+    # how long a rank the layout leaves out (a fresh one, or one set aside as a spare) waits for a
+    # layout that includes it; None: until the process is stopped or the manager ends the watch
+    standby_timeout_s: float | None = None
     seed: int = 0  # model_fn runs under this seed on every rank, so initial shards agree
     local_rank: int = 0  # this rank's index among the job's ranks on its host
     local_world_size: int = 1  # the job's ranks on this host

@@ -29,6 +29,8 @@ from ntp_manager.worker.sources import WorkerLayout
 from ntp_manager.worker.sync import ReplicaGroup, SyncLayout
 from ntp_manager.worker.tp import ShardedModule, parallelize
 
+_STANDBY_ROUND_S = 60.0  # a spare logs that it still waits this often
+
 
 class _Superseded(Exception):
     """A newer layout arrived while the ranks were meeting for this one: go on to `newer`."""
@@ -104,6 +106,24 @@ class _Switching(_Stepping, _Joining):
         self._event("layout received", nxt.version, nxt.reason)
         self._mark("layout received")
         self._join_chain(nxt)
+
+    def _stand_by(self, after: int, timeout: float | None) -> None:
+        """Wait for the next layout after version `after` and join it, as a rank no layout holds now
+        (a fresh one, a spare): a spare is not a failure, so without a `timeout` it waits as long as
+        it takes, saying so every minute; a source that can no longer deliver raises."""
+        if timeout is not None:
+            self._join_next(after, timeout)
+            return
+        waited = 0.0
+        while True:
+            nxt = self.source.wait_newer(after, _STANDBY_ROUND_S)
+            if nxt is not None:
+                self._event("layout received", nxt.version, nxt.reason)
+                self._mark("layout received")
+                self._join_chain(nxt)
+                return
+            waited += _STANDBY_ROUND_S
+            log.info("standing by: no layout includes this rank", after=after, waited_s=round(waited))
 
     def _join_chain(self, target: WorkerLayout) -> None:
         """Apply `target`, moving on to newer versions while a regroup cannot complete."""
