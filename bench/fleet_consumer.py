@@ -1,4 +1,5 @@
-"""The fleet leader's cost per outbox row it applies, by batch size (issue 30: <= 50 us a report).
+"""The fleet leader's cost per outbox row it applies, by batch size (issue 30: <= 50 us a report),
+and per unchanged re-hello (the storm a new leader applies after a failover moved agents).
 
 One manager in this process leads a throwaway PostgreSQL database in fleet mode; its consumer task
 is stopped so that this script feeds it: N nodes (8 GPUs each) registered through the outbox, then
@@ -98,6 +99,25 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
                 s = io.StringIO()
                 pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)
                 print(s.getvalue())
+        # a failover's storm: every node says hello again, unchanged, through another manager
+        again = [outbox.Entry(outbox.HELLO, e.node, {**e.payload, "peer": "ipv4:127.0.0.1:1"}, f"again:{e.node}")
+                 for e in hellos]
+        await append(m, again)
+        prof = cProfile.Profile() if a.profile else None
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        if prof is not None:
+            prof.enable()
+        n = await drain(m, cons, 512)
+        if prof is not None:
+            prof.disable()
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+        out["rehello"] = {"rows": n, "cpu_us_per_row": 1e6 * cpu / n, "wall_us_per_row": 1e6 * wall / n}
+        print(f"unchanged re-hellos (batch 512): {n} rows, CPU {1e6 * cpu / n:7.1f} us/row, "
+              f"wall {1e6 * wall / n:7.1f} us/row", flush=True)
+        if prof is not None:
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)
+            print(s.getvalue())
         assert cons.quarantined == 0, f"{cons.quarantined} rows quarantined"
         return out
     finally:
