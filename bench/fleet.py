@@ -148,6 +148,7 @@ async def watchers_stats(gens: list[WatchGen]) -> dict[str, Any]:
     return {"connected": sum(s["connected"] for s in st), "reconnects": sum(s["reconnects"] for s in st),
             "moved": sum(s["moved"] for s in st), "lost_from": lost, "epochs": epochs,
             "gaps_s": [g for s in st for g in s["gaps_s"]], "on": [a for s in st for a in s["on"]],
+            "gaps_by_gen": [s["gaps_s"] for s in st], "served_at": [t for s in st for t in s["served_at"]],
             "cpu_s": [round(s["cpu_s"], 1) for s in st]}
 
 
@@ -183,16 +184,19 @@ async def watchers_failover(gens: list[WatchGen], before: dict[str, Any], epoch_
 
 
 async def watchers_standby_kill(gens: list[WatchGen], before: dict[str, Any], killed: str,
-                                served_s: float | None) -> dict[str, Any] | None:
+                                served_s: float | None, killed_at: float) -> dict[str, Any] | None:
     """After a standby's SIGKILL: its watches served elsewhere (`served_s` after the kill, as the
     caller measured; None: not within 120 s), the others untouched."""
     if not gens:
         return None
     total = sum(g.n for g in gens)
     now = await watchers_stats(gens)
-    gaps = now["gaps_s"][len(before["gaps_s"]):]
+    # per generator: a list joined across generators cannot be cut at the old length
+    gaps = [g for old, new in zip(before["gaps_by_gen"], now["gaps_by_gen"], strict=True) for g in new[len(old):]]
+    served = [t for t in now["served_at"] if t >= killed_at]
     of_killed = _lost_from(before, now, killed)
-    return {"all_served_s": served_s, "moved": of_killed,
+    return {"all_served_s": served_s, "last_served_s": max(served) - killed_at if served else None,
+            "moved": of_killed,
             "reconnects_of_live_managers": now["reconnects"] - before["reconnects"] - of_killed
             - (now["moved"] - before["moved"]),
             "moved_for_balance": now["moved"] - before["moved"],
@@ -502,7 +506,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         for wg in wgens:
             await wg.ask({"cmd": "epochs"})
         slots[standby].signal(signal.SIGKILL)
-        t_kill = time.perf_counter()
+        t_kill, t_kill_wall = time.perf_counter(), time.time()
         t_agents: float | None = None
         t_watches: float | None = None if wgens else 0.0
         glag, wlag = [0.0] * len(gens), [0.0] * len(wgens)
@@ -533,20 +537,25 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         st = [await g.ask({"cmd": "stats"}) for g in gens]
         gaps = [x for s, b in zip(st, before, strict=True) for x in s["gaps_s"][b:]]
         waits = [x for s, b in zip(st, before, strict=True) for x in s["hello_waits_s"][b:]]
+        # exact: the last moved agent's welcome, stamped by its generator (the poll above is 0.25 s coarse)
+        welcomes = [x for s, b in zip(st, before, strict=True) for x in s["welcomed_at"][b:]]
+        last_welcome = max(welcomes) - t_kill_wall if welcomes else None
         print(f"standby SIGKILL: stream ends so far {[s['errors'] for s in st]}", flush=True)
         out["standby_kill"] = {"hello_to_welcome_p50_s": statistics.median(waits) if waits else None,
                                "hello_to_welcome_max_s": max(waits) if waits else None,
                                "agents_on_it": on_it, "agents_moved": len(gaps),
-                               "all_served_s": t_agents,
+                               "all_served_s": t_agents, "last_welcome_s": last_welcome,
                                "gap_max_s": max(gaps) if gaps else None,
                                "gap_p50_s": statistics.median(gaps) if gaps else None,
                                "generator_lag_max_s": glag, "watch_generator_lag_max_s": wlag}
-        print(f"standby SIGKILL: {len(gaps)} agents moved, all served after {t_agents:.2f} s, the longest without "
+        shown = None if last_welcome is None else round(last_welcome, 3)
+        print(f"standby SIGKILL: {len(gaps)} agents moved, all served after {t_agents:.2f} s (polled; the last "
+              f"welcome {shown} s after the kill), the longest without "
               f"a stream {out['standby_kill']['gap_max_s']}; generators' longest loop lag {glag} s, "
               f"watch generators' {wlag} s; hello -> welcome p50 "
               f"{out['standby_kill']['hello_to_welcome_p50_s']}, max {out['standby_kill']['hello_to_welcome_max_s']} s",
               flush=True)
-        wkill = await watchers_standby_kill(wgens, w0, slots[standby].grpc, t_watches)
+        wkill = await watchers_standby_kill(wgens, w0, slots[standby].grpc, t_watches, t_kill_wall)
         if wgens:
             print(f"standby SIGKILL: watches {wkill}", flush=True)
 

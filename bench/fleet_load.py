@@ -21,7 +21,7 @@ JSON line on stdout:
   2,000 agents with an odd --reports the failover waited for a layout that never came)
 - {"cmd": "retarget", "old": ADDRESS, "new": ADDRESS}: a manager restarted elsewhere: {"ok"}
 - {"cmd": "stats"}: {"acked": {node: seq}, "moves", "gaps_s": [time without a stream, per move],
-  "cpu_s", "connected"}
+  "welcomed_at": [the wall clock of the welcome that ended each gap], "cpu_s", "connected"}
 - {"cmd": "connected", "on": ADDRESS}: {"connected", "on" (of them, connected to ADDRESS), "lag_max_s":
   this process's longest event-loop lag since the last "connected" (bench/fleet_child.py)}
 - {"cmd": "quit"}
@@ -68,6 +68,7 @@ class Sim:
         self.rounds_failed = 0  # rounds of every address failed in a row
         self.gaps: list[float] = []
         self.hello_waits: list[float] = []  # per welcome: from sending the hello to the welcome
+        self.welcomed_at: list[float] = []  # per move: the wall clock (time.time) of the new welcome
         self.errors: dict[str, int] = {}  # stream ends by status code (and why the hello failed)
         self.lost_at: float | None = None
         self.state = HEALTHY
@@ -119,6 +120,7 @@ class Sim:
                         if self.lost_at is not None:
                             self.hello_waits.append(time.perf_counter() - sent_at)
                             self.gaps.append(time.perf_counter() - self.lost_at)
+                            self.welcomed_at.append(time.time())
                             self.lost_at = None
                         if msg.welcome.heartbeat_max_quiet_ms and self.hb <= 0:  # as the agent: counters unchanged
                             self.hb = msg.welcome.heartbeat_max_quiet_ms / 1000
@@ -217,6 +219,7 @@ async def main() -> None:
         return {"acked": {s.node: s.acked for s in sims}, "moves": sum(s.moves for s in sims), "errors": errors,
                 "gaps_s": [g for s in sims for g in s.gaps],
                 "hello_waits_s": [g for s in sims for g in s.hello_waits], "cpu_s": time.process_time(),
+                "welcomed_at": [t for s in sims for t in s.welcomed_at],
                 "connected": sum(s.connected.is_set() for s in sims),
                 "on": [s.targets[s.t % len(s.targets)] for s in sims if s.connected.is_set()]}
 

@@ -10,7 +10,8 @@ Then reads commands on stdin, answering each with one JSON line on stdout:
 
 - {"cmd": "ready"}: once every watcher has a layout: {"wall_s", "cpu_s"}
 - {"cmd": "stats"}: {"connected", "reconnects", "moved" (told to move), "lost_from" (reconnects by
-  the manager the stream was lost from), "gaps_s" (per reconnect),
+  the manager the stream was lost from), "gaps_s" (per reconnect), "served_at" (the wall clock of
+  each reconnect's first layout),
   "epochs": {epoch: watchers whose newest layout is of it}, "on": [address per connected watcher],
   "cpu_s"}
 - {"cmd": "epochs", "on": ADDRESS}: {"epochs", "connected", "on" (of them, on ADDRESS), "lag_max_s": this process's
@@ -55,6 +56,7 @@ class Watcher:
         self.reconnects = 0
         self.moved = 0
         self.gaps: list[float] = []
+        self.served_at: list[float] = []  # per reconnect: the wall clock (time.time) of its first layout
         self.lost_at: float | None = None
         self.lost_from: Counter[str] = Counter()  # reconnects by the manager the stream was lost from
 
@@ -72,6 +74,7 @@ class Watcher:
                     self.newest = max(self.newest, stamp_of(data))
                     if self.lost_at is not None:
                         self.gaps.append(time.perf_counter() - self.lost_at)
+                        self.served_at.append(time.time())
                         self.lost_at = None
                     self.connected.set()
             except grpc.aio.AioRpcError as e:
@@ -114,7 +117,7 @@ async def main() -> None:
         return {"connected": sum(w.connected.is_set() for w in ws), "reconnects": sum(w.reconnects for w in ws),
                 "moved": sum(w.moved for w in ws),
                 "lost_from": dict(sum((w.lost_from for w in ws), Counter())),
-                "gaps_s": [g for w in ws for g in w.gaps],
+                "gaps_s": [g for w in ws for g in w.gaps], "served_at": [t for w in ws for t in w.served_at],
                 "epochs": dict(Counter(w.newest[0] for w in ws)),
                 "on": [w.target for w in ws if w.connected.is_set()], "cpu_s": time.process_time()}
 

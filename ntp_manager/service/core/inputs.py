@@ -48,21 +48,43 @@ def check_hello(node: str, domain: str, gpus: list[GpuInventory], boot_id: str, 
         if not gpus:
             raise InvalidArgument(f"hello.gpus: node {node!r} reports no GPUs")
         limits.integer("hello.gpus (count)", len(gpus), 1, limits.GPUS_PER_NODE_MAX)
-        for i, g in enumerate(gpus):
-            f = f"hello.gpus[{i}]"
-            limits.ident(f"{f}.uuid", g.uuid, limits.GPU_ID_MAX)
-            limits.integer(f"{f}.index", g.index, 0, limits.INT32_MAX)
-            limits.text(f"{f}.model", g.model, limits.SHORT_TEXT_MAX)
-            limits.integer(f"{f}.memory_bytes", g.memory_bytes, 0, limits.INT64_MAX)
-            for name in ("min_mw", "default_mw", "max_mw"):
-                limits.integer(f"{f}.power.{name}", getattr(g, name), 1, limits.INT32_MAX)
-            if not (g.min_mw <= g.default_mw <= g.max_mw):
-                raise InvalidArgument(f"{f}.power: GPU {g.uuid}: constraints must satisfy 0 < min <= default <= max")
+        if not _plainly_valid(gpus):
+            _check_inventory(gpus)
     except limits.LimitError as e:
         raise _invalid(e) from None
     uuids = [g.uuid for g in gpus]
     if len(set(uuids)) != len(uuids):
         raise InvalidArgument(f"hello.gpus: node {node!r}: duplicate GPU UUIDs in its inventory")
+
+
+def _check_inventory(gpus: list[GpuInventory]) -> None:
+    """Every field of every GPU, named when it breaks its limit (raises limits.LimitError)."""
+    for i, g in enumerate(gpus):
+        f = f"hello.gpus[{i}]"
+        limits.ident(f"{f}.uuid", g.uuid, limits.GPU_ID_MAX)
+        limits.integer(f"{f}.index", g.index, 0, limits.INT32_MAX)
+        limits.text(f"{f}.model", g.model, limits.SHORT_TEXT_MAX)
+        limits.integer(f"{f}.memory_bytes", g.memory_bytes, 0, limits.INT64_MAX)
+        for name in ("min_mw", "default_mw", "max_mw"):
+            limits.integer(f"{f}.power.{name}", getattr(g, name), 1, limits.INT32_MAX)
+        if not (g.min_mw <= g.default_mw <= g.max_mw):
+            raise InvalidArgument(f"{f}.power: GPU {g.uuid}: constraints must satisfy 0 < min <= default <= max")
+
+
+def _plainly_valid(gpus: list[GpuInventory]) -> bool:
+    """True when every GPU of an inventory passes its checks by a few cheap tests (printable ASCII
+    ids and models, numbers well inside their ranges): the usual hello, and every re-hello of a
+    failover's storm, without a field name built per value. False decides nothing: the full checks
+    then run and name what is wrong. (Printable ASCII without a space is exactly IDENT_PATTERN;
+    printable ASCII is a part of what TEXT_PATTERN allows.)"""
+    for g in gpus:
+        u, m = g.uuid, g.model
+        if not (0 < len(u) <= limits.GPU_ID_MAX and u.isascii() and u.isprintable() and " " not in u
+                and len(m) <= limits.SHORT_TEXT_MAX and m.isascii() and m.isprintable()
+                and 0 <= g.index <= limits.INT32_MAX and 0 <= g.memory_bytes <= limits.INT64_MAX
+                and 1 <= g.min_mw <= g.default_mw <= g.max_mw <= limits.INT32_MAX):
+            return False
+    return True
 
 
 def check_report(seq: int, gpus: list[GpuReport]) -> None:

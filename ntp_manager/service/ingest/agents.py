@@ -245,9 +245,11 @@ class Agents:
                                   model=g.model, memory_bytes=g.memory_bytes))
                 continue
             rec = tx.gpu(g.uuid)
-            inventory = GpuChange(idx=g.index, tdp_mw=g.default_mw, min_mw=g.min_mw, max_mw=g.max_mw, model=g.model,
-                                  memory_bytes=g.memory_bytes)
-            tx.change_gpu(g.uuid, differing(inventory, rec))
+            if (rec.idx, rec.tdp_mw, rec.min_mw, rec.max_mw, rec.model, rec.memory_bytes) != (
+                    g.index, g.default_mw, g.min_mw, g.max_mw, g.model, g.memory_bytes):  # else: as it was
+                inventory = GpuChange(idx=g.index, tdp_mw=g.default_mw, min_mw=g.min_mw, max_mw=g.max_mw,
+                                      model=g.model, memory_bytes=g.memory_bytes)
+                tx.change_gpu(g.uuid, differing(inventory, rec))
             back = policy.reconnect(rec.health, rec.health_source)
             if back.health is not None:
                 tx.event(rec, back.health, [back.reason], source="heartbeat")
