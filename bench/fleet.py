@@ -341,6 +341,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         env = {"NTP_LEASE_TTL_S": str(args.lease_ttl), "NTP_LEASE_RENEW_S": str(args.renew),
                "NTP_TAKEOVER_GRACE_S": "30", "NTP_SUSPECT_AFTER_S": "60", "NTP_FAIL_AFTER_S": "120",
                "NTP_LOG_FORMAT": "json", "NTP_MAX_CLUSTER_GPUS": str(max(100_000, n * 8))}
+        if args.balance_s > 0:
+            env["NTP_FLEET_BALANCE_S"] = str(args.balance_s)
         counter = iter(range(1000))
 
         def start(slot: int) -> ManagerProcess:
@@ -571,9 +573,29 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 await c.close()
             return int(row["epoch"]), str(row["holder"]), row["since"]
 
+        async def balanced(rnd: int) -> None:
+            """Wait (up to 60 s) until every manager holds at least 80 % of its share of the agents and
+            watches, as the balance (every fleet_balance_s) makes it between failovers: back-to-back
+            rounds would otherwise start with the survivors of the last one holding everything (and
+            the failing agent, with every other, on the leader)."""
+            t0 = time.perf_counter()
+            while True:
+                on = [a for g in gens for a in (await g.ask({"cmd": "stats"}))["on"]]
+                won = (await watchers_stats(wgens))["on"] if wgens else []
+                held = [(on.count(sl.grpc), won.count(sl.grpc)) for sl in slots]
+                if all(a >= 0.8 * len(on) / 3 and w >= 0.8 * len(won) / 3 for a, w in held):
+                    break
+                if time.perf_counter() - t0 > 60:
+                    print(f"round {rnd}: not balanced after 60 s: agents / watches held {held}", flush=True)
+                    break
+                await asyncio.sleep(0.5)
+            print(f"round {rnd}: agents / watches held by each manager {held} "
+                  f"({time.perf_counter() - t0:.1f} s waited for the balance)", flush=True)
+
         rounds = []
         for rnd in range(args.rounds):
             mode = "SIGKILL" if rnd % 2 == 0 else "SIGSTOP"
+            await balanced(rnd)
             # the leader as the lease names it: a loaded leader may have lost its lease to another
             # manager since the last round (the bench must not stop one that no longer leads)
             lease_epoch, holder, _ = await lease_now()
@@ -638,6 +660,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             epoch_after, _, since = await lease_now()
             takeovers = epoch_after - lease_epoch  # more than one: a new leader lost its lease to the next
             steps = takeover_timeline(tmp / "managers.log", epoch_after, t_kill_wall)
+            # the layout as the new leader wrote it (its row's stamp, the leader's clock: this machine's),
+            # before its fan-out to every watch delays the REST answer the bench polls
+            c = await asyncpg.connect(pg)
+            try:
+                written = await c.fetchval("SELECT min(created_at) FROM layouts WHERE leader_epoch = $1", epoch_after)
+            finally:
+                await c.close()
+            if written is not None:
+                steps["layout written"] = round(written.timestamp() - t_kill_wall, 2)
             rounds.append({"mode": mode, "first_layout_s": first, "exit": exit_code, "killed": old.name,
                            "since": since, "failed_agent_on_killed_leader": via_killed, "takeovers": takeovers,
                            "timeline_s": steps, "cores_used_by_standbys": share, "machine_busy": machine})
@@ -680,6 +711,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         # measured: its report goes through at once); the others are listed in "rounds"
         direct = [r for r in rounds if not r["failed_agent_on_killed_leader"]]
         kills = [r["first_layout_s"] for r in direct if r["mode"] == "SIGKILL"]
+        after_lease = [r["first_layout_s"] - r["timeline_s"]["lease taken"] for r in rounds
+                       if r["mode"] == "SIGKILL" and "lease taken" in r["timeline_s"]]
+        written = [r["timeline_s"]["layout written"] - r["timeline_s"]["lease taken"] for r in rounds
+                   if r["mode"] == "SIGKILL" and {"lease taken", "layout written"} <= set(r["timeline_s"])]
         stops = [r["first_layout_s"] for r in direct if r["mode"] == "SIGSTOP"]
         out.update({
             "rounds": [{k: v for k, v in r.items() if k != "since"} for r in rounds],
@@ -687,6 +722,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "sigkill_first_layout_max_s": max(kills) if kills else None,
             "sigkill_first_layout_p99_s": pct(kills, 99) if kills else None,
             "sigstop_first_layout_max_s": max(stops) if stops else None,
+            # every SIGKILL round, from the lease taken: the layout served over REST / as written
+            "sigkill_after_lease_s": [round(x, 3) for x in after_lease],
+            "sigkill_after_lease_p99_s": pct(after_lease, 99) if after_lease else None,
+            "sigkill_written_after_lease_s": [round(x, 3) for x in written],
+            "sigkill_written_after_lease_p99_s": pct(written, 99) if written else None,
             "acked_reports_lost": sum(1 for k, v in acked.items() if v > stored.get(k, 0)),
             "reports_applied_twice": int(dup), "deposed_leader_writes": zombie, "quarantined": int(quarantined),
             "generator_cpu_s_total": [round(s["cpu_s"], 1) for s in stats],
@@ -711,6 +751,8 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=3, help="load-generator processes (a multiple of 3)")
     ap.add_argument("--watchers", type=int, default=0, help="layout watches spread over the managers (0: none)")
     ap.add_argument("--watcher-procs", type=int, default=3, help="processes of simulated layout watches")
+    ap.add_argument("--balance-s", type=float, default=0.0, help="the managers' fleet_balance_s (0: their default, "
+                    "30 s); each leader round first waits (up to 60 s) for the balance to spread the clients")
     ap.add_argument("--lease-ttl", type=float, default=2.0)
     ap.add_argument("--renew", type=float, default=0.4)
     ap.add_argument("--postgres", default=os.environ.get("NTP_TEST_POSTGRES_URL",

@@ -143,7 +143,8 @@ class Consumer:
     def _caught_up(self) -> None:
         if not self.caught_up.is_set():
             self.caught_up.set()
-            log.info("outbox caught up", applied=self.applied, cursor=self.last, epoch=self.m.epoch)
+            log.info("outbox caught up", applied=self.applied, cursor=self.last, epoch=self.m.epoch,
+                     batches=self.batches, apply_s=round(self.apply_s, 3))
 
     async def run(self) -> None:
         m = self.m
