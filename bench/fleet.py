@@ -11,12 +11,15 @@ Phases (the figures each one prints):
    leader last): acknowledged reports/s, the wall time until the leader applied them, and each
    manager's CPU per report (the leader's, in the phases it takes no agents' reports, is its CPU per
    report it consumes);
-3. a job of N TP8 replicas; then `--rounds` leader failures, SIGKILL and SIGSTOP by turns: at the
-   kill one agent on a standby reports a GPU failed; the time from the kill to the first layout at
-   the new epoch (REST on the managers left); a SIGSTOPped leader is woken and must exit 75; the
-   failed manager is started again as a standby;
+3. a job of N TP8 replicas; then `--rounds` leader failures, SIGKILL and SIGSTOP by turns, each
+   once the managers' balance has spread the clients again (at most 60 s; a third each, as between
+   real failovers): at the kill one agent on a standby reports a GPU failed; the time from the kill
+   to the first layout at the new epoch (REST on the managers left) and to when the new leader wrote
+   it (its row's stamp); a SIGSTOPped leader is woken and must exit 75; the failed manager is
+   started again as a standby;
 4. (run before the leader failures of 3, while each manager holds a third of the agents) a standby
-   SIGKILLed: how long its agents were without a stream before another manager welcomed them;
+   SIGKILLed: how long its agents were without a stream before another manager welcomed them, and
+   when the last of them was welcomed (each generator stamps its welcomes);
 5. the counters, against the database: acknowledged reports lost, reports applied twice, rows a
    deposed leader's sessions wrote after the takeover (a trigger logs each row's session), outbox
    rows quarantined.
@@ -29,7 +32,7 @@ moved and how long they were without a stream.
 
 Usage: python bench/fleet.py [--agents 2000] [--reports 3] [--rounds 4] [--procs 3]
                              [--watchers 0] [--watcher-procs 3]
-                             [--lease-ttl 2] [--renew 0.4] [--json out.json]
+                             [--lease-ttl 2] [--renew 0.4] [--balance-s 0] [--json out.json]
 """
 
 from __future__ import annotations
