@@ -53,6 +53,7 @@ from ntp_manager.worker.comm_setup import (  # set-up decisions, kept importable
     detect_features,
     device_index,
     publish_held,
+    settle,
     shrink_plan,
 )
 
@@ -70,6 +71,7 @@ __all__ = [
     "detect_features",
     "device_index",
     "publish_held",
+    "settle",
     "shrink_plan",
 ]
 

@@ -197,6 +197,26 @@ def arrival_keys(prefix: str, world: int) -> list[str]:
     return [f"{prefix}/in/{r}" for r in range(world)]
 
 
+OUTCOMES = ("go", "superseded", "timed out")
+
+
+def settle(store: Any, prefix: str, claim: str | None) -> str | None:
+    """The outcome of the rendezvous at a version's `prefix`, one for every rank that comes there:
+    "go" (every rank counted itself in: build the groups), "superseded" (a newer layout came first:
+    every rank moves on to it) or "timed out". The first rank to `claim` one sets it, by
+    compare-and-set on the store, and every rank reads the same answer, so no rank builds a group
+    the others have left (an arrival key stays after its rank moved on: counting keys alone let a
+    late rank find everyone "in" and wait out its timeout alone). `claim` None only reads: None
+    while nobody has decided."""
+    key = f"{prefix}/outcome"
+    if claim is None:
+        return _text(store.get(key)) if store.check([key]) else None
+    if claim not in OUTCOMES:
+        raise ValueError(f"unknown rendezvous outcome {claim!r}")
+    # a key that does not exist yet is set when the expected value is empty
+    return _text(store.compare_set(key, "", claim))
+
+
 def _text(v: Any) -> str:
     return v if isinstance(v, str) else bytes(v).decode()
 

@@ -185,6 +185,22 @@ def test_a_rank_counted_in_twice_counts_once() -> None:
         comm.agree(store, "r", 2, "gloo", shrinkable=False)
 
 
+def test_a_rendezvous_is_settled_once_for_every_rank() -> None:
+    """The first claim at a prefix holds whatever any rank claims after it, on the store kind the
+    runtime meets in (a TCPStore, through a PrefixStore as torch wraps it) and a HashStore."""
+    master = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,  # type: ignore[attr-defined]
+                           timeout=dt.timedelta(seconds=10))
+    for store in (master, dist.PrefixStore("job", master), dist.HashStore()):  # type: ignore[attr-defined]
+        assert comm.settle(store, "v0.4", None) is None  # nobody decided yet
+        assert comm.settle(store, "v0.4", "superseded") == "superseded"
+        assert comm.settle(store, "v0.4", "go") == "superseded"  # a late rank that found everyone in
+        assert comm.settle(store, "v0.4", None) == "superseded"
+        assert comm.settle(store, "v0.5", "go") == "go"
+        assert comm.settle(store, "v0.5", "timed out") == "go"
+        with pytest.raises(ValueError, match="unknown rendezvous outcome"):
+            comm.settle(store, "v0.6", "maybe")
+
+
 # ---- the staged path, real gloo processes ------------------------------------------------------
 def _staged_worker(rank: int, world: int, port: int, q: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

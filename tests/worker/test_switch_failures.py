@@ -29,8 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ntp_manager.worker import comm
 from ntp_manager.worker.runtime import Runtime, RuntimeConfig
-from ntp_manager.worker.sources import StoreLayoutSource, publish_layout, read_acks
+from ntp_manager.worker.sources import StoreLayoutSource, WorkerLayout, publish_layout, read_acks
 from ntp_manager.worker.tiny_gpt import tp_plan
 from tests.fakes.procs import worker_context
 from tests.worker import pipeline_jobs as pj
@@ -56,6 +57,15 @@ class _Faulty(Runtime):
         if self.role == "dies joining" and dist.get_rank(self.s.world) != src:
             os.kill(os.getpid(), signal.SIGKILL)
         super()._send_replicated(model, opt, sched, src, dsts)
+
+    def _rendezvous(self, target: WorkerLayout) -> None:
+        if self.role == "late" and target.version == 2:  # comes to version 2 after the others left it
+            arrived = comm.arrival_keys(f"ntp/{JOB}/pg/v{target.epoch}.3", target.world)
+            deadline = time.monotonic() + 120
+            while sum(self.store.check([k]) for k in arrived) < target.world - 1:
+                assert time.monotonic() < deadline, "the other ranks never came to version 3"
+                time.sleep(0.01)
+        super()._rendezvous(target)
 
     def _commit_gather(self, every: list[torch.Tensor], mine: torch.Tensor) -> None:
         super()._commit_gather(every, mine)
@@ -210,6 +220,34 @@ def test_a_joiner_dying_mid_join_leaves_the_others_described_by_what_they_hold()
     # w0 had resharded to version 2's units (half of them) when the join failed, and knew it
     tl = job.timeline("w0")
     assert ("regrouped", 2) in tl and ("failure detected", 2) in tl and ("reshard done", 2) not in tl, tl
+
+
+def test_a_rank_late_to_a_superseded_version_follows_the_others_to_the_newer_one() -> None:
+    """Versions 2 and 3 in quick succession (a repair reported in two parts): w0, w1 and w3 meet
+    at version 2, version 3 comes out while w2 is still on its way, and they leave for it. Then
+    w2 arrives at version 2, where every rank's arrival key is present. It must follow them to
+    version 3 at once. (Before: counting the keys, it found everyone in, built version 2's groups
+    alone and waited out its collective timeout, then recovered through the failure path.)"""
+    job = _Job([(A, 2), (B, 2)], A + B)
+    with job:
+        for w in A + B:
+            job.start(w, "late" if w == "w2" else "")
+        while not any(s >= 1 for s, *_ in job.rows["w0"]):
+            job.take()
+        publish_layout(job.store, JOB, 2, [(["w1", "w0"], 2), (B, 2)], "replanned")
+        v2 = comm.arrival_keys(f"ntp/{JOB}/pg/v0.2", 4)
+        while not job.store.check([v2[0], v2[1], v2[3]]):  # w1, w0 and w3 are in; w2 holds back
+            assert time.monotonic() < job.deadline, "the ranks never met at version 2"
+            time.sleep(0.01)
+        publish_layout(job.store, JOB, 3, [(A, 2), (["w3", "w2"], 2)], "replanned again")
+        rows = job.finish(3)
+    assert {v for *_, v, _ in rows} == {1, 3}  # no step ran at version 2
+    for w in A + B:
+        tl = job.timeline(w)
+        assert not any(what in ("failure detected", "regroup failed") for what, _ in tl), (w, tl)
+        assert ("regrouped", 2) not in tl and ("regrouped", 3) in tl, (w, tl)
+    late = job.timeline("w2")
+    assert late.index(("layout agreed", 2)) < late.index(("layout received", 3)), late
 
 
 def _info(step: int, pending: bool, last: tuple[float, float | None] | None) -> tuple[float, ...]:

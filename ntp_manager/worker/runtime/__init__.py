@@ -10,7 +10,8 @@ Process groups. Each layout version gets its own default process group, created 
 test's), with the ranks and world size of that version. Nothing of an old group is reused, so a dead
 peer in the old group cannot stall the new one. Before creating the group, members count themselves
 in at the prefix and leave for a newer version as soon as one appears, so ranks that learnt of
-versions in different orders still meet.
+versions in different orders still meet; one compare-and-set key at the prefix settles, for every
+rank alike, whether the version goes ahead or is given up (comm.settle).
 
 Step boundaries. `train_step` runs forward, backward and the NTP gradient sync, then one small
 all-gather that carries each rank's loss and the newest layout version it has seen -- the step's

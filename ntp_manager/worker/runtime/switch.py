@@ -206,16 +206,7 @@ class _Switching(_Stepping, _Joining):
         comm.publish_held(self.store, prefix, target.rank, self._held, self.choice.backend)
         arrivals = comm.arrival_keys(prefix, target.world)
         self.store.set(arrivals[target.rank], "1")  # by rank: a rank that comes twice is counted once
-        deadline = time.monotonic() + self.cfg.rendezvous_timeout_s
-        while not self.store.check(arrivals):
-            newest = self.source.latest()
-            if newest is not None and newest.version > target.version:
-                raise _Superseded(newest)
-            if time.monotonic() > deadline:
-                here = sum(bool(self.store.check([k])) for k in arrivals)
-                raise ReconfigurationError(f"rendezvous for version {target.version} timed out: "
-                                           f"{here} of {target.world} arrived")
-            time.sleep(0.005)
+        self._meet(target, prefix, arrivals)
         self._mark("all arrived")
         shrinkable = self.choice.backend == "nccl" and self.features.shrink_group
         plan = comm.agree(self.store, prefix, target.world, self.choice.backend, shrinkable)
@@ -242,6 +233,40 @@ class _Switching(_Stepping, _Joining):
         self.s.world = dist.new_group(list(range(target.world)), timeout=self._timeout)
         self._track(self.s.world)
         self._mark("world group")
+
+    def _meet(self, target: WorkerLayout, prefix: str, arrivals: list[str]) -> None:
+        """Wait until the ranks of `target` settle its rendezvous (comm.settle): return on "go",
+        raise _Superseded on "superseded", ReconfigurationError on "timed out". This rank claims
+        "superseded" once it holds a newer layout (skipping the version even when every rank is
+        in: one reshard instead of two), "go" once every rank counted itself in, "timed out" at
+        its deadline; whichever claim came first holds for every rank. A rank that holds no newer
+        layout yet when another gave the version up waits for one from its source."""
+        deadline = time.monotonic() + self.cfg.rendezvous_timeout_s
+        while True:
+            newest = self.source.latest()
+            claim: str | None = None
+            if newest is not None and newest.version > target.version:
+                claim = "superseded"
+            elif self.store.check(arrivals):
+                claim = "go"
+            elif time.monotonic() > deadline:
+                claim = "timed out"
+            outcome = comm.settle(self.store, prefix, claim)
+            if outcome == "go":
+                return
+            if outcome == "superseded":
+                if newest is None or newest.version <= target.version:
+                    newest = self.source.wait_newer(target.version, self.cfg.reconfigure_timeout_s)
+                    if newest is None:
+                        raise ReconfigurationError(
+                            f"the ranks gave up version {target.version} for a newer layout, and none reached this "
+                            f"rank within {self.cfg.reconfigure_timeout_s:.0f} s")
+                raise _Superseded(newest)
+            if outcome == "timed out":
+                here = sum(bool(self.store.check([k])) for k in arrivals)
+                raise ReconfigurationError(f"rendezvous for version {target.version} timed out: "
+                                           f"{here} of {target.world} arrived")
+            time.sleep(0.005)
 
     def _exchange_held(self, old: WorkerLayout | None, world: int) -> list[tuple[float, ...]]:
         """Every rank's record, gathered: old rank and the version it was a member of (-1 when
