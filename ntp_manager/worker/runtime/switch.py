@@ -103,6 +103,9 @@ class _Switching(_Stepping, _Joining):
         nxt = self.source.wait_newer(after, timeout)
         if nxt is None:
             raise ReconfigurationError(f"no layout newer than version {after} arrived within {timeout:.0f} s")
+        self._join_received(nxt)
+
+    def _join_received(self, nxt: WorkerLayout) -> None:
         self._event("layout received", nxt.version, nxt.reason)
         self._mark("layout received")
         self._join_chain(nxt)
@@ -118,9 +121,7 @@ class _Switching(_Stepping, _Joining):
         while True:
             nxt = self.source.wait_newer(after, _STANDBY_ROUND_S)
             if nxt is not None:
-                self._event("layout received", nxt.version, nxt.reason)
-                self._mark("layout received")
-                self._join_chain(nxt)
+                self._join_received(nxt)
                 return
             waited += _STANDBY_ROUND_S
             log.info("standing by: no layout includes this rank", after=after, waited_s=round(waited))
