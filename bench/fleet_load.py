@@ -56,7 +56,10 @@ class Sim:
         self.domain = f"nvl-{node}"
         self.chans = chans
         self.hb = heartbeat_s
-        self.t = 0  # index of the address tried now
+        # the failover cycle, as the agent's (contract/client.py ManagerClient): the first address,
+        # then the others in an order of this agent's own
+        self.cycle = [targets[0], *random.sample(targets[1:], len(targets) - 1)]
+        self.t = 0  # index in the cycle of the address tried now
         self.pending: list[tuple[int, int]] = []  # (seq, state of GPU 0)
         self.next_seq = 1
         self.acked = 0
@@ -99,7 +102,7 @@ class Sim:
                 node=self.node, domain=self.domain, boot_id="b", agent_version="bench",
                 gpus=[common_pb2.GpuInfo(uuid=u, index=k, power=common_pb2.PowerConstraints(
                     min_mw=200_000, max_mw=1_300_000, default_mw=1_000_000)) for k, u in enumerate(self.uuids)])))
-            target = self.targets[self.t % len(self.targets)]
+            target = self.cycle[self.t % len(self.cycle)]
             sent_at = time.perf_counter()
             beat: asyncio.Task[None] | None = None
             welcomed = False
@@ -148,8 +151,8 @@ class Sim:
             if stop.is_set():
                 return
             self.moves += 1
-            if hint is not None and hint in self.targets:
-                self.t = self.targets.index(hint)
+            if hint is not None and hint in self.cycle:
+                self.t = self.cycle.index(hint)
                 self.failed_here = 0
                 await asyncio.sleep(random.uniform(0, BACKOFF_INITIAL_S))
                 continue

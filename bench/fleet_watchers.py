@@ -23,6 +23,7 @@ Then reads commands on stdin, answering each with one JSON line on stdout:
 from __future__ import annotations
 
 import asyncio
+import random
 import sys
 import time
 from collections import Counter
@@ -49,6 +50,8 @@ class Watcher:
     def __init__(self, i: int, gpu: str, targets: list[str], chans: dict[str, list[Any]], token: str,
                  job: str) -> None:
         self.i, self.gpu, self.targets, self.chans, self.job = i, gpu, targets, chans, job
+        # the failover cycle, as the worker's (contract/client.py ManagerClient)
+        self.cycle = [targets[0], *random.sample(targets[1:], len(targets) - 1)]
         self.md = (("authorization", f"Bearer {token}"),)
         self.target = targets[i % len(targets)]  # spread over the managers
         self.connected = asyncio.Event()
@@ -90,8 +93,8 @@ class Watcher:
             if hint is not None and hint in self.chans:
                 self.target = hint
             else:
-                i = self.targets.index(self.target) if self.target in self.targets else -1
-                self.target = self.targets[(i + 1) % len(self.targets)]
+                i = self.cycle.index(self.target) if self.target in self.cycle else -1
+                self.target = self.cycle[(i + 1) % len(self.cycle)]
                 await asyncio.sleep(0.05)
 
 

@@ -8,8 +8,12 @@ when managers run as a leader and standbys (docs/operations.md).
   every 5 s at most, rpc/server.py KEEPALIVE), the call fails and the client moves on.
 - TLS/mTLS with `tls` (contract/tls.py `TlsFiles`); a plaintext channel without.
 - Failover: a standby answers UNAVAILABLE naming the leader (trailing metadata `ntp-leader`) and the
-  client goes there at once; any other failure moves it to the next address. The leader advertises
-  its plaintext port, so a TLS client follows a hint only to an address of its own list.
+  client goes there at once; any other failure moves it to the next address of its own failover
+  cycle. The cycle starts at the first address given and visits the others in an order each client
+  draws at random, so the clients of a manager that dies spread evenly over the managers left
+  (with one fixed order every one of them went to the same next manager, which took the whole
+  reconnect storm alone). The leader advertises its plaintext port, so a TLS client follows a hint
+  only to an address of its own list.
 - Balance (fleet mode): a manager holding more than its share ends a stream with UNAVAILABLE and
   `ntp-move-to` naming the manager to go to; the client goes there at once, like to a leader hint.
 
@@ -20,6 +24,7 @@ with tenacity's backoff, the worker's layout watch stops at a refusal.
 from __future__ import annotations
 
 import contextlib
+import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,12 +88,16 @@ class ManagerClient:
     """The managers' addresses, the one in use, how to open a channel to it, and where to go next.
     Not thread-safe by itself: a client used from several threads guards `move` (the worker does)."""
 
-    def __init__(self, target: str | Sequence[str], tls: TlsFiles | None = None) -> None:
+    def __init__(self, target: str | Sequence[str], tls: TlsFiles | None = None,
+                 rng: random.Random | None = None) -> None:
         self.targets = manager_addresses(target)
         if not self.targets:
             raise ValueError("give at least one manager address (host:port)")
         self.tls = tls or TlsFiles()
         self.target = self.targets[0]  # the manager tried now
+        # the failover cycle: the first address, then the others in an order of this client's own
+        others = self.targets[1:]
+        self.cycle = [self.targets[0], *(rng or random).sample(others, len(others))]
         self.failovers = 0  # moves to another manager
 
     # ---- channels ----------------------------------------------------------------------------
@@ -109,13 +118,14 @@ class ManagerClient:
     # ---- failover ----------------------------------------------------------------------------
     def next_target(self, hint: str | None) -> str | None:
         """The manager to try next: the leader a standby named (a TLS client only when it is one of
-        its own addresses: the leader advertises its plaintext port), else the next address;
-        None: stay where it is."""
+        its own addresses: the leader advertises its plaintext port), else the address after the
+        one in use in this client's failover cycle (the first address when the one in use is not in
+        the list: a leader's hint); None: stay where it is."""
         if hint and (hint in self.targets or not self.tls.enabled):
             nxt = hint
-        elif len(self.targets) > 1:
-            i = self.targets.index(self.target) if self.target in self.targets else -1
-            nxt = self.targets[(i + 1) % len(self.targets)]
+        elif len(self.cycle) > 1:
+            i = self.cycle.index(self.target) if self.target in self.cycle else -1
+            nxt = self.cycle[(i + 1) % len(self.cycle)]
         else:
             return None
         return nxt if nxt != self.target else None
