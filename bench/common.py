@@ -116,6 +116,22 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def cpu_of_name(name: str) -> dict[int, float]:
+    """User + system CPU time so far of each process whose command is `name` (e.g. "postgres": the
+    server and its backends), by pid. Over an interval, sum each pid's difference, a pid new since
+    the first reading from 0 (a process that ended meanwhile is missing from the second reading)."""
+    out: dict[int, float] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if (d / "comm").read_text().strip() == name:
+                out[int(d.name)] = cpu_seconds(int(d.name))
+        except (OSError, ValueError, IndexError):
+            continue  # ended while read
+    return out
+
+
 def machine_busy() -> tuple[float, float]:
     """(busy, total) CPU seconds of the whole machine so far, all cores (Linux /proc/stat): the
     busy share of an interval is the difference of two readings' busy over that of their totals."""

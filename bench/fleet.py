@@ -57,7 +57,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import cpu_seconds, drop_postgres, fresh_postgres, machine_busy, machine_line
+from bench.common import cpu_of_name, cpu_seconds, drop_postgres, fresh_postgres, machine_busy, machine_line
 from ntp_manager.manager_process import ManagerProcess
 from ntp_manager.service.manager import Manager
 from ntp_manager.settings import Settings
@@ -106,11 +106,14 @@ HEARTBEAT_S = float(os.environ.get("NTP_BENCH_HEARTBEAT_S", "0"))
 class Gen(Child):
     """One load-generator process (bench/fleet_load.py)."""
 
-    def __init__(self, targets: list[str], nodes: list[tuple[str, str]], home: int) -> None:
-        self.home = home  # the index of the manager its agents prefer
+    def __init__(self, targets: list[str], nodes: list[tuple[str, str]], k: int, spread: bool) -> None:
         self.nodes = [n for n, _ in nodes]
-        super().__init__("fleet_load.py", f"load generator {home}",
-                         {"targets": targets, "nodes": nodes, "gpus": 8, "heartbeat_s": HEARTBEAT_S})
+        # the manager each agent says hello to first: the process's first address, or with `spread`
+        # agent i's is targets[i % len(targets)] (every process's agents spread over the managers)
+        self.first = [targets[i % len(targets)] if spread else targets[0] for i in range(len(nodes))]
+        super().__init__("fleet_load.py", f"load generator {k}",
+                         {"targets": targets, "nodes": nodes, "gpus": 8, "heartbeat_s": HEARTBEAT_S,
+                          "spread": spread})
 
     def cpu(self) -> float:
         return cpu_seconds(self.proc.pid)
@@ -205,6 +208,11 @@ async def watchers_standby_kill(gens: list[WatchGen], before: dict[str, Any], ki
             "moved_for_balance": now["moved"] - before["moved"],
             "gap_max_s": max(gaps) if gaps else None, "gap_p50_s": statistics.median(gaps) if gaps else None,
             "connected": now["connected"], "watchers": total}
+# ["--native"] with --profile-native: C frames (gRPC's core, asyncpg's codecs) too; py-spy then
+# pauses the process at each sample (blocking mode), so the figures of such a run are not the ones to quote
+NATIVE: list[str] = []
+
+
 class Profile:
     """`py-spy record` of one manager process over a window (`--profile`): sampled stacks in py-spy's
     raw (collapsed) format, summed at the end into the functions that cost the most, self and total."""
@@ -213,7 +221,7 @@ class Profile:
         self.label, self.out = label, out
         exe = Path(sys.executable).with_name("py-spy")
         self.proc = subprocess.Popen([str(exe), "record", "--pid", str(pid), "--rate", "200", "--format", "raw",
-                                      "--nonblocking", "--threads", "-o", str(out)],
+                                      "--threads", *(NATIVE or ["--nonblocking"]), "-o", str(out)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     def stop(self, top: int = 15) -> dict[str, Any]:
@@ -381,10 +389,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                   Profile(slots[1].proc.pid, "standby m1 (registration)", tmp / "profile-reg-standby.txt")] \
             if args.profile else []
         t0 = time.perf_counter()
-        for g in range(per):
-            home = g % 3
-            mine = [(nodes[i], tokens[nodes[i]]) for i in range(g, n, per)]
-            gens.append(Gen([grpcs[(home + j) % 3] for j in range(3)], mine, home))
+        for gk in range(per):
+            agents = [(nodes[i], tokens[nodes[i]]) for i in range(gk, n, per)]
+            home = gk % 3  # without --spread-agents: the process's agents go to one manager first
+            gens.append(Gen(grpcs if args.spread_agents else [grpcs[(home + j) % 3] for j in range(3)], agents,
+                            gk, args.spread_agents))
         ready = await asyncio.gather(*(g.ask({"cmd": "ready"}) for g in gens))
         t_welcomed = time.perf_counter()
         reg_errors = [(await g.ask({"cmd": "stats"}))["errors"] for g in gens]
@@ -394,8 +403,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         rcpu = [cpu_seconds(p.proc.pid) - c for p, c in zip(slots, rcpu0, strict=True)]
         if rprofs:
             out["profile_registration"] = {p.label: p.stop() for p in rprofs}
-        # each generator's agents say hello to its home manager first; the leader applies every hello
-        taken = [sum(len(g.nodes) for g in gens if g.home == k) for k in range(3)]
+        # each agent says hello to its preferred manager first; the leader applies every hello
+        taken = [sum(g.first.count(grpcs[k]) for g in gens) for k in range(3)]
         out["registration"] = {"welcomed_s": t_welcomed - t0, "applied_s": t_applied - t0,
                                "generator_cpu_s": [r["cpu_s"] for r in ready],
                                "manager_cpu_s": [round(c, 3) for c in rcpu], "hellos_taken": taken,
@@ -418,14 +427,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         print(f"idle (heartbeats only): managers' CPU {[f'{r:.1%}' for r in idle_rate]}", flush=True)
         out["ingest"] = []
         for homes in ([1], [1, 2], [0, 1, 2]):
-            busy = [g for g in gens if g.home in homes]
+            busy = gens  # each sends the reports of its agents on those managers
             cpu0 = {k: cpu_seconds(p.proc.pid) for k, p in enumerate(slots)}
             gcpu0 = [g.cpu() for g in busy]
             profs = [Profile(slots[0].proc.pid, "the leader (consuming)", tmp / "profile-leader.txt"),
                      Profile(slots[1].proc.pid, "standby m1 (ingesting)", tmp / "profile-standby.txt")] \
                 if args.profile and homes == [1, 2] else []
             t1 = time.perf_counter()
-            res = await asyncio.gather(*(g.ask({"cmd": "reports", "k": args.reports}) for g in busy))
+            res = await asyncio.gather(*(g.ask({"cmd": "reports", "k": args.reports,
+                                                "on": [grpcs[h] for h in homes]}) for g in busy))
             t_acked = time.perf_counter()
             t_done = await until_applied(pg)
             if profs:
@@ -434,7 +444,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             reports = sum(r["reports"] for r in res)
             per_mgr = {}
             for k in range(3):
-                mine = sum(r["reports"] for g, r in zip(busy, res, strict=True) if g.home == k)
+                mine = sum(int(r["by"].get(grpcs[k], 0)) for r in res)
                 per_mgr[f"m{k}"] = {"role": "leader" if k == 0 else "standby", "reports_taken": mine,
                                     "cpu_s": round(cpu1[k] - cpu0[k], 3),
                                     "cpu_us_per_report_taken": round((cpu1[k] - cpu0[k]) / mine * 1e6, 1)
@@ -510,6 +520,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             await g.ask({"cmd": "connected"})  # resets the lag probes
         for wg in wgens:
             await wg.ask({"cmd": "epochs"})
+        # where the storm's CPU goes: the managers left, the generators, PostgreSQL, the whole machine
+        groups = {"managers left": [s.proc.pid for k, s in enumerate(slots) if k != standby],
+                  "agent generators": [g.proc.pid for g in gens], "watch generators": [wg.proc.pid for wg in wgens]}
+
+        def cpu_now() -> dict[str, float]:
+            return {k: sum(cpu_seconds(p) for p in pids) for k, pids in groups.items()}
+        storm0, pg0, busy0 = cpu_now(), cpu_of_name("postgres"), machine_busy()
         slots[standby].signal(signal.SIGKILL)
         t_kill, t_kill_wall = time.perf_counter(), time.time()
         t_agents: float | None = None
@@ -539,6 +556,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"  standby SIGKILL +{since:.0f} s: agents connected {sum(c['connected'] for c in conn)}, "
                       f"on the dead one {sum(c['on'] for c in conn)}", flush=True)
             await asyncio.sleep(0.25)
+        storm1, pg1, busy1 = cpu_now(), cpu_of_name("postgres"), machine_busy()
+        storm_cpu = {k: round(storm1[k] - storm0[k], 2) for k in storm0}
+        # PostgreSQL's server and backends (those of the killed manager ended: their share is lost)
+        storm_cpu["postgres"] = round(sum(v - pg0.get(pid, 0.0) for pid, v in pg1.items()), 2)
+        storm_busy = (busy1[0] - busy0[0]) / max(1e-9, busy1[1] - busy0[1])
         st = [await g.ask({"cmd": "stats"}) for g in gens]
         gaps = [x for s, b in zip(st, before, strict=True) for x in s["gaps_s"][b:]]
         waits = [x for s, b in zip(st, before, strict=True) for x in s["hello_waits_s"][b:]]
@@ -552,13 +574,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                                "all_served_s": t_agents, "last_welcome_s": last_welcome,
                                "gap_max_s": max(gaps) if gaps else None,
                                "gap_p50_s": statistics.median(gaps) if gaps else None,
-                               "generator_lag_max_s": glag, "watch_generator_lag_max_s": wlag}
+                               "generator_lag_max_s": glag, "watch_generator_lag_max_s": wlag,
+                               "cpu_s_until_served": storm_cpu, "machine_busy_until_served": round(storm_busy, 3)}
         shown = None if last_welcome is None else round(last_welcome, 3)
         print(f"standby SIGKILL: {len(gaps)} agents moved, all served after {t_agents:.2f} s (polled; the last "
               f"welcome {shown} s after the kill), the longest without "
               f"a stream {out['standby_kill']['gap_max_s']}; generators' longest loop lag {glag} s, "
               f"watch generators' {wlag} s; hello -> welcome p50 "
-              f"{out['standby_kill']['hello_to_welcome_p50_s']}, max {out['standby_kill']['hello_to_welcome_max_s']} s",
+              f"{out['standby_kill']['hello_to_welcome_p50_s']}, "
+              f"max {out['standby_kill']['hello_to_welcome_max_s']} s; "
+              f"CPU seconds from the kill until all were served {storm_cpu}, the machine {storm_busy:.0%} busy",
               flush=True)
         wkill = await watchers_standby_kill(wgens, w0, slots[standby].grpc, t_watches, t_kill_wall)
         if wgens:
@@ -769,7 +794,15 @@ def main() -> None:
                          "phase with two ingesting managers (the leader only consumes) and print their busiest "
                          "functions "
                          "(pip install py-spy)")
+    ap.add_argument("--spread-agents", action="store_true",
+                    help="each generator's agents spread over the three managers (as the watches are), instead "
+                         "of going to one manager first: a standby's agents are then simulated by every "
+                         "generator process, not one, and reconnect all at once when it dies")
+    ap.add_argument("--profile-native", action="store_true",
+                    help="with --profile: py-spy samples native (C) frames too (slower sampling)")
     args = ap.parse_args()
+    if args.profile_native:
+        NATIVE.append("--native")
     s = asyncio.run(main_async(args))
     text = json.dumps(s, indent=2, default=str)
     print(text)

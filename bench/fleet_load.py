@@ -1,8 +1,11 @@
 """The load generator of bench/fleet.py: simulated node agents in a process of their own, so that
 the benchmark measures the managers, not the client.
 
-Started with a JSON line on stdin: {"targets": [grpc addresses, the preferred first], "nodes":
-[[node, token], ...], "gpus": 8, "heartbeat_s": 0} (0: beat at the welcome's longest quiet, as the
+Started with a JSON line on stdin: {"targets": [grpc addresses], "nodes": [[node, token], ...],
+"gpus": 8, "heartbeat_s": 0, "spread": false}: every agent prefers targets[0], or with "spread"
+agent i prefers targets[i % len(targets)] (the agents of every process spread over the managers,
+as the watches of bench/fleet_watchers.py, so that the agents of one manager are not all simulated
+by one process) (0: beat at the welcome's longest quiet, as the
 agent does while its counters do not change). Each agent keeps one stream (the protocol of
 agent/ntp_agent/core.py reduced to its bones): hello, welcome (re-send what was not applied), reports
 acknowledged cumulatively, heartbeats; when its stream ends it goes to the next address and
@@ -10,10 +13,10 @@ records how long it was without a stream. Then reads commands on stdin, answerin
 JSON line on stdout:
 
 - {"cmd": "ready"}: once every agent is welcomed: {"wall_s": ..., "cpu_s": ...}
-- {"cmd": "reports", "k": K}: every agent sends K state-changing reports (GPU 0 degraded, healthy,
-  degraded, ...: failed ones would trip the circuit breaker), one after another (the next once
-  the last is acknowledged): {"reports", "wall_s",
-  "cpu_s"}
+- {"cmd": "reports", "k": K, "on": [ADDRESS, ...]}: every agent connected to one of those managers
+  (every agent without "on") sends K state-changing reports (GPU 0 degraded, healthy, degraded,
+  ...: failed ones would trip the circuit breaker), one after another (the next once the last is
+  acknowledged): {"reports", "by": {address: reports sent to it}, "wall_s", "cpu_s"}
 - {"cmd": "fail", "not": ADDRESS, "strict": bool}: an agent connected elsewhere than ADDRESS if any, else
   (unless strict) any (not failed yet)
   reports every GPU of its node failed (not waited for): {"node"}. Every GPU, not GPU 0 alone: a GPU
@@ -50,15 +53,17 @@ HEALTHY, FAILED, DEGRADED = common_pb2.GPU_STATE_HEALTHY, common_pb2.GPU_STATE_F
 
 class Sim:
     def __init__(self, i: int, node: str, token: str, targets: list[str], gpus: int, chans: dict[str, list[Any]],
-                 heartbeat_s: float) -> None:
+                 heartbeat_s: float, spread: bool = False) -> None:
         self.i, self.node, self.token, self.targets = i, node, token, targets
         self.uuids = [f"GPU-{node}-{k}" for k in range(gpus)]
         self.domain = f"nvl-{node}"
         self.chans = chans
         self.hb = heartbeat_s
-        # the failover cycle, as the agent's (contract/client.py ManagerClient): the first address,
+        # the failover cycle, as the agent's (contract/client.py ManagerClient): its first address,
         # then the others in an order of this agent's own
-        self.cycle = [targets[0], *random.sample(targets[1:], len(targets) - 1)]
+        first = targets[i % len(targets)] if spread else targets[0]
+        others = [t for t in targets if t != first]
+        self.cycle = [first, *random.sample(others, len(others))]
         self.t = 0  # index in the cycle of the address tried now
         self.pending: list[tuple[int, int]] = []  # (seq, state of GPU 0)
         self.next_seq = 1
@@ -75,6 +80,11 @@ class Sim:
         self.errors: dict[str, int] = {}  # stream ends by status code (and why the hello failed)
         self.lost_at: float | None = None
         self.state = HEALTHY
+
+    @property
+    def target(self) -> str:
+        """The manager this agent is connected to (or tries now)."""
+        return self.cycle[self.t % len(self.cycle)]
 
     def report(self, state: int) -> int:
         self.pending.append((self.next_seq, state))
@@ -102,7 +112,7 @@ class Sim:
                 node=self.node, domain=self.domain, boot_id="b", agent_version="bench",
                 gpus=[common_pb2.GpuInfo(uuid=u, index=k, power=common_pb2.PowerConstraints(
                     min_mw=200_000, max_mw=1_300_000, default_mw=1_000_000)) for k, u in enumerate(self.uuids)])))
-            target = self.cycle[self.t % len(self.cycle)]
+            target = self.target
             sent_at = time.perf_counter()
             beat: asyncio.Task[None] | None = None
             welcomed = False
@@ -187,7 +197,8 @@ async def main() -> None:
     cfg = await child.config()
     stop = asyncio.Event()
     t0 = time.perf_counter()
-    sims = [Sim(i, n, tok, cfg["targets"], cfg.get("gpus", 8), child.chans, cfg.get("heartbeat_s", 0.0))
+    sims = [Sim(i, n, tok, cfg["targets"], cfg.get("gpus", 8), child.chans, cfg.get("heartbeat_s", 0.0),
+                bool(cfg.get("spread", False)))
             for i, (n, tok) in enumerate(cfg["nodes"])]
     tasks = [asyncio.create_task(s.run(stop)) for s in sims]
     child.start_lag_probe()
@@ -199,20 +210,26 @@ async def main() -> None:
 
     async def reports(c: dict[str, Any]) -> dict[str, Any]:
         t1, c1 = time.perf_counter(), time.process_time()
-        await asyncio.gather(*(s.reports(int(c["k"])) for s in sims))
-        return {"reports": len(sims) * int(c["k"]), "wall_s": time.perf_counter() - t1,
+        on = c.get("on")
+        busy = [s for s in sims if on is None or (s.connected.is_set() and s.target in on)]
+        k = int(c["k"])
+        by: dict[str, int] = {}
+        for s in busy:
+            by[s.target] = by.get(s.target, 0) + k
+        await asyncio.gather(*(s.reports(k) for s in busy))
+        return {"reports": len(busy) * k, "by": by, "wall_s": time.perf_counter() - t1,
                 "cpu_s": time.process_time() - c1}
 
     async def fail(c: dict[str, Any]) -> dict[str, Any]:  # an agent connected to a manager other than c["not"]
         live = [x for x in sims if x.connected.is_set() and x.state != FAILED]
         # one on another manager than c["not"] if any (else one on it: it re-sends after reconnecting)
-        s = next((x for x in live if x.targets[x.t % len(x.targets)] != c.get("not")),
+        s = next((x for x in live if x.target != c.get("not")),
                  None if c.get("strict") or not live else live[0])
         if s is not None:
             s.state = FAILED
             s.report(FAILED)
         return {"node": None if s is None else s.node,
-                "on_it": s is not None and s.targets[s.t % len(s.targets)] == c.get("not")}
+                "on_it": s is not None and s.target == c.get("not")}
 
     async def stats(c: dict[str, Any]) -> dict[str, Any]:
         errors: dict[str, int] = {}
@@ -224,12 +241,12 @@ async def main() -> None:
                 "hello_waits_s": [g for s in sims for g in s.hello_waits], "cpu_s": time.process_time(),
                 "welcomed_at": [t for s in sims for t in s.welcomed_at],
                 "connected": sum(s.connected.is_set() for s in sims),
-                "on": [s.targets[s.t % len(s.targets)] for s in sims if s.connected.is_set()]}
+                "on": [s.target for s in sims if s.connected.is_set()]}
 
     async def connected(c: dict[str, Any]) -> dict[str, Any]:  # polled often while a kill is measured: small
         addr = c.get("on")
         return {"connected": sum(s.connected.is_set() for s in sims),
-                "on": sum(s.connected.is_set() and s.targets[s.t % len(s.targets)] == addr for s in sims),
+                "on": sum(s.connected.is_set() and s.target == addr for s in sims),
                 "lag_max_s": child.lag_max()}
 
     await child.serve({"ready": ready, "reports": reports, "fail": fail, "stats": stats, "connected": connected},
