@@ -3,7 +3,7 @@
 Both read one JSON config line on stdin, open `CHANNELS` gRPC channels per manager address, run
 their simulated clients as tasks, and then answer commands read on stdin with one JSON line each
 on stdout until {"cmd": "quit"}. `retarget` (a manager restarted on a new address) is the same for
-both: every client's address list names the new address instead of the old one.
+both: every client's address list and failover cycle name the new address instead of the old one.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 class Targeted(Protocol):
     targets: list[str]
+    cycle: list[str]  # the failover cycle (contract/client.py ManagerClient.cycle)
 
 
 class ChildLoop:
@@ -85,6 +86,7 @@ class ChildLoop:
                 self._open(c["new"])
                 for x in clients:
                     x.targets = [c["new"] if t == c["old"] else t for t in x.targets]
+                    x.cycle = [c["new"] if t == c["old"] else t for t in x.cycle]
                 self.out({"ok": True})
             else:
                 self.out(await handlers[cmd](c))
