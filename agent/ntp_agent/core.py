@@ -510,7 +510,9 @@ class Agent:
                 await asyncio.wait_for(self.stopping.wait(), delay)
 
     def _move(self, hint: str | None) -> None:
-        """Next manager to try: the leader a standby named, else the next address in the list."""
+        """Next manager to try: the leader a standby named, else the next address of its failover cycle
+        (contract/client.py: the others in an order of its own, so the agents of a manager that died
+        spread over the managers left)."""
         previous = self.client.target
         if self.client.move(hint) is not None:
             log.info("trying another manager", manager=self.client.target, previous=previous)

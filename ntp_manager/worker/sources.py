@@ -367,7 +367,8 @@ class GrpcLayoutSource:
 
     `target` is one manager's address or several ("a:1,b:2", or a list) when managers run as a
     leader and standbys: a standby answers UNAVAILABLE naming the leader (trailing metadata
-    `ntp-leader`) and the watch goes there at once; any other failure moves it to the next address,
+    `ntp-leader`) and the watch goes there at once; any other failure moves it to the next address
+    of its failover cycle (contract/client.py),
     with exponential backoff and full jitter once every address has failed in a row. Training goes
     on with the layout in hand meanwhile: nothing waits for the watch but the next version.
 
