@@ -44,7 +44,7 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.fleet_child import CHANNELS, ChildLoop
-from ntp_manager.contract.client import leader_hint
+from ntp_manager.contract.client import ManagerClient, leader_hint
 from ntp_manager.contract.proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 BACKOFF_INITIAL_S, BACKOFF_MAX_S = 0.2, 10.0  # the agent's defaults (AgentConfig)
@@ -59,11 +59,11 @@ class Sim:
         self.domain = f"nvl-{node}"
         self.chans = chans
         self.hb = heartbeat_s
-        # the failover cycle, as the agent's (contract/client.py ManagerClient): its first address,
+        # the failover cycle: the agent's own (contract/client.py ManagerClient): its first address,
         # then the others in an order of this agent's own
         first = targets[i % len(targets)] if spread else targets[0]
         others = [t for t in targets if t != first]
-        self.cycle = [first, *random.sample(others, len(others))]
+        self.cycle = ManagerClient([first, *others]).cycle
         self.t = 0  # index in the cycle of the address tried now
         self.pending: list[tuple[int, int]] = []  # (seq, state of GPU 0)
         self.next_seq = 1

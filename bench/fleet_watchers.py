@@ -23,7 +23,6 @@ Then reads commands on stdin, answering each with one JSON line on stdout:
 from __future__ import annotations
 
 import asyncio
-import random
 import sys
 import time
 from collections import Counter
@@ -35,7 +34,7 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.fleet_child import CHANNELS, ChildLoop
-from ntp_manager.contract.client import leader_hint
+from ntp_manager.contract.client import ManagerClient, leader_hint
 from ntp_manager.contract.proto.ntp.v1 import common_pb2, worker_pb2
 
 
@@ -50,8 +49,8 @@ class Watcher:
     def __init__(self, i: int, gpu: str, targets: list[str], chans: dict[str, list[Any]], token: str,
                  job: str) -> None:
         self.i, self.gpu, self.targets, self.chans, self.job = i, gpu, targets, chans, job
-        # the failover cycle, as the worker's (contract/client.py ManagerClient)
-        self.cycle = [targets[0], *random.sample(targets[1:], len(targets) - 1)]
+        # the failover cycle: the worker's own (contract/client.py ManagerClient)
+        self.cycle = ManagerClient(targets).cycle
         self.md = (("authorization", f"Bearer {token}"),)
         self.target = targets[i % len(targets)]  # spread over the managers
         self.connected = asyncio.Event()
