@@ -2,15 +2,15 @@
 the benchmark measures the managers, not the client.
 
 Started with a JSON line on stdin: {"targets": [grpc addresses], "nodes": [[node, token], ...],
-"gpus": 8, "heartbeat_s": 0, "spread": false}: every agent prefers targets[0], or with "spread"
-agent i prefers targets[i % len(targets)] (the agents of every process spread over the managers,
-as the watches of bench/fleet_watchers.py, so that the agents of one manager are not all simulated
-by one process) (0: beat at the welcome's longest quiet, as the
-agent does while its counters do not change). Each agent keeps one stream (the protocol of
-agent/ntp_agent/core.py reduced to its bones): hello, welcome (re-send what was not applied), reports
-acknowledged cumulatively, heartbeats; when its stream ends it goes to the next address and
-records how long it was without a stream. Then reads commands on stdin, answering each with one
-JSON line on stdout:
+"gpus": 8, "heartbeat_s": 0, "spread": false}. "heartbeat_s" 0: beat at the welcome's longest
+quiet, as the agent does while its counters do not change. Every agent prefers targets[0], or with
+"spread" agent i prefers targets[i % len(targets)] (the agents of every process spread over the
+managers, as the watches of bench/fleet_watchers.py, so that the agents of one manager are not all
+simulated by one process). Each agent keeps one stream (the protocol of agent/ntp_agent/core.py
+reduced to its bones): hello, welcome (re-send what was not applied), reports acknowledged
+cumulatively, heartbeats; when its stream ends it goes to the next address of its failover cycle
+(contract/client.py ManagerClient) and records how long it was without a stream. Then reads
+commands on stdin, answering each with one JSON line on stdout:
 
 - {"cmd": "ready"}: once every agent is welcomed: {"wall_s": ..., "cpu_s": ...}
 - {"cmd": "reports", "k": K, "on": [ADDRESS, ...]}: every agent connected to one of those managers
