@@ -12,8 +12,10 @@ import asyncpg
 import pytest
 
 from ntp_manager.contract.gpu import GpuState
+from ntp_manager.service.core.changes import _GPU_VALUES, _NODE_VALUES
 from ntp_manager.service.core.inputs import GpuInventory, GpuReport
 from ntp_manager.service.core.state import NodeChange, admin_to
+from ntp_manager.service.leadership.loading import load_world
 from ntp_manager.service.manager import Manager
 from ntp_manager.settings import Settings
 from ntp_manager.store import pgbulk
@@ -77,6 +79,14 @@ async def run_on(url: str, tmp_path: Path) -> dict[str, list[Any]]:
     await m.start()
     try:
         await work(m)
+        # what the store holds is the world as the manager holds it, every field of every record (as
+        # values: a time is the same instant, in UTC)
+        # (a transaction's update writes only the columns its changes set: kernel._columns_set)
+        async with m.sm() as s:
+            stored = await load_world(s, None, 0.0)
+        w = m.kernel.world
+        assert {u: _GPU_VALUES(g) for u, g in stored.gpus.items()} == {u: _GPU_VALUES(g) for u, g in w.gpus.items()}
+        assert {n: _NODE_VALUES(r) for n, r in stored.nodes.items()} == {n: _NODE_VALUES(r) for n, r in w.nodes.items()}
     finally:
         await m.stop()
     return await dump(url)
@@ -109,3 +119,4 @@ def test_a_naive_timestamp_is_refused_as_the_model_refuses_it() -> None:
     with pytest.raises(ValueError, match="naive"):
         pgbulk._utc(datetime(2026, 1, 1))
     assert pgbulk._json(None) == "null" and pgbulk._json(["a"]) == '["a"]'
+

@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
@@ -197,9 +197,10 @@ class Tx:
              "registered_at": now} for n in self._new_nodes.values()])
         await writer.insert(GPUS, [_gpu_row(g, now) for g in self._new_gpus.values()])
         await s.flush()
-        for table, key, columns, changes, views in ((NODES, "name", NODE_COLUMNS, self._nodes, self._node_views),
-                                                    (GPUS, "uuid", GPU_COLUMNS, self._gpus, self._views)):
+        for table, key, every, changes, views in ((NODES, "name", NODE_COLUMNS, self._nodes, self._node_views),
+                                                  (GPUS, "uuid", GPU_COLUMNS, self._gpus, self._views)):
             if changes:
+                columns = _columns_set(table.name, every, changes.values())
                 await writer.update(table, key, columns, [_update_row(columns, pk, views[pk]) for pk in changes])
         await writer.insert(EVENTS, self._events)
         await writer.insert(AUDIT, self._audits)
@@ -241,7 +242,26 @@ EVENTS, AUDIT = _table(HealthEventRow), _table(AuditRow)
 
 GPU_COLUMNS = tuple(GpuChange.__annotations__)  # every column a change may set
 NODE_COLUMNS = tuple(NodeChange.__annotations__)
-_UPDATES: dict[str, Any] = {}
+_UPDATES: dict[tuple[str, tuple[str, ...]], Any] = {}
+_COLUMN_SETS: dict[str, set[tuple[str, ...]]] = {}  # the column sets each table's updates used so far
+COLUMN_SETS_MAX = 32  # then every column: one prepared statement per set, and their number stays bounded
+
+
+def _columns_set(table: str, every: tuple[str, ...], changes: Iterable[Mapping[str, Any]]) -> tuple[str, ...]:
+    """The columns a transaction's updates of `table` write: those any of its changes set, in the
+    order of `every`. Each row gets all of them from its record as it will be (`_update_row`), so a
+    row whose change set fewer of them is written its current values there: one statement still,
+    and a batch of health reports writes 4 of a GPU's 16 columns rather than all of them."""
+    keys: set[str] = set()
+    for ch in changes:
+        keys.update(ch)
+    columns = tuple(c for c in every if c in keys)
+    seen = _COLUMN_SETS.setdefault(table, set())
+    if columns not in seen:
+        if len(seen) >= COLUMN_SETS_MAX:
+            return every
+        seen.add(columns)
+    return columns
 
 
 class _Writer(Protocol):
@@ -252,7 +272,8 @@ class _Writer(Protocol):
     async def update(self, table: Table, key: str, columns: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
         """Each row (its key under "pk_") gets every one of `columns`: the record as it is plus this
         transaction's changes, which is what the commit then applies to the record itself. (One
-        statement however the changes vary: a group commit's cost does not grow with their kinds.)"""
+        statement however the changes vary, `columns` the union of what they set: a group commit's
+        cost does not grow with their kinds, and a batch of reports writes only the health columns.)"""
 
 
 class _OrmWriter:
@@ -266,10 +287,10 @@ class _OrmWriter:
             await self.s.execute(insert(table), rows)
 
     async def update(self, table: Table, key: str, columns: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
-        stmt = _UPDATES.get(table.name)
+        stmt = _UPDATES.get((table.name, columns))
         if stmt is None:
             stmt = update(table).where(table.c[key] == bindparam("pk_")).values({c: bindparam(c) for c in columns})
-            _UPDATES[table.name] = stmt
+            _UPDATES[(table.name, columns)] = stmt
         await self.s.execute(stmt, rows)
 
 
