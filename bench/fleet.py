@@ -489,8 +489,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         # ---- 3. failovers -----------------------------------------------------------------------
         async with httpx.AsyncClient(base_url=f"http://{slots[0].info['http']}", timeout=120,
                                      headers={"Authorization": f"Bearer {op}"}) as h:
-            r = await h.post("/v1/jobs", json={"name": "fleet", "tp": 8, "replicas": n, "local_batch": 8,
-                                               "min_tp": 4, "heads": 32, "mlp_columns": 128})
+            for _ in range(30):  # a 503 (the database slow to answer on a box this busy): say why, again
+                r = await h.post("/v1/jobs", json={"name": "fleet", "tp": 8, "replicas": n, "local_batch": 8,
+                                                   "min_tp": 4, "heads": 32, "mlp_columns": 128})
+                if r.status_code != 503:
+                    break
+                print(f"job creation answered 503: {r.text[:300]}; again in 1 s", flush=True)
+                await asyncio.sleep(1.0)
             r.raise_for_status()
         t_job = time.perf_counter()
         while await layout_epoch(slots[0].info["http"], op) is None:

@@ -46,6 +46,7 @@ from ntp_manager.service.core.steps import StepWindow
 from ntp_manager.service.core.tasks import cancel_all
 from ntp_manager.service.ingest.agents import Agents, AgentSession
 from ntp_manager.service.ingest.doors import AgentDoor, FleetAgents, FleetWatches, WatchDoor
+from ntp_manager.service.ingest.hello_view import reader_engine
 from ntp_manager.service.ingest.liveness import Liveness
 from ntp_manager.service.ingest.outbox import Ingest, StoreHelloView, WorldHelloView
 from ntp_manager.service.ingest.port import MemoryOutbox, OutboxPort
@@ -126,7 +127,10 @@ class Manager:
         port: OutboxPort = (Ingest(self.sm, s.leader_id, self.clock, window, s.fleet_store_timeout_s, self.engine,
                                    s.fleet_apply_window_ms / 1000)
                             if s.shared_store else MemoryOutbox(self.sm, s.leader_id, window, s.fleet_store_timeout_s))
-        view = (StoreHelloView(self.sm, self.engine) if s.shared_store else
+        # the hellos' checks read through connections of their own, planned for each read's values
+        self._hello_engine = (reader_engine(s.effective_database_url, db.application_name(s.leader_id) + " hellos")
+                              if s.shared_store else None)
+        view = (StoreHelloView(self.sm, self._hello_engine) if s.shared_store else
                 WorldHelloView(lambda: self.kernel.world, port.pending_seq, lambda: self.epoch))
         self.fleet = Fleet(self, port, view)
         self.agent_door: AgentDoor = FleetAgents(self.fleet)
@@ -316,6 +320,8 @@ class Manager:
         await self.leadership.release()
         await self.leadership.close()
         await self.engine.dispose()
+        if self._hello_engine is not None:
+            await self._hello_engine.dispose()
 
     async def _monitor_loop(self) -> None:
         period = min(1.0, self.settings.heartbeat_interval_s / 2)

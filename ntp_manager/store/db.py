@@ -51,10 +51,12 @@ def application_name(leader_id: str) -> str:
 
 
 def make_engine(url: str, application_name: str | None = None, idle_tx_timeout_s: float | None = None,
-                pool_size: int = 10) -> AsyncEngine:
+                pool_size: int = 10, custom_plans: bool = False) -> AsyncEngine:
     """An engine for `url`. PostgreSQL sessions can be named (`application_name`: a new leader ends
     the sessions of the one it replaced by that name) and given an idle-in-transaction timeout (a
-    manager paused in the middle of a transaction loses it and its row locks)."""
+    manager paused in the middle of a transaction loses it and its row locks). `custom_plans`:
+    every statement is planned for the values it is given (`plan_cache_mode`), never with a cached
+    generic plan (service/ingest/hello_view.py says why its statement needs that)."""
     if url.startswith("sqlite"):
         engine = create_async_engine(url, connect_args={"timeout": 30}, json_serializer=json_text)
 
@@ -73,6 +75,8 @@ def make_engine(url: str, application_name: str | None = None, idle_tx_timeout_s
         server_settings["application_name"] = application_name[:63]
     if idle_tx_timeout_s is not None:
         server_settings["idle_in_transaction_session_timeout"] = str(max(1, int(idle_tx_timeout_s * 1000)))
+    if custom_plans:
+        server_settings["plan_cache_mode"] = "force_custom_plan"
     connect_args: dict[str, Any] = {"server_settings": server_settings} if server_settings else {}
     engine = create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, json_serializer=json_text,
                                  connect_args=connect_args)

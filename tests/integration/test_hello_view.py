@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from ntp_manager.service.ingest.hello_view import HelloViews
 from ntp_manager.service.manager import Manager
@@ -105,5 +105,31 @@ async def test_a_hello_whose_caller_gave_up_is_not_waited_for(tmp_path: Path) ->
             gone.cancel()
             v = await asyncio.wait_for(views.view("n1", ["GPU-x"]), 10)
             assert v.domain is None and v.owners == {} and v.last_seq == 0 and v.epoch == m.epoch
+        finally:
+            await m.stop()
+
+
+async def test_the_check_is_planned_for_each_reads_own_gpus(tmp_path: Path) -> None:
+    """A generic plan made while the tables are small scans every GPU row against each of a batch's
+    GPUs in turn (quadratic: seconds a batch at 100,000 GPUs); the manager's hello checks never use
+    one. PostgreSQL counts a prepared statement's plans of each kind (`pg_prepared_statements`).
+    (Whether a default engine goes generic after the fifth run depends on the costs PostgreSQL
+    estimates for both kinds, so this does not assert that it would.)"""
+    async with database("postgres", tmp_path) as url:
+        m = Manager(Settings(database_url=url, fleet_poll_s=0.05))
+        try:
+            await m.start()
+            await m.wait_leading()
+            check = m.fleet.agents.view  # what the manager's agent hellos are checked with
+            for i in range(8):  # one at a time: one connection, the same prepared statement
+                assert await check(f"n{i}", [f"GPU-n{i}-{k}" for k in range(8)]) == (None, {}, 0, m.epoch)
+            reader = m._hello_engine
+            assert reader is not None and reader is not m.engine
+            async with reader.connect() as c:
+                plans = (await c.execute(text(
+                    "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+                    "WHERE statement LIKE '%json_object_agg%' AND statement NOT LIKE '%pg_prepared%'"))).one()
+                mode = (await c.execute(text("SHOW plan_cache_mode"))).scalar_one()
+            assert tuple(plans) == (0, 8) and mode == "force_custom_plan"
         finally:
             await m.stop()

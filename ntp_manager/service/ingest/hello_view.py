@@ -9,6 +9,16 @@ introspection, every statement prepared again), the largest part of a hello's CP
 (bench/RESULTS.md). `HelloViews` reads for every hello waiting when the previous read ends, in one
 statement on one connection: a hello alone is read at once, a wave in a few round trips, at most
 MAX_READS at a time.
+
+The statement is planned for each read's own arrays (`reader_engine`: its connections set
+`plan_cache_mode = force_custom_plan`, store/db.py). A prepared statement is planned generically
+after five runs, with the table sizes of that moment and without the arrays' values; planned at the
+start of a registration wave, when the tables held a few rows, that plan scans every GPU row and
+compares each with every one of the batch's GPUs, one after the other. At 100,000 GPUs that is
+200 million comparisons for a batch of 256 hellos, seconds of PostgreSQL's CPU each, and the plan
+stays while no ANALYZE replaces it (bench/RESULTS.md: a standby's SIGKILL at 12,500 agents, before
+and after). Planned for the values, the GPUs are looked up by key on a large table, and on a small
+one the scan tests each row against a hash of the batch's GPUs: linear either way.
 """
 
 from __future__ import annotations
@@ -22,6 +32,8 @@ from sqlalchemy import String, bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from ntp_manager.store import db
+
 MAX_HELLOS = 256  # hellos in one read (their GPUs are bounded by the hello's own checks)
 MAX_READS = 4  # reads at once: a slow one does not hold every hello behind it (the pool holds 10)
 
@@ -32,6 +44,12 @@ VIEWS = text(
     "(SELECT json_object_agg(uuid, node)::text FROM gpus WHERE uuid = ANY(:us)), "
     "(SELECT epoch FROM leader WHERE id = 1)"
 ).bindparams(bindparam("ns", type_=ARRAY(String())), bindparam("us", type_=ARRAY(String())))
+
+
+def reader_engine(url: str, application_name: str) -> AsyncEngine:
+    """An engine for `HelloViews` to read through (in autocommit: `execution_options`): connections
+    of its own, as many as it reads at once, each statement planned for its values."""
+    return db.make_engine(url, application_name, pool_size=MAX_READS, custom_plans=True)
 
 
 @dataclass(frozen=True, slots=True)

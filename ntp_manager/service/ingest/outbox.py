@@ -235,7 +235,8 @@ class StoreHelloView:
     node's domain, the node each of these GPUs is registered on, the node's last durable report seq
     (applied, or stored and not applied yet: store/outbox.py's node_last_seq) and the leader epoch.
     On PostgreSQL out of any transaction, in one statement shared by every hello waiting
-    (service/ingest/hello_view.py: a registration wave took a pooled connection per hello)."""
+    (service/ingest/hello_view.py: a registration wave took a pooled connection per hello), through
+    `engine` (the manager gives it one of its own: hello_view.py's `reader_engine`)."""
 
     def __init__(self, sm: async_sessionmaker[AsyncSession], engine: AsyncEngine | None = None) -> None:
         self.sm = sm
