@@ -256,6 +256,8 @@ def _columns_set(table: str, every: tuple[str, ...], changes: Iterable[Mapping[s
     for ch in changes:
         keys.update(ch)
     columns = tuple(c for c in every if c in keys)
+    if not columns:  # (a change sets at least one: Tx.change_gpu and change_node drop empty ones)
+        return every
     seen = _COLUMN_SETS.setdefault(table, set())
     if columns not in seen:
         if len(seen) >= COLUMN_SETS_MAX:

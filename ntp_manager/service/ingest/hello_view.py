@@ -35,7 +35,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from ntp_manager.store import db
 
 MAX_HELLOS = 256  # hellos in one read (their GPUs are bounded by the hello's own checks)
-MAX_READS = 4  # reads at once: a slow one does not hold every hello behind it (the pool holds 10)
+MAX_READS = 4  # reads at once: a slow one does not hold every hello behind it (a connection each)
 
 VIEWS = text(
     "SELECT (SELECT json_agg(json_build_array(q.n, nd.domain_id, nd.last_seq, "
