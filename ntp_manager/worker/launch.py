@@ -369,9 +369,16 @@ class Launcher:
             time.sleep(0.02)
 
     def stop_at(self, step: int) -> None:
-        """Ranks stop once `step` steps have completed (set it a few steps ahead of the newest record:
-        every rank must read it before getting there)."""
+        """Ranks stop once `step` steps have completed (set it a few steps ahead of the newest record,
+        `newest_step`: every rank must read it before getting there, or one that has passed it stops
+        while its peers are in the next step's collectives)."""
         self.store.set(f"ntp/{self.train.job}/stop_at", str(step))
+
+    def newest_step(self) -> int:
+        """The highest step any rank has reported so far (0 before any); `wait_for` still examines
+        every record."""
+        self._poll()
+        return max((int(r["step"]) for r in self.records if r["kind"] == "step"), default=0)
 
     def alive(self) -> list[str]:
         return [w for w, p in self.procs.items() if p.is_alive()]
