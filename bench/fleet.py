@@ -104,7 +104,8 @@ HEARTBEAT_S = float(os.environ.get("NTP_BENCH_HEARTBEAT_S", "0"))
 
 
 # before the idle window that the ingest figures are net of: every manager under this share of a
-# core over a second, or SETTLE_MAX_S seconds waited
+# core for SETTLED_PROBES seconds in a row (or SETTLE_MAX_S seconds waited), and the window itself
+# measured again, up to IDLE_TRIES times, while a manager is over that share in it
 SETTLED_SHARE, SETTLED_PROBES, SETTLE_MAX_S, IDLE_TRIES = 0.12, 3, 60.0, 5
 
 
@@ -699,7 +700,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             window_s = time.perf_counter() - t_kill
             busy_after = machine_busy()
             standby_cores = {slots[k].name: round((cpu_seconds(slots[k].proc.pid) - cpu_before[k]) / window_s, 2)
-                     for k in others if slots[k].proc.poll() is None}
+                             for k in others if slots[k].proc.poll() is None}
             machine = round((busy_after[0] - busy_before[0]) / max(1e-9, busy_after[1] - busy_before[1]), 3)
             if tprofs:  # the one that took over is the one with the busy samples
                 out["profile_takeover"] = {p.label: p.stop() for p in tprofs}
