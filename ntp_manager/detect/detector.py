@@ -1,9 +1,12 @@
 """The workload-aware fail-slow detector: one step's observations in, verdicts with evidence out.
 
 Per step, for every rank with work:
-1. *Predict.* Its stage's robust fit (detect/model.py) gives the healthy compute time of its
-   group's work, `pred = a*tokens/tp + b*sumsq/tp + c`, divided by the speed the plan expects of
-   the GPU. The rank's ratio is observed / predicted.
+1. *Predict.* The robust fit (detect/model.py) of its stage at its group's TP degree gives the
+   healthy compute time of the group's work, `pred = a*tokens/tp + b*sumsq/tp + c`, divided by
+   the speed the plan expects of the GPU. The rank's ratio is observed / predicted. Each degree
+   has its own fit because time does not scale exactly as 1/tp (unsharded parts, smaller and less
+   efficient matmuls): a replica resharded to TP1 with half the batch may well take twice what
+   TP2's rows predict, and that is the model's error, not the GPU's.
 2. *Compare with peers.* Ratios are divided by their median over the job's ranks that are not
    flagged already, which removes whatever slows everyone alike this step (and the fit's drift).
    The result is the rank's step factor f: about 1 for a healthy GPU whatever its data, 1.2 for
@@ -25,7 +28,12 @@ Per step, for every rank with work:
    members that are neither flagged nor above the enter threshold this step, so a slow GPU never
    teaches the model that slow is normal; the same healthy steps feed each GPU's own pace.
 
-No verdict is made for a stage before its fit has `warmup_rows` rows. Memory is bounded: fixed
+No verdict is made for a group before its stage's fit at its TP degree has `warmup_rows` rows
+(after a reshard to a new degree: that many steps' rows of the groups at the new degree). The
+cost of learning per degree: a group alone at its degree, all of whose members are already slow
+when it first runs there, teaches its fit that pace; a GPU flagged before the change stays flagged
+and teaches nothing, and in a group of three or more a member slower than the others is still
+found (a row is the members' median). Memory is bounded: fixed
 rings per GPU and per group, a fixed number of rows per stage, idle GPUs forgotten.
 """
 
@@ -36,6 +44,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from ntp_manager.detect.model import FloatArray, IntArray, RobustFit, group_median, group_min, median, row_nanmedian
 from ntp_manager.detect.options import DetectorOptions, OptionsError
@@ -77,7 +86,8 @@ class DetectorSnapshot:
     ranks: tuple[RankStatus, ...]
     imbalanced_groups: tuple[str, ...]
     network_slow_groups: tuple[str, ...]
-    ready_stages: tuple[int, ...]
+    ready_stages: tuple[int, ...]  # stages with at least one TP degree's fit warm
+    ready_degrees: tuple[tuple[int, int], ...] = ()  # (stage, tp) pairs whose fit is warm
 
 
 def _rule_slow(o: DetectorOptions) -> Rule:
@@ -115,8 +125,10 @@ class WorkloadDetector:
         self._slow.add_channel("base", o.baseline_window)
         self._net = Tracker(max(o.enter_window, o.exit_window))  # per group: transfer factor
         self._imb = Tracker(o.imbalance_window)  # per group: work factor
-        self._fits: dict[int, RobustFit] = {}
-        self._net_fits: dict[int, RobustFit] = {}
+        # one fit per (stage, TP degree): time does not scale exactly as 1/tp (parts of a layer are
+        # not sharded, small matmuls run less efficiently), so a degree is only judged by its own rows
+        self._fits: dict[tuple[int, int], RobustFit] = {}
+        self._net_fits: dict[tuple[int, int], RobustFit] = {}
         self._meta: dict[str, RankObservation] = {}
         self._pred: dict[str, float] = {}
         self._last_step: int | None = None
@@ -153,11 +165,14 @@ class WorkloadDetector:
         return [g for g in gpus if g in flagged]
 
     def reset_models(self, stages: Iterable[int] | None = None) -> None:
-        """Throw away stage fits (all, or the given stages): call when a stage's layers change
-        (pipeline repartition). They warm up again before the next verdict on those stages."""
+        """Throw away stage fits, every TP degree's (all stages, or the given ones): call when a
+        stage's layers change (pipeline repartition). They warm up again before the next verdict on
+        those stages."""
+        drop = None if stages is None else set(stages)
         for table in (self._fits, self._net_fits):
-            for s in list(table) if stages is None else list(stages):
-                table.pop(s, None)
+            for key in list(table):
+                if drop is None or key[0] in drop:
+                    del table[key]
 
     # ---- reading ----------------------------------------------------------------------------------------
 
@@ -183,10 +198,11 @@ class WorkloadDetector:
                     last_step=int(self._slow.last_seen[s]), compute_s=r.compute_s, predicted_s=self._pred.get(k),
                 )
             )
-        ready = tuple(sorted(s for s, f in self._fits.items() if self._ready(f)))
+        ready = tuple(sorted(k for k, f in self._fits.items() if self._ready(f)))
         return DetectorSnapshot(
             step=self._last_step, ranks=tuple(ranks), imbalanced_groups=tuple(self._imb.flagged()),
-            network_slow_groups=tuple(self._net.flagged()), ready_stages=ready,
+            network_slow_groups=tuple(self._net.flagged()), ready_stages=tuple(sorted({s for s, _ in ready})),
+            ready_degrees=ready,
         )
 
     def _ready(self, fit: RobustFit) -> bool:
@@ -225,13 +241,16 @@ class WorkloadDetector:
         ng = len(gnames)
         x = np.column_stack([g_tok / g_tp, g_sq / g_tp, np.ones(ng)])
         stages = sorted(set(g_stage.tolist()))
+        g_deg = g_tp.astype(np.int64)
+        kinds = sorted(set(zip(g_stage.tolist(), g_deg.tolist(), strict=True)))
+        in_kind = {k: (g_stage == k[0]) & (g_deg == k[1]) for k in kinds}
 
-        # 1. predict per group from its stage's fit
+        # 1. predict per group from its stage's fit at its TP degree
         pred_g = np.full(ng, np.nan)
-        for s in stages:
-            fit = self._fits.get(s)
+        for k in kinds:
+            fit = self._fits.get(k)
             if fit is not None and self._ready(fit):
-                m = g_stage == s
+                m = in_kind[k]
                 pred_g[m] = fit.predict(x[m])
         pred_g[~(pred_g > 0)] = np.nan  # a fit that predicts <= 0 for this work has no say
         pred = pred_g[gidx] / speed
@@ -278,17 +297,17 @@ class WorkloadDetector:
         hv = vidx[healthy[vidx]]
         self._slow.channels["base"].push(slots[hv], f[hv], step)
         y = group_median(np.where(healthy, eff, np.nan), gidx, ng)
-        for s in stages:
-            m = (g_stage == s) & ~np.isnan(y)
-            fit = self._fits.get(s)
+        for k in kinds:
+            m = in_kind[k] & ~np.isnan(y)
+            fit = self._fits.get(k)
             if fit is None:
-                fit = self._fits[s] = RobustFit(3, o.fit_window)
+                fit = self._fits[k] = RobustFit(3, o.fit_window)
             if m.any():
                 fit.add(x[m], y[m])
                 fit.maybe_refit(o.huber_k)
 
         # 4. groups: network and data imbalance
-        verdicts += self._network(step, gnames, g_stage, g_tp, g_tok, g_members, wait, gidx, ng, stages)
+        verdicts += self._network(step, gnames, g_stage, g_tp, g_tok, g_members, wait, gidx, ng, kinds, in_kind)
         verdicts += self._imbalance(step, gnames, g_stage, pred_g, f, gidx, ng, stages, stage_raw)
         return verdicts
 
@@ -402,7 +421,8 @@ class WorkloadDetector:
 
     def _network(
         self, step: int, gnames: list[str], g_stage: IntArray, g_tp: FloatArray, g_tok: FloatArray,
-        g_members: IntArray, wait: FloatArray, gidx: IntArray, ng: int, stages: list[int],
+        g_members: IntArray, wait: FloatArray, gidx: IntArray, ng: int, kinds: list[tuple[int, int]],
+        in_kind: dict[tuple[int, int], npt.NDArray[np.bool_]],
     ) -> list[Verdict]:
         o = self._opts
         transfer = group_min(wait, gidx, ng)
@@ -411,10 +431,10 @@ class WorkloadDetector:
             return []
         xn = np.column_stack([g_tok * (g_tp - 1) / g_tp, np.ones(ng)])
         pred = np.full(ng, np.nan)
-        for s in stages:
-            fit = self._net_fits.get(s)
+        for k in kinds:
+            fit = self._net_fits.get(k)
             if fit is not None and self._ready(fit):
-                m = (g_stage == s) & usable
+                m = in_kind[k] & usable
                 pred[m] = fit.predict(xn[m])
         pred[~(pred > 0)] = np.nan
         ratio = transfer / pred
@@ -429,11 +449,13 @@ class WorkloadDetector:
         flagged = np.zeros(ng, dtype=np.bool_)
         flagged[idx] = self._net.flag[slots]
         learn = usable & ~flagged & ~(factor >= 1 + o.network_margin)
-        for s in stages:
-            m = learn & (g_stage == s)
-            fit = self._net_fits.get(s)
+        for k in kinds:
+            if k[1] < 2:
+                continue  # a group of one has no collectives
+            m = learn & in_kind[k]
+            fit = self._net_fits.get(k)
             if fit is None:
-                fit = self._net_fits[s] = RobustFit(2, o.fit_window)
+                fit = self._net_fits[k] = RobustFit(2, o.fit_window)
             if m.any():
                 fit.add(xn[m], transfer[m])
                 fit.maybe_refit(o.huber_k)

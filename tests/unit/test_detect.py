@@ -384,6 +384,30 @@ def test_reduced_tp_groups_and_boosted_gpus() -> None:
     assert found[0].factor == pytest.approx(1.25, abs=0.05)
 
 
+def test_a_reshard_to_a_lower_degree_is_judged_by_that_degree_alone() -> None:
+    # make slow-demo's case: a replica drops from TP2 to TP1 (its peer failed) and its survivor,
+    # healthy, runs 1.8x what TP2's rows predict at 1/tp (on a loaded CPU box it was 2.2x). That is
+    # the model's error: no verdict. Once TP1 has rows of its own, a real slowdown is still found.
+    steps = Steps(stages=1, tp=2, dp=4)
+    det = WorkloadDetector()
+    run(det, steps, WARM)
+    assert det.snapshot().ready_degrees == ((0, 2),)
+    survivor, failed = gpu(0, 1, 0), gpu(0, 1, 1)
+    assert det.forget([failed]) == []
+    steps.tp_of[group(0, 1)] = 1
+    mismatch = 1.8
+    vs = run(det, steps, 40, lambda t: {"slow": {survivor: mismatch}, "absent": frozenset({failed})}, start=WARM)
+    assert slows(vs) == []
+    assert det.snapshot().ready_degrees == ((0, 1), (0, 2))
+    vs = run(
+        det, steps, 20, lambda t: {"slow": {survivor: mismatch * 1.3}, "absent": frozenset({failed})}, start=WARM + 40,
+    )
+    found = slows(vs)
+    assert [v.gpu for v in found] == [survivor]
+    assert found[0].factor == pytest.approx(1.3, abs=0.06)
+    assert found[0].since_step == WARM + 40
+
+
 def test_gpu_signals_become_evidence() -> None:
     sig = GpuSignals(
         throttle_reasons=throttle_names(0x40 | 0x1), sm_clock_mhz=1200, sm_clock_max_mhz=1980, power_w=690,

@@ -272,6 +272,7 @@ class FailSlow:
             "flagged": sorted(r.gpu for r in snap.ranks if r.slow),
             "imbalanced_groups": list(snap.imbalanced_groups), "network_slow_groups": list(snap.network_slow_groups),
             "ready_stages": list(snap.ready_stages),
+            "ready_degrees": [{"stage": s, "tp": t} for s, t in snap.ready_degrees],
             "verdicts": list(reversed(j.verdicts)),
         }
 
