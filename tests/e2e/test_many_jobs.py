@@ -88,9 +88,15 @@ def test_pool_grant_and_preemption_with_live_ranks(tmp_path: Path) -> None:
             agents.inject("node-0", "xid", 1, xid=48)
             hi_run.kill(victim)
             wait(lambda: owners().get("nvl-3") == "hi", 60, "nvl-3 granted to hi")
+            # the grant commits first and hi is planned onto it after (sharing.py): on a busy box
+            # the layout read at once can still be the one without the victim (0.75)
+            wait(lambda: api.get("/v1/jobs/hi/layout").json()["plan"]["relative_throughput"] == 1.0, 60,
+                 "hi planned onto nvl-3 at 1.0")
             v_grant = api.get("/v1/jobs/hi").json()["layout_version"]
-            lay = api.get("/v1/jobs/hi/layout").json()
+            lay = api.get("/v1/jobs/hi/layout", params={"limit": 1000}).json()
             assert lay["plan"]["relative_throughput"] == 1.0
+            used = {u for rep in lay["plan"]["replicas"] for g in rep["groups"] for u in g["gpus"]}
+            assert set(gpus["nvl-3"]) <= used, used
             hi_run.wait_for(step_at(0, v_grant), 300)
             disjoint()
             # ---- the granted domain is cordoned: the pool is empty, lo gives nvl-2 up -------------
