@@ -27,11 +27,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Table, bindparam, delete, func, select, text
+from sqlalchemy import Table, Text, bindparam, cast, delete, func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
+from ntp_manager.jsontext import parse
 from ntp_manager.store.db import json_text
 from ntp_manager.store.models import (
     AgentCommandRow,
@@ -160,15 +161,17 @@ async def end_stuck_appenders(conn: AsyncConnection | AsyncSession, older_than_m
     return sum(1 for r in rows if r[0])
 
 
-_READ_AFTER = (select(_OUTBOX.c.seq, _OUTBOX.c.kind, _OUTBOX.c.node, _OUTBOX.c.report_seq, _OUTBOX.c.payload,
-                      _OUTBOX.c.manager)
+# the payload as text, parsed here by orjson (jsontext.parse): the leader reads every row of the
+# fleet's outbox, and the driver's json.loads was about 5 % of its apply's samples
+_READ_AFTER = (select(_OUTBOX.c.seq, _OUTBOX.c.kind, _OUTBOX.c.node, _OUTBOX.c.report_seq,
+                      cast(_OUTBOX.c.payload, Text), _OUTBOX.c.manager)
                .where(_OUTBOX.c.seq > bindparam("after")).order_by(_OUTBOX.c.seq).limit(bindparam("lim")))
 
 
 async def read_after(conn: AsyncConnection | AsyncSession, after: int, limit: int) -> list[Stored]:
     """Up to `limit` rows after `after`, in sequence order."""
     rows = (await conn.execute(_READ_AFTER, {"after": after, "lim": limit})).all()
-    return [Stored(int(r[0]), str(r[1]), str(r[2]), None if r[3] is None else int(r[3]), dict(r[4]), str(r[5]))
+    return [Stored(int(r[0]), str(r[1]), str(r[2]), None if r[3] is None else int(r[3]), dict(parse(r[4])), str(r[5]))
             for r in rows]
 
 

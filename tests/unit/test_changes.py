@@ -83,3 +83,43 @@ def test_the_fields_are_the_records_own_order() -> None:
     """A GPU record is rebuilt positionally from its row: GPU_FIELDS must be GpuRec's fields, in order."""
     assert tuple(f.name for f in fields(GpuRec)) == GPU_FIELDS
     assert set(NODE_FIELDS) <= {f.name for f in fields(NodeRec)}
+
+
+# ---- the encoding: orjson where it is exact, the standard library where it would not be -------------
+
+
+def test_the_body_is_the_json_the_standard_library_writes() -> None:
+    # non-ASCII, every field set, and an integer beyond 64 bits (orjson cannot write it: json.dumps does)
+    from ntp_manager.service.core.changes import _gpu_row, _node_row
+
+    nodes = [node("n0", "d0", boot_id="b", drain_deadline=NOW)]
+    gpus = [gpu("G0", "n0", "d0", 0, health_reason="Überhitzt ✗", speed=0.8, health_since=NOW, desired_mw=1),
+            gpu("G1", "n0", "d0", 1, memory_bytes=2**70)]
+    for gs in (gpus[:1], gpus):
+        body = encode(["d0"], nodes, gs, ["j"])
+        assert body is not None
+        want = json.dumps({"v": 1, "domains": ["d0"], "nodes": [_node_row(n) for n in nodes],
+                           "gpus": [_gpu_row(g) for g in gs], "jobs": ["j"]}, separators=(",", ":"))
+        assert json.loads(body) == json.loads(want)
+    assert body is not None and json.loads(body)["gpus"][1][GPU_FIELDS.index("memory_bytes")] == 2**70
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_speed_is_refused_not_written_as_null(bad: float) -> None:
+    # orjson would write null (and the followers would read "no speed"); json.dumps wrote NaN, which
+    # PostgreSQL refused: the transaction failed. Refused here, loudly, naming the GPU.
+    with pytest.raises(ValueError, match=r"GPU G1: speed .* is not a finite number"):
+        encode([], [], [gpu("G0", "n0", "d0", 0, speed=0.5), gpu("G1", "n0", "d0", 1, speed=bad)], [])
+
+
+def test_parse_is_the_standard_librarys_loads() -> None:
+    from ntp_manager.jsontext import parse
+
+    texts = ['{"a":[1,2.5,null,true,"x"]}', '"\\u00fc"', '"Überhitzt ✗"', "[NaN, Infinity]", "[]", "[1e19]",
+             # orjson reads these as floats: the parse must not
+             "[" + str(2**70) + "]", str(-(2**63) - 1), '{"k": [0, ' + str(10**25) + "]}", str(2**64 - 1)]
+    for text in texts:
+        got, want = parse(text), json.loads(text)
+        assert repr(got) == repr(want), text  # NaN != NaN: compare the spelling
+    with pytest.raises(ValueError):
+        parse("{not json")

@@ -13,10 +13,13 @@ it started from a load made after the row before the first one applied (follow.p
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from datetime import datetime
 from operator import attrgetter
 from typing import Any
+
+import orjson
 
 from ntp_manager.contract.gpu import GpuState
 from ntp_manager.service.core.state import GpuRec, HealthSource, NodeRec, World
@@ -73,7 +76,17 @@ def encode(domains: list[str], nodes: list[NodeRec], gpus: list[GpuRec], jobs: l
         body["gpus"] = [_gpu_row(g) for g in gpus]
     if jobs:
         body["jobs"] = jobs
-    return json.dumps(body, separators=(",", ":"))
+    # orjson: several times faster than json.dumps, and this runs in every transaction of the leader.
+    # It would write a non-finite speed as null where json.dumps writes NaN (which PostgreSQL's json
+    # refuses: the transaction fails, loudly), so those are refused here first; what orjson cannot
+    # write at all (an integer beyond 64 bits) the standard library writes.
+    if any(g.speed is not None and not math.isfinite(g.speed) for g in gpus):
+        bad = next(g for g in gpus if g.speed is not None and not math.isfinite(g.speed))
+        raise ValueError(f"GPU {bad.uuid}: speed {bad.speed} is not a finite number")
+    try:
+        return orjson.dumps(body).decode()
+    except orjson.JSONEncodeError:
+        return json.dumps(body, separators=(",", ":"))
 
 
 class BadRow(ValueError):

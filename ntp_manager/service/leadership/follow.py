@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -43,6 +42,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from ntp_manager.clock import Clock
+from ntp_manager.jsontext import parse
 from ntp_manager.planner.layout import LayoutDoc
 from ntp_manager.service.core import offloop
 from ntp_manager.service.core.changes import Applied, BadRow, Checked, apply_checked, check, encode
@@ -88,7 +88,7 @@ def _decode(rows: list[tuple[int, str]]) -> list[tuple[int, Checked | str]]:
     out: list[tuple[int, Checked | str]] = []
     for seq, raw in rows:
         try:
-            body = json.loads(raw)
+            body = parse(raw)
             if not isinstance(body, dict):
                 raise BadRow("world-log body is not an object")
             out.append((seq, check(body)))
