@@ -97,7 +97,10 @@ def test_ntp_run_survives_every_rank_dying_at_once(tmp_path: Path) -> None:
     script = tmp_path / "always_fails.py"
     script.write_text("import sys\nsys.exit(3)\n")
     r = subprocess.run([sys.executable, "-m", "ntp_manager.worker.run", "--nproc", "2", "--replicas", "2",
-                        "--max-restarts", "1", "--restart-delay", "0.2", str(script)], cwd=ROOT,
+                        # the delay is longer than the four processes take to start and exit, also on a
+                        # busy box (with 0.2 s the first restarted before the last had died, once in CI:
+                        # never all down at once, which is what this tests)
+                        "--max-restarts", "1", "--restart-delay", "3", str(script)], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert "Traceback" not in r.stderr, r.stderr
     assert r.returncode == 1, r.stderr
