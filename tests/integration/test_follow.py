@@ -260,13 +260,27 @@ async def test_a_standby_rebuilds_its_planner_snapshot_no_more_often_than_its_sp
                 break
             await asyncio.sleep(0.05)
         assert f.primed
-        sent = f.primed
+
+        def prepared() -> tuple[float, float]:  # what /metrics says of them
+            reg = b.metrics.registry
+            return (reg.get_sample_value("ntp_world_follow_prepared_total") or 0.0,
+                    reg.get_sample_value("ntp_world_follow_prepare_seconds_total") or 0.0)
+
+        for _ in range(100):  # counted once prime() has returned
+            if prepared()[0] >= 1.0:
+                break
+            await asyncio.sleep(0.05)
+        count, seconds = prepared()
+        assert count >= 1.0 and seconds > 0
+        await asyncio.sleep(0.2)  # a rebuild under way ends (it sets the spacing when it does)
         f._prime_after = time.monotonic() + 3600  # as if the last one had taken 400 s
+        sent, count = f.primed, prepared()[0]
         for n in range(1, 4):
             await a.register_agent(f"n{n}", f"d{n}", [GpuInventory(f"G{n}0", 0)], "boot", "v1")
         await caught_up(b, a)
         await asyncio.sleep(1.5)  # quiet for longer than SETTLE_S
         assert f.primed == sent and len(b.world.gpus) == 4  # the rows applied, no rebuild sent
+        assert prepared()[0] == count
         f._prime_after = 0.0  # the spacing has passed (the rebuild was put off until then)
         f._settle_at = time.monotonic()
         f.wake.set()
@@ -275,6 +289,11 @@ async def test_a_standby_rebuilds_its_planner_snapshot_no_more_often_than_its_sp
                 break
             await asyncio.sleep(0.05)
         assert f.primed > sent  # the new shape, sent once the spacing has passed
+        for _ in range(100):
+            if prepared()[0] > count:
+                break
+            await asyncio.sleep(0.05)
+        assert prepared()[0] == count + 1
 
 
 async def test_a_standby_reads_the_jobs_back_in_bounded_time_while_rows_keep_coming(
