@@ -50,8 +50,8 @@ async def quiet(svc: Service) -> None:
     m = svc.manager
     k, own, share = m.kernel, m.jobs.ownership, m.sharing
 
-    def idle() -> bool:
-        return not k.dirty and not own.placing.busy and not share.passes.busy
+    def idle() -> bool:  # a replan takes its job out of the dirty set first: it counts on its own
+        return not k.dirty and m.jobs.replanning is None and not own.placing.busy and not share.passes.busy
 
     for _ in range(3):  # idle three looks in a row: a commit's follow-ups have been scheduled and run
         await eventually(idle, 20)

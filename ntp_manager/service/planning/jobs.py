@@ -52,6 +52,7 @@ class Jobs:
         self.ownership = Ownership(kernel, metrics)
         self.layout_changed = asyncio.Condition()
         self.stopping = False
+        self.replanning: str | None = None  # the job the control loop is replanning now (None: none)
         self.on_layout: list[Callable[[], None]] = []  # told after a new version is in memory, a job deleted
         # told when a replan of a job holding domains beyond its own found its layout unchanged (a
         # repair its layout does not follow may leave one idle: service/planning/sharing.py)
@@ -167,10 +168,13 @@ class Jobs:
             while k.dirty and not self.breaker_open():
                 name = min(k.dirty)
                 k.dirty.discard(name)
+                self.replanning = name
                 try:
                     await self.replan(name, actor="control-loop")
                 except Exception:  # keep the loop alive; the error is logged with its job
                     log.exception("replan failed", job=name)
+                finally:
+                    self.replanning = None
 
     async def replan(self, name: str, actor: str, reason: str = "", tx: Tx | None = None) -> LayoutRec | None:
         """Replan one job; persist and push a new version when the layout changed. Planning,
