@@ -308,6 +308,21 @@ async def layout_epoch(http: str, op: str) -> int | None:
     return None
 
 
+async def prepared(http: str) -> tuple[float, float]:
+    """A manager's preparations ahead of a takeover so far, and their wall seconds (its /metrics;
+    service/leadership/follow.py): the ingest figures say which windows held one."""
+    with contextlib.suppress(Exception):
+        async with httpx.AsyncClient(base_url=f"http://{http}", timeout=5) as h:
+            r = await h.get("/metrics")
+            vals = {"ntp_world_follow_prepared_total": 0.0, "ntp_world_follow_prepare_seconds_total": 0.0}
+            for line in r.text.splitlines():
+                name, _, value = line.partition(" ")
+                if name in vals:
+                    vals[name] = float(value)
+            return vals["ntp_world_follow_prepared_total"], vals["ntp_world_follow_prepare_seconds_total"]
+    return 0.0, 0.0
+
+
 TIMELINE = {"leading": "lease taken", "manager started": "state loaded", "applying the outbox": "replay began",
             "outbox caught up": "replay done"}
 
@@ -456,6 +471,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         out["ingest"] = []
         for homes in ([1], [1, 2], [0, 1, 2]):
             busy = gens  # each sends the reports of its agents on those managers
+            prep0 = await asyncio.gather(*(prepared(p.info["http"]) for p in slots))
             cpu0 = {k: cpu_seconds(p.proc.pid) for k, p in enumerate(slots)}
             gcpu0 = [g.cpu() for g in busy]
             profs = [Profile(slots[0].proc.pid, "the leader (consuming)", tmp / "profile-leader.txt"),
@@ -469,6 +485,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             if profs:
                 out["profile"] = {p.label: p.stop() for p in profs}
             cpu1 = {k: cpu_seconds(p.proc.pid) for k, p in enumerate(slots)}
+            prep1 = await asyncio.gather(*(prepared(p.info["http"]) for p in slots))
             reports = sum(r["reports"] for r in res)
             per_mgr = {}
             for k in range(3):
@@ -480,7 +497,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                                     # as the leader's: less what it spends idle in as long (its streams' upkeep)
                                     "cpu_us_per_report_taken_net_of_idle":
                                         round((cpu1[k] - cpu0[k] - idle_rate[k] * (t_done - t1)) / mine * 1e6, 1)
-                                    if mine else None}
+                                    if mine else None,
+                                    # a standby's preparations ahead of a takeover that ended in the
+                                    # window (their CPU is in cpu_s: not per report, not subtracted)
+                                    "preparations": int(prep1[k][0] - prep0[k][0]),
+                                    "preparation_s": round(prep1[k][1] - prep0[k][1], 3)}
             row = {"ingesting": len(homes), "reports": reports, "acked_s": t_acked - t1,
                    "reports_per_s": reports / (t_acked - t1), "applied_s": t_done - t1,
                    "applied_per_s": reports / (t_done - t1),
