@@ -308,19 +308,21 @@ async def layout_epoch(http: str, op: str) -> int | None:
     return None
 
 
-async def prepared(http: str) -> tuple[float, float]:
+async def prepared(http: str) -> tuple[float, float] | None:
     """A manager's preparations ahead of a takeover so far, and their wall seconds (its /metrics;
-    service/leadership/follow.py): the ingest figures say which windows held one."""
-    with contextlib.suppress(Exception):
+    service/leadership/follow.py): the ingest figures say which windows held one. None when the
+    manager did not answer (the figure is then left out, not taken as none)."""
+    with contextlib.suppress(httpx.HTTPError, ValueError):
         async with httpx.AsyncClient(base_url=f"http://{http}", timeout=5) as h:
             r = await h.get("/metrics")
+            r.raise_for_status()
             vals = {"ntp_world_follow_prepared_total": 0.0, "ntp_world_follow_prepare_seconds_total": 0.0}
             for line in r.text.splitlines():
                 name, _, value = line.partition(" ")
                 if name in vals:
                     vals[name] = float(value)
             return vals["ntp_world_follow_prepared_total"], vals["ntp_world_follow_prepare_seconds_total"]
-    return 0.0, 0.0
+    return None
 
 
 TIMELINE = {"leading": "lease taken", "manager started": "state loaded", "applying the outbox": "replay began",
@@ -500,8 +502,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                                     if mine else None,
                                     # a standby's preparations ahead of a takeover that ended in the
                                     # window (their CPU is in cpu_s: not per report, not subtracted)
-                                    "preparations": int(prep1[k][0] - prep0[k][0]),
-                                    "preparation_s": round(prep1[k][1] - prep0[k][1], 3)}
+                                    "preparations": None if (p0 := prep0[k]) is None or (p1 := prep1[k]) is None
+                                    else int(p1[0] - p0[0]),
+                                    "preparation_s": None if p0 is None or p1 is None else round(p1[1] - p0[1], 3)}
             row = {"ingesting": len(homes), "reports": reports, "acked_s": t_acked - t1,
                    "reports_per_s": reports / (t_acked - t1), "applied_s": t_done - t1,
                    "applied_per_s": reports / (t_done - t1),
