@@ -325,6 +325,14 @@ async def prepared(http: str) -> tuple[float, float] | None:
     return None
 
 
+
+def prepared_between(before: tuple[float, float] | None, after: tuple[float, float] | None) -> dict[str, Any]:
+    """The preparations that ended between two readings of `prepared` (None where one is missing)."""
+    if before is None or after is None:
+        return {"preparations": None, "preparation_s": None}
+    return {"preparations": int(after[0] - before[0]), "preparation_s": round(after[1] - before[1], 3)}
+
+
 TIMELINE = {"leading": "lease taken", "manager started": "state loaded", "applying the outbox": "replay began",
             "outbox caught up": "replay done"}
 
@@ -502,9 +510,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                                     if mine else None,
                                     # a standby's preparations ahead of a takeover that ended in the
                                     # window (their CPU is in cpu_s: not per report, not subtracted)
-                                    "preparations": None if (p0 := prep0[k]) is None or (p1 := prep1[k]) is None
-                                    else int(p1[0] - p0[0]),
-                                    "preparation_s": None if p0 is None or p1 is None else round(p1[1] - p0[1], 3)}
+                                    **prepared_between(prep0[k], prep1[k])}
             row = {"ingesting": len(homes), "reports": reports, "acked_s": t_acked - t1,
                    "reports_per_s": reports / (t_acked - t1), "applied_s": t_done - t1,
                    "applied_per_s": reports / (t_done - t1),

@@ -80,8 +80,8 @@ def encode(domains: list[str], nodes: list[NodeRec], gpus: list[GpuRec], jobs: l
     # It would write a non-finite speed as null where json.dumps writes NaN (which PostgreSQL's json
     # refuses: the transaction fails, loudly), so those are refused here first; what orjson cannot
     # write at all (an integer beyond 64 bits) the standard library writes.
-    if any(g.speed is not None and not math.isfinite(g.speed) for g in gpus):
-        bad = next(g for g in gpus if g.speed is not None and not math.isfinite(g.speed))
+    bad = next((g for g in gpus if g.speed is not None and not math.isfinite(g.speed)), None)
+    if bad is not None:
         raise ValueError(f"GPU {bad.uuid}: speed {bad.speed} is not a finite number")
     try:
         return orjson.dumps(body).decode()
