@@ -32,6 +32,8 @@ async def test_a_maintenance_window_given_in_plus_0530_starts_on_time(service: S
     a = ScriptedAgent(svc.grpc, svc.tokens["agent"], "node-0", "nvl-0", gpu_uuids("node-0", 2))
     await a.connect()
     await a.wait_for(lambda: a.welcome is not None)
+    # on PostgreSQL the welcome says the hello is durable; the leader applies it just after
+    await eventually(lambda: "node-0" in svc.manager.world.nodes, timeout=10)
     now = datetime.now(UTC)
     starts, ends = (now - timedelta(minutes=1)).astimezone(IST), (now + timedelta(hours=1)).astimezone(IST)
     async with svc.client() as c:
