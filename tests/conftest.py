@@ -8,12 +8,23 @@ properties themselves are unchanged; the examples still run.
 Order: the files that take longest run first (`make test` keeps this order for xdist's
 `loadfile` scheduling with `--no-loadscope-reorder`), so that the suite does not end with one
 worker busy on a two-minute file while the other has nothing left to do. Only the order changes:
-every file still runs whole on one worker, and tests are independent."""
+every file still runs whole on one worker, and tests are independent.
+
+Threads: one intra-op thread per process (OMP_NUM_THREADS / MKL_NUM_THREADS, unless the caller set
+them), as `ntp-run` gives each rank (launch.py). The suite runs many rank processes at once on two
+cores; with torch's default (a thread per core) their OpenMP threads spin against each other, and
+the exactly-once run of test_samples.py took 95 CPU seconds instead of 35. Set here, before anything
+imports torch or starts a process, so the forkserver and every subprocess inherit it."""
 
 from __future__ import annotations
 
-import pytest
-from hypothesis import HealthCheck, settings
+import os
+
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile("ntp", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ntp")
