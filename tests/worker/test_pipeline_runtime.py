@@ -258,7 +258,7 @@ def _doomed(wid: str, port: int, q: Any, park: bool, root: str | None, name: str
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=dt.timedelta(seconds=120))
-    ck: dict[str, Any] = {"checkpoint_dir": root, "checkpoint_interval": 1, "checkpoint_complete_timeout_s": 30} \
+    ck: dict[str, Any] = {"checkpoint_dir": root, "checkpoint_interval": 1, "checkpoint_complete_timeout_s": 10} \
         if root else {}
     rt = Runtime(lambda: pj.build(name), None, lambda p: pj.optimizer(name, p),
                  StoreLayoutSource(store, "doomed", wid), store,
