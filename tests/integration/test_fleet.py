@@ -382,7 +382,15 @@ async def test_postgres_restarted_while_an_agent_reports(tmp_path: Path) -> None
             assert agents[1].last_acked == 0  # nothing durable, nothing acknowledged
             await asyncio.to_thread(cluster.start)
 
-            await eventually(lambda: agents[1].last_acked >= 1, timeout=60, what="acknowledged after the restart")
+            try:
+                await eventually(lambda: agents[1].last_acked >= 1, timeout=60, what="acknowledged after the restart")
+            except AssertionError as e:  # seen once under CI load and never alone: say where everything was
+                ag = agents[1]
+                state = (f"agent: target {ag.target}, connected {ag.connected.is_set()}, sent {ag.sent_upto}, "
+                         f"acked {ag.last_acked}, failovers {ag.failovers}")
+                logs = "\n".join(f"--- manager {p.name} (exit {p.proc.poll()}):\n"
+                                 f"{p.log.read_text(errors='replace')[-4000:]}" for p in procs)
+                raise AssertionError(f"{e}\n{state}\n{logs}") from None
             conn = await asyncpg.connect(pg)
             try:
                 holder = await conn.fetchval("SELECT holder FROM leader WHERE id = 1")
