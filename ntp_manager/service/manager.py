@@ -185,11 +185,13 @@ class Manager:
                 warm.cancel()
 
     async def wait_leading(self) -> None:
-        """Until this manager leads (returns at once when it does)."""
+        """Until this manager leads (no poll while the standby task runs: it ends on leading or failing)."""
         while not self.ready:
-            if self._standby is not None and self._standby.done():
-                self._standby.result()  # its error, if any
-            await asyncio.sleep(0.02)
+            if self._standby is not None and not self._standby.done():
+                await asyncio.wait({self._standby}, timeout=1.0)
+            else:  # not standing by yet, or the task's error; else it gave the lease up (the process stops)
+                _ = self._standby.result() if self._standby is not None else None
+                await asyncio.sleep(0.02)
 
     @property
     def leading(self) -> bool:

@@ -114,3 +114,25 @@ async def test_a_ticket_opens_one_stream_once(sqlite_service: Service) -> None:
         assert r2.status_code == 401 and "ticket" in r2.json()["detail"]
         r3 = await c.get("/v1/stream", params={"token": svc.tokens["viewer"]})
         assert r3.status_code == 401  # a token in the URL is not accepted any more
+
+
+async def test_the_polls_own_statement_reads_what_a_session_reads(service: Service) -> None:
+    """On PostgreSQL the token poll reads its marker through the driver on a connection of its own
+    (tokens.py `MARKER_SQL`): the same count, revoked count and newest id as the session's query,
+    before and after a token is made and one revoked (on SQLite both are the session's)."""
+    tokens = service.manager.token_service
+
+    async def both() -> tuple[tuple[object, ...], tuple[object, ...]]:
+        async with tokens.sm() as s:
+            want = await tokens._read_marker(s)
+        return await tokens._poll_marker(), want
+
+    got, want = await both()
+    assert got == want
+    await service.manager.create_token("marker-a", "viewer")
+    await service.manager.create_token("marker-b", "viewer")
+    victim = next(t["id"] for t in await tokens.list() if t["name"] == "marker-a")
+    await tokens.revoke(victim, "test")
+    got2, want2 = await both()
+    assert got2 == want2 and got2 != got and got2[1] == int(got[1]) + 1, (got, got2)
+    assert await tokens.poll_once() is False  # the revoke reloaded already: nothing new since

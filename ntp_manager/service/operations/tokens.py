@@ -15,22 +15,28 @@ client certificate that node presents over mTLS); other scopes name none.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import structlog
 from sqlalchemy import func, select
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
 
 from ntp_manager.auth import SCOPES, Principal, StoredToken, TokenTable, hash_token, new_token
 from ntp_manager.clock import Clock
 from ntp_manager.contract import limits
 from ntp_manager.service.core.errors import InvalidArgument, NotFound
 from ntp_manager.service.core.kernel import Tx
+from ntp_manager.store import db
 from ntp_manager.store.models import TokenRow
 
 log = structlog.get_logger("ntp.tokens")
+
+
+# `Tokens._read_marker` as one statement for the driver (tests/integration compare the two)
+MARKER_SQL = "SELECT count(*), count(revoked_at), max(id) FROM api_tokens"
 
 
 class Tokens:
@@ -43,6 +49,8 @@ class Tokens:
         self._marker: tuple[Any, ...] | None = None
         self._watchers: dict[str, dict[int, Callable[[], None]]] = {}
         self._next = 0
+        self._kept: AsyncConnection | None = None  # PostgreSQL: the poll's own connection (`_poll_marker`)
+        self._driver: Any = None
 
     # ---- changes ----------------------------------------------------------------------------
     async def create(self, name: str, scope: str, actor: str, node: str | None = None,
@@ -127,26 +135,57 @@ class Tokens:
         for tid in gone:
             self._revoked(tid)
 
-    async def _read_marker(self, s: Any) -> tuple[Any, ...]:
+    async def _read_marker(self, s: Any) -> tuple[Any, ...]:  # MARKER_SQL says the same
         row = (await s.execute(select(func.count(), func.count(TokenRow.revoked_at), func.max(TokenRow.id)))).one()
         return tuple(row)
 
+    async def _poll_marker(self) -> tuple[Any, ...]:
+        """`_read_marker`'s answer. On PostgreSQL: the same statement on a connection the poll keeps,
+        through the driver (about a tenth of a session's CPU: 70 against 840 us on the 2-core VM;
+        this poll runs four times a second on every manager, and through a session it was the
+        largest part of an idle manager's CPU). Elsewhere: in a session."""
+        engine = self.sm.kw.get("bind")
+        if not isinstance(engine, AsyncEngine) or engine.dialect.name != "postgresql":
+            async with self.sm() as s:
+                return await self._read_marker(s)
+        try:
+            if self._kept is not None and db.closed(self._kept):  # a restarted server: a new one
+                await self._drop_kept()
+            if self._kept is None:
+                self._kept = await engine.connect()
+                self._driver = (await self._kept.get_raw_connection()).driver_connection
+            row = await self._driver.fetchrow(MARKER_SQL, timeout=max(1.0, 20 * self.poll_s))
+        except BaseException:
+            await self._drop_kept()
+            raise
+        return tuple(row)
+
+    async def _drop_kept(self) -> None:
+        conn, self._kept, self._driver = self._kept, None, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await conn.invalidate()
+            with contextlib.suppress(Exception):
+                await conn.close()
+
     async def poll_once(self) -> bool:
         """Reload when the table changed since the last look; True when it did."""
-        async with self.sm() as s:
-            marker = await self._read_marker(s)
+        marker = await self._poll_marker()
         if marker == self._marker:
             return False
         await self.reload()
         return True
 
     async def poll_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.poll_s)
-            try:
-                await self.poll_once()
-            except Exception:  # a store hiccup; the next poll tries again
-                log.exception("token poll failed")
+        try:
+            while True:
+                await asyncio.sleep(self.poll_s)
+                try:
+                    await self.poll_once()
+                except Exception:  # a store hiccup; the next poll tries again
+                    log.exception("token poll failed")
+        finally:
+            await self._drop_kept()
 
     # ---- streams ----------------------------------------------------------------------------
     def watch(self, token_id: str, on_revoke: Callable[[], None]) -> Callable[[], None]:
