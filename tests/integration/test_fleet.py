@@ -443,6 +443,16 @@ async def test_agent_commands_older_than_the_retention_are_pruned_by_the_leader_
                 await m.shared.prune_commands()
             async with m.sm() as s:
                 assert len(await outbox.commands_after(s, 0)) == 5
+                want = await outbox.commands_after(s, 2, limit=2)
+            # the deliver loop's driver statement (store/db.py KeptReader) reads what the session does
+            from ntp_manager.store.db import KeptReader
+
+            reader = KeptReader(m.engine, 5.0)
+            try:
+                assert await outbox.commands_after_kept(reader, 2, limit=2) == want
+                assert [c for _, _, c in want] == [{"release_power": "g0"}, {"release_power": "g1"}]
+            finally:
+                await reader.close()
             assert await m.leadership.try_acquire()
             assert await m.shared.prune_commands() == 3  # the old ones only
             async with m.sm() as s:

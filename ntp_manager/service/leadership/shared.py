@@ -31,7 +31,7 @@ from ntp_manager.service.leadership.balance import Balancer
 from ntp_manager.service.leadership.fleet import Fleet, FleetHost
 from ntp_manager.service.leadership.follow import Ahead, Follower, WorldLogWriter
 from ntp_manager.service.leadership.leader import NotLeader
-from ntp_manager.store import outbox, worldlog
+from ntp_manager.store import db, outbox, worldlog
 
 log = structlog.get_logger("ntp.fleet")
 
@@ -75,6 +75,9 @@ class SharedStore:
         self._commands_wake = asyncio.Event()
         self._cursor = 0  # the last agent_commands id looked at
         self._listener: asyncpg.Connection | None = None
+        # the deliver loop's own connection (PostgreSQL, which is where several managers run)
+        self._reader = db.KeptReader(m.engine, m.settings.fleet_store_timeout_s) \
+            if db.KeptReader.usable(m.engine) else None
 
     async def start(self) -> None:
         """Every manager, from its start: the fleet takes agent streams and watches."""
@@ -98,6 +101,8 @@ class SharedStore:
     async def stop(self) -> None:
         await cancel_all(self._tasks)
         self._tasks = []
+        if self._reader is not None:
+            await self._reader.close()
         await self.balance.leave()
         if self._listener is not None:
             with contextlib.suppress(Exception):
@@ -141,8 +146,11 @@ class SharedStore:
         while True:
             self._commands_wake.clear()
             try:
-                async with self.m.sm() as s:
-                    rows = await outbox.commands_after(s, self._cursor)
+                if self._reader is not None:  # PostgreSQL: 2 polls a second at idle, on every manager
+                    rows = await outbox.commands_after_kept(self._reader, self._cursor)
+                else:
+                    async with self.m.sm() as s:
+                        rows = await outbox.commands_after(s, self._cursor)
                 for cid, node, payload in rows:
                     self._cursor = cid
                     sess = self.m.agents.sessions.get(node)
@@ -151,8 +159,8 @@ class SharedStore:
                         self.delivered += 1
                 if rows:
                     continue
-            except (OSError, SQLAlchemyError) as e:
-                log.warning("cannot read agent commands", error=str(e).splitlines()[0][:200])
+            except (OSError, SQLAlchemyError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+                log.warning("cannot read agent commands", error=(str(e).splitlines() or [type(e).__name__])[0][:200])
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._commands_wake.wait(), self.m.settings.fleet_poll_s)
 

@@ -15,14 +15,13 @@ client certificate that node presents over mTLS); other scopes name none.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import structlog
 from sqlalchemy import func, select
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from ntp_manager.auth import SCOPES, Principal, StoredToken, TokenTable, hash_token, new_token
 from ntp_manager.clock import Clock
@@ -49,8 +48,7 @@ class Tokens:
         self._marker: tuple[Any, ...] | None = None
         self._watchers: dict[str, dict[int, Callable[[], None]]] = {}
         self._next = 0
-        self._kept: AsyncConnection | None = None  # PostgreSQL: the poll's own connection (`_poll_marker`)
-        self._driver: Any = None
+        self._reader: db.KeptReader | None = None  # PostgreSQL: the poll's own connection (`_poll_marker`)
 
     # ---- changes ----------------------------------------------------------------------------
     async def create(self, name: str, scope: str, actor: str, node: str | None = None,
@@ -140,33 +138,16 @@ class Tokens:
         return tuple(row)
 
     async def _poll_marker(self) -> tuple[Any, ...]:
-        """`_read_marker`'s answer. On PostgreSQL: the same statement on a connection the poll keeps,
-        through the driver (about a tenth of a session's CPU: 70 against 840 us on the 2-core VM;
-        this poll runs four times a second on every manager, and through a session it was the
-        largest part of an idle manager's CPU). Elsewhere: in a session."""
+        """`_read_marker`'s answer: on PostgreSQL through the poll's own connection (store/db.py
+        `KeptReader`: this poll runs four times a second on every manager), else in a session."""
         engine = self.sm.kw.get("bind")
-        if not isinstance(engine, AsyncEngine) or engine.dialect.name != "postgresql":
+        if not db.KeptReader.usable(engine):
             async with self.sm() as s:
                 return await self._read_marker(s)
-        try:
-            if self._kept is not None and db.closed(self._kept):  # a restarted server: a new one
-                await self._drop_kept()
-            if self._kept is None:
-                self._kept = await engine.connect()
-                self._driver = (await self._kept.get_raw_connection()).driver_connection
-            row = await self._driver.fetchrow(MARKER_SQL, timeout=max(1.0, 20 * self.poll_s))
-        except BaseException:
-            await self._drop_kept()
-            raise
+        if self._reader is None:
+            self._reader = db.KeptReader(engine, max(1.0, 20 * self.poll_s))
+        (row,) = await self._reader.fetch(MARKER_SQL)
         return tuple(row)
-
-    async def _drop_kept(self) -> None:
-        conn, self._kept, self._driver = self._kept, None, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                await conn.invalidate()
-            with contextlib.suppress(Exception):
-                await conn.close()
 
     async def poll_once(self) -> bool:
         """Reload when the table changed since the last look; True when it did."""
@@ -185,7 +166,8 @@ class Tokens:
                 except Exception:  # a store hiccup; the next poll tries again
                     log.exception("token poll failed")
         finally:
-            await self._drop_kept()
+            if self._reader is not None:
+                await self._reader.close()
 
     # ---- streams ----------------------------------------------------------------------------
     def watch(self, token_id: str, on_revoke: Callable[[], None]) -> Callable[[], None]:
