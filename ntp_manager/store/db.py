@@ -11,6 +11,7 @@ open async connection so it works both from the CLI and inside the running manag
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -111,29 +112,33 @@ class KeptReader:
     no session, pool checkout or transaction around it (about a tenth of a session's CPU for a
     small query: 70 against 840 us on the 2-core VM). The polls every manager runs several times a
     second at idle (the token marker, the agent commands) were most of an idle manager's CPU through
-    sessions. A connection the server closed is replaced at the next read; one that fails a read is
-    dropped (the next read connects again). `usable(engine)`: PostgreSQL only, else read in a session."""
+    sessions. It holds one of `engine`'s pooled connections while it lives; reads are one at a time
+    (a lock: a caller besides the poll waits for it). A connection the server closed is replaced at
+    the next read; one that fails a read is dropped (the next read connects again).
+    `usable(engine)`: PostgreSQL only, else read in a session."""
 
     def __init__(self, engine: AsyncEngine, timeout_s: float) -> None:
         self.engine, self.timeout_s = engine, timeout_s
         self._conn: AsyncConnection | None = None
         self._driver: Any = None
+        self._lock = asyncio.Lock()
 
     @staticmethod
     def usable(engine: object) -> TypeGuard[AsyncEngine]:
         return isinstance(engine, AsyncEngine) and engine.dialect.name == "postgresql"
 
     async def fetch(self, sql: str, *args: Any) -> list[Any]:
-        try:
-            if self._conn is not None and closed(self._conn):  # a restarted server: a new one
+        async with self._lock:
+            try:
+                if self._conn is not None and closed(self._conn):  # a restarted server: a new one
+                    await self.close()
+                if self._conn is None:
+                    self._conn = await self.engine.connect()
+                    self._driver = (await self._conn.get_raw_connection()).driver_connection
+                return list(await self._driver.fetch(sql, *args, timeout=self.timeout_s))
+            except BaseException:
                 await self.close()
-            if self._conn is None:
-                self._conn = await self.engine.connect()
-                self._driver = (await self._conn.get_raw_connection()).driver_connection
-            return list(await self._driver.fetch(sql, *args, timeout=self.timeout_s))
-        except BaseException:
-            await self.close()
-            raise
+                raise
 
     async def close(self) -> None:
         conn, self._conn, self._driver = self._conn, None, None
