@@ -107,15 +107,16 @@ def closed(conn: AsyncConnection) -> bool:
     return driver is not None and bool(driver.is_closed())
 
 
-class KeptReader:
-    """A periodic reader's own PostgreSQL connection, read through the driver: one statement and
-    no session, pool checkout or transaction around it (about a tenth of a session's CPU for a
-    small query: 70 against 840 us on the 2-core VM). The polls every manager runs several times a
-    second at idle (the token marker, the agent commands) were most of an idle manager's CPU through
-    sessions. It holds one of `engine`'s pooled connections while it lives; reads are one at a time
-    (a lock: a caller besides the poll waits for it). A connection the server closed is replaced at
-    the next read; one that fails a read is dropped (the next read connects again).
-    `usable(engine)`: PostgreSQL only, else read in a session."""
+class KeptConnection:
+    """A PostgreSQL connection kept for one job and used through the driver: one statement, no
+    session, pool checkout or transaction around it. The outbox's group commits write through one
+    (service/ingest/outbox.py); the polls every manager runs several times a second at idle (the
+    token marker, the agent commands) read through one each (`fetch`): about a tenth of a session's
+    CPU for a small query (70 against 840 us on the 2-core VM), and through sessions those polls were
+    most of an idle manager's CPU. It holds one of `engine`'s pooled connections while it lives. A
+    connection the server closed is replaced when next asked for; one whose statement failed is
+    dropped by `close` (its state is unknown) and the next use connects again.
+    `usable(engine)`: PostgreSQL only; elsewhere use a session."""
 
     def __init__(self, engine: AsyncEngine, timeout_s: float) -> None:
         self.engine, self.timeout_s = engine, timeout_s
@@ -127,15 +128,20 @@ class KeptReader:
     def usable(engine: object) -> TypeGuard[AsyncEngine]:
         return isinstance(engine, AsyncEngine) and engine.dialect.name == "postgresql"
 
+    async def driver(self) -> Any:
+        """The driver's (asyncpg's) connection, connected now if there is none or the server closed it."""
+        if self._conn is not None and closed(self._conn):  # a restarted server: a new one
+            await self.close()
+        if self._conn is None:
+            self._conn = await self.engine.connect()
+            self._driver = (await self._conn.get_raw_connection()).driver_connection
+        return self._driver
+
     async def fetch(self, sql: str, *args: Any) -> list[Any]:
+        """The rows of one statement, one read at a time (a caller besides the poll waits its turn)."""
         async with self._lock:
             try:
-                if self._conn is not None and closed(self._conn):  # a restarted server: a new one
-                    await self.close()
-                if self._conn is None:
-                    self._conn = await self.engine.connect()
-                    self._driver = (await self._conn.get_raw_connection()).driver_connection
-                return list(await self._driver.fetch(sql, *args, timeout=self.timeout_s))
+                return list(await (await self.driver()).fetch(sql, *args, timeout=self.timeout_s))
             except BaseException:
                 await self.close()
                 raise

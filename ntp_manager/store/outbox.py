@@ -33,7 +33,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from ntp_manager.jsontext import parse
-from ntp_manager.store.db import KeptReader, json_text
+from ntp_manager.store.db import KeptConnection, json_text
 from ntp_manager.store.models import (
     AgentCommandRow,
     GpuRow,
@@ -280,11 +280,11 @@ async def commands_after(conn: AsyncConnection | AsyncSession, after: int, limit
     return [(int(r[0]), str(r[1]), dict(r[2])) for r in rows]
 
 
-# `commands_after` as one statement for the driver (store/db.py `KeptReader`; tests compare the two)
+# `commands_after` as one statement for the driver (store/db.py `KeptConnection`; tests compare the two)
 COMMANDS_AFTER_SQL = "SELECT id, node, CAST(payload AS text) FROM agent_commands WHERE id > $1 ORDER BY id LIMIT $2"
 
 
-async def commands_after_kept(reader: KeptReader, after: int, limit: int = 10_000
+async def commands_after_kept(reader: KeptConnection, after: int, limit: int = 10_000
                               ) -> list[tuple[int, str, dict[str, Any]]]:
     """`commands_after` through a manager's kept connection (PostgreSQL)."""
     rows = await reader.fetch(COMMANDS_AFTER_SQL, after, limit)

@@ -444,10 +444,10 @@ async def test_agent_commands_older_than_the_retention_are_pruned_by_the_leader_
             async with m.sm() as s:
                 assert len(await outbox.commands_after(s, 0)) == 5
                 want = await outbox.commands_after(s, 2, limit=2)
-            # the deliver loop's driver statement (store/db.py KeptReader) reads what the session does
-            from ntp_manager.store.db import KeptReader
+            # the deliver loop's driver statement (store/db.py KeptConnection) reads what the session does
+            from ntp_manager.store.db import KeptConnection
 
-            reader = KeptReader(m.engine, 5.0)
+            reader = KeptConnection(m.engine, 5.0)
             try:
                 assert await outbox.commands_after_kept(reader, 2, limit=2) == want
                 assert [c for _, _, c in want] == [{"release_power": "g0"}, {"release_power": "g1"}]

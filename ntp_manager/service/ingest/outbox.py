@@ -30,7 +30,7 @@ import asyncpg
 import structlog
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from ntp_manager.auth import Principal
 from ntp_manager.clock import Clock
@@ -70,9 +70,9 @@ class Ingest:
         self.on_append: Callable[[], None] = lambda: None  # NOTIFY ntp_outbox wakes the consumer instead
         # the consumer reads in autocommit (one statement, no BEGIN and ROLLBACK around it)
         self._reader = engine.execution_options(isolation_level="AUTOCOMMIT") if engine is not None else None
-        self._appends = self._reader  # group commits: one autocommit statement each, on a kept connection
-        self._appender: AsyncConnection | None = None
-        self._driver: Any = None  # its asyncpg connection (store/outbox.py append_on_driver)
+        # group commits: one autocommit statement each, on a kept connection (store/outbox.py append_on_driver)
+        self._appender = db.KeptConnection(self._reader, timeout_s) if db.KeptConnection.usable(self._reader) \
+            else None
         self.stored = 0  # rows this manager stored
         self.duplicates = 0  # rows whose idempotency key was stored already
         self.batches = 0
@@ -190,23 +190,15 @@ class Ingest:
     async def _append(self, entries: list[outbox.Entry], wait_ms: int) -> list[int]:
         """One group commit. With an engine, one statement on a connection this committer keeps, in
         autocommit (store/outbox.py: durable when it returns); else in a session's transaction."""
-        if self._appends is None:
+        if self._appender is None:
             async with self.sm() as s, s.begin():
                 return await outbox.append(s, entries, self.me, self.clock.now(), lock_wait_ms=wait_ms)
-        if self._appender is not None and db.closed(self._appender):  # a restarted server: a new one
-            await self._drop_appender()
-        if self._appender is None:
-            self._appender = await self._appends.connect()
-            self._driver = (await self._appender.get_raw_connection()).driver_connection
-        return await outbox.append_on_driver(self._driver, entries, self.me, self.clock.now(), lock_wait_ms=wait_ms)
+        return await outbox.append_on_driver(await self._appender.driver(), entries, self.me, self.clock.now(),
+                                             lock_wait_ms=wait_ms)
 
     async def _drop_appender(self) -> None:
-        conn, self._appender, self._driver = self._appender, None, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                await conn.invalidate()
-            with contextlib.suppress(Exception):
-                await conn.close()
+        if self._appender is not None:
+            await self._appender.close()
 
     async def _end_stuck_appenders(self, older_than_ms: int) -> None:
         try:

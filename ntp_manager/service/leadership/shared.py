@@ -76,8 +76,8 @@ class SharedStore:
         self._cursor = 0  # the last agent_commands id looked at
         self._listener: asyncpg.Connection | None = None
         # the deliver loop's own connection (PostgreSQL, which is where several managers run)
-        self._reader = db.KeptReader(m.engine, m.settings.fleet_store_timeout_s) \
-            if db.KeptReader.usable(m.engine) else None
+        self._reader = db.KeptConnection(m.engine, m.settings.fleet_store_timeout_s) \
+            if db.KeptConnection.usable(m.engine) else None
 
     async def start(self) -> None:
         """Every manager, from its start: the fleet takes agent streams and watches."""

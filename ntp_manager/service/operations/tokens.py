@@ -48,7 +48,7 @@ class Tokens:
         self._marker: tuple[Any, ...] | None = None
         self._watchers: dict[str, dict[int, Callable[[], None]]] = {}
         self._next = 0
-        self._reader: db.KeptReader | None = None  # PostgreSQL: the poll's own connection (`_poll_marker`)
+        self._reader: db.KeptConnection | None = None  # PostgreSQL: the poll's own connection (`_poll_marker`)
 
     # ---- changes ----------------------------------------------------------------------------
     async def create(self, name: str, scope: str, actor: str, node: str | None = None,
@@ -139,13 +139,13 @@ class Tokens:
 
     async def _poll_marker(self) -> tuple[Any, ...]:
         """`_read_marker`'s answer: on PostgreSQL through the poll's own connection (store/db.py
-        `KeptReader`: this poll runs four times a second on every manager), else in a session."""
+        `KeptConnection`: this poll runs four times a second on every manager), else in a session."""
         engine = self.sm.kw.get("bind")
-        if not db.KeptReader.usable(engine):
+        if not db.KeptConnection.usable(engine):
             async with self.sm() as s:
                 return await self._read_marker(s)
         if self._reader is None:
-            self._reader = db.KeptReader(engine, max(1.0, 20 * self.poll_s))
+            self._reader = db.KeptConnection(engine, max(1.0, 20 * self.poll_s))
         (row,) = await self._reader.fetch(MARKER_SQL)
         return tuple(row)
 
