@@ -56,6 +56,9 @@ async def test_cli_and_rest_changes_are_live_and_revoking_ends_the_open_streams(
     a = ScriptedAgent(svc.grpc, agent_token, "node-0", "nvl-0", gpu_uuids("node-0", 2))
     await a.connect()
     await a.wait_for(lambda: a.welcome is not None)
+    # on PostgreSQL the welcome means the hello is durable, not yet applied by the leader: a job
+    # submitted before it is refused (409, no GPUs in nvl-0; seen once in a clean-clone run)
+    await eventually(lambda: "node-0" in svc.manager.world.nodes, timeout=10)
     async with svc.client() as c:
         assert (await c.post("/v1/jobs", json=JOB)).status_code == 201
     await eventually(lambda: svc.manager.world.jobs["llm"].layout is not None)
