@@ -10,6 +10,7 @@ that is the door's business.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 from collections.abc import AsyncIterator
@@ -25,7 +26,7 @@ from ntp_manager.contract.gpu import GpuState
 from ntp_manager.contract.proto.ntp.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from ntp_manager.rpc.guard import abort, code_of, peer_fingerprint, principal_of
 from ntp_manager.rpc.tally import Tally
-from ntp_manager.service.core.errors import ServiceError
+from ntp_manager.service.core.errors import ServiceError, Unavailable
 from ntp_manager.service.core.inputs import GpuInventory, GpuReport
 from ntp_manager.service.ingest.agents import Ack, AgentCommand, AgentSession, Drain, EndStream, ReleasePower, SetPower
 from ntp_manager.service.ingest.doors import AgentDoor
@@ -47,6 +48,7 @@ STATE_NAMES: dict[int, str] = {
 PIPELINE = 64  # reports of one agent stream in flight at once
 REVOKED = "the token of this stream was revoked"
 INTERNAL = "internal error; the manager's log has the details"
+STOPPING = Unavailable("a report was not stored (this manager is stopping); try another manager")
 
 
 class _Abort(Exception):
@@ -78,66 +80,75 @@ def _failed(node: str, e: BaseException) -> EndStream:
 
 
 class _Stream:
-    """What an agent sends after its hello, read by one task, and the acks, sent by another.
+    """What an agent sends after its hello, read by one task; the acks go out as the reports become durable.
 
     Reports are applied in order but not one round trip at a time: up to PIPELINE of a stream's
     reports wait in the group commit together. Acks are cumulative (ack n: every report up to n is
-    durable), so the reports that commit together get one ack. Whatever ends the reading (the
-    stream's end, bad input, a failure) settles the reports already read first, then puts the
-    end (None or an EndStream) in the session's outbox."""
+    durable), so the reports that commit together get one ack. No task waits for the acks: each
+    report's future, when done, sends the acks of the done reports at the head of the stream's
+    queue (a future done out of order, a replay answered at once, waits for the ones before it).
+    Whatever ends the reading (the stream's end, bad input, a failure) settles the reports already
+    read first, then puts the end (None or an EndStream) in the session's outbox."""
 
     def __init__(self, door: AgentDoor, session: AgentSession, messages: AsyncIterator[Any]) -> None:
         self.door, self.session, self.messages = door, session, messages
         self.node = session.node
-        self.pending: asyncio.Queue[asyncio.Future[int] | None] = asyncio.Queue(PIPELINE)
-        self.acker = asyncio.create_task(self._acks())
+        self.inflight: collections.deque[asyncio.Future[int]] = collections.deque()
+        self.failed = False  # a report could not be stored: its end is in the outbox, nothing more is acked
+        self._room: asyncio.Future[None] | None = None  # the reader waits here while PIPELINE are in flight
         self.reader = asyncio.create_task(self._read())
 
     async def close(self) -> None:
         self.reader.cancel()
-        self.acker.cancel()
-        for t in (self.reader, self.acker):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self.reader
 
-    async def _acks(self) -> None:
-        out = self.session.outbox
-        held: list[asyncio.Future[int] | None] = []  # taken from the queue, not done yet
-        while True:
-            fut = held.pop() if held else await self.pending.get()
-            if fut is None:
-                return
-            try:
-                seq = await fut
-            except Exception as e:
-                out.put_nowait(_failed(self.node, e))
-                return
-            while not self.pending.empty():  # the next reports that are already durable
-                nxt = self.pending.get_nowait()
-                if nxt is None or not nxt.done():
-                    held.append(nxt)
-                    break
-                err = nxt.exception()
-                if err is not None:
+    def _done(self, done: asyncio.Future[int] | None = None) -> None:
+        """Ack what is durable at the head of the queue (one ack for all of it), or end the stream
+        at the first report that failed (after acking the ones before it)."""
+        if done is not None and not done.cancelled():
+            done.exception()  # seen, here or below (after a failure the rest are dropped unread)
+        q, out, seq = self.inflight, self.session.outbox, 0
+        while q and q[0].done() and not self.failed:
+            fut = q.popleft()
+            err = STOPPING if fut.cancelled() else fut.exception()
+            if err is not None:
+                if seq:
                     out.put_nowait(Ack(seq))
-                    out.put_nowait(_failed(self.node, err))
-                    return
-                seq = nxt.result()
+                    seq = 0
+                out.put_nowait(_failed(self.node, err))
+                self.failed = True
+            else:
+                seq = fut.result()
+        if seq:
             out.put_nowait(Ack(seq))
+        if self.failed:
+            q.clear()
+        room = self._room
+        if room is not None and not room.done() and (len(q) < PIPELINE or self.failed):
+            room.set_result(None)
 
     async def _settle(self) -> None:
-        if not self.acker.done():
-            await self.pending.put(None)
-            await asyncio.wait([self.acker])
+        """Wait until every report read is durable or failed (its ack or end then in the outbox)."""
+        if self.inflight:
+            await asyncio.wait(list(self.inflight))
+        self._done()  # the futures' own callbacks ran first; this only makes sure
 
     async def _one(self, msg: Any) -> bool:
-        """Handle one message; False when the stream must end (its acks failed)."""
+        """Handle one message; False when the stream must end (a report failed)."""
         kind = msg.WhichOneof("body")
         if kind == "heartbeat":
             self.door.heartbeat(self.node, msg.heartbeat.gpus)
         elif kind == "report":
-            await self.pending.put(self.door.report(self.session, msg.report.seq, _reports(msg.report)))
-            return not self.acker.done()
+            while len(self.inflight) >= PIPELINE and not self.failed:
+                self._room = asyncio.get_running_loop().create_future()
+                await self._room
+            if self.failed:
+                return False
+            fut = self.door.report(self.session, msg.report.seq, _reports(msg.report))
+            self.inflight.append(fut)
+            fut.add_done_callback(self._done)
+            return not self.failed
         elif kind == "result":
             res = msg.result
             await self.door.power(self.node, [(u, p.enforced_mw) for u, p in zip(res.gpu_uuids, res.power,
