@@ -24,7 +24,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import structlog
 import uvicorn
@@ -45,6 +45,20 @@ class _Server(uvicorn.Server):
 
 
 LOST_LEASE_EXIT = 75  # EX_TEMPFAIL: the supervisor restarts the process, which stands by
+
+
+def loop_factory(settings: Settings) -> Callable[[], asyncio.AbstractEventLoop]:
+    """The event loop `serve` runs the service on (`event_loop`). uvloop runs the same asyncio code
+    with its loop, handles and transports in C: the per-message work around gRPC and asyncpg that a
+    manager does for every agent report costs less (bench/RESULTS.md)."""
+    if settings.event_loop == "asyncio":
+        return asyncio.new_event_loop
+    try:
+        import uvloop
+    except ImportError:
+        raise RuntimeError("event_loop is uvloop, which is not installed here (pip install uvloop, or set "
+                           "NTP_EVENT_LOOP=asyncio)") from None
+    return uvloop.new_event_loop
 
 
 async def run_service(settings: Settings, stop: asyncio.Event | None = None) -> int:
@@ -104,7 +118,7 @@ async def run_service(settings: Settings, stop: asyncio.Event | None = None) -> 
         info["grpc_tls"] = f"{settings.grpc_tls_host or settings.grpc_host}:{rpc.tls_port}"
     await rpc.refresh_health()
     print(f"{READY} {json.dumps(info)}", flush=True)
-    log.info("serving", **info)
+    log.info("serving", event_loop=type(loop).__module__, **info)
     led = asyncio.create_task(_announce_leading(manager, log))
     stopped = asyncio.create_task(stop.wait())
     lost = asyncio.create_task(manager.lost.wait())

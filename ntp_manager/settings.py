@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field, field_validator, model_validator
@@ -26,6 +26,9 @@ class Settings(BaseSettings):
     http_port: int = Field(8080, ge=0, le=65535, description="REST port (0: any free port)")
     grpc_host: str = Field("127.0.0.1", description="gRPC bind address (agents and workers)")
     grpc_port: int = Field(50051, ge=0, le=65535, description="plaintext gRPC port (0: any free port)")
+    event_loop: Literal["uvloop", "asyncio"] = Field(
+        "uvloop", description="the event loop `ntp-manager serve` runs on: `uvloop` (libuv; a tenth less CPU per agent "
+        "report and per hello than the standard loop, bench/RESULTS.md) or `asyncio` (the standard library's)")
     heartbeat_interval_s: float = Field(2.0, gt=0, description="the liveness period: every open agent stream's "
                                         "connection is pinged this often (a stopped or unreachable agent's stream "
                                         "ends), its node counted as heard from, and the liveness check paced; agents "

@@ -227,7 +227,7 @@ def serve(
     """Run the manager: REST API, gRPC for agents and workers, and the control loop."""
     import asyncio
 
-    from ntp_manager.server import run_service
+    from ntp_manager.server import loop_factory, run_service
 
     settings = _settings(data_dir=data_dir, database_url=database_url, http_host=http_host, http_port=http_port,
                          grpc_host=grpc_host, grpc_port=grpc_port, grpc_tls_port=grpc_tls_port,
@@ -237,7 +237,12 @@ def serve(
     from ntp_manager.service.leadership.leader import AnotherManager
 
     try:
-        code = asyncio.run(run_service(settings))
+        factory = loop_factory(settings)
+    except RuntimeError as e:
+        fail(str(e))
+    try:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            code = runner.run(run_service(settings))
     except OSError as e:
         fail(f"cannot start: {e}")
     except AnotherManager as e:
