@@ -123,3 +123,28 @@ def test_parse_is_the_standard_librarys_loads() -> None:
         assert repr(got) == repr(want), text  # NaN != NaN: compare the spelling
     with pytest.raises(ValueError):
         parse("{not json")
+
+
+def test_a_row_overwrites_every_stored_field_of_a_gpu_and_a_node() -> None:
+    """The follower copies the fields one by one (changes.py `_overwrite_gpu`, `_overwrite_node`):
+    a record whose every field differs from the row's ends equal to the row's, none missed."""
+    later = datetime(2026, 2, 3, 4, 5, 6, tzinfo=UTC)
+    old_g = gpu("G0", "n0", "d0", 0)
+    new_g = GpuRec("G0", "n1", "d1", 3, 710_000, 110_000, 810_000, GpuState.DEGRADED, "slow", HealthSource.DETECTOR,
+                   later, GpuState.CORDONED, "op", "cable", 720_000, 700_000, "H200", 141 << 30, 9, 0.75)
+    assert all(getattr(old_g, f) != getattr(new_g, f) for f in GPU_FIELDS[1:])
+    old_n = node("n0", "d0", last_seq=1, boot_id="a", agent_version="1")
+    new_n = node("n0", "d9", last_seq=2, boot_id="b", drain_deadline=later, drain_reason="r", agent_version="2")
+    assert all(getattr(old_n, f) != getattr(new_n, f) for f in NODE_FIELDS[1:])
+    w = World()
+    w.nodes["n0"], w.nodes["n1"] = old_n, node("n1", "d1")
+    w.nodes["n0"].gpus = ["G0"]
+    w.gpus["G0"], w.by_pos[0] = old_g, "G0"
+    body = encode([], [new_n], [new_g], [])
+    assert body is not None
+    done = Applied()
+    apply_body(w, json.loads(body), 1.0, done)
+    assert w.gpus["G0"] is old_g and w.nodes["n0"] is old_n  # overwritten in place
+    assert tuple(getattr(old_g, f) for f in GPU_FIELDS) == tuple(getattr(new_g, f) for f in GPU_FIELDS)
+    assert tuple(getattr(old_n, f) for f in NODE_FIELDS) == tuple(getattr(new_n, f) for f in NODE_FIELDS)
+    assert done.shape and done.states == {"G0"} and w.nodes["n1"].gpus == ["G0"] and w.nodes["n0"].gpus == []

@@ -37,6 +37,7 @@ _SOURCES = {s.value: s for s in HealthSource}
 
 
 _GPU_VALUES = attrgetter(*GPU_FIELDS)
+_SHAPE_OF = attrgetter(*SHAPE)
 _NODE_VALUES = attrgetter(*NODE_FIELDS)
 # the fields that are not JSON values as they are: their positions in the rows
 _HEALTH, _SOURCE, _SINCE, _ADMIN = (GPU_FIELDS.index(f) for f in ("health", "health_source", "health_since", "admin"))
@@ -117,9 +118,29 @@ def _gpu(values: list[Any]) -> GpuRec:
 
 
 def _node(values: list[Any], now_mono: float) -> NodeRec:
-    d = dict(zip(NODE_FIELDS, values, strict=True))
-    d["drain_deadline"] = None if d["drain_deadline"] is None else datetime.fromisoformat(d["drain_deadline"])
-    return NodeRec(gpus=[], last_seen=now_mono, **d)
+    if len(values) != len(NODE_FIELDS):
+        raise ValueError(f"a node record has {len(values)} fields, not {len(NODE_FIELDS)}")
+    name, domain, last_seq, boot_id, deadline, reason, version = values  # NODE_FIELDS' order
+    return NodeRec(name, domain, [], last_seq, boot_id, now_mono, False,
+                   None if deadline is None else datetime.fromisoformat(deadline), reason, version)
+
+
+def _overwrite_gpu(rec: GpuRec, g: GpuRec) -> None:
+    """Every field of `g` but its uuid into `rec` (GPU_FIELDS[1:]; spelled out: a follower does
+    this for every GPU of every row, tests/unit/test_changes.py checks that none is missed)."""
+    rec.node, rec.domain, rec.idx, rec.tdp_mw, rec.min_mw, rec.max_mw = g.node, g.domain, g.idx, g.tdp_mw, g.min_mw, \
+        g.max_mw
+    rec.health, rec.health_reason, rec.health_source, rec.health_since = g.health, g.health_reason, \
+        g.health_source, g.health_since
+    rec.admin, rec.admin_owner, rec.admin_reason = g.admin, g.admin_owner, g.admin_reason
+    rec.desired_mw, rec.enforced_mw, rec.model, rec.memory_bytes = g.desired_mw, g.enforced_mw, g.model, g.memory_bytes
+    rec.pos, rec.speed = g.pos, g.speed
+
+
+def _overwrite_node(held: NodeRec, n: NodeRec) -> None:
+    """Every stored field of `n` but its name into `held` (NODE_FIELDS[1:])."""
+    held.domain, held.last_seq, held.boot_id, held.agent_version = n.domain, n.last_seq, n.boot_id, n.agent_version
+    held.drain_deadline, held.drain_reason = n.drain_deadline, n.drain_reason
 
 
 Checked = tuple[list[str], list[NodeRec], list[GpuRec], list[str]]  # domains, nodes, GPUs, jobs
@@ -132,8 +153,8 @@ def check(body: dict[str, Any]) -> Checked:
         raise BadRow(f"world-log body version {body.get('v')!r}; this manager reads {VERSION}")
     try:
         domains = [str(d) for d in body.get("domains", ())]
-        nodes = [_node(list(n), 0.0) for n in body.get("nodes", ())]
-        gpus = [_gpu(list(g)) for g in body.get("gpus", ())]
+        nodes = [_node(n, 0.0) for n in body.get("nodes", ())]
+        gpus = [_gpu(g) for g in body.get("gpus", ())]
         jobs = [str(j) for j in body.get("jobs", ())]
     except (KeyError, TypeError, ValueError) as e:
         raise BadRow(f"world-log body cannot be read: {type(e).__name__}: {str(e)[:200]}") from None
@@ -162,8 +183,7 @@ def apply_checked(w: World, checked: Checked, now_mono: float, out: Applied) -> 
             w.nodes[n.name] = n
             w.domains.setdefault(n.domain, None)
         else:
-            for f in NODE_FIELDS[1:]:
-                setattr(held, f, getattr(n, f))
+            _overwrite_node(held, n)
     for g in gpus:
         rec = w.gpus.get(g.uuid)
         if rec is None:
@@ -173,13 +193,12 @@ def apply_checked(w: World, checked: Checked, now_mono: float, out: Applied) -> 
             w.nodes[g.node].gpus.append(g.uuid)
             out.shape = True
             continue
-        if any(getattr(rec, f) != getattr(g, f) for f in SHAPE):
+        if _SHAPE_OF(rec) != _SHAPE_OF(g):
             out.shape = True
             if rec.node != g.node:
                 w.nodes[rec.node].gpus.remove(g.uuid)
                 w.nodes[g.node].gpus.append(g.uuid)
         if rec.state != g.state or rec.planned_speed != g.planned_speed:
             out.states.add(g.uuid)
-        for f in GPU_FIELDS[1:]:
-            setattr(rec, f, getattr(g, f))
+        _overwrite_gpu(rec, g)
     out.jobs.update(jobs)
