@@ -557,5 +557,6 @@ async def test_a_hellos_one_statement_view_reads_what_the_four_reads_did(tmp_pat
                     "nvl-0", {"g-node-0-0": "node-0", "g-node-1-1": "node-1"}, 7, 0)  # stored seq 7 > applied 4
                 assert await view("node-1", []) == ("nvl-0", {}, 9, 0)  # epoch 0: nobody has led yet
                 assert await view("node-9", ["g-new-0"]) == (None, {}, 0, 0)
+                await view.close()
         finally:
             await engine.dispose()

@@ -12,9 +12,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from sqlalchemy import select, text
+from sqlalchemy import select
 
 from ntp_manager.service.ingest.hello_view import HelloViews
+from ntp_manager.service.ingest.outbox import StoreHelloView
 from ntp_manager.service.manager import Manager
 from ntp_manager.settings import Settings
 from ntp_manager.store import outbox
@@ -67,6 +68,7 @@ async def test_many_hellos_read_together_get_what_each_read_alone_gets(tmp_path:
                 uuids = rng.sample([f"GPU-n{rng.randrange(50)}-{k}" for k in range(6)], rng.randrange(0, 6))
                 asks.append((node, uuids))
             got = await asyncio.gather(*(views.view(n, us) for n, us in asks))
+            await views.close()
             assert views.hellos == len(asks) and views.reads < len(asks) / 10  # together, not one by one
 
             async with m.sm() as s:
@@ -88,6 +90,7 @@ async def test_a_database_that_cannot_be_read_fails_every_waiting_hello(tmp_path
     try:
         got = await asyncio.gather(*(views.view(f"n{i}", [f"GPU-{i}"]) for i in range(20)), return_exceptions=True)
     finally:
+        await views.close()
         await engine.dispose()
     assert all(isinstance(e, OSError) and "cannot read the hello checks" in str(e) for e in got)
     assert len({id(e) for e in got}) == len(got)  # each its own
@@ -104,6 +107,7 @@ async def test_a_hello_whose_caller_gave_up_is_not_waited_for(tmp_path: Path) ->
             await asyncio.sleep(0)
             gone.cancel()
             v = await asyncio.wait_for(views.view("n1", ["GPU-x"]), 10)
+            await views.close()
             assert v.domain is None and v.owners == {} and v.last_seq == 0 and v.epoch == m.epoch
         finally:
             await m.stop()
@@ -123,13 +127,13 @@ async def test_the_check_is_planned_for_each_reads_own_gpus(tmp_path: Path) -> N
             check = m.fleet.agents.view  # what the manager's agent hellos are checked with
             for i in range(8):  # one at a time: one connection, the same prepared statement
                 assert await check(f"n{i}", [f"GPU-n{i}-{k}" for k in range(8)]) == (None, {}, 0, m.epoch)
-            reader = m._hello_engine
-            assert reader is not None and reader is not m.engine
-            async with reader.connect() as c:
-                plans = (await c.execute(text(
-                    "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
-                    "WHERE statement LIKE '%json_object_agg%' AND statement NOT LIKE '%pg_prepared%'"))).one()
-                mode = (await c.execute(text("SHOW plan_cache_mode"))).scalar_one()
-            assert tuple(plans) == (0, 8) and mode == "force_custom_plan"
+            assert m._hello_engine is not None and m._hello_engine is not m.engine
+            assert isinstance(check, StoreHelloView) and check.views is not None
+            # the reads one at a time all ran on the same kept connection: ask it (its session's statements)
+            (kept,) = [c for c in check.views.connections if c._driver is not None]
+            plans = await kept.fetch("SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE "
+                                     "statement LIKE '%json_object_agg%' AND statement NOT LIKE '%pg_prepared%'")
+            mode = (await kept.fetch("SHOW plan_cache_mode"))[0][0]
+            assert [tuple(p) for p in plans] == [(0, 8)] and mode == "force_custom_plan"
         finally:
             await m.stop()

@@ -28,8 +28,6 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import String, bindparam, text
-from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ntp_manager.store import db
@@ -37,13 +35,14 @@ from ntp_manager.store import db
 MAX_HELLOS = 256  # hellos in one read (their GPUs are bounded by the hello's own checks)
 MAX_READS = 4  # reads at once: a slow one does not hold every hello behind it (a connection each)
 
-VIEWS = text(
+# $1: the nodes, $2: every GPU of their hellos (run through the driver: no SQLAlchemy around it)
+VIEWS = (
     "SELECT (SELECT json_agg(json_build_array(q.n, nd.domain_id, nd.last_seq, "
     "(SELECT max(o.report_seq) FROM outbox o WHERE o.node = q.n)))::text "
-    "FROM unnest(CAST(:ns AS varchar[])) AS q(n) LEFT JOIN nodes nd ON nd.name = q.n), "
-    "(SELECT json_object_agg(uuid, node)::text FROM gpus WHERE uuid = ANY(:us)), "
+    "FROM unnest($1::varchar[]) AS q(n) LEFT JOIN nodes nd ON nd.name = q.n), "
+    "(SELECT json_object_agg(uuid, node)::text FROM gpus WHERE uuid = ANY($2::varchar[])), "
     "(SELECT epoch FROM leader WHERE id = 1)"
-).bindparams(bindparam("ns", type_=ARRAY(String())), bindparam("us", type_=ARRAY(String())))
+)
 
 
 def reader_engine(url: str, application_name: str) -> AsyncEngine:
@@ -62,11 +61,14 @@ class HelloView:
 
 class HelloViews:
     """Up to MAX_READS reads at a time; the hellos that arrive meanwhile wait for the next one, all
-    together."""
+    together. Each read is one statement through the driver on a connection kept for it
+    (store/db.py `KeptConnection`: a session or a pool checkout around a small read cost more CPU
+    than the read itself); `close` gives them back."""
 
-    def __init__(self, reader: AsyncEngine, max_reads: int = MAX_READS) -> None:
-        self.reader = reader  # an AUTOCOMMIT engine: one statement, no BEGIN and ROLLBACK around it
+    def __init__(self, reader: AsyncEngine, max_reads: int = MAX_READS, timeout_s: float = 10.0) -> None:
         self.max_reads = max_reads
+        self.connections = [db.KeptConnection(reader, timeout_s) for _ in range(max_reads)]
+        self._free = list(self.connections)  # a read takes one (no more reads run than there are)
         self.reads = 0  # statements run
         self.hellos = 0  # hellos answered by them
         self._waiting: list[tuple[str, list[str], asyncio.Future[HelloView]]] = []
@@ -105,10 +107,17 @@ class HelloViews:
                 if not fut.done():
                     fut.set_result(v)
 
+    async def close(self) -> None:
+        for c in self.connections:
+            await c.close()
+
     async def _read(self, nodes: list[str], uuids: Sequence[list[str]]) -> list[HelloView]:
         every = sorted({u for us in uuids for u in us})
-        async with self.reader.connect() as c:
-            row = (await c.execute(VIEWS, {"ns": nodes, "us": every})).one()
+        kept = self._free.pop()
+        try:
+            row = (await kept.fetch(VIEWS, nodes, every))[0]
+        finally:
+            self._free.append(kept)
         self.reads += 1
         self.hellos += len(nodes)
         per_node = {str(n): (d, max(int(applied or 0), int(stored or 0)))

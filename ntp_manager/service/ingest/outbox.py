@@ -21,10 +21,10 @@ import asyncio
 import contextlib
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import asyncpg
 import structlog
@@ -222,6 +222,14 @@ def _lock_timeout(e: BaseException) -> bool:
 HelloFacts = tuple[str | None, dict[str, str], int, int | None]  # domain, GPUs' nodes, last seq, epoch
 
 
+class HelloCheck(Protocol):
+    """What a hello is checked against (`StoreHelloView` or `WorldHelloView`)."""
+
+    async def __call__(self, node: str, uuids: list[str]) -> HelloFacts: ...
+
+    async def close(self) -> None: ...
+
+
 class StoreHelloView:
     """What a hello is checked against, read from the database (several managers share it): the
     node's domain, the node each of these GPUs is registered on, the node's last durable report seq
@@ -245,6 +253,10 @@ class StoreHelloView:
         v = await self.views.view(node, uuids)
         return v.domain, v.owners, v.last_seq, v.epoch
 
+    async def close(self) -> None:
+        if self.views is not None:
+            await self.views.close()
+
 
 class WorldHelloView:
     """The same facts from the leader's world (one manager alone: it leads, and its world is what
@@ -260,6 +272,9 @@ class WorldHelloView:
         owners = {u: w.gpus[u].node for u in uuids if u in w.gpus}
         last = max(rec.last_seq if rec is not None else 0, self.pending_seq(node))
         return (rec.domain if rec is not None else None), owners, last, self.epoch()
+
+    async def close(self) -> None:
+        pass
 
 
 @dataclass
@@ -277,7 +292,7 @@ class AgentIngest:
 
     def __init__(self, port: OutboxPort, sm: async_sessionmaker[AsyncSession], clock: Clock,
                  sessions: dict[str, AgentSession], on_sessions: Callable[[int], None],
-                 view: Callable[[str, list[str]], Awaitable[HelloFacts]]) -> None:
+                 view: HelloCheck) -> None:
         self.port = port
         self.sm = sm
         self.view = view  # what hellos are checked against (chosen at composition)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import structlog
@@ -30,7 +30,7 @@ from ntp_manager.service.feed.relay import TelemetryRelay
 from ntp_manager.service.feed.workers import WorkerIngest
 from ntp_manager.service.ingest.agents import AgentSession, EndStream
 from ntp_manager.service.ingest.consumer import Consumer, ConsumerHost
-from ntp_manager.service.ingest.outbox import AgentIngest, HelloFacts
+from ntp_manager.service.ingest.outbox import AgentIngest, HelloCheck
 from ntp_manager.service.ingest.port import OutboxPort
 from ntp_manager.service.operations.tokens import Tokens
 
@@ -51,8 +51,7 @@ log = structlog.get_logger("ntp.fleet")
 
 
 class Fleet:
-    def __init__(self, manager: FleetHost, port: OutboxPort,
-                 view: Callable[[str, list[str]], Awaitable[HelloFacts]]) -> None:
+    def __init__(self, manager: FleetHost, port: OutboxPort, view: HelloCheck) -> None:
         self.m = manager
         s = manager.settings
         self.ingest = port  # the outbox port (service/ingest/port.py)
@@ -111,6 +110,7 @@ class Fleet:
         await self.ingest.stop()  # what it took becomes durable first (in memory: the consumer applies it)
         await cancel_all(self._tasks)
         self._tasks = []
+        await self.agents.view.close()  # the connections its hello checks keep
 
     def world_lag(self) -> int:
         return self.lag_of_world()
