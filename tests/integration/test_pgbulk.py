@@ -94,17 +94,30 @@ async def run_on(url: str, tmp_path: Path) -> dict[str, list[Any]]:
 
 async def test_the_asyncpg_bulk_path_writes_what_sqlalchemy_writes(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three ways: the rows as one JSON document (what the kernel sends), as arrays (what it sends
+    when JSON would not be exact), and SQLAlchemy's executemany."""
     written: list[str] = []
-    real = pgbulk._driver
+    real_driver, real_document = pgbulk._driver, pgbulk._Statement.document
 
     async def counting(session: Any) -> Any:
         written.append("raw")
-        return await real(session)
+        return await real_driver(session)
+
+    def documents(self: pgbulk._Statement, rows: Any) -> str | None:
+        doc = real_document(self, rows)
+        written.append("json" if doc is not None else "arrays")
+        return doc
 
     monkeypatch.setattr(pgbulk, "_driver", counting)
+    monkeypatch.setattr(pgbulk._Statement, "document", documents)
     async with database("postgres", tmp_path) as url:
-        raw = await run_on(url, tmp_path / "a")
-    assert written, "the bulk path was not taken"
+        as_json = await run_on(url, tmp_path / "a")
+    assert "json" in written and "arrays" not in written, "the JSON form was not taken"
+    written.clear()
+    monkeypatch.setattr(pgbulk._Statement, "document", lambda self, rows: written.append("arrays"))
+    async with database("postgres", tmp_path) as url:
+        as_arrays = await run_on(url, tmp_path / "c")
+    assert "arrays" in written, "the arrays were not taken"
     monkeypatch.setattr(pgbulk, "usable", lambda session: False)
     written.clear()
     async with database("postgres", tmp_path) as url:
@@ -112,7 +125,25 @@ async def test_the_asyncpg_bulk_path_writes_what_sqlalchemy_writes(tmp_path: Pat
     assert not written
     assert len(orm["gpus"]) == 12 and len(orm["health_events"]) >= 3 and len(orm["audit_log"]) >= 2
     for table in DUMPS:
-        assert raw[table] == orm[table], table
+        assert as_json[table] == orm[table], table
+        assert as_arrays[table] == orm[table], table
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), 2**70, object()])
+def test_a_batch_json_would_not_carry_exactly_goes_as_arrays(value: object) -> None:
+    """orjson writes a non-finite float as null and cannot write an integer beyond 64 bits or an
+    object it does not know: such a batch has no document (it goes as arrays, which carry it, or
+    fail loudly as they would have)."""
+    from ntp_manager.store.models import GpuRow
+
+    st = pgbulk._update_statement(GpuRow.__table__, "uuid", ("speed", "memory_bytes", "health_since"))  # type: ignore[arg-type]
+    ok = {"pk_": "G0", "speed": 0.8125, "memory_bytes": 80 << 30, "health_since": datetime(2026, 1, 1, tzinfo=UTC)}
+    assert st.document([ok]) == ('[{"pk_":"G0","speed":0.8125,"memory_bytes":85899345920,'
+                                 '"health_since":"2026-01-01T00:00:00+00:00"}]')
+    column = "speed" if isinstance(value, float) else "memory_bytes"
+    assert st.document([ok, {**ok, column: value}]) is None
+    with pytest.raises(ValueError, match="naive"):  # refused, as the model refuses it, in either form
+        st.document([{**ok, "health_since": datetime(2026, 1, 1)}])
 
 
 def test_a_naive_timestamp_is_refused_as_the_model_refuses_it() -> None:
