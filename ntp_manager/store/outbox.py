@@ -175,6 +175,17 @@ async def read_after(conn: AsyncConnection | AsyncSession, after: int, limit: in
             for r in rows]
 
 
+READ_AFTER_SQL = ("SELECT seq, kind, node, report_seq, CAST(payload AS text), manager FROM outbox WHERE seq > $1 "
+                  "ORDER BY seq LIMIT $2")
+
+
+async def read_after_kept(reader: KeptConnection, after: int, limit: int) -> list[Stored]:
+    """`read_after` through the leader's kept connection (PostgreSQL): one statement on the driver."""
+    rows = await reader.fetch(READ_AFTER_SQL, after, limit)
+    return [Stored(int(r[0]), str(r[1]), str(r[2]), None if r[3] is None else int(r[3]), dict(parse(r[4])), str(r[5]))
+            for r in rows]
+
+
 async def head(conn: AsyncConnection | AsyncSession) -> int:
     """The newest row's sequence number (0 for an empty outbox)."""
     v = (await conn.execute(select(func.max(OutboxRow.seq)))).scalar_one_or_none()

@@ -560,3 +560,48 @@ async def test_a_hellos_one_statement_view_reads_what_the_four_reads_did(tmp_pat
                 await view.close()
         finally:
             await engine.dispose()
+
+
+async def test_the_leaders_outbox_read_on_its_kept_connection_reads_what_a_session_reads(tmp_path: Path) -> None:
+    """The consumer's read (service/ingest/outbox.py `Ingest.read`) is one statement on the driver
+    over a kept connection: the same rows as the session's query, every kind and payload; a
+    database it cannot read is an OSError (the consumer tries again), never the driver's own error."""
+    from datetime import UTC, datetime
+
+    from ntp_manager.clock import SystemClock
+    from ntp_manager.service.ingest.outbox import Ingest
+    from ntp_manager.store import db, outbox
+
+    async with database("postgres", tmp_path) as url:
+        await prepare(url)
+        engine = db.make_engine(url)
+        sm = db.sessionmaker(engine)
+        now = datetime.now(UTC)
+        port = Ingest(sm, "m-test", SystemClock(), 0.0, 5.0, engine)
+        try:
+            async with sm() as s, s.begin():
+                await outbox.append(s, [
+                    outbox.Entry(outbox.HELLO, "node-0", {"domain": "d", "gpus": [["g", 0, "m", 1, 2, 1, 3]],
+                                                          "peer": "Überhitzt ✗"}, "h:node-0"),
+                    *(outbox.Entry(outbox.REPORT, "node-0", {"gpus": [["g", "failed", ["x", "é"], [79], None]]},
+                                   f"r:node-0:{k}", k) for k in range(1, 6)),
+                    outbox.Entry(outbox.SEEN, "", {"nodes": ["node-0", "node-1"]}, "seen:1"),
+                    outbox.Entry(outbox.POWER, "node-0", {"readings": [["g", 2**40]]}, "p:1")], "m-test", now)
+            assert port._rows is not None  # the kept connection is what reads
+            for after, limit in ((0, 100), (2, 3), (7, 10), (8, 10)):
+                async with sm() as s:
+                    want = await outbox.read_after(s, after, limit)
+                assert await port.read(after, limit) == want
+            assert [r.kind for r in await port.read(0, 100)] == [outbox.HELLO, *[outbox.REPORT] * 5, outbox.SEEN,
+                                                                  outbox.POWER]
+        finally:
+            await port.stop()
+            await engine.dispose()
+    gone = db.make_engine(url)  # its database was dropped
+    port = Ingest(db.sessionmaker(gone), "m-test", SystemClock(), 0.0, 5.0, gone)
+    try:
+        with pytest.raises(OSError, match="cannot read the outbox"):
+            await port.read(0, 10)
+    finally:
+        await port.stop()
+        await gone.dispose()

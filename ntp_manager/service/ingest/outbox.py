@@ -73,6 +73,8 @@ class Ingest:
         # group commits: one autocommit statement each, on a kept connection (store/outbox.py append_on_driver)
         self._appender = db.KeptConnection(self._reader, timeout_s) if db.KeptConnection.usable(self._reader) \
             else None
+        # ... and the leader's reads of it, on another (a read is one statement on the driver)
+        self._rows = db.KeptConnection(self._reader, timeout_s) if db.KeptConnection.usable(self._reader) else None
         self.stored = 0  # rows this manager stored
         self.duplicates = 0  # rows whose idempotency key was stored already
         self.batches = 0
@@ -96,6 +98,9 @@ class Ingest:
                 await self._task
             self._task = None
         await self._drop_appender()
+        rows, self._rows = self._rows, None  # a read after this one goes through the pool (never a new kept one)
+        if rows is not None:
+            await rows.close()
         while self._queue:
             item = self._queue.popleft()
             if not item.fut.done():
@@ -122,7 +127,15 @@ class Ingest:
 
     async def read(self, after: int, limit: int) -> list[outbox.Stored]:
         """The next rows after the cursor: one statement in autocommit (no BEGIN and ROLLBACK
-        around it: two round trips of a batch's dozen; the rows it sees are committed ones)."""
+        around it: two round trips of a batch's dozen; the rows it sees are committed ones), on a
+        connection kept for it (a checkout and SQLAlchemy's result rows cost the leader more than
+        the read)."""
+        if self._rows is not None:
+            try:
+                return await outbox.read_after_kept(self._rows, after, limit)
+            except (asyncpg.PostgresError, asyncpg.InterfaceError, SQLAlchemyError) as e:  # the consumer retries
+                raise OSError(f"cannot read the outbox: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}"
+                              ) from e
         if self._reader is None:
             async with self.sm() as s:
                 return await outbox.read_after(s, after, limit)
