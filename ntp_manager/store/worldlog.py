@@ -21,6 +21,7 @@ from sqlalchemy import delete, func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
+from ntp_manager.store.db import KeptConnection
 from ntp_manager.store.models import OutboxStateRow, WorldLogRow
 
 CHANNEL = "ntp_world"  # NOTIFY on every append, with the row's seq
@@ -41,6 +42,23 @@ async def read_after(conn: AsyncConnection | AsyncSession, after: int, limit: in
     """Up to `limit` rows after `after`, in sequence order: (seq, the body as JSON text: the caller
     parses it, off the event loop where it is large)."""
     return [(int(r[0]), str(r[1])) for r in (await conn.execute(_READ_AFTER, {"after": after, "lim": limit}))]
+
+
+# the same two reads as one statement each for the driver, on a follower's kept connection
+# (store/db.py `KeptConnection`; tests/integration/test_follow.py compares them with the session's)
+READ_AFTER_SQL = "SELECT seq, CAST(body AS text) FROM world_log WHERE seq > $1 ORDER BY seq LIMIT $2"
+PRUNED_SQL = "SELECT last_seq FROM outbox_state WHERE consumer = $1"
+
+
+async def read_after_kept(reader: KeptConnection, after: int, limit: int) -> list[tuple[int, str]]:
+    """`read_after` through a kept connection."""
+    return [(int(r[0]), str(r[1])) for r in await reader.fetch(READ_AFTER_SQL, after, limit)]
+
+
+async def pruned_upto_kept(reader: KeptConnection) -> int:
+    """`pruned_upto` through a kept connection."""
+    rows = await reader.fetch(PRUNED_SQL, PRUNED)
+    return int(rows[0][0] or 0) if rows else 0
 
 
 async def head(conn: AsyncConnection | AsyncSession) -> int:

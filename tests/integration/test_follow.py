@@ -212,6 +212,33 @@ async def test_a_standby_whose_rows_were_pruned_loads_the_world_again(tmp_path: 
         assert b.follower.loads == 2 and b.world.gpus["G0"].admin is not None and "G1" in b.world.gpus
 
 
+async def test_the_followers_driver_statements_read_what_a_session_reads(tmp_path: Path) -> None:
+    """A follower reads the log and the pruned mark as one statement each on a kept connection
+    (store/worldlog.py `read_after_kept`, `pruned_upto_kept`): the same as the session's queries,
+    before and after a prune."""
+    from ntp_manager.store.db import KeptConnection
+
+    async with leader_and_standby(tmp_path) as (a, _standby):
+        kept = KeptConnection(a.engine, 5.0)
+        try:
+            for pruned in (False, True):
+                await a.register_agent(f"n{int(pruned)}", "d0", [GpuInventory(f"G{int(pruned)}", 0)], "boot", "v1")
+                if pruned:
+                    async with a.sm() as s, s.begin():
+                        now = datetime.now(UTC)
+                        assert await worldlog.prune(s, now + timedelta(seconds=5), a.epoch, now) >= 1
+                    async with a.mutation("test") as tx:
+                        await a.cordon(tx, "G0", "x")
+                async with a.engine.connect() as c:
+                    upto = await worldlog.pruned_upto(c)
+                    want = [await worldlog.read_after(c, after, 3) for after in (0, 1, upto, upto + 1)]
+                assert (upto > 0) == pruned and await worldlog.pruned_upto_kept(kept) == upto
+                assert [await worldlog.read_after_kept(kept, after, 3) for after in (0, 1, upto, upto + 1)] == want
+                assert any(want)
+        finally:
+            await kept.close()
+
+
 async def test_a_standby_plans_ahead_so_the_takeovers_replan_of_an_unchanged_world_is_free(tmp_path: Path) -> None:
     """A standby plans every job on its world ahead (publishing nothing): the new leader's replan of
     every job at the takeover then asks its planner nothing while no GPU changed state; the first

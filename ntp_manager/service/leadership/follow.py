@@ -36,6 +36,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+import asyncpg
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from sqlalchemy.exc import SQLAlchemyError
@@ -52,6 +53,7 @@ from ntp_manager.service.core.tasks import cancel_all
 from ntp_manager.service.leadership.loading import load_job
 from ntp_manager.settings import Settings
 from ntp_manager.store import worldlog
+from ntp_manager.store.db import KeptConnection
 from ntp_manager.topology import Cluster
 
 log = structlog.get_logger("ntp.follow")
@@ -128,6 +130,8 @@ class Follower:
         self.primed = 0  # pieces sent that way
         self.verified = 0  # jobs whose plan was found to be their running layout (`Jobs.verify`)
         self._reader = engine.execution_options(isolation_level="AUTOCOMMIT")
+        # the log's reads: one statement each on the driver, on a connection kept while following
+        self._rows = KeptConnection(self._reader, settings.fleet_store_timeout_s)
         self.cursor = 0  # the last row applied
         self.head = 0  # the newest row known to exist (NOTIFY payloads, reads)
         self.warm = False  # loaded, and following
@@ -240,13 +244,18 @@ class Follower:
     async def step(self) -> int:
         """Apply the next rows (up to BATCH); the jobs they name are read back, and the planner's
         snapshot rebuilt, once the log is quiet (`_run`). How many rows were read."""
-        async with self._reader.connect() as c:
-            raw = await worldlog.read_after(c, self.cursor, BATCH)
-            if raw and raw[0][0] > self.cursor + 1 and await worldlog.pruned_upto(c) > self.cursor:
-                log.error("world-log rows this manager had not applied were pruned; loading the world again",
-                          cursor=self.cursor)
-                self.stale = True
-                return 0
+        try:
+            raw = await worldlog.read_after_kept(self._rows, self.cursor, BATCH)
+            gap = (bool(raw) and raw[0][0] > self.cursor + 1
+                   and await worldlog.pruned_upto_kept(self._rows) > self.cursor)
+        except (asyncpg.PostgresError, asyncpg.InterfaceError) as e:  # the driver's own: retried as any store error
+            raise OSError(f"cannot read the world log: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}"
+                          ) from e
+        if gap:
+            log.error("world-log rows this manager had not applied were pruned; loading the world again",
+                      cursor=self.cursor)
+            self.stale = True
+            return 0
         w = self.kernel.world
         done = Applied()
         for seq, body in await offloop.run(_decode, raw):
@@ -323,6 +332,10 @@ class Follower:
 
     # ---- taking over ------------------------------------------------------------------------
     async def stop(self) -> None:
+        await self._halt()
+        await self._rows.close()
+
+    async def _halt(self) -> None:
         task, self._task = self._task, None
         await cancel_all([task])
         self._lag.set(0)
@@ -332,7 +345,13 @@ class Follower:
         world is current (then every node counts as just seen and not connected, as after a load);
         False when it must be loaded (never warm, stale, or a job could not be read)."""
         was = self._task is not None
-        await self.stop()
+        await self._halt()  # its kept connection reads what is left, then is closed
+        try:
+            return await self._take_over(was)
+        finally:
+            await self._rows.close()
+
+    async def _take_over(self, was: bool) -> bool:
         if not was or not self.warm or self.stale:
             return False
         t0 = time.process_time()
