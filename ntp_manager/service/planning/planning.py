@@ -51,7 +51,7 @@ class Draft:
 # `previous_of` of the last layouts asked for: a running layout is replanned again and again (a
 # standby plans it ahead of a takeover, the takeover replans it), and at 100,000 GPUs its
 # assignments took a tenth of a takeover's CPU. Keyed by the document's identity, which the entry
-# keeps alive; documents are immutable.
+# keeps alive; documents are immutable. An entry of a 96,000-GPU layout holds 2.8 MB.
 PREVIOUS_KEPT = 16
 _previous: OrderedDict[int, tuple[LayoutDoc, PreviousLayout | None]] = OrderedDict()
 _previous_lock = threading.Lock()
