@@ -21,6 +21,7 @@ from json.encoder import encode_basestring_ascii
 from pathlib import Path
 from typing import Any, TypeGuard
 
+import asyncpg
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import event, exc, text
@@ -115,11 +116,13 @@ class KeptConnection:
     CPU for a small query (70 against 840 us on the 2-core VM), and through sessions those polls were
     most of an idle manager's CPU. It holds one of `engine`'s pooled connections while it lives. A
     connection the server closed is replaced when next asked for; one whose statement failed is
-    dropped by `close` (its state is unknown) and the next use connects again.
+    dropped by `close` (its state is unknown) and the next use connects again. A read the
+    database did not answer is an OSError naming `what` (the driver's and SQLAlchemy's own errors
+    included), as its callers retry every store error.
     `usable(engine)`: PostgreSQL only; elsewhere use a session."""
 
-    def __init__(self, engine: AsyncEngine, timeout_s: float) -> None:
-        self.engine, self.timeout_s = engine, timeout_s
+    def __init__(self, engine: AsyncEngine, timeout_s: float, what: str = "the database") -> None:
+        self.engine, self.timeout_s, self.what = engine, timeout_s, what
         self._conn: AsyncConnection | None = None
         self._driver: Any = None
         self._lock = asyncio.Lock()
@@ -142,6 +145,10 @@ class KeptConnection:
         async with self._lock:
             try:
                 return list(await (await self.driver()).fetch(sql, *args, timeout=self.timeout_s))
+            except (asyncpg.PostgresError, asyncpg.InterfaceError, exc.SQLAlchemyError) as e:
+                await self.close()
+                first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+                raise OSError(f"cannot read {self.what}: {first}") from e
             except BaseException:
                 await self.close()
                 raise

@@ -71,10 +71,12 @@ class Ingest:
         # the consumer reads in autocommit (one statement, no BEGIN and ROLLBACK around it)
         self._reader = engine.execution_options(isolation_level="AUTOCOMMIT") if engine is not None else None
         # group commits: one autocommit statement each, on a kept connection (store/outbox.py append_on_driver)
-        self._appender = db.KeptConnection(self._reader, timeout_s) if db.KeptConnection.usable(self._reader) \
-            else None
-        # ... and the leader's reads of it, on another (a read is one statement on the driver)
-        self._rows = db.KeptConnection(self._reader, timeout_s) if db.KeptConnection.usable(self._reader) else None
+        # ... and the leader's reads of it on another (a read is one statement on the driver)
+        self._appender: db.KeptConnection | None = None
+        self._rows: db.KeptConnection | None = None
+        if db.KeptConnection.usable(self._reader):
+            self._appender = db.KeptConnection(self._reader, timeout_s)
+            self._rows = db.KeptConnection(self._reader, timeout_s, "the outbox")
         self.stored = 0  # rows this manager stored
         self.duplicates = 0  # rows whose idempotency key was stored already
         self.batches = 0
@@ -131,11 +133,7 @@ class Ingest:
         connection kept for it (a checkout and SQLAlchemy's result rows cost the leader more than
         the read)."""
         if self._rows is not None:
-            try:
-                return await outbox.read_after_kept(self._rows, after, limit)
-            except (asyncpg.PostgresError, asyncpg.InterfaceError, SQLAlchemyError) as e:  # the consumer retries
-                raise OSError(f"cannot read the outbox: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}"
-                              ) from e
+            return await outbox.read_after_kept(self._rows, after, limit)
         if self._reader is None:
             async with self.sm() as s:
                 return await outbox.read_after(s, after, limit)

@@ -36,7 +36,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-import asyncpg
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from sqlalchemy.exc import SQLAlchemyError
@@ -131,7 +130,7 @@ class Follower:
         self.verified = 0  # jobs whose plan was found to be their running layout (`Jobs.verify`)
         self._reader = engine.execution_options(isolation_level="AUTOCOMMIT")
         # the log's reads: one statement each on the driver, on a connection kept while following
-        self._rows = KeptConnection(self._reader, settings.fleet_store_timeout_s)
+        self._rows = KeptConnection(self._reader, settings.fleet_store_timeout_s, "the world log")
         self.cursor = 0  # the last row applied
         self.head = 0  # the newest row known to exist (NOTIFY payloads, reads)
         self.warm = False  # loaded, and following
@@ -244,14 +243,8 @@ class Follower:
     async def step(self) -> int:
         """Apply the next rows (up to BATCH); the jobs they name are read back, and the planner's
         snapshot rebuilt, once the log is quiet (`_run`). How many rows were read."""
-        try:
-            raw = await worldlog.read_after_kept(self._rows, self.cursor, BATCH)
-            gap = (bool(raw) and raw[0][0] > self.cursor + 1
-                   and await worldlog.pruned_upto_kept(self._rows) > self.cursor)
-        except (asyncpg.PostgresError, asyncpg.InterfaceError) as e:  # the driver's own: retried as any store error
-            raise OSError(f"cannot read the world log: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}"
-                          ) from e
-        if gap:
+        raw = await worldlog.read_after_kept(self._rows, self.cursor, BATCH)  # OSError: retried (`_run`)
+        if raw and raw[0][0] > self.cursor + 1 and await worldlog.pruned_upto_kept(self._rows) > self.cursor:
             log.error("world-log rows this manager had not applied were pruned; loading the world again",
                       cursor=self.cursor)
             self.stale = True

@@ -76,7 +76,7 @@ class SharedStore:
         self._cursor = 0  # the last agent_commands id looked at
         self._listener: asyncpg.Connection | None = None
         # the deliver loop's own connection (PostgreSQL, which is where several managers run)
-        self._reader = db.KeptConnection(m.engine, m.settings.fleet_store_timeout_s) \
+        self._reader = db.KeptConnection(m.engine, m.settings.fleet_store_timeout_s, "the agent commands") \
             if db.KeptConnection.usable(m.engine) else None
 
     async def start(self) -> None:
@@ -159,7 +159,7 @@ class SharedStore:
                         self.delivered += 1
                 if rows:
                     continue
-            except (OSError, SQLAlchemyError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+            except (OSError, SQLAlchemyError) as e:  # the kept connection's errors are OSError
                 log.warning("cannot read agent commands", error=(str(e).splitlines() or [type(e).__name__])[0][:200])
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._commands_wake.wait(), self.m.settings.fleet_poll_s)

@@ -145,7 +145,7 @@ class Tokens:
             async with self.sm() as s:
                 return await self._read_marker(s)
         if self._reader is None:
-            self._reader = db.KeptConnection(engine, max(1.0, 20 * self.poll_s))
+            self._reader = db.KeptConnection(engine, max(1.0, 20 * self.poll_s), "the token marker")
         (row,) = await self._reader.fetch(MARKER_SQL)
         return tuple(row)
 
