@@ -153,10 +153,21 @@ class PlanProcess:
         if pool is None:
             return
         self._sent = _Sent()
-        if kill:
-            for p in list(pool._processes.values()):
-                p.kill()
+        results = pool._result_queue
+        killed = list(pool._processes.values()) if kill else []
+        for p in killed:
+            p.kill()
         pool.shutdown(wait=False, cancel_futures=True)
+        if killed:
+            for p in killed:
+                p.join(5)
+            # A worker killed while it wrote a result leaves part of it in the pipe, and the
+            # pool's thread blocked reading the rest, for ever: it then held the interpreter's
+            # exit (seen at a manager's shutdown during a 100K-GPU plan-ahead). This process holds
+            # the pipe's only other write end (the pool never writes to it); closing it ends that
+            # read (end of file: the pool breaks, its callers get BrokenProcessPool).
+            if results is not None:
+                results._writer.close()  # type: ignore[attr-defined]  # private to multiprocessing
 
     def stop(self) -> None:
         """At a manager's shutdown: a plan still running in the worker (a replan or dry run whose
