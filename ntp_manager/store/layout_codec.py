@@ -47,13 +47,13 @@ def encode(doc: LayoutDoc, pos_of: PosOf, base: LayoutDoc | None = None) -> byte
     a keyframe, O(replicas + the changed replicas' GPUs) for a delta."""
     body: dict[str, Any] = {"codec": CODEC, "kind": "key" if base is None else "delta", "head": _head(doc)}
     if base is None:
-        body.update(_replicas(doc.replicas, pos_of))
+        body.update(_replicas(doc, range(len(doc.replica_ids)), pos_of))
         body["caps"] = _caps(doc.power_caps_w.items(), pos_of)
         for name in LISTS:
             body[name] = _list(doc, name)
     else:
         body["order"] = _deltas(doc.replica_ids)
-        body.update(_replicas([doc.replica(i) for i in changed(doc, base)], pos_of))
+        body.update(_replicas(doc, changed(doc, base), pos_of))
         old, new = base.power_caps_w, doc.power_caps_w
         body["caps"] = _caps(((u, w) for u, w in new.items() if old.get(u) != w), pos_of)
         body["caps_off"] = _deltas(sorted(_pos(pos_of, u) for u in old if u not in new))
@@ -74,27 +74,25 @@ GROUP_COLUMNS = ("group_ids", "group_domains", "group_tps", "group_usable", "gro
 
 def changed(doc: LayoutDoc, base: LayoutDoc) -> list[int]:
     """Indices (in `doc`) of the replicas that `base` does not have or has otherwise (any field of
-    the replica, its groups or their GPUs): what a delta must carry. Compared column by column,
-    making no record (a layout of 100K one-GPU replicas would make 200K per side)."""
+    the replica, its groups or their GPUs): what a delta must carry. Compared row by row on the
+    columns zipped into tuples (C loops, no record: a layout of 100K one-GPU replicas would make
+    200K records per side)."""
     st, bst = doc.group_starts, base.group_starts
     where = {rid: j for j, rid in enumerate(base.replica_ids)}
     js = [where.get(rid, -1) for rid in doc.replica_ids]
-    same = [j >= 0 and st[i + 1] - st[i] == bst[j + 1] - bst[j] for i, j in enumerate(js)]
-    for name in REPLICA_COLUMNS:
-        a, b = getattr(doc, name), getattr(base, name)
-        same = [s and a[i] == b[j] for i, (s, j) in enumerate(zip(same, js, strict=True))]
+    rows = list(zip(*(getattr(doc, c) for c in REPLICA_COLUMNS), strict=True))
+    brows = list(zip(*(getattr(base, c) for c in REPLICA_COLUMNS), strict=True))
+    same = [j >= 0 and st[i + 1] - st[i] == bst[j + 1] - bst[j] and rows[i] == brows[j] for i, j in enumerate(js)]
     gmap: list[int] = []  # doc group -> the group at the same stage of the same replica in base (-1: none)
     for i, j in enumerate(js):
         n = st[i + 1] - st[i]
         gmap.extend(range(bst[j], bst[j] + n) if same[i] else [-1] * n)
-    gsame = [m >= 0 for m in gmap]
-    for name in GROUP_COLUMNS:
-        a, b = getattr(doc, name), getattr(base, name)
-        gsame = [s and a[g] == b[m] for g, (s, m) in enumerate(zip(gsame, gmap, strict=True))]
+    grows = list(zip(*(getattr(doc, c) for c in GROUP_COLUMNS), strict=True))
+    bgrows = list(zip(*(getattr(base, c) for c in GROUP_COLUMNS), strict=True))
     gs, bgs, ga, gb = doc.gpu_starts, base.gpu_starts, doc.gpus, base.gpus
-    for g, m in enumerate(gmap):  # equal TP degrees by now, so the GPU runs have equal lengths
-        if gsame[g] and ga[gs[g] : gs[g + 1]] != gb[bgs[m] : bgs[m + 1]]:
-            gsame[g] = False
+    # equal TP degrees where the rows are equal, so the GPU runs have equal lengths
+    gsame = [m >= 0 and grows[g] == bgrows[m] and ga[gs[g] : gs[g + 1]] == gb[bgs[m] : bgs[m + 1]]
+             for g, m in enumerate(gmap)]
     return [i for i in range(len(js)) if not (same[i] and all(gsame[st[i] : st[i + 1]]))]
 
 
@@ -133,39 +131,40 @@ def _uuids(positions: Sequence[int], uuid_at: UuidAt) -> list[str]:
         return [_uuid(uuid_at, p) for p in positions]  # names the position that has none
 
 
-def _replicas(replicas: Sequence[ReplicaDoc], pos_of: PosOf) -> dict[str, Any]:
+def _replicas(doc: LayoutDoc, which: Sequence[int], pos_of: PosOf) -> dict[str, Any]:
+    """The columns of the replicas at indices `which` (ascending), read off `doc`'s columns."""
+    st, gs = doc.group_starts, doc.gpu_starts
+    groups = [g for i in which for g in range(st[i], st[i + 1])]
     domains: dict[str, int] = {}
-    rid, rtp, rlb, rrt, rng = [], [], [], [], []
-    gdom, gid, gtp, gus, gsp, gpr, gpv = [], [], [], [], [], [], []
-    gpus: list[str] = []
-    for r in replicas:
-        rid.append(r.id)
-        rtp.append(r.tp)
-        rlb.append(r.local_batch)
-        rrt.append(r.relative_throughput)
-        rng.append(len(r.groups))
-        for g in r.groups:
-            d = domains.setdefault(g.domain, len(domains))
-            gdom.append(d)
-            gid.append(_local(g))
-            gtp.append(g.tp)
-            gus.append(g.usable)
-            gsp.append(1 if g.spare else 0)
-            gpr.append(g.power_ratio)
-            gpv.append(True if (g.prev_replica, g.prev_stage) == (r.id, g.stage) else
-                       None if g.prev_replica is None and g.prev_stage is None else [g.prev_replica, g.prev_stage])
-            gpus.extend(g.gpus)
-    return {"domains": list(domains), "r": {"id": rid, "tp": rtp, "lb": rlb, "rt": rrt, "ng": rng},
-            "g": {"dom": gdom, "id": gid, "tp": gtp, "us": gus, "sp": gsp, "pr": gpr, "pv": gpv},
+    gdom_name = [doc.group_domains[g] for g in groups]
+    gdom = [domains.setdefault(d, len(domains)) for d in gdom_name]
+    ids, pr, ps = doc.group_ids, doc.prev_replicas, doc.prev_stages
+    owner = [(doc.replica_ids[i], g - st[i]) for i in which for g in range(st[i], st[i + 1])]
+    gpv = [True if (pr[g], ps[g]) == here else None if pr[g] is None and ps[g] is None else [pr[g], ps[g]]
+           for g, here in zip(groups, owner, strict=True)]
+    every = doc.gpus
+    gpus = [u for g in groups for u in every[gs[g] : gs[g + 1]]]
+
+    def col(name: str, rows: Sequence[int]) -> list[Any]:
+        c = getattr(doc, name)
+        return [c[k] for k in rows]
+
+    return {"domains": list(domains),
+            "r": {"id": col("replica_ids", which), "tp": col("replica_tps", which), "lb": col("local_batches", which),
+                  "rt": col("replica_throughputs", which), "ng": [st[i + 1] - st[i] for i in which]},
+            "g": {"dom": gdom, "id": [_local(ids[g], d) for g, d in zip(groups, gdom_name, strict=True)],
+                  "tp": col("group_tps", groups), "us": col("group_usable", groups),
+                  "sp": [1 if doc.group_spare[g] else 0 for g in groups], "pr": col("power_ratios", groups),
+                  "pv": gpv},
             "gpus": _deltas(_positions(gpus, pos_of))}
 
 
-def _local(g: GroupDoc) -> int | str:
+def _local(group: str, domain: str) -> int | str:
     """A group id `domain/gN` as N; any other id as itself."""
-    head, sep, n = g.group.rpartition("/g")
-    if sep and head == g.domain and n.isdigit() and str(int(n)) == n:
+    head, sep, n = group.rpartition("/g")
+    if sep and head == domain and n.isdigit() and str(int(n)) == n:
         return int(n)
-    return g.group
+    return group
 
 
 def _caps(items: Iterable[tuple[str, float]], pos_of: PosOf) -> dict[str, list[Any]]:
