@@ -204,6 +204,12 @@ class Cluster:
         return self._shape.flat_uuids
 
     @property
+    def flat_index(self) -> Mapping[str, int]:
+        """GPU UUID -> its position in `flat_uuids` (shared by all snapshots of this cluster)."""
+        assert self._shape is not None
+        return self._shape.flat_index
+
+    @property
     def domain_ids(self) -> tuple[str, ...]:
         assert self._shape is not None
         return self._shape.ids
@@ -323,6 +329,11 @@ class _Shape:
             tuple(offsets),
             tuple(u for d in domains for u in d.uuids),
         )
+
+    @cached_property
+    def flat_index(self) -> Mapping[str, int]:
+        """GPU UUID -> its position in `flat_uuids` (made on first use: ~5 MB at 100K GPUs)."""
+        return {u: k for k, u in enumerate(self.flat_uuids)}
 
 
 def _build_index(domains: tuple[Domain, ...]) -> dict[str, tuple[int, int]]:

@@ -114,9 +114,7 @@ def gpu_variants_since(cluster: Cluster, before: Cluster,
 
 def pack_doc(doc: LayoutDoc, cluster: Cluster) -> list[bytes]:
     """A layout as pickled pieces: its header, then each column, GPUs as flat cluster positions."""
-    offsets = cluster.domain_offsets
-    index = cluster._index
-    flat = array("i", [offsets[d] + i for d, i in map(index.__getitem__, doc.gpus)])
+    flat = array("i", map(cluster.flat_index.__getitem__, doc.gpus))
     out = [pickle.dumps(tuple(getattr(doc, n) for n in HEADER), pickle.HIGHEST_PROTOCOL)]
     for c in COLUMNS:
         out.append(flat.tobytes() if c == "gpus" else pickle.dumps(getattr(doc, c), pickle.HIGHEST_PROTOCOL))
