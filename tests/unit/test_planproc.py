@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import gc
 import os
 import signal
 import struct
@@ -350,3 +351,26 @@ def test_a_worker_killed_in_the_middle_of_sending_a_result_holds_neither_its_cal
                           text=True, timeout=90)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "served again: restarted" in proc.stdout, (proc.stdout, proc.stderr[-3000:])
+
+
+def test_the_worker_plans_with_the_collector_off_and_collects_rarely_between_calls(
+        pp: planproc.PlanProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a 96,000-GPU draft set off ~120 collections (a sixth of its CPU) in the middle of a takeover
+    cluster = cluster_from_counts([8, 8, 8, 8])
+    pos = pos_map(cluster)
+    spec = job(tp=4, pp=2, replicas=4, min_tp=2)
+    seen: list[bool] = []
+    real = planning.plan_layout
+
+    def spy(*a: Any, **k: Any) -> Any:
+        seen.append(gc.isenabled())
+        return real(*a, **k)
+
+    monkeypatch.setattr(planwire.planning, "plan_layout", spy)
+    assert gc.isenabled()
+    blobs, _ = planwire.work(10**9, planwire.shape_blobs(cluster, pos.__getitem__), planwire.gpu_variants(cluster),
+                             spec, None, "", 10**9 + 1, False, None)
+    assert seen == [False] and gc.isenabled()  # off while it planned, on again after
+    assert planwire.unpack_doc(blobs, cluster) == real(cluster, spec)
+    # the worker process itself: the young generation is collected every 50,000 allocations
+    assert asyncio.run(pp._call(gc.get_threshold)) == (50_000, 20, 20)

@@ -245,14 +245,14 @@ class PlanProcess:
         shape = cluster_shape(cluster)
         for attempt in range(3):
             shape_tok, shape_new = self._sent.token(self._sent.shapes, shape)
-            shape_msg = await asyncio.to_thread(shape_blobs, cluster, pos_of) if shape_new else None
+            shape_msg = await offloop.run(shape_blobs, cluster, pos_of) if shape_new else None
             self.calls += 1
             self.shapes_sent += shape_new
             variants = await self._variants_of(cluster)
             prev: tuple[int, list[bytes] | None, int, int] | None = None
             if previous is not None:
                 doc_tok, doc_new = self._sent.token(self._sent.docs, previous.doc)
-                blobs = await asyncio.to_thread(pack_doc, previous.doc, cluster) if doc_new else None
+                blobs = await offloop.run(pack_doc, previous.doc, cluster) if doc_new else None
                 self.docs_sent += doc_new
                 prev = (doc_tok, blobs, previous.version, previous.chain)
             out_tok = next(self._sent.tokens)
@@ -268,7 +268,7 @@ class PlanProcess:
                     raise RuntimeError("planner process kept losing what it was sent") from None
                 continue
             blobs, rest = res
-            doc = await asyncio.to_thread(unpack_doc, blobs, cluster)
+            doc = await offloop.run(unpack_doc, blobs, cluster)
             self._sent.adopt(doc, out_tok)
             return doc, rest
         raise AssertionError("unreachable")
@@ -281,12 +281,12 @@ class PlanProcess:
         if self._executor() is None:
             return 0
         shape_tok, shape_new = self._sent.token(self._sent.shapes, cluster_shape(cluster))
-        shape_msg = await asyncio.to_thread(shape_blobs, cluster, pos_of) if shape_new else None
+        shape_msg = await offloop.run(shape_blobs, cluster, pos_of) if shape_new else None
         sends: list[tuple[int, list[bytes]]] = []
         for doc in docs:
             tok, new = self._sent.token(self._sent.docs, doc)
             if new:
-                sends.append((tok, await asyncio.to_thread(pack_doc, doc, cluster)))
+                sends.append((tok, await offloop.run(pack_doc, doc, cluster)))
         if shape_msg is None and not sends:
             return 0
         variants = await self._variants_of(cluster)

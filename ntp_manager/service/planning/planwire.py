@@ -14,19 +14,22 @@ GPUs' indices changed since its last call, and runs `planning.draft` (or `plan_l
 
 from __future__ import annotations
 
+import functools
+import gc
 import multiprocessing
 import os
 import pickle
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from ntp_manager.contract.gpu import GpuState
 from ntp_manager.planner import JobSpec
 from ntp_manager.planner.layout import COLUMNS, HEADER, LayoutDoc
+from ntp_manager.service.core import offloop
 from ntp_manager.service.core.state import LayoutRec
 from ntp_manager.service.planning import planning
 from ntp_manager.store import layout_codec as codec
@@ -36,6 +39,8 @@ KEEP = 16  # layouts each side keeps under tokens (least recently used dropped)
 NO_POS = -(2**63)  # a GPU the manager has no position for (the codec then refuses it)
 KEEP_SHAPES = 2  # cluster shapes (~20-30 MB each at 100K GPUs) each side keeps
 Variant = tuple[GpuState, PowerLimits, "float | None"]
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 class Missing(Exception):
@@ -189,10 +194,22 @@ _docs: OrderedDict[int, LayoutDoc] = OrderedDict()
 
 
 def worker_init() -> None:
-    import gc
-
     _exit_with_parent()
     gc.freeze()  # the imported modules are never garbage; later collections skip them
+    # Calls run with the collector off (`_no_gc`); between them, collect the young generation
+    # rarely, as the manager does (server.py): a 96,000-GPU draft allocates ~90K tracked objects.
+    gc.set_threshold(50_000, 20, 20)
+
+
+def _no_gc(fn: Callable[P, T]) -> Callable[P, T]:
+    """In the worker: `fn` with automatic garbage collection off while it runs. A draft makes
+    little cyclic garbage, but with the collector on, the ~120 collections its allocations set off
+    (a few of them of the oldest generation, which holds the cluster shapes and layouts kept here)
+    were a sixth of a 96,000-GPU draft's CPU, in the middle of a takeover."""
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> T:
+        return offloop.paused(functools.partial(fn, *args, **kwargs))
+    return run
 
 
 def _exit_with_parent() -> None:
@@ -226,6 +243,7 @@ def _keep(table: OrderedDict[int, Any], tok: int, value: Any, keep: int = KEEP) 
         table.popitem(last=False)
 
 
+@_no_gc
 def prime_worker(shape_tok: int, shape_msg: list[bytes] | None,
            variants: tuple[bytes, tuple[Variant, ...], tuple[float | None, ...]],
            docs: list[tuple[int, list[bytes]]]) -> None:
@@ -240,6 +258,7 @@ def prime_worker(shape_tok: int, shape_msg: list[bytes] | None,
         _keep(_docs, tok, unpack_doc(blobs, cluster))
 
 
+@_no_gc
 def work(shape_tok: int, shape_msg: list[bytes] | None,
           variants: tuple[bytes, tuple[Variant, ...], tuple[float | None, ...]], spec: JobSpec,
           prev: tuple[int, list[bytes] | None, int, int] | None, reason: str, out_tok: int,
