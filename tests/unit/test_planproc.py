@@ -302,16 +302,18 @@ def test_variants_since_a_snapshot_are_the_variants_read_afresh() -> None:
         cluster, sent = nxt, since
 
 
-def half_sent_result(flag: str) -> None:
+def half_sent_result(flag: str, die: bool = False) -> None:
     """In the planner worker: write the head of a 1 MiB result and 100 of its bytes to the pool's
     result pipe, as a worker killed in the middle of sending one leaves them, say so in `flag`,
-    then wait to be killed."""
+    then wait to be killed (`die`: kill itself, as the kernel's out-of-memory killer would)."""
     f = sys._getframe()
     while f is not None and "result_queue" not in f.f_locals:
         f = f.f_back
     assert f is not None, "not called by a process pool's worker"
     f.f_locals["result_queue"]._writer._send(struct.pack("!i", 1 << 20) + b"x" * 100)
     Path(flag).write_text("sent")
+    if die:
+        os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(120)
 
 
@@ -323,13 +325,15 @@ from tests.unit.test_planproc import half_sent_result
 
 async def main() -> None:
     pp = planproc.PlanProcess(True)
-    call = asyncio.ensure_future(pp._call(half_sent_result, sys.argv[1]))
+    die = sys.argv[2] == "dies"
+    call = asyncio.ensure_future(pp._call(half_sent_result, sys.argv[1], die))
     for _ in range(3000):
         if Path(sys.argv[1]).exists():
             break
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.2)  # the pool's thread reads the head, then waits for the rest
-    pp.stop()
+    if not die:
+        pp.stop()
     try:
         await asyncio.wait_for(call, 20)
     except planproc.Missing as e:
@@ -341,14 +345,16 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.parametrize("how", ["stopped", "dies"])
 def test_a_worker_killed_in_the_middle_of_sending_a_result_holds_neither_its_caller_nor_the_exit(
-        tmp_path: Path) -> None:
-    # stop() kills a busy worker. One killed while it wrote a large result (a 100K-GPU layout)
-    # left the pool's thread reading the rest for ever: the caller never heard back and the
-    # interpreter's exit waited on that thread (a bench hung at its end in 2 runs of 5)
+        tmp_path: Path, how: str) -> None:
+    # stop() kills a busy worker (and the kernel may kill one for memory). One killed while it
+    # wrote a large result (a 100K-GPU layout) left the pool's thread reading the rest for ever:
+    # the caller never heard back (the manager would never plan again) and the interpreter's exit
+    # waited on that thread (a bench hung at its end in 2 runs of 5)
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", HALF_SENT, str(tmp_path / "sent")], cwd=root, capture_output=True,
-                          text=True, timeout=90)
+    proc = subprocess.run([sys.executable, "-c", HALF_SENT, str(tmp_path / "sent"), how], cwd=root,
+                          capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "served again: restarted" in proc.stdout, (proc.stdout, proc.stderr[-3000:])
 

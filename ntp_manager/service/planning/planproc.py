@@ -153,7 +153,6 @@ class PlanProcess:
         if pool is None:
             return
         self._sent = _Sent()
-        results = pool._result_queue
         killed = list(pool._processes.values()) if kill else []
         for p in killed:
             p.kill()
@@ -161,13 +160,7 @@ class PlanProcess:
         if killed:
             for p in killed:
                 p.join(5)
-            # A worker killed while it wrote a result leaves part of it in the pipe, and the
-            # pool's thread blocked reading the rest, for ever: it then held the interpreter's
-            # exit (seen at a manager's shutdown during a 100K-GPU plan-ahead). This process holds
-            # the pipe's only other write end (the pool never writes to it); closing it ends that
-            # read (end of file: the pool breaks, its callers get BrokenProcessPool).
-            if results is not None:
-                results._writer.close()  # type: ignore[attr-defined]  # private to multiprocessing
+            _seal(pool, force=True)  # a pool whose worker was killed before it was sealed
 
     def stop(self) -> None:
         """At a manager's shutdown: a plan still running in the worker (a replan or dry run whose
@@ -190,6 +183,7 @@ class PlanProcess:
                 # submit: as for a call it cancelled in the queue, a new worker serves this one
                 log.info("planner process stopped before a call reached it: a new one serves it")
                 raise Missing("restarted") from None
+            _seal(pool)
             self._running.add(fut)
             fut.add_done_callback(self._running.discard)
             try:
@@ -310,6 +304,23 @@ class PlanProcess:
                                   len(last[1][1]) < MAX_VARIANTS else ())
         self._variants = (cluster, v)
         return v
+
+
+def _seal(pool: ProcessPoolExecutor, force: bool = False) -> None:
+    """Close this process's write end of the pool's result pipe once the pool's one worker runs
+    (`force`: whether or not it does). A worker that dies while it writes a result (killed by
+    `close`, or by the kernel for memory) leaves part of it in the pipe, and the pool's thread,
+    which waits for the rest, then blocked for ever: the caller never heard back (no plan again)
+    and the interpreter's exit waited on that thread. The pool never writes to that pipe here; it
+    holds the write end only to hand it to the workers it starts, and with one worker and no
+    `max_tasks_per_child` it starts no other. With only the worker's end open, its death reads as
+    end of file: the pool breaks and its callers get BrokenProcessPool (a new worker serves them)."""
+    results = pool._result_queue  # private to concurrent.futures, as `_processes`
+    if results is None or (not force and not pool._processes):
+        return
+    writer = results._writer  # type: ignore[attr-defined]  # private to multiprocessing
+    if not writer.closed:
+        writer.close()
 
 
 _shared: dict[bool, PlanProcess] = {}
