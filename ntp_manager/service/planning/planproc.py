@@ -315,10 +315,12 @@ def _seal(pool: ProcessPoolExecutor, force: bool = False) -> None:
     holds the write end only to hand it to the workers it starts, and with one worker and no
     `max_tasks_per_child` it starts no other. With only the worker's end open, its death reads as
     end of file: the pool breaks and its callers get BrokenProcessPool (a new worker serves them)."""
-    results = pool._result_queue  # private to concurrent.futures, as `_processes`
-    if results is None or (not force and not pool._processes):
+    # private to concurrent.futures and multiprocessing (as `_processes` above): where a Python
+    # lays them out otherwise, nothing is sealed and a worker's death mid-send is as before
+    results = getattr(pool, "_result_queue", None)
+    writer = getattr(results, "_writer", None)
+    if writer is None or (not force and not getattr(pool, "_processes", None)):
         return
-    writer = results._writer  # type: ignore[attr-defined]  # private to multiprocessing
     if not writer.closed:
         writer.close()
 
