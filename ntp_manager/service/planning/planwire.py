@@ -22,7 +22,7 @@ import pickle
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, ParamSpec, TypeVar
 
@@ -150,7 +150,7 @@ class Shape:
         self.indices.frombytes(blobs[5])
         self.positions = array("q")
         self.positions.frombytes(blobs[6])
-        self.flat = {u: i for i, u in enumerate(self.uuids)}
+        self.flat: Mapping[str, int] = {}  # UUID -> flat position: the first snapshot's index (`cluster`)
         self.last: tuple[array[int], tuple[Variant, ...], tuple[float | None, ...], Cluster] | None = None
 
     def pos_of(self, uuid: str) -> int:
@@ -184,7 +184,11 @@ class Shape:
                     gpus.append(Gpu(self.uuids[i], self.nodes[i], did, self.indices[i], state, power, speed))
                 domains.append(Domain(did, tuple(gpus), budgets[k]))
             start = end
-        c = Cluster(self.name, tuple(domains), old._shape if old is not None else None)
+        # every snapshot of this shape shares the first one's look-ups (the same GPUs, in order)
+        first = last[3] if last is not None else None
+        c = Cluster(self.name, tuple(domains), first._shape if first is not None else None)
+        if first is None:
+            self.flat = c.flat_index  # also what pack_doc maps GPUs with: one table, not two
         self.last = (codes, table, budgets, c)
         return c
 
