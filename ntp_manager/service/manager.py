@@ -330,7 +330,6 @@ class Manager:
         while not self.jobs.stopping:
             await asyncio.sleep(period)
             try:
-                await self.gauges.refresh_async()
                 await self.liveness.check()
                 await self.maintenance.apply_windows()
                 await self.maintenance.apply_drain_deadlines()
