@@ -151,6 +151,13 @@ class Tx:
         gpus = [*self._new_gpus.values(), *(self._views[u] for u in self._gpus)]
         return list(self._new_domains), nodes, gpus
 
+    def rows_written(self) -> int:
+        """The rows committing this transaction writes through the kernel: domains, nodes and GPUs
+        added, nodes and GPUs changed, health events and audit records (ORM rows a caller added to
+        its session are not counted)."""
+        return (len(self._new_domains) + len(self._new_nodes) + len(self._new_gpus) + len(self._nodes)
+                + len(self._gpus) + len(self._events) + len(self._audits))
+
     @property
     def gpus_written(self) -> list[str]:
         """The GPUs this transaction adds or changes (any column, effective state or not)."""

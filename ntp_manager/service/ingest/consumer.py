@@ -31,18 +31,19 @@ import asyncio
 import contextlib
 import time
 from datetime import timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from ntp_manager.clock import Clock
+from ntp_manager.service.core import policy
 from ntp_manager.service.core.errors import ServiceError
 from ntp_manager.service.core.inputs import GpuInventory, GpuReport
 from ntp_manager.service.core.kernel import Kernel, Tx
 from ntp_manager.service.core.metrics import Metrics
-from ntp_manager.service.core.state import GpuChange
+from ntp_manager.service.core.state import GpuChange, World
 from ntp_manager.service.feed.workers import KINDS as WORKER_KINDS
 from ntp_manager.service.feed.workers import Applier
 from ntp_manager.service.feed.workers import apply_row as apply_worker_row
@@ -94,11 +95,17 @@ BATCH = 2048  # rows applied in one transaction, at most
 WEIGHT = 2048  # and at most this many rows written for them (below)
 
 
-def weight(r: outbox.Stored) -> int:
+def weight(r: outbox.Stored, world: World | None = None) -> int:
     """About how many rows applying `r` writes: a hello one per GPU and the node and its audit row,
-    a report one per GPU reported (its event) and the node; liveness rows write nothing."""
+    a report one per GPU reported (its event) and the node; liveness rows write nothing. With the
+    world it will be applied to: a re-hello that changes nothing there writes its audit row and at
+    most its node's row (`unchanged_hello`), so a new leader's replay of the re-hellos that a
+    failover moved goes in one transaction, not one per couple of hundred."""
     if r.kind == outbox.HELLO:
-        return len(r.payload.get("gpus", ())) + 2
+        gpus = r.payload.get("gpus", ())
+        if world is not None and unchanged_hello(r.node, gpus, world):
+            return 2
+        return len(gpus) + 2
     if r.kind == outbox.REPORT:
         return len(r.payload.get("gpus", ())) + 1
     if r.kind == outbox.POWER:
@@ -106,7 +113,28 @@ def weight(r: outbox.Stored) -> int:
     return 1
 
 
-def batch_end(rows: list[outbox.Stored], budget: int = WEIGHT) -> int:
+def unchanged_hello(node: str, gpus: Any, world: World) -> bool:
+    """Whether a hello of `node` with `gpus` (its stored payload's inventory rows) would change no
+    GPU of `world`: the node is known with exactly these GPUs, each with the same inventory, and
+    none to be brought back from silence (service/ingest/agents.py `_write_hello`). False for a
+    payload it cannot read (its apply quarantines it)."""
+    rec = world.nodes.get(node)
+    try:
+        if rec is None or len(gpus) != len(rec.gpus) or {str(g[0]) for g in gpus} != set(rec.gpus):
+            return False
+        for u, i, mo, mem, d, lo, hi in gpus:
+            g = world.gpus.get(str(u))
+            if g is None or g.node != node or (g.idx, g.model, g.memory_bytes, g.tdp_mw, g.min_mw, g.max_mw) != (
+                    int(i), str(mo), int(mem), int(d), int(lo), int(hi)):
+                return False
+            if policy.reconnect(g.health, g.health_source).health is not None:
+                return False
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def batch_end(rows: list[outbox.Stored], budget: int = WEIGHT, world: World | None = None) -> int:
     """How many of `rows` (at least one) go into one transaction. Its fence holds the lease row
     `FOR KEY SHARE` until it commits, and a takeover waits for that (store/lease.py): a transaction
     of 2,048 hellos (16,000 GPU rows and more) took seconds on a loaded machine. (When the fence took
@@ -114,7 +142,7 @@ def batch_end(rows: list[outbox.Stored], budget: int = WEIGHT) -> int:
     they write, a backlog of hellos goes a few hundred at a time, each transaction short."""
     total = 0
     for i, r in enumerate(rows):
-        total += weight(r)
+        total += weight(r, world)
         if total > budget and i > 0:
             return i
     return len(rows)
@@ -167,7 +195,7 @@ class Consumer:
                     self.wake.clear()
                 rows = self._pending or await self.read(self.port.batch_rows)
                 if rows:
-                    cut = batch_end(rows, self.port.batch_weight)
+                    cut = batch_end(rows, self.port.batch_weight, m.kernel.world)
                     await self.apply(rows[:cut])
                     self._pending = rows[cut:]
                     if rows[cut - 1].seq >= head:
