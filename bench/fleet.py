@@ -169,9 +169,10 @@ def _lost_from(before: dict[str, Any], after: dict[str, Any], addr: str) -> int:
 
 
 async def watchers_failover(gens: list[WatchGen], before: dict[str, Any], epoch_before: int, t_kill: float,
-                            killed: str) -> dict[str, Any] | None:
-    """After a leader failure: how long until every watch had a layout of a newer epoch, and how
-    many watch streams reconnected although their manager lived (the goal: 0)."""
+                            killed: str, t_kill_wall: float) -> dict[str, Any] | None:
+    """After a leader failure: when the first watch got a layout of a newer epoch (stamped by its
+    generator as it arrived) and how long until every watch had one, and how many watch streams
+    reconnected although their manager lived (the goal: 0)."""
     if not gens:
         return None
     total = sum(g.n for g in gens)
@@ -185,11 +186,13 @@ async def watchers_failover(gens: list[WatchGen], before: dict[str, Any], epoch_
             break
         await asyncio.sleep(0.25)
     all_s = time.perf_counter() - t_kill
+    firsts = [t for p in polls for e, t in p["first_at"].items() if int(e) > epoch_before]
     now = await watchers_stats(gens)
     delta = now["reconnects"] - before["reconnects"]
     of_killed = _lost_from(before, now, killed)
     balance = now["moved"] - before["moved"]  # moved for balance, not by the failover
-    return {"all_new_epoch_s": all_s, "reconnects_of_live_managers": delta - of_killed - balance,
+    return {"first_new_epoch_s": min(firsts) - t_kill_wall if firsts else None,
+            "all_new_epoch_s": all_s, "reconnects_of_live_managers": delta - of_killed - balance,
             "moved_for_balance": balance, "generator_lag_max_s": lag,
             "reconnects_of_the_killed_leader": of_killed, "new_epoch_watchers":
             sum(v for e, v in now["epochs"].items() if e > epoch_before), "watchers": total}
@@ -334,7 +337,7 @@ def prepared_between(before: tuple[float, float] | None, after: tuple[float, flo
 
 
 TIMELINE = {"leading": "lease taken", "manager started": "state loaded", "applying the outbox": "replay began",
-            "outbox caught up": "replay done"}
+            "outbox caught up": "replay done", "layout published": "layout published"}
 
 
 def takeover_timeline(log: Path, epoch: int, t_kill_wall: float) -> dict[str, float]:
@@ -734,7 +737,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             machine = round((busy_after[0] - busy_before[0]) / max(1e-9, busy_after[1] - busy_before[1]), 3)
             if tprofs:  # the one that took over is the one with the busy samples
                 out["profile_takeover"] = {p.label: p.stop() for p in tprofs}
-            wround = await watchers_failover(wgens, w0, epoch_before, t_kill, old.grpc) if first else None
+            wround = await watchers_failover(wgens, w0, epoch_before, t_kill, old.grpc, t_kill_wall) if first else None
             wrounds.append(wround)
             if wround is not None:
                 print(f"round {rnd}: watches: {wround['new_epoch_watchers']} of {wround['watchers']} at the new "
@@ -760,6 +763,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 await c.close()
             if written is not None:
                 steps["layout written"] = round(written.timestamp() - t_kill_wall, 2)
+            if wround is not None and wround["first_new_epoch_s"] is not None:
+                steps["first watch"] = round(wround["first_new_epoch_s"], 2)
             rounds.append({"mode": mode, "first_layout_s": first, "exit": exit_code, "killed": old.name,
                            "since": since, "failed_agent_on_killed_leader": via_killed, "takeovers": takeovers,
                            "timeline_s": steps, "cores_used_by_standbys": standby_cores, "machine_busy": machine})
@@ -806,6 +811,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                        if r["mode"] == "SIGKILL" and "lease taken" in r["timeline_s"]]
         written = [r["timeline_s"]["layout written"] - r["timeline_s"]["lease taken"] for r in rounds
                    if r["mode"] == "SIGKILL" and {"lease taken", "layout written"} <= set(r["timeline_s"])]
+        watched = [r["timeline_s"]["first watch"] - r["timeline_s"]["lease taken"] for r in rounds
+                   if r["mode"] == "SIGKILL" and {"lease taken", "first watch"} <= set(r["timeline_s"])]
         stops = [r["first_layout_s"] for r in direct if r["mode"] == "SIGSTOP"]
         out.update({
             "rounds": [{k: v for k, v in r.items() if k != "since"} for r in rounds],
@@ -818,6 +825,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "sigkill_after_lease_p99_s": pct(after_lease, 99) if after_lease else None,
             "sigkill_written_after_lease_s": [round(x, 3) for x in written],
             "sigkill_written_after_lease_p99_s": pct(written, 99) if written else None,
+            # ... and as the first layout watch got it (its generator's stamp as the layout arrived)
+            "sigkill_first_watch_after_lease_s": [round(x, 3) for x in watched],
+            "sigkill_first_watch_after_lease_p99_s": pct(watched, 99) if watched else None,
             "acked_reports_lost": sum(1 for k, v in acked.items() if v > stored.get(k, 0)),
             "reports_applied_twice": int(dup), "deposed_leader_writes": zombie, "quarantined": int(quarantined),
             "generator_cpu_s_total": [round(s["cpu_s"], 1) for s in stats],

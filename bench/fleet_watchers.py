@@ -15,7 +15,8 @@ Then reads commands on stdin, answering each with one JSON line on stdout:
   "epochs": {epoch: watchers whose newest layout is of it}, "on": [address per connected watcher],
   "cpu_s"}
 - {"cmd": "epochs", "on": ADDRESS}: {"epochs", "connected", "on" (of them, on ADDRESS), "lag_max_s": this process's
-  longest event-loop lag since the last "epochs" (bench/fleet_child.py)}
+  longest event-loop lag since the last "epochs" (bench/fleet_child.py), "first_at": {epoch: the wall clock
+  (time.time) at which the first watcher of this process got a layout of it}}
 - {"cmd": "retarget", "old": ADDRESS, "new": ADDRESS}: a manager restarted on a new address: {"ok"}
 - {"cmd": "quit"}
 """
@@ -47,8 +48,9 @@ def stamp_of(data: bytes) -> tuple[int, int]:
 
 class Watcher:
     def __init__(self, i: int, gpu: str, targets: list[str], chans: dict[str, list[Any]], token: str,
-                 job: str) -> None:
+                 job: str, first_at: dict[int, float]) -> None:
         self.i, self.gpu, self.targets, self.chans, self.job = i, gpu, targets, chans, job
+        self.first_at = first_at  # shared by the process's watchers: epoch -> the first layout of it
         # the failover cycle: the worker's own (contract/client.py ManagerClient)
         self.cycle = ManagerClient(targets).cycle
         self.md = (("authorization", f"Bearer {token}"),)
@@ -73,7 +75,10 @@ class Watcher:
                 metadata=self.md)
             try:
                 async for data in call:
-                    self.newest = max(self.newest, stamp_of(data))
+                    stamp = stamp_of(data)
+                    if stamp[0] not in self.first_at:
+                        self.first_at[stamp[0]] = time.time()
+                    self.newest = max(self.newest, stamp)
                     if self.lost_at is not None:
                         self.gaps.append(time.perf_counter() - self.lost_at)
                         self.served_at.append(time.time())
@@ -102,7 +107,9 @@ async def main() -> None:
     cfg = await child.config()
     stop = asyncio.Event()
     t0 = time.perf_counter()
-    ws = [Watcher(i, g, cfg["targets"], child.chans, cfg["token"], cfg["job"]) for i, g in enumerate(cfg["gpus"])]
+    first_at: dict[int, float] = {}
+    ws = [Watcher(i, g, cfg["targets"], child.chans, cfg["token"], cfg["job"], first_at)
+          for i, g in enumerate(cfg["gpus"])]
     tasks = [asyncio.create_task(w.run(stop)) for w in ws]
     child.start_lag_probe()
 
@@ -113,7 +120,8 @@ async def main() -> None:
 
     async def epochs(c: dict[str, Any]) -> dict[str, Any]:  # polled often while a round waits: small
         return {"epochs": dict(Counter(w.newest[0] for w in ws)), "connected": sum(w.connected.is_set() for w in ws),
-                "on": sum(w.connected.is_set() and w.target == c.get("on") for w in ws), "lag_max_s": child.lag_max()}
+                "on": sum(w.connected.is_set() and w.target == c.get("on") for w in ws), "lag_max_s": child.lag_max(),
+                "first_at": {str(e): t for e, t in first_at.items()}}
 
     async def stats(c: dict[str, Any]) -> dict[str, Any]:
         return {"connected": sum(w.connected.is_set() for w in ws), "reconnects": sum(w.reconnects for w in ws),

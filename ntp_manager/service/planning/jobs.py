@@ -291,6 +291,8 @@ class Jobs:
 
         def published() -> None:
             job.layout = rec
+            log.info("layout published", job=job.name, version=version, epoch=rec.leader_epoch,
+                     gpus=len(d.doc.gpus), reason=d.why[:200])
             for fn in self.on_layout:
                 fn()
             self.wake_watchers()
