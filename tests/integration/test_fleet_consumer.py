@@ -32,12 +32,13 @@ async def _append_seen(m: Manager, n: int, key: str) -> None:
                             "test", datetime.now(UTC))
 
 
-async def _append_hellos(m: Manager, n: int) -> None:
-    """`n` nodes of 8 GPUs registering, in one transaction (as a takeover finds them stored)."""
+async def _append_hellos(m: Manager, n: int, again: str = "") -> None:
+    """`n` nodes of 8 GPUs registering, in one transaction (as a takeover finds them stored); with
+    `again`, the same nodes saying hello again, as they were (a failover moved their streams)."""
     entries = [outbox.Entry(outbox.HELLO, f"n-{i}", {
         "domain": "d0", "boot_id": "b", "agent_version": "test", "token": None, "peer": "",
         "gpus": [[f"GPU-n-{i}-{k}", k, "H100", 80 << 30, 700_000, 200_000, 700_000] for k in range(8)]},
-        f"hello:n-{i}") for i in range(n)]
+        f"hello{again}:n-{i}") for i in range(n)]
     async with m.sm() as s, s.begin():
         await outbox.append(s, entries, "test", datetime.now(UTC))
 
@@ -84,6 +85,13 @@ async def test_rows_appended_one_transaction_at_a_time_are_applied_many_to_a_tra
             hellos = cons.batches - before
             assert len(m.kernel.world.nodes) == 500
             assert len(m.kernel.world.gpus) == 500 * 8
+            # the same 500 saying hello again, unchanged: 2 rows written each, one transaction
+            before, audits = cons.batches, await _count_audits(m, "node.rehello")
+            await _append_hellos(m, 500, again=":again")
+            head = await _head(m)
+            await eventually(lambda: cons.last >= head, 60, "the re-hellos applied")
+            rehellos = cons.batches - before
+            assert await _count_audits(m, "node.rehello") == audits + 500
             assert cons.quarantined == 0
         finally:
             await m.stop()
@@ -97,6 +105,47 @@ async def test_rows_appended_one_transaction_at_a_time_are_applied_many_to_a_tra
         assert stream > 8, stream
     assert backlog <= 4, backlog  # 2 full batches and the rest (+1 if a read split it)
     assert 3 <= hellos <= 4, hellos  # 204 + 204 + 92 (+1 if a read split them)
+    assert rehellos <= 2, rehellos  # all 500 (+1 if a read split them)
+
+
+async def _count_audits(m: Manager, action: str) -> int:
+    async with m.sm() as s:
+        return len((await s.execute(select(AuditRow.id).where(AuditRow.action == action))).all())
+
+
+async def test_a_new_leader_applies_what_was_stored_first_in_a_small_transaction(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manager that starts leading with a backlog applies its first FIRST rows alone, so what
+    was stored first (a failure reported as the old leader died) is planned for while the rest is
+    applied; then the rest in full transactions, in order, none lost."""
+    from ntp_manager.service.ingest import consumer
+    from ntp_manager.store import db
+
+    sizes: list[int] = []
+    real_apply = consumer.Consumer.apply
+
+    async def apply(self: consumer.Consumer, rows: list[outbox.Stored]) -> None:
+        sizes.append(len(rows))
+        await real_apply(self, rows)
+
+    monkeypatch.setattr(consumer.Consumer, "apply", apply)
+    async with database("postgres", tmp_path) as url:
+        m = Manager(Settings(database_url=url, fleet_poll_s=0.05))
+        try:
+            await db.upgrade(m.engine)
+            await _append_seen(m, 1000, "stored-before")  # as a takeover finds them
+            head = await _head(m)
+            await m.start()
+            await m.wait_leading()
+            await eventually(lambda: m.fleet is not None and m.fleet.consumer is not None
+                             and m.fleet.consumer.last >= head, 30, "the backlog applied")
+            assert m.fleet is not None and m.fleet.consumer is not None
+            assert m.fleet.consumer.applied == 1000 and m.fleet.consumer.quarantined == 0
+        finally:
+            await m.stop()
+            await m.engine.dispose()
+    assert sizes[0] == consumer.FIRST, sizes
+    assert sum(sizes) == 1000 and max(sizes[1:]) == 1000 - consumer.FIRST, sizes  # the rest: one read, one transaction
 
 
 async def test_append_stores_each_idempotency_key_once_in_order(tmp_path: Path) -> None:

@@ -22,7 +22,10 @@ the cursor, the commit) whatever its size, several times what one row costs on i
 notification would apply a few rows per transaction under a steady stream of reports. After a
 batch smaller than a full one, it waits `fleet_apply_window_ms` before reading again: under load
 one transaction per window; the first row after an idle period is still applied at once, and a
-backlog (full batches: a takeover's replay) is read without waiting.
+backlog (full batches: a takeover's replay) is read without waiting. A new leader's first
+transaction carries at most FIRST rows: what was stored first is planned for while the rest is
+applied. Rows are weighed by what they write (`weight`): a re-hello that changes nothing writes
+its audit row only, so the re-hellos a failover moved are replayed in one transaction.
 """
 
 from __future__ import annotations
@@ -93,6 +96,10 @@ log = structlog.get_logger("ntp.consumer")
 
 BATCH = 2048  # rows applied in one transaction, at most
 WEIGHT = 2048  # and at most this many rows written for them (below)
+# The first transaction after this manager starts leading applies at most this many rows: what was
+# stored first (a failure reported as the old leader died) is applied and planned for while the
+# rest (the re-hellos of the agents the failover moved) is applied, not after it.
+FIRST = 64
 
 
 def weight(r: outbox.Stored, world: World | None = None) -> int:
@@ -196,6 +203,8 @@ class Consumer:
                 rows = self._pending or await self.read(self.port.batch_rows)
                 if rows:
                     cut = batch_end(rows, self.port.batch_weight, m.kernel.world)
+                    if self.batches == 0:
+                        cut = min(cut, FIRST)
                     await self.apply(rows[:cut])
                     self._pending = rows[cut:]
                     if rows[cut - 1].seq >= head:
