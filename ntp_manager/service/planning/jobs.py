@@ -223,10 +223,10 @@ class Jobs:
             if tuple(job.held) != spec.domains:  # its domains changed while planning: plan again
                 return await self.replan(name, actor, reason, tx)
             if tx is not None:  # the caller's transaction holds the write lock: nothing publishes meanwhile
-                return await self._persist(tx, job, d, base)
+                return await self._persist(tx, job, d, base, t0)
             async with self.kernel.exclusive(actor) as t:
                 if job.layout is base and w.jobs.get(name) is job and tuple(job.held) == spec.domains:
-                    return await self._persist(t, job, d, base)
+                    return await self._persist(t, job, d, base, t0)
         return None
 
     def _known_unchanged(self, name: str, cluster: Cluster, base: LayoutRec | None, spec: JobSpec) -> bool:
@@ -269,9 +269,10 @@ class Jobs:
             del self._unchanged[name]
         return found
 
-    async def _persist(self, t: Tx, job: JobRec, d: planning.Draft, base: LayoutRec | None) -> LayoutRec:
+    async def _persist(self, t: Tx, job: JobRec, d: planning.Draft, base: LayoutRec | None,
+                       t0: float | None = None) -> LayoutRec:
         """Write version+1 of `job` (its body, audit record and power caps) in `t`; it is published
-        (memory, watchers) after the commit."""
+        (memory, watchers) after the commit. `t0`: when its replan began (perf_counter), logged."""
         assert d.encoded is not None
         await check_owned(d.doc, job, self.kernel.world)  # OwnershipError: never a GPU it does not own
         version = (base.version if base else 0) + 1
@@ -292,7 +293,8 @@ class Jobs:
         def published() -> None:
             job.layout = rec
             log.info("layout published", job=job.name, version=version, epoch=rec.leader_epoch,
-                     gpus=len(d.doc.gpus), reason=d.why[:200])
+                     gpus=len(d.doc.gpus), reason=d.why[:200],
+                     replan_s=None if t0 is None else round(time.perf_counter() - t0, 3))
             for fn in self.on_layout:
                 fn()
             self.wake_watchers()
