@@ -301,10 +301,19 @@ async def until_applied(pg: str, nodes: int = 0, timeout: float = 600) -> float:
     raise TimeoutError("the leader did not apply the outbox in time")
 
 
-async def layout_epoch(http: str, op: str) -> int | None:
+def rest_client(http: str, op: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=f"http://{http}", timeout=2, headers={"Authorization": f"Bearer {op}"})
+
+
+async def layout_epoch(http: str, op: str, client: httpx.AsyncClient | None = None) -> int | None:
+    """The leader epoch of the job's current layout as `http` answers over REST (None: no answer,
+    or a standby's redirect). With `client`, on its kept connection (a failover round polls that
+    way: a new client per read cost the bench tens of ms a poll, coarsening what it measured)."""
     with contextlib.suppress(Exception):
-        async with httpx.AsyncClient(base_url=f"http://{http}", timeout=2,
-                                     headers={"Authorization": f"Bearer {op}"}) as h:
+        if client is not None:
+            r = await client.get("/v1/jobs/fleet/layout")
+            return int(r.json()["leader_epoch"]) if r.status_code == 200 else None
+        async with rest_client(http, op) as h:
             r = await h.get("/v1/jobs/fleet/layout")
             if r.status_code == 200:
                 return int(r.json()["leader_epoch"])
@@ -720,14 +729,25 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 raise RuntimeError(f"round {rnd}: no agent left to fail on a surviving manager")
             first = None
             new = None
-            while first is None and time.perf_counter() - t_kill < 120:
-                for k in others:
-                    e = await layout_epoch(slots[k].info["http"], op)
-                    if e is not None and e > epoch_before:
-                        first, new = time.perf_counter() - t_kill, k
-                        break
-                else:
-                    await asyncio.sleep(0.02)
+            # both managers left read at once, each on a connection kept for the round; the longest
+            # time between two reads says how coarse the figure is
+            rest = {k: rest_client(slots[k].info["http"], op) for k in others}
+            poll_gap, t_poll = 0.0, time.perf_counter()
+            try:
+                while first is None and time.perf_counter() - t_kill < 120:
+                    epochs = await asyncio.gather(*(layout_epoch(slots[k].info["http"], op, rest[k])
+                                                    for k in others))
+                    now = time.perf_counter()
+                    poll_gap, t_poll = max(poll_gap, now - t_poll), now
+                    for k, e in zip(others, epochs, strict=True):
+                        if e is not None and e > epoch_before:
+                            first, new = now - t_kill, k
+                            break
+                    else:
+                        await asyncio.sleep(0.01)
+            finally:
+                for c in rest.values():
+                    await c.aclose()
             # what the machine gave the takeover: the new leader's CPU seconds over the window, and
             # how busy the whole machine was meanwhile (a starved takeover is slow for want of CPU)
             window_s = time.perf_counter() - t_kill
@@ -765,7 +785,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 steps["layout written"] = round(written.timestamp() - t_kill_wall, 2)
             if wround is not None and wround["first_new_epoch_s"] is not None:
                 steps["first watch"] = round(wround["first_new_epoch_s"], 2)
-            rounds.append({"mode": mode, "first_layout_s": first, "exit": exit_code, "killed": old.name,
+            rounds.append({"mode": mode, "first_layout_s": first, "rest_poll_gap_max_s": round(poll_gap, 3),
+                           "exit": exit_code, "killed": old.name,
                            "since": since, "failed_agent_on_killed_leader": via_killed, "takeovers": takeovers,
                            "timeline_s": steps, "cores_used_by_standbys": standby_cores, "machine_busy": machine})
             print(f"round {rnd}: takeover at epoch {epoch_after}, seconds after the {mode}: "
