@@ -30,7 +30,7 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, door: WatchDoor, tokens: Tokens, workers: WorkerReports, metrics: Metrics) -> None:
         self.door, self.tokens, self.workers, self.metrics = door, tokens, workers, metrics
         self._views: dict[str, tuple[tuple[int, int], asyncio.Future[LayoutViews]]] = {}
-        self._turns: asyncio.Semaphore | None = None  # made on the serving loop (below)
+        self._turns = asyncio.Semaphore(TURNS)  # bound to a loop when first waited on
 
     async def views(self, job: str, rec: Any) -> LayoutViews:
         """The views of a layout version, built once (off the event loop: O(plan)) and shared.
@@ -49,8 +49,6 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
         if cached[1].done():
             return cached[1].result()
         views = await asyncio.shield(cached[1])
-        if self._turns is None:
-            self._turns = asyncio.Semaphore(TURNS)
         async with self._turns:
             await asyncio.sleep(0)  # the next pass: the others wait their turn meanwhile
         return views
